@@ -1,0 +1,274 @@
+"""Hugging Face style checkpoints: safetensors headers, index, identity, byte reads.
+
+A checkpoint is a directory with either one ``model.safetensors`` (or any
+``*.safetensors`` files) or a sharded set listed by
+``model.safetensors.index.json`` (``weight_map``: tensor name -> file name).
+Headers are read with the safetensors library (``safe_open``, which validates
+the header and the file's length against ``data_offsets``); the byte offsets of
+every tensor come from the same header (format: 8-byte little-endian header
+length N, N bytes of JSON, then the data; ``data_offsets`` are relative to the
+end of the header). Source: https://github.com/huggingface/safetensors#format.
+
+The checkpoint *identity* (DESIGN §5) is computed from ``stat()`` and the
+header bytes only, never from tensor data, so an engine can compute the cache
+key in microseconds.
+
+Forbidden imports: socket, weightcache.daemon, weightcache.client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointCorrupt, CheckpointNotFound
+
+INDEX_NAME = "model.safetensors.index.json"
+#: Same cap as the safetensors Rust core (100 MB header).
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint, from its file's safetensors header.
+
+    Attributes:
+        name (`str`): header key.
+        file (`str`): file name inside the checkpoint directory.
+        dtype (`str`): safetensors dtype code (``BF16``, ``F8_E4M3``...).
+        shape (`tuple[int]`): shape as stored.
+        offset_bytes (`int`): absolute byte offset of the data in ``file``.
+        size_bytes (`int`): data length in bytes.
+    """
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset_bytes: int
+    size_bytes: int
+
+
+def _read_header(path: Path) -> tuple[bytes, dict[str, Any], int]:
+    """Returns (raw header bytes, parsed header, data start offset) of one file.
+
+    Raises:
+        CheckpointNotFound (`checkpoint_not_found`): the file does not exist.
+        CheckpointCorrupt (`checkpoint_corrupt`): truncated or invalid header,
+            or data offsets beyond the end of the file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"checkpoint file {path} does not exist", file=str(path)) from None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointCorrupt(
+                f"safetensors file {path} is truncated: {size} bytes, shorter than the 8-byte header length",
+                file=str(path),
+            )
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise CheckpointCorrupt(
+                f"safetensors file {path} is truncated or corrupt: header length {n} bytes, file {size} bytes",
+                file=str(path),
+            )
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorrupt(f"safetensors header of {path} is not valid JSON: {e}", file=str(path)) from None
+    data_start = 8 + n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+            dtype, shape = entry["dtype"], tuple(int(s) for s in entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointCorrupt(
+                f"safetensors header of {path} has an invalid entry for tensor {name!r}",
+                file=str(path),
+                tensor=name,
+            ) from None
+        if data_start + end > size:
+            raise CheckpointCorrupt(
+                f"safetensors file {path} is truncated: tensor {name!r} ends at byte "
+                f"{data_start + end}, file has {size} bytes",
+                file=str(path),
+                tensor=name,
+            )
+        del begin, dtype, shape
+    return raw, header, data_start
+
+
+def _validate_with_safetensors(path: Path) -> None:
+    """Opens ``path`` with ``safetensors.safe_open`` to apply its own checks."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors raises SafetensorError and friends
+        raise CheckpointCorrupt(f"safetensors rejects {path}: {e}", file=str(path)) from None
+
+
+class Checkpoint:
+    """A checkpoint directory, opened from its headers (no tensor data read).
+
+    Args:
+        path (`str | os.PathLike`): directory holding ``*.safetensors`` files
+            (and ``model.safetensors.index.json`` when sharded).
+        validate (`bool`, *optional*, defaults to `True`): also open each file
+            with ``safetensors.safe_open``.
+
+    Attributes:
+        path (`Path`): resolved directory.
+        files (`list[str]`): safetensors file names, sorted.
+        tensors (`dict[str, TensorInfo]`): every tensor by name.
+        config (`dict`): parsed ``config.json`` or ``{}``.
+        raw_headers (`dict[str, bytes]`): raw header bytes per file.
+        metadata (`dict[str, dict]`): ``__metadata__`` per file.
+
+    Raises:
+        CheckpointNotFound (`checkpoint_not_found`): missing directory, file,
+            or a tensor of the index absent from its file.
+        CheckpointCorrupt (`checkpoint_corrupt`): a truncated or invalid file,
+            or an index that is not valid JSON.
+
+    Example:
+        >>> ck = Checkpoint("/srv/models/all-MiniLM-L6-v2")
+        >>> ck.tensors["embeddings.word_embeddings.weight"].shape
+        (30522, 384)
+    """
+
+    def __init__(self, path: str | os.PathLike, validate: bool = True) -> None:
+        p = Path(path)
+        if not p.is_dir():
+            raise CheckpointNotFound(f"checkpoint directory {p} does not exist", path=str(p))
+        self.path = p.resolve()
+        index = self.path / INDEX_NAME
+        weight_map: dict[str, str] | None = None
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointCorrupt(f"index {index} is invalid: {e}", file=str(index)) from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f.name for f in self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointNotFound(f"no *.safetensors files in checkpoint directory {self.path}", path=str(self.path))
+        self.files = files
+        self.tensors: dict[str, TensorInfo] = {}
+        self.raw_headers: dict[str, bytes] = {}
+        self.metadata: dict[str, dict] = {}
+        for fname in files:
+            fpath = self.path / fname
+            raw, header, data_start = _read_header(fpath)
+            if validate:
+                _validate_with_safetensors(fpath)
+            self.raw_headers[fname] = raw
+            self.metadata[fname] = header.get("__metadata__") or {}
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = entry["data_offsets"]
+                self.tensors[name] = TensorInfo(
+                    name=name,
+                    file=fname,
+                    dtype=entry["dtype"],
+                    shape=tuple(int(s) for s in entry["shape"]),
+                    offset_bytes=data_start + int(begin),
+                    size_bytes=int(end) - int(begin),
+                )
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                info = self.tensors.get(name)
+                if info is None:
+                    raise CheckpointNotFound(
+                        f"tensor {name!r} listed in {index} for {fname} is missing from that file",
+                        file=fname,
+                        tensor=name,
+                    )
+        cfg = self.path / "config.json"
+        self.config_bytes = cfg.read_bytes() if cfg.exists() else b""
+        try:
+            self.config: dict[str, Any] = json.loads(self.config_bytes) if self.config_bytes else {}
+        except ValueError as e:
+            raise CheckpointCorrupt(f"{cfg} is not valid JSON: {e}", file=str(cfg)) from None
+        self._extra: dict[str, bytes] = {}
+        for extra in ("hf_quant_config.json",):
+            ep = self.path / extra
+            if ep.exists():
+                self._extra[extra] = ep.read_bytes()
+
+    def extra_json(self, name: str) -> dict[str, Any] | None:
+        """Parsed side file such as ``hf_quant_config.json``, or ``None``."""
+        raw = self._extra.get(name)
+        return json.loads(raw) if raw is not None else None
+
+    def identity(self) -> dict[str, Any]:
+        """Checkpoint identity of DESIGN §5, from ``stat()`` and headers only.
+
+        Returns:
+            `dict`: ``files``: per file ``{size, mtime_ns, ctime_ns, inode,
+            header_blake2b}``; ``config_json_blake2b``; ``quant_config_blake2b``.
+        """
+        files = {}
+        for fname in self.files:
+            st = os.stat(self.path / fname)
+            files[fname] = {
+                "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns,
+                "ctime_ns": st.st_ctime_ns,
+                "inode": st.st_ino,
+                "header_blake2b": hashlib.blake2b(self.raw_headers[fname], digest_size=16).hexdigest(),
+            }
+        return {
+            "files": files,
+            "config_json_blake2b": hashlib.blake2b(self.config_bytes, digest_size=16).hexdigest(),
+            "quant_config_blake2b": hashlib.blake2b(
+                self._extra.get("hf_quant_config.json", b""), digest_size=16
+            ).hexdigest(),
+        }
+
+    def read_into(self, info: TensorInfo, out) -> None:
+        """Reads the bytes of one tensor into ``out`` with ``os.preadv``.
+
+        Args:
+            info (`TensorInfo`): the tensor.
+            out: a writable buffer of exactly ``info.size_bytes`` bytes (a
+                ``memoryview``, or a contiguous CPU ``uint8`` tensor's numpy view).
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): the file ended early.
+        """
+        mv = memoryview(out).cast("B")
+        path = self.path / info.file
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            done = 0
+            while done < info.size_bytes:
+                n = os.preadv(fd, [mv[done:]], info.offset_bytes + done)
+                if n <= 0:
+                    raise CheckpointCorrupt(
+                        f"safetensors file {path} is truncated: tensor {info.name!r} ends at byte "
+                        f"{info.offset_bytes + info.size_bytes}",
+                        file=str(path),
+                        tensor=info.name,
+                    )
+                done += n
+        finally:
+            os.close(fd)

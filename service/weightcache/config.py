@@ -1,0 +1,277 @@
+"""The TOML configuration: models, their TP layouts, and their placement on GPUs.
+
+Files: ``/etc/weightcache/weightcache.toml`` plus drop-ins
+``/etc/weightcache/conf.d/*.toml`` (read in lexical order; a drop-in's
+``[models.X]`` table replaces the whole earlier definition of model X, and its
+``[service]`` keys override earlier ones). The main path is overridden by
+``--config`` or ``$WEIGHTCACHE_CONFIG``; drop-ins are then read from
+``conf.d/`` beside it.
+
+Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
+
+    [service]
+    backend = "auto"            # auto | cuda | host
+    socket_dir = "/run/weightcache"
+    load_timeout_s = 3600       # per model
+
+    [models.qwen]
+    path = "/srv/models/Qwen2.5-7B-Instruct"   # HF directory of safetensors files
+    dtype = "auto"              # auto (as stored) | bfloat16 | float16 | float32
+    naming = "hf"               # hf | vllm (fused qkv_proj / gate_up_proj)
+    kernel = "cutlass"          # layout target of quantized weights
+    allow_users = []            # SO_PEERCRED allow list (empty: the socket's group decides)
+    allow_groups = []
+    layouts = [ { tp = 1, gpus = [0] }, { tp = 2, gpus = [2, 3] } ]
+
+Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from .errors import ConfigError
+
+DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
+DTYPE_NAMES = {"auto": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+BACKENDS = ("auto", "cuda", "host")
+NAMINGS = ("hf", "vllm")
+KERNELS = ("cutlass",)
+
+_SERVICE_KEYS = {
+    "backend": str,
+    "socket_dir": str,
+    "load_timeout_s": (int, float),
+    "staging_bytes": int,
+    "read_threads": int,
+}
+_MODEL_KEYS = {
+    "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor-parallel layout: ``tp`` ranks, rank i on ``gpus[i]``."""
+
+    tp: int
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One ``[models.NAME]`` table.
+
+    Attributes:
+        name (`str`): the table name; engines may attach by it.
+        path (`str`): checkpoint directory.
+        dtype (`str`): ``auto`` or a dtype name; see :data:`DTYPE_NAMES`.
+        naming (`str`): ``hf`` or ``vllm``.
+        kernel (`str`): layout target of quantized weights (``cutlass``).
+        allow_users / allow_groups (`tuple[str]`): ``SO_PEERCRED`` allow lists.
+        layouts (`tuple[Layout]`): where the ranks sit.
+        source (`str`): the file that defined the model (for error messages).
+    """
+
+    name: str
+    path: str
+    dtype: str = "auto"
+    naming: str = "hf"
+    kernel: str = "cutlass"
+    allow_users: tuple[str, ...] = ()
+    allow_groups: tuple[str, ...] = ()
+    layouts: tuple[Layout, ...] = (Layout(1, (0,)),)
+    revision: str = ""
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One (model, layout, rank) placed on one GPU."""
+
+    model: ModelConfig
+    tp_size: int
+    tp_rank: int
+    gpu: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.model.name}/tp{self.tp_size}/rank{self.tp_rank}"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    backend: str = "auto"
+    socket_dir: str = "/run/weightcache"
+    load_timeout_s: float = 3600.0
+    staging_bytes: int = 256 * 1024 * 1024
+    read_threads: int = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    """The merged configuration.
+
+    Attributes:
+        service (`ServiceConfig`): ``[service]``.
+        models (`dict[str, ModelConfig]`): ``[models.*]`` by name.
+        files (`tuple[str]`): files read, in order.
+    """
+
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    models: dict[str, ModelConfig] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+
+    def placements(self, gpu: int | None = None) -> list[Placement]:
+        """Every (model, layout, rank) on ``gpu`` (all GPUs when ``None``), in config order."""
+        out = []
+        for m in self.models.values():
+            for lay in m.layouts:
+                for rank, g in enumerate(lay.gpus):
+                    if gpu is None or g == gpu:
+                        out.append(Placement(m, lay.tp, rank, g))
+        return out
+
+    def gpus(self) -> list[int]:
+        """Sorted GPU indices named by any layout."""
+        return sorted({p.gpu for p in self.placements()})
+
+
+def _err(path: str, key: str, msg: str) -> ConfigError:
+    return ConfigError(f"{path}: {key}: {msg}", file=path, key=key)
+
+
+def _check_type(path: str, key: str, value: Any, typ) -> None:
+    if isinstance(value, bool) and typ is not bool:
+        raise _err(path, key, f"expected {getattr(typ, '__name__', typ)}, got a boolean")
+    if not isinstance(value, typ):
+        want = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+        raise _err(path, key, f"expected {want}, got {type(value).__name__} {value!r}")
+
+
+def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
+    k = f"models.{name}"
+    if not isinstance(table, dict):
+        raise _err(path, k, "must be a table")
+    unknown = set(table) - _MODEL_KEYS
+    if unknown:
+        raise _err(path, f"{k}.{sorted(unknown)[0]}", f"unknown key (known: {', '.join(sorted(_MODEL_KEYS))})")
+    if "path" not in table:
+        raise _err(path, f"{k}.path", "missing: the checkpoint directory is required")
+    _check_type(path, f"{k}.path", table["path"], str)
+    dtype = table.get("dtype", "auto")
+    if dtype not in DTYPE_NAMES:
+        raise _err(path, f"{k}.dtype", f"{dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    naming = table.get("naming", "hf")
+    if naming not in NAMINGS:
+        raise _err(path, f"{k}.naming", f"{naming!r} is not one of {', '.join(NAMINGS)}")
+    kernel = table.get("kernel", "cutlass")
+    _check_type(path, f"{k}.kernel", kernel, str)
+    for lk in ("allow_users", "allow_groups"):
+        v = table.get(lk, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise _err(path, f"{k}.{lk}", "must be a list of strings")
+    raw_layouts = table.get("layouts", [{"tp": 1, "gpus": [0]}])
+    if not isinstance(raw_layouts, list) or not raw_layouts:
+        raise _err(path, f"{k}.layouts", "must be a non-empty list of {tp = N, gpus = [...]} tables")
+    layouts = []
+    for i, lay in enumerate(raw_layouts):
+        lk = f"{k}.layouts[{i}]"
+        if not isinstance(lay, dict):
+            raise _err(path, lk, "must be a table {tp = N, gpus = [...]}")
+        unknown = set(lay) - {"tp", "gpus"}
+        if unknown:
+            raise _err(path, f"{lk}.{sorted(unknown)[0]}", "unknown key (known: tp, gpus)")
+        tp = lay.get("tp", 1)
+        _check_type(path, f"{lk}.tp", tp, int)
+        if tp < 1:
+            raise _err(path, f"{lk}.tp", f"must be >= 1, got {tp}")
+        gpus = lay.get("gpus", list(range(tp)))
+        if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+            raise _err(path, f"{lk}.gpus", "must be a list of GPU indices (integers >= 0)")
+        if len(gpus) != tp:
+            raise _err(path, f"{lk}.gpus", f"lists {len(gpus)} GPUs for tp = {tp}; give one GPU per rank")
+        layouts.append(Layout(tp, tuple(gpus)))
+    if len(set(layouts)) != len(layouts):
+        raise _err(path, f"{k}.layouts", "lists the same layout twice")
+    return ModelConfig(
+        name=name,
+        path=table["path"],
+        dtype=dtype,
+        naming=naming,
+        kernel=kernel,
+        allow_users=tuple(table.get("allow_users", [])),
+        allow_groups=tuple(table.get("allow_groups", [])),
+        layouts=tuple(layouts),
+        revision=str(table.get("revision", "")),
+        source=path,
+    )
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: configuration file does not exist", file=str(path), key="") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}", file=str(path), key="") from None
+
+
+def config_path(explicit: str | None = None) -> Path:
+    """The main config file: ``explicit``, else ``$WEIGHTCACHE_CONFIG``, else the default."""
+    return Path(explicit or os.environ.get("WEIGHTCACHE_CONFIG") or DEFAULT_CONFIG)
+
+
+def load_config(path: str | os.PathLike | None = None) -> Config:
+    """Reads and validates the main file and its ``conf.d/*.toml`` drop-ins.
+
+    Args:
+        path (`str`, *optional*): main file; see :func:`config_path`.
+
+    Returns:
+        `Config`.
+
+    Raises:
+        ConfigError (`config_invalid`): invalid TOML, an unknown or mistyped
+            key, an impossible layout; the message names the file and the key
+            (``/etc/weightcache/weightcache.toml: models.x.layouts[0].gpus: ...``).
+    """
+    main = config_path(str(path) if path else None)
+    files = [main] + sorted((main.parent / "conf.d").glob("*.toml"))
+    service: dict[str, Any] = {}
+    models: dict[str, ModelConfig] = {}
+    for f in files:
+        data = _read_toml(f)
+        unknown = set(data) - {"service", "models"}
+        if unknown:
+            raise _err(str(f), sorted(unknown)[0], "unknown table (known: service, models)")
+        svc = data.get("service", {})
+        if not isinstance(svc, dict):
+            raise _err(str(f), "service", "must be a table")
+        for key, value in svc.items():
+            if key not in _SERVICE_KEYS:
+                raise _err(str(f), f"service.{key}", f"unknown key (known: {', '.join(sorted(_SERVICE_KEYS))})")
+            _check_type(str(f), f"service.{key}", value, _SERVICE_KEYS[key])
+            service[key] = value
+        mtable = data.get("models", {})
+        if not isinstance(mtable, dict):
+            raise _err(str(f), "models", "must be a table of [models.NAME] tables")
+        for name, table in mtable.items():
+            models[name] = _parse_model(str(f), name, table)
+    if service.get("backend", "auto") not in BACKENDS:
+        raise ConfigError(
+            f"service.backend: {service['backend']!r} is not one of {', '.join(BACKENDS)}",
+            file=str(main),
+            key="service.backend",
+        )
+    return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files))

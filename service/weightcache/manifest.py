@@ -1,0 +1,205 @@
+"""Tensor records inside a slab, and the views built from them.
+
+A *manifest* describes one slab: which tensor lives at which byte offset, with
+which dtype, engine-facing shape and stride, and the layout metadata of any
+processing (fused parts, FP8 transposed view, padding). It is plain JSON so it
+travels on the wire and into systemd's fd store unchanged.
+
+Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+# safetensors dtype code -> (torch dtype attribute name, item size in bytes).
+# Source: safetensors `Dtype` enum (safetensors/src/tensor.rs).
+DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "I32": ("int32", 4),
+    "U32": ("uint32", 4),
+    "I64": ("int64", 8),
+    "U64": ("uint64", 8),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F32": ("float32", 4),
+    "F64": ("float64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
+
+#: Every tensor starts at a multiple of this many bytes inside its slab.
+ALIGNMENT_BYTES = 256
+
+
+def itemsize(dtype: str) -> int:
+    """Returns the size in bytes of one element of safetensors dtype ``dtype``."""
+    return DTYPES[dtype][1]
+
+
+def torch_dtype(dtype: str):
+    """Returns the ``torch.dtype`` for safetensors dtype code ``dtype`` (e.g. ``BF16``)."""
+    import torch
+
+    return getattr(torch, DTYPES[dtype][0])
+
+
+def dtype_code(torch_dt) -> str:
+    """Returns the safetensors dtype code for a ``torch.dtype``."""
+    name = str(torch_dt).removeprefix("torch.")
+    for code, (tname, _) in DTYPES.items():
+        if tname == name:
+            return code
+    raise ValueError(f"dtype {torch_dt} has no safetensors code")
+
+
+def align(n: int, alignment: int = ALIGNMENT_BYTES) -> int:
+    """Rounds ``n`` bytes up to a multiple of ``alignment`` bytes."""
+    return (n + alignment - 1) // alignment * alignment
+
+
+def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """Row-major strides, in elements, of a tensor of ``shape``."""
+    stride, acc = [], 1
+    for d in reversed(list(shape)):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor in a slab.
+
+    Attributes:
+        name (`str`): engine-facing parameter name (HF name, or a vLLM fused
+            name such as ``model.layers.0.self_attn.qkv_proj.weight``).
+        dtype (`str`): safetensors dtype code of the stored bytes (``BF16``).
+        shape (`tuple[int]`): engine-facing shape of the view.
+        stride (`tuple[int]`): engine-facing strides of the view, in elements
+            (``(1, K)`` for a column-major ``[K, N]`` FP8 weight).
+        offset_bytes (`int`): start of the stored bytes in the slab, a multiple
+            of :data:`ALIGNMENT_BYTES`.
+        size_bytes (`int`): length of the stored bytes.
+        digest (`str`): blake2b-128 hex digest of the stored bytes, recorded at load.
+        layout (`dict`): processing metadata (``fused_parts``, ``logical_shape``,
+            ``stored_shape``, ``scale_granularity``, ``kernel``, ``tp_dim``...).
+        alias_of (`str | None`): for a tied weight, the record whose bytes it shares.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset_bytes: int
+    size_bytes: int
+    digest: str = ""
+    layout: dict[str, Any] = field(default_factory=dict)
+    alias_of: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        d["stride"] = list(self.stride)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "TensorRecord":
+        return cls(
+            name=d["name"],
+            dtype=d["dtype"],
+            shape=tuple(d["shape"]),
+            stride=tuple(d["stride"]),
+            offset_bytes=int(d["offset_bytes"]),
+            size_bytes=int(d["size_bytes"]),
+            digest=d.get("digest", ""),
+            layout=dict(d.get("layout", {})),
+            alias_of=d.get("alias_of"),
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything an engine needs to use one slab.
+
+    Attributes:
+        model (`str`): model name from the config.
+        tp_size (`int`), tp_rank (`int`): the layout and rank of this slab.
+        key (`dict`): the cache key (DESIGN §5), compared field by field.
+        slab_size_bytes (`int`): size of the slab mapping, in bytes.
+        tensors (`tuple[TensorRecord]`): records in slab order.
+    """
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    key: dict[str, Any]
+    slab_size_bytes: int
+    tensors: tuple[TensorRecord, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
+            "key": self.key,
+            "slab_size_bytes": self.slab_size_bytes,
+            "tensors": [t.to_json() for t in self.tensors],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+        return cls(
+            model=d["model"],
+            tp_size=int(d["tp_size"]),
+            tp_rank=int(d["tp_rank"]),
+            key=dict(d["key"]),
+            slab_size_bytes=int(d["slab_size_bytes"]),
+            tensors=tuple(TensorRecord.from_json(t) for t in d["tensors"]),
+        )
+
+    def record(self, name: str) -> TensorRecord:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+def digest_bytes(buf) -> str:
+    """blake2b (16-byte) hex digest of a bytes-like object or a CPU uint8 tensor."""
+    if hasattr(buf, "numpy"):
+        buf = buf.numpy()
+    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+
+
+def build_views(slab, manifest: Manifest) -> dict[str, Any]:
+    """Builds the engine-facing tensors of ``manifest`` over ``slab``.
+
+    Args:
+        slab (`torch.Tensor`): the whole slab as a 1-D ``uint8`` tensor of
+            ``manifest.slab_size_bytes`` bytes (host or CUDA, read-only or private).
+
+    Returns:
+        `dict[str, torch.Tensor]`: name -> view, with each record's dtype, shape
+        and stride. Views share the slab's memory and stay valid as long as the
+        slab's mapping does (for an attach: until the session is closed). Tied
+        aliases map to the very same tensor object as their target.
+    """
+    out: dict[str, Any] = {}
+    for rec in manifest.tensors:
+        if rec.alias_of is not None:
+            continue
+        raw = slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes]
+        flat = raw.view(torch_dtype(rec.dtype))
+        out[rec.name] = flat.as_strided(rec.shape, rec.stride)
+    for rec in manifest.tensors:
+        if rec.alias_of is not None:
+            out[rec.name] = out[rec.alias_of]
+    return out

@@ -1,0 +1,146 @@
+"""Host backend: slabs are sealed memfds, importers map them ``PROT_READ``.
+
+Sealing (memfd_create(2), fcntl(2) "File Sealing"): after the fill the service
+adds ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE`` while its writable
+mapping still exists, drops that mapping, then adds ``F_SEAL_WRITE |
+F_SEAL_SEAL``. From then on no process can write the bytes: a writable
+``mmap`` of the fd fails with ``EPERM`` and ``write(2)`` with ``EPERM``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import warnings
+
+from ..errors import OutOfMemory
+
+PAGE = mmap.PAGESIZE
+F_SEAL_SEAL = 0x0001
+F_SEAL_SHRINK = 0x0002
+F_SEAL_GROW = 0x0004
+F_SEAL_WRITE = 0x0008
+F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; not named in Python 3.11's fcntl
+F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+
+
+def _frombuffer(buf, writable: bool):
+    import torch
+
+    if writable:
+        return torch.frombuffer(buf, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # torch warns that the buffer is not writable; that is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _round(size_bytes: int) -> int:
+    return max(PAGE, (size_bytes + PAGE - 1) // PAGE * PAGE)
+
+
+class HostWritableSlab:
+    """A memfd being filled. ``tensor`` is a writable 1-D ``uint8`` CPU tensor."""
+
+    def __init__(self, size_bytes: int, label: str) -> None:
+        self.size_bytes = _round(size_bytes)
+        self.fd = os.memfd_create(f"weightcache:{label}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size_bytes)
+            # Touch the pages now so an exhausted tmpfs/RAM fails here, not with SIGBUS later.
+            os.posix_fallocate(self.fd, 0, self.size_bytes)
+            self._map = mmap.mmap(self.fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            os.close(self.fd)
+            raise OutOfMemory(
+                f"host slab {label!r} of {self.size_bytes} bytes could not be allocated: {e}",
+                size_bytes=self.size_bytes,
+                model=label,
+            ) from None
+        self.tensor = _frombuffer(self._map, writable=True)
+
+    def seal(self) -> "HostSealedSlab":
+        fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
+        self.tensor = None
+        seals = F_SEAL_SEAL
+        try:
+            self._map.close()
+            seals |= F_SEAL_WRITE
+        except BufferError:
+            pass  # a view is still alive somewhere; F_SEAL_FUTURE_WRITE already stops others
+        fcntl.fcntl(self.fd, F_ADD_SEALS, seals)
+        fd, self.fd = self.fd, -1
+        return HostSealedSlab(fd, self.size_bytes)
+
+    def abort(self) -> None:
+        self.tensor = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class HostSealedSlab:
+    """A sealed memfd owned by the service, with a read-only view for digests."""
+
+    def __init__(self, fd: int, size_bytes: int) -> None:
+        self.fd = fd
+        self.size_bytes = size_bytes
+        self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.tensor = _frombuffer(self._map, writable=False)
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class HostImportedSlab:
+    """A received memfd mapped ``PROT_READ``; ``tensor`` is read-only ``uint8``.
+
+    The mapping stays valid after the fd is closed and after the service dies.
+    """
+
+    def __init__(self, fd: int, size_bytes: int) -> None:
+        st = os.fstat(fd)
+        if st.st_size < size_bytes:
+            raise OSError(f"slab fd has {st.st_size} bytes, manifest says {size_bytes}")
+        self.size_bytes = size_bytes
+        self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.tensor = _frombuffer(self._map, writable=False)
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # views still alive: the mapping goes when they do
+
+
+class HostBackend:
+    """The ``host`` backend (sealed memfd). See the module docstring."""
+
+    name = "host"
+
+    def allocate(self, size_bytes: int, label: str) -> HostWritableSlab:
+        return HostWritableSlab(size_bytes, label)
+
+    def adopt(self, fd: int, size_bytes: int) -> HostSealedSlab:
+        return HostSealedSlab(fd, size_bytes)
+
+    def import_fd(self, fd: int, size_bytes: int, device: str = "cpu") -> HostImportedSlab:
+        return HostImportedSlab(fd, size_bytes)
+
+    def device_info(self) -> dict:
+        """Key fields of the slab's device (DESIGN §5): host memory has no GPU."""
+        return {"backend": "host", "gpu_uuid": "", "compute_capability": ""}

@@ -1,0 +1,266 @@
+"""The load pipeline, one straight line shared by the service and the disk fallback.
+
+::
+
+    plan(model, layout, rank)  headers only: specs, offsets, slab size, cache key
+      -> read                  checkpoint byte ranges (os.preadv)
+      -> shard                 slices of the rank (sharding.shard_specs)
+      -> process               quantized layers (quant.OPS), dtype casts
+      -> pack                  bytes written at their planned offsets in the slab
+      -> seal                  backend makes the slab read-only   (caller)
+      -> publish               manifest + fd                        (caller)
+
+:func:`plan` reads no tensor data; :func:`execute` fills a writable slab and
+returns the :class:`~weightcache.manifest.Manifest` with a content digest of
+every tensor. The daemon seals and publishes; the client's disk fallback wraps
+the filled private buffer directly, so both sides produce bit-identical bytes.
+
+Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import quant, sharding
+from .checkpoint import Checkpoint
+from .config import DTYPE_NAMES, ModelConfig
+from .errors import ShapeMismatch
+from .manifest import ALIGNMENT_BYTES, Manifest, TensorRecord, align, contiguous_stride, digest_bytes, itemsize, torch_dtype
+from .spec import SourceRef, TensorSpec
+
+log = logging.getLogger(__name__)
+
+#: Bumped whenever the bytes produced for the same inputs change.
+PIPELINE_VERSION = 1
+
+#: Processing ops: name -> fn(spec, parts, fetch) -> tensor of spec.stored_shape
+#: and spec.dtype. ``parts`` are the spec's sources, already sliced;
+#: ``fetch(name)`` returns any other whole checkpoint tensor (e.g. a scale).
+Op = Callable[[TensorSpec, list, Callable[[str], Any]], Any]
+
+
+def _op_copy(spec: TensorSpec, parts: list, fetch) -> Any:
+    import torch
+
+    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.cat_dim)
+    return t.to(torch_dtype(spec.dtype))
+
+
+OPS: dict[str, Op] = {"copy": _op_copy}
+OPS.update(quant.OPS)
+
+
+@dataclass
+class Plan:
+    """Everything decided before the first byte is read.
+
+    Attributes:
+        model (`ModelConfig`), tp_size (`int`), tp_rank (`int`): what is loaded.
+        checkpoint (`Checkpoint`): opened from headers.
+        specs (`list[TensorSpec]`): output tensors, in slab order.
+        records (`list[TensorRecord]`): their records, offsets assigned, no digests yet.
+        slab_size_bytes (`int`): bytes needed (before backend rounding).
+        key (`dict`): the cache key (DESIGN §5).
+    """
+
+    model: ModelConfig
+    tp_size: int
+    tp_rank: int
+    checkpoint: Checkpoint
+    specs: list[TensorSpec]
+    records: list[TensorRecord]
+    slab_size_bytes: int
+    key: dict[str, Any]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(r.size_bytes for r in self.records if r.alias_of is None)
+
+
+def cache_key(model: ModelConfig, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any]) -> dict[str, Any]:
+    """The cache key of DESIGN §5, as a nested JSON-able dict.
+
+    Args:
+        device (`dict`): ``{backend, gpu_uuid, compute_capability}`` of the slab's device.
+    """
+    scheme = quant.detect(ck)
+    return {
+        "checkpoint": ck.identity(),
+        "revision": model.revision,
+        "architecture": (ck.config.get("architectures") or [ck.config.get("model_type", "")])[0],
+        "dtype": model.dtype,
+        "naming": model.naming,
+        "tp_size": tp_size,
+        "tp_rank": tp_rank,
+        "quant_scheme": scheme.name if scheme else "",
+        "quant_config_blake2b": scheme.config_hash if scheme else "",
+        "kernel": model.kernel if scheme else "",
+        "pipeline_version": PIPELINE_VERSION,
+        "device": dict(device),
+    }
+
+
+def diff_keys(expected: Any, actual: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of the fields that differ between two cache keys.
+
+    Example:
+        >>> diff_keys({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 3}})
+        ['b.c']
+    """
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        out = []
+        for k in sorted(set(expected) | set(actual), key=str):
+            p = f"{prefix}.{k}" if prefix else str(k)
+            if k not in expected or k not in actual:
+                out.append(p)
+            else:
+                out.extend(diff_keys(expected[k], actual[k], p))
+        return out
+    return [] if expected == actual else [prefix or "<key>"]
+
+
+def plan(model: ModelConfig, tp_size: int, tp_rank: int, device: dict[str, Any], checkpoint: Checkpoint | None = None) -> Plan:
+    """Plans one slab from the checkpoint's headers alone.
+
+    Raises:
+        CheckpointNotFound, CheckpointCorrupt: from opening the checkpoint.
+        UnsupportedQuantization (`unsupported_quantization`): before any read.
+        UnsupportedArchitecture (`unsupported_architecture`): TP > 1 without rules.
+        ShapeMismatch (`shape_mismatch`): a tensor disagrees with ``config.json``.
+    """
+    ck = checkpoint or Checkpoint(model.path)
+    target_dtype = DTYPE_NAMES[model.dtype]
+    specs = sharding.shard_specs(ck, tp_size, tp_rank, model.naming, target_dtype)
+    specs = quant.process_specs(ck, specs, model.kernel)
+    records, offset = [], 0
+    by_name: dict[str, TensorRecord] = {}
+    for s in specs:
+        if s.alias_of is not None:
+            continue
+        size = itemsize(s.dtype)
+        for d in s.stored_shape:
+            size *= d
+        shape = s.view_shape if s.view_shape is not None else s.stored_shape
+        stride = s.view_stride if s.view_stride is not None else contiguous_stride(s.stored_shape)
+        rec = TensorRecord(s.name, s.dtype, tuple(shape), tuple(stride), offset, size, layout=dict(s.layout))
+        by_name[s.name] = rec
+        offset = align(offset + size, ALIGNMENT_BYTES)
+    for s in specs:
+        if s.alias_of is None:
+            records.append(by_name[s.name])
+        else:
+            tgt = by_name[s.alias_of]
+            records.append(TensorRecord(s.name, tgt.dtype, tgt.shape, tgt.stride, tgt.offset_bytes, tgt.size_bytes,
+                                        layout=dict(s.layout), alias_of=s.alias_of))
+    return Plan(model, tp_size, tp_rank, ck, specs, records, max(offset, ALIGNMENT_BYTES),
+                cache_key(model, tp_size, tp_rank, ck, device))
+
+
+class _Reader:
+    """Reads whole checkpoint tensors into CPU tensors, caching within one spec."""
+
+    def __init__(self, ck: Checkpoint) -> None:
+        self.ck = ck
+        self.bytes_read = 0
+        self._cache: dict[str, Any] = {}
+
+    def tensor(self, name: str):
+        import torch
+
+        t = self._cache.get(name)
+        if t is None:
+            info = self.ck.tensors.get(name)
+            if info is None:
+                raise ShapeMismatch(f"checkpoint {self.ck.path} has no tensor {name!r}", tensor=name)
+            buf = torch.empty(info.size_bytes, dtype=torch.uint8)
+            if info.size_bytes:
+                self.ck.read_into(info, buf.numpy())
+            self.bytes_read += info.size_bytes
+            t = buf.view(torch_dtype(info.dtype)).reshape(info.shape)
+            self._cache[name] = t
+        return t
+
+    def slice(self, ref: SourceRef):
+        t = self.tensor(ref.name)
+        if ref.dim is None:
+            return t
+        return t.narrow(ref.dim, ref.start, ref.stop - ref.start)
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+
+def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None) -> Manifest:
+    """Reads, shards, processes and packs every tensor of ``p`` into ``slab``.
+
+    Args:
+        p (`Plan`): from :func:`plan`.
+        slab (`torch.Tensor`): writable 1-D ``uint8`` tensor of at least
+            ``p.slab_size_bytes`` bytes (host or CUDA).
+        progress (`callable`, *optional*): called as ``progress(done_bytes, total_bytes)``.
+
+    Returns:
+        `Manifest` of the filled slab, with a blake2b digest per tensor.
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): a file ended early.
+        ShapeMismatch (`shape_mismatch`): a processed tensor's shape differs from the plan.
+    """
+    import torch
+
+    reader = _Reader(p.checkpoint)
+    total = p.payload_bytes
+    done = 0
+    digests: dict[str, str] = {}
+    t0 = time.monotonic()
+    for spec, rec in zip(p.specs, p.records):
+        if spec.alias_of is not None:
+            continue
+        parts = [reader.slice(r) for r in spec.sources]
+        out = OPS[spec.op](spec, parts, reader.tensor)
+        if tuple(out.shape) != tuple(spec.stored_shape) or out.dtype != torch_dtype(spec.dtype):
+            raise ShapeMismatch(
+                f"tensor {spec.name!r} of {p.checkpoint.path}: processing gave {tuple(out.shape)} "
+                f"{out.dtype}, plan expected {spec.stored_shape} {spec.dtype}",
+                tensor=spec.name,
+            )
+        raw = out.contiguous().reshape(-1).view(torch.uint8)
+        if raw.device.type != "cpu":
+            raw = raw.cpu()
+        digests[spec.name] = digest_bytes(raw)
+        slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes].copy_(raw)
+        reader.clear()
+        done += rec.size_bytes
+        if progress is not None:
+            progress(done, total)
+    if slab.device.type == "cuda":
+        torch.cuda.synchronize(slab.device)
+    log.debug("packed checkpoint=%s size_bytes=%d duration_ms=%.1f", p.checkpoint.path, done, (time.monotonic() - t0) * 1e3)
+    records = []
+    for rec in p.records:
+        d = digests[rec.alias_of] if rec.alias_of else digests[rec.name]
+        records.append(TensorRecord(rec.name, rec.dtype, rec.shape, rec.stride, rec.offset_bytes, rec.size_bytes,
+                                    d, rec.layout, rec.alias_of))
+    return Manifest(p.model.name, p.tp_size, p.tp_rank, p.key, p.slab_size_bytes, tuple(records))
+
+
+def verify(manifest: Manifest, slab) -> list[str]:
+    """Names of the tensors whose resident bytes no longer match their digests.
+
+    Args:
+        slab (`torch.Tensor`): the slab as 1-D ``uint8`` (host or CUDA).
+    """
+    bad = []
+    for rec in manifest.tensors:
+        if rec.alias_of is not None:
+            continue
+        raw = slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes]
+        if raw.device.type != "cpu":
+            raw = raw.cpu()
+        if digest_bytes(raw) != rec.digest:
+            bad.append(rec.name)
+    return bad
