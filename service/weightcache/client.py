@@ -1,0 +1,343 @@
+"""The engine side: ``attach()``, its typed errors, and the disk fallback.
+
+``attach()`` computes the expected cache key locally from the checkpoint's
+headers and ``stat()`` (never its tensor bytes), asks the GPU's service for
+the slab, imports the received fd read-only and builds tensor views from the
+manifest. With ``fallback=True`` a missing service, a model not ready in time,
+a different key or a refusal makes it load from disk through the very same
+pipeline (:mod:`weightcache.pipeline`), so the tensors are bit-identical; the
+reason is logged and kept in :attr:`Attachment.fallback_reason`.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import pipeline, protocol
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .errors import (
+    CacheKeyMismatch,
+    DaemonUnavailable,
+    ModelLoading,
+    RemoteProtocolError,
+    UnsupportedQuantization,
+    WeightcacheError,
+    from_wire,
+)
+from .journal import event
+from .manifest import Manifest, build_views
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET_DIR = "/run/weightcache"
+_RECV = 1 << 20
+
+
+def resolve_socket_dir(explicit: str | None = None) -> str:
+    """``explicit``, else ``$WEIGHTCACHE_SOCKET_DIR``, else ``/run/weightcache``."""
+    return explicit or os.environ.get("WEIGHTCACHE_SOCKET_DIR") or DEFAULT_SOCKET_DIR
+
+
+def device_info(device: str) -> dict[str, Any]:
+    """Cache-key device fields for a torch device string (``cpu``, ``cuda:1``)."""
+    if device.startswith("cuda"):
+        from .memory.cuda import CudaBackend
+
+        idx = int(device.split(":", 1)[1]) if ":" in device else 0
+        return CudaBackend(idx).device_info()
+    from .memory.host import HostBackend
+
+    return HostBackend().device_info()
+
+
+class Session:
+    """A blocking client connection to one service socket (one per attach).
+
+    The connection is the lease: closing it ends every lease taken on it.
+
+    Args:
+        path (`str`): the service's socket, e.g. ``/run/weightcache/0.sock``.
+        timeout (`float`): seconds for connecting and for each reply.
+
+    Raises:
+        DaemonUnavailable (`daemon_unavailable`): nothing listens, connection
+            refused, or no reply in time.
+    """
+
+    def __init__(self, path: str, timeout: float = 30.0, client: str = "") -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError, socket.timeout, PermissionError, OSError) as e:
+            self.sock.close()
+            raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None
+        self.conn = protocol.Connection(protocol.CLIENT)
+        self.hello = self.request(protocol.Hello(protocol.PROTOCOL_VERSION, client or f"pid={os.getpid()}"))
+
+    def request(self, msg: protocol.Message, timeout: float | None = None) -> Any:
+        """Sends ``msg`` and returns the reply message (fds in ``self.last_fds``).
+
+        Raises:
+            DaemonUnavailable: the service closed the connection or timed out.
+            WeightcacheError: the typed error the service replied with.
+        """
+        data, _ = self.conn.send(msg)
+        try:
+            self.sock.sendall(data)
+        except OSError as e:
+            raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}", socket=self.path) from None
+        if timeout is not None:
+            self.sock.settimeout(max(0.001, timeout))
+        reply, fds = self._read_message()
+        self.last_fds = fds
+        if isinstance(reply, protocol.Error):
+            for fd in fds:
+                os.close(fd)
+            raise from_wire(reply.code, reply.message, reply.details)
+        return reply
+
+    def _read_message(self) -> tuple[protocol.Message, list[int]]:
+        while True:
+            try:
+                ev = self.conn.next_message()
+            except RemoteProtocolError:
+                for fd in self.conn.take_all_fds():
+                    os.close(fd)
+                raise
+            if ev is not protocol.NEED_DATA:
+                return ev
+            try:
+                data, anc, flags, _ = self.sock.recvmsg(_RECV, socket.CMSG_SPACE(protocol.MAX_FDS_PER_FRAME * 4),
+                                                        socket.MSG_CMSG_CLOEXEC)
+            except socket.timeout:
+                raise DaemonUnavailable(f"weightcache service at {self.path} did not answer in time",
+                                        socket=self.path) from None
+            except OSError as e:
+                raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}",
+                                        socket=self.path) from None
+            fds = []
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
+                    fds.extend(a)
+            if flags & socket.MSG_CTRUNC:
+                for fd in fds:
+                    os.close(fd)
+                raise RemoteProtocolError("control data truncated while receiving fds")
+            if not data and not fds:
+                raise DaemonUnavailable(f"weightcache service at {self.path} closed the connection",
+                                        socket=self.path)
+            self.conn.receive(data, fds)
+
+    def close(self) -> None:
+        for fd in self.conn.take_all_fds():
+            os.close(fd)
+        self.sock.close()
+
+
+@dataclass
+class Attachment:
+    """Weights of one (model, layout, rank), from the service or from disk.
+
+    Attributes:
+        tensors (`dict[str, torch.Tensor]`): name -> tensor. ``zero_copy`` from
+            the service: read-only views of the shared slab (a write faults),
+            valid until :meth:`close`; ``copy``: private writable copies.
+            Tied weights are the same tensor object under both names.
+        layouts (`dict[str, dict]`): processing metadata per tensor (fused
+            parts, FP8 view, padding, scale granularity...).
+        manifest (`Manifest`): the full manifest.
+        source (`str`): ``"daemon"`` or ``"disk"``.
+        fallback_reason (`str | None`): why the disk was used.
+        resident_bytes (`int`): bytes mapped or allocated for these tensors
+            outside the engine's own allocator (for KV-cache budgeting).
+    """
+
+    tensors: dict[str, Any]
+    layouts: dict[str, dict]
+    manifest: Manifest
+    source: str
+    fallback_reason: str | None
+    resident_bytes: int
+    _session: Session | None = None
+    _slab: Any = None
+    lease_id: int | None = None
+
+    def close(self) -> None:
+        """Ends the lease. Zero-copy views must not be used afterwards."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _model_config(path: str, dtype: str, naming: str, kernel: str, revision: str = "") -> ModelConfig:
+    return ModelConfig(name=os.path.basename(os.path.normpath(path)) or path, path=path, dtype=dtype,
+                       naming=naming, kernel=kernel, revision=revision)
+
+
+def load_from_disk(model: ModelConfig, tp_size: int, tp_rank: int, device: str) -> tuple[Manifest, Any]:
+    """Runs the shared pipeline into private memory on ``device``.
+
+    Returns:
+        ``(manifest, slab)``: the slab is a private 1-D ``uint8`` tensor.
+    """
+    import torch
+
+    pl = pipeline.plan(model, tp_size, tp_rank, device_info(device))
+    slab = torch.empty(pl.slab_size_bytes, dtype=torch.uint8, device=device)
+    manifest = pipeline.execute(pl, slab)
+    return manifest, slab
+
+
+def _copy_views(views: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    by_id: dict[int, Any] = {}
+    for name, t in views.items():
+        if id(t) not in by_id:
+            by_id[id(t)] = t.clone()
+        out[name] = by_id[id(t)]
+    return out
+
+
+def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", mode: str = "zero_copy",
+           fallback: bool = True, timeout: float = 30.0, socket_dir: str | None = None, gpu: int | None = None,
+           dtype: str = "auto", naming: str = "hf", kernel: str = "cutlass") -> Attachment:
+    """Attaches the weights of one tensor-parallel rank.
+
+    Args:
+        model (`str`): checkpoint directory (recommended), or a model name
+            from the service's config.
+        tp_size (`int`, *optional*, defaults to 1), tp_rank (`int`, *optional*,
+            defaults to 0): the layout and this engine's rank.
+        device (`str`, *optional*, defaults to ``"cpu"``): ``"cpu"`` (host
+            backend) or ``"cuda:N"``.
+        mode (`str`, *optional*, defaults to ``"zero_copy"``): ``"zero_copy"``
+            (shared read-only views) or ``"copy"`` (private writable copies;
+            the lease ends at once).
+        fallback (`bool`, *optional*, defaults to `True`): load from disk
+            through the same pipeline when the service cannot serve.
+        timeout (`float`, *optional*, defaults to 30): seconds to wait for the
+            service, including a load in progress.
+        socket_dir (`str`, *optional*): see :func:`resolve_socket_dir`.
+        gpu (`int`, *optional*): service instance; defaults to the index of
+            ``device`` (0 for ``cpu``).
+        dtype, naming, kernel (`str`, *optional*): what to ask for when
+            attaching by path (must match the service's config for that path).
+
+    Returns:
+        `Attachment`.
+
+    Raises:
+        DaemonUnavailable (`daemon_unavailable`): no service (``fallback=False``).
+        ModelLoading (`model_loading`): not ready within ``timeout`` (``fallback=False``).
+        CacheKeyMismatch (`cache_key_mismatch`): the service holds another key;
+            ``details["fields"]`` lists the differing fields (``fallback=False``).
+        ModelNotFound, ModelLoadFailed, AccessDenied: from the service (``fallback=False``).
+        UnsupportedQuantization (`unsupported_quantization`): always, whatever ``fallback`` says.
+        CheckpointNotFound, CheckpointCorrupt: the disk load failed.
+
+    Example:
+        >>> w = attach("/srv/models/all-MiniLM-L6-v2", device="cpu")
+        >>> w.tensors["embeddings.word_embeddings.weight"].shape
+        torch.Size([30522, 384])
+        >>> w.source, w.fallback_reason
+        ('daemon', None)
+    """
+    if mode not in ("zero_copy", "copy"):
+        raise ValueError(f"mode must be 'zero_copy' or 'copy', got {mode!r}")
+    is_path = os.path.isdir(model)
+    local_ck = Checkpoint(model) if is_path else None
+    if local_ck is not None:
+        # Configuration errors are not cache misses: raise before talking to anyone.
+        from . import quant
+
+        quant.detect(local_ck)
+    if gpu is None:
+        gpu = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
+    sock_path = os.path.join(resolve_socket_dir(socket_dir), f"{gpu}.sock")
+    deadline = time.monotonic() + timeout
+    try:
+        return _attach_daemon(model, local_ck, sock_path, tp_size, tp_rank, device, mode, deadline, dtype, naming,
+                              kernel)
+    except UnsupportedQuantization:
+        raise
+    except WeightcacheError as e:
+        if not fallback:
+            raise
+        reason = f"{e.code}: {e.message}"
+        if local_ck is None:
+            raise
+    log.warning("fallback to disk checkpoint=%s tp_size=%d tp_rank=%d reason=%s", model, tp_size, tp_rank, reason,
+                extra=event("fallback", model, tp_rank))
+    mc = _model_config(str(local_ck.path), dtype, naming, kernel)
+    manifest, slab = load_from_disk(mc, tp_size, tp_rank, device)
+    views = build_views(slab, manifest)
+    return Attachment(views, {r.name: r.layout for r in manifest.tensors}, manifest, "disk", reason,
+                      manifest.slab_size_bytes, _slab=slab)
+
+
+def _attach_daemon(model: str, local_ck: Checkpoint | None, sock_path: str, tp_size: int, tp_rank: int, device: str,
+                   mode: str, deadline: float, dtype: str, naming: str, kernel: str) -> Attachment:
+    remaining = max(0.001, deadline - time.monotonic())
+    session = Session(sock_path, timeout=remaining)
+    try:
+        req = protocol.Attach(model=str(local_ck.path) if local_ck else model, tp_size=tp_size, tp_rank=tp_rank,
+                              wait_ms=int(max(0.0, deadline - time.monotonic()) * 1000),
+                              dtype=dtype if local_ck else None, naming=naming if local_ck else None, mode=mode)
+        reply = session.request(req, timeout=max(0.001, deadline - time.monotonic()) + 5.0)
+        if isinstance(reply, protocol.Loading):
+            raise ModelLoading(
+                f"model {model!r} is still loading on {sock_path} ({reply.done_bytes}/{reply.total_bytes} bytes) "
+                f"after the timeout", model=model, done_bytes=reply.done_bytes, total_bytes=reply.total_bytes)
+        if not isinstance(reply, protocol.AttachReply):
+            raise RemoteProtocolError(f"attach: unexpected reply {reply.tag()!r}")
+        (fd,) = session.last_fds
+        try:
+            manifest = Manifest.from_json(reply.manifest)
+            ck = local_ck or Checkpoint(reply.checkpoint_path)
+            mc = _model_config(str(ck.path), manifest.key.get("dtype", dtype) if local_ck is None else dtype,
+                               manifest.key.get("naming", naming) if local_ck is None else naming,
+                               kernel, revision=manifest.key.get("revision", ""))
+            expected = pipeline.cache_key(mc, tp_size, tp_rank, ck, device_info(device))
+            if local_ck is None:
+                expected["kernel"] = manifest.key.get("kernel", expected["kernel"])
+            diff = pipeline.diff_keys(expected, manifest.key)
+            if diff:
+                raise CacheKeyMismatch(
+                    f"service at {sock_path} holds a different {model!r}: differing key fields "
+                    f"{', '.join(diff[:10])}", fields=diff, socket=sock_path)
+            from .memory import get_backend
+
+            backend = get_backend(reply.backend, int(device.split(":", 1)[1]) if ":" in device else 0)
+            slab = backend.import_fd(fd, manifest.slab_size_bytes, device)
+        finally:
+            os.close(fd)
+        views = build_views(slab.tensor, manifest)
+        layouts = {r.name: r.layout for r in manifest.tensors}
+        if mode == "copy":
+            views = _copy_views(views)
+            session.close()
+            slab.close()
+            return Attachment(views, layouts, manifest, "daemon", None, manifest.slab_size_bytes,
+                              lease_id=reply.lease_id)
+        return Attachment(views, layouts, manifest, "daemon", None, manifest.slab_size_bytes, session, slab,
+                          reply.lease_id)
+    except BaseException:
+        session.close()
+        raise

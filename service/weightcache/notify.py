@@ -1,0 +1,86 @@
+"""sd_notify(3) and sd_listen_fds(3) for the service.
+
+Uses systemd-python (``systemd.daemon``) when it is installed and a small
+pure-Python fallback otherwise (same wire format: one datagram of
+``KEY=VALUE`` lines to ``$NOTIFY_SOCKET``, a leading ``@`` meaning the
+abstract namespace, fds as ``SCM_RIGHTS``). Outside systemd
+(``$NOTIFY_SOCKET`` unset) every call is a no-op returning ``False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+log = logging.getLogger(__name__)
+
+LISTEN_FDS_START = 3
+
+try:  # pragma: no cover - depends on the environment
+    from systemd import daemon as _sd_daemon
+except ImportError:  # pragma: no cover
+    _sd_daemon = None
+
+
+def notify(state: str, fds: list[int] | None = None) -> bool:
+    """Sends ``state`` (e.g. ``"READY=1\\nSTATUS=ready"``) to the service manager.
+
+    Args:
+        state (`str`): newline-separated ``KEY=VALUE`` assignments.
+        fds (`list[int]`, *optional*): fds to pass (with ``FDSTORE=1``).
+
+    Returns:
+        `bool`: whether a notify socket existed and the datagram was sent.
+    """
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    if _sd_daemon is not None and not fds:
+        return bool(_sd_daemon.notify(state))
+    addr = "\0" + path[1:] if path.startswith("@") else path
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        try:
+            if fds:
+                socket.send_fds(s, [state.encode()], list(fds), 0, addr)
+            else:
+                s.sendto(state.encode(), addr)
+        except OSError as e:
+            log.warning("notify failed state=%r error=%s", state.split("\n")[0], e)
+            return False
+    return True
+
+
+def listen_fds() -> dict[str, list[int]]:
+    """The fds systemd passed (``$LISTEN_FDS``), grouped by ``$LISTEN_FDNAMES``.
+
+    Returns:
+        `dict[str, list[int]]`: name -> fds (unnamed fds under ``"unknown"``).
+        Empty when ``$LISTEN_PID`` is not this process. The variables are
+        unset afterwards so children do not inherit them.
+    """
+    try:
+        if int(os.environ.get("LISTEN_PID", "0")) != os.getpid():
+            return {}
+        n = int(os.environ.get("LISTEN_FDS", "0"))
+    except ValueError:
+        return {}
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":") if n else []
+    out: dict[str, list[int]] = {}
+    for i in range(n):
+        fd = LISTEN_FDS_START + i
+        os.set_inheritable(fd, False)
+        name = names[i] if i < len(names) and names[i] else "unknown"
+        out.setdefault(name, []).append(fd)
+    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(var, None)
+    return out
+
+
+def watchdog_interval_s() -> float | None:
+    """Half of ``$WATCHDOG_USEC`` in seconds (the ping period), or ``None``."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and int(pid) != os.getpid()):
+        return None
+    return int(usec) / 2e6

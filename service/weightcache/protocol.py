@@ -1,0 +1,427 @@
+"""The wire protocol, sans-I/O (in the manner of h11).
+
+Frames on a Unix stream socket: a 4-byte big-endian length ``N`` followed by
+``N`` bytes of one UTF-8 JSON object (no NaN, at most :data:`MAX_FRAME_BYTES`).
+The object's ``type`` is the snake_case name of a message class below; its
+optional ``fd_count`` says how many file descriptors travel as ``SCM_RIGHTS``
+with the frame. On a stream socket the fds arrive with whichever read picks up
+the frame's first byte, so fds are matched to frames by count, never by read
+boundary. See ``docs/protocol.md``.
+
+This module does no I/O: :meth:`Connection.receive` buffers what the caller
+read, :meth:`Connection.next_message` returns a message or :data:`NEED_DATA`,
+:meth:`Connection.send` returns the bytes (and fds) for the caller to write.
+It never opens or closes an fd; the I/O code owns them.
+
+Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .errors import LocalProtocolError, RemoteProtocolError, WeightcacheError
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+MAX_FDS_PER_FRAME = 8
+_LEN = struct.Struct(">I")
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+#: Returned by :meth:`Connection.next_message` when no whole frame is buffered.
+NEED_DATA = _NeedData()
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+_JSON_TYPES = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list, "float": (int, float)}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of every message. Subclasses are frozen, slotted dataclasses.
+
+    ``fd_count`` is a class-level constant for messages that carry fds.
+    """
+
+    FD_COUNT: ClassVar[int] = 0
+    TYPES: ClassVar[dict[str, type["Message"]]] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super(Message, cls).__init_subclass__(**kw)
+        Message.TYPES[_snake(cls.__name__)] = cls
+
+    @classmethod
+    def tag(cls) -> str:
+        return _snake(cls.__name__)
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["type"] = self.tag()
+        if self.FD_COUNT:
+            d["fd_count"] = self.FD_COUNT
+        return d
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_field(type(self).tag(), f, getattr(self, f.name), LocalProtocolError)
+
+
+def _check_field(tag: str, f: dataclasses.Field, value: Any, exc: type) -> None:
+    spec = str(f.type).replace(" ", "")
+    optional = spec.endswith("|None")
+    base = spec.removesuffix("|None").split("[")[0]
+    if value is None and optional:
+        return
+    want = _JSON_TYPES[base]
+    if isinstance(value, bool) and base != "bool":
+        raise exc(f"message {tag!r}: field {f.name!r} must be {base}, got a boolean", field=f.name)
+    if not isinstance(value, want):
+        raise exc(f"message {tag!r}: field {f.name!r} must be {base}, got {type(value).__name__}", field=f.name)
+
+
+# --- requests (client -> service) -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """First frame of a connection. ``client`` is a free-form identity string."""
+
+    protocol_version: int
+    client: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class List(Message):
+    """Asks for the models placed on this GPU."""
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Message):
+    """Asks for the full status (states, progress, leases, memory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Attach(Message):
+    """Asks for one slab.
+
+    Attributes:
+        model: a model name from the config, or a checkpoint path.
+        tp_size, tp_rank: the layout and rank.
+        wait_ms: how long the service may hold the request while the model loads
+            (0: answer ``loading`` at once).
+        dtype, naming: when attaching by path, select among configured models.
+        mode: ``zero_copy`` or ``copy`` (recorded with the lease).
+    """
+
+    model: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    wait_ms: int = 0
+    dtype: str | None = None
+    naming: str | None = None
+    mode: str = "zero_copy"
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """Ends one lease (closing the connection ends all of them)."""
+
+    lease_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verify(Message):
+    """Recompute the content digests of a resident slab (all ranks if tp_size is None)."""
+
+    model: str
+    tp_size: int | None = None
+    tp_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Evict(Message):
+    """Free a model's slabs and fd-store entries; refused while leased unless ``force``."""
+
+    model: str
+    force: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Preload(Message):
+    """Start (or restart after failure/eviction) the load of a model's slabs on this GPU."""
+
+    model: str
+
+
+# --- replies (service -> client) --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReply(Message):
+    protocol_version: int
+    gpu: int
+    gpu_uuid: str
+    backend: str
+    capabilities: list = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ListReply(Message):
+    models: list
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply(Message):
+    status: dict
+
+
+@dataclass(frozen=True, slots=True)
+class AttachReply(Message):
+    """A lease on one slab; the slab's fd travels with this frame.
+
+    Attributes:
+        lease_id: ends with :class:`Release` or the connection.
+        manifest: :meth:`weightcache.manifest.Manifest.to_json`.
+        checkpoint_path: the checkpoint directory the slab was loaded from.
+    """
+
+    FD_COUNT: ClassVar[int] = 1
+    lease_id: int
+    manifest: dict
+    checkpoint_path: str
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class Loading(Message):
+    """The model is still loading; progress in bytes."""
+
+    model: str
+    done_bytes: int
+    total_bytes: int
+    state: str = "loading"
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReply(Message):
+    lease_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReply(Message):
+    """Per slab: ``{model, tp_size, tp_rank, tensors, mismatched: [names]}``."""
+
+    results: list
+
+
+@dataclass(frozen=True, slots=True)
+class EvictReply(Message):
+    evicted: list
+
+
+@dataclass(frozen=True, slots=True)
+class PreloadReply(Message):
+    started: list
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A typed error: ``code`` (see docs/errors.md), ``message``, ``details``."""
+
+    code: str
+    message: str
+    details: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_exc(cls, e: WeightcacheError) -> "Error":
+        return cls(**e.to_wire())
+
+
+REQUESTS = (Hello, List, Status, Attach, Release, Verify, Evict, Preload)
+REPLIES = (HelloReply, ListReply, StatusReply, AttachReply, Loading, ReleaseReply, VerifyReply, EvictReply,
+           PreloadReply, Error)
+
+# --- connection state machine -----------------------------------------------
+
+CLIENT, SERVER = "client", "server"
+START, READY, CLOSED = "start", "ready", "closed"
+
+#: (our role, state, direction, message type) -> next state. Direction "in" is
+#: a message received, "out" one sent. Anything absent is a protocol violation.
+TRANSITIONS: dict[tuple[str, str, str, str], str] = {}
+for _role, _dir in ((SERVER, "in"), (CLIENT, "out")):
+    TRANSITIONS[(_role, START, _dir, "hello")] = READY  # hello first, exactly once
+    for _req in REQUESTS[1:]:
+        TRANSITIONS[(_role, READY, _dir, _req.tag())] = READY
+for _role, _dir in ((SERVER, "out"), (CLIENT, "in")):
+    TRANSITIONS[(_role, START, _dir, "error")] = START  # e.g. a rejected hello
+    for _rep in REPLIES:
+        TRANSITIONS[(_role, READY, _dir, _rep.tag())] = READY
+
+
+def encode(msg: Message) -> bytes:
+    """Serialises one message into a frame (length prefix + JSON).
+
+    Raises:
+        LocalProtocolError (`local_protocol_violation`): the frame exceeds
+            :data:`MAX_FRAME_BYTES`.
+    """
+    body = json.dumps(msg.to_json(), allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise LocalProtocolError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit",
+                                 size_bytes=len(body))
+    return _LEN.pack(len(body)) + body
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode(body: bytes) -> tuple[Message, int]:
+    """Parses one frame body into ``(message, fd_count)``.
+
+    Raises:
+        RemoteProtocolError (`protocol_violation`): invalid UTF-8/JSON, not an
+            object, unknown ``type``, unknown or mistyped fields.
+    """
+    try:
+        obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise RemoteProtocolError(f"frame is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise RemoteProtocolError(f"frame must be a JSON object, got {type(obj).__name__}")
+    tag = obj.pop("type", None)
+    fd_count = obj.pop("fd_count", 0)
+    if not isinstance(fd_count, int) or isinstance(fd_count, bool) or not 0 <= fd_count <= MAX_FDS_PER_FRAME:
+        raise RemoteProtocolError(f"fd_count must be an integer 0..{MAX_FDS_PER_FRAME}, got {fd_count!r}")
+    cls = Message.TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message type {tag!r}", type=str(tag)[:64])
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(obj) - names
+    if unknown:
+        raise RemoteProtocolError(f"message {tag!r} has unknown field {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
+    if fd_count != cls.FD_COUNT:
+        raise RemoteProtocolError(f"message {tag!r} must carry {cls.FD_COUNT} fds, frame declares {fd_count}")
+    for f in dataclasses.fields(cls):
+        if f.name in obj:
+            _check_field(tag, f, obj[f.name], RemoteProtocolError)
+    try:
+        return cls(**obj), fd_count
+    except TypeError as e:
+        raise RemoteProtocolError(f"message {tag!r} is missing a field: {e}") from None
+
+
+class Connection:
+    """One side of a connection: framing, fd matching and the state machine.
+
+    Args:
+        role (`str`): :data:`CLIENT` or :data:`SERVER`.
+
+    Any protocol error moves the connection to :data:`CLOSED`; the caller then
+    sends the error (if it can), closes every fd from :meth:`take_all_fds`,
+    and closes the socket.
+
+    Example:
+        >>> srv = Connection(SERVER)
+        >>> data, fds = Connection(CLIENT).send(Hello(PROTOCOL_VERSION))
+        >>> srv.receive(data)
+        >>> srv.next_message()
+        (Hello(protocol_version=1, client=''), [])
+    """
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.state = START
+        self._buf = bytearray()
+        self._fds: list[int] = []
+
+    def receive(self, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+        """Buffers bytes and fds just read from the socket. ``b""`` means EOF."""
+        if not data and not fds:
+            self.state = CLOSED
+            return
+        self._buf += data
+        self._fds.extend(fds)
+
+    def take_all_fds(self) -> list[int]:
+        """Hands back every fd received but not yet matched to a frame."""
+        fds, self._fds = self._fds, []
+        return fds
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._buf)
+
+    def _transition(self, direction: str, tag: str, exc: type) -> None:
+        nxt = TRANSITIONS.get((self.role, self.state, direction, tag))
+        if nxt is None:
+            state = self.state
+            self.state = CLOSED
+            raise exc(f"message {tag!r} not allowed in state {state!r} ({self.role}, {direction})", type=tag)
+        self.state = nxt
+
+    def next_message(self) -> tuple[Message, list[int]] | _NeedData:
+        """Returns ``(message, fds)`` for the next whole frame, or :data:`NEED_DATA`.
+
+        Raises:
+            RemoteProtocolError (`protocol_violation`): oversize frame, invalid
+                frame, fewer fds than declared, or a message not allowed now.
+        """
+        if self.state == CLOSED and not self._buf:
+            return NEED_DATA
+        if len(self._buf) < 4:
+            return NEED_DATA
+        (n,) = _LEN.unpack_from(self._buf)
+        if n > MAX_FRAME_BYTES:
+            self.state = CLOSED
+            raise RemoteProtocolError(f"frame length {n} exceeds the {MAX_FRAME_BYTES}-byte limit", size_bytes=n)
+        if len(self._buf) < 4 + n:
+            return NEED_DATA
+        body = bytes(self._buf[4 : 4 + n])
+        del self._buf[: 4 + n]
+        try:
+            msg, fd_count = decode(body)
+        except RemoteProtocolError:
+            self.state = CLOSED
+            raise
+        if fd_count > len(self._fds):
+            self.state = CLOSED
+            raise RemoteProtocolError(f"frame {msg.tag()!r} declares {fd_count} fds, {len(self._fds)} arrived")
+        fds, self._fds = self._fds[:fd_count], self._fds[fd_count:]
+        if self._fds and not self._buf:
+            # fds arrived that no frame declared
+            self.state = CLOSED
+            self._fds = fds + self._fds
+            raise RemoteProtocolError(f"{len(self._fds) - len(fds)} unexpected fds arrived with frame {msg.tag()!r}")
+        try:
+            self._transition("in", msg.tag(), RemoteProtocolError)
+        except RemoteProtocolError:
+            self._fds = fds + self._fds
+            raise
+        return msg, fds
+
+    def send(self, msg: Message, fds: list[int] | tuple[int, ...] = ()) -> tuple[bytes, list[int]]:
+        """Returns ``(frame bytes, fds)`` to write for ``msg``.
+
+        Raises:
+            LocalProtocolError (`local_protocol_violation`): wrong number of fds,
+                or a message not allowed in the current state.
+        """
+        if len(fds) != msg.FD_COUNT:
+            raise LocalProtocolError(f"message {msg.tag()!r} carries {msg.FD_COUNT} fds, {len(fds)} given")
+        self._transition("out", msg.tag(), LocalProtocolError)
+        return encode(msg), list(fds)
