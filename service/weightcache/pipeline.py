@@ -44,10 +44,19 @@ Op = Callable[[TensorSpec, list, Callable[[str], Any]], Any]
 
 
 def _op_copy(spec: TensorSpec, parts: list, fetch) -> Any:
+    """Concatenates the parts (0-d parts as one element each), casts to
+    ``spec.dtype``, then appends ``op_args["pad_rows"]`` zero rows on dim 0
+    (vocab padding, see ``weightcache.sharding``)."""
     import torch
 
+    if len(parts) > 1:
+        parts = [p.reshape(1) if p.dim() == 0 else p for p in parts]
     t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.cat_dim)
-    return t.to(torch_dtype(spec.dtype))
+    t = t.to(torch_dtype(spec.dtype))
+    pad = int(spec.op_args.get("pad_rows", 0))
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))], dim=0)
+    return t
 
 
 OPS: dict[str, Op] = {"copy": _op_copy}
