@@ -262,16 +262,12 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
             if key not in _SERVICE_KEYS:
                 raise _err(str(f), f"service.{key}", f"unknown key (known: {', '.join(sorted(_SERVICE_KEYS))})")
             _check_type(str(f), f"service.{key}", value, _SERVICE_KEYS[key])
+            if key == "backend" and value not in BACKENDS:
+                raise _err(str(f), "service.backend", f"{value!r} is not one of {', '.join(BACKENDS)}")
             service[key] = value
         mtable = data.get("models", {})
         if not isinstance(mtable, dict):
             raise _err(str(f), "models", "must be a table of [models.NAME] tables")
         for name, table in mtable.items():
             models[name] = _parse_model(str(f), name, table)
-    if service.get("backend", "auto") not in BACKENDS:
-        raise ConfigError(
-            f"service.backend: {service['backend']!r} is not one of {', '.join(BACKENDS)}",
-            file=str(main),
-            key="service.backend",
-        )
     return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files))

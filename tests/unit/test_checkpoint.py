@@ -1,0 +1,91 @@
+"""Checkpoint reader: single-file and sharded, identity, header validation."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weightcache.checkpoint import Checkpoint
+
+
+def _sharded(tmp_path):
+    d = tmp_path / "ck"
+    d.mkdir()
+    a = {"x.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    b = {"y.weight": torch.arange(4, dtype=torch.bfloat16).reshape(2, 2), "y.bias": torch.ones(2, dtype=torch.int64)}
+    save_file(a, d / "model-00001-of-00002.safetensors")
+    save_file(b, d / "model-00002-of-00002.safetensors")
+    wm = {"x.weight": "model-00001-of-00002.safetensors", "y.weight": "model-00002-of-00002.safetensors",
+          "y.bias": "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    (d / "config.json").write_text('{"architectures": ["Tiny"]}')
+    return d, {**a, **b}
+
+
+def test_sharded_offsets_read_exact_bytes(tmp_path):
+    d, ref = _sharded(tmp_path)
+    ck = Checkpoint(d)
+    assert set(ck.tensors) == set(ref)
+    for name, t in ref.items():
+        info = ck.tensors[name]
+        buf = bytearray(info.size_bytes)
+        ck.read_into(info, buf)
+        assert bytes(buf) == t.contiguous().view(torch.uint8).numpy().tobytes()
+        assert info.shape == tuple(t.shape)
+
+
+def test_identity_changes_when_file_replaced_with_copied_mtime(tmp_path):
+    d, _ = _sharded(tmp_path)
+    f = d / "model-00001-of-00002.safetensors"
+    before = Checkpoint(d).identity()
+    st = os.stat(f)
+    save_file({"x.weight": torch.full((2, 3), 7.0)}, tmp_path / "new.safetensors")
+    os.replace(tmp_path / "new.safetensors", f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = Checkpoint(d).identity()
+    fb, fa = before["files"][f.name], after["files"][f.name]
+    assert fa["mtime_ns"] == fb["mtime_ns"]
+    assert fa["inode"] != fb["inode"] or fa["ctime_ns"] != fb["ctime_ns"]
+    assert fa["header_blake2b"] == fb["header_blake2b"]  # same layout, same header
+
+
+def test_truncated_file_names_file_and_tensor(tmp_path):
+    d, _ = _sharded(tmp_path)
+    f = d / "model-00002-of-00002.safetensors"
+    os.truncate(f, os.path.getsize(f) - 3)
+    with pytest.raises(Exception) as e:
+        Checkpoint(d)
+    assert e.value.code == "checkpoint_corrupt"
+    assert str(f) in e.value.message and e.value.details["tensor"] in ("y.weight", "y.bias")
+
+
+def test_garbage_header(tmp_path):
+    d = tmp_path / "g"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes((20).to_bytes(8, "little") + b"{not json at all!!!}")
+    with pytest.raises(Exception) as e:
+        Checkpoint(d)
+    assert e.value.code == "checkpoint_corrupt"
+
+
+def test_missing_directory_and_index_entry(tmp_path):
+    with pytest.raises(Exception) as e:
+        Checkpoint(tmp_path / "absent")
+    assert e.value.code == "checkpoint_not_found"
+    d, _ = _sharded(tmp_path)
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["z.weight"] = "model-00001-of-00002.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(Exception) as e:
+        Checkpoint(d)
+    assert e.value.code == "checkpoint_not_found" and e.value.details["tensor"] == "z.weight"
+
+
+def test_shard_file_missing_from_disk(tmp_path):
+    d, _ = _sharded(tmp_path)
+    os.unlink(d / "model-00002-of-00002.safetensors")
+    with pytest.raises(Exception) as e:
+        Checkpoint(d)
+    assert e.value.code == "checkpoint_not_found" and "model-00002-of-00002" in e.value.message

@@ -1,0 +1,191 @@
+"""Sans-I/O protocol: golden frames, round trips, fd matching, the state table."""
+
+import dataclasses
+import json
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightcache import errors, protocol
+from weightcache.protocol import CLIENT, NEED_DATA, SERVER, Connection
+
+
+def _frame(obj) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def test_golden_hello_frame():
+    data, fds = Connection(CLIENT).send(protocol.Hello(1, "engine"))
+    assert data == b'\x00\x00\x007{"protocol_version":1,"client":"engine","type":"hello"}'
+    assert fds == []
+
+
+def test_golden_attach_reply_frame_declares_its_fd():
+    srv = Connection(SERVER)
+    srv.receive(Connection(CLIENT).send(protocol.Hello(1))[0])
+    srv.next_message()
+    data, fds = srv.send(protocol.AttachReply(7, {"m": 1}, "/ck", "host"), [42])
+    body = json.loads(data[4:])
+    assert body == {"type": "attach_reply", "lease_id": 7, "manifest": {"m": 1}, "checkpoint_path": "/ck",
+                    "backend": "host", "fd_count": 1}
+    assert fds == [42]
+
+
+@pytest.mark.parametrize("cls", protocol.REQUESTS + protocol.REPLIES)
+def test_tag_is_snake_case_of_class_name(cls):
+    import re
+
+    assert cls.tag() == re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+    assert protocol.Message.TYPES[cls.tag()] is cls
+
+
+def _example(cls):
+    vals = {}
+    for f in dataclasses.fields(cls):
+        t = str(f.type)
+        vals[f.name] = {"int": 3, "str": "x", "bool": True, "dict": {"a": [1]}, "list": [1, "b"]}[
+            t.split("|")[0].strip().split("[")[0]]
+    return cls(**vals)
+
+
+@pytest.mark.parametrize("cls", protocol.REQUESTS + protocol.REPLIES)
+def test_round_trip_every_message(cls):
+    msg = _example(cls)
+    frame = protocol.encode(msg)
+    back, fd_count = protocol.decode(frame[4:])
+    assert back == msg and fd_count == cls.FD_COUNT
+
+
+def test_frames_split_across_reads_and_fds_matched_by_count():
+    cli, srv = Connection(CLIENT), Connection(SERVER)
+    srv.receive(Connection(CLIENT).send(protocol.Hello(1))[0])
+    assert srv.next_message()[0] == protocol.Hello(1)
+    cli.send(protocol.Hello(1))
+    a, _ = srv.send(protocol.AttachReply(1, {}, "/a", "host"), [10])
+    b, _ = srv.send(protocol.AttachReply(2, {}, "/b", "host"), [11])
+    stream = a + b
+    # fds arrive with the first byte of the first frame, data split at odd places
+    cli.receive(stream[:3], [10, 11])
+    assert cli.next_message() is NEED_DATA
+    cli.receive(stream[3 : len(a) + 5])
+    m1, f1 = cli.next_message()
+    assert (m1.lease_id, f1) == (1, [10])
+    assert cli.next_message() is NEED_DATA
+    cli.receive(stream[len(a) + 5 :])
+    m2, f2 = cli.next_message()
+    assert (m2.lease_id, f2) == (2, [11])
+
+
+def test_fewer_fds_than_declared_is_remote_violation():
+    cli = Connection(CLIENT)
+    cli.send(protocol.Hello(1))
+    cli.receive(_frame({"type": "attach_reply", "lease_id": 1, "manifest": {}, "checkpoint_path": "/",
+                        "backend": "host", "fd_count": 1}))
+    with pytest.raises(errors.RemoteProtocolError) as e:
+        cli.next_message()
+    assert e.value.code == "protocol_violation"
+    assert cli.state == protocol.CLOSED
+
+
+def test_unexpected_fds_are_a_violation_and_handed_back():
+    srv = Connection(SERVER)
+    srv.receive(_frame({"type": "hello", "protocol_version": 1}), [5, 6])
+    with pytest.raises(errors.RemoteProtocolError):
+        srv.next_message()
+    assert sorted(srv.take_all_fds()) == [5, 6]
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"type": "hello"},  # missing field
+        {"type": "hello", "protocol_version": "1"},  # wrong type
+        {"type": "hello", "protocol_version": True},  # bool is not int
+        {"type": "hello", "protocol_version": 1, "extra": 2},  # unknown field
+        {"type": "launch_missiles"},  # unknown op
+        {"protocol_version": 1},  # no type
+        [1, 2],  # not an object
+        {"type": "hello", "protocol_version": 1, "fd_count": 99},
+    ],
+)
+def test_invalid_messages_rejected_with_code(obj):
+    srv = Connection(SERVER)
+    srv.receive(_frame(obj))
+    with pytest.raises(errors.RemoteProtocolError) as e:
+        srv.next_message()
+    assert e.value.code == "protocol_violation"
+
+
+def test_nan_and_invalid_utf8_rejected():
+    for body in (b'{"type":"hello","protocol_version":NaN}', b"\xff\xfe"):
+        srv = Connection(SERVER)
+        srv.receive(struct.pack(">I", len(body)) + body)
+        with pytest.raises(errors.RemoteProtocolError):
+            srv.next_message()
+
+
+def test_oversize_length_prefix_rejected_before_buffering():
+    srv = Connection(SERVER)
+    srv.receive(struct.pack(">I", protocol.MAX_FRAME_BYTES + 1))
+    with pytest.raises(errors.RemoteProtocolError) as e:
+        srv.next_message()
+    assert e.value.details["size_bytes"] == protocol.MAX_FRAME_BYTES + 1
+
+
+def test_state_machine_hello_first_and_only_once():
+    srv = Connection(SERVER)
+    srv.receive(_frame({"type": "status"}))
+    with pytest.raises(errors.RemoteProtocolError):
+        srv.next_message()
+    srv = Connection(SERVER)
+    srv.receive(_frame({"type": "hello", "protocol_version": 1}) * 2)
+    srv.next_message()
+    with pytest.raises(errors.RemoteProtocolError):
+        srv.next_message()
+
+
+def test_transition_table_exhaustive():
+    """Every (role, state, direction, type) is either in the table or refused."""
+    tags = list(protocol.Message.TYPES)
+    for role in (CLIENT, SERVER):
+        for state in (protocol.START, protocol.READY, protocol.CLOSED):
+            for direction in ("in", "out"):
+                for tag in tags:
+                    key = (role, state, direction, tag)
+                    allowed = key in protocol.TRANSITIONS
+                    requests = {c.tag() for c in protocol.REQUESTS}
+                    incoming_request = (role == SERVER) == (direction == "in")
+                    if state == protocol.CLOSED:
+                        assert not allowed
+                    elif tag in requests and not incoming_request:
+                        assert not allowed, key
+                    elif tag not in requests and incoming_request:
+                        assert not allowed, key
+                    elif state == protocol.START:
+                        assert allowed == (tag in ("hello", "error")), key
+                    else:
+                        assert allowed == (tag != "hello"), key
+
+
+def test_send_checks_fd_count_locally():
+    srv = Connection(SERVER)
+    srv.receive(_frame({"type": "hello", "protocol_version": 1}))
+    srv.next_message()
+    with pytest.raises(errors.LocalProtocolError) as e:
+        srv.send(protocol.AttachReply(1, {}, "/", "host"), [])
+    assert e.value.code == "local_protocol_violation"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=2048))
+def test_decoder_fuzz_never_raises_anything_but_protocol_errors(data):
+    srv = Connection(SERVER)
+    srv.receive(data)
+    try:
+        while srv.next_message() is not NEED_DATA:
+            pass
+    except errors.RemoteProtocolError:
+        pass
