@@ -78,6 +78,12 @@ def build_tiny_model(dest: Path, family: str, *, seed: int = 0, max_shard_size: 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: make them tell ranks apart
+        for pname, param in model.named_parameters():
+            if pname.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
+            elif "norm" in pname:
+                param.normal_(1.0, config.initializer_range)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest, max_shard_size=max_shard_size)
     return dest
@@ -152,7 +158,8 @@ def _place(full: dict, covered: dict, src: str, t: torch.Tensor, lay: dict[str, 
     if d is None:
         t = t.reshape(logical)
         if covered[src][0]:
-            assert torch.equal(dst.view(torch.uint8), t.view(torch.uint8)), f"replicas of {src} differ ({where})"
+            assert torch.equal(dst.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), \
+                f"replicas of {src} differ ({where})"
         dst.copy_(t)
         covered[src][0] += 1
         return
