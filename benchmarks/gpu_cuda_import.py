@@ -86,6 +86,20 @@ def child(fd: int, size_bytes: int, iters: int) -> None:
         imp.append(c)
         close.append(d)
         probes.add(p)
+    # Read-only probe: a copy, then a kernel write, into the imported view.
+    probe_errors = {}
+    s = backend.import_fd(fd, size_bytes, "cuda:0")
+    for name, write in [
+        ("copy_from_host", lambda: s.tensor[:4096].copy_(torch.zeros(4096, dtype=torch.uint8))),
+        ("copy_device_to_device", lambda: s.tensor[:4096].copy_(torch.zeros(4096, dtype=torch.uint8, device="cuda:0"))),
+        ("kernel_fill", lambda: s.tensor[:4096].fill_(1)),  # poisons the context: keep last
+    ]:
+        try:
+            write()
+            torch.cuda.synchronize()
+            probe_errors[name] = None
+        except RuntimeError as e:
+            probe_errors[name] = str(e).splitlines()[0]
     print(
         json.dumps(
             {
@@ -94,10 +108,12 @@ def child(fd: int, size_bytes: int, iters: int) -> None:
                 "import_fd_with_tensor": _stats(imp),
                 "close": _stats(close),
                 "last_byte_values": sorted(probes),
+                "probe_errors": probe_errors,
             }
         ),
         flush=True,
     )
+    os._exit(0)  # the faulting kernel poisoned this context; skip teardown
 
 
 def main() -> int:
@@ -134,6 +150,7 @@ def main() -> int:
         print(proc.stdout, proc.stderr, file=sys.stderr)
         return 1
     res = json.loads(proc.stdout.strip().splitlines()[-1])
+    intact = bool((s.tensor[:65536] == 0x5A).all().item())
     s.close()
     print(f"gpu_cuda_import: slab {s.size_bytes} bytes ({s.size_bytes / (1 << 30):.2f} GiB) on {torch.cuda.get_device_name(0)}")
     print(f"  owner allocate (cuMemCreate+reserve+map+access+tensor): {(t1 - t0) * 1e3:.2f} ms")
@@ -151,7 +168,12 @@ def main() -> int:
         print(f"  | {name} | {st['p50_ms']:.3f} | {st['p90_ms']:.3f} | {st['min_ms']:.3f} | {st['max_ms']:.3f} |")
     print(f"  last byte read through the import: {res['last_byte_values']} (expected [{0x5A}])")
     print("  DESIGN.md section 4 reference: 0.55 ms for import+reserve+map+set access of a 4 GiB slab")
-    return 0 if res["last_byte_values"] == [0x5A] else 1
+    print("  writes into the PROT_READ imported view (None = the write went through):")
+    for name, err in res["probe_errors"].items():
+        print(f"    {name}: {err}")
+    print(f"  owner's bytes intact after the engine's write attempts: {intact}")
+    refused = all(e is not None for e in res["probe_errors"].values())
+    return 0 if res["last_byte_values"] == [0x5A] and intact and refused else 1
 
 
 if __name__ == "__main__":
