@@ -1,24 +1,33 @@
 """Pre-processing of quantized checkpoints into the layout their kernel consumes.
 
-:func:`detect` reads the scheme from ``hf_quant_config.json`` or
-``config.json``'s ``quantization_config``; :func:`process_specs` rewrites the
+:func:`detect` reads the scheme from ``config.json``'s ``quantization_config``
+or ``hf_quant_config.json`` and checks it against the capability table
+(:mod:`weightcache.quant.capabilities`); :func:`process_specs` rewrites the
 sharded specs of quantized layers; :data:`OPS` holds the processing ops the
-pipeline runs. Unquantized checkpoints pass through unchanged.
+pipeline runs. Unquantized checkpoints pass through unchanged. Both functions
+read headers and JSON only, so an unsupported scheme or kernel target is
+rejected at plan time, before any weight byte is read.
 
-Forbidden imports: socket, weightcache.daemon, weightcache.client.
+Schemes: ModelOpt ``FP8`` (``modelopt_fp8``) and ``FP8_PER_CHANNEL_PER_TOKEN``
+(``modelopt_fp8_per_channel``), kernel target ``cutlass``
+(:mod:`weightcache.quant.modelopt_fp8`; rules in ``docs/quantization.md``).
+
+Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 
 from ..checkpoint import Checkpoint
-from ..errors import UnsupportedQuantization
 from ..spec import TensorSpec
+from . import capabilities, modelopt_fp8
+from .capabilities import Capability
 
-OPS: dict = {}
+__all__ = ["Scheme", "detect", "process_specs", "OPS", "capabilities"]
+
+#: Processing ops: name -> fn(spec, parts, fetch) -> tensor (see weightcache.pipeline).
+OPS: dict = dict(modelopt_fp8.OPS)
 
 
 @dataclass(frozen=True)
@@ -26,38 +35,67 @@ class Scheme:
     """A detected quantization scheme.
 
     Attributes:
-        name (`str`): e.g. ``modelopt_fp8`` / ``modelopt_fp8_per_channel``.
-        config (`dict`): the quantization config as read.
-        config_hash (`str`): blake2b of its sorted JSON (part of the cache key).
+        name (`str`): ``modelopt_fp8`` or ``modelopt_fp8_per_channel``.
+        config (`dict`): the quantization config object as read (the whole
+            ``hf_quant_config.json``, or ``config.json``'s ``quantization_config``).
+        config_hash (`str`): blake2b-128 of its sorted JSON (cache key
+            ``quant_config_blake2b``).
+        source (`str`): file the config came from.
+        capability (`Capability | None`): the capability table entry.
     """
 
     name: str
     config: dict
     config_hash: str
-
-
-def _hash(cfg: dict) -> str:
-    return hashlib.blake2b(json.dumps(cfg, sort_keys=True).encode(), digest_size=16).hexdigest()
+    source: str = ""
+    capability: Capability | None = None
 
 
 def detect(ck: Checkpoint) -> Scheme | None:
     """The checkpoint's quantization scheme, or ``None`` when unquantized.
 
+    Args:
+        ck (`Checkpoint`): opened from headers; no tensor data is read.
+
+    Returns:
+        `Scheme | None`.
+
     Raises:
-        UnsupportedQuantization (`unsupported_quantization`): any scheme this
-            version cannot process.
+        UnsupportedQuantization (`unsupported_quantization`): a scheme this
+            version cannot process (block-wise FP8, NVFP4, MXFP8, W4A8, any
+            other ModelOpt algo or ``quant_method``); ``details`` name the
+            ``scheme``, the first affected ``layer`` and the ``file``.
+            Also raised for a quantized layer that does not fit the scheme
+            (block-wise or missing scales, excluded yet stored as FP8), checked
+            from the safetensors headers.
+        CheckpointCorrupt (`checkpoint_corrupt`): a malformed quantization config.
     """
-    cfg = ck.extra_json("hf_quant_config.json") or ck.config.get("quantization_config")
-    if not cfg:
+    qc = modelopt_fp8.read_config(ck)
+    if qc is None:
         return None
-    raise UnsupportedQuantization(
-        f"checkpoint {ck.path}: quantization {json.dumps(cfg, sort_keys=True)[:200]} is not supported",
-        checkpoint=str(ck.path),
-    )
+    cap = modelopt_fp8.capability(ck, qc)
+    modelopt_fp8.check_layers(ck, qc, cap)
+    return Scheme(cap.scheme, qc.raw, modelopt_fp8.config_hash(qc.raw), qc.file, cap)
 
 
 def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str) -> list[TensorSpec]:
-    """Rewrites the specs of quantized layers for ``kernel``; identity when unquantized."""
-    if detect(ck) is None:
+    """Rewrites the specs of quantized layers for ``kernel``; identity when unquantized.
+
+    Args:
+        ck (`Checkpoint`): the checkpoint.
+        specs (`list[TensorSpec]`): from :func:`weightcache.sharding.shard_specs`.
+        kernel (`str`): kernel layout target (``cutlass``).
+
+    Returns:
+        `list[TensorSpec]`: see :func:`weightcache.quant.modelopt_fp8.process_specs`.
+
+    Raises:
+        UnsupportedQuantization (`unsupported_quantization`): unsupported
+            scheme, kernel target other than ``cutlass``, or a layer that does
+            not fit the scheme; raised before any weight is read.
+    """
+    qc = modelopt_fp8.read_config(ck)
+    if qc is None:
         return specs
-    raise UnsupportedQuantization(f"checkpoint {ck.path}: no processing for kernel {kernel!r}", kernel=kernel)
+    cap = modelopt_fp8.capability(ck, qc, kernel)
+    return modelopt_fp8.process_specs(ck, specs, kernel, qc, cap)
