@@ -124,6 +124,12 @@ class OutOfMemory(WeightcacheError):
     retryable = True
 
 
+class DeviceError(WeightcacheError):
+    """A CUDA driver call failed (names the call and the CUresult)."""
+
+    code = "device_error"
+
+
 class LeaseBusy(WeightcacheError):
     """An operation (e.g. evict) refused because clients hold leases."""
 

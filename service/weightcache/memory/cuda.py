@@ -49,7 +49,7 @@ import threading
 import weakref
 from typing import Any, Iterator
 
-from ..errors import ConfigError, OutOfMemory
+from ..errors import ConfigError, DeviceError, OutOfMemory
 
 try:  # cuda-bindings is an optional dependency (extra "cuda").
     from cuda.bindings import driver as cu
@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 
-class CudaDriverError(RuntimeError):
+class CudaDriverError(DeviceError):
     """A CUDA driver call failed with something other than out-of-memory.
 
     Attributes:
@@ -85,7 +85,7 @@ class CudaDriverError(RuntimeError):
         msg = f"{call} failed with {self.result} ({self.result_code}): {text}"
         if context:
             msg += f"; {context}"
-        super().__init__(msg)
+        super().__init__(msg, call=call, result=self.result)
 
 
 def _require_driver() -> None:
