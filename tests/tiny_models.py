@@ -121,20 +121,23 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_rank(path: Path, tp_size: int, tp_rank: int, naming: str, dtype: str = "auto"):
-    """Runs ``pipeline.plan`` + ``execute`` into a sealed host slab.
+def load_rank(path: Path, tp_size: int, tp_rank: int, naming: str, dtype: str = "auto",
+              backend: str = "host", gpu: int = 0):
+    """Runs ``pipeline.plan`` + ``execute`` into a sealed slab of ``backend`` (``host`` or ``cuda``, GPU ``gpu``).
 
     Returns:
         ``(manifest, views, slab)``: the :class:`Manifest`, ``build_views``
-        over the sealed slab's read-only mapping, and the ``HostSealedSlab``
-        (call ``slab.close()`` after dropping the views).
+        over the sealed slab's read-only mapping, and the sealed slab. Close
+        it only once no view is left: ``HostSealedSlab.close()`` unmaps even
+        under live views (``torch.frombuffer`` holds no buffer export); the
+        tests close just ``slab.fd`` and let the last view drop the mapping.
     """
     from weightcache import pipeline
     from weightcache.config import ModelConfig
     from weightcache.manifest import build_views
     from weightcache.memory import get_backend
 
-    backend = get_backend("host")
+    backend = get_backend(backend, gpu)
     model = ModelConfig(name=Path(path).name, path=str(path), dtype=dtype, naming=naming)
     p = pipeline.plan(model, tp_size, tp_rank, backend.device_info())
     ws = backend.allocate(p.slab_size_bytes, f"{model.name}-tp{tp_size}-r{tp_rank}")
