@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import pwd
 import socket
 import sys
 import time
@@ -19,7 +20,7 @@ from typing import Any
 from . import protocol
 from .client import Session, resolve_socket_dir
 from .config import Config, load_config
-from .errors import ConfigError, DaemonUnavailable, WeightcacheError
+from .errors import ConfigError, DaemonUnavailable, LeaseBusy, WeightcacheError
 
 log = logging.getLogger("weightcache")
 
@@ -95,6 +96,7 @@ def _session(args: argparse.Namespace, gpu: int) -> Session:
 
 
 def _gpus(args: argparse.Namespace) -> list[int]:
+    """GPU indices to ask: ``--gpu``, else every ``<N>.sock`` in the socket directory."""
     if args.gpu is not None:
         return [args.gpu]
     d = resolve_socket_dir(args.socket_dir)
@@ -105,7 +107,13 @@ def _gpus(args: argparse.Namespace) -> list[int]:
     return found
 
 
+def _no_sockets(args: argparse.Namespace) -> str:
+    return (f"no weightcache sockets in {resolve_socket_dir(args.socket_dir)} (is weightcache.target started? "
+            f"set --socket-dir or $WEIGHTCACHE_SOCKET_DIR if the service listens elsewhere)")
+
+
 def _collect(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Status of every reachable instance, and ``{gpu, code, message}`` for the others."""
     out, errors = [], []
     for gpu in _gpus(args):
         try:
@@ -115,9 +123,97 @@ def _collect(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
             continue
         try:
             out.append(s.request(protocol.Status()).status)
+        except DaemonUnavailable as e:
+            errors.append({"gpu": gpu, "code": e.code, "message": e.message})
         finally:
             s.close()
     return out, errors
+
+
+def _slab_label(sl: dict[str, Any]) -> str:
+    return f"{sl['model']} tp={sl['tp_size']} rank={sl['tp_rank']}"
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return str(uid)
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def _progress(sl: dict[str, Any]) -> str:
+    """``1.2 GiB/12.6 GiB (9%) 2.10 GB/s, ~5s left`` for a loading slab."""
+    done, total, rate = sl["done_bytes"], sl["total_bytes"], sl["rate_bytes_per_s"]
+    text = f"{_human_bytes(done)}/{_human_bytes(total)}"
+    if total:
+        text += f" ({100.0 * done / total:.0f}%)"
+    text += f" {rate / 1e9:.2f} GB/s"
+    if rate > 0 and total > done:
+        text += f", ~{_age((total - done) / rate)} left"
+    return text
+
+
+def _state_text(sl: dict[str, Any]) -> str:
+    state = sl["state"]
+    if state == "loading":
+        return f"loading {_progress(sl)}"
+    if state == "ready" and sl.get("adopted"):
+        return "ready (adopted from fd store)"
+    if state == "failed" and "error" in sl:
+        return f"failed: {sl['error']['code']}"
+    if state == "evicted":
+        return "evicted (run `weightcache preload` to load again)"
+    return state
+
+
+def _print_status(st: dict[str, Any], now: float) -> None:
+    dev, mem = st.get("device", {}), st["memory"]
+    resident = sum(sl["resident_bytes"] for sl in st["slabs"])
+    leases = sum(len(sl["leases"]) for sl in st["slabs"])
+    where = "GPU" if st["backend"] == "cuda" else "host RAM"
+    head = f"GPU {st['gpu']}  backend={st['backend']}"
+    if dev.get("gpu_uuid"):
+        head += f"  uuid={dev['gpu_uuid']}"
+    if dev.get("compute_capability"):
+        head += f"  sm={dev['compute_capability']}"
+    print(f"{head}  service pid={st['pid']}")
+    slabs = _n(sum(sl["resident_bytes"] > 0 for sl in st["slabs"]), "slab")
+    print(f"  resident {_human_bytes(resident)} in {slabs}; "
+          f"{where} free {_human_bytes(mem['free_bytes'])} of {_human_bytes(mem['total_bytes'])}; "
+          f"{_n(leases, 'lease')}")
+    print(f"  {st['status_line']}")
+    for sl in st["slabs"]:
+        print(f"  {_slab_label(sl):<32} {_state_text(sl)}")
+        if sl["resident_bytes"] or sl["tensors"]:
+            print(f"      resident {_human_bytes(sl['resident_bytes'])} ({sl['resident_bytes']} bytes), "
+                  f"{sl['tensors']} tensors, {sl['path']}")
+        else:
+            print(f"      {sl['path']}")
+        if "error" in sl:
+            print(f"      reason: {sl['error']['message']}")
+        if "key" in sl:
+            k = sl["key"]
+            print(f"      key: arch={k['architecture']} dtype={sl['dtype']} naming={sl['naming']} "
+                  f"quant={k['quant_scheme'] or 'none'} files={k['files']} pipeline=v{k['pipeline_version']}")
+        for le in sl["leases"]:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(le["since"]))
+            print(f"      lease {le['lease_id']}: pid={le['pid']} uid={_user(le['uid'])} mode={le['mode']} "
+                  f"since {since} ({_age(now - le['since'])} ago)")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -127,36 +223,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"gpus": statuses, "unreachable": errors}, indent=2))
     else:
         if not statuses and not errors:
-            print(f"no weightcache sockets in {resolve_socket_dir(args.socket_dir)}")
+            print(_no_sockets(args), file=sys.stderr)
+        now = time.time()
         for st in statuses:
-            mem = st["memory"]
-            print(f"GPU {st['gpu']}  backend={st['backend']}  uuid={st['device'].get('gpu_uuid') or '-'}  "
-                  f"pid={st['pid']}  free={_human_bytes(mem['free_bytes'])}/{_human_bytes(mem['total_bytes'])}  "
-                  f"clients={st['clients']}")
-            print(f"  {st['status_line']}")
-            for sl in st["slabs"]:
-                state = sl["state"] + (" (adopted from fd store)" if sl["adopted"] else "")
-                if sl["state"] == "loading":
-                    state += (f" {_human_bytes(sl['done_bytes'])}/{_human_bytes(sl['total_bytes'])} "
-                              f"{sl['rate_bytes_per_s'] / 1e9:.2f} GB/s")
-                print(f"  {sl['model']:<24} tp={sl['tp_size']} rank={sl['tp_rank']}  {state:<16} "
-                      f"resident={_human_bytes(sl['resident_bytes'])}  tensors={sl['tensors']}  "
-                      f"leases={len(sl['leases'])}")
-                if "error" in sl:
-                    print(f"      failed: {sl['error']['code']}: {sl['error']['message']}")
-                if "key" in sl:
-                    k = sl["key"]
-                    print(f"      key: arch={k['architecture']} quant={k['quant_scheme'] or 'none'} "
-                          f"files={k['files']} pipeline=v{k['pipeline_version']}")
-                for le in sl["leases"]:
-                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(le["since"]))
-                    print(f"      lease {le['lease_id']}: pid={le['pid']} uid={le['uid']} mode={le['mode']} "
-                          f"since {since}")
+            _print_status(st, now)
         for e in errors:
             print(f"GPU {e['gpu']}  unreachable: {e['message']}")
-    if errors and not statuses:
+    if not statuses:
         return EXIT_UNAVAILABLE
-    return EXIT_FAILED if failed else EXIT_OK
+    if failed:
+        return EXIT_FAILED
+    return EXIT_UNAVAILABLE if errors else EXIT_OK
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -165,47 +242,82 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(f"{'GPU':<4} {'MODEL':<24} {'TP':>3} {'RANK':>4} {'STATE':<9} {'RESIDENT':>10}  PATH")
+        print(f"{'GPU':<4} {'MODEL':<24} {'TP':>3} {'RANK':>4} {'STATE':<9} {'RESIDENT':>10} {'LEASES':>6}  PATH")
         for r in rows:
-            print(f"{r['gpu']:<4} {r['model']:<24} {r['tp_size']:>3} {r['tp_rank']:>4} {r['state']:<9} "
-                  f"{_human_bytes(r['resident_bytes']):>10}  {r['path']}")
+            state = r["state"] + ("*" if r["adopted"] else "")
+            print(f"{r['gpu']:<4} {r['model']:<24} {r['tp_size']:>3} {r['tp_rank']:>4} {state:<9} "
+                  f"{_human_bytes(r['resident_bytes']):>10} {len(r['leases']):>6}  {r['path']}")
+        if any(r["adopted"] for r in rows):
+            print("* adopted from the fd store")
+        if not statuses and not errors:
+            print(_no_sockets(args), file=sys.stderr)
         for e in errors:
             print(f"GPU {e['gpu']} unreachable: {e['message']}", file=sys.stderr)
-    return EXIT_UNAVAILABLE if errors and not statuses else EXIT_OK
+    return EXIT_UNAVAILABLE if not statuses else EXIT_OK
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    """Validates the config and plans every slab from headers alone (no tensor is read)."""
+    from . import pipeline
+    from .config import config_path
+
     cfg = load_config(args.config)
-    from . import sharding
-    from .checkpoint import Checkpoint
-
-    problems = 0
-    print(f"config: {', '.join(cfg.files)}")
+    host = {"backend": "host", "gpu_uuid": "", "compute_capability": ""}
+    problems: list[str] = []
+    print(f"config: {', '.join(cfg.files) if cfg.files else config_path(args.config)}")
+    print(f"socket_dir={cfg.service.socket_dir} backend={cfg.service.backend}")
+    if not cfg.models:
+        print("no models configured")
     for gpu in cfg.gpus():
-        print(f"GPU {gpu}:")
-        for p in cfg.placements(gpu):
-            print(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  {p.model.path}")
-    for m in cfg.models.values():
-        try:
-            ck = Checkpoint(m.path)
-            for lay in m.layouts:
-                check = getattr(sharding, "check_supported", None)
-                if check is not None:
-                    check(ck.config, lay.tp, m.naming)
-            from . import quant
-
-            quant.detect(ck)
-        except WeightcacheError as e:
-            problems += 1
-            print(f"error: model {m.name}: {e.code}: {e.message}", file=sys.stderr)
+        placements = cfg.placements(gpu)
+        total = 0
+        lines = []
+        for p in placements:
+            gpus = ",".join(str(g) for g in next(lay.gpus for lay in p.model.layouts if lay.tp == p.tp_size
+                                                 and lay.gpus[p.tp_rank] == gpu))
+            try:
+                pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, host)
+            except WeightcacheError as e:
+                problems.append(f"model {p.model.name} tp={p.tp_size} rank={p.tp_rank} (GPU {gpu}, defined in "
+                                f"{p.model.source}): {e.code}: {e.message}")
+                lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  gpus=[{gpus}]  "
+                             f"ERROR {e.code}  {p.model.path}")
+                continue
+            total += pl.slab_size_bytes
+            lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  {'gpus=[' + gpus + ']':<12} "
+                         f"{_human_bytes(pl.slab_size_bytes):>10}  {len(pl.records)} tensors  {p.model.path}")
+        print(f"GPU {gpu}: {_n(len(placements), 'slab')}, {_human_bytes(total)} planned")
+        for line in lines:
+            print(line)
+    for msg in problems:
+        print(f"error: {msg}", file=sys.stderr)
     return EXIT_FAILED if problems else EXIT_OK
 
 
+def _leases_on(args: argparse.Namespace, gpu: int, model: str) -> list[str]:
+    """Lines naming who holds leases on ``model`` (for a refused evict)."""
+    try:
+        s = _session(args, gpu)
+    except DaemonUnavailable:
+        return []
+    try:
+        st = s.request(protocol.Status()).status
+    except WeightcacheError:
+        return []
+    finally:
+        s.close()
+    now = time.time()
+    return [f"  {_slab_label(sl)}: lease {le['lease_id']} pid={le['pid']} uid={_user(le['uid'])} mode={le['mode']} "
+            f"for {_age(now - le['since'])}"
+            for sl in st["slabs"] if model in (sl["model"], sl["path"]) for le in sl["leases"]]
+
+
 def _per_gpu_request(args: argparse.Namespace, make) -> tuple[list[tuple[int, Any]], int]:
+    """Sends ``make()`` to each instance; ``model_not_found`` is skipped unless ``--gpu`` was given."""
     results, rc = [], EXIT_OK
     gpus = _gpus(args)
     if not gpus:
-        print(f"no weightcache sockets in {resolve_socket_dir(args.socket_dir)}", file=sys.stderr)
+        print(_no_sockets(args), file=sys.stderr)
         return [], EXIT_UNAVAILABLE
     for gpu in gpus:
         try:
@@ -220,27 +332,35 @@ def _per_gpu_request(args: argparse.Namespace, make) -> tuple[list[tuple[int, An
             if e.code == "model_not_found" and args.gpu is None:
                 continue
             print(f"GPU {gpu}: {e.code}: {e.message}", file=sys.stderr)
+            if isinstance(e, LeaseBusy):
+                for line in _leases_on(args, gpu, e.details.get("model", "")):
+                    print(line, file=sys.stderr)
             rc = EXIT_FAILED
         finally:
             s.close()
+    if not results and rc == EXIT_OK:
+        model = getattr(args, "model", None)
+        print(f"model {model!r} is not configured on any GPU (see `weightcache list`)", file=sys.stderr)
+        rc = EXIT_FAILED
     return results, rc
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     results, rc = _per_gpu_request(args, lambda: protocol.Verify(args.model))
-    if not results and rc == EXIT_OK:
-        print(f"model {args.model!r} is not on any GPU", file=sys.stderr)
-        return EXIT_FAILED
     for gpu, reply in results:
         for r in reply.results:
+            label = f"GPU {gpu} {_slab_label(r)}"
             if r["state"] != "ready":
-                print(f"GPU {gpu} {r['model']} tp={r['tp_size']} rank={r['tp_rank']}: {r['state']}, nothing to verify")
+                rc = rc or EXIT_FAILED
+                print(f"{label}: {r['state']}, not resident: nothing to verify")
             elif r["mismatched"]:
-                rc = EXIT_FAILED
-                print(f"GPU {gpu} {r['model']} tp={r['tp_size']} rank={r['tp_rank']}: MISMATCH in "
-                      f"{len(r['mismatched'])}/{r['tensors']} tensors: {', '.join(r['mismatched'][:10])}")
+                rc = rc or EXIT_FAILED
+                more = f" (+{len(r['mismatched']) - 10} more)" if len(r["mismatched"]) > 10 else ""
+                print(f"{label}: MISMATCH in {len(r['mismatched'])}/{r['tensors']} tensors: "
+                      f"{', '.join(r['mismatched'][:10])}{more}; evict and preload it (`weightcache evict --force "
+                      f"{r['model']} && weightcache preload {r['model']}`)")
             else:
-                print(f"GPU {gpu} {r['model']} tp={r['tp_size']} rank={r['tp_rank']}: ok ({r['tensors']} tensors)")
+                print(f"{label}: ok, {r['tensors']} tensors match their load-time digests")
     return rc
 
 
@@ -249,6 +369,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
     for gpu, reply in results:
         for label in reply.evicted:
             print(f"GPU {gpu}: evicted {label}")
+        if not reply.evicted:
+            print(f"GPU {gpu}: nothing resident to evict for {args.model}")
     return rc
 
 
@@ -256,19 +378,41 @@ def cmd_preload(args: argparse.Namespace) -> int:
     results, rc = _per_gpu_request(args, lambda: protocol.Preload(args.model))
     for gpu, reply in results:
         for label in reply.started:
-            print(f"GPU {gpu}: loading {label}")
+            print(f"GPU {gpu}: loading {label}", flush=True)
+        if not reply.started:
+            print(f"GPU {gpu}: {args.model} is already resident or loading", flush=True)
     if rc == EXIT_OK and not args.no_wait:
         return _wait(args, args.model)
     return rc
 
 
+class _Lines:
+    """Plain progress lines (no terminal): a line per state change, and at most
+    one progress line per slab per :attr:`period_s` while loading."""
+
+    period_s = 1.0
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[str, float]] = {}
+
+    def update(self, label: str, sl: dict[str, Any]) -> None:
+        now = time.monotonic()
+        prev = self.last.get(label)
+        if prev is not None and prev[0] == sl["state"] and (sl["state"] != "loading" or now - prev[1] < self.period_s):
+            return
+        self.last[label] = (sl["state"], now)
+        print(f"{label}: {_state_text(sl)}", flush=True)
+
+
 def _wait(args: argparse.Namespace, model: str | None) -> int:
-    """Polls status until no matching slab is pending/loading; prints progress."""
-    tty = sys.stdout.isatty()
+    """Polls status until no matching slab is pending or loading, showing progress.
+
+    A rich progress bar on a terminal; plain lines otherwise (journal, CI, pipes).
+    """
     deadline = time.monotonic() + args.wait_timeout
-    last = ""
     progress = None
-    if tty:
+    lines = _Lines()
+    if sys.stdout.isatty():
         from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
         progress = Progress("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
@@ -277,39 +421,39 @@ def _wait(args: argparse.Namespace, model: str | None) -> int:
     try:
         while True:
             statuses, errors = _collect(args)
-            if errors and not statuses:
-                print(errors[0]["message"], file=sys.stderr)
+            if not statuses:
+                print(errors[0]["message"] if errors else _no_sockets(args), file=sys.stderr)
                 return EXIT_UNAVAILABLE
             slabs = [dict(sl, gpu=st["gpu"]) for st in statuses for sl in st["slabs"]
-                     if model is None or sl["model"] == model]
+                     if model is None or model in (sl["model"], sl["path"])]
             for sl in slabs:
-                label = f"GPU {sl['gpu']} {sl['model']} tp={sl['tp_size']} rank={sl['tp_rank']}"
+                label = f"GPU {sl['gpu']} {_slab_label(sl)}"
                 if progress is not None:
+                    total = sl["total_bytes"] or None
                     if label not in tasks:
-                        tasks[label] = progress.add_task(label, total=sl["total_bytes"] or None)
-                    progress.update(tasks[label], completed=sl["done_bytes"], total=sl["total_bytes"] or None)
+                        tasks[label] = progress.add_task(label, total=total)
+                    progress.update(tasks[label], completed=sl["done_bytes"], total=total)
                 else:
-                    line = f"{label}: {sl['state']} {sl['done_bytes']}/{sl['total_bytes']} bytes"
-                    if line not in last:
-                        print(line, flush=True)
-            last = "\n".join(f"GPU {sl['gpu']} {sl['model']} tp={sl['tp_size']} rank={sl['tp_rank']}: {sl['state']} "
-                             f"{sl['done_bytes']}/{sl['total_bytes']} bytes" for sl in slabs)
+                    lines.update(label, sl)
             if not any(sl["state"] in ("pending", "loading") for sl in slabs):
-                failed = [sl for sl in slabs if sl["state"] == "failed"]
-                for sl in failed:
-                    print(f"GPU {sl['gpu']} {sl['model']} rank={sl['tp_rank']} failed: {sl['error']['message']}",
-                          file=sys.stderr)
-                if model is not None and not slabs:
-                    print(f"model {model!r} is not on any GPU", file=sys.stderr)
-                    return EXIT_FAILED
-                return EXIT_FAILED if failed else EXIT_OK
+                break
             if time.monotonic() > deadline:
-                print("timed out waiting for the loads", file=sys.stderr)
+                print(f"timed out after {args.wait_timeout:.0f}s waiting for the loads", file=sys.stderr)
                 return EXIT_FAILED
             time.sleep(0.2)
     finally:
         if progress is not None:
             progress.stop()
+    if model is not None and not slabs:
+        print(f"model {model!r} is not configured on any GPU (see `weightcache list`)", file=sys.stderr)
+        return EXIT_FAILED
+    failed = [sl for sl in slabs if sl["state"] == "failed"]
+    for sl in failed:
+        print(f"GPU {sl['gpu']} {_slab_label(sl)} failed: {sl['error']['code']}: {sl['error']['message']}",
+              file=sys.stderr)
+    if failed:
+        return EXIT_FAILED
+    return EXIT_UNAVAILABLE if errors else EXIT_OK
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
@@ -317,7 +461,10 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightcache", description="LLM weights resident in GPU memory.")
+    p = argparse.ArgumentParser(
+        prog="weightcache", description="LLM weights resident in GPU memory. See weightcache(8).",
+        epilog="exit status: 0 success; 1 a model failed or a request was refused; 2 bad usage or configuration; "
+               "3 no service answered.")
     sub = p.add_subparsers(dest="command", required=True)
 
     def client_opts(sp: argparse.ArgumentParser, gpu: bool = True) -> None:
@@ -338,16 +485,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("status", help="what is resident, loading or failed; who holds leases")
     client_opts(sp)
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="machine-readable output (the services' status replies)")
     sp.set_defaults(fn=cmd_status)
 
     sp = sub.add_parser("list", help="one line per (model, layout, rank)")
     client_opts(sp)
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="machine-readable output, one object per slab")
     sp.set_defaults(fn=cmd_list)
 
     sp = sub.add_parser("check-config", help="validate a config and print the placement of every rank")
-    sp.add_argument("--config", default=None)
+    sp.add_argument("--config", default=None, help="main config file (default $WEIGHTCACHE_CONFIG or "
+                                                   "/etc/weightcache/weightcache.toml); conf.d/ beside it is read too")
     sp.set_defaults(fn=cmd_check_config)
 
     sp = sub.add_parser("verify", help="recompute content digests of resident slabs")
@@ -357,20 +505,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("evict", help="free a model's slabs (refused while leased unless --force)")
     sp.add_argument("model")
-    sp.add_argument("--force", action="store_true")
+    sp.add_argument("--force", action="store_true", help="evict even while engines hold leases (they keep their "
+                                                         "mappings; the memory is freed when they detach)")
     client_opts(sp)
     sp.set_defaults(fn=cmd_evict)
 
     sp = sub.add_parser("preload", help="(re)load a failed or evicted model and wait for it")
     sp.add_argument("model")
-    sp.add_argument("--no-wait", action="store_true")
-    sp.add_argument("--wait-timeout", type=float, default=3600.0)
+    sp.add_argument("--no-wait", action="store_true", help="start the load and return at once")
+    sp.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the load (default 3600)")
     client_opts(sp)
     sp.set_defaults(fn=cmd_preload)
 
     sp = sub.add_parser("wait", help="wait until loads finish, with progress")
-    sp.add_argument("model", nargs="?", default=None)
-    sp.add_argument("--wait-timeout", type=float, default=3600.0)
+    sp.add_argument("model", nargs="?", default=None, help="only this model (default: every slab)")
+    sp.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait (default 3600)")
     client_opts(sp)
     sp.set_defaults(fn=cmd_wait)
     return p
