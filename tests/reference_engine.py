@@ -151,7 +151,7 @@ class ReferenceLlama:
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         half = self.hd // 2
-        inv = 1.0 / (self.theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / self.hd))
+        inv = 1.0 / (self.theta ** (torch.arange(0, half, dtype=torch.float32, device=x.device) * 2 / self.hd))
         ang = pos[:, None].float() * inv[None, :]
         cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
         x1, x2 = x[..., :half], x[..., half:]
@@ -161,10 +161,11 @@ class ReferenceLlama:
     def forward(self, ids: list[int]) -> torch.Tensor:
         """Logits ``[T, vocab]`` (float32) of the sequence ``ids``."""
         t = len(ids)
-        pos = torch.arange(t)
         emb = self._full("model.embed_tokens.weight")
-        h = emb[torch.tensor(ids)].float()
-        mask = torch.full((t, t), float("-inf")).triu(1)
+        dev = emb.device
+        pos = torch.arange(t, device=dev)
+        h = emb[torch.tensor(ids, device=dev)].float()
+        mask = torch.full((t, t), float("-inf"), device=dev).triu(1)
         for li in range(self.cfg["num_hidden_layers"]):
             p = f"model.layers.{li}"
             x = self._rms(h, self._get(0, f"{p}.input_layernorm.weight"))
