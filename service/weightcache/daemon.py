@@ -51,6 +51,7 @@ from .errors import (
     WeightcacheError,
 )
 from .journal import event
+from .loader import LoaderOptions
 from .manifest import Manifest
 from .memory import Backend
 from .memory.host import F_ADD_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE
@@ -294,7 +295,9 @@ class Daemon:
             def progress(done: int, total: int) -> None:
                 slot.done_bytes = done
 
-            manifest = pipeline.execute(pl, writable.tensor, progress)
+            opts = LoaderOptions(threads=self.config.service.read_threads,
+                                 staging_bytes=self.config.service.staging_bytes)
+            manifest = pipeline.execute(pl, writable.tensor, progress, opts)
             sealed = writable.seal()
             writable = None
         except WeightcacheError as e:

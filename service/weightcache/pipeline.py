@@ -21,15 +21,17 @@ Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import quant, sharding
+from . import digest, quant, sharding
 from .checkpoint import Checkpoint
 from .config import DTYPE_NAMES, ModelConfig
 from .errors import ShapeMismatch
-from .manifest import ALIGNMENT_BYTES, Manifest, TensorRecord, align, contiguous_stride, digest_bytes, itemsize, torch_dtype
+from .loader import LoaderOptions, direct_task, read_into_slab
+from .manifest import ALIGNMENT_BYTES, Manifest, TensorRecord, align, contiguous_stride, itemsize, torch_dtype
 from .spec import SourceRef, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -203,17 +205,27 @@ class _Reader:
         self._cache.clear()
 
 
-def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None) -> Manifest:
+def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
+            options: LoaderOptions | None = None, with_digests: bool = True) -> Manifest:
     """Reads, shards, processes and packs every tensor of ``p`` into ``slab``.
+
+    Tensors that are a contiguous byte range of a file (whole tensors, dim-0
+    shards, no dtype change) are read by the parallel loader straight to their
+    offsets (:mod:`weightcache.loader`); the others are read, sliced,
+    concatenated and processed (``OPS``) and then packed. Finally a content
+    digest of every stored tensor is taken from the slab (:mod:`weightcache.digest`).
 
     Args:
         p (`Plan`): from :func:`plan`.
         slab (`torch.Tensor`): writable 1-D ``uint8`` tensor of at least
             ``p.slab_size_bytes`` bytes (host or CUDA).
         progress (`callable`, *optional*): called as ``progress(done_bytes, total_bytes)``.
+        options (`LoaderOptions`, *optional*): reader threads, staging bytes, O_DIRECT.
+        with_digests (`bool`, *optional*, defaults to `True`): record digests
+            (the client's disk fallback skips them).
 
     Returns:
-        `Manifest` of the filled slab, with a blake2b digest per tensor.
+        `Manifest` of the filled slab.
 
     Raises:
         CheckpointCorrupt (`checkpoint_corrupt`): a file ended early.
@@ -221,37 +233,70 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None) -
     """
     import torch
 
-    reader = _Reader(p.checkpoint)
+    opts = options or LoaderOptions()
     total = p.payload_bytes
-    done = 0
-    digests: dict[str, str] = {}
+    done = [0]
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:
+            done[0] += n
+            d = done[0]
+        if progress is not None:
+            progress(d, total)
+
     t0 = time.monotonic()
+    tasks, computed = [], []
     for spec, rec in zip(p.specs, p.records):
         if spec.alias_of is not None:
             continue
-        parts = [reader.slice(r) for r in spec.sources]
-        out = OPS[spec.op](spec, parts, reader.tensor)
-        if tuple(out.shape) != tuple(spec.stored_shape) or out.dtype != torch_dtype(spec.dtype):
-            raise ShapeMismatch(
-                f"tensor {spec.name!r} of {p.checkpoint.path}: processing gave {tuple(out.shape)} "
-                f"{out.dtype}, plan expected {spec.stored_shape} {spec.dtype}",
-                tensor=spec.name,
-            )
-        raw = out.contiguous().reshape(-1).view(torch.uint8)
-        if raw.device.type != "cpu":
-            raw = raw.cpu()
-        digests[spec.name] = digest_bytes(raw)
-        slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes].copy_(raw)
-        reader.clear()
-        done += rec.size_bytes
-        if progress is not None:
-            progress(done, total)
+        task = direct_task(spec, rec, p.checkpoint)
+        if task is not None:
+            tasks.append(task)
+        else:
+            computed.append((spec, rec))
+    failure: list[BaseException] = []
+
+    def direct() -> None:
+        try:
+            read_into_slab(tasks, slab, opts, advance)
+        except BaseException as e:  # re-raised below
+            failure.append(e)
+
+    reader_thread = threading.Thread(target=direct, name="weightcache-direct", daemon=True)
+    reader_thread.start()
+    try:
+        reader = _Reader(p.checkpoint)
+        for spec, rec in computed:
+            if failure:
+                break
+            parts = [reader.slice(r) for r in spec.sources]
+            out = OPS[spec.op](spec, parts, reader.tensor)
+            if tuple(out.shape) != tuple(spec.stored_shape) or out.dtype != torch_dtype(spec.dtype):
+                raise ShapeMismatch(
+                    f"tensor {spec.name!r} of {p.checkpoint.path}: processing gave {tuple(out.shape)} "
+                    f"{out.dtype}, plan expected {spec.stored_shape} {spec.dtype}",
+                    tensor=spec.name,
+                )
+            raw = out.contiguous().reshape(-1).view(torch.uint8)
+            slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes].copy_(raw)
+            reader.clear()
+            advance(rec.size_bytes)
+    finally:
+        reader_thread.join()
+    if failure:
+        raise failure[0]
     if slab.device.type == "cuda":
         torch.cuda.synchronize(slab.device)
-    log.debug("packed checkpoint=%s size_bytes=%d duration_ms=%.1f", p.checkpoint.path, done, (time.monotonic() - t0) * 1e3)
+    t_packed = time.monotonic()
+    stored = [(r.name, r.offset_bytes, r.size_bytes) for r in p.records if r.alias_of is None]
+    sums = digest.digests(slab, stored, opts.threads) if with_digests else {}
+    log.debug("packed checkpoint=%s size_bytes=%d direct=%d processed=%d pack_ms=%.1f digest_ms=%.1f",
+              p.checkpoint.path, done[0], len(tasks), len(computed), (t_packed - t0) * 1e3,
+              (time.monotonic() - t_packed) * 1e3)
     records = []
     for rec in p.records:
-        d = digests[rec.alias_of] if rec.alias_of else digests[rec.name]
+        d = sums.get(rec.alias_of or rec.name, "")
         records.append(TensorRecord(rec.name, rec.dtype, rec.shape, rec.stride, rec.offset_bytes, rec.size_bytes,
                                     d, rec.layout, rec.alias_of))
     return Manifest(p.model.name, p.tp_size, p.tp_rank, p.key, p.slab_size_bytes, tuple(records))
@@ -267,9 +312,6 @@ def verify(manifest: Manifest, slab) -> list[str]:
     for rec in manifest.tensors:
         if rec.alias_of is not None:
             continue
-        raw = slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes]
-        if raw.device.type != "cpu":
-            raw = raw.cpu()
-        if digest_bytes(raw) != rec.digest:
+        if not digest.matches(slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes], rec.digest):
             bad.append(rec.name)
     return bad

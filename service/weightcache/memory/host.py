@@ -63,23 +63,17 @@ class HostWritableSlab:
 
     def seal(self) -> "HostSealedSlab":
         fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
+        # The loader holds no views of the writable mapping any more: unmap it
+        # so that F_SEAL_WRITE (which needs no writable mapping) can be added.
         self.tensor = None
-        seals = F_SEAL_SEAL
-        try:
-            self._map.close()
-            seals |= F_SEAL_WRITE
-        except BufferError:
-            pass  # a view is still alive somewhere; F_SEAL_FUTURE_WRITE already stops others
-        fcntl.fcntl(self.fd, F_ADD_SEALS, seals)
+        self._map.close()
+        fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SEAL)
         fd, self.fd = self.fd, -1
         return HostSealedSlab(fd, self.size_bytes)
 
     def abort(self) -> None:
         self.tensor = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass
+        self._map.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -95,11 +89,14 @@ class HostSealedSlab:
         self.tensor = _frombuffer(self._map, writable=False)
 
     def close(self) -> None:
+        """Closes the fd and drops the owner's view.
+
+        The mapping itself goes when the last tensor view of it dies (torch
+        keeps a reference to the ``mmap`` object, not a buffer export), so a
+        view still held elsewhere never points at unmapped memory.
+        """
         self.tensor = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass
+        self._map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -120,11 +117,9 @@ class HostImportedSlab:
         self.tensor = _frombuffer(self._map, writable=False)
 
     def close(self) -> None:
+        """Drops this object's references; the mapping goes when the last view dies."""
         self.tensor = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # views still alive: the mapping goes when they do
+        self._map = None
 
 
 class HostBackend:
