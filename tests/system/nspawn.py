@@ -90,21 +90,29 @@ def python_binds(python: Path) -> list[Path]:
     return [prefix]
 
 
+def _bind(p) -> tuple[Path, Path]:
+    """``path`` (same path inside) or ``(host path, container path)``."""
+    if isinstance(p, tuple):
+        return Path(p[0]), Path(p[1])
+    return Path(p), Path(p)
+
+
 class Container:
     """One booted container. Use as a context manager, or call ``start()``/``stop()``.
 
     Args:
         name (`str`): machine name (``-M``); also the name of its cgroup.
-        binds_ro (`list[Path]`): host paths bind-mounted read-only at the same path.
-        binds_rw (`list[Path]`): host paths bind-mounted read-write at the same path.
+        binds_ro (`list`): host paths bind-mounted read-only at the same path, or
+            ``(host path, container path)`` pairs (files or directories).
+        binds_rw (`list`): the same, read-write.
         directory (`str`, *optional*, defaults to ``"/"``): the root to boot;
             ``"/"`` is booted ``--volatile=yes``.
     """
 
     def __init__(self, name: str, binds_ro=(), binds_rw=(), directory: str = "/") -> None:
         self.name = name
-        self.binds_ro = [Path(p) for p in binds_ro]
-        self.binds_rw = [Path(p) for p in binds_rw]
+        self.binds_ro = [_bind(p) for p in binds_ro]
+        self.binds_rw = [_bind(p) for p in binds_rw]
         self.directory = directory
         self.proc: subprocess.Popen | None = None
         self.leader: int | None = None
@@ -136,10 +144,8 @@ class Container:
         ]
         if self.directory == "/":
             cmd.append("--volatile=yes")
-        for p in self.binds_ro:
-            cmd.append(f"--bind-ro={p}:{p}")
-        for p in self.binds_rw:
-            cmd.append(f"--bind={p}:{p}")
+        cmd += [f"--bind-ro={src}:{dst}" for src, dst in self.binds_ro]
+        cmd += [f"--bind={src}:{dst}" for src, dst in self.binds_rw]
         # Without systemd.firstboot=off a fresh /etc waits forever in systemd-firstboot.
         cmd += ["-b", "--", "systemd.firstboot=off"]
         self._cgroups = self._cgroup_dirs()
@@ -216,19 +222,27 @@ class Container:
 
     # -- inside ------------------------------------------------------------------------
 
+    def _argv(self, cmd, env: dict | None) -> list[str]:
+        if isinstance(cmd, str):
+            cmd = ["sh", "-c", cmd]
+        return ["nsenter", "-t", str(self.leader), "-a", "--", "env", "-i",
+                *[f"{k}={v}" for k, v in {**ENV, **(env or {})}.items()], *cmd]
+
     def run(self, cmd, check: bool = True, timeout: float = 60, input: str | None = None,
             env: dict | None = None) -> subprocess.CompletedProcess:
         """Runs ``cmd`` (a list, or a string for ``sh -c``) in all of the container's namespaces."""
-        if isinstance(cmd, str):
-            cmd = ["sh", "-c", cmd]
-        full = ["nsenter", "-t", str(self.leader), "-a", "--", "env", "-i",
-                *[f"{k}={v}" for k, v in {**ENV, **(env or {})}.items()], *cmd]
-        r = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input)
+        r = subprocess.run(self._argv(cmd, env), capture_output=True, text=True, timeout=timeout, input=input)
         if check and r.returncode != 0:
+            shown = cmd if isinstance(cmd, str) else shlex.join(cmd)
             raise AssertionError(
-                f"in container: {shlex.join(cmd)} exited {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
+                f"in container: {shown} exited {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
             )
         return r
+
+    def popen(self, cmd, env: dict | None = None) -> subprocess.Popen:
+        """Starts ``cmd`` inside without waiting; text pipes on stdin and stdout. The caller ends it."""
+        return subprocess.Popen(self._argv(cmd, env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
     def path(self, p: str | os.PathLike) -> Path:
         """The host path of the container's ``p`` (through ``/proc/<pid>/root``)."""
@@ -251,17 +265,22 @@ class Container:
         r = self.run(["systemctl", "show", unit, *[f"-p{p}" for p in props]])
         return dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
 
-    def wait_for(self, unit: str, prop: str, values, timeout: float = 60) -> dict[str, str]:
-        """Polls ``systemctl show`` until ``prop`` is one of ``values``; returns the last show."""
-        values = {values} if isinstance(values, str) else set(values)
+    def wait_for(self, unit: str, until, timeout: float = 60) -> dict[str, str]:
+        """Polls ``systemctl show`` until ``until(props)`` is true; returns those properties.
+
+        ``props`` holds ActiveState, SubState, Result, MainPID, NRestarts,
+        StatusText and NFileDescriptorStore. Readiness comes from systemd, never
+        from the logs.
+        """
         deadline = time.monotonic() + timeout
         while True:
-            s = self.show(unit, prop, "ActiveState", "SubState", "Result", "MainPID", "StatusText")
-            if s.get(prop) in values:
+            s = self.show(unit, "ActiveState", "SubState", "Result", "MainPID", "NRestarts", "StatusText",
+                          "NFileDescriptorStore")
+            if until(s):
                 return s
             if time.monotonic() > deadline:
                 log = self.run(["journalctl", "-u", unit, "-n", "40", "--no-pager"], check=False).stdout
-                raise AssertionError(f"{unit}: {prop}={s.get(prop)!r}, wanted {sorted(values)} within {timeout} s: {s}\n{log}")
+                raise AssertionError(f"{unit}: condition not met within {timeout} s: {s}\n{log}")
             time.sleep(0.1)
 
 
