@@ -144,6 +144,7 @@ def plan(model: ModelConfig, tp_size: int, tp_rank: int, device: dict[str, Any],
         ShapeMismatch (`shape_mismatch`): a tensor disagrees with ``config.json``.
     """
     ck = checkpoint or Checkpoint(model.path)
+    quant.detect(ck)  # UnsupportedQuantization wins over sharding's shape errors, before any read
     target_dtype = DTYPE_NAMES[model.dtype]
     specs = sharding.shard_specs(ck, tp_size, tp_rank, model.naming, target_dtype)
     specs = quant.process_specs(ck, specs, model.kernel)
