@@ -1,0 +1,28 @@
+#!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
+# /usr/bin/weightcache: runs the weightcache command line with the runtime
+# interpreter. Debian's and Fedora's python3 have no usable torch, so the
+# command runs from the runtime made by weightcache-setup-runtime
+# (/opt/weightcache/venv), or from $WEIGHTCACHE_PYTHON as set in the
+# environment or in /etc/default/weightcache (the file weightcache@.service
+# reads too).
+set -u
+
+from_env=${WEIGHTCACHE_PYTHON:-}
+if [ -r /etc/default/weightcache ]; then
+    # KEY=value lines, the same file systemd reads with EnvironmentFile=
+    # (e.g. WEIGHTCACHE_PYTHON, PYTHONPATH, WEIGHTCACHE_SOCKET_DIR).
+    set -a
+    . /etc/default/weightcache
+    set +a
+fi
+# A WEIGHTCACHE_PYTHON set in the caller's environment wins over the file.
+PY=${from_env:-${WEIGHTCACHE_PYTHON:-/opt/weightcache/venv/bin/python}}
+
+if [ ! -x "$PY" ]; then
+    echo "weightcache: runtime missing: $PY does not exist or is not executable;" \
+         "run weightcache-setup-runtime (as root), or set WEIGHTCACHE_PYTHON in" \
+         "/etc/default/weightcache to a Python that has torch and weightcache" >&2
+    exit 78
+fi
+exec "$PY" -m weightcache "$@"
