@@ -21,6 +21,7 @@ may connect; per-model allow lists are checked against ``SO_PEERCRED``.
 from __future__ import annotations
 
 import array
+import errno
 import grp
 import hashlib
 import json
@@ -193,6 +194,7 @@ class Daemon:
         self._lock = threading.Lock()
         self._next_lease = 1
         self._stop = False
+        self._accept_paused = False
         self._ready_sent = False
         self._last_status = ""
         self._last_status_t = 0.0
@@ -382,6 +384,15 @@ class Daemon:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    raise
+                # Out of fds: leave new connections in the backlog until a client leaves
+                # (re-armed in _drop), rather than spinning on a readable listener or dying.
+                log.warning("accept paused clients=%d error=%s", len(self.clients), e.strerror)
+                self.sel.unregister(self.listener)
+                self._accept_paused = True
+                return
             sock.set_inheritable(False)
             try:
                 pid, uid, gid = peer_credentials(sock)
@@ -473,6 +484,10 @@ class Daemon:
             pass
         self.clients.pop(c.sock.fileno(), None)
         c.sock.close()
+        if self._accept_paused and not self._stop:
+            self._accept_paused = False
+            self.sel.register(self.listener, selectors.EVENT_READ, "listen")
+            log.info("accept resumed clients=%d", len(self.clients))
         log.debug("connection closed peer_pid=%d reason=%s", c.pid, reason)
 
     def _end_lease(self, c: Client, lease: Lease) -> None:
@@ -543,6 +558,9 @@ class Daemon:
             ModelNotFound (`model_not_found`): nothing matches; the message lists
                 what this GPU holds.
         """
+        if "\0" in model:  # os.path.realpath raises on NUL; no model or path can contain one
+            raise ModelNotFound(f"GPU {self.gpu} has no model {model[:200]!r}: names and paths contain no NUL byte",
+                                model=model[:200], gpu=self.gpu)
         real = os.path.realpath(model) if os.sep in model else None
         out = []
         for s in self.slots:

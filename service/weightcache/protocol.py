@@ -29,6 +29,8 @@ from .errors import LocalProtocolError, RemoteProtocolError, WeightcacheError
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+#: Integers on the wire are signed 64-bit, so that any client language can hold them.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 MAX_FDS_PER_FRAME = 8
 _LEN = struct.Struct(">I")
 
@@ -90,6 +92,8 @@ def _check_field(tag: str, f: dataclasses.Field, value: Any, exc: type) -> None:
         raise exc(f"message {tag!r}: field {f.name!r} must be {base}, got a boolean", field=f.name)
     if not isinstance(value, want):
         raise exc(f"message {tag!r}: field {f.name!r} must be {base}, got {type(value).__name__}", field=f.name)
+    if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
+        raise exc(f"message {tag!r}: field {f.name!r} is outside the signed 64-bit range", field=f.name)
 
 
 # --- requests (client -> service) -------------------------------------------
@@ -299,8 +303,12 @@ def decode(body: bytes) -> tuple[Message, int]:
     """
     try:
         obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
+        # Lone surrogates ("\ud800") parse but cannot be encoded again (e.g. echoed in an error).
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except (UnicodeError, ValueError) as e:
         raise RemoteProtocolError(f"frame is not valid UTF-8 JSON: {e}") from None
+    except RecursionError:
+        raise RemoteProtocolError("frame is not valid UTF-8 JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise RemoteProtocolError(f"frame must be a JSON object, got {type(obj).__name__}")
     tag = obj.pop("type", None)

@@ -157,7 +157,7 @@ class ServiceProcess:
     """
 
     def __init__(self, workdir: Path, config: dict[str, Any], gpu: int = 0, backend: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, nofile: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.gpu = gpu
@@ -168,6 +168,7 @@ class ServiceProcess:
         self.config_path.write_text(to_toml(config))
         self.log_path = self.workdir / "service.log"
         self.extra_env = env or {}
+        self.nofile = nofile
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -187,6 +188,7 @@ class ServiceProcess:
             [sys.executable, "-m", "weightcache", "serve", "--gpu", str(self.gpu), "--config", str(self.config_path),
              "--listen", self.socket_path, "--backend", self.backend],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(self.extra_env), cwd=self.workdir,
+            preexec_fn=None if self.nofile is None else self._limit_fds,
         )
         log.close()
         self.starts += 1
@@ -201,6 +203,11 @@ class ServiceProcess:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"service did not answer status within {timeout} s\n{self.log()}") from None
                 time.sleep(0.05)
+
+    def _limit_fds(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def log(self) -> str:
         """The service's log so far (stderr)."""
@@ -296,7 +303,7 @@ class ServiceProcess:
 
 
 def start_service(workdir: Path, models_or_config: dict[str, Any], backend: str = "host", gpu: int = 0,
-                  env: dict[str, str] | None = None, **service: Any) -> ServiceProcess:
+                  env: dict[str, str] | None = None, nofile: int | None = None, **service: Any) -> ServiceProcess:
     """Writes a config and starts a service; returns once it answers ``status``.
 
     Args:
@@ -305,10 +312,13 @@ def start_service(workdir: Path, models_or_config: dict[str, Any], backend: str 
         models_or_config (`dict`): a whole config (has a ``models`` key) or
             ``{name: path | {path=..., ...}}``.
         backend (`str`): ``host`` or ``cuda``.
+        env (`dict`, *optional*): extra environment variables.
+        nofile (`int`, *optional*): the service's ``RLIMIT_NOFILE`` (soft and hard).
+        **service: more ``[service]`` keys.
     """
     cfg = (models_or_config if "models" in models_or_config
            else make_config(models_or_config, backend=backend, gpu=gpu, **service))
-    return ServiceProcess(workdir, cfg, gpu, backend, env).start()
+    return ServiceProcess(workdir, cfg, gpu, backend, env, nofile).start()
 
 
 def _factory(base: Path) -> Iterator[Callable[..., ServiceProcess]]:
