@@ -48,17 +48,19 @@ def _checkpoint() -> Path:
     return ckpt
 
 
+def _config(ckpt: Path, dtype: str = "auto") -> str:
+    return ('[service]\nbackend = "host"\n\n'
+            f'[models.minilm]\npath = "{ckpt}"\ndtype = "{dtype}"\n'
+            'layouts = [{ tp = 1, gpus = [0] }, { tp = 1, gpus = [1] }]\n')
+
+
 @pytest.fixture(scope="module")
 def wc(container):
     """The container with a config placing the checkpoint on GPUs 0 and 1, and the test users."""
     from weightcache.journal import MESSAGE_IDS
 
     ckpt = _checkpoint()
-    container.write(
-        "/etc/weightcache/weightcache.toml",
-        '[service]\nbackend = "host"\n\n'
-        f'[models.minilm]\npath = "{ckpt}"\nlayouts = [{{ tp = 1, gpus = [0] }}, {{ tp = 1, gpus = [1] }}]\n',
-    )
+    container.write("/etc/weightcache/weightcache.toml", _config(ckpt))
     container.write("/etc/sysusers.d/weightcache-test.conf", SYSUSERS_TEST)
     container.run(["systemd-sysusers"])
     container.run(["systemctl", "daemon-reload"])  # the generator reads the new config
@@ -169,6 +171,20 @@ def good(answer: dict) -> bool:
 # -- tests --------------------------------------------------------------------------------------
 
 
+def test_enabling_the_target_listens_on_every_configured_gpu(box):
+    c = box
+    c.run(["systemctl", "enable", "--now", "weightcache.target"])
+    try:
+        # weightcache-generator linked one socket per GPU of the config into the target.
+        assert sorted(c.show("weightcache.target", "Wants")["Wants"].split()) == [
+            "weightcache@0.socket", "weightcache@1.socket"]
+        for gpu in (0, 1):
+            assert c.show(f"weightcache@{gpu}.socket", "ActiveState") == {"ActiveState": "active"}
+            assert c.show(f"weightcache@{gpu}.service", "ActiveState") == {"ActiveState": "inactive"}
+    finally:
+        c.run(["systemctl", "disable", "weightcache.target"])
+
+
 def test_first_connect_activates_the_service(box):
     c = box
     c.run(["systemctl", "start", "weightcache@0.socket"])
@@ -251,6 +267,26 @@ def test_stop_frees_the_store_and_the_next_start_loads_again(box):
     assert proc_io(c, pid)["rchar"] > c.ckpt_bytes
     assert len(journal(c, unit, "loaded", pid)) == 1
     assert journal(c, unit, "adopted", pid, want=0, timeout=0) == []
+
+
+def test_a_changed_config_drops_the_stored_slab_and_loads_again(box):
+    c, unit = box, "weightcache@0.service"
+    c.run(["systemctl", "start", unit])
+    c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt, dtype="float16"))
+    try:
+        c.run(["systemctl", "restart", unit])
+        pid = c.show(unit, "MainPID")["MainPID"]
+        # The stored slab's cache key names another dtype: dropped (FDSTOREREMOVE=1), not adopted.
+        assert journal(c, unit, "adopted", pid, want=0, timeout=0) == []
+        assert len(journal(c, unit, "loaded", pid)) == 1
+        assert proc_io(c, pid)["rchar"] > c.ckpt_bytes
+        assert c.show(unit, "NFileDescriptorStore") == {"NFileDescriptorStore": "2"}
+        assert len(stored_memfds(c)) == 2  # the stale slab was closed, the new one stored
+        answer = client(c, "alice", 0)
+        # The instance now holds only a float16 rank; an engine asking for the stored dtype is told so.
+        assert answer["ok"] is False and answer["code"] == "model_not_found", answer
+    finally:
+        c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt))
 
 
 def test_two_instances_are_independent(box):
