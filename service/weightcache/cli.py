@@ -90,8 +90,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 pass
 
 
+def _socket_dir(args: argparse.Namespace) -> str:
+    """``--socket-dir``, else ``$WEIGHTCACHE_SOCKET_DIR``, else the config's
+    ``[service] socket_dir`` (when the config loads), else ``/run/weightcache``."""
+    if args.socket_dir or os.environ.get("WEIGHTCACHE_SOCKET_DIR"):
+        return resolve_socket_dir(args.socket_dir)
+    try:
+        return load_config(None).service.socket_dir
+    except ConfigError:
+        return resolve_socket_dir(None)
+
+
 def _session(args: argparse.Namespace, gpu: int) -> Session:
-    path = os.path.join(resolve_socket_dir(args.socket_dir), f"{gpu}.sock")
+    path = os.path.join(_socket_dir(args), f"{gpu}.sock")
     return Session(path, timeout=args.timeout, client="weightcache-cli")
 
 
@@ -99,7 +110,7 @@ def _gpus(args: argparse.Namespace) -> list[int]:
     """GPU indices to ask: ``--gpu``, else every ``<N>.sock`` in the socket directory."""
     if args.gpu is not None:
         return [args.gpu]
-    d = resolve_socket_dir(args.socket_dir)
+    d = _socket_dir(args)
     try:
         found = sorted(int(f[:-5]) for f in os.listdir(d) if f.endswith(".sock") and f[:-5].isdigit())
     except FileNotFoundError:
@@ -108,7 +119,7 @@ def _gpus(args: argparse.Namespace) -> list[int]:
 
 
 def _no_sockets(args: argparse.Namespace) -> str:
-    return (f"no weightcache sockets in {resolve_socket_dir(args.socket_dir)} (is weightcache.target started? "
+    return (f"no weightcache sockets in {_socket_dir(args)} (is weightcache.target started? "
             f"set --socket-dir or $WEIGHTCACHE_SOCKET_DIR if the service listens elsewhere)")
 
 
@@ -470,8 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     def client_opts(sp: argparse.ArgumentParser, gpu: bool = True) -> None:
         if gpu:
             sp.add_argument("--gpu", type=int, default=None, help="only this GPU's instance (default: all sockets)")
-        sp.add_argument("--socket-dir", default=None, help="socket directory (default $WEIGHTCACHE_SOCKET_DIR or "
-                                                           "/run/weightcache)")
+        sp.add_argument("--socket-dir", default=None,
+                        help="socket directory (default $WEIGHTCACHE_SOCKET_DIR, else the config's "
+                             "[service] socket_dir, else /run/weightcache)")
         sp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each reply")
 
     sp = sub.add_parser("serve", help="run the service for one GPU (under systemd: weightcache@N.service)")
