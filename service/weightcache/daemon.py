@@ -20,7 +20,6 @@ may connect; per-model allow lists are checked against ``SO_PEERCRED``.
 
 from __future__ import annotations
 
-import array
 import errno
 import grp
 import hashlib
@@ -51,6 +50,7 @@ from .errors import (
     RemoteProtocolError,
     WeightcacheError,
 )
+from .fdpass import recv_with_fds, send_with_fds
 from .journal import event
 from .loader import LoaderOptions
 from .manifest import Manifest
@@ -406,23 +406,14 @@ class Daemon:
 
     def _recv(self, c: Client) -> None:
         try:
-            data, anc, flags, _ = c.sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS_IN * 4),
-                                                 socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+            data, fds = recv_with_fds(c.sock, RECV_BYTES, MAX_FDS_IN, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
+            return
+        except RemoteProtocolError as e:
+            self._violation(c, e)
             return
         except OSError:
             self._drop(c, "recv failed")
-            return
-        fds = []
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                arr = array.array("i")
-                arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
-                fds.extend(arr)
-        if flags & socket.MSG_CTRUNC:
-            for fd in fds:
-                os.close(fd)
-            self._violation(c, RemoteProtocolError("control data truncated: too many fds in one frame"))
             return
         if not data and not fds:
             self._drop(c, "peer closed")
@@ -461,10 +452,7 @@ class Daemon:
             return False
         try:
             data, fds = c.conn.send(msg, fds)
-            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-            n = c.sock.sendmsg([data], anc)
-            if n < len(data):
-                c.sock.sendall(data[n:])
+            send_with_fds(c.sock, data, fds)
             return True
         except (OSError, WeightcacheError) as e:
             self._drop(c, f"send failed: {e}")

@@ -206,14 +206,7 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
                     need = delta + t.length
                     span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN if opts.o_direct else need
                     mv = memoryview(bufs[b].numpy())[:span]
-                    got = 0
-                    while got < need:
-                        n = os.preadv(fd, [mv[got:]], lo + got)
-                        if n <= 0:
-                            raise CheckpointCorrupt(
-                                f"safetensors file {t.path} is truncated: tensor {t.tensor!r} needs bytes up to "
-                                f"{t.file_offset + t.length}", file=t.path, tensor=t.tensor)
-                        got += n
+                    _pread_exact(fd, mv, lo, need, t)
                     src = bufs[b][delta : delta + t.length]
                     dst = slab[t.slab_offset : t.slab_offset + t.length]
                     if cuda:

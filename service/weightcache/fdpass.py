@@ -1,0 +1,44 @@
+"""File descriptors over Unix sockets (``SCM_RIGHTS``), for the daemon and the client.
+
+Receives use ``MSG_CMSG_CLOEXEC`` and treat ``MSG_CTRUNC`` (more fds than the
+control buffer holds) as a protocol violation, closing whatever did arrive.
+The caller owns every fd returned.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+
+from .errors import RemoteProtocolError
+
+
+def recv_with_fds(sock: socket.socket, bufsize: int, max_fds: int, flags: int = 0) -> tuple[bytes, list[int]]:
+    """One ``recvmsg``: returns ``(data, fds)``; ``(b"", [])`` at EOF.
+
+    Raises:
+        RemoteProtocolError (`protocol_violation`): the control data was
+            truncated (the received fds are closed first).
+        OSError: from ``recvmsg`` (``BlockingIOError``, timeouts...).
+    """
+    data, anc, msg_flags, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(max_fds * 4), socket.MSG_CMSG_CLOEXEC | flags)
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+            fds.extend(arr)
+    if msg_flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise RemoteProtocolError(f"control data truncated: more than {max_fds} fds arrived with one read")
+    return data, fds
+
+
+def send_with_fds(sock: socket.socket, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+    """Sends all of ``data``; ``fds`` travel with its first byte."""
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    n = sock.sendmsg([data], anc)
+    if n < len(data):
+        sock.sendall(data[n:])
