@@ -265,17 +265,23 @@ class Container:
         r = self.run(["systemctl", "show", unit, *[f"-p{p}" for p in props]])
         return dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
 
-    def wait_for(self, unit: str, until, timeout: float = 60) -> dict[str, str]:
-        """Polls ``systemctl show`` until ``until(props)`` is true; returns those properties.
+    def wait_for(self, unit: str, until, values=None, timeout: float = 60) -> dict[str, str]:
+        """Polls ``systemctl show`` until a condition holds; returns the properties last read.
 
-        ``props`` holds ActiveState, SubState, Result, MainPID, NRestarts,
-        StatusText and NFileDescriptorStore. Readiness comes from systemd, never
-        from the logs.
+        Either ``wait_for(unit, "ActiveState", "active")`` (a property and one
+        value or a set of values) or ``wait_for(unit, predicate)``, where
+        ``predicate(props)`` sees ActiveState, SubState, Result, MainPID,
+        NRestarts, StatusText and NFileDescriptorStore. Readiness comes from
+        systemd, never from the logs.
         """
+        props = ["ActiveState", "SubState", "Result", "MainPID", "NRestarts", "StatusText", "NFileDescriptorStore"]
+        if isinstance(until, str):
+            prop, want = until, {values} if isinstance(values, str) else set(values)
+            props.append(prop)
+            until = lambda s: s.get(prop) in want  # noqa: E731
         deadline = time.monotonic() + timeout
         while True:
-            s = self.show(unit, "ActiveState", "SubState", "Result", "MainPID", "NRestarts", "StatusText",
-                          "NFileDescriptorStore")
+            s = self.show(unit, *props)
             if until(s):
                 return s
             if time.monotonic() > deadline:
