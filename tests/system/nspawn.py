@@ -271,10 +271,11 @@ class Container:
         Either ``wait_for(unit, "ActiveState", "active")`` (a property and one
         value or a set of values) or ``wait_for(unit, predicate)``, where
         ``predicate(props)`` sees ActiveState, SubState, Result, MainPID,
-        NRestarts, StatusText and NFileDescriptorStore. Readiness comes from
+        NRestarts, StatusText, NFileDescriptorStore and WatchdogTimestampMonotonic. Readiness comes from
         systemd, never from the logs.
         """
-        props = ["ActiveState", "SubState", "Result", "MainPID", "NRestarts", "StatusText", "NFileDescriptorStore"]
+        props = ["ActiveState", "SubState", "Result", "MainPID", "NRestarts", "StatusText", "NFileDescriptorStore",
+                 "WatchdogTimestampMonotonic"]
         if isinstance(until, str):
             prop, want = until, {values} if isinstance(values, str) else set(values)
             props.append(prop)

