@@ -21,7 +21,7 @@ Plain functions (``tests/gpu`` loads this file with
 :func:`start_service`, :func:`write_checkpoint`,
 :func:`llama_checkpoint`, :func:`big_checkpoint`, :func:`read_checkpoint`,
 :func:`compare_bytes`, :func:`record_figures`, :func:`proc_fds`,
-:func:`proc_rss_bytes`, :func:`raw_connect`.
+:func:`proc_rss_bytes`, :func:`raw_connect`, :func:`doomed_client`.
 
 Figures: each reliability scenario calls :func:`record_figures` once its
 assertions passed; they are merged into ``.cache/reliability.json``, from
@@ -386,6 +386,34 @@ def read_reply(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 
 
 HELLO = {"type": "hello", "protocol_version": 1, "client": "tests"}
+
+# A client that sends hello + attach and then never reads (nor takes the fd): the test SIGKILLs it.
+_DOOMED_CLIENT = r"""
+import json, socket, struct, sys, time
+path, model, wait_ms = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(path)
+def send(o):
+    b = json.dumps(o).encode()
+    s.sendall(struct.pack(">I", len(b)) + b)
+send({"type": "hello", "protocol_version": 1, "client": "doomed"})
+n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+s.recv(n, socket.MSG_WAITALL)
+send({"type": "attach", "model": model, "wait_ms": wait_ms})
+print("sent", flush=True)
+time.sleep(3600)
+"""
+
+
+def doomed_client(svc: "ServiceProcess", model: str, wait_ms: int) -> subprocess.Popen:
+    """Starts a raw client that sends ``hello`` and ``attach(model, wait_ms)``, then never reads.
+
+    Returns once the attach is on the wire; the caller kills it (``SIGKILL``) and reaps it.
+    """
+    p = subprocess.Popen([sys.executable, "-c", _DOOMED_CLIENT, svc.socket_path, model, str(wait_ms)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "sent"
+    return p
 
 
 # --- checkpoints ----------------------------------------------------------------

@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 
 from conftest import (  # noqa: E402
     big_checkpoint,
+    doomed_client,
     compare_bytes,
     llama_checkpoint,
     llama_config,
@@ -48,32 +49,8 @@ pytestmark = pytest.mark.timeout(180)
 MiB = 1 << 20
 RSS_SLACK_BYTES = 16 * MiB
 
-# A client that sends hello + attach and then never reads: killed with SIGKILL by the test.
-DOOMED_CLIENT = r"""
-import json, socket, struct, sys, time
-path, model, wait_ms = sys.argv[1], sys.argv[2], int(sys.argv[3])
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(path)
-def send(o):
-    b = json.dumps(o).encode()
-    s.sendall(struct.pack(">I", len(b)) + b)
-send({"type": "hello", "protocol_version": 1, "client": "doomed"})
-n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
-s.recv(n, socket.MSG_WAITALL)
-send({"type": "attach", "model": model, "wait_ms": wait_ms})
-print("sent", flush=True)
-time.sleep(3600)
-"""
-
-
-def _doomed(svc, model: str, wait_ms: int) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", DOOMED_CLIENT, svc.socket_path, model, str(wait_ms)],
-                         stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "sent"
-    return p
-
-
 def _kill(p: subprocess.Popen) -> None:
+    """SIGKILL a client and reap it."""
     p.send_signal(signal.SIGKILL)
     assert p.wait(30) == -signal.SIGKILL
 
@@ -106,7 +83,7 @@ def test_client_killed_while_waiting_and_mid_attach(daemon, tmp_path):
         svc = daemon({"big": big, "small": small})
 
         # 1. Killed while waiting for a load (the model is still loading when it dies).
-        waiter = _doomed(svc, "big", wait_ms=120_000)
+        waiter = doomed_client(svc, "big", wait_ms=120_000)
         assert svc.slab("big")["state"] in ("pending", "loading"), "precondition: big must still be loading"
         with ThreadPoolExecutor(2) as ex:
             f_big = ex.submit(attach, str(big), socket_dir=svc.socket_dir, fallback=False, timeout=120)
@@ -131,7 +108,7 @@ def test_client_killed_while_waiting_and_mid_attach(daemon, tmp_path):
         # 2. Killed mid-attach: its attach reply, with the slab fd, sits unread in its socket.
         kills = 5
         for _ in range(kills):
-            p = _doomed(svc, "small", wait_ms=10_000)
+            p = doomed_client(svc, "small", wait_ms=10_000)
             _poll(lambda: p.pid in _lease_pids(svc), "the doomed client's lease")
             _kill(p)
         after = svc.snapshot(others=1)
