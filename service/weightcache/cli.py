@@ -25,6 +25,8 @@ from .errors import ConfigError, DaemonUnavailable, LeaseBusy, WeightcacheError
 log = logging.getLogger("weightcache")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+#: sysexits.h EX_CONFIG: the unit's RestartPreventExitStatus=78 stops restart loops on a bad config.
+EXIT_CONFIG = 78
 
 
 def _human_bytes(n: float) -> str:
@@ -74,10 +76,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
         backend = _backend_for(cfg, args.backend, args.gpu)
-    except WeightcacheError as e:
+    except ConfigError as e:
         log.critical("configuration rejected code=%s error=%s", e.code, e.message)
         notify.notify(f"STATUS=configuration rejected: {e.message}")
-        return EXIT_USAGE
+        return EXIT_CONFIG
+    except WeightcacheError as e:  # e.g. the CUDA driver not ready yet: worth a restart
+        log.critical("start failed code=%s error=%s", e.code, e.message)
+        notify.notify(f"STATUS=start failed: {e.message}")
+        return EXIT_FAILED
     listener, bound = _listener(args, cfg, stored)
     d = Daemon(cfg, args.gpu, backend, listener, stored)
     try:

@@ -9,6 +9,7 @@ abstract namespace, fds as ``SCM_RIGHTS``). Outside systemd
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import socket
@@ -42,7 +43,8 @@ def notify(state: str, fds: list[int] | None = None) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
         try:
             if fds:
-                socket.send_fds(s, [state.encode()], list(fds), 0, addr)
+                # socket.send_fds() drops its address argument on Python 3.11: use sendmsg.
+                s.sendmsg([state.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], 0, addr)
             else:
                 s.sendto(state.encode(), addr)
         except OSError as e:

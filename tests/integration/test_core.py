@@ -230,7 +230,7 @@ def test_malformed_toml_fails_clearly(tmp_path):
     cfg.write_text("[models.a\npath = ")
     r = subprocess.run([WEIGHTCACHE, "serve", "--gpu", "0", "--config", str(cfg), "--listen", str(tmp_path / "s")],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
+    assert r.returncode == 78  # EX_CONFIG: systemd does not restart it (RestartPreventExitStatus=78)
     assert str(cfg) in r.stderr and "invalid TOML" in r.stderr
 
 
