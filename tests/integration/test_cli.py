@@ -450,9 +450,6 @@ def _serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], noti
             pass_fds=[stored[n] for n in names], stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-@pytest.mark.xfail(strict=True, reason="notify.notify() sends fds with socket.send_fds(), which ignores its address "
-                                       "argument on Python < 3.12 (ENOTCONN), so no slab reaches the fd store; see "
-                                       "the CLI helper's report for the one-line fix")
 def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path):
     """A restarted service re-adopts the stored slab; the CLI says so and verify still passes."""
     import socket as socketlib
