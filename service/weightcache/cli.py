@@ -1,8 +1,12 @@
 """Command line: ``weightcache serve|status|list|check-config|verify|evict|preload|wait``.
 
 Thin: each command parses arguments, talks to a service (or runs it) and
-prints. Exit status: 0 success, 1 a failed model or a refused request,
-2 bad usage or configuration, 3 no service.
+prints; the commands are documented in ``weightcache(8)`` and docs/, and
+tests/integration/test_cli.py drives each against live services. Exit status:
+0 success, 1 a failed model or a refused request, 2 bad usage or
+configuration, 3 no service (``serve``: 78 on an invalid configuration).
+Human output goes to stdout, diagnostics to stderr; ``--json`` output is the
+services' own status records.
 """
 
 from __future__ import annotations
