@@ -159,8 +159,11 @@ class Attachment:
         manifest (`Manifest`): the full manifest.
         source (`str`): ``"daemon"`` or ``"disk"``.
         fallback_reason (`str | None`): why the disk was used.
-        resident_bytes (`int`): bytes mapped or allocated for these tensors
-            outside the engine's own allocator (for KV-cache budgeting).
+        resident_bytes (`int`): bytes of the shared slab mapped into this
+            process outside the engine's own allocator (``torch.cuda.memory_allocated()``
+            does not see them): subtract them from the memory budget before
+            sizing the KV cache. 0 for the disk fallback and ``copy`` mode,
+            whose bytes live in torch's allocator.
     """
 
     tensors: dict[str, Any]
@@ -262,7 +265,9 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
     if mode not in ("zero_copy", "copy"):
         raise ValueError(f"mode must be 'zero_copy' or 'copy', got {mode!r}")
     is_path = os.path.isdir(model)
-    local_ck = Checkpoint(model) if is_path else None
+    # Headers and stat() only: the key needs no safetensors validation (the service validated at
+    # load, and the disk fallback's own plan() opens the checkpoint with it).
+    local_ck = Checkpoint(model, validate=False) if is_path else None
     if local_ck is not None:
         # Configuration errors are not cache misses: raise before talking to anyone.
         from . import quant
@@ -289,7 +294,7 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
     manifest, slab = load_from_disk(mc, tp_size, tp_rank, device)
     views = build_views(slab, manifest)
     return Attachment(views, {r.name: r.layout for r in manifest.tensors}, manifest, "disk", reason,
-                      manifest.slab_size_bytes, _slab=slab)
+                      0, _slab=slab)  # private memory inside torch's own allocator
 
 
 def _attach_daemon(model: str, local_ck: Checkpoint | None, sock_path: str, tp_size: int, tp_rank: int, device: str,
@@ -310,11 +315,19 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, sock_path: str, tp_s
         (fd,) = session.last_fds
         try:
             manifest = Manifest.from_json(reply.manifest)
-            ck = local_ck or Checkpoint(reply.checkpoint_path)
+            ck = local_ck or Checkpoint(reply.checkpoint_path, validate=False)
             mc = _model_config(str(ck.path), manifest.key.get("dtype", dtype) if local_ck is None else dtype,
                                manifest.key.get("naming", naming) if local_ck is None else naming,
                                kernel, revision=manifest.key.get("revision", ""))
-            expected = pipeline.cache_key(mc, tp_size, tp_rank, ck, device_info(device))
+            from .memory import get_backend
+
+            gpu_index = int(device.split(":", 1)[1]) if ":" in device else 0
+            # The backend that imports the slab describes the same device as device_info(device)
+            # when both are CUDA or both host: one driver setup per attach instead of two.
+            same = (reply.backend == "cuda") == device.startswith("cuda")
+            backend = get_backend(reply.backend, gpu_index) if same else None
+            expected = pipeline.cache_key(mc, tp_size, tp_rank, ck,
+                                          backend.device_info() if backend is not None else device_info(device))
             if local_ck is None:
                 expected["kernel"] = manifest.key.get("kernel", expected["kernel"])
             diff = pipeline.diff_keys(expected, manifest.key)
@@ -322,10 +335,11 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, sock_path: str, tp_s
                 raise CacheKeyMismatch(
                     f"service at {sock_path} holds a different {model!r}: differing key fields "
                     f"{', '.join(diff[:10])}", fields=diff, socket=sock_path)
-            from .memory import get_backend
-
-            backend = get_backend(reply.backend, int(device.split(":", 1)[1]) if ":" in device else 0)
-            slab = backend.import_fd(fd, manifest.slab_size_bytes, device)
+            if backend is None:
+                backend = get_backend(reply.backend, gpu_index)
+            # Map the whole shared allocation (memfd pages, or the 2 MiB-rounded VMM slab).
+            size = os.fstat(fd).st_size if reply.backend == "host" else manifest.slab_size_bytes
+            slab = backend.import_fd(fd, size, device)
         finally:
             os.close(fd)
         views = build_views(slab.tensor, manifest)
@@ -334,9 +348,9 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, sock_path: str, tp_s
             views = _copy_views(views)
             session.close()
             slab.close()
-            return Attachment(views, layouts, manifest, "daemon", None, manifest.slab_size_bytes,
+            return Attachment(views, layouts, manifest, "daemon", None, 0,
                               lease_id=reply.lease_id)
-        return Attachment(views, layouts, manifest, "daemon", None, manifest.slab_size_bytes, session, slab,
+        return Attachment(views, layouts, manifest, "daemon", None, slab.size_bytes, session, slab,
                           reply.lease_id)
     except BaseException:
         session.close()

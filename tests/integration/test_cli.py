@@ -324,8 +324,6 @@ def test_attachment_resident_bytes_equals_the_slab_size(capsys, services):
         assert len({t.untyped_storage().data_ptr() for t in w.tensors.values()}) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="client reports manifest.slab_size_bytes, the service holds the page-rounded "
-                                       "memfd (status resident_bytes); see the CLI helper's report for the fix")
 def test_attachment_resident_bytes_equals_the_services_slab(capsys, services):
     with attach(str(minilm_path()), socket_dir=str(services.socket_dir), gpu=0, fallback=False) as w:
         rc, out, _ = cli(capsys, "status", "--json", "--gpu", "0", *sock(services))

@@ -139,7 +139,7 @@ def test_attached_tensors_byte_identical_to_checkpoint_and_fallback(service, tmp
         assert set(w.tensors) == set(ref)
         for k, t in ref.items():
             assert w.tensors[k].dtype == t.dtype and torch.equal(w.tensors[k], t), k
-        assert w.resident_bytes == w.manifest.slab_size_bytes >= sum(t.numel() * t.element_size() for t in ref.values())
+        assert w.resident_bytes >= w.manifest.slab_size_bytes >= sum(t.numel() * t.element_size() for t in ref.values())
     fb = attach(str(minilm()), socket_dir=str(tmp_path / "none"), fallback=True)
     assert fb.source == "disk" and "daemon_unavailable" in fb.fallback_reason
     assert all(torch.equal(fb.tensors[k], ref[k]) for k in ref)
