@@ -294,8 +294,15 @@ class Daemon:
             slot.total_bytes = pl.payload_bytes
             writable = self.backend.allocate(pl.slab_size_bytes, p.label)
 
+            limit_s = self.config.service.load_timeout_s
+
             def progress(done: int, total: int) -> None:
                 slot.done_bytes = done
+                if time.monotonic() - slot.started_at > limit_s:
+                    raise ModelLoadFailed(
+                        f"model {p.model.name}: load exceeded service.load_timeout_s = {limit_s:g} s "
+                        f"({done}/{total} bytes read); raise it in {self.config.files[0] if self.config.files else 'the config'}",
+                        model=p.model.name, cause="timeout")
 
             opts = LoaderOptions(threads=self.config.service.read_threads,
                                  staging_bytes=self.config.service.staging_bytes)
@@ -614,7 +621,9 @@ class Daemon:
         elif slot.state == "failed":
             e = slot.error
             raise ModelLoadFailed(f"model {p.model.name} ({p.label}) failed to load: {e.message}",
-                                  model=p.model.name, cause=e.code, cause_details=e.details)
+                                  model=p.model.name,
+                                  cause=e.details.get("cause", e.code) if isinstance(e, ModelLoadFailed) else e.code,
+                                  cause_details=e.details)
         elif slot.state == "evicted":
             raise ModelLoadFailed(f"model {p.model.name} ({p.label}) was evicted; run `weightcache preload "
                                   f"{p.model.name}` to load it again", model=p.model.name, cause="evicted")
