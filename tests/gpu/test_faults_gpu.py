@@ -133,6 +133,7 @@ def test_verify_reports_change_through_read_write_remap(service, tmp_path):
     from weightcache.manifest import Manifest
     from weightcache.memory.cuda import CudaBackend, _map_fd  # a deliberate read-write import (test only)
 
+    t0 = time.monotonic()
     a = H.llama_checkpoint(tmp_path / "a", seed=63, hidden=256, inter=512, vocab=512)
     svc = service({"a": a})
     svc.wait_settled()
@@ -169,7 +170,7 @@ def test_verify_reports_change_through_read_write_remap(service, tmp_path):
         "gpu.verify_detects_remap_write", "cuda: verify reports a change made through a read-write remap",
         "16 bytes flipped through a PROT_READWRITE import of the slab fd -> verify names exactly that tensor, "
         "`weightcache verify` exits 1 naming it; evict + preload restores a clean slab",
-        backend="cuda", clients=1, faults_injected=1, bytes_changed=16)
+        backend="cuda", clients=1, faults_injected=1, bytes_changed=16, duration_s=round(time.monotonic() - t0, 2))
 
 
 def _sparse_checkpoint(dest: Path, size_bytes: int) -> Path:

@@ -543,6 +543,16 @@ def compare_bytes(got: dict[str, Any], expected: dict[str, Any]) -> int:
 # --- figures ----------------------------------------------------------------------
 
 
+_TEST_STARTED = [0.0]
+
+
+@pytest.fixture(autouse=True)
+def _figures_clock():
+    """Notes when each test's body starts, for the ``duration_s`` of :func:`record_figures`."""
+    _TEST_STARTED[0] = time.monotonic()
+    yield
+
+
 def record_figures(scenario: str, title: str, checks: str, backend: str = "host", **figures: Any) -> None:
     """Merges one scenario's figures into ``.cache/reliability.json`` (call after its assertions passed).
 
@@ -551,8 +561,11 @@ def record_figures(scenario: str, title: str, checks: str, backend: str = "host"
         title (`str`): one line for the report.
         checks (`str`): what the test asserts.
         **figures: ``clients``, ``duration_s``, ``frames_tried``, ``faults_injected``,
-            ``bytes_compared`` and any other number worth reporting.
+            ``bytes_compared`` and any other number worth reporting. ``duration_s``
+            defaults to the time since the test's body started (fixture setup excluded).
     """
+    if "duration_s" not in figures and _TEST_STARTED[0]:
+        figures["duration_s"] = round(time.monotonic() - _TEST_STARTED[0], 2)
     RELIABILITY_JSON.parent.mkdir(parents=True, exist_ok=True)
     with open(RELIABILITY_JSON.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -108,7 +108,7 @@ def test_connection_huge_length_prefix_rejected_at_once(n):
     assert conn.state == protocol.CLOSED
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(tag=st.sampled_from(KNOWN_TAGS) | st.text(max_size=12), fields=st.dictionaries(
     st.sampled_from(["model", "tp_size", "tp_rank", "wait_ms", "lease_id", "force", "client", "protocol_version",
                      "dtype", "naming", "mode", "fd_count", "status", "code"]) | st.text(max_size=8),
