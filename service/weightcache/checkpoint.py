@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,16 @@ class Checkpoint:
             except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointCorrupt(f"index {index} is invalid: {e}", file=str(index)) from None
             files = sorted(set(weight_map.values()))
+            for stray in sorted(self.path.glob("*-of-*.safetensors")):
+                if stray.name not in files and re.fullmatch(r".+-\d+-of-\d+\.safetensors", stray.name):
+                    _, stray_header, _ = _read_header(stray)
+                    names = sorted(k for k in stray_header if k != "__metadata__")
+                    raise CheckpointCorrupt(
+                        f"shard {stray} is in the checkpoint directory but {index} does not list it, so its "
+                        f"{len(names)} tensors (e.g. {names[0] if names else '-'!r}) would be missing; regenerate "
+                        f"the index or remove the stray shard",
+                        file=stray.name, tensor=names[0] if names else None, index=str(index),
+                    )
         else:
             files = sorted(f.name for f in self.path.glob("*.safetensors"))
         if not files:

@@ -496,7 +496,10 @@ class Daemon:
 
     def _on_hello(self, c: Client, msg: protocol.Hello) -> None:
         if msg.protocol_version != protocol.PROTOCOL_VERSION:
-            log.warning("rejected hello peer_pid=%d protocol_version=%d", c.pid, msg.protocol_version)
+            self._violation(c, RemoteProtocolError(
+                f"protocol version {msg.protocol_version} is not supported; this service speaks "
+                f"{protocol.PROTOCOL_VERSION}: upgrade the client or the service", field="protocol_version"))
+            return
         self._send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, self.gpu, self.device.get("gpu_uuid", ""),
                                           self.backend.name, ["attach", "release", "status", "list", "verify",
                                                               "evict", "preload", "wait"]))

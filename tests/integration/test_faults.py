@@ -334,8 +334,6 @@ def test_data_corruption_is_served_as_read_and_verify_is_clean(bad_service):
         clients=1, faults_injected=1, bytes_compared=n)
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint.py ignores *-of-N shards the index does not list "
-                                       "(fix proposed in the issue 7 report)")
 def test_shard_missing_from_index_fails(bad_service):
     svc, _, want = bad_service
     sl = svc.slab("unlisted_shard")
