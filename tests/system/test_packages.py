@@ -137,7 +137,7 @@ def test_deb_builds_and_lintian_has_no_errors(deb):
     assert "Architecture: all" in fields
     assert "torch" not in fields  # the runtime venv has torch, not Debian
 
-    r = _run(["lintian", "--allow-root", "--no-tag-display-limit", str(deb)], check=False)
+    r = _run(["lintian", "--allow-root", "--tag-display-limit", "0", str(deb)], check=False)
     tags = (r.stdout + r.stderr).splitlines()
     errors = [t for t in tags if t.startswith("E:")]
     assert errors == [], "\n".join(tags)
