@@ -9,7 +9,8 @@
 3. A debootstrap'd Debian 12 rootfs (cached in ``.cache/``) booted with
    ``systemd-nspawn`` (systemd 252 as PID 1): ``dpkg -i`` creates the user and
    group, installs units and generator and enables ``weightcache.target``;
-   with a test config and the runtime in place, ``weightcache@0.socket``
+   without a runtime, ``weightcache@0.service`` fails with exit status 78 and
+   a status text naming ``weightcache-setup-runtime``; with a test config and the runtime in place, ``weightcache@0.socket``
    listens as ``weightcache:weightcache-clients`` mode 0660, a member of
    ``weightcache-clients`` attaches to the real all-MiniLM-L6-v2 checkpoint
    and gets its exact bytes, a non-member is refused; ``dpkg --purge`` removes
@@ -22,7 +23,8 @@ and named in ``/etc/default/weightcache`` with
 interpreter"), so the daemon and the client run the *packaged* weightcache,
 not the tree's editable install. ``weightcache-setup-runtime`` itself runs
 with an empty requirements file (no network): it proves the venv it makes
-sees the packaged weightcache through ``--system-site-packages``.
+sees the packaged weightcache through ``--system-site-packages`` (and, made
+from the pyenv interpreter, through the ``.pth`` it writes).
 """
 
 from __future__ import annotations
@@ -291,9 +293,15 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
     assert "/etc/weightcache/weightcache.toml" in c.run(
         ["dpkg-query", "-W", "-f=${Conffiles}", "weightcache"]).stdout
 
-    # No runtime yet: the command says how to make one.
+    # No runtime yet: the command and the unit say how to make one.
     r = c.run(["weightcache", "status"], check=False)
     assert r.returncode == 78 and "weightcache-setup-runtime" in r.stderr, (r.returncode, r.stderr)
+    c.run(["systemctl", "start", "weightcache@0.service"], check=False)
+    s = c.wait_for("weightcache@0.service", "ActiveState", "failed", timeout=30)
+    assert "weightcache-setup-runtime" in s["StatusText"], s
+    assert c.show("weightcache@0.service", "ExecMainStatus")["ExecMainStatus"] == "78"
+    c.run(["systemctl", "stop", "weightcache@0.socket"])
+    c.run(["systemctl", "reset-failed", "weightcache@0.service"])
 
     # -- the runtime, a config, two users ------------------------------------------------------
     c.write("/etc/default/weightcache", f"WEIGHTCACHE_PYTHON={RUNTIME_PY}\nPYTHONPATH={PKG_PYTHONPATH}\n")
@@ -336,6 +344,10 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
     # ... as the weightcache user.
     assert c.show("weightcache@0.service", "User")["User"] == "weightcache"
 
+    # The command line, for a member, through /usr/bin/weightcache and the runtime.
+    r = c.run(_as("alice", "weightcache", "list", "--gpu", "0"), env={"HOME": "/tmp"})
+    assert "minilm" in r.stdout, r.stdout
+
     # -- a user outside the group is refused by the socket's mode ------------------------------
     r = c.run(_as("bob", "/usr/bin/python3", "-c",
                   "import socket\ns = socket.socket(socket.AF_UNIX)\n"
@@ -356,6 +368,16 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
                "import sys, weightcache, systemd.daemon; print(weightcache.__file__); print(sys.prefix)"])
     assert r.stdout.split() == ["/usr/lib/python3/dist-packages/weightcache/__init__.py", "/opt/weightcache/venv"]
     assert c.path("/opt/weightcache/venv/.weightcache-runtime").is_file()
+    # An interpreter that does not see Debian's dist-packages (the runtime's pyenv base) gets a
+    # .pth naming /usr/lib/weightcache/python.
+    c.run(["weightcache-setup-runtime", "--python", os.path.realpath(RUNTIME_PY), "--prefix", "/srv/wc-venv",
+           "--wheelhouse", "/var/tmp/wheelhouse", "--requirements", "/var/tmp/no-requirements.txt",
+           "--no-verify"], timeout=120)
+    r = c.run(["/srv/wc-venv/bin/python", "-c", "import weightcache; print(weightcache.__file__)"])
+    assert r.stdout.strip() == f"{PKG_PYTHONPATH}/weightcache/__init__.py", r.stdout
+    # A directory it did not make is refused, not overwritten.
+    r = c.run(["weightcache-setup-runtime", "--prefix", "/var/tmp", "--no-verify"], check=False)
+    assert r.returncode == 1 and "--force" in r.stderr, (r.returncode, r.stderr)
 
     # -- dpkg --purge: files, generated links, conffiles, state ---------------------------------
     c.run(["dpkg", "--purge", "weightcache"], timeout=120)
