@@ -29,6 +29,7 @@ from the pyenv interpreter, through the ``.pth`` it writes).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -40,10 +41,11 @@ import time
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from nspawn import REPO, Container, python_binds
 
-pytestmark = [pytest.mark.system, pytest.mark.slow]
 
 VERSION = "0.1.0"
 # What the package build reads from the tree (copied to a temporary directory).
@@ -114,9 +116,42 @@ def deb(tmp_path_factory) -> Path:
     return out
 
 
+# -- (0) the runtime pins ----------------------------------------------------------------------
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (REPO / "packaging" / "runtime-requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier  # exactly one "==" per line
+            assert spec.operator == "==", line
+            pins[canonicalize_name(req.name)] = spec.version
+    return pins
+
+
+def test_runtime_requirements_pin_every_dependency():
+    """weightcache-setup-runtime installs what the package needs: every dependency of
+    pyproject.toml (and its ``cuda`` extra) whose marker holds, plus numpy (torch does not
+    require it; the host paths call ``Tensor.numpy()``), each pinned with ``==``."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = {"numpy"}
+    for dep in [*project["dependencies"], *project.get("optional-dependencies", {}).get("cuda", [])]:
+        req = Requirement(dep)
+        if req.marker is None or req.marker.evaluate():
+            wanted.add(canonicalize_name(req.name))
+    pins = _pins()
+    assert sorted(wanted - set(pins)) == []
+
+
 # -- (1) the .deb -----------------------------------------------------------------------------
 
 
+@pytest.mark.system
+@pytest.mark.slow
 def test_deb_builds_and_lintian_has_no_errors(deb):
     contents = _run(["dpkg-deb", "-c", str(deb)]).stdout
     paths = {line.split()[5].removeprefix(".") for line in contents.splitlines()}
@@ -148,6 +183,8 @@ def test_deb_builds_and_lintian_has_no_errors(deb):
 # -- (2) the RPM, smoke-built with the macro shim ------------------------------------------
 
 
+@pytest.mark.system
+@pytest.mark.slow
 def test_rpm_smoke_build(tmp_path):
     reason = _missing("rpmbuild", "rpm")
     if reason:
@@ -249,29 +286,36 @@ def _existing(c: Container, *paths: str) -> list[str]:
     return [p for p in paths if os.path.lexists(c.path(p))]
 
 
-@pytest.mark.timeout(900)
-def test_deb_lifecycle_under_systemd(deb, tmp_path):
+@contextlib.contextmanager
+def _debian_box(deb: Path, tmp_path: Path, binds_ro=()):
+    """A fresh Debian 12 rootfs with the .deb and wc_client.py in /var/tmp, booted; removed afterwards."""
     reason = _missing("debootstrap", "systemd-nspawn", "nsenter", "tar")
     if reason:
         pytest.skip(reason)
-    if not RUNTIME_PY.exists():
-        pytest.skip(f"no runtime: {RUNTIME_PY} is missing (make setup)")
-    ckpt = _checkpoint()
     root = tmp_path / "rootfs"
     root.mkdir()
     try:
         _run(["tar", "-C", str(root), "--numeric-owner", "-xf", str(_rootfs_tarball())], timeout=300)
         shutil.copy(deb, root / "var/tmp/weightcache.deb")
         shutil.copy(Path(__file__).with_name("wc_client.py"), root / "var/tmp/wc_client.py")
-        # The runtime's base interpreter is bind-mounted below /root (pyenv): the
-        # weightcache user and the test users must be able to traverse it.
+        # A runtime interpreter bind-mounted below /root (pyenv) must be reachable by the
+        # weightcache user and the test users.
         (root / "root").chmod(0o755)
-        venv = REPO / ".venv"
-        box = Container(f"wcpkg-{os.getpid()}", binds_ro=[venv, *python_binds(RUNTIME_PY)], directory=str(root))
-        with box as c:
-            _lifecycle(c, ckpt)
+        with Container(f"wcpkg-{os.getpid()}", binds_ro=list(binds_ro), directory=str(root)) as c:
+            yield c
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.system
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_deb_lifecycle_under_systemd(deb, tmp_path):
+    if not RUNTIME_PY.exists():
+        pytest.skip(f"no runtime: {RUNTIME_PY} is missing (make setup)")
+    ckpt = _checkpoint()
+    with _debian_box(deb, tmp_path, [REPO / ".venv", *python_binds(RUNTIME_PY)]) as c:
+        _lifecycle(c, ckpt)
 
 
 def _lifecycle(c: Container, ckpt: Path) -> None:
@@ -404,3 +448,71 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
     assert left == [], left
     r = c.run(["dpkg-query", "-W", "-f=${db:Status-Status}", "weightcache"], check=False)
     assert r.stdout.strip() in ("", "not-installed"), r.stdout
+
+
+def _wheelhouse() -> Path:
+    """Wheels of ``runtime-requirements.txt``: ``$WEIGHTCACHE_TEST_WHEELHOUSE``, else built once
+    into ``.cache/wheelhouse-<hash>`` with the tree's pip; skipped when torch is not available as
+    a local wheel (pip's find-links), so that the test never downloads a multi-GB CUDA torch."""
+    given = os.environ.get("WEIGHTCACHE_TEST_WHEELHOUSE")
+    if given:
+        return Path(given)
+    req = REPO / "packaging" / "runtime-requirements.txt"
+    out = REPO / ".cache" / f"wheelhouse-{hashlib.sha256(req.read_bytes()).hexdigest()[:12]}"
+    if out.is_dir():
+        return out
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    pip = [str(RUNTIME_PY), "-m", "pip", "--disable-pip-version-check"]
+    try:
+        # pip's own configuration (find-links, indexes) applies: the caller's environment, not CLEAN_ENV.
+        r = subprocess.run([*pip, "download", "--no-deps", "--no-index", "-q", "-d", str(tmp),
+                            f"torch=={_pins()['torch']}"], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            pytest.skip(f"torch=={_pins()['torch']} is not a local wheel (pip find-links); set "
+                        f"WEIGHTCACHE_TEST_WHEELHOUSE to a wheelhouse made with: pip wheel -w DIR -r {req}")
+        r = subprocess.run([*pip, "wheel", "-q", "-w", str(tmp), "-r", str(req)], capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, f"pip wheel -r {req} failed:\n{r.stderr[-4000:]}"
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@pytest.mark.system
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_deb_with_runtime_from_setup_command(deb, tmp_path):
+    """The production path: the service runs from /opt/weightcache/venv made by
+    ``weightcache-setup-runtime --wheelhouse`` (offline, the real pins), Debian's python3."""
+    ckpt = _checkpoint()
+    wheelhouse = _wheelhouse()
+    venv_py = "/opt/weightcache/venv/bin/python"
+    with _debian_box(deb, tmp_path, [wheelhouse]) as c:
+        shutil.copytree(ckpt, c.path("/srv/models/minilm"))
+        c.run(["dpkg", "-i", "/var/tmp/weightcache.deb"], timeout=120)
+        r = c.run(["weightcache-setup-runtime", "--wheelhouse", str(wheelhouse)], timeout=600)
+        assert "runtime ok" in r.stdout, r.stdout
+        assert c.run([venv_py, "-c", "import weightcache; print(weightcache.__file__)"]).stdout.strip() == \
+            "/usr/lib/python3/dist-packages/weightcache/__init__.py"
+
+        c.write("/etc/weightcache/weightcache.toml",
+                '[service]\nbackend = "host"\n\n[models.minilm]\npath = "/srv/models/minilm"\n')
+        c.write("/etc/sysusers.d/weightcache-test.conf",
+                'u alice - "weightcache test client"\nm alice weightcache-clients\n')
+        c.run(["systemd-sysusers"])
+        c.run(["systemctl", "daemon-reload"])
+        c.run(["systemctl", "restart", "weightcache.target"])
+        c.wait_for("weightcache@0.socket", "SubState", "listening", timeout=30)
+
+        r = c.run(_as("alice", venv_py, "/var/tmp/wc_client.py", "/srv/models/minilm", "0"), check=False,
+                  timeout=180, env={"HOME": "/tmp"})
+        assert r.stdout.strip(), f"client printed nothing (exit {r.returncode}): {r.stderr[-3000:]}"
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got["ok"] and got["source"] == "daemon" and got["equal"] and got["tensors"] == 104, got
+        svc = c.wait_for("weightcache@0.service", "ActiveState", "active", timeout=60)
+        cmdline = c.path(f"/proc/{svc['MainPID']}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[:5] == [venv_py.encode(), b"-m", b"weightcache", b"serve", b"--gpu"], cmdline
+
+        c.run(["dpkg", "--purge", "weightcache"], timeout=120)
+        assert _existing(c, "/opt/weightcache", "/etc/weightcache", "/var/lib/weightcache") == []
