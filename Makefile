@@ -7,7 +7,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 APT_PKGS := libsystemd-dev pkg-config systemd-container debootstrap \
             dpkg-dev debhelper dh-python pybuild-plugin-pyproject python3-all \
-            python3-setuptools lintian rpm fakeroot
+            python3-setuptools lintian rpm fakeroot build-essential
 STAMP_APT  := .cache/apt.stamp
 STAMP_VENV := $(VENV)/.stamp
 
