@@ -13,7 +13,9 @@
    a status text naming ``weightcache-setup-runtime``; with a test config and the runtime in place, ``weightcache@0.socket``
    listens as ``weightcache:weightcache-clients`` mode 0660, a member of
    ``weightcache-clients`` attaches to the real all-MiniLM-L6-v2 checkpoint
-   and gets its exact bytes, a non-member is refused; ``dpkg --purge`` removes
+   and gets its exact bytes, a non-member is refused; reinstalling (an
+   upgrade) restarts the instance, which keeps its weights in systemd's fd
+   store; ``dpkg --purge`` removes
    the files, the generated links, the conffiles and the generated state.
 
 The runtime in (3) is the repository's own ``.venv`` (a pyenv interpreter),
@@ -402,6 +404,20 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
               env=env)
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["ok"] is False and got["code"] == "daemon_unavailable", got
+
+    # -- an upgrade (the same .deb again) restarts the instance; it takes the weights back ------
+    # from systemd's fd store, and engines attach as before.
+    before = c.show("weightcache@0.service", "MainPID", "NFileDescriptorStore")
+    assert int(before["NFileDescriptorStore"]) >= 1, before
+    c.run(["dpkg", "-i", "/var/tmp/weightcache.deb"], timeout=120)
+    after = c.wait_for("weightcache@0.service", "ActiveState", "active", timeout=60)
+    assert after["MainPID"] != before["MainPID"], (before, after)
+    assert c.show("weightcache@0.service", "NFileDescriptorStore") == {
+        "NFileDescriptorStore": before["NFileDescriptorStore"]}
+    r = c.run(_as("alice", str(RUNTIME_PY), "/var/tmp/wc_client.py", str(ckpt), "0"), check=False, timeout=180,
+              env=env)
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["ok"] and got["source"] == "daemon" and got["equal"], got
 
     # -- weightcache-setup-runtime (offline, empty requirements): the venv sees the package ------
     c.write("/var/tmp/no-requirements.txt", "# nothing: the test checks the venv, not PyPI\n")
