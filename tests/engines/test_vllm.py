@@ -19,7 +19,11 @@ integration tests' harness). What is shown:
 - service stopped (killed, its socket left behind): ``fallback: true`` gives
   the same tokens and logs the reason in vLLM's log; ``fallback: false``
   fails with the client's ``daemon_unavailable``;
-- an unknown extra-config key fails with ``config_invalid``.
+- an unknown extra-config key fails with ``config_invalid``;
+- (``slow``, ``make test-vllm-full``) tensor parallelism 2: each worker
+  attaches its own rank's shard, held by the service in vLLM's naming (fused
+  ``qkv_proj``/``gate_up_proj``), and the tokens equal the default loader's
+  at TP 2.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def run_engine(model: Path, *, load_format: str | None = None, extra: dict | None = None,
-               dtype: str = "float32", multiprocess: bool = False) -> tuple[dict, str]:
+               dtype: str = "float32", multiprocess: bool = False, tp: int = 1) -> tuple[dict, str]:
     """Runs one engine in a subprocess; returns ``(result, output)``.
 
     ``output`` is its stdout and stderr: vLLM's log handler writes to stdout.
@@ -64,8 +68,12 @@ def run_engine(model: Path, *, load_format: str | None = None, extra: dict | Non
     ``result`` is ``{"tokens": [[...]]}`` or ``{"error": {"type", "code", "message"}}``.
     """
     job = {"model": str(model), "dtype": dtype, "load_format": load_format, "extra": extra,
-           "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-    env = harness.service_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"})
+           "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "tensor_parallel_size": tp}
+    extra_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    if tp > 1:
+        # One OpenMP core per CPU worker: vLLM's automatic binding wants a NUMA node per worker.
+        extra_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    env = harness.service_env(extra_env)
     p = subprocess.run([sys.executable, str(RUNNER), json.dumps(job)], capture_output=True, text=True,
                        env=env, timeout=ENGINE_TIMEOUT_S, stdin=subprocess.DEVNULL)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -263,3 +271,22 @@ def test_checkpoint_form_undoes_the_fp8_kernel_layout(fp8: Path):
         assert got.dtype == t.dtype and tuple(got.shape) == tuple(t.shape), name
         assert torch.equal(got.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)), name
     assert transposed == 14  # 7 linears x 2 layers
+
+
+@pytest.mark.slow
+def test_tp2_each_worker_attaches_its_rank(workdir, llama):
+    svc = harness.start_service(workdir / "tp2", {"llama_tp2": {"path": llama, "naming": "vllm",
+                                                               "layouts": [{"tp": 2, "gpus": [0, 0]}]}})
+    try:
+        st = svc.wait_settled()
+        assert sorted((s["tp_rank"], s["state"]) for s in st["slabs"]) == [(0, "ready"), (1, "ready")], svc.log()
+        expected = tokens_of(*run_engine(llama, multiprocess=True, tp=2))
+        result, out = run_engine(llama, load_format="weightcache", multiprocess=True, tp=2,
+                                 extra={"socket_dir": svc.socket_dir, "fallback": False})
+        assert tokens_of(result, out) == expected
+        attached = sorted(log_lines(out, "weightcache attached"), key=lambda ln: "tp_rank=1" in ln)
+        assert len(attached) == 2, out[-4000:]
+        for rank, line in enumerate(attached):
+            assert "source=daemon" in line and "tp_size=2" in line and f"tp_rank={rank}" in line
+    finally:
+        svc.kill()

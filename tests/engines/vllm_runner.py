@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
         kwargs["model_loader_extra_config"] = job.get("extra") or {}
     try:
         llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
-                  skip_tokenizer_init=True, max_model_len=int(job.get("max_model_len", 64)), max_num_seqs=4, seed=0, **kwargs)
+                  skip_tokenizer_init=True, max_model_len=int(job.get("max_model_len", 64)), max_num_seqs=4, seed=0,
+                  tensor_parallel_size=int(job.get("tensor_parallel_size", 1)), **kwargs)
     except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on the code
         print("RESULT " + json.dumps({"error": _error_info(e)}), flush=True)
         return 0
