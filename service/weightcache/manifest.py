@@ -10,7 +10,6 @@ Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,14 +104,27 @@ class TensorRecord:
     alias_of: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["shape"] = list(self.shape)
-        d["stride"] = list(self.stride)
-        return d
+        # Field order of the dataclass, as dataclasses.asdict gives it; built by
+        # hand because asdict's generic deep copy dominated the service's
+        # attach reply for manifests of hundreds of tensors.
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "stride": list(self.stride),
+            "offset_bytes": self.offset_bytes,
+            "size_bytes": self.size_bytes,
+            "digest": self.digest,
+            "layout": _plain_copy(self.layout),
+            "alias_of": self.alias_of,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TensorRecord":
-        return cls(
+        # Same values as cls(...), without the frozen dataclass __init__ (one
+        # object.__setattr__ per field): this runs once per tensor per attach.
+        rec = _new(cls)
+        rec.__dict__.update(
             name=d["name"],
             dtype=d["dtype"],
             shape=tuple(d["shape"]),
@@ -123,6 +135,7 @@ class TensorRecord:
             layout=dict(d.get("layout", {})),
             alias_of=d.get("alias_of"),
         )
+        return rec
 
 
 @dataclass(frozen=True)
@@ -172,6 +185,18 @@ class Manifest:
         raise KeyError(name)
 
 
+_new = object.__new__
+
+
+def _plain_copy(v: Any) -> Any:
+    """Deep copy of JSON-like data (dicts, lists, tuples, scalars), like ``dataclasses.asdict``."""
+    if isinstance(v, dict):
+        return {k: _plain_copy(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain_copy(x) for x in v)
+    return v
+
+
 def digest_bytes(buf) -> str:
     """blake2b (16-byte) hex digest of a bytes-like object or a CPU uint8 tensor."""
     if hasattr(buf, "numpy"):
@@ -192,14 +217,28 @@ def build_views(slab, manifest: Manifest) -> dict[str, Any]:
         slab's mapping does (for an attach: until the session is closed). Tied
         aliases map to the very same tensor object as their target.
     """
+    # One as_strided per tensor over a whole-slab view per dtype (instead of
+    # slice + view + as_strided): the per-tensor Python/dispatcher cost is what
+    # an attach of hundreds of tensors pays.
     out: dict[str, Any] = {}
+    typed: dict[str, tuple[Any, int, int]] = {}
+    aliases = []
+    n_bytes = slab.numel()
     for rec in manifest.tensors:
         if rec.alias_of is not None:
+            aliases.append(rec)
             continue
-        raw = slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes]
-        flat = raw.view(torch_dtype(rec.dtype))
-        out[rec.name] = flat.as_strided(rec.shape, rec.stride)
-    for rec in manifest.tensors:
-        if rec.alias_of is not None:
-            out[rec.name] = out[rec.alias_of]
+        t = typed.get(rec.dtype)
+        if t is None:
+            size = DTYPES[rec.dtype][1]
+            flat = slab[: n_bytes - n_bytes % size].view(torch_dtype(rec.dtype))
+            t = typed[rec.dtype] = (flat, size, flat.storage_offset())
+        flat, size, base = t
+        if rec.offset_bytes % size:
+            raw = slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes]
+            out[rec.name] = raw.view(torch_dtype(rec.dtype)).as_strided(rec.shape, rec.stride)
+        else:
+            out[rec.name] = flat.as_strided(rec.shape, rec.stride, base + rec.offset_bytes // size)
+    for rec in aliases:
+        out[rec.name] = out[rec.alias_of]
     return out

@@ -290,6 +290,9 @@ def encode(msg: Message) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -304,7 +307,10 @@ def decode(body: bytes) -> tuple[Message, int]:
     try:
         obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
         # Lone surrogates ("\ud800") parse but cannot be encoded again (e.g. echoed in an error).
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        # Valid UTF-8 cannot hold a surrogate, so one can only come from a \uD800-\uDFFF
+        # escape; re-encode (as costly as the parse) only when the body has one.
+        if _SURROGATE_ESCAPE.search(body):
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except (UnicodeError, ValueError) as e:
         raise RemoteProtocolError(f"frame is not valid UTF-8 JSON: {e}") from None
     except RecursionError:
