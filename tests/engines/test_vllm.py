@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -108,6 +109,7 @@ _ORIG_FP8_CONFIG = fp8_fixtures.tiny_llama_config
 def workdir():
     d = Path(tempfile.mkdtemp(prefix="wc-vllm-", dir="/tmp"))  # Unix socket paths must stay short
     yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -132,19 +134,23 @@ def fp8(workdir: Path) -> Path:
 def service(workdir: Path, llama: Path, fp8: Path):
     """A running host-backend service holding both checkpoints."""
     svc = harness.start_service(workdir / "up", {"llama": llama, "fp8pc": fp8})
-    st = svc.wait_settled()
-    assert sorted((s["model"], s["state"]) for s in st["slabs"]) == [("fp8pc", "ready"), ("llama", "ready")], \
-        svc.log()
-    yield svc
-    svc.kill()
+    try:
+        st = svc.wait_settled()
+        assert sorted((s["model"], s["state"]) for s in st["slabs"]) == [("fp8pc", "ready"), ("llama", "ready")], \
+            svc.log()
+        yield svc
+    finally:
+        svc.kill()
 
 
 @pytest.fixture(scope="module")
 def stopped_service(workdir: Path, llama: Path):
     """A service that held the llama checkpoint, then was killed (SIGKILL): its socket file is left behind."""
     svc = harness.start_service(workdir / "down", {"llama": llama})
-    svc.wait_settled()
-    svc.kill()
+    try:
+        svc.wait_settled()
+    finally:
+        svc.kill()
     assert os.path.exists(svc.socket_path)
     return svc
 
