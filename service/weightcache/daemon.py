@@ -530,9 +530,7 @@ class Daemon:
 
     def _memory(self) -> dict[str, int]:
         if self.backend.name == "cuda":
-            import torch
-
-            free, total = torch.cuda.mem_get_info(self.gpu)
+            free, total = self.backend.mem_info()
             return {"free_bytes": int(free), "total_bytes": int(total)}
         info = {}
         with open("/proc/meminfo") as f:

@@ -104,9 +104,17 @@ def get_backend(name: str, gpu: int = 0) -> Backend:
 
 
 def cuda_available() -> bool:
-    """True when torch sees a CUDA device."""
+    """True when the CUDA driver (through ``cuda-bindings``) reports at least one device.
+
+    Asked through the driver, not torch: the service must not import torch
+    before READY when it adopts slabs from the fd store.
+    """
     try:
-        import torch
-    except ImportError:  # pragma: no cover
+        from cuda.bindings import driver as cu
+    except ImportError:
         return False
-    return bool(torch.cuda.is_available())
+    (err,) = cu.cuInit(0)[:1]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return False
+    err, n = cu.cuDeviceGetCount()
+    return err == cu.CUresult.CUDA_SUCCESS and n > 0

@@ -449,7 +449,14 @@ class CudaSealedSlab:
         self.size_bytes = size_bytes
         self.owner_read_only = owner_read_only
         self._mapping: _Mapping | None = mapping
-        self.tensor = mapping.tensor()
+        self._tensor = None
+
+    @property
+    def tensor(self):
+        """Built on first use: adopting a slab at restart must not import torch before READY."""
+        if self._tensor is None and self._mapping is not None:
+            self._tensor = self._mapping.tensor()
+        return self._tensor
 
     @property
     def mapped(self) -> bool:
@@ -458,7 +465,7 @@ class CudaSealedSlab:
 
     def close(self) -> None:
         """Closes the fd and drops the owner's mapping (unmapped once no view is alive)."""
-        self.tensor = None
+        self._tensor = None
         self._mapping = None
         if self.fd >= 0:
             os.close(self.fd)

@@ -86,7 +86,14 @@ class HostSealedSlab:
         self.fd = fd
         self.size_bytes = size_bytes
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
-        self.tensor = _frombuffer(self._map, writable=False)
+        self._tensor = None
+
+    @property
+    def tensor(self):
+        """Read-only 1-D ``uint8`` view, built on first use (adoption stays torch-free)."""
+        if self._tensor is None and self._map is not None:
+            self._tensor = _frombuffer(self._map, writable=False)
+        return self._tensor
 
     def close(self) -> None:
         """Closes the fd and drops the owner's view.
@@ -95,7 +102,7 @@ class HostSealedSlab:
         keeps a reference to the ``mmap`` object, not a buffer export), so a
         view still held elsewhere never points at unmapped memory.
         """
-        self.tensor = None
+        self._tensor = None
         self._map = None
         if self.fd >= 0:
             os.close(self.fd)
