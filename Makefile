@@ -11,6 +11,8 @@ APT_PKGS := libsystemd-dev pkg-config systemd-container debootstrap \
 STAMP_APT  := .cache/apt.stamp
 STAMP_VENV := $(VENV)/.stamp
 
+include mk/vllm.mk
+
 .PHONY: all setup demo test test-fast gpu-check bench clean
 all: test
 
@@ -36,8 +38,10 @@ setup: $(STAMP_VENV)
 demo: setup
 	$(VPY) examples/demo.py
 
-test: setup
+# Everything, the slow system tests included: containers, packages, vLLM (CPU).
+test: setup setup-vllm
 	$(VPY) -m pytest -q tests
+	$(VLLM_PY) -m pytest -q tests/engines
 
 test-fast: setup
 	$(VPY) -m pytest -q tests/unit tests/integration
@@ -46,5 +50,5 @@ test-fast: setup
 gpu-check:
 	scripts/gpu-check
 
-clean:
+clean: clean-vllm
 	rm -rf $(VENV) .cache build dist service/*.egg-info
