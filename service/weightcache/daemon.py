@@ -91,6 +91,7 @@ class Slot:
     total_bytes: int = 0
     error: WeightcacheError | None = None
     manifest: Manifest | None = None
+    manifest_wire: Any = None  # protocol.PreEncoded of the manifest, encoded once per slab
     sealed: Any = None
     adopted: bool = False
     started_at: float = 0.0
@@ -324,7 +325,7 @@ class Daemon:
             return
         dt = time.monotonic() - slot.started_at
         with self._lock:
-            slot.manifest, slot.sealed = manifest, sealed
+            slot.manifest, slot.sealed, slot.manifest_wire = manifest, sealed, None
             slot.state, slot.ready_at = "ready", time.monotonic()
         self._fdstore_put(slot)
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f rate_gbps=%.2f",
@@ -612,7 +613,9 @@ class Daemon:
         if slot.state == "ready":
             lease = Lease(self._next_lease, slot, c.pid, c.uid, c.gid, time.time(), msg.mode)
             self._next_lease += 1
-            if self._send(c, protocol.AttachReply(lease.lease_id, slot.manifest.to_json(), p.model.path,
+            if slot.manifest_wire is None:
+                slot.manifest_wire = protocol.PreEncoded(slot.manifest.to_json())
+            if self._send(c, protocol.AttachReply(lease.lease_id, slot.manifest_wire, p.model.path,
                                                   self.backend.name), [slot.sealed.fd]):
                 c.leases[lease.lease_id] = lease
                 slot.leases[lease.lease_id] = lease
@@ -679,6 +682,7 @@ class Daemon:
                 continue
             with self._lock:
                 sealed, s.sealed, s.manifest, s.state, s.adopted = s.sealed, None, None, "evicted", False
+                s.manifest_wire = None
             self._fdstore_remove(s.store_id)
             sealed.close()
             evicted.append(s.label)

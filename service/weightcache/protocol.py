@@ -276,6 +276,22 @@ for _role, _dir in ((SERVER, "out"), (CLIENT, "in")):
         TRANSITIONS[(_role, READY, _dir, _rep.tag())] = READY
 
 
+class PreEncoded(dict):
+    """A JSON object field whose encoding is computed once and reused.
+
+    The service sends the same manifest (hundreds of tensor records) on every
+    attach; wrapping it in ``PreEncoded`` makes :func:`encode` splice the cached
+    bytes instead of serialising it again. It is still a ``dict`` for
+    validation and for readers of the message.
+    """
+
+    __slots__ = ("raw",)
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        super().__init__(obj)
+        self.raw = json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def encode(msg: Message) -> bytes:
     """Serialises one message into a frame (length prefix + JSON).
 
@@ -283,7 +299,13 @@ def encode(msg: Message) -> bytes:
         LocalProtocolError (`local_protocol_violation`): the frame exceeds
             :data:`MAX_FRAME_BYTES`.
     """
-    body = json.dumps(msg.to_json(), allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
+    obj = msg.to_json()
+    spliced = {k: v.raw for k, v in obj.items() if isinstance(v, PreEncoded)}
+    for i, k in enumerate(spliced):
+        obj[k] = f"\x00pre{i}\x00"
+    body = json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
+    for i, raw in enumerate(spliced.values()):
+        body = body.replace(b'"\\u0000pre%d\\u0000"' % i, raw, 1)
     if len(body) > MAX_FRAME_BYTES:
         raise LocalProtocolError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit",
                                  size_bytes=len(body))

@@ -189,3 +189,12 @@ def test_decoder_fuzz_never_raises_anything_but_protocol_errors(data):
             pass
     except errors.RemoteProtocolError:
         pass
+
+
+def test_pre_encoded_field_gives_the_same_frame_as_plain():
+    manifest = {"model": "m", "tensors": [{"name": "a\u00e9", "shape": [2, 2]}], "key": {"x": None}}
+    plain = protocol.encode(protocol.AttachReply(3, manifest, "/ck", "host"))
+    pre = protocol.encode(protocol.AttachReply(3, protocol.PreEncoded(manifest), "/ck", "host"))
+    assert pre == plain
+    back, n = protocol.decode(pre[4:])
+    assert back.manifest == manifest and n == 1
