@@ -55,13 +55,12 @@ class TensorInfo:
     size_bytes: int
 
 
-def _read_header(path: Path) -> tuple[bytes, dict[str, Any], int]:
-    """Returns (raw header bytes, parsed header, data start offset) of one file.
+def _read_raw_header(path: Path) -> tuple[bytes, int, int]:
+    """Returns (raw header bytes, data start offset, file size) of one file, without parsing.
 
     Raises:
         CheckpointNotFound (`checkpoint_not_found`): the file does not exist.
-        CheckpointCorrupt (`checkpoint_corrupt`): truncated or invalid header,
-            or data offsets beyond the end of the file.
+        CheckpointCorrupt (`checkpoint_corrupt`): shorter than its header says.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -84,13 +83,22 @@ def _read_header(path: Path) -> tuple[bytes, dict[str, Any], int]:
         raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
+    return raw, 8 + n, size
+
+
+def _parse_header(path: Path, raw: bytes, data_start: int, size: int) -> dict[str, Any]:
+    """Parses a raw header and checks every entry against the file's size.
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): invalid JSON or entry, or
+            data offsets beyond the end of the file (names the tensor).
+    """
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointCorrupt(f"safetensors header of {path} is not valid JSON: {e}", file=str(path)) from None
-    data_start = 8 + n
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -111,7 +119,19 @@ def _read_header(path: Path) -> tuple[bytes, dict[str, Any], int]:
                 tensor=name,
             )
         del begin, dtype, shape
-    return raw, header, data_start
+    return header
+
+
+def _read_header(path: Path) -> tuple[bytes, dict[str, Any], int]:
+    """Returns (raw header bytes, parsed header, data start offset) of one file.
+
+    Raises:
+        CheckpointNotFound (`checkpoint_not_found`): the file does not exist.
+        CheckpointCorrupt (`checkpoint_corrupt`): truncated or invalid header,
+            or data offsets beyond the end of the file.
+    """
+    raw, data_start, size = _read_raw_header(path)
+    return raw, _parse_header(path, raw, data_start, size), data_start
 
 
 def _validate_with_safetensors(path: Path) -> None:
@@ -132,8 +152,10 @@ class Checkpoint:
     Args:
         path (`str | os.PathLike`): directory holding ``*.safetensors`` files
             (and ``model.safetensors.index.json`` when sharded).
-        validate (`bool`, *optional*, defaults to `True`): also open each file
-            with ``safetensors.safe_open``.
+        validate (`bool`, *optional*, defaults to `True`): open each file with
+            ``safetensors.safe_open`` and parse every header now. ``False``
+            reads only the raw header bytes (enough for :meth:`identity`, the
+            engine's cache key) and parses them on first use of :attr:`tensors`.
 
     Attributes:
         path (`Path`): resolved directory.
@@ -183,37 +205,21 @@ class Checkpoint:
         if not files:
             raise CheckpointNotFound(f"no *.safetensors files in checkpoint directory {self.path}", path=str(self.path))
         self.files = files
-        self.tensors: dict[str, TensorInfo] = {}
         self.raw_headers: dict[str, bytes] = {}
-        self.metadata: dict[str, dict] = {}
+        self._layout: dict[str, tuple[int, int]] = {}
+        self._weight_map = weight_map
+        self._index = index
+        self._tensors: dict[str, TensorInfo] | None = None
+        self._metadata: dict[str, dict] = {}
         for fname in files:
             fpath = self.path / fname
-            raw, header, data_start = _read_header(fpath)
-            if validate:
-                _validate_with_safetensors(fpath)
+            raw, data_start, size = _read_raw_header(fpath)
             self.raw_headers[fname] = raw
-            self.metadata[fname] = header.get("__metadata__") or {}
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                begin, end = entry["data_offsets"]
-                self.tensors[name] = TensorInfo(
-                    name=name,
-                    file=fname,
-                    dtype=entry["dtype"],
-                    shape=tuple(int(s) for s in entry["shape"]),
-                    offset_bytes=data_start + int(begin),
-                    size_bytes=int(end) - int(begin),
-                )
-        if weight_map is not None:
-            for name, fname in weight_map.items():
-                info = self.tensors.get(name)
-                if info is None:
-                    raise CheckpointNotFound(
-                        f"tensor {name!r} listed in {index} for {fname} is missing from that file",
-                        file=fname,
-                        tensor=name,
-                    )
+            self._layout[fname] = (data_start, size)
+        if validate:
+            self._parse()  # our errors name the tensor; then safetensors' own checks
+            for fname in files:
+                _validate_with_safetensors(self.path / fname)
         cfg = self.path / "config.json"
         self.config_bytes = cfg.read_bytes() if cfg.exists() else b""
         try:
@@ -225,6 +231,56 @@ class Checkpoint:
             ep = self.path / extra
             if ep.exists():
                 self._extra[extra] = ep.read_bytes()
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every tensor by name, parsed from the headers on first use (see :meth:`_parse`)."""
+        if self._tensors is None:
+            self._parse()
+        return self._tensors
+
+    @property
+    def metadata(self) -> dict[str, dict]:
+        """``__metadata__`` of each file."""
+        if self._tensors is None:
+            self._parse()
+        return self._metadata
+
+    def _parse(self) -> None:
+        """Parses the raw headers into :class:`TensorInfo` records and checks the index.
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): invalid header or entry,
+                or a tensor past the end of its file.
+            CheckpointNotFound (`checkpoint_not_found`): a tensor of the index
+                missing from its file.
+        """
+        tensors: dict[str, TensorInfo] = {}
+        for fname in self.files:
+            data_start, size = self._layout[fname]
+            header = _parse_header(self.path / fname, self.raw_headers[fname], data_start, size)
+            self._metadata[fname] = header.get("__metadata__") or {}
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = entry["data_offsets"]
+                tensors[name] = TensorInfo(
+                    name=name,
+                    file=fname,
+                    dtype=entry["dtype"],
+                    shape=tuple(int(s) for s in entry["shape"]),
+                    offset_bytes=data_start + int(begin),
+                    size_bytes=int(end) - int(begin),
+                )
+        if self._weight_map is not None:
+            for name, fname in self._weight_map.items():
+                if name not in tensors:
+                    raise CheckpointNotFound(
+                        f"tensor {name!r} listed in {self._index} for {fname} is missing from that file",
+                        file=fname,
+                        tensor=name,
+                    )
+        self._tensors = tensors
 
     def extra_json(self, name: str) -> dict[str, Any] | None:
         """Parsed side file such as ``hf_quant_config.json``, or ``None``."""

@@ -194,6 +194,7 @@ class Daemon:
         self._queue: queue.Queue[Slot | None] = queue.Queue()
         self._lock = threading.Lock()
         self._next_lease = 1
+        self._realpaths: dict[str, str] = {}
         self._stop = False
         self._accept_paused = False
         self._ready_sent = False
@@ -562,7 +563,7 @@ class Daemon:
         out = []
         for s in self.slots:
             m = s.placement.model
-            if m.name != model and (real is None or os.path.realpath(m.path) != real):
+            if m.name != model and (real is None or self._realpath(m.path) != real):
                 continue
             if tp_size is not None and s.placement.tp_size != tp_size:
                 continue
@@ -580,6 +581,13 @@ class Daemon:
                 f"{'' if dtype is None else ' dtype=' + dtype}{'' if naming is None else ' naming=' + naming}; "
                 f"it holds: {held}", model=model, tp_size=tp_size, tp_rank=tp_rank, gpu=self.gpu)
         return out
+
+    def _realpath(self, path: str) -> str:
+        """``os.path.realpath`` of a configured checkpoint path, resolved once."""
+        real = self._realpaths.get(path)
+        if real is None:
+            real = self._realpaths[path] = os.path.realpath(path)
+        return real
 
     def _check_access(self, c: Client, slot: Slot) -> None:
         m = slot.placement.model
