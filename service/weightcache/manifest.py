@@ -10,7 +10,6 @@ Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,13 +228,6 @@ def _plain_copy(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return type(v)(_plain_copy(x) for x in v)
     return v
-
-
-def digest_bytes(buf) -> str:
-    """blake2b (16-byte) hex digest of a bytes-like object or a CPU uint8 tensor."""
-    if hasattr(buf, "numpy"):
-        buf = buf.numpy()
-    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
 
 
 def build_views(slab, manifest: Manifest) -> dict[str, Any]:

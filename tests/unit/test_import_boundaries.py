@@ -1,0 +1,81 @@
+"""Module boundaries: every module's "Forbidden imports:" docstring line holds (STYLE.md).
+
+Reads the line from each module's docstring, parses the module with ``ast``
+and fails on any import of a forbidden name; "X at module level" forbids X
+only in top-level statements. Short names (``daemon``) mean ``weightcache.daemon``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "service" / "weightcache"
+LOCAL = {p.stem for p in PKG.glob("*.py")} | {p.name for p in PKG.iterdir() if p.is_dir()}
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        m = re.search(r"Forbidden imports:(.*?)(?:\n\n|$)", doc, re.S)
+        if m:
+            yield pytest.param(path, m.group(1), id=str(path.relative_to(PKG)))
+
+
+def _rules(text: str) -> list[tuple[str, bool]]:
+    rules = []
+    for part in re.split(r"[,;]", text.split("(")[0]):
+        part = " ".join(part.split()).rstrip(".")
+        if not part:
+            continue
+        top_only = part.endswith("at module level")
+        name = part.removesuffix("at module level").strip()
+        if name in LOCAL:
+            name = f"weightcache.{name}"
+        rules.append((name, top_only))
+    return rules
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(absolute module name, is top-level) of every import in the file."""
+    tree = ast.parse(path.read_text())
+    pkg_parts = ["weightcache", *path.relative_to(PKG).parent.parts]
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg_parts[: len(pkg_parts) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{mod}.{a.name}" for a in node.names] if not node.module else [mod]
+            else:
+                names = [node.module]
+            out += [(n, id(node) in top) for n in names]
+    return out
+
+
+def test_some_modules_declare_boundaries():
+    assert len(list(_modules())) >= 10
+
+
+@pytest.mark.parametrize("path,text", _modules())
+def test_forbidden_imports_absent(path, text):
+    rules = _rules(text)
+    assert rules, text
+    for mod, is_top in _imports(path):
+        for name, top_only in rules:
+            if (mod == name or mod.startswith(name + ".")) and (is_top or not top_only):
+                raise AssertionError(f"{path.name} imports {mod}, which its docstring forbids ({text.strip()})")
+
+
+def test_rule_parsing_and_detection(tmp_path):
+    assert _rules(" torch at module level, socket, daemon, weightcache.client.") == [
+        ("torch", True), ("socket", False), ("weightcache.daemon", False), ("weightcache.client", False)]
+    bad = PKG / "protocol.py"
+    imports = dict(_imports(bad))
+    assert "weightcache.errors" in imports and "socket" not in imports
