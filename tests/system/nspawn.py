@@ -291,6 +291,13 @@ class Container:
             time.sleep(0.1)
 
 
+#: Appended to the tests' unit drop-ins. A checkout (and pytest's tmp_path
+#: checkpoints) may live under /tmp, which the unit's PrivateTmp=yes hides from
+#: the service: the test services see the real /tmp. Production keeps PrivateTmp.
+TEST_DROPIN = ("# The source tree, its venv and the test checkpoints may be under /tmp (CI checkouts):\n"
+               "PrivateTmp=no\n")
+
+
 def install_weightcache(c: Container, python: Path | None = None) -> None:
     """Installs the tree's units, generator, sysusers file and launcher into a volatile container.
 
@@ -307,7 +314,7 @@ def install_weightcache(c: Container, python: Path | None = None) -> None:
     c.write(
         "/etc/systemd/system/weightcache@.service.d/50-source-tree.conf",
         "# tests/system/nspawn.py: run the tree's launcher (/usr is the host's, read-only).\n"
-        f"[Service]\nExecStart=\nExecStart={UNITS / 'weightcache-launch'} %i\n",
+        f"[Service]\nExecStart=\nExecStart={UNITS / 'weightcache-launch'} %i\n" + TEST_DROPIN,
     )
     c.write("/etc/default/weightcache", f"WEIGHTCACHE_PYTHON={python}\n")
     c.run(["systemd-sysusers"])

@@ -46,7 +46,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from nspawn import REPO, Container, python_binds
+from nspawn import REPO, TEST_DROPIN, Container, python_binds
 
 
 VERSION = "0.1.0"
@@ -351,6 +351,8 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
 
     # -- the runtime, a config, two users ------------------------------------------------------
     c.write("/etc/default/weightcache", f"WEIGHTCACHE_PYTHON={RUNTIME_PY}\nPYTHONPATH={PKG_PYTHONPATH}\n")
+    c.write("/etc/systemd/system/weightcache@.service.d/50-test.conf", "[Service]\n" + TEST_DROPIN)
+    c.run(["systemctl", "daemon-reload"])
     c.write("/etc/weightcache/weightcache.toml",
             f'[service]\nbackend = "host"\n\n[models.minilm]\npath = "{ckpt}"\n'
             'layouts = [ { tp = 1, gpus = [0] } ]\n')
