@@ -7,7 +7,8 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 APT_PKGS := libsystemd-dev pkg-config systemd-container debootstrap \
             dpkg-dev debhelper dh-python pybuild-plugin-pyproject python3-all \
-            python3-setuptools lintian rpm fakeroot build-essential
+            python3-setuptools lintian rpm fakeroot build-essential \
+            python3-venv python3-dev
 STAMP_APT  := .cache/apt.stamp
 STAMP_VENV := $(VENV)/.stamp
 
@@ -16,7 +17,7 @@ include mk/vllm.mk
 .PHONY: all setup demo test test-fast gpu-check bench clean
 all: test
 
-$(STAMP_APT):
+$(STAMP_APT): Makefile
 	@mkdir -p .cache
 	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -39,9 +40,12 @@ demo: setup
 	$(VPY) examples/demo.py
 
 # Everything, the slow system tests included: containers, packages, vLLM (CPU).
+# Both stages always run; the target fails at the end if either failed.
 test: setup setup-vllm
-	$(VPY) -m pytest -q tests
-	$(VLLM_PY) -m pytest -q tests/engines
+	@rc=0; \
+	$(VPY) -m pytest -q tests || rc=1; \
+	$(VLLM_PY) -m pytest -q tests/engines || rc=1; \
+	exit $$rc
 
 test-fast: setup
 	$(VPY) -m pytest -q tests/unit tests/integration

@@ -262,7 +262,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     rows = [dict(sl, gpu=st["gpu"]) for st in statuses for sl in st["slabs"]]
     if args.json:
         print(json.dumps(rows, indent=2))
-    else:
+    elif statuses:
         print(f"{'GPU':<4} {'MODEL':<24} {'TP':>3} {'RANK':>4} {'STATE':<9} {'RESIDENT':>10} {'LEASES':>6}  PATH")
         for r in rows:
             state = r["state"] + ("*" if r["adopted"] else "")
@@ -270,6 +270,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                   f"{_human_bytes(r['resident_bytes']):>10} {len(r['leases']):>6}  {r['path']}")
         if any(r["adopted"] for r in rows):
             print("* adopted from the fd store")
+    if not args.json:
         if not statuses and not errors:
             print(_no_sockets(args), file=sys.stderr)
         for e in errors:
@@ -485,7 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="weightcache", description="LLM weights resident in GPU memory. See weightcache(8).",
         epilog="exit status: 0 success; 1 a model failed or a request was refused; 2 bad usage or configuration; "
-               "3 no service answered.")
+               "3 no service answered; 78 (serve) the configuration or runtime was rejected.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"weightcache {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def client_opts(sp: argparse.ArgumentParser, gpu: bool = True) -> None:
@@ -497,12 +501,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each reply")
 
     sp = sub.add_parser("serve", help="run the service for one GPU (under systemd: weightcache@N.service)")
-    sp.add_argument("--gpu", type=int, required=True)
+    sp.add_argument("--gpu", type=int, required=True,
+                    help="GPU index this instance serves (CUDA_DEVICE_ORDER=PCI_BUS_ID); the unit passes %%i")
     sp.add_argument("--config", default=None, help="main config file (default $WEIGHTCACHE_CONFIG or "
                                                    "/etc/weightcache/weightcache.toml)")
     sp.add_argument("--listen", default=None, help="bind this socket path when not socket-activated")
-    sp.add_argument("--backend", choices=("auto", "cuda", "host"), default=None)
-    sp.add_argument("-v", "--verbose", action="store_true")
+    sp.add_argument("--backend", choices=("auto", "cuda", "host"), default=None,
+                    help="slab memory: cuda (VMM), host (sealed memfd) or auto (cuda when the driver sees a GPU); "
+                         "default: the config's [service] backend")
+    sp.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("status", help="what is resident, loading or failed; who holds leases")

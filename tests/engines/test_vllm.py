@@ -70,7 +70,9 @@ def run_engine(model: Path, *, load_format: str | None = None, extra: dict | Non
     """
     job = {"model": str(model), "dtype": dtype, "load_format": load_format, "extra": extra,
            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "tensor_parallel_size": tp}
-    extra_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    extra_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+                 # vLLM's IPC sockets go to the test's own directory, not /tmp.
+                 "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="wc-vllm-rpc-")}
     if tp > 1:
         # One OpenMP core per CPU worker: vLLM's automatic binding wants a NUMA node per worker.
         extra_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))

@@ -2,7 +2,7 @@
 
 By default the host's own OS is booted with ``--volatile=yes``: the host's
 ``/usr`` read-only, ``/`` a tmpfs whose ``/etc`` and ``/var`` start empty, so
-nothing the tests do reaches the host (SYSTEMD-NOTES.md, "Running a real
+nothing the tests do reaches the host (docs/systemd-notes.md, "Running a real
 systemd in tests"). The repository (with its ``.venv``) is bind-mounted
 read-only at the same path, and so is the venv's base interpreter when it does
 not live under ``/usr``, so ``ExecStart=`` can run the daemon from the tree.

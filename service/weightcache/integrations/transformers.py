@@ -175,9 +175,7 @@ def from_pretrained(path: str, *, model_cls: Any = None, attn_implementation: st
     model._weightcache = w
     log.info("model built checkpoint=%s class=%s source=%s tensors=%d duration_ms=%.1f", path,
              type(model).__name__, w.source, len(w.tensors), (time.monotonic() - t0) * 1e3)
-    if w.fallback_reason is not None:
-        log.warning("fallback to disk checkpoint=%s reason=%s", path, w.fallback_reason)
-    return model
+    return model  # a fallback was already logged, with its reason, by attach()
 
 
 def _build(path: str, w: Attachment, model_cls: Any, attn_implementation: str | None, device: str) -> Any:

@@ -22,7 +22,7 @@ Read-only is enforced by the GPU's page tables: a kernel writing through a
 ``PROT_READ`` mapping faults (``cudaErrorIllegalAddress``, which poisons the
 writer's CUDA context) and a memcpy into it fails (``cudaErrorInvalidValue``).
 This stops accidents, not a hostile process: whoever holds the fd can map it
-read-write (DESIGN.md section 4).
+read-write (docs/design.md section 4).
 
 Lifetime: every mapping is a :class:`_Mapping` object. ``.tensor`` is built by
 ``torch.as_tensor`` from the mapping's ``__cuda_array_interface__``, and torch
