@@ -71,6 +71,7 @@ def _listener(args: argparse.Namespace, cfg: Config, stored: dict[str, list[int]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``weightcache serve``: runs the service for one GPU until SIGTERM (exit 78 on a rejected config)."""
     from . import notify
     from .daemon import Daemon
     from .journal import setup_logging
@@ -483,6 +484,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``weightcache`` argument parser: one sub-command per operator task (see weightcache(8))."""
     p = argparse.ArgumentParser(
         prog="weightcache", description="LLM weights resident in GPU memory. See weightcache(8).",
         epilog="exit status: 0 success; 1 a model failed or a request was refused; 2 bad usage or configuration; "

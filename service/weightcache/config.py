@@ -110,6 +110,10 @@ class Placement:
 
 @dataclass(frozen=True)
 class ServiceConfig:
+    """``[service]``: ``backend`` (auto | cuda | host), ``socket_dir``,
+    ``load_timeout_s`` (seconds per model), ``staging_bytes`` (pinned staging
+    memory of the CUDA loader, bytes), ``read_threads`` (loader threads).
+    """
     backend: str = "auto"
     socket_dir: str = "/run/weightcache"
     load_timeout_s: float = 3600.0

@@ -70,6 +70,11 @@ MAX_FDS_IN = protocol.MAX_FDS_PER_FRAME
 
 @dataclass
 class Lease:
+    """One attach held by one connection: ends with ``release`` or the connection.
+
+    ``pid``/``uid``/``gid`` come from ``SO_PEERCRED``; ``since`` is a Unix time
+    in seconds; ``mode`` is ``zero_copy`` or ``copy``.
+    """
     lease_id: int
     slot: "Slot"
     pid: int
@@ -119,6 +124,10 @@ class Slot:
 
 @dataclass
 class Client:
+    """One accepted connection: its protocol state, peer credentials, leases,
+    attaches waiting for a load (with their deadlines, ``time.monotonic()``
+    seconds) and the outbox of replies not yet written.
+    """
     sock: socket.socket
     conn: protocol.Connection
     pid: int

@@ -175,6 +175,8 @@ class Preload(Message):
 
 @dataclass(frozen=True, slots=True)
 class HelloReply(Message):
+    """Answer to ``hello``: the service's protocol version, GPU index and UUID, backend (``host`` | ``cuda``) and capabilities."""
+
     protocol_version: int
     gpu: int
     gpu_uuid: str
@@ -184,11 +186,15 @@ class HelloReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class ListReply(Message):
+    """Answer to ``list``: one summary dict per (model, layout, rank) on this GPU."""
+
     models: list
 
 
 @dataclass(frozen=True, slots=True)
 class StatusReply(Message):
+    """Answer to ``status``: GPU, backend, memory (bytes), every slab with state, progress, leases and key summary."""
+
     status: dict
 
 
@@ -221,6 +227,8 @@ class Loading(Message):
 
 @dataclass(frozen=True, slots=True)
 class ReleaseReply(Message):
+    """Answer to ``release``: the lease that ended."""
+
     lease_id: int
 
 
@@ -233,11 +241,15 @@ class VerifyReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class EvictReply(Message):
+    """Answer to ``evict``: labels (``model/tpN/rankR``) of the slabs freed."""
+
     evicted: list
 
 
 @dataclass(frozen=True, slots=True)
 class PreloadReply(Message):
+    """Answer to ``preload``: labels of the slabs whose load started."""
+
     started: list
 
 

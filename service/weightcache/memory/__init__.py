@@ -70,6 +70,7 @@ class ImportedSlab(Protocol):
 
 
 class Backend(Protocol):
+    """A slab backend: ``name`` is ``host`` or ``cuda``; see the module docstring."""
     name: str
 
     def allocate(self, size_bytes: int, label: str) -> WritableSlab:

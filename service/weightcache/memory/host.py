@@ -62,6 +62,7 @@ class HostWritableSlab:
         self.tensor = _frombuffer(self._map, writable=True)
 
     def seal(self) -> "HostSealedSlab":
+        """Seals the memfd read-only for every process (see the module docstring); returns the owner's handle."""
         fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
         # The loader holds no views of the writable mapping any more: unmap it
         # so that F_SEAL_WRITE (which needs no writable mapping) can be added.
@@ -72,6 +73,7 @@ class HostWritableSlab:
         return HostSealedSlab(fd, self.size_bytes)
 
     def abort(self) -> None:
+        """Unmaps and closes a slab whose load failed: nothing stays allocated."""
         self.tensor = None
         self._map.close()
         if self.fd >= 0:
@@ -135,12 +137,19 @@ class HostBackend:
     name = "host"
 
     def allocate(self, size_bytes: int, label: str) -> HostWritableSlab:
+        """A writable memfd of ``size_bytes`` rounded up to the page size.
+
+        Raises:
+            OutOfMemory (`out_of_memory`): ``posix_fallocate`` found no room.
+        """
         return HostWritableSlab(size_bytes, label)
 
     def adopt(self, fd: int, size_bytes: int) -> HostSealedSlab:
+        """Takes ownership of a sealed memfd handed back by systemd's fd store."""
         return HostSealedSlab(fd, size_bytes)
 
     def import_fd(self, fd: int, size_bytes: int, device: str = "cpu") -> HostImportedSlab:
+        """Maps a received memfd ``PROT_READ``; the caller keeps (and closes) ``fd``."""
         return HostImportedSlab(fd, size_bytes)
 
     def device_info(self) -> dict:
