@@ -173,10 +173,17 @@ def plan(model: ModelConfig, tp_size: int, tp_rank: int, device: dict[str, Any],
 
 
 class _Reader:
-    """Reads whole checkpoint tensors into CPU tensors, caching within one spec."""
+    """Reads whole checkpoint tensors, caching within one spec.
 
-    def __init__(self, ck: Checkpoint) -> None:
+    With ``device`` (the CUDA slab's device) each tensor is copied there right
+    after the read, so slicing, concatenation, casts and FP8 processing run on
+    the GPU; the ops are element-wise IEEE operations, so their bytes equal the
+    CPU's.
+    """
+
+    def __init__(self, ck: Checkpoint, device: Any = None) -> None:
         self.ck = ck
+        self.device = device
         self.bytes_read = 0
         self._cache: dict[str, Any] = {}
 
@@ -192,6 +199,8 @@ class _Reader:
             if info.size_bytes:
                 self.ck.read_into(info, buf.numpy())
             self.bytes_read += info.size_bytes
+            if self.device is not None:
+                buf = buf.to(self.device)
             t = buf.view(torch_dtype(info.dtype)).reshape(info.shape)
             self._cache[name] = t
         return t
@@ -267,7 +276,7 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
     reader_thread = threading.Thread(target=direct, name="weightcache-direct", daemon=True)
     reader_thread.start()
     try:
-        reader = _Reader(p.checkpoint)
+        reader = _Reader(p.checkpoint, slab.device if slab.device.type == "cuda" else None)
         for spec, rec in computed:
             if failure:
                 break

@@ -578,7 +578,7 @@ def op_weight(spec: TensorSpec, parts: list, fetch) -> Any:
         parts = [p if bool(s == smax) else requantize(p, s, smax) for p, s in zip(parts, scales)]
     w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     n_pad, k_pad = spec.stored_shape
-    out = torch.zeros((n_pad, k_pad), dtype=torch.uint8)
+    out = torch.zeros((n_pad, k_pad), dtype=torch.uint8, device=w.device)
     out[: a["n"], : a["k"]] = w.view(torch.uint8)
     return out.view(torch.float8_e4m3fn)
 
@@ -591,7 +591,7 @@ def op_weight_scale(spec: TensorSpec, parts: list, fetch) -> Any:
     if spec.op_args["granularity"] == "tensor":
         return torch.stack([_scalar(p) for p in parts]).max()
     flat = torch.cat([p.reshape(-1).to(torch.float32) for p in parts])
-    out = torch.full((1, spec.op_args["n_padded"]), SCALE_PAD_VALUE, dtype=torch.float32)
+    out = torch.full((1, spec.op_args["n_padded"]), SCALE_PAD_VALUE, dtype=torch.float32, device=flat.device)
     out[0, : spec.op_args["n"]] = flat
     return out
 
