@@ -98,3 +98,23 @@ def test_fp8_ordinary_fallback_attach_attach_on_cuda(fp8_cuda_service, algo, tp,
     finally:
         for w in keep:
             w.close()
+
+
+@pytest.mark.parametrize("algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])
+@pytest.mark.parametrize("tp,naming", [(1, "hf"), (2, "vllm")])
+def test_gpu_processing_gives_the_cpu_bytes(fp8_cuda_service, algo, tp, naming):
+    """Sharding, fusion and FP8 requantization on the GPU produce the CPU pipeline's bytes."""
+    from weightcache.client import load_from_disk
+    from weightcache.config import ModelConfig
+
+    cks, _ = fp8_cuda_service
+    for rank in range(tp):
+        mc = ModelConfig("m", str(cks[algo]), naming=naming)
+        man_g, slab_g = load_from_disk(mc, tp, rank, "cuda:0")
+        man_c, slab_c = load_from_disk(mc, tp, rank, "cpu")
+        assert [r.name for r in man_g.tensors] == [r.name for r in man_c.tensors]
+        for rg, rc in zip(man_g.tensors, man_c.tensors):
+            assert (rg.offset_bytes, rg.size_bytes) == (rc.offset_bytes, rc.size_bytes)
+            g = slab_g[rg.offset_bytes: rg.offset_bytes + rg.size_bytes].cpu()
+            c = slab_c[rc.offset_bytes: rc.offset_bytes + rc.size_bytes]
+            assert torch.equal(g, c), (rank, rg.name)
