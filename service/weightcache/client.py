@@ -302,7 +302,7 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
         # Configuration errors are not cache misses: raise before talking to anyone.
         from . import quant
 
-        quant.detect(local_ck)
+        quant.detect(local_ck, kernel)
     if gpu is None:
         gpu = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
     sock_path = os.path.join(resolve_socket_dir(socket_dir), f"{gpu}.sock")
@@ -350,10 +350,10 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, sock_path: str, tp_s
     session = Session(sock_path, timeout=remaining, hello=False)
     try:
         req = protocol.Attach(model=str(local_ck.path) if local_ck else model, tp_size=tp_size, tp_rank=tp_rank,
-                              wait_ms=int(max(0.0, deadline - time.monotonic()) * 1000),
+                              wait_ms=int(max(0.0, deadline - time.monotonic() - 0.25) * 1000),
                               dtype=dtype if local_ck else None, naming=naming if local_ck else None, mode=mode)
         session.hello, reply = session.pipeline([session.hello_message(), req],
-                                                timeout=max(0.001, deadline - time.monotonic()) + 5.0)
+                                                timeout=max(0.001, deadline - time.monotonic()))
         if isinstance(reply, protocol.Loading):
             raise ModelLoading(
                 f"model {model!r} is still loading on {sock_path} ({reply.done_bytes}/{reply.total_bytes} bytes) "

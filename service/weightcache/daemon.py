@@ -134,7 +134,7 @@ class Client:
     uid: int
     gid: int
     leases: dict[int, Lease] = field(default_factory=dict)
-    waiting: list[tuple[protocol.Attach, float]] = field(default_factory=list)
+    waiting: list[tuple[protocol.Attach, "Slot", float]] = field(default_factory=list)
     closed: bool = False
     #: Frames not yet written: [bytes, dup'ed fds to attach to their first byte].
     outbox: collections.deque = field(default_factory=collections.deque)
@@ -272,15 +272,15 @@ class Daemon:
             if not keep:
                 self._fdstore_remove(sid)
 
-    def _fdstore_put(self, slot: Slot) -> None:
+    def _fdstore_put(self, slot: Slot, sealed: Any, manifest: Manifest) -> None:
         if not os.environ.get("NOTIFY_SOCKET"):
             return
         sid = slot.store_id
-        rec = {"manifest": slot.manifest.to_json(), "size_bytes": slot.sealed.size_bytes,
+        rec = {"manifest": manifest.to_json(), "size_bytes": sealed.size_bytes,
                "backend": self.backend.name, "checkpoint_path": slot.placement.model.path}
         mfd = _sealed_memfd(json.dumps(rec).encode(), f"weightcache-manifest-{sid}")
         try:
-            notify.notify(f"FDSTORE=1\nFDNAME=slab-{sid}", [slot.sealed.fd])
+            notify.notify(f"FDSTORE=1\nFDNAME=slab-{sid}", [sealed.fd])
             notify.notify(f"FDSTORE=1\nFDNAME=manifest-{sid}", [mfd])
         finally:
             os.close(mfd)
@@ -296,7 +296,10 @@ class Daemon:
             slot = self._queue.get()
             if slot is None:
                 return
-            self._load(slot)
+            try:
+                self._load(slot)
+            except Exception as e:  # noqa: BLE001 - the loader thread must outlive any one model
+                log.critical("loader error model=%s error=%r", slot.placement.model.name, e)
             os.write(self._wake_w, b"l")
 
     def _load(self, slot: Slot) -> None:
@@ -339,10 +342,10 @@ class Daemon:
                                              model=p.model.name, cause="internal"), writable, logged=True)
             return
         dt = time.monotonic() - slot.started_at
+        self._fdstore_put(slot, sealed, manifest)
         with self._lock:
             slot.manifest, slot.sealed, slot.manifest_wire = manifest, sealed, None
             slot.state, slot.ready_at = "ready", time.monotonic()
-        self._fdstore_put(slot)
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f rate_gbps=%.2f",
                  p.model.name, p.tp_size, p.tp_rank, len(manifest.tensors), slot.total_bytes, dt * 1e3,
                  slot.total_bytes / max(dt, 1e-9) / 1e9, extra=event("loaded", p.model.name, p.tp_rank))
@@ -441,6 +444,11 @@ class Daemon:
         if not data and not fds:
             self._drop(c, "peer closed")
             return
+        if fds:
+            for fd in fds:
+                os.close(fd)
+            self._violation(c, RemoteProtocolError("requests carry no fds; fds sent to the service are refused"))
+            return
         c.conn.receive(data, fds)
         while not c.closed:
             try:
@@ -457,6 +465,9 @@ class Daemon:
                 self.handlers[type(msg)](c, msg)
             except WeightcacheError as e:
                 self._send(c, protocol.Error.from_exc(e))
+            except Exception as e:  # noqa: BLE001 - one request must never take the service down
+                log.error("request failed peer_pid=%d type=%s error=%r", c.pid, msg.tag(), e)
+                self._send(c, protocol.Error.from_exc(ModelLoadFailed(f"internal error: {e!r}"[:4096], cause="internal")))
 
     def _violation(self, c: Client, e: RemoteProtocolError) -> None:
         log.warning("rejected frame peer_pid=%d code=%s error=%s", c.pid, e.code, e.message,
@@ -667,7 +678,7 @@ class Daemon:
         slot = self.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming)[0]
         self._check_access(c, slot)
         if slot.state in ("pending", "loading") and msg.wait_ms > 0:
-            c.waiting.append((msg, time.monotonic() + msg.wait_ms / 1e3))
+            c.waiting.append((msg, slot, time.monotonic() + msg.wait_ms / 1e3))
             return
         self._answer_attach(c, msg, slot)
 
@@ -701,10 +712,9 @@ class Daemon:
         now = time.monotonic()
         for c in list(self.clients.values()):
             still = []
-            for msg, deadline in c.waiting:
-                slot = self.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming)[0]
+            for msg, slot, deadline in c.waiting:
                 if slot.state in ("pending", "loading") and now < deadline:
-                    still.append((msg, deadline))
+                    still.append((msg, slot, deadline))
                     continue
                 try:
                     self._answer_attach(c, msg, slot)

