@@ -124,20 +124,7 @@ class Session:
             DaemonUnavailable: the service closed the connection or timed out.
             WeightcacheError: the typed error the service replied with.
         """
-        data, _ = self.conn.send(msg)
-        try:
-            self.sock.sendall(data)
-        except OSError as e:
-            raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}", socket=self.path) from None
-        if timeout is not None:
-            self.sock.settimeout(max(0.001, timeout))
-        reply, fds = self._read_message()
-        self.last_fds = fds
-        if isinstance(reply, protocol.Error):
-            for fd in fds:
-                os.close(fd)
-            raise from_wire(reply.code, reply.message, reply.details)
-        return reply
+        return self.pipeline([msg], timeout)[0]
 
     def _read_message(self) -> tuple[protocol.Message, list[int]]:
         while True:

@@ -9,6 +9,7 @@ were.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -171,10 +172,8 @@ def _exchange(svc, payload: bytes, fds: list[int] = (), with_hello: bool = True)
         if payload or fds:
             s.sendmsg([payload or b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
                       if fds else [])
-        try:
+        with contextlib.suppress(OSError):  # the service may have closed already
             s.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
         while True:
             r, got = _read_frame(s)
             for fd in got:

@@ -63,7 +63,7 @@ def test_some_modules_declare_boundaries():
     assert len(list(_modules())) >= 10
 
 
-@pytest.mark.parametrize("path,text", _modules())
+@pytest.mark.parametrize("path,text", list(_modules()))
 def test_forbidden_imports_absent(path, text):
     rules = _rules(text)
     assert rules, text
