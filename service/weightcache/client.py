@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from . import pipeline, protocol
+from . import pipeline, protocol, quant
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .errors import (
@@ -47,16 +47,18 @@ def resolve_socket_dir(explicit: str | None = None) -> str:
     return explicit or os.environ.get("WEIGHTCACHE_SOCKET_DIR") or DEFAULT_SOCKET_DIR
 
 
+def local_backend(device: str):
+    """The backend that maps slabs onto ``device`` (``cpu``: host memfd; ``cuda:N``: VMM on GPU N)."""
+    from .memory import get_backend
+
+    if device.startswith("cuda"):
+        return get_backend("cuda", int(device.split(":", 1)[1]) if ":" in device else 0)
+    return get_backend("host")
+
+
 def device_info(device: str) -> dict[str, Any]:
     """Cache-key device fields for a torch device string (``cpu``, ``cuda:1``)."""
-    if device.startswith("cuda"):
-        from .memory.cuda import CudaBackend
-
-        idx = int(device.split(":", 1)[1]) if ":" in device else 0
-        return CudaBackend(idx).device_info()
-    from .memory.host import HostBackend
-
-    return HostBackend().device_info()
+    return local_backend(device).device_info()
 
 
 class Session:
@@ -287,16 +289,16 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
     local_ck = Checkpoint(model, validate=False) if is_path else None
     if local_ck is not None:
         # Configuration errors are not cache misses: raise before talking to anyone.
-        from . import quant
-
-        quant.detect(local_ck, kernel)
+        scheme = quant.detect(local_ck, kernel)
+    else:
+        scheme = None
     if gpu is None:
         gpu = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
     sock_path = os.path.join(resolve_socket_dir(socket_dir), f"{gpu}.sock")
     deadline = time.monotonic() + timeout
     try:
-        return _attach_daemon(model, local_ck, sock_path, tp_size, tp_rank, device, mode, deadline, dtype, naming,
-                              kernel)
+        return _attach_daemon(model, local_ck, scheme, sock_path, tp_size, tp_rank, device, mode, deadline, dtype,
+                              naming, kernel)
     except UnsupportedQuantization:
         raise
     except WeightcacheError as e:
@@ -331,8 +333,8 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _attach_daemon(model: str, local_ck: Checkpoint | None, sock_path: str, tp_size: int, tp_rank: int, device: str,
-                   mode: str, deadline: float, dtype: str, naming: str, kernel: str) -> Attachment:
+def _attach_daemon(model: str, local_ck: Checkpoint | None, scheme: Any, sock_path: str, tp_size: int, tp_rank: int,
+                   device: str, mode: str, deadline: float, dtype: str, naming: str, kernel: str) -> Attachment:
     remaining = max(0.001, deadline - time.monotonic())
     session = Session(sock_path, timeout=remaining, hello=False)
     try:
@@ -350,28 +352,22 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, sock_path: str, tp_s
         (fd,) = session.last_fds
         try:
             manifest = Manifest.from_json(reply.manifest)
-            ck = local_ck or Checkpoint(reply.checkpoint_path, validate=False)
-            mc = _model_config(str(ck.path), manifest.key.get("dtype", dtype) if local_ck is None else dtype,
-                               manifest.key.get("naming", naming) if local_ck is None else naming,
-                               kernel, revision=manifest.key.get("revision", ""))
-            from .memory import get_backend
-
-            gpu_index = int(device.split(":", 1)[1]) if ":" in device else 0
-            # The backend that imports the slab describes the same device as device_info(device)
-            # when both are CUDA or both host: one driver setup per attach instead of two.
-            same = (reply.backend == "cuda") == device.startswith("cuda")
-            backend = get_backend(reply.backend, gpu_index) if same else None
-            expected = pipeline.cache_key(mc, tp_size, tp_rank, ck,
-                                          backend.device_info() if backend is not None else device_info(device))
-            if local_ck is None:
-                expected["kernel"] = manifest.key.get("kernel", expected["kernel"])
-            diff = pipeline.diff_keys(expected, manifest.key)
+            key = manifest.key
+            if local_ck is not None:  # by path: what this engine asked for
+                ck, mc = local_ck, _model_config(str(local_ck.path), dtype, naming, kernel, key.get("revision", ""))
+            else:  # by name: the operator's choices, checked against the checkpoint as it is now
+                ck = Checkpoint(reply.checkpoint_path, validate=False)
+                scheme = quant.DETECT
+                mc = _model_config(str(ck.path), key.get("dtype", dtype), key.get("naming", naming),
+                                   key.get("kernel") or kernel, key.get("revision", ""))
+            # A slab of another backend (host slab, cuda:N engine) differs in device.backend.
+            backend = local_backend(device)
+            expected = pipeline.cache_key(mc, tp_size, tp_rank, ck, backend.device_info(), scheme)
+            diff = pipeline.diff_keys(expected, key)
             if diff:
                 raise CacheKeyMismatch(
                     f"service at {sock_path} holds a different {model!r}: differing key fields "
                     f"{', '.join(diff[:10])}", fields=diff, socket=sock_path)
-            if backend is None:
-                backend = get_backend(reply.backend, gpu_index)
             # Map the whole shared allocation (memfd pages, or the 2 MiB-rounded VMM slab).
             size = os.fstat(fd).st_size if reply.backend == "host" else manifest.slab_size_bytes
             slab = backend.import_fd(fd, size, device)

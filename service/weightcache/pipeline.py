@@ -92,13 +92,17 @@ class Plan:
         return sum(r.size_bytes for r in self.records if r.alias_of is None)
 
 
-def cache_key(model: ModelConfig, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any]) -> dict[str, Any]:
+def cache_key(model: ModelConfig, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
+              scheme: Any = quant.DETECT) -> dict[str, Any]:
     """The cache key of DESIGN §5, as a nested JSON-able dict.
 
     Args:
         device (`dict`): ``{backend, gpu_uuid, compute_capability}`` of the slab's device.
+        scheme (`quant.Scheme | None`, *optional*): the checkpoint's scheme if
+            already detected (``None``: unquantized); detected here otherwise.
     """
-    scheme = quant.detect(ck)
+    if scheme is quant.DETECT:
+        scheme = quant.detect(ck)
     return {
         "checkpoint": ck.identity(),
         "revision": model.revision,
@@ -144,10 +148,11 @@ def plan(model: ModelConfig, tp_size: int, tp_rank: int, device: dict[str, Any],
         ShapeMismatch (`shape_mismatch`): a tensor disagrees with ``config.json``.
     """
     ck = checkpoint or Checkpoint(model.path)
-    quant.detect(ck)  # UnsupportedQuantization wins over sharding's shape errors, before any read
+    # Once, first: UnsupportedQuantization wins over sharding's shape errors, before any read.
+    scheme = quant.detect(ck, model.kernel)
     target_dtype = DTYPE_NAMES[model.dtype]
     specs = sharding.shard_specs(ck, tp_size, tp_rank, model.naming, target_dtype)
-    specs = quant.process_specs(ck, specs, model.kernel)
+    specs = quant.process_specs(ck, specs, model.kernel, scheme)
     records, offset = [], 0
     by_name: dict[str, TensorRecord] = {}
     for s in specs:
@@ -169,7 +174,7 @@ def plan(model: ModelConfig, tp_size: int, tp_rank: int, device: dict[str, Any],
             records.append(TensorRecord(s.name, tgt.dtype, tgt.shape, tgt.stride, tgt.offset_bytes, tgt.size_bytes,
                                         layout=dict(s.layout), alias_of=s.alias_of))
     return Plan(model, tp_size, tp_rank, ck, specs, records, max(offset, ALIGNMENT_BYTES),
-                cache_key(model, tp_size, tp_rank, ck, device))
+                cache_key(model, tp_size, tp_rank, ck, device, scheme))
 
 
 class _Reader:

@@ -18,6 +18,7 @@ Forbidden imports: torch at module level, socket, weightcache.daemon, weightcach
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..checkpoint import Checkpoint
 from ..spec import TensorSpec
@@ -49,6 +50,11 @@ class Scheme:
     config_hash: str
     source: str = ""
     capability: Capability | None = None
+    quant_config: Any = None  # the parsed modelopt_fp8.QuantConfig
+
+
+#: Default of the ``scheme`` arguments below: detect it from the checkpoint.
+DETECT: Any = object()
 
 
 def detect(ck: Checkpoint, kernel: str | None = None) -> Scheme | None:
@@ -75,16 +81,18 @@ def detect(ck: Checkpoint, kernel: str | None = None) -> Scheme | None:
         return None
     cap = modelopt_fp8.capability(ck, qc, kernel)
     modelopt_fp8.check_layers(ck, qc, cap)
-    return Scheme(cap.scheme, qc.raw, modelopt_fp8.config_hash(qc.raw), qc.file, cap)
+    return Scheme(cap.scheme, qc.raw, modelopt_fp8.config_hash(qc.raw), qc.file, cap, qc)
 
 
-def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str) -> list[TensorSpec]:
+def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, scheme: Any = DETECT) -> list[TensorSpec]:
     """Rewrites the specs of quantized layers for ``kernel``; identity when unquantized.
 
     Args:
         ck (`Checkpoint`): the checkpoint.
         specs (`list[TensorSpec]`): from :func:`weightcache.sharding.shard_specs`.
         kernel (`str`): kernel layout target (``cutlass``).
+        scheme (`Scheme | None`, *optional*): from :func:`detect` with the same
+            ``kernel`` (``None``: unquantized); detected here when not given.
 
     Returns:
         `list[TensorSpec]`: see :func:`weightcache.quant.modelopt_fp8.process_specs`.
@@ -94,8 +102,8 @@ def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str) -> list[
             scheme, kernel target other than ``cutlass``, or a layer that does
             not fit the scheme; raised before any weight is read.
     """
-    qc = modelopt_fp8.read_config(ck)
-    if qc is None:
+    if scheme is DETECT:
+        scheme = detect(ck, kernel)
+    if scheme is None:
         return specs
-    cap = modelopt_fp8.capability(ck, qc, kernel)
-    return modelopt_fp8.process_specs(ck, specs, kernel, qc, cap)
+    return modelopt_fp8.process_specs(ck, specs, kernel, scheme.quant_config, scheme.capability)
