@@ -48,7 +48,7 @@ sys.path.insert(0, str(TESTS))
 import fp8_fixtures  # noqa: E402
 import tiny_models  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("_wc_integration_conftest", TESTS / "integration" / "conftest.py")
+_spec = importlib.util.spec_from_file_location("_wc_integration_conftest", TESTS / "service_harness.py")
 harness = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(harness)
 

@@ -11,7 +11,7 @@
   partial slab left allocated, the other model loads and serves.
 
 The writes-are-refused case on cuda is in tests/gpu/test_service_gpu.py.
-Helpers come from tests/integration/conftest.py (loaded under a private name).
+Helpers come from tests/service_harness.py (loaded under a private name).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ GPU = 0
 
 def _helpers():
     spec = importlib.util.spec_from_file_location("weightcache_integration_helpers",
-                                                  ROOT / "tests" / "integration" / "conftest.py")
+                                                  ROOT / "tests" / "service_harness.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

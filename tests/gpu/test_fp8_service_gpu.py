@@ -26,7 +26,7 @@ PROMPTS = [[1, 5, 9, 33], [7, 7, 100, 2, 64]]
 
 
 def _conftest():
-    spec = importlib.util.spec_from_file_location("wc_integration_conftest", ROOT / "tests/integration/conftest.py")
+    spec = importlib.util.spec_from_file_location("wc_integration_conftest", ROOT / "tests/service_harness.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

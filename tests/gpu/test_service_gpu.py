@@ -70,7 +70,7 @@ except Exception as e:
 def _service(work: Path, models: dict):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("wc_integration_conftest", ROOT / "tests/integration/conftest.py")
+    spec = importlib.util.spec_from_file_location("wc_integration_conftest", ROOT / "tests/service_harness.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.ServiceProcess(work, {"service": {"backend": "cuda"}, "models": models}, gpu=0, backend="cuda").start()

@@ -25,7 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import llama_checkpoint, read_checkpoint, record_figures  # noqa: E402
+from service_harness import llama_checkpoint, read_checkpoint, record_figures  # noqa: E402
 from weightcache import attach  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402
 

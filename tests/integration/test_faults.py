@@ -27,7 +27,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import (  # noqa: E402
+from service_harness import (  # noqa: E402
     big_checkpoint,
     doomed_client,
     compare_bytes,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ServiceProcess
+from service_harness import ServiceProcess
 from fp8_fixtures import PER_CHANNEL, PER_TENSOR, set_quant_config, write_fp8_checkpoint
 from reference_engine import ReferenceLlama
 from weightcache import attach, errors

@@ -24,7 +24,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from conftest import HELLO, compare_bytes, frame, llama_checkpoint, raw_connect, read_checkpoint, record_figures  # noqa: E402
+from service_harness import HELLO, compare_bytes, frame, llama_checkpoint, raw_connect, read_checkpoint, record_figures  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.errors import RemoteProtocolError  # noqa: E402
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ServiceProcess
+from service_harness import ServiceProcess
 from tiny_models import checkpoint_tensors, reassemble, tiny_llama, tiny_qwen2  # noqa: F401 (fixtures)
 from weightcache import attach, errors
 

@@ -1,7 +1,7 @@
 """``service.load_timeout_s``: a load past it fails with cause ``timeout``, the slab is freed, the service serves on."""
 
 import pytest
-from conftest import big_checkpoint, make_config
+from service_harness import big_checkpoint, make_config
 
 from weightcache import attach, errors
 

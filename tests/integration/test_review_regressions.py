@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import big_checkpoint, make_config, proc_fds, raw_connect, read_reply
+from service_harness import big_checkpoint, make_config, proc_fds, raw_connect, read_reply
 
 from weightcache import attach, errors
 

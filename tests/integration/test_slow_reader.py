@@ -4,7 +4,7 @@ import json
 import struct
 from pathlib import Path
 
-from conftest import make_config, proc_fds, raw_connect
+from service_harness import make_config, proc_fds, raw_connect
 
 from weightcache import attach
 

@@ -1,0 +1,583 @@
+"""Shared helpers for integration tests: a live service subprocess, checkpoints, figures.
+
+The service runs as a real subprocess (``python -m weightcache serve``) on a
+Unix socket in ``tmp_path``; tests talk to it over real sockets and receive
+real fds. Nothing here sleeps for a fixed time to "let things settle": every
+wait polls an observable state (``status`` replies, ``/proc``) until a
+deadline, and fails with the service's log if the deadline passes.
+
+Fixtures:
+
+- ``daemon``: a factory, ``daemon(models_or_config, backend="host", gpu=0)``
+  -> :class:`ServiceProcess` (``.socket_dir``, ``.proc``, ``.pid``,
+  ``.stop()``, ``.kill()``, ``.restart()``, ``.status()``,
+  ``.snapshot()``...). Every service started through it is killed at the end
+  of the test.
+- ``module_daemon``: the same factory, module-scoped (one service shared by
+  several tests of a module).
+
+Plain functions (``tests/gpu`` loads this file with
+``importlib.util.spec_from_file_location`` under a private name):
+:func:`start_service`, :func:`write_checkpoint`,
+:func:`llama_checkpoint`, :func:`big_checkpoint`, :func:`read_checkpoint`,
+:func:`compare_bytes`, :func:`record_figures`, :func:`proc_fds`,
+:func:`proc_rss_bytes`, :func:`raw_connect`, :func:`doomed_client`.
+
+Figures: each reliability scenario calls :func:`record_figures` once its
+assertions passed; they are merged into ``.cache/reliability.json``, from
+which ``scripts/reliability-report`` renders ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICE_DIR = ROOT / "service"
+RELIABILITY_JSON = ROOT / ".cache" / "reliability.json"
+START_TIMEOUT_S = 90.0
+
+
+# --- TOML -------------------------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(config: dict[str, Any]) -> str:
+    """Writes a two-level config dict (``service``, ``models.NAME``) as TOML."""
+    out = []
+    if config.get("service"):
+        out.append("[service]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in config["service"].items()]
+    for name, table in config.get("models", {}).items():
+        out.append(f"\n[models.{json.dumps(name)}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(out) + "\n"
+
+
+def make_config(models: dict[str, Any], backend: str = "host", gpu: int = 0, **service: Any) -> dict[str, Any]:
+    """A config dict from ``{name: path}`` or ``{name: {path=..., ...}}`` (tp=1 on ``gpu`` by default)."""
+    tables = {}
+    for name, m in models.items():
+        table = {"path": str(m)} if isinstance(m, (str, os.PathLike)) else {k: (str(v) if k == "path" else v)
+                                                                           for k, v in m.items()}
+        table.setdefault("layouts", [{"tp": 1, "gpus": [gpu]}])
+        tables[name] = table
+    return {"service": {"backend": backend, **service}, "models": tables}
+
+
+# --- /proc ------------------------------------------------------------------
+
+
+def proc_fds(pid: int) -> collections.Counter:
+    """Open fds of ``pid`` by kind: socket, pipe, memfd, eventpoll, file, dev, anon, other."""
+    kinds: collections.Counter = collections.Counter()
+    base = f"/proc/{pid}/fd"
+    for name in os.listdir(base):
+        try:
+            target = os.readlink(f"{base}/{name}")
+        except FileNotFoundError:
+            continue  # closed while we looked (e.g. listdir's own fd)
+        if target.startswith("socket:"):
+            kinds["socket"] += 1
+        elif target.startswith("pipe:"):
+            kinds["pipe"] += 1
+        elif target.startswith("/memfd:"):
+            kinds["memfd"] += 1
+        elif "eventpoll" in target:
+            kinds["eventpoll"] += 1
+        elif target.startswith("/dev/"):
+            kinds["dev"] += 1
+        elif target.startswith("anon_inode:"):
+            kinds["anon"] += 1
+        elif target.startswith("/"):
+            kinds["file"] += 1
+        else:
+            kinds["other"] += 1
+    return kinds
+
+
+def proc_rss_bytes(pid: int) -> int:
+    """``VmRSS`` of ``pid`` in bytes (``/proc/PID/status``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")
+
+
+# --- the service subprocess ----------------------------------------------------
+
+
+def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a service or client subprocess: the source tree first, no systemd."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "JOURNAL_STREAM",
+                        "WATCHDOG_USEC", "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_CONFIG")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SERVICE_DIR)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env.update(extra or {})
+    return env
+
+
+class ServiceProcess:
+    """One ``weightcache serve`` subprocess for one GPU index, listening in ``socket_dir``.
+
+    Attributes:
+        socket_dir (`str`): directory of ``<gpu>.sock``.
+        socket_path (`str`): the listening socket.
+        config_path (`Path`): the TOML file it was started with.
+        log_path (`Path`): its stderr (log lines).
+        proc (`subprocess.Popen`), pid (`int`): the current process.
+    """
+
+    def __init__(self, workdir: Path, config: dict[str, Any], gpu: int = 0, backend: str | None = None,
+                 env: dict[str, str] | None = None, nofile: int | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.gpu = gpu
+        self.backend = backend or config.get("service", {}).get("backend", "host")
+        self.socket_dir = str(self.workdir)
+        self.socket_path = os.path.join(self.socket_dir, f"{gpu}.sock")
+        self.config_path = self.workdir / "weightcache.toml"
+        self.config_path.write_text(to_toml(config))
+        self.log_path = self.workdir / "service.log"
+        self.extra_env = env or {}
+        self.nofile = nofile
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        """Replaces the config file; takes effect at the next :meth:`start`."""
+        self.config_path.write_text(to_toml(config))
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> "ServiceProcess":
+        """Starts the process and waits until it answers ``status``."""
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightcache", "serve", "--gpu", str(self.gpu), "--config", str(self.config_path),
+             "--listen", self.socket_path, "--backend", self.backend],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(self.extra_env), cwd=self.workdir,
+            preexec_fn=None if self.nofile is None else self._limit_fds,
+        )
+        log.close()
+        self.starts += 1
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"service exited with {self.proc.returncode} during start\n{self.log()}")
+            try:
+                self.status()
+                return self
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"service did not answer status within {timeout} s\n{self.log()}") from None
+                time.sleep(0.05)
+
+    def _limit_fds(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+
+    def log(self) -> str:
+        """The service's log so far (stderr)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def session(self, timeout: float = 30.0):
+        """A connected :class:`weightcache.client.Session` (after ``hello``)."""
+        from weightcache.client import Session
+
+        return Session(self.socket_path, timeout=timeout, client="tests")
+
+    def request(self, msg: Any, timeout: float = 30.0) -> Any:
+        """One request on a fresh connection; returns the reply (raises typed errors)."""
+        s = self.session(timeout)
+        try:
+            return s.request(msg)
+        finally:
+            s.close()
+
+    def status(self) -> dict[str, Any]:
+        """The ``status`` reply's dict."""
+        from weightcache import protocol
+
+        return self.request(protocol.Status(), timeout=10.0).status
+
+    def slab(self, model: str, tp_rank: int = 0) -> dict[str, Any]:
+        """The status entry of one slab."""
+        for s in self.status()["slabs"]:
+            if s["model"] == model and s["tp_rank"] == tp_rank:
+                return s
+        raise AssertionError(f"no slab {model} rank {tp_rank} in status")
+
+    def wait_settled(self, timeout: float = 120.0) -> dict[str, Any]:
+        """Polls ``status`` until no slab is pending or loading; returns that status."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if all(s["state"] not in ("pending", "loading") for s in st["slabs"]):
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"loads did not settle within {timeout} s: {st['status_line']}\n{self.log()}")
+            time.sleep(0.05)
+
+    def snapshot(self, others: int = 0, timeout: float = 30.0) -> dict[str, Any]:
+        """fds by kind, RSS and status, taken while only ``others`` + our own connection are open.
+
+        Waits (polling ``status``) until the service counts exactly ``others + 1``
+        clients, i.e. it has processed every other connection's end, then reads /proc.
+        """
+        from weightcache import protocol
+
+        s = self.session(timeout)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                st = s.request(protocol.Status()).status
+                if st["clients"] == others + 1:
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"service still counts {st['clients']} clients after {timeout} s")
+                time.sleep(0.02)
+            return {"fds": proc_fds(self.pid), "rss_bytes": proc_rss_bytes(self.pid), "status": st,
+                    "leases": sum(len(sl["leases"]) for sl in st["slabs"])}
+        finally:
+            s.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL and reap (no cleanup runs in the service)."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(30)
+
+    def stop(self) -> int:
+        """SIGTERM, wait, return the exit status (SIGKILL after 30 s)."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode if self.proc else 0
+
+    def restart(self, timeout: float = START_TIMEOUT_S) -> "ServiceProcess":
+        self.kill()
+        return self.start(timeout)
+
+
+def start_service(workdir: Path, models_or_config: dict[str, Any], backend: str = "host", gpu: int = 0,
+                  env: dict[str, str] | None = None, nofile: int | None = None, **service: Any) -> ServiceProcess:
+    """Writes a config and starts a service; returns once it answers ``status``.
+
+    Args:
+        workdir (`Path`): socket, config and log directory (keep the path short:
+            Unix socket paths are limited to 107 bytes).
+        models_or_config (`dict`): a whole config (has a ``models`` key) or
+            ``{name: path | {path=..., ...}}``.
+        backend (`str`): ``host`` or ``cuda``.
+        env (`dict`, *optional*): extra environment variables.
+        nofile (`int`, *optional*): the service's ``RLIMIT_NOFILE`` (soft and hard).
+        **service: more ``[service]`` keys.
+    """
+    cfg = (models_or_config if "models" in models_or_config
+           else make_config(models_or_config, backend=backend, gpu=gpu, **service))
+    return ServiceProcess(workdir, cfg, gpu, backend, env, nofile).start()
+
+
+def _factory(base: Path) -> Iterator[Callable[..., ServiceProcess]]:
+    started: list[ServiceProcess] = []
+    n = [0]
+
+    def make(models_or_config: dict[str, Any], backend: str = "host", gpu: int = 0, **kw: Any) -> ServiceProcess:
+        n[0] += 1
+        svc = start_service(base / f"s{n[0]}", models_or_config, backend=backend, gpu=gpu, **kw)
+        started.append(svc)
+        return svc
+
+    yield make
+    for svc in started:
+        svc.kill()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    """Factory: ``daemon(models_or_config, backend="host", gpu=0) -> ServiceProcess``; killed at teardown."""
+    short = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))  # sockets need short paths
+    yield from _factory(short)
+
+
+@pytest.fixture(scope="module")
+def module_daemon():
+    """Module-scoped :func:`daemon`."""
+    short = Path(tempfile.mkdtemp(prefix="wcm-", dir="/tmp"))
+    yield from _factory(short)
+
+
+# --- raw sockets ----------------------------------------------------------------
+
+
+def raw_connect(socket_path: str, timeout: float = 10.0) -> socket.socket:
+    """A connected Unix stream socket, no ``hello`` sent."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s.settimeout(timeout)
+    s.connect(socket_path)
+    return s
+
+
+def frame(obj: Any) -> bytes:
+    """A frame: 4-byte big-endian length + JSON (``obj`` may already be bytes)."""
+    body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def read_reply(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """Reads one frame; returns ``(json, fds)``, or ``(None, fds)`` on EOF/reset."""
+    buf, fds = b"", []
+    try:
+        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+            data, anc, _, _ = s.recvmsg(1 << 20, socket.CMSG_SPACE(8 * 4), socket.MSG_CMSG_CLOEXEC)
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds += list(struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) // 4 * 4]))
+            if not data:
+                return None, fds
+            buf += data
+    except (ConnectionResetError, BrokenPipeError):
+        return None, fds
+    n = struct.unpack(">I", buf[:4])[0]
+    return json.loads(buf[4: 4 + n]), fds
+
+
+HELLO = {"type": "hello", "protocol_version": 1, "client": "tests"}
+
+# A client that sends hello + attach and then never reads (nor takes the fd): the test SIGKILLs it.
+_DOOMED_CLIENT = r"""
+import json, socket, struct, sys, time
+path, model, wait_ms = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(path)
+def send(o):
+    b = json.dumps(o).encode()
+    s.sendall(struct.pack(">I", len(b)) + b)
+send({"type": "hello", "protocol_version": 1, "client": "doomed"})
+n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+s.recv(n, socket.MSG_WAITALL)
+send({"type": "attach", "model": model, "wait_ms": wait_ms})
+print("sent", flush=True)
+time.sleep(3600)
+"""
+
+
+def doomed_client(svc: "ServiceProcess", model: str, wait_ms: int) -> subprocess.Popen:
+    """Starts a raw client that sends ``hello`` and ``attach(model, wait_ms)``, then never reads.
+
+    Returns once the attach is on the wire; the caller kills it (``SIGKILL``) and reaps it.
+    """
+    p = subprocess.Popen([sys.executable, "-c", _DOOMED_CLIENT, svc.socket_path, model, str(wait_ms)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "sent"
+    return p
+
+
+# --- checkpoints ----------------------------------------------------------------
+
+
+def write_checkpoint(dest: Path, tensors: dict[str, Any], config: dict[str, Any] | None = None,
+                     files: int = 1) -> Path:
+    """Saves ``tensors`` with safetensors: one ``model.safetensors``, or ``files`` shards plus an index.
+
+    Shards are named ``model-0000i-of-0000N.safetensors``; tensors go round-robin by sorted name.
+    """
+    from safetensors.torch import save_file
+
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    if files == 1:
+        save_file({n: tensors[n].contiguous() for n in names}, str(dest / "model.safetensors"))
+    else:
+        weight_map = {}
+        for i in range(files):
+            fname = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+            part = {n: tensors[n].contiguous() for n in names[i::files]}
+            save_file(part, str(dest / fname))
+            weight_map.update({n: fname for n in part})
+        (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if config is not None:
+        (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+LLAMA = dict(hidden=64, heads=4, kv_heads=2, inter=128, vocab=96, layers=2)
+
+
+def llama_config(hidden: int = 64, heads: int = 4, kv_heads: int = 2, inter: int = 128, vocab: int = 96,
+                 layers: int = 2) -> dict[str, Any]:
+    """``config.json`` of a tiny LlamaForCausalLM (untied)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+def llama_tensors(seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2, inter: int = 128,
+                  vocab: int = 96, layers: int = 2) -> dict[str, Any]:
+    """Random F32 tensors with Hugging Face Llama names and shapes (no transformers needed).
+
+    Shapes: ``q_proj``/``o_proj`` ``(hidden, hidden)``, ``k_proj``/``v_proj``
+    ``(kv_heads * hidden // heads, hidden)``, ``gate``/``up`` ``(inter, hidden)``,
+    ``down`` ``(hidden, inter)``, embeddings and ``lm_head`` ``(vocab, hidden)``.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    hd = hidden // heads
+    t: dict[str, Any] = {}
+
+    def r(*shape: int) -> Any:
+        return torch.randn(*shape, generator=g)
+
+    t["model.embed_tokens.weight"] = r(vocab, hidden)
+    t["model.norm.weight"] = r(hidden)
+    t["lm_head.weight"] = r(vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = r(heads * hd, hidden)
+        t[p + "self_attn.k_proj.weight"] = r(kv_heads * hd, hidden)
+        t[p + "self_attn.v_proj.weight"] = r(kv_heads * hd, hidden)
+        t[p + "self_attn.o_proj.weight"] = r(hidden, heads * hd)
+        t[p + "mlp.gate_proj.weight"] = r(inter, hidden)
+        t[p + "mlp.up_proj.weight"] = r(inter, hidden)
+        t[p + "mlp.down_proj.weight"] = r(hidden, inter)
+        t[p + "input_layernorm.weight"] = r(hidden)
+        t[p + "post_attention_layernorm.weight"] = r(hidden)
+    return t
+
+
+def llama_checkpoint(dest: Path, seed: int = 0, files: int = 2, **dims: Any) -> Path:
+    """A tiny sharded Llama checkpoint (F32, ``files`` shards + index, ``config.json``)."""
+    d = {**LLAMA, **dims}
+    return write_checkpoint(dest, llama_tensors(seed, **d), llama_config(**d), files=files)
+
+
+def big_checkpoint(size_bytes: int, tensors: int = 8, seed: int = 0, base: str = "/dev/shm") -> Path:
+    """A checkpoint of about ``size_bytes`` on tmpfs (a real, slow-enough load); caller removes it.
+
+    ``tensors`` U8 tensors ``[size_bytes // tensors]`` of a repeating pattern
+    (no config.json: loaded as-is at TP = 1).
+    """
+    import torch
+
+    d = Path(tempfile.mkdtemp(prefix="wc-big-", dir=base if os.path.isdir(base) else None))
+    n = size_bytes // tensors
+    pattern = torch.arange(256, dtype=torch.uint8)
+    data = {f"blob.{i:03d}": (pattern.repeat(n // 256 + 1)[:n] + i).contiguous() for i in range(tensors)}
+    write_checkpoint(d, data)
+    return d
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Every tensor of a checkpoint directory as safetensors reads it from disk (private copies:
+    ``load_file`` may map the file, and tests rewrite files in place)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update({k: v.clone() for k, v in load_file(str(f)).items()})
+    return out
+
+
+def compare_bytes(got: dict[str, Any], expected: dict[str, Any]) -> int:
+    """Asserts ``got`` holds exactly ``expected``'s names and bytes; returns bytes compared."""
+    import torch
+
+    assert sorted(got) == sorted(expected), f"tensor names differ: {sorted(set(got) ^ set(expected))[:5]}"
+    n = 0
+    for name, want in expected.items():
+        have = got[name]
+        assert have.dtype == want.dtype and tuple(have.shape) == tuple(want.shape), name
+        a = have.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        b = want.contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b), f"bytes of {name} differ"
+        n += b.numel()
+    return n
+
+
+# --- figures ----------------------------------------------------------------------
+
+
+_TEST_STARTED = [0.0]
+
+
+@pytest.fixture(autouse=True)
+def _figures_clock():
+    """Notes when each test's body starts, for the ``duration_s`` of :func:`record_figures`."""
+    _TEST_STARTED[0] = time.monotonic()
+    yield
+
+
+def record_figures(scenario: str, title: str, checks: str, backend: str = "host", **figures: Any) -> None:
+    """Merges one scenario's figures into ``.cache/reliability.json`` (call after its assertions passed).
+
+    Args:
+        scenario (`str`): stable id, e.g. ``faults.client_killed_mid_attach``.
+        title (`str`): one line for the report.
+        checks (`str`): what the test asserts.
+        **figures: ``clients``, ``duration_s``, ``frames_tried``, ``faults_injected``,
+            ``bytes_compared`` and any other number worth reporting. ``duration_s``
+            defaults to the time since the test's body started (fixture setup excluded).
+    """
+    if "duration_s" not in figures and _TEST_STARTED[0]:
+        figures["duration_s"] = round(time.monotonic() - _TEST_STARTED[0], 2)
+    RELIABILITY_JSON.parent.mkdir(parents=True, exist_ok=True)
+    with open(RELIABILITY_JSON.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            data = json.loads(RELIABILITY_JSON.read_text())
+        except (FileNotFoundError, ValueError):
+            data = {"scenarios": {}}
+        data["scenarios"][scenario] = {
+            "title": title, "checks": checks, "backend": backend,
+            "figures": figures, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        tmp = RELIABILITY_JSON.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        os.replace(tmp, RELIABILITY_JSON)
+
