@@ -20,8 +20,9 @@ may connect; per-model allow lists are checked against ``SO_PEERCRED``.
 
 from __future__ import annotations
 
-import errno
 import collections
+import contextlib
+import errno
 import grp
 import hashlib
 import json
@@ -40,9 +41,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import notify, pipeline, protocol
+from .checkpoint import Checkpoint
 from .config import Config, Placement
 from .errors import (
     AccessDenied,
+    InternalError,
     LeaseBusy,
     ModelLoadFailed,
     ModelLoading,
@@ -244,7 +247,10 @@ class Daemon:
                     rec = json.loads(_read_fd(man_fds[0]))
                     manifest = Manifest.from_json(rec["manifest"])
                     p = slot.placement
-                    current = pipeline.plan(p.model, p.tp_size, p.tp_rank, self.device).key
+                    # The key alone (headers and stat(), no validation, no planning): a match means
+                    # the slab was planned and filled from exactly this checkpoint and config.
+                    ck = Checkpoint(p.model.path, validate=False)
+                    current = pipeline.cache_key(p.model, p.tp_size, p.tp_rank, ck, self.device)
                     diff = pipeline.diff_keys(current, manifest.key)
                     if rec.get("backend") != self.backend.name:
                         diff.append("device.backend")
@@ -449,7 +455,7 @@ class Daemon:
                 os.close(fd)
             self._violation(c, RemoteProtocolError("requests carry no fds; fds sent to the service are refused"))
             return
-        c.conn.receive(data, fds)
+        c.conn.receive(data)
         while not c.closed:
             try:
                 ev = c.conn.next_message()
@@ -458,27 +464,25 @@ class Daemon:
                 return
             if ev is protocol.NEED_DATA:
                 return
-            msg, msg_fds = ev
-            for fd in msg_fds:  # no request carries fds today; never keep them
-                os.close(fd)
+            msg, _ = ev  # no fds: _recv refused any before they reached the protocol
             try:
                 self.handlers[type(msg)](c, msg)
             except WeightcacheError as e:
                 self._send(c, protocol.Error.from_exc(e))
             except Exception as e:  # noqa: BLE001 - one request must never take the service down
-                log.error("request failed peer_pid=%d type=%s error=%r", c.pid, msg.tag(), e)
-                self._send(c, protocol.Error.from_exc(ModelLoadFailed(f"internal error: {e!r}"[:4096], cause="internal")))
+                log.error("request failed peer_pid=%d type=%s error=%r\n%s", c.pid, msg.tag(), e,
+                          traceback.format_exc())
+                self._send(c, protocol.Error.from_exc(InternalError(
+                    f"the service failed to handle {msg.tag()!r}: {e!r}"[:4096], request=msg.tag())))
 
     def _violation(self, c: Client, e: RemoteProtocolError) -> None:
         log.warning("rejected frame peer_pid=%d code=%s error=%s", c.pid, e.code, e.message,
                     extra=event("rejected"))
         for fd in c.conn.take_all_fds():
             os.close(fd)
-        try:
-            data = protocol.encode(protocol.Error.from_exc(e))
-            c.sock.sendall(data)
-        except OSError:
-            pass
+        if not c.outbox:  # best effort, and never in the middle of a half-sent frame
+            with contextlib.suppress(OSError):
+                send_some(c.sock, protocol.encode(protocol.Error.from_exc(e)))
         self._drop(c, "protocol violation")
 
     def _send(self, c: Client, msg: protocol.Message, fds: list[int] | tuple[int, ...] = ()) -> bool:

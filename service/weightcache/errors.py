@@ -166,6 +166,13 @@ class RemoteProtocolError(ProtocolError):
     code = "protocol_violation"
 
 
+class InternalError(WeightcacheError):
+    """The service failed to handle one request for a reason that is its own bug
+    or an unexpected library error; it logged the details and keeps serving."""
+
+    code = "internal_error"
+
+
 class UnknownRemoteError(WeightcacheError):
     """An error reply whose code this version does not know; keeps the code."""
 
