@@ -58,48 +58,7 @@ for i, fd in enumerate(high):
     os.dup2(fd, 3 + i)
     os.close(fd)
 os.environ.update(LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=names, LISTEN_PID=str(os.getpid()))
-probe = os.environ.pop("WC_BENCH_PROBE", "")
-if probe:
-    os.execv(sys.executable, [sys.executable, "-c", probe] + sys.argv[1:])
 os.execv(sys.executable, [sys.executable, "-m", "weightcache"] + sys.argv[1:])
-"""
-
-# Probe (--lazy-owner-tensor): the service with (1) CudaSealedSlab.tensor built on first use
-# instead of at adoption and (2) checkpoint validation through safetensors' numpy framework
-# (same Rust checks; framework="pt" imports torch), so that start + adoption imports neither
-# torch nor its CUDA context. Measures what those two changes (memory/cuda.py,
-# checkpoint.py) would give; not weightcache's behaviour unless they land.
-LAZY_PROBE = r"""
-import sys
-import weightcache.checkpoint as ck
-import weightcache.memory.cuda as c
-from weightcache.cli import main
-
-def _validate(path):
-    from safetensors import safe_open
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            f.keys()
-    except Exception as e:
-        raise ck.CheckpointCorrupt(f"safetensors rejects {path}: {e}", file=str(path)) from None
-
-ck._validate_with_safetensors = _validate
-
-def _init(self, fd, size_bytes, mapping, owner_read_only):
-    self.fd, self.size_bytes, self.owner_read_only, self._mapping, self._t = fd, size_bytes, owner_read_only, mapping, None
-
-def _get(self):
-    if self._t is None and self._mapping is not None:
-        self._t = self._mapping.tensor()
-    return self._t
-
-def _set(self, v):
-    self._t = v
-
-c.CudaSealedSlab.__init__ = _init
-c.CudaSealedSlab.tensor = property(_get, _set)
-rc = main(sys.argv[1:])
-sys.exit(rc)
 """
 
 FLOOR = r"""
@@ -120,8 +79,8 @@ print(f"{t1 - t0:.6f} {t2 - t1:.6f}")
 class Holder:
     """The notify socket and fd store of one service instance (systemd's part)."""
 
-    def __init__(self, work: Path, cfg: Path, backend: str, probe: str = "") -> None:
-        self.work, self.cfg, self.backend, self.probe = work, cfg, backend, probe
+    def __init__(self, work: Path, cfg: Path, backend: str) -> None:
+        self.work, self.cfg, self.backend = work, cfg, backend
         self.notify_path = str(work / "notify.sock")
         self.nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.nsock.bind(self.notify_path)
@@ -134,7 +93,7 @@ class Holder:
         names = ["listen"] + sorted(self.store)
         fds = [self.listener.fileno()] + [self.store[n] for n in sorted(self.store)]
         env = service_env({"NOTIFY_SOCKET": self.notify_path, "WC_BENCH_FDS": ",".join(map(str, fds)),
-                           "WC_BENCH_FDNAMES": ":".join(names), "WC_BENCH_PROBE": self.probe})
+                           "WC_BENCH_FDNAMES": ":".join(names)})
         log = open(self.log_path, "ab")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-c", WRAPPER, "serve", "--gpu", "0", "--config", str(self.cfg),
@@ -204,8 +163,6 @@ def main() -> int:
     ap.add_argument("--sizes-gb", default=None, help="comma-separated; default 1,8,64 (cuda) or 0.05,0.2,0.5 (cpu)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR", "/tmp/weightcache-bench"))
-    ap.add_argument("--lazy-owner-tensor", action="store_true",
-                    help="also time restarts of a probe service whose owner tensor is built on first use (cuda)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     sizes = [float(x) for x in (args.sizes_gb or ("1,8,64" if cuda else "0.05,0.2,0.5")).split(",")]
@@ -244,23 +201,10 @@ def main() -> int:
                 st = s.request(protocol.Status()).status
                 s.close()
                 adopted.append(all(x["adopted"] and x["state"] == "ready" for x in st["slabs"]))
-            lazy = []
-            if args.lazy_owner_tensor and cuda:
-                h.probe = LAZY_PROBE
-                for _ in range(args.reps):
-                    h.kill()
-                    t0 = h.start()
-                    lazy.append(h.wait(True, 2, 300) - t0)
-                    s = Session(str(work / "0.sock"), timeout=30)
-                    st2 = s.request(protocol.Status()).status
-                    s.close()
-                    adopted.append(all(x["adopted"] and x["state"] == "ready" for x in st2["slabs"]))
-                h.probe = ""
             payload = st["slabs"][0]["total_bytes"]
             rows.append({"size_gb": gb, "payload_bytes": payload, "tensors": st["slabs"][0]["tensors"],
                          "first_load_to_ready_s": t_ready, "restart_to_ready_s": stats(times),
-                         "all_adopted": all(adopted),
-                         "probe_lazy_owner_tensor_to_ready_s": stats(lazy) if lazy else None})
+                         "all_adopted": all(adopted)})
         finally:
             h.close()
     ok = all(r["restart_to_ready_s"]["median"] <= 1.0 for r in rows)
@@ -277,12 +221,6 @@ def main() -> int:
         s = r["restart_to_ready_s"]
         md.append(f"| {r['payload_bytes'] / GB:.2f} GB | {r['tensors']} | {r['first_load_to_ready_s']:.2f} | "
                   f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f}) | {'yes' if r['all_adopted'] else 'NO'} |")
-    for r in rows:
-        p = r["probe_lazy_owner_tensor_to_ready_s"]
-        if p:
-            md.append(f"| {r['payload_bytes'] / GB:.2f} GB, probe: no torch at start (lazy owner tensor, numpy-framework validation) | "
-                      f"{r['tensors']} | | {p['median']:.3f} ({p['min']:.3f}–{p['max']:.3f}) | "
-                      f"{'yes' if r['all_adopted'] else 'NO'} |")
     md += ["", f"floor of any start, in a fresh interpreter: import torch + weightcache.cli/daemon "
                f"{res['floor_import_s']['median']:.3f} s" + (f", CudaBackend + torch CUDA context "
                                                                f"{res['floor_device_setup_s']['median']:.3f} s"
