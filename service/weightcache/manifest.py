@@ -102,40 +102,6 @@ class TensorRecord:
     layout: dict[str, Any] = field(default_factory=dict)
     alias_of: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        # Field order of the dataclass, as dataclasses.asdict gives it; built by
-        # hand because asdict's generic deep copy dominated the service's
-        # attach reply for manifests of hundreds of tensors.
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "stride": list(self.stride),
-            "offset_bytes": self.offset_bytes,
-            "size_bytes": self.size_bytes,
-            "digest": self.digest,
-            "layout": _plain_copy(self.layout),
-            "alias_of": self.alias_of,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "TensorRecord":
-        # Same values as cls(...), without the frozen dataclass __init__ (one
-        # object.__setattr__ per field): this runs once per tensor per attach.
-        rec = _new(cls)
-        rec.__dict__.update(
-            name=d["name"],
-            dtype=d["dtype"],
-            shape=tuple(d["shape"]),
-            stride=tuple(d["stride"]),
-            offset_bytes=int(d["offset_bytes"]),
-            size_bytes=int(d["size_bytes"]),
-            digest=d.get("digest", ""),
-            layout=dict(d.get("layout", {})),
-            alias_of=d.get("alias_of"),
-        )
-        return rec
-
 
 @dataclass(frozen=True)
 class Manifest:
