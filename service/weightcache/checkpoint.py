@@ -55,6 +55,22 @@ class TensorInfo:
     size_bytes: int
 
 
+def pread_exact(fd: int, buf: memoryview, offset: int, need: int, path: str, tensor: str, end: int) -> None:
+    """Fills the first ``need`` bytes of ``buf`` from ``fd`` at ``offset`` (``os.preadv``, retried on short reads).
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): the file ended first; names
+            ``path`` and ``tensor``, whose data ends at byte ``end``.
+    """
+    done = 0
+    while done < need:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointCorrupt(f"safetensors file {path} is truncated: tensor {tensor!r} ends at byte {end}",
+                                    file=path, tensor=tensor)
+        done += n
+
+
 def _read_raw_header(path: Path) -> tuple[bytes, int, int]:
     """Returns (raw header bytes, data start offset, file size) of one file, without parsing.
 
@@ -323,20 +339,10 @@ class Checkpoint:
         Raises:
             CheckpointCorrupt (`checkpoint_corrupt`): the file ended early.
         """
-        mv = memoryview(out).cast("B")
         path = self.path / info.file
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            done = 0
-            while done < info.size_bytes:
-                n = os.preadv(fd, [mv[done:]], info.offset_bytes + done)
-                if n <= 0:
-                    raise CheckpointCorrupt(
-                        f"safetensors file {path} is truncated: tensor {info.name!r} ends at byte "
-                        f"{info.offset_bytes + info.size_bytes}",
-                        file=str(path),
-                        tensor=info.name,
-                    )
-                done += n
+            pread_exact(fd, memoryview(out).cast("B"), info.offset_bytes, info.size_bytes, str(path), info.name,
+                        info.offset_bytes + info.size_bytes)
         finally:
             os.close(fd)

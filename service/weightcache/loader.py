@@ -28,8 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .checkpoint import Checkpoint
-from .errors import CheckpointCorrupt
+from .checkpoint import Checkpoint, pread_exact
 from .manifest import TensorRecord, itemsize
 from .spec import TensorSpec
 
@@ -131,14 +130,7 @@ class _Files:
 
 
 def _pread_exact(fd: int, buf: memoryview, offset: int, need: int, t: ReadTask) -> None:
-    done = 0
-    while done < need:
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            raise CheckpointCorrupt(
-                f"safetensors file {t.path} is truncated: tensor {t.tensor!r} needs bytes up to "
-                f"{t.file_offset + t.length}", file=t.path, tensor=t.tensor)
-        done += n
+    pread_exact(fd, buf, offset, need, t.path, t.tensor, t.file_offset + t.length)
 
 
 def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
