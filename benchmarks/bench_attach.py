@@ -18,7 +18,7 @@ both. A separate engine process then times, per layout, after warm-ups:
    checkpoint's headers, fd import, views); ``close()`` outside the timing;
 2. the raw part: ``backend.import_fd`` + ``manifest.build_views`` on an fd
    and manifest already received, then the frame decode
-   (``protocol.decode``) and ``Manifest.from_json`` alone;
+   (``protocol.decode``) and ``Manifest.from_wire`` alone;
 3. torch: the bench process allocates every tensor of the same manifest
    separately (``torch.empty``, one allocation per tensor) and sends
    ``torch.multiprocessing.reductions.reduce_tensor`` of each through a
@@ -106,7 +106,7 @@ def _engine(cfg: dict, items_q, result_q) -> None:
         (fd,) = s.last_fds
         frame = protocol.encode(reply)
         r["manifest_json_bytes"] = len(frame)
-        manifest = Manifest.from_json(reply.manifest)
+        manifest = Manifest.from_wire(reply.manifest, reply.payload)
         backend = get_backend(reply.backend, 0)
         imp, views_t, dec, mj = [], [], [], []
         for _ in range(cfg["warmup"] + cfg["iters"]):
@@ -117,7 +117,7 @@ def _engine(cfg: dict, items_q, result_q) -> None:
             t2 = time.perf_counter()
             protocol.decode(frame[4:])
             t3 = time.perf_counter()
-            Manifest.from_json(reply.manifest)
+            Manifest.from_wire(reply.manifest, reply.payload)
             t4 = time.perf_counter()
             del views
             slab.close()
@@ -217,7 +217,7 @@ def main() -> int:
                 for fd in s.last_fds:
                     os.close(fd)
                 s.close()
-                man = Manifest.from_json(rep.manifest)
+                man = Manifest.from_wire(rep.manifest, rep.payload)
                 recs = [r for r in man.tensors if r.alias_of is None]
                 per = [torch.empty(r.shape, dtype=torch_dtype(r.dtype), device="cuda:0") for r in recs]
                 items_q.put((m["label"], "per_tensor", [reduce_tensor(t) for t in per]))
@@ -277,7 +277,7 @@ def main() -> int:
             ("  import_fd (fd import + map + tensor wrap)", "import_ms"),
             ("  build_views", "views_ms"),
             ("  protocol.decode of the attach reply frame", "decode_ms"),
-            ("  Manifest.from_json", "manifest_from_json_ms"),
+            ("  Manifest.from_wire (packed manifest)", "manifest_from_json_ms"),
             ("close()", "close_ms"),
             ("torch reduce_tensor/rebuild, one allocation per tensor", "torch_per_tensor_ms"),
             ("torch reduce_tensor/rebuild, views of one allocation", "torch_one_allocation_ms")]

@@ -368,7 +368,10 @@ def frame(obj: Any) -> bytes:
 
 
 def read_reply(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """Reads one frame; returns ``(json, fds)``, or ``(None, fds)`` on EOF/reset."""
+    """Reads one frame; returns ``(json, fds)``, or ``(None, fds)`` on EOF/reset.
+
+    A binary payload (after the JSON and a NUL byte) is returned under ``"payload"``.
+    """
     buf, fds = b"", []
     try:
         while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
@@ -382,7 +385,11 @@ def read_reply(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     except (ConnectionResetError, BrokenPipeError):
         return None, fds
     n = struct.unpack(">I", buf[:4])[0]
-    return json.loads(buf[4: 4 + n]), fds
+    body, nul, payload = buf[4: 4 + n].partition(b"\x00")
+    obj = json.loads(body)
+    if nul:
+        obj["payload"] = payload
+    return obj, fds
 
 
 HELLO = {"type": "hello", "protocol_version": 1, "client": "tests"}

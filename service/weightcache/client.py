@@ -18,6 +18,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Iterator
 
 from . import pipeline, protocol, quant
@@ -34,7 +35,7 @@ from .errors import (
 )
 from .fdpass import recv_with_fds
 from .journal import event
-from .manifest import Manifest, build_views
+from .manifest import LayoutMap, Manifest, build_views
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +102,32 @@ class Session:
             DaemonUnavailable: the service closed the connection or timed out.
             WeightcacheError: the first typed error among the replies.
         """
+        self.send(msgs)
+        return self.replies(len(msgs), timeout)
+
+    def send(self, msgs: list[protocol.Message]) -> None:
+        """Writes ``msgs`` in one write without waiting for replies (see :meth:`replies`).
+
+        Raises:
+            DaemonUnavailable: the service went away.
+        """
         data = b"".join(self.conn.send(m)[0] for m in msgs)
         try:
             self.sock.sendall(data)
         except OSError as e:
             raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}", socket=self.path) from None
+
+    def replies(self, count: int, timeout: float | None = None) -> list[Any]:
+        """Reads ``count`` replies to what :meth:`send` wrote (fds of the last one in ``self.last_fds``).
+
+        Raises:
+            DaemonUnavailable: the service closed the connection or timed out.
+            WeightcacheError: the first typed error among the replies.
+        """
         if timeout is not None:
             self.sock.settimeout(max(0.001, timeout))
         replies = []
-        for _ in msgs:
+        for _ in range(count):
             reply, fds = self._read_message()
             if isinstance(reply, protocol.Error):
                 for fd in fds:
@@ -166,8 +184,8 @@ class Attachment:
             the service: read-only views of the shared slab (a write faults),
             valid until :meth:`close`; ``copy``: private writable copies.
             Tied weights are the same tensor object under both names.
-        layouts (`dict[str, dict]`): processing metadata per tensor (fused
-            parts, FP8 view, padding, scale granularity...).
+        layouts (`Mapping[str, dict]`): processing metadata per tensor (fused
+            parts, FP8 view, padding, scale granularity...), decoded on first access.
         manifest (`Manifest`): the full manifest.
         source (`str`): ``"daemon"`` or ``"disk"``.
         fallback_reason (`str | None`): why the disk was used.
@@ -179,7 +197,7 @@ class Attachment:
     """
 
     tensors: dict[str, Any]
-    layouts: dict[str, dict]
+    layouts: Mapping[str, dict]
     manifest: Manifest
     source: str
     fallback_reason: str | None
@@ -284,35 +302,59 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
 def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fallback: bool, timeout: float,
             socket_dir: str | None, gpu: int | None, dtype: str, naming: str, kernel: str) -> Attachment:
     is_path = os.path.isdir(model)
-    # Headers and stat() only: the key needs no safetensors validation (the service validated at
-    # load, and the disk fallback's own plan() opens the checkpoint with it).
-    local_ck = Checkpoint(model, validate=False) if is_path else None
-    if local_ck is not None:
-        # Configuration errors are not cache misses: raise before talking to anyone.
-        scheme = quant.detect(local_ck, kernel)
-    else:
-        scheme = None
     if gpu is None:
         gpu = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
     sock_path = os.path.join(resolve_socket_dir(socket_dir), f"{gpu}.sock")
     deadline = time.monotonic() + timeout
+    # The request goes out first; the local cache key is computed while the service answers.
+    session: Session | None = None
+    unavailable: WeightcacheError | None = None  # why the service cannot serve (raised, or the fallback's reason)
     try:
-        return _attach_daemon(model, local_ck, scheme, sock_path, tp_size, tp_rank, device, mode, deadline, dtype,
-                              naming, kernel)
-    except UnsupportedQuantization:
-        raise
+        session = Session(sock_path, timeout=max(0.001, timeout), hello=False)
+        session.send([session.hello_message(), protocol.Attach(
+            model=os.path.realpath(model) if is_path else model, tp_size=tp_size, tp_rank=tp_rank,
+            wait_ms=int(max(0.0, deadline - time.monotonic() - 0.25) * 1000), dtype=dtype if is_path else None,
+            naming=naming if is_path else None, mode=mode)])
     except WeightcacheError as e:
-        if not fallback:
+        if session is not None:
+            session.close()
+            session = None
+        if not is_path:
             raise
-        reason = f"{e.code}: {e.message}"
-        if local_ck is None:
+        unavailable = e  # raised (or fallen back from) once the local checks have run
+    local_ck = expected = None
+    if is_path:
+        try:
+            # Headers and stat() only: the key needs no safetensors validation (the service validated
+            # at load, and the disk fallback's own plan() opens the checkpoint with it).
+            local_ck = Checkpoint(model, validate=False)
+            # Configuration errors are not cache misses: they raise whatever the service holds.
+            scheme = quant.detect(local_ck, kernel)
+            if session is not None:
+                expected = pipeline.cache_key(_model_config(str(local_ck.path), dtype, naming, kernel), tp_size,
+                                              tp_rank, local_ck, local_backend(device).device_info(), scheme)
+        except BaseException:
+            if session is not None:
+                session.close()
             raise
+    if session is None and not fallback:
+        raise unavailable
+    if session is not None:
+        try:
+            return _attach_daemon(model, local_ck, expected, session, tp_size, tp_rank, device, mode, deadline)
+        except UnsupportedQuantization:
+            raise
+        except WeightcacheError as e:
+            if not fallback or local_ck is None:
+                raise
+            unavailable = e
+    reason = f"{unavailable.code}: {unavailable.message}"
     log.warning("fallback to disk checkpoint=%s tp_size=%d tp_rank=%d reason=%s", model, tp_size, tp_rank, reason,
                 extra=event("fallback", model, tp_rank))
     mc = _model_config(str(local_ck.path), dtype, naming, kernel)
     manifest, slab = load_from_disk(mc, tp_size, tp_rank, device)
     views = build_views(slab, manifest)
-    return Attachment(views, {r.name: r.layout for r in manifest.tensors}, manifest, "disk", reason,
+    return Attachment(views, LayoutMap(manifest), manifest, "disk", reason,
                       0, _slab=slab)  # private memory inside torch's own allocator
 
 
@@ -333,16 +375,17 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _attach_daemon(model: str, local_ck: Checkpoint | None, scheme: Any, sock_path: str, tp_size: int, tp_rank: int,
-                   device: str, mode: str, deadline: float, dtype: str, naming: str, kernel: str) -> Attachment:
-    remaining = max(0.001, deadline - time.monotonic())
-    session = Session(sock_path, timeout=remaining, hello=False)
+def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, Any] | None, session: Session,
+                   tp_size: int, tp_rank: int, device: str, mode: str, deadline: float) -> Attachment:
+    """Reads the replies to the pipelined ``hello`` + ``attach`` and maps the slab.
+
+    ``expected`` is the cache key computed from ``local_ck`` (by path); by
+    name it is computed here from the operator's choices in the reply's key.
+    Closes ``session`` on any error.
+    """
+    sock_path = session.path
     try:
-        req = protocol.Attach(model=str(local_ck.path) if local_ck else model, tp_size=tp_size, tp_rank=tp_rank,
-                              wait_ms=int(max(0.0, deadline - time.monotonic() - 0.25) * 1000),
-                              dtype=dtype if local_ck else None, naming=naming if local_ck else None, mode=mode)
-        session.hello, reply = session.pipeline([session.hello_message(), req],
-                                                timeout=max(0.001, deadline - time.monotonic()))
+        session.hello, reply = session.replies(2, timeout=max(0.001, deadline - time.monotonic()))
         if isinstance(reply, protocol.Loading):
             raise ModelLoading(
                 f"model {model!r} is still loading on {sock_path} ({reply.done_bytes}/{reply.total_bytes} bytes) "
@@ -351,18 +394,21 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, scheme: Any, sock_pa
             raise RemoteProtocolError(f"attach: unexpected reply {reply.tag()!r}")
         (fd,) = session.last_fds
         try:
-            manifest = Manifest.from_json(reply.manifest)
+            try:
+                manifest = Manifest.from_wire(reply.manifest, reply.payload)
+            except (ValueError, KeyError, TypeError) as e:
+                raise RemoteProtocolError(f"attach_reply from {sock_path} has an invalid manifest: {e}") from None
             key = manifest.key
-            if local_ck is not None:  # by path: what this engine asked for
-                ck, mc = local_ck, _model_config(str(local_ck.path), dtype, naming, kernel, key.get("revision", ""))
+            backend = local_backend(device)
+            if expected is not None:  # by path: what this engine asked for
+                # The revision is the operator's label in the config, which an engine cannot know.
+                expected["revision"] = key.get("revision", "")
             else:  # by name: the operator's choices, checked against the checkpoint as it is now
                 ck = Checkpoint(reply.checkpoint_path, validate=False)
-                scheme = quant.DETECT
-                mc = _model_config(str(ck.path), key.get("dtype", dtype), key.get("naming", naming),
-                                   key.get("kernel") or kernel, key.get("revision", ""))
+                mc = _model_config(str(ck.path), key.get("dtype", "auto"), key.get("naming", "hf"),
+                                   key.get("kernel") or "cutlass", key.get("revision", ""))
+                expected = pipeline.cache_key(mc, tp_size, tp_rank, ck, backend.device_info())
             # A slab of another backend (host slab, cuda:N engine) differs in device.backend.
-            backend = local_backend(device)
-            expected = pipeline.cache_key(mc, tp_size, tp_rank, ck, backend.device_info(), scheme)
             diff = pipeline.diff_keys(expected, key)
             if diff:
                 raise CacheKeyMismatch(
@@ -373,8 +419,12 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, scheme: Any, sock_pa
             slab = backend.import_fd(fd, size, device)
         finally:
             os.close(fd)
-        views = build_views(slab.tensor, manifest)
-        layouts = {r.name: r.layout for r in manifest.tensors}
+        try:
+            views = build_views(slab.tensor, manifest)
+        except (ValueError, IndexError, RuntimeError) as e:
+            slab.close()
+            raise RemoteProtocolError(f"attach_reply from {sock_path}: manifest does not fit the slab: {e}") from None
+        layouts = LayoutMap(manifest)
         if mode == "copy":
             views = _copy_views(views)
             session.close()

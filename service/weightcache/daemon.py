@@ -101,7 +101,7 @@ class Slot:
     total_bytes: int = 0
     error: WeightcacheError | None = None
     manifest: Manifest | None = None
-    manifest_wire: Any = None  # protocol.PreEncoded of the manifest, encoded once per slab
+    manifest_wire: Any = None  # (protocol.PreEncoded header, payload) of the packed manifest, once per slab
     sealed: Any = None
     adopted: bool = False
     started_at: float = 0.0
@@ -163,6 +163,12 @@ def _user_groups(uid: int, gid: int) -> tuple[str | None, set[str]]:
         except KeyError:
             groups.add(str(g))
     return name, groups
+
+
+def _manifest_wire(manifest: Manifest) -> tuple[protocol.PreEncoded, bytes]:
+    """The packed manifest of a slab as sent in every ``attach_reply``: header encoded once, payload."""
+    header, payload = manifest.to_wire()
+    return protocol.PreEncoded(header), payload
 
 
 def _sealed_memfd(data: bytes, name: str) -> int:
@@ -349,8 +355,9 @@ class Daemon:
             return
         dt = time.monotonic() - slot.started_at
         self._fdstore_put(slot, sealed, manifest)
+        wire = _manifest_wire(manifest)  # here, not in the serving loop at the first attach
         with self._lock:
-            slot.manifest, slot.sealed, slot.manifest_wire = manifest, sealed, None
+            slot.manifest, slot.sealed, slot.manifest_wire = manifest, sealed, wire
             slot.state, slot.ready_at = "ready", time.monotonic()
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f rate_gbps=%.2f",
                  p.model.name, p.tp_size, p.tp_rank, len(manifest.tensors), slot.total_bytes, dt * 1e3,
@@ -691,10 +698,11 @@ class Daemon:
         if slot.state == "ready":
             lease = Lease(self._next_lease, slot, c.pid, c.uid, c.gid, time.time(), msg.mode)
             self._next_lease += 1
-            if slot.manifest_wire is None:
-                slot.manifest_wire = protocol.PreEncoded(slot.manifest.to_json())
-            if self._send(c, protocol.AttachReply(lease.lease_id, slot.manifest_wire, p.model.path,
-                                                  self.backend.name), [slot.sealed.fd]):
+            if slot.manifest_wire is None:  # adopted from the fd store
+                slot.manifest_wire = _manifest_wire(slot.manifest)
+            header, payload = slot.manifest_wire
+            if self._send(c, protocol.AttachReply(lease.lease_id, header, p.model.path, self.backend.name, payload),
+                          [slot.sealed.fd]):
                 c.leases[lease.lease_id] = lease
                 slot.leases[lease.lease_id] = lease
                 log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",

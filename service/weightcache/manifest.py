@@ -10,8 +10,13 @@ Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
 
 from __future__ import annotations
 
+import json
+import struct
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import accumulate
+from typing import Any, Iterator
 
 # safetensors dtype code -> (torch dtype attribute name, item size in bytes).
 # Source: safetensors `Dtype` enum (safetensors/src/tensor.rs).
@@ -86,7 +91,8 @@ class TensorRecord:
         offset_bytes (`int`): start of the stored bytes in the slab, a multiple
             of :data:`ALIGNMENT_BYTES`.
         size_bytes (`int`): length of the stored bytes.
-        digest (`str`): blake2b-128 hex digest of the stored bytes, recorded at load.
+        digest (`str`): content digest of the stored bytes recorded at load
+            (``xxh3_128:<hex>`` host, ``sum64:<hex>`` CUDA; see :mod:`weightcache.digest`).
         layout (`dict`): processing metadata (``fused_parts``, ``logical_shape``,
             ``stored_shape``, ``scale_granularity``, ``kernel``, ``tp_dim``...).
         alias_of (`str | None`): for a tied weight, the record whose bytes it shares.
@@ -120,7 +126,7 @@ class Manifest:
     tp_rank: int
     key: dict[str, Any]
     slab_size_bytes: int
-    tensors: tuple[TensorRecord, ...]
+    tensors: Sequence[TensorRecord]
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as JSON-able data; ``tensors`` is *columnar*.
@@ -177,6 +183,76 @@ class Manifest:
             tensors=tuple(recs),
         )
 
+    def to_wire(self) -> tuple[dict[str, Any], bytes]:
+        """The manifest as a JSON header and a binary payload (the *packed* form of docs/protocol.md).
+
+        The header holds the model, layout, key and slab size, and under
+        ``tensors`` the tensor count, the dtype table, each payload section's
+        ``[start, length]`` in bytes, and ``runs``. The payload holds the
+        per-tensor data in sections a client decodes with a handful of calls
+        whatever the tensor count: ``names`` (UTF-8, NUL-separated), ``table``
+        (little-endian int64 ``offset_bytes, size_bytes, dtype index, ndim,
+        alias index or -1`` per tensor), ``dims`` (int64 shape then stride of
+        each tensor), ``digests`` (ASCII, newline-separated) and ``layouts``
+        (one UTF-8 JSON array, decoded only when asked for).
+
+        ``runs`` partitions the non-alias tensors into ``[first, index_step,
+        count, offset_step_bytes]``: ``count`` tensors of one dtype, shape and
+        stride at indices ``first + k * index_step`` and offsets
+        ``offset_bytes[first] + k * offset_step_bytes`` (the same projection
+        of every layer), which a client can view with one strided view and one
+        ``unbind`` instead of ``count`` views.
+
+        Raises:
+            ValueError: a tensor name contains a NUL character.
+        """
+        ts = list(self.tensors)
+        index = {t.name: i for i, t in enumerate(ts)}
+        dtypes = sorted({t.dtype for t in ts})
+        dtype_index = {d: i for i, d in enumerate(dtypes)}
+        table: list[int] = []
+        dims: list[int] = []
+        for t in ts:
+            if "\x00" in t.name:
+                raise ValueError(f"tensor name {t.name!r} contains a NUL character")
+            table += (t.offset_bytes, t.size_bytes, dtype_index[t.dtype], len(t.shape),
+                      -1 if t.alias_of is None else index[t.alias_of])
+            dims += (*t.shape, *t.stride)
+        sections = [
+            ("names", "\x00".join(t.name for t in ts).encode()),
+            ("table", struct.pack(f"<{len(table)}q", *table)),
+            ("dims", struct.pack(f"<{len(dims)}q", *dims)),
+            ("digests", "\n".join(t.digest for t in ts).encode("ascii")),
+            ("layouts", json.dumps([_plain_copy(t.layout) for t in ts], allow_nan=False, separators=(",", ":"),
+                                   ensure_ascii=False).encode()),
+        ]
+        header_t: dict[str, Any] = {"format": PACKED_FORMAT, "count": len(ts), "dtypes": dtypes}
+        pos = 0
+        for name, raw in sections:
+            header_t[name] = [pos, len(raw)]
+            pos += len(raw)
+        header_t["runs"] = _runs(ts)
+        header = {"model": self.model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "key": self.key,
+                  "slab_size_bytes": self.slab_size_bytes, "tensors": header_t}
+        return header, b"".join(raw for _, raw in sections)
+
+    @classmethod
+    def from_wire(cls, header: dict[str, Any], payload: bytes) -> "Manifest":
+        """Rebuilds a manifest from :meth:`to_wire` output without decoding every record.
+
+        ``tensors`` is a :class:`PackedTensors`: names, offsets, shapes and
+        strides are decoded at once (a few C calls); records, digests and
+        layouts only when first read. :func:`build_views` uses the packed
+        columns directly.
+
+        Raises:
+            ValueError: sections out of range or inconsistent with ``count``
+                (the caller reports it as a protocol violation).
+        """
+        return cls(model=header["model"], tp_size=int(header["tp_size"]), tp_rank=int(header["tp_rank"]),
+                   key=dict(header["key"]), slab_size_bytes=int(header["slab_size_bytes"]),
+                   tensors=PackedTensors(header["tensors"], payload))
+
     def record(self, name: str) -> TensorRecord:
         for t in self.tensors:
             if t.name == name:
@@ -185,6 +261,163 @@ class Manifest:
 
 
 _new = object.__new__
+
+#: ``tensors.format`` of the packed manifest (:meth:`Manifest.to_wire`).
+PACKED_FORMAT = "packed-1"
+
+
+def _runs(ts: list[TensorRecord]) -> list[list[int]]:
+    """Partitions the non-alias records into runs (see :meth:`Manifest.to_wire`), in index order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(ts):
+        if t.alias_of is None:
+            groups.setdefault((t.dtype, t.shape, t.stride), []).append(i)
+    runs = []
+    for (dtype, _, _), idx in groups.items():
+        size = DTYPES[dtype][1]
+        left = dict.fromkeys(idx)  # ordered set of indices not yet in a run
+        while left:
+            it = iter(left)
+            first = next(it)
+            off0 = ts[first].offset_bytes
+            best = [first, 0, 1, 0]
+            # Try the steps to the next few members (the same projection of the next layer is
+            # one of them even when a layer holds several tensors of this shape); keep the longest.
+            for _, j in zip(range(4), it):
+                istep, ostep = j - first, ts[j].offset_bytes - off0
+                if ostep <= 0 or ostep % size or off0 % size:
+                    continue
+                count = 2
+                while first + count * istep in left and ts[first + count * istep].offset_bytes == off0 + count * ostep:
+                    count += 1
+                if count > best[2]:
+                    best = [first, istep, count, ostep]
+            for k in range(best[2]):
+                del left[first + k * best[1]]
+            runs.append(best)
+    runs.sort()
+    return runs
+
+
+def _int64s(raw: memoryview, section: str) -> list[int]:
+    """Little-endian int64 values of a payload section."""
+    if len(raw) % 8:
+        raise ValueError(f"manifest section {section!r} is {len(raw)} bytes, not a multiple of 8")
+    if sys.byteorder == "little":
+        return raw.cast("q").tolist()
+    return list(struct.unpack(f"<{len(raw) // 8}q", raw))
+
+
+class PackedTensors(Sequence):
+    """The tensor records of a packed manifest, decoded lazily (a read-only sequence of :class:`TensorRecord`).
+
+    Attributes (decoded at construction, a few C-level calls whatever the count):
+        names (`list[str]`), table (`list[int]`: 5 ints per tensor), dims
+        (`list[int]`), dims_pos (`list[int]`: start of each tensor's shape in
+        ``dims``), dtypes (`list[str]`), runs (`list[list[int]]`).
+
+    Raises:
+        ValueError: a section out of the payload, or lengths that disagree with ``count``.
+    """
+
+    def __init__(self, header: dict[str, Any], payload: bytes) -> None:
+        if header.get("format") != PACKED_FORMAT:
+            raise ValueError(f"manifest tensors format {header.get('format')!r} is not {PACKED_FORMAT!r}")
+        n = int(header["count"])
+        mv = memoryview(payload)
+
+        def section(name: str) -> memoryview:
+            start, length = header[name]
+            if not (isinstance(start, int) and isinstance(length, int) and 0 <= start
+                    and 0 <= length and start + length <= len(payload)):
+                raise ValueError(f"manifest section {name!r} {header[name]!r} lies outside the "
+                                 f"{len(payload)}-byte payload")
+            return mv[start:start + length]
+
+        self.count = n
+        self.dtypes = list(header["dtypes"])
+        self.names = str(section("names"), "utf-8").split("\x00") if n else []
+        self.table = _int64s(section("table"), "table")
+        self.dims = _int64s(section("dims"), "dims")
+        if len(self.names) != n or len(self.table) != 5 * n:
+            raise ValueError(f"manifest has {len(self.names)} names and {len(self.table) // 5} table rows "
+                             f"for {n} tensors")
+        self.dims_pos = list(accumulate((2 * d for d in self.table[3::5]), initial=0))
+        if self.dims_pos[-1] != len(self.dims):
+            raise ValueError(f"manifest dims section holds {len(self.dims)} values, the table needs "
+                             f"{self.dims_pos[-1]}")
+        if n and (min(self.table[2::5]) < 0 or max(self.table[2::5]) >= len(self.dtypes)
+                  or min(self.table[4::5]) < -1 or max(self.table[4::5]) >= n):
+            raise ValueError("manifest table has a dtype or alias index out of range")
+        self.runs = [list(r) for r in header.get("runs", [])]
+        self._digests = section("digests")
+        self._layouts = section("layouts")
+        self._records: tuple[TensorRecord, ...] | None = None
+        self._layout_list: list[dict] | None = None
+
+    def layouts(self) -> list[dict[str, Any]]:
+        """Each tensor's layout dict, in slab order (the ``layouts`` section, decoded on first call)."""
+        if self._layout_list is None:
+            lays = json.loads(str(self._layouts, "utf-8")) if self.count else []
+            if not isinstance(lays, list) or len(lays) != self.count:
+                raise ValueError(f"manifest layouts section must be a list of {self.count} objects")
+            self._layout_list = lays
+        return self._layout_list
+
+    def _materialize(self) -> tuple[TensorRecord, ...]:
+        if self._records is None:
+            tab, dims, pos, names = self.table, self.dims, self.dims_pos, self.names
+            digests = str(self._digests, "ascii").split("\n") if self.count else []
+            if len(digests) != self.count:
+                digests = [""] * self.count
+            lays = self.layouts()
+            recs = []
+            for i, name in enumerate(names):
+                o, p = 5 * i, pos[i]
+                nd = tab[o + 3]
+                rec = _new(TensorRecord)
+                rec.__dict__.update(name=name, dtype=self.dtypes[tab[o + 2]], shape=tuple(dims[p:p + nd]),
+                                    stride=tuple(dims[p + nd:p + 2 * nd]), offset_bytes=tab[o],
+                                    size_bytes=tab[o + 1], digest=digests[i], layout=lays[i],
+                                    alias_of=None if tab[o + 4] < 0 else names[tab[o + 4]])
+                recs.append(rec)
+            self._records = tuple(recs)
+        return self._records
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._materialize()[i]
+
+    def __iter__(self) -> Iterator[TensorRecord]:
+        return iter(self._materialize())
+
+
+class LayoutMap(Mapping):
+    """``name -> layout dict`` of a manifest, built on first access (``Attachment.layouts``)."""
+
+    def __init__(self, manifest: "Manifest") -> None:
+        self._manifest = manifest
+        self._map: dict[str, dict] | None = None
+
+    def _get(self) -> dict[str, dict]:
+        if self._map is None:
+            ts = self._manifest.tensors
+            if isinstance(ts, PackedTensors):
+                self._map = dict(zip(ts.names, ts.layouts()))
+            else:
+                self._map = {r.name: r.layout for r in ts}
+        return self._map
+
+    def __getitem__(self, name: str) -> dict:
+        return self._get()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 def _plain_copy(v: Any) -> Any:
@@ -207,8 +440,10 @@ def build_views(slab, manifest: Manifest) -> dict[str, Any]:
         `dict[str, torch.Tensor]`: name -> view, with each record's dtype, shape
         and stride. Views share the slab's memory and stay valid as long as the
         slab's mapping does (for an attach: until the session is closed). Tied
-        aliases map to the very same tensor object as their target.
+        aliases map to the very same tensor object as their target. Keys are in manifest (slab) order.
     """
+    if isinstance(manifest.tensors, PackedTensors):
+        return _packed_views(slab, manifest.tensors)
     # One as_strided per tensor over a whole-slab view per dtype (instead of
     # slice + view + as_strided): the per-tensor Python/dispatcher cost is what
     # an attach of hundreds of tensors pays.
@@ -219,6 +454,7 @@ def build_views(slab, manifest: Manifest) -> dict[str, Any]:
     for rec in manifest.tensors:
         if rec.alias_of is not None:
             aliases.append(rec)
+            out[rec.name] = None  # keeps manifest order; set below
             continue
         t = typed.get(rec.dtype)
         if t is None:
@@ -234,3 +470,38 @@ def build_views(slab, manifest: Manifest) -> dict[str, Any]:
     for rec in aliases:
         out[rec.name] = out[rec.alias_of]
     return out
+
+
+def _packed_views(slab, t: PackedTensors) -> dict[str, Any]:
+    """:func:`build_views` over packed columns: one strided view + ``unbind`` per run, no records."""
+    n_bytes = slab.numel()
+    tab, dims, pos = t.table, t.dims, t.dims_pos
+    views: list[Any] = [None] * t.count
+    typed: dict[int, tuple[Any, int, int]] = {}
+    for first, istep, count, ostep in t.runs:
+        o, p = 5 * first, pos[first]
+        off, dti, nd = tab[o], tab[o + 2], tab[o + 3]
+        shape, stride = dims[p:p + nd], dims[p + nd:p + 2 * nd]
+        tv = typed.get(dti)
+        if tv is None:
+            dt = torch_dtype(t.dtypes[dti])
+            size = DTYPES[t.dtypes[dti]][1]
+            flat = slab[: n_bytes - n_bytes % size].view(dt)
+            tv = typed[dti] = (flat, size, flat.storage_offset())
+        flat, size, base = tv
+        if count == 1:
+            if off % size:
+                raw = slab[off: off + tab[o + 1]]
+                views[first] = raw.view(torch_dtype(t.dtypes[dti])).as_strided(shape, stride)
+            else:
+                views[first] = flat.as_strided(shape, stride, base + off // size)
+        else:
+            views[first: first + istep * count: istep] = flat.as_strided(
+                [count, *shape], [ostep // size, *stride], base + off // size).unbind(0)
+    for i, a in enumerate(tab[4::5]):
+        if a >= 0:
+            views[i] = views[a]
+    missing = next((name for name, v in zip(t.names, views) if v is None), None)
+    if missing is not None:
+        raise ValueError(f"manifest runs do not cover tensor {missing!r}")
+    return dict(zip(t.names, views))

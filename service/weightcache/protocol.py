@@ -1,7 +1,10 @@
 """The wire protocol, sans-I/O (in the manner of h11).
 
 Frames on a Unix stream socket: a 4-byte big-endian length ``N`` followed by
-``N`` bytes of one UTF-8 JSON object (no NaN, at most :data:`MAX_FRAME_BYTES`).
+``N`` bytes of one UTF-8 JSON object (no NaN, at most :data:`MAX_FRAME_BYTES`),
+which a message with a binary payload (``attach_reply``: the packed manifest)
+follows with one NUL byte and the payload, inside the ``N`` bytes. Valid JSON
+text never holds a raw NUL, so the first NUL ends the JSON.
 The object's ``type`` is the snake_case name of a message class below; its
 optional ``fd_count`` says how many file descriptors travel as ``SCM_RIGHTS``
 with the frame. On a stream socket the fds arrive with whichever read picks up
@@ -48,7 +51,8 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
-_JSON_TYPES = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list, "float": (int, float)}
+_JSON_TYPES = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list, "float": (int, float),
+               "bytes": bytes}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,30 +74,45 @@ class Message:
         return _snake(cls.__name__)
 
     def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The message's JSON fields, with ``type`` (and ``fd_count``); the binary ``payload`` is left out."""
+        d = {name: getattr(self, name) for name, _, _ in _specs(type(self)) if name != "payload"}
         d["type"] = self.tag()
         if self.FD_COUNT:
             d["fd_count"] = self.FD_COUNT
         return d
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_field(type(self).tag(), f, getattr(self, f.name), LocalProtocolError)
+        tag = type(self).tag()
+        for spec in _specs(type(self)):
+            _check_field(tag, spec, getattr(self, spec[0]), LocalProtocolError)
 
 
-def _check_field(tag: str, f: dataclasses.Field, value: Any, exc: type) -> None:
-    spec = str(f.type).replace(" ", "")
-    optional = spec.endswith("|None")
-    base = spec.removesuffix("|None").split("[")[0]
+_SPECS: dict[type, tuple[tuple[str, str, bool], ...]] = {}
+
+
+def _specs(cls: type) -> tuple[tuple[str, str, bool], ...]:
+    """``(field name, JSON base type, optional)`` of each field of message class ``cls``, computed once."""
+    specs = _SPECS.get(cls)
+    if specs is None:
+        out = []
+        for f in dataclasses.fields(cls):
+            spec = str(f.type).replace(" ", "")
+            out.append((f.name, spec.removesuffix("|None").split("[")[0], spec.endswith("|None")))
+        specs = _SPECS[cls] = tuple(out)
+    return specs
+
+
+def _check_field(tag: str, spec: tuple[str, str, bool], value: Any, exc: type) -> None:
+    name, base, optional = spec
     if value is None and optional:
         return
     want = _JSON_TYPES[base]
     if isinstance(value, bool) and base != "bool":
-        raise exc(f"message {tag!r}: field {f.name!r} must be {base}, got a boolean", field=f.name)
+        raise exc(f"message {tag!r}: field {name!r} must be {base}, got a boolean", field=name)
     if not isinstance(value, want):
-        raise exc(f"message {tag!r}: field {f.name!r} must be {base}, got {type(value).__name__}", field=f.name)
+        raise exc(f"message {tag!r}: field {name!r} must be {base}, got {type(value).__name__}", field=name)
     if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
-        raise exc(f"message {tag!r}: field {f.name!r} is outside the signed 64-bit range", field=f.name)
+        raise exc(f"message {tag!r}: field {name!r} is outside the signed 64-bit range", field=name)
 
 
 # --- requests (client -> service) -------------------------------------------
@@ -204,8 +223,12 @@ class AttachReply(Message):
 
     Attributes:
         lease_id: ends with :class:`Release` or the connection.
-        manifest: :meth:`weightcache.manifest.Manifest.to_json`.
+        manifest: the header of the packed manifest
+            (:meth:`weightcache.manifest.Manifest.to_wire`).
         checkpoint_path: the checkpoint directory the slab was loaded from.
+        backend: ``host`` or ``cuda``.
+        payload: the packed manifest's binary sections (the frame's payload,
+            after the JSON and a NUL byte).
     """
 
     FD_COUNT: ClassVar[int] = 1
@@ -213,6 +236,7 @@ class AttachReply(Message):
     manifest: dict
     checkpoint_path: str
     backend: str
+    payload: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +329,7 @@ class PreEncoded(dict):
 
 
 def encode(msg: Message) -> bytes:
-    """Serialises one message into a frame (length prefix + JSON).
+    """Serialises one message into a frame (length prefix + JSON [+ NUL + payload]).
 
     Raises:
         LocalProtocolError (`local_protocol_violation`): the frame exceeds
@@ -318,6 +342,9 @@ def encode(msg: Message) -> bytes:
     body = json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
     for i, raw in enumerate(spliced.values()):
         body = body.replace(b'"\\u0000pre%d\\u0000"' % i, raw, 1)
+    payload = getattr(msg, "payload", b"")
+    if payload:
+        body = b"".join((body, b"\x00", payload))
     if len(body) > MAX_FRAME_BYTES:
         raise LocalProtocolError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit",
                                  size_bytes=len(body))
@@ -336,8 +363,13 @@ def decode(body: bytes) -> tuple[Message, int]:
 
     Raises:
         RemoteProtocolError (`protocol_violation`): invalid UTF-8/JSON, not an
-            object, unknown ``type``, unknown or mistyped fields.
+            object, unknown ``type``, unknown or mistyped fields, or a payload
+            on a message that takes none.
     """
+    nul = body.find(b"\x00")
+    payload = None
+    if nul >= 0:
+        body, payload = body[:nul], body[nul + 1:]
     try:
         obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
         # Lone surrogates ("\ud800") parse but cannot be encoded again (e.g. echoed in an error).
@@ -358,15 +390,23 @@ def decode(body: bytes) -> tuple[Message, int]:
     cls = Message.TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise RemoteProtocolError(f"unknown message type {tag!r}", type=str(tag)[:64])
-    names = {f.name for f in dataclasses.fields(cls)}
+    specs = _specs(cls)
+    names = {name for name, _, _ in specs}
+    if "payload" in obj:
+        raise RemoteProtocolError(f"message {tag!r}: 'payload' travels after the JSON, not in it", field="payload")
+    if payload is not None:
+        if "payload" not in names:
+            raise RemoteProtocolError(f"message {tag!r} takes no binary payload, the frame has "
+                                      f"{len(payload)} bytes after a NUL")
+        obj["payload"] = payload
     unknown = set(obj) - names
     if unknown:
         raise RemoteProtocolError(f"message {tag!r} has unknown field {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
     if fd_count != cls.FD_COUNT:
         raise RemoteProtocolError(f"message {tag!r} must carry {cls.FD_COUNT} fds, frame declares {fd_count}")
-    for f in dataclasses.fields(cls):
-        if f.name in obj:
-            _check_field(tag, f, obj[f.name], RemoteProtocolError)
+    for spec in specs:
+        if spec[0] in obj:
+            _check_field(tag, spec, obj[spec[0]], RemoteProtocolError)
     try:
         return cls(**obj), fd_count
     except TypeError as e:

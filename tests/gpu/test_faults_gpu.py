@@ -142,7 +142,7 @@ def test_verify_reports_change_through_read_write_remap(service, tmp_path):
     try:
         reply = s.request(protocol.Attach(model="a"))
         (fd,) = s.last_fds
-        manifest = Manifest.from_json(reply.manifest)
+        manifest = Manifest.from_wire(reply.manifest, reply.payload)
         rec = next(r for r in manifest.tensors if r.alias_of is None and r.size_bytes >= 16)
         backend = CudaBackend(GPU)
         mapping = _map_fd(backend._device(GPU), fd, manifest.slab_size_bytes, read_only=False)

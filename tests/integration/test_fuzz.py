@@ -205,7 +205,11 @@ def _read_frame(s):
             body += data
     except ConnectionResetError:
         return None, fds
-    return json.loads(body), fds
+    body, nul, payload = body.partition(b"\x00")  # attach_reply: JSON, NUL, packed manifest payload
+    obj = json.loads(body)
+    if nul:
+        obj["payload"] = payload
+    return obj, fds
 
 
 def _fds(anc) -> list[int]:

@@ -46,7 +46,7 @@ def _example(cls):
     vals = {}
     for f in dataclasses.fields(cls):
         t = str(f.type)
-        vals[f.name] = {"int": 3, "str": "x", "bool": True, "dict": {"a": [1]}, "list": [1, "b"]}[
+        vals[f.name] = {"int": 3, "str": "x", "bool": True, "dict": {"a": [1]}, "list": [1, "b"], "bytes": b"\x00pay\nload"}[
             t.split("|")[0].strip().split("[")[0]]
     return cls(**vals)
 
@@ -200,3 +200,26 @@ def test_pre_encoded_field_gives_the_same_frame_as_plain():
     assert pre == plain
     back, n = protocol.decode(pre[4:])
     assert back.manifest == manifest and n == 1
+
+
+def test_attach_reply_payload_follows_the_json_after_a_nul():
+    """The packed manifest's payload travels raw after the JSON; a NUL inside the payload is just a byte."""
+    payload = b"\x00\x01names\x00more\n\xff" * 100
+    frame = protocol.encode(protocol.AttachReply(3, {"m": 1}, "/ck", "host", payload))
+    body = frame[4:]
+    head, nul, rest = body.partition(b"\x00")
+    assert json.loads(head)["type"] == "attach_reply" and "payload" not in json.loads(head)
+    assert nul == b"\x00" and rest == payload
+    back, fd_count = protocol.decode(body)
+    assert back.payload == payload and back.manifest == {"m": 1} and fd_count == 1
+
+
+@pytest.mark.parametrize("body,message", [
+    (b'{"type":"hello","protocol_version":1}\x00junk', "takes no binary payload"),
+    (b'{"type":"attach_reply","lease_id":1,"manifest":{},"checkpoint_path":"/","backend":"host",'
+     b'"fd_count":1,"payload":"x"}', "travels after the JSON"),
+    (b'{"type":"hello","protocol_version":1\x00}', "not valid UTF-8 JSON"),
+])
+def test_misplaced_payload_is_a_protocol_violation(body, message):
+    with pytest.raises(errors.RemoteProtocolError, match=message):
+        protocol.decode(body)
