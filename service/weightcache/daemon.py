@@ -442,6 +442,9 @@ class Daemon:
             c = Client(sock, protocol.Connection(protocol.SERVER), pid, uid, gid)
             self.clients[sock.fileno()] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
+            # A client writes its hello (and attach) right after connect: answer now rather than
+            # one loop pass later (nothing is read if nothing arrived yet).
+            self._recv(c)
 
     def _recv(self, c: Client) -> None:
         try:

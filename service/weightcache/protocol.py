@@ -71,7 +71,11 @@ class Message:
 
     @classmethod
     def tag(cls) -> str:
-        return _snake(cls.__name__)
+        """The wire ``type``: the class name in snake_case (``AttachReply`` -> ``attach_reply``)."""
+        tag = _TAGS.get(cls)
+        if tag is None:
+            tag = _TAGS[cls] = _snake(cls.__name__)
+        return tag
 
     def to_json(self) -> dict[str, Any]:
         """The message's JSON fields, with ``type`` (and ``fd_count``); the binary ``payload`` is left out."""
@@ -88,6 +92,7 @@ class Message:
 
 
 _SPECS: dict[type, tuple[tuple[str, str, bool], ...]] = {}
+_TAGS: dict[type, str] = {}
 
 
 def _specs(cls: type) -> tuple[tuple[str, str, bool], ...]:
@@ -453,6 +458,17 @@ class Connection:
     @property
     def buffered_bytes(self) -> int:
         return len(self._buf)
+
+    def bytes_wanted(self, default: int) -> int:
+        """How many more bytes complete the next frame (``default`` while its length is unknown).
+
+        A hint for sizing the next read: one ``recv`` of exactly the rest of a
+        large frame, instead of a huge buffer on every read.
+        """
+        if len(self._buf) < 4:
+            return default
+        (n,) = _LEN.unpack_from(self._buf)
+        return max(1, min(4 + n - len(self._buf), MAX_FRAME_BYTES))
 
     def _transition(self, direction: str, tag: str, exc: type) -> None:
         nxt = TRANSITIONS.get((self.role, self.state, direction, tag))

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Where the time of one ``attach()`` goes: a stage breakdown of the real client path.
+
+Serves a 7B-class checkpoint (Llama-2-7B shapes, ``naming = "vllm"``: 195
+tensors; sparse file, zeros: how the slab was filled does not change an
+attach) from a ``weightcache serve`` subprocess, then times ``attach()`` in
+this process with the client's own functions wrapped by timers (no copy of the
+client logic): connect, send, local checkpoint headers + cache key, waiting
+for the service (the blocking ``recvmsg``), frame decode, ``Manifest.from_wire``,
+key comparison, fd import + mapping, views. What the wrappers do not cover
+(argument handling, the context manager, object creation) is ``other``.
+Stage times are medians, so they need not add up to the end-to-end median.
+
+Usage: bench_attach_stages.py [--device cuda|cpu] [--iters N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import LLAMA2_7B, emit, has_cuda, scaled, service_env, stats, versions, wait_ready, write_checkpoint, write_config  # noqa: E402,E501
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if has_cuda() else "cpu")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR", "/tmp/weightcache-bench"))
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    shape = LLAMA2_7B if cuda else scaled(LLAMA2_7B, 8)
+    ck = write_checkpoint(Path(args.dir) / f"stages-llama7b-{'full' if cuda else 'small'}", shape, "sparse")
+    work = Path(tempfile.mkdtemp(prefix="wc-stages-"))
+    sock = str(work / "0.sock")
+    cfg = write_config(work / "weightcache.toml", {"llama7b-vllm": {"path": ck, "naming": "vllm"}},
+                       "cuda" if cuda else "host", read_threads=16)
+    log_path = work / "service.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--gpu", "0", "--config", str(cfg),
+                                 "--listen", sock, "--backend", "cuda" if cuda else "host"],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(), cwd=work)
+    try:
+        wait_ready(sock, proc, 900, log_path)
+        res = _measure(str(ck), str(work), "cuda:0" if cuda else "cpu", args.iters, args.warmup)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    res["versions"] = versions()
+    rows = [f"### attach() stage breakdown ({args.device}; 7B-class, {res['tensors']} tensors; "
+            f"p50 / p90 µs over {args.iters} after {args.warmup} warm-ups)", "",
+            "| stage | p50 µs | p90 µs |", "|---|---|---|"]
+    for name, s in res["stages"].items():
+        rows.append(f"| {name} | {s['median']:.0f} | {s['p90']:.0f} |")
+    rows.append(f"| **attach() end to end** | **{res['attach_us']['median']:.0f}** | {res['attach_us']['p90']:.0f} |")
+    emit(f"attach_stages_{args.device}", res, "\n".join(rows))
+    return 0
+
+
+def _measure(ck: str, socket_dir: str, device: str, iters: int, warmup: int) -> dict:
+    import torch
+
+    from weightcache import client
+
+    if device.startswith("cuda"):
+        torch.empty(1, device=device)
+    acc: dict[str, float] = {}
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    backend = client.local_backend(device)
+    patches = [
+        (client.Session, "__init__", "connect"),
+        (client.Session, "send", "send hello + attach"),
+        (client.Checkpoint, "__init__", "local checkpoint headers (overlaps the service)"),
+        (client.pipeline, "cache_key", "local cache key (overlaps the service)"),
+        (client, "recv_with_fds", "recvmsg: waiting for the service + reading the reply"),
+        (client.protocol.Connection, "next_message", "frame decode (JSON header, payload split)"),
+        (client.Manifest, "from_wire", "Manifest.from_wire (packed columns)"),
+        (client.pipeline, "diff_keys", "key comparison"),
+        (type(backend), "import_fd", "fd import + map + set access + tensor wrap"),
+        (client, "build_views", "build_views (runs + unbind)"),
+    ]
+    saved = []
+    for owner, attr, name in patches:
+        orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        if isinstance(orig, classmethod):
+            wrapped = classmethod(timed(name, orig.__func__))
+        else:
+            wrapped = timed(name, orig)
+        saved.append((owner, attr, orig))
+        setattr(owner, attr, wrapped)
+    stage_times: dict[str, list[float]] = {name: [] for _, _, name in patches}
+    stage_times["other (argument handling, GC pause, Attachment)"] = []
+    e2e, ntens = [], 0
+    try:
+        kw = dict(device=device, fallback=False, socket_dir=socket_dir, naming="vllm")
+        for i in range(warmup + iters):
+            acc.clear()
+            t0 = time.perf_counter()
+            w = client.attach(ck, **kw)
+            dt = time.perf_counter() - t0
+            ntens = len(w.tensors)
+            w.close()
+            del w
+            if i >= warmup:
+                e2e.append(dt * 1e6)
+                for _, _, name in patches:  # disjoint: none of them calls another
+                    stage_times[name].append(acc.get(name, 0.0) * 1e6)
+                stage_times["other (argument handling, GC pause, Attachment)"].append(
+                    (dt - sum(acc.values())) * 1e6)
+    finally:
+        for owner, attr, orig in saved:
+            setattr(owner, attr, orig)
+    return {"device": device, "iters": iters, "tensors": ntens, "attach_us": stats(e2e),
+            "stages": {k: stats(v) for k, v in stage_times.items()}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
