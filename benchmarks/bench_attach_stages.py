@@ -5,9 +5,10 @@ Serves a 7B-class checkpoint (Llama-2-7B shapes, ``naming = "vllm"``: 195
 tensors; sparse file, zeros: how the slab was filled does not change an
 attach) from a ``weightcache serve`` subprocess, then times ``attach()`` in
 this process with the client's own functions wrapped by timers (no copy of the
-client logic): connect, send, local checkpoint headers + cache key, waiting
-for the service (the blocking ``recvmsg``), frame decode, ``Manifest.from_wire``,
-key comparison, fd import + mapping, views. What the wrappers do not cover
+client logic): connect, send, the local checkpoint (``config.json``) and key
+fields, waiting for the service (the blocking ``recvmsg``), frame decode,
+``Manifest.from_wire``, the key check (``stat()`` of the files), fd import +
+mapping, views. What the wrappers do not cover
 (argument handling, the context manager, object creation) is ``other``.
 Stage times are medians, so they need not add up to the end-to-end median.
 
@@ -89,12 +90,12 @@ def _measure(ck: str, socket_dir: str, device: str, iters: int, warmup: int) -> 
     patches = [
         (client.Session, "__init__", "connect"),
         (client.Session, "send", "send hello + attach"),
-        (client.Checkpoint, "__init__", "local checkpoint headers (overlaps the service)"),
-        (client.pipeline, "cache_key", "local cache key (overlaps the service)"),
+        (client.Checkpoint, "__init__", "local Checkpoint: config.json (overlaps the service)"),
+        (client.pipeline, "key_fields", "local key fields (overlaps the service)"),
         (client, "recv_with_fds", "recvmsg: waiting for the service + reading the reply"),
         (client.protocol.Connection, "next_message", "frame decode (JSON header, payload split)"),
         (client.Manifest, "from_wire", "Manifest.from_wire (packed columns)"),
-        (client.pipeline, "diff_keys", "key comparison"),
+        (client.pipeline, "check_key", "key check: fields + stat() of the files"),
         (type(backend), "import_fd", "fd import + map + set access + tensor wrap"),
         (client, "build_views", "build_views (runs + unbind)"),
     ]

@@ -55,6 +55,11 @@ class TensorInfo:
     size_bytes: int
 
 
+def _stat_identity(st: os.stat_result) -> dict[str, int]:
+    """The ``stat()`` part of a file's identity (DESIGN §5): size, mtime_ns, ctime_ns, inode."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
 def pread_exact(fd: int, buf: memoryview, offset: int, need: int, path: str, tensor: str, end: int) -> None:
     """Fills the first ``need`` bytes of ``buf`` from ``fd`` at ``offset`` (``os.preadv``, retried on short reads).
 
@@ -170,8 +175,9 @@ class Checkpoint:
             (and ``model.safetensors.index.json`` when sharded).
         validate (`bool`, *optional*, defaults to `True`): open each file with
             ``safetensors.safe_open`` and parse every header now. ``False``
-            reads only the raw header bytes (enough for :meth:`identity`, the
-            engine's cache key) and parses them on first use of :attr:`tensors`.
+            reads only ``config.json`` (and ``hf_quant_config.json``) now; the
+            index, the raw header bytes (for :meth:`identity`) and the parsed
+            headers (:attr:`tensors`) on first use, raising then.
 
     Attributes:
         path (`Path`): resolved directory.
@@ -198,14 +204,51 @@ class Checkpoint:
         if not p.is_dir():
             raise CheckpointNotFound(f"checkpoint directory {p} does not exist", path=str(p))
         self.path = p.resolve()
-        index = self.path / INDEX_NAME
-        weight_map: dict[str, str] | None = None
+        self._index = self.path / INDEX_NAME
+        self._files: list[str] | None = None
+        self._weight_map: dict[str, str] | None = None
+        self._raw_headers: dict[str, bytes] | None = None
+        self._layout: dict[str, tuple[int, int]] = {}
+        self._tensors: dict[str, TensorInfo] | None = None
+        self._metadata: dict[str, dict] = {}
+        if validate:
+            self._parse()  # our errors name the tensor; then safetensors' own checks
+            for fname in self.files:
+                _validate_with_safetensors(self.path / fname)
+        cfg = self.path / "config.json"
+        self.config_bytes = cfg.read_bytes() if cfg.exists() else b""
+        try:
+            self.config: dict[str, Any] = json.loads(self.config_bytes) if self.config_bytes else {}
+        except ValueError as e:
+            raise CheckpointCorrupt(f"{cfg} is not valid JSON: {e}", file=str(cfg)) from None
+        self._extra: dict[str, bytes] = {}
+        for extra in ("hf_quant_config.json",):
+            ep = self.path / extra
+            if ep.exists():
+                self._extra[extra] = ep.read_bytes()
+
+    @property
+    def files(self) -> list[str]:
+        """Safetensors file names, sorted: those the index lists, else every ``*.safetensors``.
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): an invalid index, or a
+                ``*-NNNNN-of-NNNNN.safetensors`` shard the index does not list.
+            CheckpointNotFound (`checkpoint_not_found`): no safetensors file.
+        """
+        if self._files is None:
+            self._files = self._list_files()
+        return self._files
+
+    def _list_files(self) -> list[str]:
+        index = self._index
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
+                files = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointCorrupt(f"index {index} is invalid: {e}", file=str(index)) from None
-            files = sorted(set(weight_map.values()))
+            self._weight_map = weight_map
             for stray in sorted(self.path.glob("*-of-*.safetensors")):
                 if stray.name not in files and re.fullmatch(r".+-\d+-of-\d+\.safetensors", stray.name):
                     _, stray_header, _ = _read_header(stray)
@@ -220,33 +263,23 @@ class Checkpoint:
             files = sorted(f.name for f in self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointNotFound(f"no *.safetensors files in checkpoint directory {self.path}", path=str(self.path))
-        self.files = files
-        self.raw_headers: dict[str, bytes] = {}
-        self._layout: dict[str, tuple[int, int]] = {}
-        self._weight_map = weight_map
-        self._index = index
-        self._tensors: dict[str, TensorInfo] | None = None
-        self._metadata: dict[str, dict] = {}
-        for fname in files:
-            fpath = self.path / fname
-            raw, data_start, size = _read_raw_header(fpath)
-            self.raw_headers[fname] = raw
-            self._layout[fname] = (data_start, size)
-        if validate:
-            self._parse()  # our errors name the tensor; then safetensors' own checks
-            for fname in files:
-                _validate_with_safetensors(self.path / fname)
-        cfg = self.path / "config.json"
-        self.config_bytes = cfg.read_bytes() if cfg.exists() else b""
-        try:
-            self.config: dict[str, Any] = json.loads(self.config_bytes) if self.config_bytes else {}
-        except ValueError as e:
-            raise CheckpointCorrupt(f"{cfg} is not valid JSON: {e}", file=str(cfg)) from None
-        self._extra: dict[str, bytes] = {}
-        for extra in ("hf_quant_config.json",):
-            ep = self.path / extra
-            if ep.exists():
-                self._extra[extra] = ep.read_bytes()
+        return files
+
+    @property
+    def raw_headers(self) -> dict[str, bytes]:
+        """Raw safetensors header bytes per file (read on first use; no tensor data).
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): a file too short for its header.
+        """
+        if self._raw_headers is None:
+            raw_headers = {}
+            for fname in self.files:
+                raw, data_start, size = _read_raw_header(self.path / fname)
+                raw_headers[fname] = raw
+                self._layout[fname] = (data_start, size)
+            self._raw_headers = raw_headers
+        return self._raw_headers
 
     @property
     def tensors(self) -> dict[str, TensorInfo]:
@@ -272,9 +305,10 @@ class Checkpoint:
                 missing from its file.
         """
         tensors: dict[str, TensorInfo] = {}
+        raw_headers = self.raw_headers
         for fname in self.files:
             data_start, size = self._layout[fname]
-            header = _parse_header(self.path / fname, self.raw_headers[fname], data_start, size)
+            header = _parse_header(self.path / fname, raw_headers[fname], data_start, size)
             self._metadata[fname] = header.get("__metadata__") or {}
             for name, entry in header.items():
                 if name == "__metadata__":
@@ -308,25 +342,63 @@ class Checkpoint:
 
         Returns:
             `dict`: ``files``: per file ``{size, mtime_ns, ctime_ns, inode,
-            header_blake2b}``; ``config_json_blake2b``; ``quant_config_blake2b``.
+            header_blake2b}``; ``index``: ``{size, mtime_ns, ctime_ns, inode}``
+            of ``model.safetensors.index.json``, or ``None`` without one;
+            ``config_json_blake2b``; ``quant_config_blake2b``.
         """
+        raw_headers = self.raw_headers
         files = {}
         for fname in self.files:
-            st = os.stat(self.path / fname)
-            files[fname] = {
-                "size": st.st_size,
-                "mtime_ns": st.st_mtime_ns,
-                "ctime_ns": st.st_ctime_ns,
-                "inode": st.st_ino,
-                "header_blake2b": hashlib.blake2b(self.raw_headers[fname], digest_size=16).hexdigest(),
-            }
+            files[fname] = {**_stat_identity(os.stat(self.path / fname)),
+                            "header_blake2b": hashlib.blake2b(raw_headers[fname], digest_size=16).hexdigest()}
         return {
             "files": files,
+            "index": self._index_identity(),
             "config_json_blake2b": hashlib.blake2b(self.config_bytes, digest_size=16).hexdigest(),
             "quant_config_blake2b": hashlib.blake2b(
                 self._extra.get("hf_quant_config.json", b""), digest_size=16
             ).hexdigest(),
         }
+
+    def _index_identity(self) -> dict[str, int] | None:
+        try:
+            return _stat_identity(os.stat(self._index))
+        except FileNotFoundError:
+            return None
+
+    def identity_diff(self, identity: dict[str, Any]) -> list[str]:
+        """Fields in which this checkpoint, as it is now, differs from ``identity`` (an :meth:`identity`).
+
+        The engine's check of a service's slab, from ``stat()`` alone (plus the
+        small JSON files): no index is parsed and no header read. Equal
+        ``inode, size, mtime_ns, ctime_ns`` of a file imply equal bytes, header
+        included (the kernel moves ``ctime`` on every write and no syscall can
+        set it back), so ``header_blake2b`` is not recomputed; an unchanged index
+        implies the same file list.
+
+        Returns:
+            `list[str]`: dotted field names (``files.model.safetensors.mtime_ns``,
+            ``index``...); empty when the identity holds.
+        """
+        if identity.get("index", "absent") != self._index_identity():
+            return ["index"]  # the file list may have changed: nothing else is comparable cheaply
+        want = identity.get("files") or {}
+        names = sorted(want) if identity["index"] is not None else self.files
+        if sorted(want) != names:
+            return ["files"]
+        diff = []
+        for fname in names:
+            try:
+                now = _stat_identity(os.stat(self.path / fname))
+            except FileNotFoundError:
+                diff.append(f"files.{fname}")
+                continue
+            diff += [f"files.{fname}.{k}" for k, v in now.items() if want[fname].get(k) != v]
+        for key, raw in (("config_json_blake2b", self.config_bytes),
+                         ("quant_config_blake2b", self._extra.get("hf_quant_config.json", b""))):
+            if identity.get(key) != hashlib.blake2b(raw, digest_size=16).hexdigest():
+                diff.append(key)
+        return diff
 
     def read_into(self, info: TensorInfo, out) -> None:
         """Reads the bytes of one tensor into ``out`` with ``os.preadv``.

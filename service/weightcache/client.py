@@ -1,9 +1,9 @@
 """The engine side: ``attach()``, its typed errors, and the disk fallback.
 
-``attach()`` computes the expected cache key locally from the checkpoint's
-headers and ``stat()`` (never its tensor bytes), asks the GPU's service for
-the slab, imports the received fd read-only and builds tensor views from the
-manifest. With ``fallback=True`` a missing service, a model not ready in time,
+``attach()`` asks the GPU's service for the slab, checks the cache key of the
+reply against the checkpoint as it is now (its ``config.json`` and ``stat()``
+of its files: never a tensor byte, see :func:`pipeline.check_key`), imports
+the received fd read-only and builds tensor views from the manifest. With ``fallback=True`` a missing service, a model not ready in time,
 a different key or a refusal makes it load from disk through the very same
 pipeline (:mod:`weightcache.pipeline`), so the tensors are bit-identical; the
 reason is logged and kept in :attr:`Attachment.fallback_reason`.
@@ -328,14 +328,15 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
     local_ck = expected = None
     if is_path:
         try:
-            # Headers and stat() only: the key needs no safetensors validation (the service validated
-            # at load, and the disk fallback's own plan() opens the checkpoint with it).
+            # No safetensors validation, not even a header read for an unquantized checkpoint: the
+            # service validated at load, the key check is stat() (pipeline.check_key), and the
+            # disk fallback's own plan() opens the checkpoint with validation.
             local_ck = Checkpoint(model, validate=False)
             # Configuration errors are not cache misses: they raise whatever the service holds.
             scheme = quant.detect(local_ck, kernel)
             if session is not None:
-                expected = pipeline.cache_key(_model_config(str(local_ck.path), dtype, naming, kernel), tp_size,
-                                              tp_rank, local_ck, local_backend(device).device_info(), scheme)
+                expected = pipeline.key_fields(_model_config(str(local_ck.path), dtype, naming, kernel), tp_size,
+                                               tp_rank, local_ck, local_backend(device).device_info(), scheme)
         except BaseException:
             if session is not None:
                 session.close()
@@ -382,8 +383,10 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, 
                    tp_size: int, tp_rank: int, device: str, mode: str, deadline: float) -> Attachment:
     """Reads the replies to the pipelined ``hello`` + ``attach`` and maps the slab.
 
-    ``expected`` is the cache key computed from ``local_ck`` (by path); by
-    name it is computed here from the operator's choices in the reply's key.
+    ``expected`` is :func:`pipeline.key_fields` computed from ``local_ck`` (by
+    path); by name it is computed here from the operator's choices in the
+    reply's key. The checkpoint's identity is checked by ``stat()``
+    (:meth:`Checkpoint.identity_diff`).
     Closes ``session`` on any error.
     """
     sock_path = session.path
@@ -404,15 +407,16 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, 
             key = manifest.key
             backend = local_backend(device)
             if expected is not None:  # by path: what this engine asked for
+                ck = local_ck
                 # The revision is the operator's label in the config, which an engine cannot know.
                 expected["revision"] = key.get("revision", "")
             else:  # by name: the operator's choices, checked against the checkpoint as it is now
                 ck = Checkpoint(reply.checkpoint_path, validate=False)
                 mc = _model_config(str(ck.path), key.get("dtype", "auto"), key.get("naming", "hf"),
                                    key.get("kernel") or "cutlass", key.get("revision", ""))
-                expected = pipeline.cache_key(mc, tp_size, tp_rank, ck, backend.device_info())
+                expected = pipeline.key_fields(mc, tp_size, tp_rank, ck, backend.device_info())
             # A slab of another backend (host slab, cuda:N engine) differs in device.backend.
-            diff = pipeline.diff_keys(expected, key)
+            diff = pipeline.check_key(expected, ck, key)
             if diff:
                 raise CacheKeyMismatch(
                     f"service at {sock_path} holds a different {model!r}: differing key fields "

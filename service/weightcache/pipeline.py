@@ -101,10 +101,16 @@ def cache_key(model: ModelConfig, tp_size: int, tp_rank: int, ck: Checkpoint, de
         scheme (`quant.Scheme | None`, *optional*): the checkpoint's scheme if
             already detected (``None``: unquantized); detected here otherwise.
     """
+    return {"checkpoint": ck.identity(), **key_fields(model, tp_size, tp_rank, ck, device, scheme)}
+
+
+def key_fields(model: ModelConfig, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
+               scheme: Any = quant.DETECT) -> dict[str, Any]:
+    """Every field of :func:`cache_key` but ``checkpoint`` (reads ``config.json``, no safetensors header
+    unless the checkpoint is quantized)."""
     if scheme is quant.DETECT:
         scheme = quant.detect(ck)
     return {
-        "checkpoint": ck.identity(),
         "revision": model.revision,
         "architecture": (ck.config.get("architectures") or [ck.config.get("model_type", "")])[0],
         "dtype": model.dtype,
@@ -117,6 +123,22 @@ def cache_key(model: ModelConfig, tp_size: int, tp_rank: int, ck: Checkpoint, de
         "pipeline_version": PIPELINE_VERSION,
         "device": dict(device),
     }
+
+
+def check_key(fields: dict[str, Any], ck: Checkpoint, key: dict[str, Any]) -> list[str]:
+    """Fields in which a service's cache ``key`` differs from this engine's view.
+
+    Args:
+        fields (`dict`): :func:`key_fields` computed here.
+        ck (`Checkpoint`): the checkpoint as it is now; its identity is checked
+            with :meth:`Checkpoint.identity_diff` (``stat()`` only).
+        key (`dict`): the key from the service's manifest.
+
+    Returns:
+        `list[str]`: dotted field paths, empty on a match.
+    """
+    diff = diff_keys(fields, {k: v for k, v in key.items() if k != "checkpoint"})
+    return diff + ["checkpoint." + d for d in ck.identity_diff(key.get("checkpoint") or {})]
 
 
 def diff_keys(expected: Any, actual: Any, prefix: str = "") -> list[str]:

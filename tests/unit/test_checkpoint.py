@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightcache.checkpoint import Checkpoint
+from weightcache.errors import CheckpointCorrupt
 
 
 def _sharded(tmp_path):
@@ -89,3 +90,58 @@ def test_shard_file_missing_from_disk(tmp_path):
     with pytest.raises(Exception) as e:
         Checkpoint(d)
     assert e.value.code == "checkpoint_not_found" and "model-00002-of-00002" in e.value.message
+
+
+def _rewrite_same_times(path, data: bytes) -> None:
+    """New bytes, atime/mtime put back (what a careless copy tool does); only ctime can tell."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("change,expected", [
+    (None, []),
+    (lambda d: _rewrite_same_times(d / "model-00002-of-00002.safetensors",
+                                   (d / "model-00002-of-00002.safetensors").read_bytes()),
+     ["files.model-00002-of-00002.safetensors.ctime_ns"]),
+    (lambda d: (d / "model.safetensors.index.json").write_text(
+        (d / "model.safetensors.index.json").read_text()), ["index"]),
+    (lambda d: (d / "config.json").write_text('{"architectures": ["Other"]}'), ["config_json_blake2b"]),
+    (lambda d: (d / "hf_quant_config.json").write_text("{}"), ["quant_config_blake2b"]),
+    (lambda d: os.unlink(d / "model-00001-of-00002.safetensors"), ["files.model-00001-of-00002.safetensors"]),
+])
+def test_identity_diff_by_stat_names_what_changed(tmp_path, change, expected):
+    """The engine's stat()-only check agrees with a full identity recomputation about *whether* it changed."""
+    d, _ = _sharded(tmp_path)
+    ident = Checkpoint(d).identity()
+    if change is not None:
+        change(d)
+    now = Checkpoint(d, validate=False)
+    assert now.identity_diff(ident) == expected
+    if change is not None and (d / "model-00001-of-00002.safetensors").exists():
+        assert Checkpoint(d, validate=False).identity() != ident
+
+
+def test_identity_diff_single_file_checkpoint_sees_a_new_file(tmp_path):
+    d = tmp_path / "one"
+    d.mkdir()
+    save_file({"w": torch.ones(3)}, d / "model.safetensors")
+    ident = Checkpoint(d).identity()
+    assert ident["index"] is None and Checkpoint(d, validate=False).identity_diff(ident) == []
+    save_file({"v": torch.ones(3)}, d / "extra.safetensors")
+    assert Checkpoint(d, validate=False).identity_diff(ident) == ["files"]
+    # An identity from a version without the index field never matches.
+    del ident["index"]
+    assert Checkpoint(d, validate=False).identity_diff(ident) == ["index"]
+
+
+def test_unvalidated_checkpoint_reads_no_header_until_asked(tmp_path):
+    """validate=False reads config.json only; a corrupt shard raises at first use, naming the file."""
+    d, _ = _sharded(tmp_path)
+    with open(d / "model-00002-of-00002.safetensors", "r+b") as f:
+        f.truncate(4)
+    ck = Checkpoint(d, validate=False)
+    assert ck.config == {"architectures": ["Tiny"]}
+    with pytest.raises(CheckpointCorrupt, match="model-00002-of-00002.safetensors"):
+        ck.raw_headers
