@@ -55,6 +55,15 @@ class TensorInfo:
     size_bytes: int
 
 
+def _read_small(path: str) -> bytes | None:
+    """The bytes of a small side file (``config.json``...), ``None`` if it does not exist."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 def _stat_identity(st: os.stat_result) -> dict[str, int]:
     """The ``stat()`` part of a file's identity (DESIGN §5): size, mtime_ns, ctime_ns, inode."""
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
@@ -200,10 +209,9 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike, validate: bool = True) -> None:
-        p = Path(path)
-        if not p.is_dir():
-            raise CheckpointNotFound(f"checkpoint directory {p} does not exist", path=str(p))
-        self.path = p.resolve()
+        if not os.path.isdir(path):
+            raise CheckpointNotFound(f"checkpoint directory {path} does not exist", path=str(path))
+        self.path = Path(os.path.realpath(path))
         self._index = self.path / INDEX_NAME
         self._files: list[str] | None = None
         self._weight_map: dict[str, str] | None = None
@@ -215,17 +223,17 @@ class Checkpoint:
             self._parse()  # our errors name the tensor; then safetensors' own checks
             for fname in self.files:
                 _validate_with_safetensors(self.path / fname)
-        cfg = self.path / "config.json"
-        self.config_bytes = cfg.read_bytes() if cfg.exists() else b""
+        cfg = os.path.join(self.path, "config.json")
+        self.config_bytes = _read_small(cfg) or b""
         try:
             self.config: dict[str, Any] = json.loads(self.config_bytes) if self.config_bytes else {}
         except ValueError as e:
-            raise CheckpointCorrupt(f"{cfg} is not valid JSON: {e}", file=str(cfg)) from None
+            raise CheckpointCorrupt(f"{cfg} is not valid JSON: {e}", file=cfg) from None
         self._extra: dict[str, bytes] = {}
         for extra in ("hf_quant_config.json",):
-            ep = self.path / extra
-            if ep.exists():
-                self._extra[extra] = ep.read_bytes()
+            raw = _read_small(os.path.join(self.path, extra))
+            if raw is not None:
+                self._extra[extra] = raw
 
     @property
     def files(self) -> list[str]:

@@ -313,8 +313,8 @@ class PackedTensors(Sequence):
 
     Attributes (decoded at construction, a few C-level calls whatever the count):
         names (`list[str]`), table (`list[int]`: 5 ints per tensor), dims
-        (`list[int]`), dims_pos (`list[int]`: start of each tensor's shape in
-        ``dims``), dtypes (`list[str]`), runs (`list[list[int]]`).
+        (`list[int]`), ndim_sum (`list[int]`: sum of the ndims before each
+        tensor; its shape starts at ``dims[2 * ndim_sum[i]]``), dtypes (`list[str]`), runs (`list[list[int]]`).
 
     Raises:
         ValueError: a section out of the payload, or lengths that disagree with ``count``.
@@ -342,10 +342,11 @@ class PackedTensors(Sequence):
         if len(self.names) != n or len(self.table) != 5 * n:
             raise ValueError(f"manifest has {len(self.names)} names and {len(self.table) // 5} table rows "
                              f"for {n} tensors")
-        self.dims_pos = list(accumulate((2 * d for d in self.table[3::5]), initial=0))
-        if self.dims_pos[-1] != len(self.dims):
+        # Start of tensor i's shape in ``dims`` is 2 * ndim_sum[i] (shape then stride, ndim each).
+        self.ndim_sum = list(accumulate(self.table[3::5], initial=0))
+        if 2 * self.ndim_sum[-1] != len(self.dims):
             raise ValueError(f"manifest dims section holds {len(self.dims)} values, the table needs "
-                             f"{self.dims_pos[-1]}")
+                             f"{2 * self.ndim_sum[-1]}")
         if n and (min(self.table[2::5]) < 0 or max(self.table[2::5]) >= len(self.dtypes)
                   or min(self.table[4::5]) < -1 or max(self.table[4::5]) >= n):
             raise ValueError("manifest table has a dtype or alias index out of range")
@@ -366,14 +367,14 @@ class PackedTensors(Sequence):
 
     def _materialize(self) -> tuple[TensorRecord, ...]:
         if self._records is None:
-            tab, dims, pos, names = self.table, self.dims, self.dims_pos, self.names
+            tab, dims, pos, names = self.table, self.dims, self.ndim_sum, self.names
             digests = str(self._digests, "ascii").split("\n") if self.count else []
             if len(digests) != self.count:
                 digests = [""] * self.count
             lays = self.layouts()
             recs = []
             for i, name in enumerate(names):
-                o, p = 5 * i, pos[i]
+                o, p = 5 * i, 2 * pos[i]
                 nd = tab[o + 3]
                 rec = _new(TensorRecord)
                 rec.__dict__.update(name=name, dtype=self.dtypes[tab[o + 2]], shape=tuple(dims[p:p + nd]),
@@ -475,11 +476,11 @@ def build_views(slab, manifest: Manifest) -> dict[str, Any]:
 def _packed_views(slab, t: PackedTensors) -> dict[str, Any]:
     """:func:`build_views` over packed columns: one strided view + ``unbind`` per run, no records."""
     n_bytes = slab.numel()
-    tab, dims, pos = t.table, t.dims, t.dims_pos
+    tab, dims, pos = t.table, t.dims, t.ndim_sum
     views: list[Any] = [None] * t.count
     typed: dict[int, tuple[Any, int, int]] = {}
     for first, istep, count, ostep in t.runs:
-        o, p = 5 * first, pos[first]
+        o, p = 5 * first, 2 * pos[first]
         off, dti, nd = tab[o], tab[o + 2], tab[o + 3]
         shape, stride = dims[p:p + nd], dims[p + nd:p + 2 * nd]
         tv = typed.get(dti)
