@@ -51,13 +51,26 @@ def resolve_socket_dir(explicit: str | None = None) -> str:
     return explicit or os.environ.get("WEIGHTCACHE_SOCKET_DIR") or DEFAULT_SOCKET_DIR
 
 
-def local_backend(device: str):
-    """The backend that maps slabs onto ``device`` (``cpu``: host memfd; ``cuda:N``: VMM on GPU N)."""
-    from .memory import get_backend
+_BACKENDS: dict[str, Any] = {}
 
-    if device.startswith("cuda"):
-        return get_backend("cuda", int(device.split(":", 1)[1]) if ":" in device else 0)
-    return get_backend("host")
+
+def local_backend(device: str):
+    """The backend that maps slabs onto ``device`` (``cpu``: host memfd; ``cuda:N``: VMM on GPU N).
+
+    One per device string for the life of the process: a CUDA backend retains
+    the GPU's primary context and queries its granularity and UUID once, not
+    on every attach.
+    """
+    backend = _BACKENDS.get(device)
+    if backend is None:
+        from .memory import get_backend
+
+        if device.startswith("cuda"):
+            backend = get_backend("cuda", int(device.split(":", 1)[1]) if ":" in device else 0)
+        else:
+            backend = get_backend("host")
+        _BACKENDS[device] = backend
+    return backend
 
 
 def device_info(device: str) -> dict[str, Any]:

@@ -372,9 +372,13 @@ def decode(body: bytes) -> tuple[Message, int]:
             on a message that takes none.
     """
     nul = body.find(b"\x00")
-    payload = None
-    if nul >= 0:
-        body, payload = body[:nul], body[nul + 1:]
+    if nul < 0:
+        return _decode(body, None)
+    return _decode(body[:nul], body[nul + 1:])
+
+
+def _decode(body: bytes, payload: bytes | None) -> tuple[Message, int]:
+    """:func:`decode` of a frame already split into its JSON ``body`` and its ``payload`` (``None``: no NUL)."""
     try:
         obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
         # Lone surrogates ("\ud800") parse but cannot be encoded again (e.g. echoed in an error).
@@ -495,10 +499,14 @@ class Connection:
             raise RemoteProtocolError(f"frame length {n} exceeds the {MAX_FRAME_BYTES}-byte limit", size_bytes=n)
         if len(self._buf) < 4 + n:
             return NEED_DATA
-        body = bytes(self._buf[4 : 4 + n])
+        nul = self._buf.find(b"\x00", 4, 4 + n)
+        if nul < 0:
+            body, payload = bytes(self._buf[4 : 4 + n]), None
+        else:  # one copy of each part (not of the whole frame, then of its halves)
+            body, payload = bytes(self._buf[4:nul]), bytes(self._buf[nul + 1 : 4 + n])
         del self._buf[: 4 + n]
         try:
-            msg, fd_count = decode(body)
+            msg, fd_count = _decode(body, payload)
         except RemoteProtocolError:
             self.state = CLOSED
             raise

@@ -526,6 +526,7 @@ class CudaBackend:
         self.gpu = int(gpu)
         self._devices: dict[int, _Device] = {}
         self._lock = threading.Lock()
+        self._info: dict | None = None
         self._device(self.gpu)
 
     def _device(self, index: int) -> _Device:
@@ -614,6 +615,8 @@ class CudaBackend:
         Returns:
             `dict`: ``{"backend": "cuda", "gpu_uuid": "GPU-...", "compute_capability": "9.0"}``.
         """
+        if self._info is not None:  # a GPU's identity does not change while a process holds its context
+            return dict(self._info)
         dev = self._device(self.gpu)
         attr = cu.CUdevice_attribute
         major = _check(
@@ -622,4 +625,5 @@ class CudaBackend:
         minor = _check(
             "cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev.dev)
         )
-        return {"backend": "cuda", "gpu_uuid": gpu_uuid(self.gpu), "compute_capability": f"{major}.{minor}"}
+        self._info = {"backend": "cuda", "gpu_uuid": gpu_uuid(self.gpu), "compute_capability": f"{major}.{minor}"}
+        return dict(self._info)
