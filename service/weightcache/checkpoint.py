@@ -395,9 +395,10 @@ class Checkpoint:
         if sorted(want) != names:
             return ["files"]
         diff = []
+        root = str(self.path)
         for fname in names:
             try:
-                now = _stat_identity(os.stat(self.path / fname))
+                now = _stat_identity(os.stat(os.path.join(root, fname)))
             except FileNotFoundError:
                 diff.append(f"files.{fname}")
                 continue
