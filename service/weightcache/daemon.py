@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import gc
 import grp
 import hashlib
 import json
@@ -221,6 +222,8 @@ class Daemon:
         self._stop = False
         self._accept_paused = False
         self._ready_sent = False
+        self._loads_done = 0  # loads finished (ready or failed); gc.freeze() after each settled batch
+        self._frozen_at = -1
         self._last_status = ""
         self._last_status_t = 0.0
         self._last_extend_t = 0.0
@@ -359,6 +362,7 @@ class Daemon:
         with self._lock:
             slot.manifest, slot.sealed, slot.manifest_wire = manifest, sealed, wire
             slot.state, slot.ready_at = "ready", time.monotonic()
+            self._loads_done += 1
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f rate_gbps=%.2f",
                  p.model.name, p.tp_size, p.tp_rank, len(manifest.tensors), slot.total_bytes, dt * 1e3,
                  slot.total_bytes / max(dt, 1e-9) / 1e9, extra=event("loaded", p.model.name, p.tp_rank))
@@ -411,6 +415,12 @@ class Daemon:
             self._ready_sent = True
             log.info("ready slabs=%d failed=%d", sum(s.state == "ready" for s in self.slots),
                      sum(s.state == "failed" for s in self.slots))
+        if settled and self._frozen_at != self._loads_done:
+            # Everything alive now (torch, the config, manifests) lives for the service's life:
+            # keep it out of every later collection, so that a full collection in the middle of an
+            # attach scans what that attach allocated, not the whole heap (was a 40 ms reply on CPU).
+            gc.freeze()
+            self._frozen_at = self._loads_done
         if self._watchdog_s and now - self._last_watchdog_t >= self._watchdog_s:
             notify.notify("WATCHDOG=1")
             self._last_watchdog_t = now
