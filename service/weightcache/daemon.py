@@ -49,7 +49,6 @@ from .errors import (
     InternalError,
     LeaseBusy,
     ModelLoadFailed,
-    ModelLoading,
     ModelNotFound,
     OutOfMemory,
     RemoteProtocolError,
