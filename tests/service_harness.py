@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -367,12 +368,17 @@ def frame(obj: Any) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
+_UNREAD: "weakref.WeakKeyDictionary[socket.socket, bytes]" = weakref.WeakKeyDictionary()
+
+
 def read_reply(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     """Reads one frame; returns ``(json, fds)``, or ``(None, fds)`` on EOF/reset.
 
     A binary payload (after the JSON and a NUL byte) is returned under ``"payload"``.
+    Bytes of later frames that arrived with this one are kept for the next call
+    on the same socket (pipelined requests get their replies back to back).
     """
-    buf, fds = b"", []
+    buf, fds = _UNREAD.pop(s, b""), []
     try:
         while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
             data, anc, _, _ = s.recvmsg(1 << 20, socket.CMSG_SPACE(8 * 4), socket.MSG_CMSG_CLOEXEC)
@@ -385,6 +391,8 @@ def read_reply(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     except (ConnectionResetError, BrokenPipeError):
         return None, fds
     n = struct.unpack(">I", buf[:4])[0]
+    if len(buf) > 4 + n:
+        _UNREAD[s] = buf[4 + n:]
     body, nul, payload = buf[4: 4 + n].partition(b"\x00")
     obj = json.loads(body)
     if nul:

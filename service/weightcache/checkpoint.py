@@ -378,11 +378,13 @@ class Checkpoint:
         """Fields in which this checkpoint, as it is now, differs from ``identity`` (an :meth:`identity`).
 
         The engine's check of a service's slab, from ``stat()`` alone (plus the
-        small JSON files): no index is parsed and no header read. Equal
-        ``inode, size, mtime_ns, ctime_ns`` of a file imply equal bytes, header
-        included (the kernel moves ``ctime`` on every write and no syscall can
-        set it back), so ``header_blake2b`` is not recomputed; an unchanged index
-        implies the same file list.
+        small JSON files): no index is parsed and no header read. A ``write()``
+        moves ``ctime`` and no syscall sets it back, so equal ``inode, size,
+        mtime_ns, ctime_ns`` mean the file was not rewritten and
+        ``header_blake2b`` is not recomputed; an unchanged index implies the
+        same file list. Like the whole key (which never hashes tensor bytes),
+        this misses writes that move no timestamp: through a shared ``mmap``
+        to an already dirty page, until writeback (docs/protocol.md).
 
         Returns:
             `list[str]`: dotted field names (``files.model.safetensors.mtime_ns``,

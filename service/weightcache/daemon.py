@@ -387,7 +387,9 @@ class Daemon:
         failed = [s for s in self.slots if s.state == "failed"]
         if loading:
             cur = next((s for s in loading if s.state == "loading"), loading[0])
-            pct = 100.0 * cur.done_bytes / cur.total_bytes if cur.total_bytes else 0.0
+            if not cur.total_bytes:  # planning: headers read, size not known yet
+                return f"loading {cur.label}: planning; {ready}/{len(self.slots)} ready"
+            pct = 100.0 * cur.done_bytes / cur.total_bytes
             return (f"loading {cur.label}: {pct:.0f}% ({cur.done_bytes / 1e6:.0f}/{cur.total_bytes / 1e6:.0f} MB, "
                     f"{cur.rate_bytes_per_s / 1e9:.2f} GB/s); {ready}/{len(self.slots)} ready")
         line = f"ready: {ready}/{len(self.slots)} slabs resident"

@@ -323,54 +323,161 @@ class PackedTensors(Sequence):
     def __init__(self, header: dict[str, Any], payload: bytes) -> None:
         if header.get("format") != PACKED_FORMAT:
             raise ValueError(f"manifest tensors format {header.get('format')!r} is not {PACKED_FORMAT!r}")
-        n = int(header["count"])
+        n = header.get("count")
+        if type(n) is not int or n < 0:
+            raise ValueError(f"manifest tensors count {n!r} is not a non-negative integer")
         mv = memoryview(payload)
 
         def section(name: str) -> memoryview:
-            start, length = header[name]
-            if not (isinstance(start, int) and isinstance(length, int) and 0 <= start
-                    and 0 <= length and start + length <= len(payload)):
-                raise ValueError(f"manifest section {name!r} {header[name]!r} lies outside the "
-                                 f"{len(payload)}-byte payload")
-            return mv[start:start + length]
+            where = header.get(name)
+            if not (isinstance(where, list) and len(where) == 2 and all(type(x) is int for x in where)
+                    and 0 <= where[0] and 0 <= where[1] and where[0] + where[1] <= len(payload)):
+                raise ValueError(f"manifest section {name!r} {where!r} lies outside the {len(payload)}-byte payload")
+            return mv[where[0]:where[0] + where[1]]
 
         self.count = n
-        self.dtypes = list(header["dtypes"])
-        self.names = str(section("names"), "utf-8").split("\x00") if n else []
+        self.dtypes = header.get("dtypes")
+        if not isinstance(self.dtypes, list) or not all(isinstance(d, str) and d in DTYPES for d in self.dtypes):
+            raise ValueError(f"manifest dtypes {self.dtypes!r} are not all safetensors dtype codes")
+        try:
+            self.names = str(section("names"), "utf-8").split("\x00") if n else []
+        except UnicodeDecodeError as e:
+            raise ValueError(f"manifest section 'names' is not UTF-8: {e}") from None
         self.table = _int64s(section("table"), "table")
         self.dims = _int64s(section("dims"), "dims")
         if len(self.names) != n or len(self.table) != 5 * n:
             raise ValueError(f"manifest has {len(self.names)} names and {len(self.table) // 5} table rows "
                              f"for {n} tensors")
+        if len(set(self.names)) != n:
+            raise ValueError("manifest names a tensor twice")
+        if n and (min(self.table[2::5]) < 0 or max(self.table[2::5]) >= len(self.dtypes)
+                  or min(self.table[3::5]) < 0 or min(self.table[4::5]) < -1 or max(self.table[4::5]) >= n):
+            raise ValueError("manifest table has a dtype index, ndim or alias index out of range")
         # Start of tensor i's shape in ``dims`` is 2 * ndim_sum[i] (shape then stride, ndim each).
         self.ndim_sum = list(accumulate(self.table[3::5], initial=0))
         if 2 * self.ndim_sum[-1] != len(self.dims):
             raise ValueError(f"manifest dims section holds {len(self.dims)} values, the table needs "
                              f"{2 * self.ndim_sum[-1]}")
-        if n and (min(self.table[2::5]) < 0 or max(self.table[2::5]) >= len(self.dtypes)
-                  or min(self.table[4::5]) < -1 or max(self.table[4::5]) >= n):
-            raise ValueError("manifest table has a dtype or alias index out of range")
-        self.runs = [list(r) for r in header.get("runs", [])]
+        self.runs = self._checked_runs(header.get("runs", []))
         self._digests = section("digests")
         self._layouts = section("layouts")
         self._records: tuple[TensorRecord, ...] | None = None
         self._layout_list: list[dict] | None = None
 
+    def _checked_runs(self, runs: Any) -> list[list[int]]:
+        """``runs`` checked against the table, plus a run of one for each tensor no run covers.
+
+        Every member of a run must have the dtype, ndim, size, shape and stride
+        of its first member and sit at the run's offset step; a tensor is in
+        at most one run and never an alias; each distinct view must lie within
+        its record's ``size_bytes``; an alias must repeat its target's row. So
+        views built from the runs are the views the table describes (the table
+        alone is enough: a manifest without ``runs`` gets a run per tensor).
+        One check per run and one list comparison per tensor.
+
+        Raises:
+            ValueError: the first inconsistency, naming the run or tensor.
+        """
+        if not isinstance(runs, list):
+            raise ValueError(f"manifest runs {runs!r} is not a list")
+        n, tab, dims, pos, names = self.count, self.table, self.dims, self.ndim_sum, self.names
+        offs, sizes, dts, nds, alias = tab[0::5], tab[1::5], tab[2::5], tab[3::5], tab[4::5]
+        covered = bytearray(n)
+        out = []
+        for r in runs:
+            if not (isinstance(r, list) and len(r) == 4 and all(type(x) is int for x in r)):
+                raise ValueError(f"manifest run {r!r} is not 4 integers")
+            first, istep, count, ostep = r
+            if count == 1:
+                istep = ostep = 0
+            if not (count >= 1 and 0 <= first and (count == 1 or (istep >= 1 and ostep >= 1))
+                    and first + istep * (count - 1) < n):
+                raise ValueError(f"manifest run {r} does not lie within the {n} tensors")
+            sl = slice(first, first + istep * (count - 1) + 1, istep or 1)
+            if covered[sl].count(0) != count:
+                raise ValueError(f"manifest run {r} covers a tensor another run covers")
+            covered[sl] = b"\x01" * count
+            dt, nd, size, off = dts[first], nds[first], sizes[first], offs[first]
+            if (dts[sl].count(dt) != count or nds[sl].count(nd) != count or sizes[sl].count(size) != count
+                    or alias[sl].count(-1) != count
+                    or (count > 1 and offs[sl] != list(range(off, off + count * ostep, ostep)))):
+                raise ValueError(f"manifest run {r}: its tensors differ in dtype, rank, size or offset step, "
+                                 f"or include a tied alias")
+            p = 2 * pos[first]
+            ref = dims[p:p + 2 * nd]
+            if count > 1:
+                self._check_same_dims(r, sl, ref)
+            self._check_extent(first, ref[:nd], ref[nd:], count > 1 and ostep)
+            out.append([first, istep, count, ostep])
+        i = covered.find(0)
+        while i >= 0:  # aliases, and tensors no run covers (viewed one by one)
+            a = alias[i]
+            p = 2 * pos[i]
+            if a < 0:
+                self._check_extent(i, dims[p:p + nds[i]], dims[p + nds[i]:p + 2 * nds[i]], 0)
+                out.append([i, 0, 1, 0])
+            elif alias[a] >= 0 or tab[5 * i:5 * i + 4] != tab[5 * a:5 * a + 4] or \
+                    dims[p:p + 2 * nds[i]] != dims[2 * pos[a]:2 * pos[a] + 2 * nds[a]]:
+                raise ValueError(f"manifest tied tensor {names[i]!r} does not repeat the row of its target "
+                                 f"{names[a]!r}")
+            i = covered.find(0, i + 1)
+        return out
+
+    def _check_same_dims(self, run: list[int], sl: slice, ref: list[int]) -> None:
+        """Every member of ``run`` (indices ``sl``) has the shape and stride ``ref`` of its first member."""
+        if not ref:  # 0-d tensors: nothing to compare
+            return
+        dims, names = self.dims, self.names
+        starts = self.ndim_sum[sl]
+        d = starts[1] - starts[0]
+        count = len(starts)
+        if starts == list(range(starts[0], starts[0] + count * d, d)):
+            # Members' dims sit at a fixed step (the usual layered model): compare column by column.
+            base, step = 2 * starts[0], 2 * d
+            if all(dims[base + j::step][:count].count(v) == count for j, v in enumerate(ref)):
+                return
+        for k, q in enumerate(starts):
+            if dims[2 * q:2 * q + len(ref)] != ref:
+                raise ValueError(f"manifest run {run}: tensor {names[sl.start + k * sl.step]!r} has another "
+                                 f"shape or stride than {names[sl.start]!r}")
+
+    def _check_extent(self, i: int, shape: list[int], stride: list[int], step_bytes: int) -> None:
+        """Tensor ``i``'s view (``shape``, ``stride`` in elements) lies within its record; a run's step is whole elements."""
+        size = DTYPES[self.dtypes[self.table[5 * i + 2]]][1]
+        off, nbytes = self.table[5 * i], self.table[5 * i + 1]
+        if min(shape, default=0) < 0 or min(stride, default=0) < 0 or off < 0:
+            raise ValueError(f"manifest tensor {self.names[i]!r} has a negative offset, dimension or stride")
+        extent = 0 if 0 in shape else 1 + sum((d - 1) * st for d, st in zip(shape, stride))
+        if extent * size > nbytes or step_bytes % size or (step_bytes and off % size):
+            raise ValueError(f"manifest tensor {self.names[i]!r}: shape {shape} and stride {stride} of "
+                             f"{self.dtypes[self.table[5 * i + 2]]} need {extent * size} bytes (its record holds "
+                             f"{nbytes}), or its run's step or offset is not a whole number of elements")
+
     def layouts(self) -> list[dict[str, Any]]:
-        """Each tensor's layout dict, in slab order (the ``layouts`` section, decoded on first call)."""
+        """Each tensor's layout dict, in slab order (the ``layouts`` section, decoded on first call).
+
+        Raises:
+            ValueError: the section is not a JSON list of ``count`` objects.
+        """
         if self._layout_list is None:
-            lays = json.loads(str(self._layouts, "utf-8")) if self.count else []
-            if not isinstance(lays, list) or len(lays) != self.count:
-                raise ValueError(f"manifest layouts section must be a list of {self.count} objects")
+            try:
+                lays = json.loads(str(self._layouts, "utf-8")) if self.count else []
+            except ValueError as e:
+                raise ValueError(f"manifest section 'layouts' is not UTF-8 JSON: {e}") from None
+            if not isinstance(lays, list) or len(lays) != self.count or not all(isinstance(x, dict) for x in lays):
+                raise ValueError(f"manifest section 'layouts' must be a list of {self.count} objects")
             self._layout_list = lays
         return self._layout_list
 
     def _materialize(self) -> tuple[TensorRecord, ...]:
         if self._records is None:
             tab, dims, pos, names = self.table, self.dims, self.ndim_sum, self.names
-            digests = str(self._digests, "ascii").split("\n") if self.count else []
+            try:
+                digests = str(self._digests, "ascii").split("\n") if self.count else []
+            except UnicodeDecodeError:
+                digests = []
             if len(digests) != self.count:
-                digests = [""] * self.count
+                raise ValueError(f"manifest section 'digests' holds {len(digests)} entries for {self.count} tensors")
             lays = self.layouts()
             recs = []
             for i, name in enumerate(names):
@@ -502,7 +609,4 @@ def _packed_views(slab, t: PackedTensors) -> dict[str, Any]:
     for i, a in enumerate(tab[4::5]):
         if a >= 0:
             views[i] = views[a]
-    missing = next((name for name, v in zip(t.names, views) if v is None), None)
-    if missing is not None:
-        raise ValueError(f"manifest runs do not cover tensor {missing!r}")
-    return dict(zip(t.names, views))
+    return dict(zip(t.names, views))  # PackedTensors' runs cover every tensor that is not an alias

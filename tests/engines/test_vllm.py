@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed in this interpreter: run `make test-vllm`")
+pytest.importorskip("vllm", reason="vLLM is not installed in this interpreter; `make test` runs these under .venv-vllm next")
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent

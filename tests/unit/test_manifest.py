@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import struct
 import sys
 from pathlib import Path
 
@@ -123,7 +125,7 @@ def _packed_parts(tiny_llama):
     (lambda h, p: (h, p[:-7]), "outside the"),
     (lambda h, p: ({**h, "tensors": {**h["tensors"], "count": h["tensors"]["count"] + 1}}, p), "table rows"),
     (lambda h, p: ({**h, "tensors": {**h["tensors"], "format": "packed-9"}}, p), "format"),
-    (lambda h, p: ({**h, "tensors": {**h["tensors"], "dtypes": []}}, p), "dtype or alias index"),
+    (lambda h, p: ({**h, "tensors": {**h["tensors"], "dtypes": []}}, p), "dtype index, ndim or alias index"),
     (lambda h, p: ({**h, "tensors": {**h["tensors"], "table": [h["tensors"]["table"][0],
                                                               h["tensors"]["table"][1] - 3]}}, p), "multiple of 8"),
 ])
@@ -133,12 +135,74 @@ def test_malformed_packed_manifest_is_a_clear_error(tiny_llama, breakage, messag
         Manifest.from_wire(header, payload)
 
 
-def test_runs_that_miss_a_tensor_are_refused(tiny_llama):
+@pytest.mark.parametrize("keep", [0, 3])
+def test_runs_are_a_hint(tiny_llama, keep):
+    """Without runs, or with some left out, every tensor is still viewed as the table says."""
+    man, views, slab = load_rank(tiny_llama, 2, 1, "vllm")
+    header, payload = man.to_wire()
+    header["tensors"]["runs"] = header["tensors"]["runs"][:keep]
+    _same_views(views, build_views(slab.tensor, Manifest.from_wire(header, payload)))
+
+
+def _edit_runs(edit):
+    def apply(h, p):
+        h = json.loads(json.dumps(h))
+        edit(h["tensors"]["runs"], h)
+        return h, p
+    return apply
+
+
+def _first_long_run(runs):
+    return next(r for r in runs if r[2] > 2)
+
+
+def _retable(edit):
+    """Rewrites the table section through ``edit(rows)`` (rows: lists of 5 ints), runs dropped (the table alone)."""
+    def apply(h, p):
+        h = json.loads(json.dumps(h))
+        h["tensors"]["runs"] = []
+        start, length = h["tensors"]["table"]
+        vals = list(struct.unpack(f"<{length // 8}q", p[start:start + length]))
+        rows = [vals[i:i + 5] for i in range(0, len(vals), 5)]
+        edit(rows)
+        packed = struct.pack(f"<{length // 8}q", *[v for r in rows for v in r])
+        return h, p[:start] + packed + p[start + length:]
+    return apply
+
+
+@pytest.mark.parametrize("breakage,message", [
+    (_edit_runs(lambda runs, h: runs.append([-1, 0, 1, 0])), "does not lie within"),
+    (_edit_runs(lambda runs, h: runs.append(list(runs[0]))), "another run covers"),
+    (_edit_runs(lambda runs, h: _first_long_run(runs).__setitem__(3, 0)), "does not lie within"),
+    (_edit_runs(lambda runs, h: _first_long_run(runs).__setitem__(3, _first_long_run(runs)[3] + 1)),
+     "offset step"),
+    (_edit_runs(lambda runs, h: _first_long_run(runs).__setitem__(1, 0)), "does not lie within"),
+    (_edit_runs(lambda runs, h: runs.__setitem__(0, ["0", 0, 1, 0])), "is not 4 integers"),
+    (_edit_runs(lambda runs, h: h["tensors"].__setitem__("count", "53")), "count"),
+    (_edit_runs(lambda runs, h: h["tensors"].__setitem__("dtypes", ["XX"] + h["tensors"]["dtypes"][1:])),
+     "safetensors dtype codes"),
+    (_retable(lambda rows: rows[0].__setitem__(1, 0)), "need"),
+    (_retable(lambda rows: rows[0].__setitem__(1, -1)), "need"),
+    (_retable(lambda rows: rows[1].__setitem__(4, 1)), "does not repeat the row"),
+])
+def test_runs_and_rows_that_contradict_the_table_are_refused(tiny_llama, breakage, message):
+    """A run must repeat its first member's dtype, shape, stride and size at its step; rows must fit their views."""
+    header, payload = breakage(*_packed_parts(tiny_llama))
+    with pytest.raises(ValueError, match=message):
+        Manifest.from_wire(header, payload)
+
+
+def test_names_must_be_unique_utf8(tiny_llama):
     header, payload = _packed_parts(tiny_llama)
-    header["tensors"]["runs"] = header["tensors"]["runs"][1:]
-    man = Manifest.from_wire(header, payload)
-    with pytest.raises(ValueError, match="do not cover tensor"):
-        build_views(torch.zeros(man.slab_size_bytes, dtype=torch.uint8), man)
+    start, length = header["tensors"]["names"]
+    names = bytes(payload[start:start + length]).split(b"\x00")
+    j, k = next((j, k) for j in range(len(names)) for k in range(j) if len(names[j]) == len(names[k]))
+    dup = names[:j] + [names[k]] + names[j + 1:]
+    for bad, message in ((b"\x00".join(dup), "twice"),
+                         (b"\x00".join([b"\xff\xfe" + names[0][2:]] + names[1:]), "not UTF-8")):
+        assert len(bad) == length
+        with pytest.raises(ValueError, match=message):
+            Manifest.from_wire(header, payload[:start] + bad + payload[start + length:])
 
 
 def test_nul_in_a_tensor_name_is_refused_when_packing():
