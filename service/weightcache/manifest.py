@@ -271,9 +271,9 @@ def _runs(ts: list[TensorRecord]) -> list[list[int]]:
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(ts):
         if t.alias_of is None:
-            groups.setdefault((t.dtype, t.shape, t.stride), []).append(i)
+            groups.setdefault((t.dtype, t.shape, t.stride, t.size_bytes), []).append(i)
     runs = []
-    for (dtype, _, _), idx in groups.items():
+    for (dtype, _, _, _), idx in groups.items():
         size = DTYPES[dtype][1]
         left = dict.fromkeys(idx)  # ordered set of indices not yet in a run
         while left:
