@@ -3,7 +3,8 @@
 ``attach()`` asks the GPU's service for the slab, checks the cache key of the
 reply against the checkpoint as it is now (its ``config.json`` and ``stat()``
 of its files: never a tensor byte, see :func:`pipeline.check_key`), imports
-the received fd read-only and builds tensor views from the manifest. With ``fallback=True`` a missing service, a model not ready in time,
+the received fd read-only and builds tensor views from the manifest. With
+``fallback=True`` a missing service, a model not ready in time,
 a different key or a refusal makes it load from disk through the very same
 pipeline (:mod:`weightcache.pipeline`), so the tensors are bit-identical; the
 reason is logged and kept in :attr:`Attachment.fallback_reason`.
@@ -17,8 +18,8 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from . import pipeline, protocol, quant
