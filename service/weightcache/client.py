@@ -355,17 +355,20 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
             if session is not None:
                 session.close()
             raise
-    if session is None and not fallback:
-        raise unavailable
     if session is not None:
         try:
             return _attach_daemon(model, local_ck, expected, session, tp_size, tp_rank, device, mode, deadline)
         except UnsupportedQuantization:
             raise
         except WeightcacheError as e:
-            if not fallback or local_ck is None:
+            if local_ck is None:
                 raise
             unavailable = e
+    # The service cannot serve. A broken checkpoint is the engine's problem whatever the service
+    # said (and no fallback could load it): its own error, not a cache miss.
+    _check_files(local_ck)
+    if not fallback:
+        raise unavailable
     reason = f"{unavailable.code}: {unavailable.message}"
     log.warning("fallback to disk checkpoint=%s tp_size=%d tp_rank=%d reason=%s", model, tp_size, tp_rank, reason,
                 extra=event("fallback", model, tp_rank))
@@ -374,6 +377,18 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
     views = build_views(slab, manifest)
     return Attachment(views, LayoutMap(manifest), manifest, "disk", reason,
                       0, _slab=slab)  # private memory inside torch's own allocator
+
+
+def _check_files(ck: Checkpoint) -> None:
+    """Reads ``ck``'s file list and safetensors headers (no tensor data).
+
+    Raises:
+        CheckpointNotFound (`checkpoint_not_found`): no safetensors file, or
+            one the index lists is missing.
+        CheckpointCorrupt (`checkpoint_corrupt`): an invalid index, a stray
+            shard, or a file too short for its header.
+    """
+    ck.raw_headers  # noqa: B018 - lists the files and reads each header, raising on the first problem
 
 
 @contextlib.contextmanager
@@ -416,7 +431,7 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, 
         try:
             try:
                 manifest = Manifest.from_wire(reply.manifest, reply.payload)
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise RemoteProtocolError(f"attach_reply from {sock_path} has an invalid manifest: {e}") from None
             key = manifest.key
             backend = local_backend(device)
@@ -430,8 +445,12 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, 
                                    key.get("kernel") or "cutlass", key.get("revision", ""))
                 expected = pipeline.key_fields(mc, tp_size, tp_rank, ck, backend.device_info())
             # A slab of another backend (host slab, cuda:N engine) differs in device.backend.
-            diff = pipeline.check_key(expected, ck, key)
+            try:
+                diff = pipeline.check_key(expected, ck, key)
+            except (KeyError, TypeError, AttributeError) as e:
+                raise RemoteProtocolError(f"attach_reply from {sock_path} has a malformed cache key: {e!r}") from None
             if diff:
+                _check_files(ck)  # a broken checkpoint is reported as such, not as a key mismatch
                 raise CacheKeyMismatch(
                     f"service at {sock_path} holds a different {model!r}: differing key fields "
                     f"{', '.join(diff[:10])}", fields=diff, socket=sock_path)

@@ -340,6 +340,7 @@ class Daemon:
             opts = LoaderOptions(threads=self.config.service.read_threads,
                                  staging_bytes=self.config.service.staging_bytes)
             manifest = pipeline.execute(pl, writable.tensor, progress, opts)
+            wire = _manifest_wire(manifest)  # here, not in the serving loop at the first attach
             sealed = writable.seal()
             writable = None
         except WeightcacheError as e:
@@ -357,7 +358,6 @@ class Daemon:
             return
         dt = time.monotonic() - slot.started_at
         self._fdstore_put(slot, sealed, manifest)
-        wire = _manifest_wire(manifest)  # here, not in the serving loop at the first attach
         with self._lock:
             slot.manifest, slot.sealed, slot.manifest_wire = manifest, sealed, wire
             slot.state, slot.ready_at = "ready", time.monotonic()
@@ -374,6 +374,7 @@ class Daemon:
                 log.warning("abort of partial slab failed model=%s error=%r", slot.placement.model.name, ae)
         with self._lock:
             slot.state, slot.error = "failed", e
+            self._loads_done += 1
         if not logged:
             p = slot.placement
             log.error("load failed model=%s rank=%d code=%s error=%s", p.model.name, p.tp_rank, e.code, e.message,

@@ -190,7 +190,7 @@ class Manifest:
         ``tensors`` the tensor count, the dtype table, each payload section's
         ``[start, length]`` in bytes, and ``runs``. The payload holds the
         per-tensor data in sections a client decodes with a handful of calls
-        whatever the tensor count: ``names`` (UTF-8, NUL-separated), ``table``
+        whatever the tensor count: ``names`` (a UTF-8 JSON array), ``table``
         (little-endian int64 ``offset_bytes, size_bytes, dtype index, ndim,
         alias index or -1`` per tensor), ``dims`` (int64 shape then stride of
         each tensor), ``digests`` (ASCII, newline-separated) and ``layouts``
@@ -202,9 +202,6 @@ class Manifest:
         ``offset_bytes[first] + k * offset_step_bytes`` (the same projection
         of every layer), which a client can view with one strided view and one
         ``unbind`` instead of ``count`` views.
-
-        Raises:
-            ValueError: a tensor name contains a NUL character.
         """
         ts = list(self.tensors)
         index = {t.name: i for i, t in enumerate(ts)}
@@ -213,13 +210,11 @@ class Manifest:
         table: list[int] = []
         dims: list[int] = []
         for t in ts:
-            if "\x00" in t.name:
-                raise ValueError(f"tensor name {t.name!r} contains a NUL character")
             table += (t.offset_bytes, t.size_bytes, dtype_index[t.dtype], len(t.shape),
                       -1 if t.alias_of is None else index[t.alias_of])
             dims += (*t.shape, *t.stride)
         sections = [
-            ("names", "\x00".join(t.name for t in ts).encode()),
+            ("names", json.dumps([t.name for t in ts], ensure_ascii=False, separators=(",", ":")).encode()),
             ("table", struct.pack(f"<{len(table)}q", *table)),
             ("dims", struct.pack(f"<{len(dims)}q", *dims)),
             ("digests", "\n".join(t.digest for t in ts).encode("ascii")),
@@ -321,6 +316,8 @@ class PackedTensors(Sequence):
     """
 
     def __init__(self, header: dict[str, Any], payload: bytes) -> None:
+        if not isinstance(header, dict):
+            raise ValueError(f"manifest tensors must be an object, got {type(header).__name__}")
         if header.get("format") != PACKED_FORMAT:
             raise ValueError(f"manifest tensors format {header.get('format')!r} is not {PACKED_FORMAT!r}")
         n = header.get("count")
@@ -340,9 +337,11 @@ class PackedTensors(Sequence):
         if not isinstance(self.dtypes, list) or not all(isinstance(d, str) and d in DTYPES for d in self.dtypes):
             raise ValueError(f"manifest dtypes {self.dtypes!r} are not all safetensors dtype codes")
         try:
-            self.names = str(section("names"), "utf-8").split("\x00") if n else []
-        except UnicodeDecodeError as e:
-            raise ValueError(f"manifest section 'names' is not UTF-8: {e}") from None
+            self.names = json.loads(str(section("names"), "utf-8"))
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError alike
+            raise ValueError(f"manifest section 'names' is not a UTF-8 JSON array: {e}") from None
+        if not isinstance(self.names, list) or not all(isinstance(x, str) for x in self.names):
+            raise ValueError("manifest section 'names' is not a JSON array of strings")
         self.table = _int64s(section("table"), "table")
         self.dims = _int64s(section("dims"), "dims")
         if len(self.names) != n or len(self.table) != 5 * n:
@@ -360,6 +359,8 @@ class PackedTensors(Sequence):
                              f"{2 * self.ndim_sum[-1]}")
         self.runs = self._checked_runs(header.get("runs", []))
         self._digests = section("digests")
+        if n and bytes(self._digests).count(b"\n") != n - 1:
+            raise ValueError(f"manifest section 'digests' does not hold {n} newline-separated entries")
         self._layouts = section("layouts")
         self._records: tuple[TensorRecord, ...] | None = None
         self._layout_list: list[dict] | None = None

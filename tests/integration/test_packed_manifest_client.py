@@ -125,3 +125,17 @@ def test_a_slab_smaller_than_its_manifest_is_refused(tmp_path):
     with pytest.raises(errors.RemoteProtocolError, match="manifest does not fit the slab"):
         attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10)
     t.join(10)
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda h, p: ({**h, "tensors": None}, p),
+    lambda h, p: ({**h, "tensors": []}, p),
+    lambda h, p: ({**h, "key": {**h["key"], "checkpoint": {**h["key"]["checkpoint"],
+                                                          "files": {"model.safetensors": 7}}}}, p),
+])
+def test_a_malformed_reply_is_a_protocol_error_not_a_crash(tmp_path, break_it):
+    header, payload, size = _packed(break_it)
+    t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
+    with pytest.raises(errors.RemoteProtocolError, match="invalid manifest|malformed cache key"):
+        attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10)
+    t.join(10)

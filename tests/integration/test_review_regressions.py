@@ -109,3 +109,43 @@ def test_attach_timeout_is_the_whole_budget(tmp_path):
         attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=1.0)
     assert time.monotonic() - t0 < 4.0  # generous: the old code took 6 s
     srv.close()
+
+
+def test_a_broken_checkpoint_is_reported_as_such_whatever_the_service_says(daemon, tmp_path):
+    """The engine's own checkpoint problems beat the service's answer (absent, unknown path, other key)."""
+    from service_harness import llama_checkpoint
+
+    ck = llama_checkpoint(tmp_path / "m")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    # No service at all.
+    for fb in (False, True):
+        with pytest.raises(errors.CheckpointNotFound, match="no \\*.safetensors files"):
+            attach(str(empty), socket_dir=str(tmp_path / "none"), fallback=fb, timeout=2)
+    svc = daemon(make_config({"m": ck}))
+    svc.wait_settled()
+    # A path the service does not hold.
+    with pytest.raises(errors.CheckpointNotFound):
+        attach(str(empty), socket_dir=svc.socket_dir, fallback=False, timeout=5)
+    # The served checkpoint's index broken after the load: by path and by name.
+    (ck / "model.safetensors.index.json").write_text("{garbage")
+    for model in (str(ck), "m"):
+        with pytest.raises(errors.CheckpointCorrupt, match="index .* is invalid"):
+            attach(model, socket_dir=svc.socket_dir, fallback=False, timeout=5)
+    assert svc.alive()
+
+
+def test_a_tensor_name_with_a_nul_is_served(daemon, tmp_path):
+    """safetensors accepts any name; the packed manifest once refused NUL and left the slot loading forever."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp_path / "nul"
+    d.mkdir()
+    save_file({"a\x00b": torch.ones(4), "c": torch.zeros(3)}, str(d / "model.safetensors"))
+    svc = daemon(make_config({"nul": d}))
+    assert {x["model"]: x["state"] for x in svc.wait_settled()["slabs"]} == {"nul": "ready"}
+    with attach(str(d), socket_dir=svc.socket_dir, fallback=False, timeout=10) as w:
+        assert w.source == "daemon"
+        assert torch.equal(w.tensors["a\x00b"], torch.ones(4)) and torch.equal(w.tensors["c"], torch.zeros(3))
