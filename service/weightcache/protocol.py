@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from .errors import LocalProtocolError, RemoteProtocolError, WeightcacheError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 #: Integers on the wire are signed 64-bit, so that any client language can hold them.
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
@@ -437,7 +437,7 @@ class Connection:
         >>> data, fds = Connection(CLIENT).send(Hello(PROTOCOL_VERSION))
         >>> srv.receive(data)
         >>> srv.next_message()
-        (Hello(protocol_version=1, client=''), [])
+        (Hello(protocol_version=2, client=''), [])
     """
 
     def __init__(self, role: str) -> None:

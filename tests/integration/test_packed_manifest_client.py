@@ -51,7 +51,7 @@ def _serve_once(path: str, header: dict, payload: bytes, slab_bytes: int) -> thr
                 buf += conn.recv(65536)
             fd = os.memfd_create("fake-slab", os.MFD_CLOEXEC)
             os.ftruncate(fd, slab_bytes)
-            conn.sendall(_frame({"type": "hello_reply", "protocol_version": 1, "gpu": 0, "gpu_uuid": "",
+            conn.sendall(_frame({"type": "hello_reply", "protocol_version": 2, "gpu": 0, "gpu_uuid": "",
                                  "backend": "host", "capabilities": []}))
             frame = _frame({"type": "attach_reply", "fd_count": 1, "lease_id": 1, "manifest": header,
                             "checkpoint_path": str(_minilm()), "backend": "host"}, payload)
