@@ -64,6 +64,11 @@ def _read_small(path: str) -> bytes | None:
         return None
 
 
+def _blake2b_128(data: bytes) -> str:
+    """Hex blake2b-128 of ``data``: the hash of every header and side file in the cache key."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 def _stat_identity(st: os.stat_result) -> dict[str, int]:
     """The ``stat()`` part of a file's identity (DESIGN §5): size, mtime_ns, ctime_ns, inode."""
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
@@ -358,14 +363,18 @@ class Checkpoint:
         files = {}
         for fname in self.files:
             files[fname] = {**_stat_identity(os.stat(self.path / fname)),
-                            "header_blake2b": hashlib.blake2b(raw_headers[fname], digest_size=16).hexdigest()}
+                            "header_blake2b": _blake2b_128(raw_headers[fname])}
         return {
             "files": files,
             "index": self._index_identity(),
-            "config_json_blake2b": hashlib.blake2b(self.config_bytes, digest_size=16).hexdigest(),
-            "quant_config_blake2b": hashlib.blake2b(
-                self._extra.get("hf_quant_config.json", b""), digest_size=16
-            ).hexdigest(),
+            **self._side_file_hashes(),
+        }
+
+    def _side_file_hashes(self) -> dict[str, str]:
+        """blake2b-128 of ``config.json`` and ``hf_quant_config.json`` (empty bytes when absent)."""
+        return {
+            "config_json_blake2b": _blake2b_128(self.config_bytes),
+            "quant_config_blake2b": _blake2b_128(self._extra.get("hf_quant_config.json", b"")),
         }
 
     def _index_identity(self) -> dict[str, int] | None:
@@ -405,10 +414,7 @@ class Checkpoint:
                 diff.append(f"files.{fname}")
                 continue
             diff += [f"files.{fname}.{k}" for k, v in now.items() if want[fname].get(k) != v]
-        for key, raw in (("config_json_blake2b", self.config_bytes),
-                         ("quant_config_blake2b", self._extra.get("hf_quant_config.json", b""))):
-            if identity.get(key) != hashlib.blake2b(raw, digest_size=16).hexdigest():
-                diff.append(key)
+        diff += [key for key, h in self._side_file_hashes().items() if identity.get(key) != h]
         return diff
 
     def read_into(self, info: TensorInfo, out) -> None:
