@@ -96,6 +96,11 @@ def make_config(models: dict[str, Any], backend: str = "host", gpu: int = 0, **s
 # --- /proc ------------------------------------------------------------------
 
 
+#: readlink("/proc/PID/fd/N") prefix -> kind, first match wins (anon_inode:[eventpoll] is "eventpoll").
+_FD_KINDS = (("socket:", "socket"), ("pipe:", "pipe"), ("/memfd:", "memfd"), ("anon_inode:[eventpoll]", "eventpoll"),
+             ("/dev/", "dev"), ("anon_inode:", "anon"), ("/", "file"))
+
+
 def proc_fds(pid: int) -> collections.Counter:
     """Open fds of ``pid`` by kind: socket, pipe, memfd, eventpoll, file, dev, anon, other."""
     kinds: collections.Counter = collections.Counter()
@@ -105,22 +110,7 @@ def proc_fds(pid: int) -> collections.Counter:
             target = os.readlink(f"{base}/{name}")
         except FileNotFoundError:
             continue  # closed while we looked (e.g. listdir's own fd)
-        if target.startswith("socket:"):
-            kinds["socket"] += 1
-        elif target.startswith("pipe:"):
-            kinds["pipe"] += 1
-        elif target.startswith("/memfd:"):
-            kinds["memfd"] += 1
-        elif "eventpoll" in target:
-            kinds["eventpoll"] += 1
-        elif target.startswith("/dev/"):
-            kinds["dev"] += 1
-        elif target.startswith("anon_inode:"):
-            kinds["anon"] += 1
-        elif target.startswith("/"):
-            kinds["file"] += 1
-        else:
-            kinds["other"] += 1
+        kinds[next((kind for prefix, kind in _FD_KINDS if target.startswith(prefix)), "other")] += 1
     return kinds
 
 
