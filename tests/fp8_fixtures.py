@@ -270,3 +270,74 @@ def dequantized_linears(path: str | Path) -> dict[str, torch.Tensor]:
             s = sd[f"{m}.weight_scale"].float()
             out[m] = t.float() * (s.reshape(-1, 1) if s.dim() else s)
     return out
+
+
+# --- the four loads, shared by the host and the cuda service tests ---------------------------
+
+#: Prompts of the greedy-token comparison (2 prompts x 16 tokens).
+PROMPTS = [[1, 5, 9, 33], [7, 7, 100, 2, 64]]
+
+
+def fp8_service_models(cks: dict[str, Path]) -> dict[str, dict]:
+    """Config ``[models]`` for each checkpoint of ``cks`` (algo -> path): ``<algo>_hf`` at TP 1 and
+    ``<algo>_vllm`` at TP 2, both ranks on GPU 0."""
+    models = {}
+    for algo, path in cks.items():
+        models[f"{algo.lower()}_hf"] = {"path": str(path), "naming": "hf", "layouts": [{"tp": 1, "gpus": [0]}]}
+        models[f"{algo.lower()}_vllm"] = {"path": str(path), "naming": "vllm", "layouts": [{"tp": 2, "gpus": [0, 0]}]}
+    return models
+
+
+def check_four_loads(path: Path, algo: str, tp: int, naming: str, device: str, svc) -> None:
+    """Ordinary load, missing-service fallback, attach and a second attach agree bit for bit.
+
+    For every rank of ``tp``: the pipeline into private memory on ``device``,
+    ``attach`` with no service (``fallback=True``), and two ``attach`` calls to
+    ``svc`` (``fallback=False``) give the same names, dtypes, shapes, strides,
+    bytes and layouts, all on ``device``; the reference engine generates the
+    same greedy tokens from each; ``verify`` of the served slabs is clean.
+    """
+    from reference_engine import ReferenceLlama
+    from weightcache import attach, protocol
+    from weightcache.client import load_from_disk
+    from weightcache.config import ModelConfig
+    from weightcache.manifest import build_views
+
+    dev_type = torch.device(device).type
+    kw = dict(tp_size=tp, naming=naming, device=device)
+    loads = {"ordinary": [], "fallback": [], "attach": [], "attach2": []}
+    keep = []
+    try:
+        for rank in range(tp):
+            man, slab = load_from_disk(ModelConfig("m", str(path), naming=naming), tp, rank, device)
+            loads["ordinary"].append((build_views(slab, man), {r.name: r.layout for r in man.tensors}))
+            fb = attach(str(path), tp_rank=rank, socket_dir="/nonexistent-wc", fallback=True, **kw)
+            assert fb.source == "disk" and fb.fallback_reason.startswith("daemon_unavailable")
+            loads["fallback"].append((fb.tensors, fb.layouts))
+            for key in ("attach", "attach2"):
+                w = attach(str(path), tp_rank=rank, socket_dir=svc.socket_dir, fallback=False, **kw)
+                assert w.source == "daemon", w.fallback_reason
+                keep.append(w)
+                loads[key].append((w.tensors, w.layouts))
+        for key in ("fallback", "attach", "attach2"):
+            for (t_ref, l_ref), (t, lay) in zip(loads["ordinary"], loads[key]):
+                assert set(t) == set(t_ref), key
+                for name in t_ref:
+                    a, b = t_ref[name], t[name]
+                    assert b.device.type == dev_type, (key, name)
+                    assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), (key, name)
+                    fp8 = a.dtype == torch.float8_e4m3fn
+                    assert torch.equal(a.view(torch.uint8) if fp8 else a, b.view(torch.uint8) if fp8 else b), \
+                        (key, name)
+                assert lay == l_ref
+        cfg = json.loads((path / "config.json").read_text())
+        tokens = {k: [ReferenceLlama(cfg, [t for t, _ in r], [lay for _, lay in r]).generate(p, 16)
+                      for p in PROMPTS] for k, r in loads.items()}
+        assert all(len(t) == 16 for t in tokens["ordinary"])
+        assert tokens["fallback"] == tokens["attach"] == tokens["attach2"] == tokens["ordinary"], tokens
+        # Both attachments read the same memory and left it unchanged.
+        res = svc.request(protocol.Verify(f"{algo.lower()}_{naming}")).results
+        assert res and all(r["mismatched"] == [] and r["state"] == "ready" for r in res), res
+    finally:
+        for w in keep:
+            w.close()
