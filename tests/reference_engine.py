@@ -18,14 +18,21 @@ CPU the product is emulated in float32 as
 ``(x_q.float() * scale_a) @ (w_t.float() * scale_b)`` sliced back to the
 logical width. On CUDA, :func:`fp8_linear` calls ``torch._scaled_mm``.
 
-Tensor parallelism: pass one weight dict per rank; column-parallel outputs
-stay local (local heads), row-parallel partial sums are added over ranks (the
-all-reduce), vocab-parallel embeddings / ``lm_head`` are concatenated.
+Tensor parallelism, in one process: pass one weight dict per rank; column-parallel
+outputs stay local (local heads), row-parallel partial sums are added over ranks
+(the all-reduce), vocab-parallel embeddings / ``lm_head`` are concatenated.
+
+One rank per process (``torch.distributed``, e.g. under ``torchrun``): pass only
+this rank's dict and a :class:`RankGroup`; the row-parallel partial sums, the
+vocab-parallel embedding lookup and the vocab-parallel logits then go through
+``RankGroup.all_reduce``, so every rank ends with the whole logits.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -74,21 +81,42 @@ def fp8_linear(x: torch.Tensor, w_t: torch.Tensor, weight_scale: torch.Tensor, i
     return out[:, :n]
 
 
+@dataclass(frozen=True)
+class RankGroup:
+    """This process's place in a tensor-parallel group of one rank per process.
+
+    Attributes:
+        rank (`int`), size (`int`): the TP rank and TP size.
+        all_reduce (`Callable[[torch.Tensor], None]`): sums a tensor over the
+            group in place (``torch.distributed.all_reduce`` or a wrapper).
+    """
+
+    rank: int
+    size: int
+    all_reduce: Callable[[torch.Tensor], None]
+
+
 class ReferenceLlama:
     """Greedy Llama decoder over per-rank weight dicts.
 
     Args:
         config (`dict`): the checkpoint's ``config.json``.
         ranks (`list[dict[str, torch.Tensor]]`): one weight dict per TP rank
-            (a single dict for TP = 1).
+            (a single dict for TP = 1, or this process's rank with ``group``).
         layouts (`list[dict[str, dict]]`, *optional*): per rank, the manifest
             ``layout`` of each tensor (``None`` for raw checkpoint tensors).
+        group (`RankGroup`, *optional*): set when ``ranks`` holds only this
+            process's rank of a group; partial results are all-reduced.
     """
 
-    def __init__(self, config: dict, ranks: list[dict], layouts: list[dict] | None = None) -> None:
+    def __init__(self, config: dict, ranks: list[dict], layouts: list[dict] | None = None,
+                 group: RankGroup | None = None) -> None:
+        if group is not None and len(ranks) != 1:
+            raise ValueError(f"with a RankGroup, pass this process's rank only, got {len(ranks)} weight dicts")
         self.cfg = config
         self.ranks = ranks
         self.layouts = layouts or [{} for _ in ranks]
+        self.group = group
         self.h = config["hidden_size"]
         self.nh = config["num_attention_heads"]
         self.nkv = config["num_key_value_heads"]
@@ -111,6 +139,34 @@ class ReferenceLlama:
         if ts[0].shape[0] * len(ts) >= self.vocab and ts[0].dim() == 2 and ts[0].shape[0] < self.vocab:
             return torch.cat(ts, 0)[: self.vocab]
         return ts[0]
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of ``t`` over the group's ranks (``t`` itself without a group)."""
+        if self.group is not None:
+            self.group.all_reduce(t)
+        return t
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        """``[T, hidden]`` float32 embeddings; with a group, each rank looks up its vocabulary rows."""
+        if self.group is None:
+            emb = self._full("model.embed_tokens.weight")
+            return emb[torch.tensor(ids, device=emb.device)].float()
+        shard = self.ranks[0]["model.embed_tokens.weight"]
+        ids_t = torch.tensor(ids, device=shard.device) - self.group.rank * shard.shape[0]
+        inside = (ids_t >= 0) & (ids_t < shard.shape[0])
+        h = shard[ids_t.clamp(0, shard.shape[0] - 1)].float() * inside[:, None]
+        return self._reduce(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[T, vocab]`` logits; with a group, each rank's vocabulary columns, gathered by an all-reduce."""
+        head_name = "lm_head.weight" if "lm_head.weight" in self.ranks[0] else "model.embed_tokens.weight"
+        if self.group is None:
+            return (h @ self._full(head_name).float().t())[:, : self.vocab]  # TP 1, vllm naming: padded rows
+        head = self.ranks[0][head_name]
+        rows = head.shape[0]
+        out = torch.zeros(h.shape[0], rows * self.group.size, dtype=torch.float32, device=h.device)
+        out[:, self.group.rank * rows:(self.group.rank + 1) * rows] = h @ head.float().t()
+        return self._reduce(out)[:, : self.vocab]
 
     def linear(self, r: int, module: str, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ W.T`` of ``module`` on rank ``r`` (float32), or ``None`` if the rank lacks it."""
@@ -161,10 +217,9 @@ class ReferenceLlama:
     def forward(self, ids: list[int]) -> torch.Tensor:
         """Logits ``[T, vocab]`` (float32) of the sequence ``ids``."""
         t = len(ids)
-        emb = self._full("model.embed_tokens.weight")
-        dev = emb.device
+        h = self._embed(ids)
+        dev = h.device
         pos = torch.arange(t, device=dev)
-        h = emb[torch.tensor(ids, device=dev)].float()
         mask = torch.full((t, t), float("-inf"), device=dev).triu(1)
         for li in range(self.cfg["num_hidden_layers"]):
             p = f"model.layers.{li}"
@@ -180,16 +235,14 @@ class ReferenceLlama:
                 s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.hd) + mask
                 o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(t, -1)
                 attn_out = attn_out + self.linear(r, f"{p}.self_attn.o_proj", o)
-            h = h + attn_out
+            h = h + self._reduce(attn_out)
             x = self._rms(h, self._get(0, f"{p}.post_attention_layernorm.weight"))
             mlp_out = torch.zeros_like(h)
             for r in range(len(self.ranks)):
                 g, u = self._proj(r, f"{p}.mlp", "gate_up_proj", ("gate_proj", "up_proj"), x)
                 mlp_out = mlp_out + self.linear(r, f"{p}.mlp.down_proj", torch.nn.functional.silu(g) * u)
-            h = h + mlp_out
-        h = self._rms(h, self._get(0, "model.norm.weight"))
-        head = "lm_head.weight" if "lm_head.weight" in self.ranks[0] else "model.embed_tokens.weight"
-        return h @ self._full(head).float().t()
+            h = h + self._reduce(mlp_out)
+        return self._logits(self._rms(h, self._get(0, "model.norm.weight")))
 
     @torch.no_grad()
     def generate(self, prompt: list[int], new_tokens: int = 16) -> list[int]:

@@ -140,7 +140,7 @@ class ServiceProcess:
     """One ``weightcache serve`` subprocess for one GPU index, listening in ``socket_dir``.
 
     Attributes:
-        socket_dir (`str`): directory of ``<gpu>.sock``.
+        socket_dir (`str`): directory of ``<gpu>.sock`` (``workdir`` unless given).
         socket_path (`str`): the listening socket.
         config_path (`Path`): the TOML file it was started with.
         log_path (`Path`): its stderr (log lines).
@@ -148,12 +148,13 @@ class ServiceProcess:
     """
 
     def __init__(self, workdir: Path, config: dict[str, Any], gpu: int = 0, backend: str | None = None,
-                 env: dict[str, str] | None = None, nofile: int | None = None) -> None:
+                 env: dict[str, str] | None = None, nofile: int | None = None,
+                 socket_dir: Path | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.gpu = gpu
         self.backend = backend or config.get("service", {}).get("backend", "host")
-        self.socket_dir = str(self.workdir)
+        self.socket_dir = str(socket_dir or self.workdir)  # several instances (one per GPU) may share one
         self.socket_path = os.path.join(self.socket_dir, f"{gpu}.sock")
         self.config_path = self.workdir / "weightcache.toml"
         self.config_path.write_text(to_toml(config))

@@ -27,6 +27,7 @@ from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .errors import (
     CacheKeyMismatch,
+    ConfigError,
     DaemonUnavailable,
     ModelLoading,
     RemoteProtocolError,
@@ -50,6 +51,36 @@ _RECV = 64 * 1024
 def resolve_socket_dir(explicit: str | None = None) -> str:
     """``explicit``, else ``$WEIGHTCACHE_SOCKET_DIR``, else ``/run/weightcache``."""
     return explicit or os.environ.get("WEIGHTCACHE_SOCKET_DIR") or DEFAULT_SOCKET_DIR
+
+
+def physical_gpu(index: int, visible: str | None) -> int:
+    """The physical GPU index (the service instance) of in-process CUDA device ``index``.
+
+    Instances are numbered as ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` counts GPUs with
+    nothing hidden; set that order in the engine too, so that the entries of
+    ``CUDA_VISIBLE_DEVICES`` mean the same GPUs.
+
+    Args:
+        index (`int`): the torch device index.
+        visible (`str`, *optional*): ``$CUDA_VISIBLE_DEVICES``.
+
+    Raises:
+        ConfigError (`config_invalid`): ``CUDA_VISIBLE_DEVICES`` names devices
+            by UUID or MIG id; pass ``gpu`` to :func:`attach` (vLLM: set ``gpu`` in
+            the extra config) instead.
+
+    Example:
+        >>> physical_gpu(1, "4,5")
+        5
+    """
+    if not visible:
+        return index
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index >= len(entries) or not entries[index].isdigit():
+        raise ConfigError(
+            f"cannot map CUDA device {index} to a weightcache instance through CUDA_VISIBLE_DEVICES={visible!r}; "
+            f"pass gpu= to attach() (vLLM: set \"gpu\" in --model-loader-extra-config)", key="gpu")
+    return int(entries[index])
 
 
 _BACKENDS: dict[str, Any] = {}
@@ -285,8 +316,9 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
         timeout (`float`, *optional*, defaults to 30): seconds to wait for the
             service, including a load in progress.
         socket_dir (`str`, *optional*): see :func:`resolve_socket_dir`.
-        gpu (`int`, *optional*): service instance; defaults to the index of
-            ``device`` (0 for ``cpu``).
+        gpu (`int`, *optional*): service instance; defaults to the physical
+            index of ``device`` (``cuda:0`` under ``CUDA_VISIBLE_DEVICES=1``
+            is instance 1, see :func:`physical_gpu`; 0 for ``cpu``).
         dtype, naming, kernel (`str`, *optional*): what to ask for when
             attaching by path (must match the service's config for that path).
 
@@ -299,6 +331,8 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
         CacheKeyMismatch (`cache_key_mismatch`): the service holds another key;
             ``details["fields"]`` lists the differing fields (``fallback=False``).
         ModelNotFound, ModelLoadFailed, AccessDenied: from the service (``fallback=False``).
+        ConfigError (`config_invalid`): ``gpu`` not given and ``CUDA_VISIBLE_DEVICES``
+            names the device by UUID or MIG id.
         UnsupportedQuantization (`unsupported_quantization`): always, whatever ``fallback`` says.
         CheckpointNotFound, CheckpointCorrupt: the disk load failed.
 
@@ -320,7 +354,8 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
             socket_dir: str | None, gpu: int | None, dtype: str, naming: str, kernel: str) -> Attachment:
     is_path = os.path.isdir(model)
     if gpu is None:
-        gpu = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
+        gpu = (physical_gpu(int(device.split(":", 1)[1]), os.environ.get("CUDA_VISIBLE_DEVICES"))
+               if device.startswith("cuda:") else 0)
     sock_path = os.path.join(resolve_socket_dir(socket_dir), f"{gpu}.sock")
     deadline = time.monotonic() + timeout
     # The request goes out first; the local cache key is computed while the service answers.

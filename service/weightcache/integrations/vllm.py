@@ -70,7 +70,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ..checkpoint import Checkpoint
-from ..client import Attachment, attach
+from ..client import Attachment, attach, physical_gpu  # noqa: F401  (physical_gpu: re-exported)
 from ..errors import ConfigError, ShapeMismatch
 
 # vLLM attaches its handler to the "vllm" logger only; a child of it shows in
@@ -137,31 +137,6 @@ def parse_extra_config(extra: dict[str, Any] | None) -> dict[str, Any]:
         raise ConfigError(f"--model-loader-extra-config: timeout_s must be > 0, got {out['timeout_s']!r}",
                           key="timeout_s")
     return out
-
-
-def physical_gpu(index: int, visible: str | None) -> int:
-    """The physical GPU index (the service instance) of in-process CUDA device ``index``.
-
-    Args:
-        index (`int`): the torch device index.
-        visible (`str`, *optional*): ``$CUDA_VISIBLE_DEVICES``.
-
-    Raises:
-        ConfigError (`config_invalid`): ``CUDA_VISIBLE_DEVICES`` names devices
-            by UUID or MIG id; set ``gpu`` in the extra config instead.
-
-    Example:
-        >>> physical_gpu(1, "4,5")
-        5
-    """
-    if not visible:
-        return index
-    entries = [e.strip() for e in visible.split(",") if e.strip()]
-    if index >= len(entries) or not entries[index].isdigit():
-        raise ConfigError(
-            f"cannot map CUDA device {index} to a weightcache instance through CUDA_VISIBLE_DEVICES={visible!r}; "
-            f"set \"gpu\" in --model-loader-extra-config", key="gpu")
-    return int(entries[index])
 
 
 def checkpoint_form(name: str, tensor: torch.Tensor, layout: dict[str, Any],
