@@ -2,8 +2,9 @@
 
 A *manifest* describes one slab: which tensor lives at which byte offset, with
 which dtype, engine-facing shape and stride, and the layout metadata of any
-processing (fused parts, FP8 transposed view, padding). It is plain JSON so it
-travels on the wire and into systemd's fd store unchanged.
+processing (fused parts, FP8 transposed view, padding). Its packed form
+(:meth:`Manifest.to_wire`: a JSON header and binary columns) travels on the
+wire and into systemd's fd store.
 
 Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
 """
@@ -129,59 +130,21 @@ class Manifest:
     tensors: Sequence[TensorRecord]
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest as JSON-able data; ``tensors`` is *columnar*.
+        """The manifest as plain JSON-able data, one object per tensor record (for comparisons and debugging).
 
-        ``tensors`` maps each :class:`TensorRecord` field to a list with one
-        entry per tensor, in slab order (``{"name": [...], "dtype": [...],
-        "shape": [[...], ...], ...}``): the same information as a list of
-        records at about half the bytes, and twice as fast to decode, which
-        matters on every attach (see docs/protocol.md).
+        What travels (on the wire and into the fd store) is the packed form,
+        :meth:`to_wire`.
         """
-        ts = self.tensors
         return {
             "model": self.model,
             "tp_size": self.tp_size,
             "tp_rank": self.tp_rank,
             "key": self.key,
             "slab_size_bytes": self.slab_size_bytes,
-            "tensors": {
-                "name": [t.name for t in ts],
-                "dtype": [t.dtype for t in ts],
-                "shape": [list(t.shape) for t in ts],
-                "stride": [list(t.stride) for t in ts],
-                "offset_bytes": [t.offset_bytes for t in ts],
-                "size_bytes": [t.size_bytes for t in ts],
-                "digest": [t.digest for t in ts],
-                "layout": [_plain_copy(t.layout) for t in ts],
-                "alias_of": [t.alias_of for t in ts],
-            },
+            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "stride": list(t.stride),
+                         "offset_bytes": t.offset_bytes, "size_bytes": t.size_bytes, "digest": t.digest,
+                         "layout": _plain_copy(t.layout), "alias_of": t.alias_of} for t in self.tensors],
         }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Manifest":
-        """Rebuilds a manifest from :meth:`to_json` output (columnar ``tensors``)."""
-        c = d["tensors"]
-        n = len(c["name"])
-        recs = []
-        for name, dtype, shape, stride, off, size, dig, lay, alias in zip(
-                c["name"], c["dtype"], c["shape"], c["stride"], c["offset_bytes"], c["size_bytes"],
-                c.get("digest") or [""] * n, c.get("layout") or [{}] * n, c.get("alias_of") or [None] * n,
-                strict=True):
-            # Same values as TensorRecord(...), without the frozen dataclass
-            # __init__ (one object.__setattr__ per field): once per tensor per attach.
-            rec = _new(TensorRecord)
-            rec.__dict__.update(name=name, dtype=dtype, shape=tuple(shape), stride=tuple(stride),
-                                offset_bytes=int(off), size_bytes=int(size), digest=dig, layout=dict(lay),
-                                alias_of=alias)
-            recs.append(rec)
-        return cls(
-            model=d["model"],
-            tp_size=int(d["tp_size"]),
-            tp_rank=int(d["tp_rank"]),
-            key=dict(d["key"]),
-            slab_size_bytes=int(d["slab_size_bytes"]),
-            tensors=tuple(recs),
-        )
 
     def to_wire(self) -> tuple[dict[str, Any], bytes]:
         """The manifest as a JSON header and a binary payload (the *packed* form of docs/protocol.md).
