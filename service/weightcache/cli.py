@@ -218,10 +218,10 @@ def _print_status(st: protocol.ServiceStatus, now: float) -> None:
     leases = sum(len(sl.leases) for sl in st.slabs)
     where = "GPU" if st.backend == "cuda" else "host RAM"
     head = f"GPU {st.gpu}  backend={st.backend}"
-    if dev.get("gpu_uuid"):
-        head += f"  uuid={dev.get('gpu_uuid')}"
-    if dev.get("compute_capability"):
-        head += f"  sm={dev.get('compute_capability')}"
+    if dev.gpu_uuid:
+        head += f"  uuid={dev.gpu_uuid}"
+    if dev.compute_capability:
+        head += f"  sm={dev.compute_capability}"
     print(f"{head}  service pid={st.pid}")
     slabs = _n(sum(sl.resident_bytes > 0 for sl in st.slabs), "slab")
     print(f"  resident {_human_bytes(resident)} in {slabs}; "

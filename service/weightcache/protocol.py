@@ -325,8 +325,22 @@ def _from_json(cls: type, d: dict[str, Any], **nested: Any) -> Any:
         raise RemoteProtocolError(f"{cls.__name__}: {e}") from None
 
 
+class _Record:
+    """Base of the records inside replies: ``to_json`` is the fields as a JSON object, ``from_json`` the reverse."""
+
+    __slots__ = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Any:
+        """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
+        return _from_json(cls, d)
+
+
 @dataclass(frozen=True, slots=True)
-class LeaseInfo:
+class LeaseInfo(_Record):
     """One lease in a ``status`` reply.
 
     Attributes:
@@ -343,16 +357,9 @@ class LeaseInfo:
     since: float
     mode: str
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "LeaseInfo":
-        return _from_json(cls, d)
-
 
 @dataclass(frozen=True, slots=True)
-class KeySummary:
+class KeySummary(_Record):
     """The part of a resident slab's cache key (DESIGN section 5) that ``status`` shows.
 
     Attributes:
@@ -367,32 +374,18 @@ class KeySummary:
     pipeline_version: int | None
     files: int
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "KeySummary":
-        return _from_json(cls, d)
-
 
 @dataclass(frozen=True, slots=True)
-class ErrorInfo:
+class ErrorInfo(_Record):
     """Why a slab failed: the error's ``code`` (docs/errors.md), ``message`` and ``details``."""
 
     code: str
     message: str
     details: dict = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "details": self.details}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ErrorInfo":
-        return _from_json(cls, d)
-
 
 @dataclass(frozen=True, slots=True)
-class SlabInfo:
+class SlabInfo(_Record):
     """One (model, layout, rank) in a ``status`` or ``list`` reply.
 
     Attributes:
@@ -455,13 +448,28 @@ class SlabInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class ServiceStatus:
+class DeviceInfo(_Record):
+    """The device a service's slabs live on (the ``device`` fields of the cache key, DESIGN section 5).
+
+    Attributes:
+        backend (`str`): ``host`` or ``cuda``.
+        gpu_uuid (`str`): ``GPU-...`` (empty on host).
+        compute_capability (`str`): e.g. ``9.0`` (empty on host).
+    """
+
+    backend: str = ""
+    gpu_uuid: str = ""
+    compute_capability: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStatus(_Record):
     """The ``status`` reply's record: one service (one GPU).
 
     Attributes:
         gpu (`int`): GPU index; pid (`int`): the service's pid.
         backend (`str`): ``host`` or ``cuda``.
-        device (`dict`): ``gpu_uuid``, ``compute_capability`` (empty on host).
+        device (`DeviceInfo`): the slabs' device.
         free_bytes, total_bytes (`int`): memory of the backend (GPU, or host RAM), bytes.
         slabs (`tuple[SlabInfo]`): every configured (model, layout, rank).
         clients (`int`): open connections.
@@ -471,7 +479,7 @@ class ServiceStatus:
     gpu: int
     pid: int
     backend: str
-    device: dict
+    device: DeviceInfo
     free_bytes: int
     total_bytes: int
     slabs: tuple[SlabInfo, ...]
@@ -480,7 +488,7 @@ class ServiceStatus:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object on the wire (memory as ``{"free_bytes", "total_bytes"}``)."""
-        return {"gpu": self.gpu, "pid": self.pid, "backend": self.backend, "device": self.device,
+        return {"gpu": self.gpu, "pid": self.pid, "backend": self.backend, "device": self.device.to_json(),
                 "memory": {"free_bytes": self.free_bytes, "total_bytes": self.total_bytes},
                 "slabs": [s.to_json() for s in self.slabs], "clients": self.clients,
                 "status_line": self.status_line}
@@ -489,13 +497,13 @@ class ServiceStatus:
     def from_json(cls, d: dict[str, Any]) -> "ServiceStatus":
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
         mem = d.get("memory") or {}
-        return _from_json(cls, {k: v for k, v in d.items() if k not in ("memory", "slabs")},
-                          free_bytes=mem.get("free_bytes", 0), total_bytes=mem.get("total_bytes", 0),
+        return _from_json(cls, {k: v for k, v in d.items() if k not in ("memory", "slabs", "device")},
+                          device=DeviceInfo.from_json(d.get("device") or {}), free_bytes=mem.get("free_bytes", 0), total_bytes=mem.get("total_bytes", 0),
                           slabs=tuple(SlabInfo.from_json(s) for s in d.get("slabs", ())))
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyResult:
+class VerifyResult(_Record):
     """One slab in a ``verify`` reply.
 
     Attributes:
@@ -522,10 +530,6 @@ class VerifyResult:
             d["tensors"] = self.tensors
         d["mismatched"] = list(self.mismatched)
         return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "VerifyResult":
-        return _from_json(cls, d)
 
 
 REQUESTS = (Hello, List, Status, Attach, Release, Verify, Evict, Preload)

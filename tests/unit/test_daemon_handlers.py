@@ -18,7 +18,7 @@ from weightcache import protocol
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import handlers, loads
 from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
-from weightcache.daemon.loop import _encode_manifest
+from weightcache.daemon.loop import encode_manifest
 from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent, SlotState
 from weightcache.loader import LoaderOptions
 from weightcache.manifest import Manifest, build_views
@@ -47,7 +47,7 @@ def svc(tmp_path):
     ctx = Context(st, lambda: (111, 222), monotonic=clock, wall=lambda: 1.7e9, pid=4242)
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"),
-                          w, _encode_manifest)
+                          w, encode_manifest)
 
     def load(slot):
         final = loader._load(slot)  # the thread's body, run here

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 EXIT_INVARIANT = 70
 
 
-def _encode_manifest(manifest: Manifest) -> tuple[protocol.PreEncoded, bytes]:
+def encode_manifest(manifest: Manifest) -> tuple[protocol.PreEncoded, bytes]:
     """The packed manifest as every ``attach_reply`` carries it: header encoded once, payload."""
     header, payload = manifest.to_wire()
     return protocol.PreEncoded(header), payload
@@ -80,7 +80,7 @@ class Daemon:
         self.loader = Loader(LoadSettings(backend, device, config.service.load_timeout_s,
                                           LoaderOptions(threads=config.service.read_threads,
                                                         staging_bytes=config.service.staging_bytes), source),
-                             self._wake_w, _encode_manifest)
+                             self._wake_w, encode_manifest)
         self._stop = False
         self._broken: IllegalTransition | None = None
         now = time.monotonic()

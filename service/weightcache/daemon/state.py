@@ -174,9 +174,13 @@ class Slot:
         return target
 
     def start(self, now: float) -> None:
-        """PENDING -> LOADING: the loader took the slot at ``now`` (monotonic s)."""
+        """PENDING -> LOADING: the loader took the slot at ``now`` (monotonic s).
+
+        ``total_bytes`` keeps the previous load's size (a reload after evict or
+        failure) until the new plan replaces it.
+        """
         self.move(SlotEvent.START)
-        self.error, self.done_bytes, self.total_bytes, self.started_at = None, 0, 0, now
+        self.error, self.done_bytes, self.started_at = None, 0, now
 
     def loaded(self, manifest: Manifest, sealed: Any, wire: Any, now: float) -> None:
         """LOADING -> READY with the sealed slab and its manifest."""
