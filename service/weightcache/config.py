@@ -45,7 +45,6 @@ DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
 DTYPE_NAMES = {"auto": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 BACKENDS = ("auto", "cuda", "host")
 NAMINGS = ("hf", "vllm")
-KERNELS = ("cutlass",)
 
 _SERVICE_KEYS = {
     "backend": str,

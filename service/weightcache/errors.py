@@ -137,12 +137,6 @@ class LeaseBusy(WeightcacheError):
     retryable = True
 
 
-class VerifyFailed(WeightcacheError):
-    """Resident bytes no longer match the digests recorded at load."""
-
-    code = "verify_failed"
-
-
 class ProtocolError(WeightcacheError):
     """A frame or message broke the wire protocol. Abstract: see subclasses."""
 

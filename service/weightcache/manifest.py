@@ -55,15 +55,6 @@ def torch_dtype(dtype: str):
     return getattr(torch, DTYPES[dtype][0])
 
 
-def dtype_code(torch_dt) -> str:
-    """Returns the safetensors dtype code for a ``torch.dtype``."""
-    name = str(torch_dt).removeprefix("torch.")
-    for code, (tname, _) in DTYPES.items():
-        if tname == name:
-            return code
-    raise ValueError(f"dtype {torch_dt} has no safetensors code")
-
-
 def align(n: int, alignment: int = ALIGNMENT_BYTES) -> int:
     """Rounds ``n`` bytes up to a multiple of ``alignment`` bytes."""
     return (n + alignment - 1) // alignment * alignment
@@ -210,12 +201,6 @@ class Manifest:
         return cls(model=header["model"], tp_size=int(header["tp_size"]), tp_rank=int(header["tp_rank"]),
                    key=dict(header["key"]), slab_size_bytes=int(header["slab_size_bytes"]),
                    tensors=PackedTensors(header["tensors"], payload))
-
-    def record(self, name: str) -> TensorRecord:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
 
 
 _new = object.__new__

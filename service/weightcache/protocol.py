@@ -696,10 +696,6 @@ class Connection:
         fds, self._fds = self._fds, []
         return fds
 
-    @property
-    def buffered_bytes(self) -> int:
-        return len(self._buf)
-
     def bytes_wanted(self, default: int) -> int:
         """How many more bytes complete the next frame (``default`` while its length is unknown).
 
