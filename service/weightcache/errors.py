@@ -160,6 +160,25 @@ class RemoteProtocolError(ProtocolError):
     code = "protocol_violation"
 
 
+class ManifestInvalid(RemoteProtocolError, ValueError):
+    """A packed manifest cannot be decoded or contradicts itself.
+
+    ``details["section"]`` names the part at fault (``header``, ``names``,
+    ``table``, ``dims``, ``digests``, ``layouts``, ``runs``, ``dtypes``).
+    Seen by an engine in an ``attach_reply`` (a service bug or a foreign
+    service), or by the service in a record of its fd store (dropped, loaded again).
+    Also a ``ValueError``: the manifest's own decoding error.
+    """
+
+    code = "manifest_invalid"
+
+
+class ManifestSlabMismatch(RemoteProtocolError):
+    """A manifest's views do not fit the slab received with it (a view past the mapping's end)."""
+
+    code = "manifest_slab_mismatch"
+
+
 class InternalError(WeightcacheError):
     """The service failed to handle one request for a reason that is its own bug
     or an unexpected library error; it logged the details and keeps serving."""

@@ -498,7 +498,8 @@ class ServiceStatus(_Record):
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
         mem = d.get("memory") or {}
         return _from_json(cls, {k: v for k, v in d.items() if k not in ("memory", "slabs", "device")},
-                          device=DeviceInfo.from_json(d.get("device") or {}), free_bytes=mem.get("free_bytes", 0), total_bytes=mem.get("total_bytes", 0),
+                          device=DeviceInfo.from_json(d.get("device") or {}), free_bytes=mem.get("free_bytes", 0),
+                          total_bytes=mem.get("total_bytes", 0),
                           slabs=tuple(SlabInfo.from_json(s) for s in d.get("slabs", ())))
 
 

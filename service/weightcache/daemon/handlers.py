@@ -128,8 +128,8 @@ def status(ctx: Context) -> protocol.ServiceStatus:
     st, now = ctx.state, ctx.monotonic()
     free, total = ctx.mem_info()
     return protocol.ServiceStatus(
-        gpu=st.gpu, pid=ctx.pid, backend=st.backend, device=protocol.DeviceInfo.from_json(st.device), free_bytes=int(free),
-        total_bytes=int(total), slabs=tuple(s.info(now) for s in st.slots), clients=len(st.peers),
+        gpu=st.gpu, pid=ctx.pid, backend=st.backend, device=protocol.DeviceInfo.from_json(st.device),
+        free_bytes=int(free), total_bytes=int(total), slabs=tuple(s.info(now) for s in st.slots), clients=len(st.peers),
         status_line=st.status_line(now))
 
 
