@@ -19,6 +19,7 @@ import pwd
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from . import protocol
@@ -134,26 +135,34 @@ def _no_sockets(args: argparse.Namespace) -> str:
             f"set --socket-dir or $WEIGHTCACHE_SOCKET_DIR if the service listens elsewhere)")
 
 
-def _collect(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Status of every reachable instance, and ``{gpu, code, message}`` for the others."""
+@dataclass(frozen=True)
+class _Unreachable:
+    """An instance that did not answer: its GPU index and the error's code and message."""
+
+    gpu: int
+    code: str
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "code": self.code, "message": self.message}
+
+
+def _collect(args: argparse.Namespace) -> tuple[list[protocol.ServiceStatus], list[_Unreachable]]:
+    """Status of every reachable instance, and the others as :class:`_Unreachable`."""
     out, errors = [], []
     for gpu in _gpus(args):
         try:
             s = _session(args, gpu)
         except DaemonUnavailable as e:
-            errors.append({"gpu": gpu, "code": e.code, "message": e.message})
+            errors.append(_Unreachable(gpu, e.code, e.message))
             continue
         try:
-            out.append(s.request(protocol.Status()).status)
+            out.append(s.request(protocol.Status()).typed())
         except DaemonUnavailable as e:
-            errors.append({"gpu": gpu, "code": e.code, "message": e.message})
+            errors.append(_Unreachable(gpu, e.code, e.message))
         finally:
             s.close()
     return out, errors
-
-
-def _slab_label(sl: dict[str, Any]) -> str:
-    return f"{sl['model']} tp={sl['tp_size']} rank={sl['tp_rank']}"
 
 
 def _user(uid: int) -> str:
@@ -178,9 +187,9 @@ def _age(seconds: float) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-def _progress(sl: dict[str, Any]) -> str:
+def _progress(sl: protocol.SlabInfo) -> str:
     """``1.2 GiB/12.6 GiB (9%) 2.10 GB/s, ~5s left`` for a loading slab."""
-    done, total, rate = sl["done_bytes"], sl["total_bytes"], sl["rate_bytes_per_s"]
+    done, total, rate = sl.done_bytes, sl.total_bytes, sl.rate_bytes_per_s
     text = f"{_human_bytes(done)}/{_human_bytes(total)}"
     if total:
         text += f" ({100.0 * done / total:.0f}%)"
@@ -190,59 +199,60 @@ def _progress(sl: dict[str, Any]) -> str:
     return text
 
 
-def _state_text(sl: dict[str, Any]) -> str:
-    state = sl["state"]
+def _state_text(sl: protocol.SlabInfo) -> str:
+    state = sl.state
     if state == "loading":
         return f"loading {_progress(sl)}"
-    if state == "ready" and sl.get("adopted"):
+    if state == "ready" and sl.adopted:
         return "ready (adopted from fd store)"
-    if state == "failed" and "error" in sl:
-        return f"failed: {sl['error']['code']}"
+    if state == "failed" and sl.error is not None:
+        return f"failed: {sl.error.code}"
     if state == "evicted":
         return "evicted (run `weightcache preload` to load again)"
     return state
 
 
-def _print_status(st: dict[str, Any], now: float) -> None:
-    dev, mem = st.get("device", {}), st["memory"]
-    resident = sum(sl["resident_bytes"] for sl in st["slabs"])
-    leases = sum(len(sl["leases"]) for sl in st["slabs"])
-    where = "GPU" if st["backend"] == "cuda" else "host RAM"
-    head = f"GPU {st['gpu']}  backend={st['backend']}"
-    if dev.get("gpu_uuid"):
-        head += f"  uuid={dev['gpu_uuid']}"
-    if dev.get("compute_capability"):
-        head += f"  sm={dev['compute_capability']}"
-    print(f"{head}  service pid={st['pid']}")
-    slabs = _n(sum(sl["resident_bytes"] > 0 for sl in st["slabs"]), "slab")
+def _print_status(st: protocol.ServiceStatus, now: float) -> None:
+    dev = st.device
+    resident = sum(sl.resident_bytes for sl in st.slabs)
+    leases = sum(len(sl.leases) for sl in st.slabs)
+    where = "GPU" if st.backend == "cuda" else "host RAM"
+    head = f"GPU {st.gpu}  backend={st.backend}"
+    if dev.gpu_uuid:
+        head += f"  uuid={dev.gpu_uuid}"
+    if dev.compute_capability:
+        head += f"  sm={dev.compute_capability}"
+    print(f"{head}  service pid={st.pid}")
+    slabs = _n(sum(sl.resident_bytes > 0 for sl in st.slabs), "slab")
     print(f"  resident {_human_bytes(resident)} in {slabs}; "
-          f"{where} free {_human_bytes(mem['free_bytes'])} of {_human_bytes(mem['total_bytes'])}; "
+          f"{where} free {_human_bytes(st.free_bytes)} of {_human_bytes(st.total_bytes)}; "
           f"{_n(leases, 'lease')}")
-    print(f"  {st['status_line']}")
-    for sl in st["slabs"]:
-        print(f"  {_slab_label(sl):<32} {_state_text(sl)}")
-        if sl["resident_bytes"] or sl["tensors"]:
-            print(f"      resident {_human_bytes(sl['resident_bytes'])} ({sl['resident_bytes']} bytes), "
-                  f"{sl['tensors']} tensors, {sl['path']}")
+    print(f"  {st.status_line}")
+    for sl in st.slabs:
+        print(f"  {sl.label:<32} {_state_text(sl)}")
+        if sl.resident_bytes or sl.tensors:
+            print(f"      resident {_human_bytes(sl.resident_bytes)} ({sl.resident_bytes} bytes), "
+                  f"{sl.tensors} tensors, {sl.path}")
         else:
-            print(f"      {sl['path']}")
-        if "error" in sl:
-            print(f"      reason: {sl['error']['message']}")
-        if "key" in sl:
-            k = sl["key"]
-            print(f"      key: arch={k['architecture']} dtype={sl['dtype']} naming={sl['naming']} "
-                  f"quant={k['quant_scheme'] or 'none'} files={k['files']} pipeline=v{k['pipeline_version']}")
-        for le in sl["leases"]:
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(le["since"]))
-            print(f"      lease {le['lease_id']}: pid={le['pid']} uid={_user(le['uid'])} mode={le['mode']} "
-                  f"since {since} ({_age(now - le['since'])} ago)")
+            print(f"      {sl.path}")
+        if sl.error is not None:
+            print(f"      reason: {sl.error.message}")
+        if sl.key is not None:
+            k = sl.key
+            print(f"      key: arch={k.architecture} dtype={sl.dtype} naming={sl.naming} "
+                  f"quant={k.quant_scheme or 'none'} files={k.files} pipeline=v{k.pipeline_version}")
+        for le in sl.leases:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(le.since))
+            print(f"      lease {le.lease_id}: pid={le.pid} uid={_user(le.uid)} mode={le.mode} "
+                  f"since {since} ({_age(now - le.since)} ago)")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     statuses, errors = _collect(args)
-    failed = any(sl["state"] == "failed" for st in statuses for sl in st["slabs"])
+    failed = any(sl.state == "failed" for st in statuses for sl in st.slabs)
     if args.json:
-        print(json.dumps({"gpus": statuses, "unreachable": errors}, indent=2))
+        print(json.dumps({"gpus": [st.to_json() for st in statuses], "unreachable": [e.to_json() for e in errors]},
+                         indent=2))
     else:
         if not statuses and not errors:
             print(_no_sockets(args), file=sys.stderr)
@@ -250,7 +260,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for st in statuses:
             _print_status(st, now)
         for e in errors:
-            print(f"GPU {e['gpu']}  unreachable: {e['message']}")
+            print(f"GPU {e.gpu}  unreachable: {e.message}")
     if not statuses:
         return EXIT_UNAVAILABLE
     if failed:
@@ -260,22 +270,22 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     statuses, errors = _collect(args)
-    rows = [dict(sl, gpu=st["gpu"]) for st in statuses for sl in st["slabs"]]
+    rows = [(st.gpu, sl) for st in statuses for sl in st.slabs]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([dict(sl.to_json(), gpu=gpu) for gpu, sl in rows], indent=2))
     elif statuses:
         print(f"{'GPU':<4} {'MODEL':<24} {'TP':>3} {'RANK':>4} {'STATE':<9} {'RESIDENT':>10} {'LEASES':>6}  PATH")
-        for r in rows:
-            state = r["state"] + ("*" if r["adopted"] else "")
-            print(f"{r['gpu']:<4} {r['model']:<24} {r['tp_size']:>3} {r['tp_rank']:>4} {state:<9} "
-                  f"{_human_bytes(r['resident_bytes']):>10} {len(r['leases']):>6}  {r['path']}")
-        if any(r["adopted"] for r in rows):
+        for gpu, sl in rows:
+            state = sl.state + ("*" if sl.adopted else "")
+            print(f"{gpu:<4} {sl.model:<24} {sl.tp_size:>3} {sl.tp_rank:>4} {state:<9} "
+                  f"{_human_bytes(sl.resident_bytes):>10} {len(sl.leases):>6}  {sl.path}")
+        if any(sl.adopted for _, sl in rows):
             print("* adopted from the fd store")
     if not args.json:
         if not statuses and not errors:
             print(_no_sockets(args), file=sys.stderr)
         for e in errors:
-            print(f"GPU {e['gpu']} unreachable: {e['message']}", file=sys.stderr)
+            print(f"GPU {e.gpu} unreachable: {e.message}", file=sys.stderr)
     return EXIT_UNAVAILABLE if not statuses else EXIT_OK
 
 
@@ -324,15 +334,15 @@ def _leases_on(args: argparse.Namespace, gpu: int, model: str) -> list[str]:
     except DaemonUnavailable:
         return []
     try:
-        st = s.request(protocol.Status()).status
+        st = s.request(protocol.Status()).typed()
     except WeightcacheError:
         return []
     finally:
         s.close()
     now = time.time()
-    return [f"  {_slab_label(sl)}: lease {le['lease_id']} pid={le['pid']} uid={_user(le['uid'])} mode={le['mode']} "
-            f"for {_age(now - le['since'])}"
-            for sl in st["slabs"] if model in (sl["model"], sl["path"]) for le in sl["leases"]]
+    return [f"  {sl.label}: lease {le.lease_id} pid={le.pid} uid={_user(le.uid)} mode={le.mode} "
+            f"for {_age(now - le.since)}"
+            for sl in st.slabs if model in (sl.model, sl.path) for le in sl.leases]
 
 
 def _per_gpu_request(args: argparse.Namespace, make) -> tuple[list[tuple[int, Any]], int]:
@@ -371,19 +381,19 @@ def _per_gpu_request(args: argparse.Namespace, make) -> tuple[list[tuple[int, An
 def cmd_verify(args: argparse.Namespace) -> int:
     results, rc = _per_gpu_request(args, lambda: protocol.Verify(args.model))
     for gpu, reply in results:
-        for r in reply.results:
-            label = f"GPU {gpu} {_slab_label(r)}"
-            if r["state"] != "ready":
+        for r in reply.typed():
+            label = f"GPU {gpu} {r.label}"
+            if r.state != "ready":
                 rc = rc or EXIT_FAILED
-                print(f"{label}: {r['state']}, not resident: nothing to verify")
-            elif r["mismatched"]:
+                print(f"{label}: {r.state}, not resident: nothing to verify")
+            elif r.mismatched:
                 rc = rc or EXIT_FAILED
-                more = f" (+{len(r['mismatched']) - 10} more)" if len(r["mismatched"]) > 10 else ""
-                print(f"{label}: MISMATCH in {len(r['mismatched'])}/{r['tensors']} tensors: "
-                      f"{', '.join(r['mismatched'][:10])}{more}; evict and preload it (`weightcache evict --force "
-                      f"{r['model']} && weightcache preload {r['model']}`)")
+                more = f" (+{len(r.mismatched) - 10} more)" if len(r.mismatched) > 10 else ""
+                print(f"{label}: MISMATCH in {len(r.mismatched)}/{r.tensors} tensors: "
+                      f"{', '.join(r.mismatched[:10])}{more}; evict and preload it (`weightcache evict --force "
+                      f"{r.model} && weightcache preload {r.model}`)")
             else:
-                print(f"{label}: ok, {r['tensors']} tensors match their load-time digests")
+                print(f"{label}: ok, {r.tensors} tensors match their load-time digests")
     return rc
 
 
@@ -418,12 +428,12 @@ class _Lines:
     def __init__(self) -> None:
         self.last: dict[str, tuple[str, float]] = {}
 
-    def update(self, label: str, sl: dict[str, Any]) -> None:
+    def update(self, label: str, sl: protocol.SlabInfo) -> None:
         now = time.monotonic()
         prev = self.last.get(label)
-        if prev is not None and prev[0] == sl["state"] and (sl["state"] != "loading" or now - prev[1] < self.period_s):
+        if prev is not None and prev[0] == sl.state and (sl.state != "loading" or now - prev[1] < self.period_s):
             return
-        self.last[label] = (sl["state"], now)
+        self.last[label] = (sl.state, now)
         print(f"{label}: {_state_text(sl)}", flush=True)
 
 
@@ -445,20 +455,20 @@ def _wait(args: argparse.Namespace, model: str | None) -> int:
         while True:
             statuses, errors = _collect(args)
             if not statuses:
-                print(errors[0]["message"] if errors else _no_sockets(args), file=sys.stderr)
+                print(errors[0].message if errors else _no_sockets(args), file=sys.stderr)
                 return EXIT_UNAVAILABLE
-            slabs = [dict(sl, gpu=st["gpu"]) for st in statuses for sl in st["slabs"]
-                     if model is None or model in (sl["model"], sl["path"])]
-            for sl in slabs:
-                label = f"GPU {sl['gpu']} {_slab_label(sl)}"
+            slabs = [(st.gpu, sl) for st in statuses for sl in st.slabs
+                     if model is None or model in (sl.model, sl.path)]
+            for gpu, sl in slabs:
+                label = f"GPU {gpu} {sl.label}"
                 if progress is not None:
-                    total = sl["total_bytes"] or None
+                    total = sl.total_bytes or None
                     if label not in tasks:
                         tasks[label] = progress.add_task(label, total=total)
-                    progress.update(tasks[label], completed=sl["done_bytes"], total=total)
+                    progress.update(tasks[label], completed=sl.done_bytes, total=total)
                 else:
                     lines.update(label, sl)
-            if not any(sl["state"] in ("pending", "loading") for sl in slabs):
+            if not any(sl.state in ("pending", "loading") for _, sl in slabs):
                 break
             if time.monotonic() > deadline:
                 print(f"timed out after {args.wait_timeout:.0f}s waiting for the loads", file=sys.stderr)
@@ -470,10 +480,10 @@ def _wait(args: argparse.Namespace, model: str | None) -> int:
     if model is not None and not slabs:
         print(f"model {model!r} is not configured on any GPU (see `weightcache list`)", file=sys.stderr)
         return EXIT_FAILED
-    failed = [sl for sl in slabs if sl["state"] == "failed"]
-    for sl in failed:
-        print(f"GPU {sl['gpu']} {_slab_label(sl)} failed: {sl['error']['code']}: {sl['error']['message']}",
-              file=sys.stderr)
+    failed = [(gpu, sl) for gpu, sl in slabs if sl.state == "failed"]
+    for gpu, sl in failed:
+        err = sl.error or protocol.ErrorInfo("unknown", "no error recorded")
+        print(f"GPU {gpu} {sl.label} failed: {err.code}: {err.message}", file=sys.stderr)
     if failed:
         return EXIT_FAILED
     return EXIT_UNAVAILABLE if errors else EXIT_OK

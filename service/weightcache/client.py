@@ -8,6 +8,8 @@ the received fd read-only and builds tensor views from the manifest. With
 a different key or a refusal makes it load from disk through the very same
 pipeline (:mod:`weightcache.pipeline`), so the tensors are bit-identical; the
 reason is logged and kept in :attr:`Attachment.fallback_reason`.
+
+Forbidden imports: weightcache.config, weightcache.daemon, selectors.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from typing import Any, Iterator
 
 from . import pipeline, protocol, quant
 from .checkpoint import Checkpoint
-from .config import ModelConfig
 from .errors import (
     CacheKeyMismatch,
     ConfigError,
     DaemonUnavailable,
+    ManifestInvalid,
+    ManifestSlabMismatch,
     ModelLoading,
     RemoteProtocolError,
     UnsupportedQuantization,
@@ -38,6 +41,7 @@ from .errors import (
 from .fdpass import recv_with_fds
 from .journal import event
 from .manifest import LayoutMap, Manifest, build_views
+from .spec import LoadRequest
 
 log = logging.getLogger(__name__)
 
@@ -267,12 +271,13 @@ class Attachment:
         self.close()
 
 
-def _model_config(path: str, dtype: str, naming: str, kernel: str, revision: str = "") -> ModelConfig:
-    return ModelConfig(name=os.path.basename(os.path.normpath(path)) or path, path=path, dtype=dtype,
+def load_request(path: str, dtype: str, naming: str, kernel: str, revision: str = "") -> LoadRequest:
+    """The :class:`~weightcache.spec.LoadRequest` of checkpoint directory ``path`` (named after its last component)."""
+    return LoadRequest(name=os.path.basename(os.path.normpath(path)) or path, path=path, dtype=dtype,
                        naming=naming, kernel=kernel, revision=revision)
 
 
-def load_from_disk(model: ModelConfig, tp_size: int, tp_rank: int, device: str) -> tuple[Manifest, Any]:
+def load_from_disk(model: LoadRequest, tp_size: int, tp_rank: int, device: str) -> tuple[Manifest, Any]:
     """Runs the shared pipeline into private memory on ``device``.
 
     Returns:
@@ -294,6 +299,57 @@ def _copy_views(views: dict[str, Any]) -> dict[str, Any]:
             by_id[id(t)] = t.clone()
         out[name] = by_id[id(t)]
     return out
+
+
+@dataclass(frozen=True)
+class AttachRequest:
+    """The options of one :func:`attach`, validated once (see :func:`attach` for each field).
+
+    Attributes:
+        model (`str`): checkpoint directory, or a model name from the service's config.
+        tp_size, tp_rank (`int`): the layout and this engine's rank.
+        device (`str`): ``cpu`` or ``cuda:N``.
+        mode (`str`): ``zero_copy`` or ``copy``.
+        fallback (`bool`): load from disk when the service cannot serve.
+        timeout (`float`): seconds to wait for the service, a load in progress included.
+        socket_dir (`str | None`): see :func:`resolve_socket_dir`.
+        gpu (`int | None`): the service instance; None: the physical index of ``device`` (``CUDA_VISIBLE_DEVICES`` mapped back).
+        dtype, naming, kernel (`str`): what to ask for when attaching by path.
+
+    Raises:
+        ValueError: ``mode`` is not ``zero_copy`` or ``copy``.
+    """
+
+    model: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    device: str = "cpu"
+    mode: str = "zero_copy"
+    fallback: bool = True
+    timeout: float = 30.0
+    socket_dir: str | None = None
+    gpu: int | None = None
+    dtype: str = "auto"
+    naming: str = "hf"
+    kernel: str = "cutlass"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("zero_copy", "copy"):
+            raise ValueError(f"mode must be 'zero_copy' or 'copy', got {self.mode!r}")
+
+    @property
+    def socket_path(self) -> str:
+        """The service's socket: ``<socket dir>/<gpu>.sock``, ``gpu`` defaulting to the physical index of ``device``."""
+        gpu = self.gpu
+        if gpu is None:
+            gpu = (physical_gpu(int(self.device.split(":", 1)[1]), os.environ.get("CUDA_VISIBLE_DEVICES"))
+                   if self.device.startswith("cuda:") else 0)
+        return os.path.join(resolve_socket_dir(self.socket_dir), f"{gpu}.sock")
+
+    def load_request(self, path: str, dtype: str | None = None, naming: str | None = None,
+                     kernel: str | None = None, revision: str = "") -> LoadRequest:
+        """What the pipeline needs for checkpoint ``path``: this request's choices unless overridden."""
+        return load_request(path, dtype or self.dtype, naming or self.naming, kernel or self.kernel, revision)
 
 
 def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", mode: str = "zero_copy",
@@ -333,6 +389,9 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
         ModelNotFound, ModelLoadFailed, AccessDenied: from the service (``fallback=False``).
         ConfigError (`config_invalid`): ``gpu`` not given and ``CUDA_VISIBLE_DEVICES``
             names the device by UUID or MIG id.
+        ManifestInvalid (`manifest_invalid`), ManifestSlabMismatch
+            (`manifest_slab_mismatch`): the service's manifest cannot be used (``fallback=False``).
+        ValueError: ``mode`` is neither ``zero_copy`` nor ``copy``.
         UnsupportedQuantization (`unsupported_quantization`): always, whatever ``fallback`` says.
         CheckpointNotFound, CheckpointCorrupt: the disk load failed.
 
@@ -343,20 +402,16 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
         >>> w.source, w.fallback_reason
         ('daemon', None)
     """
-    if mode not in ("zero_copy", "copy"):
-        raise ValueError(f"mode must be 'zero_copy' or 'copy', got {mode!r}")
+    req = AttachRequest(model, tp_size, tp_rank, device, mode, fallback, timeout, socket_dir, gpu, dtype, naming,
+                        kernel)
     with _gc_paused():
-        return _attach(model, tp_size, tp_rank, device, mode, fallback, timeout, socket_dir, gpu, dtype, naming,
-                       kernel)
+        return _attach(req)
 
 
-def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fallback: bool, timeout: float,
-            socket_dir: str | None, gpu: int | None, dtype: str, naming: str, kernel: str) -> Attachment:
+def _attach(req: AttachRequest) -> Attachment:
+    model, tp_size, tp_rank, device, timeout = req.model, req.tp_size, req.tp_rank, req.device, req.timeout
     is_path = os.path.isdir(model)
-    if gpu is None:
-        gpu = (physical_gpu(int(device.split(":", 1)[1]), os.environ.get("CUDA_VISIBLE_DEVICES"))
-               if device.startswith("cuda:") else 0)
-    sock_path = os.path.join(resolve_socket_dir(socket_dir), f"{gpu}.sock")
+    sock_path = req.socket_path
     deadline = time.monotonic() + timeout
     # The request goes out first; the local cache key is computed while the service answers.
     session: Session | None = None
@@ -365,8 +420,8 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
         session = Session(sock_path, timeout=max(0.001, timeout), hello=False)
         session.send([session.hello_message(), protocol.Attach(
             model=os.path.realpath(model) if is_path else model, tp_size=tp_size, tp_rank=tp_rank,
-            wait_ms=int(max(0.0, deadline - time.monotonic() - 0.25) * 1000), dtype=dtype if is_path else None,
-            naming=naming if is_path else None, mode=mode)])
+            wait_ms=int(max(0.0, deadline - time.monotonic() - 0.25) * 1000), dtype=req.dtype if is_path else None,
+            naming=req.naming if is_path else None, mode=req.mode)])
     except WeightcacheError as e:
         if session is not None:
             session.close()
@@ -382,9 +437,9 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
             # disk fallback's own plan() opens the checkpoint with validation.
             local_ck = Checkpoint(model, validate=False)
             # Configuration errors are not cache misses: they raise whatever the service holds.
-            scheme = quant.detect(local_ck, kernel)
+            scheme = quant.detect(local_ck, req.kernel)
             if session is not None:
-                expected = pipeline.key_fields(_model_config(str(local_ck.path), dtype, naming, kernel), tp_size,
+                expected = pipeline.key_fields(req.load_request(str(local_ck.path)), tp_size,
                                                tp_rank, local_ck, local_backend(device).device_info(), scheme)
         except BaseException:
             if session is not None:
@@ -392,7 +447,7 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
             raise
     if session is not None:
         try:
-            return _attach_daemon(model, local_ck, expected, session, tp_size, tp_rank, device, mode, deadline)
+            return _attach_daemon(req, local_ck, expected, session, deadline)
         except UnsupportedQuantization:
             raise
         except WeightcacheError as e:
@@ -402,13 +457,12 @@ def _attach(model: str, tp_size: int, tp_rank: int, device: str, mode: str, fall
     # The service cannot serve. A broken checkpoint is the engine's problem whatever the service
     # said (and no fallback could load it): its own error, not a cache miss.
     _check_files(local_ck)
-    if not fallback:
+    if not req.fallback:
         raise unavailable
     reason = f"{unavailable.code}: {unavailable.message}"
     log.warning("fallback to disk checkpoint=%s tp_size=%d tp_rank=%d reason=%s", model, tp_size, tp_rank, reason,
                 extra=event("fallback", model, tp_rank))
-    mc = _model_config(str(local_ck.path), dtype, naming, kernel)
-    manifest, slab = load_from_disk(mc, tp_size, tp_rank, device)
+    manifest, slab = load_from_disk(req.load_request(str(local_ck.path)), tp_size, tp_rank, device)
     views = build_views(slab, manifest)
     return Attachment(views, LayoutMap(manifest), manifest, "disk", reason,
                       0, _slab=slab)  # private memory inside torch's own allocator
@@ -443,8 +497,8 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, Any] | None, session: Session,
-                   tp_size: int, tp_rank: int, device: str, mode: str, deadline: float) -> Attachment:
+def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: dict[str, Any] | None,
+                   session: Session, deadline: float) -> Attachment:
     """Reads the replies to the pipelined ``hello`` + ``attach`` and maps the slab.
 
     ``expected`` is :func:`pipeline.key_fields` computed from ``local_ck`` (by
@@ -453,7 +507,8 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, 
     (:meth:`Checkpoint.identity_diff`).
     Closes ``session`` on any error.
     """
-    sock_path = session.path
+    sock_path, model, tp_size, tp_rank, device, mode = session.path, req.model, req.tp_size, req.tp_rank, \
+        req.device, req.mode
     try:
         session.hello, reply = session.replies(2, timeout=max(0.001, deadline - time.monotonic()))
         if isinstance(reply, protocol.Loading):
@@ -466,8 +521,9 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, 
         try:
             try:
                 manifest = Manifest.from_wire(reply.manifest, reply.payload)
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise RemoteProtocolError(f"attach_reply from {sock_path} has an invalid manifest: {e}") from None
+            except ManifestInvalid as e:
+                raise ManifestInvalid(f"attach_reply from {sock_path} has an invalid manifest: {e.message}",
+                                      socket=sock_path, **e.details) from None
             key = manifest.key
             backend = local_backend(device)
             if expected is not None:  # by path: what this engine asked for
@@ -476,8 +532,8 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, 
                 expected["revision"] = key.get("revision", "")
             else:  # by name: the operator's choices, checked against the checkpoint as it is now
                 ck = Checkpoint(reply.checkpoint_path, validate=False)
-                mc = _model_config(str(ck.path), key.get("dtype", "auto"), key.get("naming", "hf"),
-                                   key.get("kernel") or "cutlass", key.get("revision", ""))
+                mc = load_request(str(ck.path), key.get("dtype", "auto"), key.get("naming", "hf"),
+                                  key.get("kernel") or "cutlass", key.get("revision", ""))
                 expected = pipeline.key_fields(mc, tp_size, tp_rank, ck, backend.device_info())
             # A slab of another backend (host slab, cuda:N engine) differs in device.backend.
             try:
@@ -496,9 +552,11 @@ def _attach_daemon(model: str, local_ck: Checkpoint | None, expected: dict[str, 
             os.close(fd)
         try:
             views = build_views(slab.tensor, manifest)
-        except (ValueError, IndexError, RuntimeError) as e:
+        except (ManifestInvalid, ValueError, IndexError, RuntimeError) as e:
             slab.close()
-            raise RemoteProtocolError(f"attach_reply from {sock_path}: manifest does not fit the slab: {e}") from None
+            raise ManifestSlabMismatch(f"attach_reply from {sock_path}: manifest does not fit the slab "
+                                       f"({manifest.slab_size_bytes} bytes declared, {slab.size_bytes} mapped): {e}",
+                                       socket=sock_path, slab_size_bytes=manifest.slab_size_bytes) from None
         layouts = LayoutMap(manifest)
         if mode == "copy":
             views = _copy_views(views)

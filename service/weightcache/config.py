@@ -40,12 +40,11 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from .errors import ConfigError
+from .spec import DTYPE_NAMES, LoadRequest
 
 DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
-DTYPE_NAMES = {"auto": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 BACKENDS = ("auto", "cuda", "host")
 NAMINGS = ("hf", "vllm")
-KERNELS = ("cutlass",)
 
 _SERVICE_KEYS = {
     "backend": str,
@@ -68,8 +67,8 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """One ``[models.NAME]`` table.
+class ModelConfig(LoadRequest):
+    """One ``[models.NAME]`` table: a :class:`~weightcache.spec.LoadRequest` plus the operator's choices.
 
     Attributes:
         name (`str`): the table name; engines may attach by it.
@@ -77,20 +76,15 @@ class ModelConfig:
         dtype (`str`): ``auto`` or a dtype name; see :data:`DTYPE_NAMES`.
         naming (`str`): ``hf`` or ``vllm``.
         kernel (`str`): layout target of quantized weights (``cutlass``).
+        revision (`str`): the operator's label, part of the cache key.
         allow_users / allow_groups (`tuple[str]`): ``SO_PEERCRED`` allow lists.
         layouts (`tuple[Layout]`): where the ranks sit.
         source (`str`): the file that defined the model (for error messages).
     """
 
-    name: str
-    path: str
-    dtype: str = "auto"
-    naming: str = "hf"
-    kernel: str = "cutlass"
     allow_users: tuple[str, ...] = ()
     allow_groups: tuple[str, ...] = ()
     layouts: tuple[Layout, ...] = (Layout(1, (0,)),)
-    revision: str = ""
     source: str = ""
 
 

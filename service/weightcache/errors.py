@@ -137,12 +137,6 @@ class LeaseBusy(WeightcacheError):
     retryable = True
 
 
-class VerifyFailed(WeightcacheError):
-    """Resident bytes no longer match the digests recorded at load."""
-
-    code = "verify_failed"
-
-
 class ProtocolError(WeightcacheError):
     """A frame or message broke the wire protocol. Abstract: see subclasses."""
 
@@ -164,6 +158,25 @@ class RemoteProtocolError(ProtocolError):
     """The peer sent something the protocol does not allow."""
 
     code = "protocol_violation"
+
+
+class ManifestInvalid(RemoteProtocolError, ValueError):
+    """A packed manifest cannot be decoded or contradicts itself.
+
+    ``details["section"]`` names the part at fault (``header``, ``names``,
+    ``table``, ``dims``, ``digests``, ``layouts``, ``runs``, ``dtypes``).
+    Seen by an engine in an ``attach_reply`` (a service bug or a foreign
+    service), or by the service in a record of its fd store (dropped, loaded again).
+    Also a ``ValueError``: the manifest's own decoding error.
+    """
+
+    code = "manifest_invalid"
+
+
+class ManifestSlabMismatch(RemoteProtocolError):
+    """A manifest's views do not fit the slab received with it (a view past the mapping's end)."""
+
+    code = "manifest_slab_mismatch"
 
 
 class InternalError(WeightcacheError):

@@ -2,8 +2,9 @@
 
 A *manifest* describes one slab: which tensor lives at which byte offset, with
 which dtype, engine-facing shape and stride, and the layout metadata of any
-processing (fused parts, FP8 transposed view, padding). It is plain JSON so it
-travels on the wire and into systemd's fd store unchanged.
+processing (fused parts, FP8 transposed view, padding). Its packed form
+(:meth:`Manifest.to_wire`: a JSON header and binary columns) travels on the
+wire and into systemd's fd store.
 
 Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
 """
@@ -17,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Iterator
+
+from .errors import ManifestInvalid
 
 # safetensors dtype code -> (torch dtype attribute name, item size in bytes).
 # Source: safetensors `Dtype` enum (safetensors/src/tensor.rs).
@@ -52,15 +55,6 @@ def torch_dtype(dtype: str):
     import torch
 
     return getattr(torch, DTYPES[dtype][0])
-
-
-def dtype_code(torch_dt) -> str:
-    """Returns the safetensors dtype code for a ``torch.dtype``."""
-    name = str(torch_dt).removeprefix("torch.")
-    for code, (tname, _) in DTYPES.items():
-        if tname == name:
-            return code
-    raise ValueError(f"dtype {torch_dt} has no safetensors code")
 
 
 def align(n: int, alignment: int = ALIGNMENT_BYTES) -> int:
@@ -129,59 +123,21 @@ class Manifest:
     tensors: Sequence[TensorRecord]
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest as JSON-able data; ``tensors`` is *columnar*.
+        """The manifest as plain JSON-able data, one object per tensor record (for comparisons and debugging).
 
-        ``tensors`` maps each :class:`TensorRecord` field to a list with one
-        entry per tensor, in slab order (``{"name": [...], "dtype": [...],
-        "shape": [[...], ...], ...}``): the same information as a list of
-        records at about half the bytes, and twice as fast to decode, which
-        matters on every attach (see docs/protocol.md).
+        What travels (on the wire and into the fd store) is the packed form,
+        :meth:`to_wire`.
         """
-        ts = self.tensors
         return {
             "model": self.model,
             "tp_size": self.tp_size,
             "tp_rank": self.tp_rank,
             "key": self.key,
             "slab_size_bytes": self.slab_size_bytes,
-            "tensors": {
-                "name": [t.name for t in ts],
-                "dtype": [t.dtype for t in ts],
-                "shape": [list(t.shape) for t in ts],
-                "stride": [list(t.stride) for t in ts],
-                "offset_bytes": [t.offset_bytes for t in ts],
-                "size_bytes": [t.size_bytes for t in ts],
-                "digest": [t.digest for t in ts],
-                "layout": [_plain_copy(t.layout) for t in ts],
-                "alias_of": [t.alias_of for t in ts],
-            },
+            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "stride": list(t.stride),
+                         "offset_bytes": t.offset_bytes, "size_bytes": t.size_bytes, "digest": t.digest,
+                         "layout": _plain_copy(t.layout), "alias_of": t.alias_of} for t in self.tensors],
         }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Manifest":
-        """Rebuilds a manifest from :meth:`to_json` output (columnar ``tensors``)."""
-        c = d["tensors"]
-        n = len(c["name"])
-        recs = []
-        for name, dtype, shape, stride, off, size, dig, lay, alias in zip(
-                c["name"], c["dtype"], c["shape"], c["stride"], c["offset_bytes"], c["size_bytes"],
-                c.get("digest") or [""] * n, c.get("layout") or [{}] * n, c.get("alias_of") or [None] * n,
-                strict=True):
-            # Same values as TensorRecord(...), without the frozen dataclass
-            # __init__ (one object.__setattr__ per field): once per tensor per attach.
-            rec = _new(TensorRecord)
-            rec.__dict__.update(name=name, dtype=dtype, shape=tuple(shape), stride=tuple(stride),
-                                offset_bytes=int(off), size_bytes=int(size), digest=dig, layout=dict(lay),
-                                alias_of=alias)
-            recs.append(rec)
-        return cls(
-            model=d["model"],
-            tp_size=int(d["tp_size"]),
-            tp_rank=int(d["tp_rank"]),
-            key=dict(d["key"]),
-            slab_size_bytes=int(d["slab_size_bytes"]),
-            tensors=tuple(recs),
-        )
 
     def to_wire(self) -> tuple[dict[str, Any], bytes]:
         """The manifest as a JSON header and a binary payload (the *packed* form of docs/protocol.md).
@@ -241,18 +197,18 @@ class Manifest:
         columns directly.
 
         Raises:
-            ValueError: sections out of range or inconsistent with ``count``
-                (the caller reports it as a protocol violation).
+            ManifestInvalid (`manifest_invalid`): a header field missing or of
+                the wrong type, sections out of range or inconsistent with
+                ``count``; ``details["section"]`` names the part.
         """
-        return cls(model=header["model"], tp_size=int(header["tp_size"]), tp_rank=int(header["tp_rank"]),
-                   key=dict(header["key"]), slab_size_bytes=int(header["slab_size_bytes"]),
-                   tensors=PackedTensors(header["tensors"], payload))
-
-    def record(self, name: str) -> TensorRecord:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
+        if not isinstance(header, dict):
+            raise ManifestInvalid(f"manifest header must be an object, got {type(header).__name__}", section="header")
+        try:
+            fields = dict(model=str(header["model"]), tp_size=int(header["tp_size"]), tp_rank=int(header["tp_rank"]),
+                          key=dict(header["key"]), slab_size_bytes=int(header["slab_size_bytes"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestInvalid(f"manifest header field {e} is missing or of the wrong type", section="header") from None
+        return cls(**fields, tensors=PackedTensors(header.get("tensors"), payload))
 
 
 _new = object.__new__
@@ -297,7 +253,7 @@ def _runs(ts: list[TensorRecord]) -> list[list[int]]:
 def _int64s(raw: memoryview, section: str) -> list[int]:
     """Little-endian int64 values of a payload section."""
     if len(raw) % 8:
-        raise ValueError(f"manifest section {section!r} is {len(raw)} bytes, not a multiple of 8")
+        raise ManifestInvalid(f"manifest section {section!r} is {len(raw)} bytes, not a multiple of 8", section=section)
     if sys.byteorder == "little":
         return raw.cast("q").tolist()
     return list(struct.unpack(f"<{len(raw) // 8}q", raw))
@@ -312,55 +268,60 @@ class PackedTensors(Sequence):
         tensor; its shape starts at ``dims[2 * ndim_sum[i]]``), dtypes (`list[str]`), runs (`list[list[int]]`).
 
     Raises:
-        ValueError: a section out of the payload, or lengths that disagree with ``count``.
+        ManifestInvalid (`manifest_invalid`): a section out of the payload, or
+            lengths that disagree with ``count``.
     """
 
     def __init__(self, header: dict[str, Any], payload: bytes) -> None:
         if not isinstance(header, dict):
-            raise ValueError(f"manifest tensors must be an object, got {type(header).__name__}")
+            raise ManifestInvalid(f"manifest tensors must be an object, got {type(header).__name__}", section="header")
         if header.get("format") != PACKED_FORMAT:
-            raise ValueError(f"manifest tensors format {header.get('format')!r} is not {PACKED_FORMAT!r}")
+            raise ManifestInvalid(f"manifest tensors format {header.get('format')!r} is not {PACKED_FORMAT!r}",
+                                  section="header")
         n = header.get("count")
         if type(n) is not int or n < 0:
-            raise ValueError(f"manifest tensors count {n!r} is not a non-negative integer")
+            raise ManifestInvalid(f"manifest tensors count {n!r} is not a non-negative integer", section="header")
         mv = memoryview(payload)
 
         def section(name: str) -> memoryview:
             where = header.get(name)
             if not (isinstance(where, list) and len(where) == 2 and all(type(x) is int for x in where)
                     and 0 <= where[0] and 0 <= where[1] and where[0] + where[1] <= len(payload)):
-                raise ValueError(f"manifest section {name!r} {where!r} lies outside the {len(payload)}-byte payload")
+                raise ManifestInvalid(f"manifest section {name!r} {where!r} lies outside the {len(payload)}-byte payload",
+                                      section=name)
             return mv[where[0]:where[0] + where[1]]
 
         self.count = n
         self.dtypes = header.get("dtypes")
         if not isinstance(self.dtypes, list) or not all(isinstance(d, str) and d in DTYPES for d in self.dtypes):
-            raise ValueError(f"manifest dtypes {self.dtypes!r} are not all safetensors dtype codes")
+            raise ManifestInvalid(f"manifest dtypes {self.dtypes!r} are not all safetensors dtype codes",
+                                  section="dtypes")
         try:
             self.names = json.loads(str(section("names"), "utf-8"))
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError alike
-            raise ValueError(f"manifest section 'names' is not a UTF-8 JSON array: {e}") from None
+            raise ManifestInvalid(f"manifest section 'names' is not a UTF-8 JSON array: {e}", section="names") from None
         if not isinstance(self.names, list) or not all(isinstance(x, str) for x in self.names):
-            raise ValueError("manifest section 'names' is not a JSON array of strings")
+            raise ManifestInvalid("manifest section 'names' is not a JSON array of strings", section="names")
         self.table = _int64s(section("table"), "table")
         self.dims = _int64s(section("dims"), "dims")
         if len(self.names) != n or len(self.table) != 5 * n:
-            raise ValueError(f"manifest has {len(self.names)} names and {len(self.table) // 5} table rows "
-                             f"for {n} tensors")
+            raise ManifestInvalid(f"manifest has {len(self.names)} names and {len(self.table) // 5} table rows "
+                             f"for {n} tensors", section="table")
         if len(set(self.names)) != n:
-            raise ValueError("manifest names a tensor twice")
+            raise ManifestInvalid("manifest names a tensor twice", section="names")
         if n and (min(self.table[2::5]) < 0 or max(self.table[2::5]) >= len(self.dtypes)
                   or min(self.table[3::5]) < 0 or min(self.table[4::5]) < -1 or max(self.table[4::5]) >= n):
-            raise ValueError("manifest table has a dtype index, ndim or alias index out of range")
+            raise ManifestInvalid("manifest table has a dtype index, ndim or alias index out of range", section="table")
         # Start of tensor i's shape in ``dims`` is 2 * ndim_sum[i] (shape then stride, ndim each).
         self.ndim_sum = list(accumulate(self.table[3::5], initial=0))
         if 2 * self.ndim_sum[-1] != len(self.dims):
-            raise ValueError(f"manifest dims section holds {len(self.dims)} values, the table needs "
-                             f"{2 * self.ndim_sum[-1]}")
+            raise ManifestInvalid(f"manifest dims section holds {len(self.dims)} values, the table needs "
+                             f"{2 * self.ndim_sum[-1]}", section="dims")
         self.runs = self._checked_runs(header.get("runs", []))
         self._digests = section("digests")
         if n and bytes(self._digests).count(b"\n") != n - 1:
-            raise ValueError(f"manifest section 'digests' does not hold {n} newline-separated entries")
+            raise ManifestInvalid(f"manifest section 'digests' does not hold {n} newline-separated entries",
+                                  section="digests")
         self._layouts = section("layouts")
         self._records: tuple[TensorRecord, ...] | None = None
         self._layout_list: list[dict] | None = None
@@ -380,30 +341,30 @@ class PackedTensors(Sequence):
             ValueError: the first inconsistency, naming the run or tensor.
         """
         if not isinstance(runs, list):
-            raise ValueError(f"manifest runs {runs!r} is not a list")
+            raise ManifestInvalid(f"manifest runs {runs!r} is not a list", section="runs")
         n, tab, dims, pos, names = self.count, self.table, self.dims, self.ndim_sum, self.names
         offs, sizes, dts, nds, alias = tab[0::5], tab[1::5], tab[2::5], tab[3::5], tab[4::5]
         covered = bytearray(n)
         out = []
         for r in runs:
             if not (isinstance(r, list) and len(r) == 4 and all(type(x) is int for x in r)):
-                raise ValueError(f"manifest run {r!r} is not 4 integers")
+                raise ManifestInvalid(f"manifest run {r!r} is not 4 integers", section="runs")
             first, istep, count, ostep = r
             if count == 1:
                 istep = ostep = 0
             if not (count >= 1 and 0 <= first and (count == 1 or (istep >= 1 and ostep >= 1))
                     and first + istep * (count - 1) < n):
-                raise ValueError(f"manifest run {r} does not lie within the {n} tensors")
+                raise ManifestInvalid(f"manifest run {r} does not lie within the {n} tensors", section="runs")
             sl = slice(first, first + istep * (count - 1) + 1, istep or 1)
             if covered[sl].count(0) != count:
-                raise ValueError(f"manifest run {r} covers a tensor another run covers")
+                raise ManifestInvalid(f"manifest run {r} covers a tensor another run covers", section="runs")
             covered[sl] = b"\x01" * count
             dt, nd, size, off = dts[first], nds[first], sizes[first], offs[first]
             if (dts[sl].count(dt) != count or nds[sl].count(nd) != count or sizes[sl].count(size) != count
                     or alias[sl].count(-1) != count
                     or (count > 1 and offs[sl] != list(range(off, off + count * ostep, ostep)))):
-                raise ValueError(f"manifest run {r}: its tensors differ in dtype, rank, size or offset step, "
-                                 f"or include a tied alias")
+                raise ManifestInvalid(f"manifest run {r}: its tensors differ in dtype, rank, size or offset step, "
+                                 f"or include a tied alias", section="runs")
             p = 2 * pos[first]
             ref = dims[p:p + 2 * nd]
             if count > 1:
@@ -419,8 +380,8 @@ class PackedTensors(Sequence):
                 out.append([i, 0, 1, 0])
             elif alias[a] >= 0 or tab[5 * i:5 * i + 4] != tab[5 * a:5 * a + 4] or \
                     dims[p:p + 2 * nds[i]] != dims[2 * pos[a]:2 * pos[a] + 2 * nds[a]]:
-                raise ValueError(f"manifest tied tensor {names[i]!r} does not repeat the row of its target "
-                                 f"{names[a]!r}")
+                raise ManifestInvalid(f"manifest tied tensor {names[i]!r} does not repeat the row of its target "
+                                 f"{names[a]!r}", section="table")
             i = covered.find(0, i + 1)
         return out
 
@@ -439,20 +400,22 @@ class PackedTensors(Sequence):
                 return
         for k, q in enumerate(starts):
             if dims[2 * q:2 * q + len(ref)] != ref:
-                raise ValueError(f"manifest run {run}: tensor {names[sl.start + k * sl.step]!r} has another "
-                                 f"shape or stride than {names[sl.start]!r}")
+                raise ManifestInvalid(f"manifest run {run}: tensor {names[sl.start + k * sl.step]!r} has another "
+                                 f"shape or stride than {names[sl.start]!r}", section="runs")
 
     def _check_extent(self, i: int, shape: list[int], stride: list[int], step_bytes: int) -> None:
         """Tensor ``i``'s view (``shape``, ``stride`` in elements) lies within its record; a run's step is whole elements."""
         size = DTYPES[self.dtypes[self.table[5 * i + 2]]][1]
         off, nbytes = self.table[5 * i], self.table[5 * i + 1]
         if min(shape, default=0) < 0 or min(stride, default=0) < 0 or off < 0:
-            raise ValueError(f"manifest tensor {self.names[i]!r} has a negative offset, dimension or stride")
+            raise ManifestInvalid(f"manifest tensor {self.names[i]!r} has a negative offset, dimension or stride",
+                                  section="dims")
         extent = 0 if 0 in shape else 1 + sum((d - 1) * st for d, st in zip(shape, stride))
         if extent * size > nbytes or step_bytes % size or (step_bytes and off % size):
-            raise ValueError(f"manifest tensor {self.names[i]!r}: shape {shape} and stride {stride} of "
+            raise ManifestInvalid(f"manifest tensor {self.names[i]!r}: shape {shape} and stride {stride} of "
                              f"{self.dtypes[self.table[5 * i + 2]]} need {extent * size} bytes (its record holds "
-                             f"{nbytes}), or its run's step or offset is not a whole number of elements")
+                             f"{nbytes}), or its run's step or offset is not a whole number of elements",
+                             section="dims")
 
     def layouts(self) -> list[dict[str, Any]]:
         """Each tensor's layout dict, in slab order (the ``layouts`` section, decoded on first call).
@@ -464,9 +427,10 @@ class PackedTensors(Sequence):
             try:
                 lays = json.loads(str(self._layouts, "utf-8")) if self.count else []
             except ValueError as e:
-                raise ValueError(f"manifest section 'layouts' is not UTF-8 JSON: {e}") from None
+                raise ManifestInvalid(f"manifest section 'layouts' is not UTF-8 JSON: {e}", section="layouts") from None
             if not isinstance(lays, list) or len(lays) != self.count or not all(isinstance(x, dict) for x in lays):
-                raise ValueError(f"manifest section 'layouts' must be a list of {self.count} objects")
+                raise ManifestInvalid(f"manifest section 'layouts' must be a list of {self.count} objects",
+                                      section="layouts")
             self._layout_list = lays
         return self._layout_list
 
@@ -478,7 +442,8 @@ class PackedTensors(Sequence):
             except UnicodeDecodeError:
                 digests = []
             if len(digests) != self.count:
-                raise ValueError(f"manifest section 'digests' holds {len(digests)} entries for {self.count} tensors")
+                raise ManifestInvalid(f"manifest section 'digests' holds {len(digests)} entries for {self.count} tensors",
+                                      section="digests")
             lays = self.layouts()
             recs = []
             for i, name in enumerate(names):

@@ -15,7 +15,7 @@ returns the :class:`~weightcache.manifest.Manifest` with a content digest of
 every tensor. The daemon seals and publishes; the client's disk fallback wraps
 the filled private buffer directly, so both sides produce bit-identical bytes.
 
-Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
+Forbidden imports: socket, selectors, weightcache.config, weightcache.daemon, weightcache.client.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from typing import Any, Callable
 
 from . import digest, quant, sharding
 from .checkpoint import Checkpoint
-from .config import DTYPE_NAMES, ModelConfig
 from .errors import ShapeMismatch
 from .loader import LoaderOptions, direct_task, read_into_slab
 from .manifest import ALIGNMENT_BYTES, Manifest, TensorRecord, align, contiguous_stride, itemsize, torch_dtype
-from .spec import SourceRef, TensorSpec
+from .spec import DTYPE_NAMES, LoadRequest, SourceRef, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class Plan:
     """Everything decided before the first byte is read.
 
     Attributes:
-        model (`ModelConfig`), tp_size (`int`), tp_rank (`int`): what is loaded.
+        model (`LoadRequest`), tp_size (`int`), tp_rank (`int`): what is loaded.
         checkpoint (`Checkpoint`): opened from headers.
         specs (`list[TensorSpec]`): output tensors, in slab order.
         records (`list[TensorRecord]`): their records, offsets assigned, no digests yet.
@@ -78,7 +77,7 @@ class Plan:
         key (`dict`): the cache key (DESIGN §5).
     """
 
-    model: ModelConfig
+    model: LoadRequest
     tp_size: int
     tp_rank: int
     checkpoint: Checkpoint
@@ -92,7 +91,7 @@ class Plan:
         return sum(r.size_bytes for r in self.records if r.alias_of is None)
 
 
-def cache_key(model: ModelConfig, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
+def cache_key(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
               scheme: Any = quant.DETECT) -> dict[str, Any]:
     """The cache key of DESIGN §5, as a nested JSON-able dict.
 
@@ -104,7 +103,7 @@ def cache_key(model: ModelConfig, tp_size: int, tp_rank: int, ck: Checkpoint, de
     return {"checkpoint": ck.identity(), **key_fields(model, tp_size, tp_rank, ck, device, scheme)}
 
 
-def key_fields(model: ModelConfig, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
+def key_fields(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
                scheme: Any = quant.DETECT) -> dict[str, Any]:
     """Every field of :func:`cache_key` but ``checkpoint`` (reads ``config.json``, no safetensors header
     unless the checkpoint is quantized)."""
@@ -162,7 +161,7 @@ def diff_keys(expected: Any, actual: Any, prefix: str = "") -> list[str]:
     return [] if expected == actual else [prefix or "<key>"]
 
 
-def plan(model: ModelConfig, tp_size: int, tp_rank: int, device: dict[str, Any], checkpoint: Checkpoint | None = None) -> Plan:
+def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any], checkpoint: Checkpoint | None = None) -> Plan:
     """Plans one slab from the checkpoint's headers alone.
 
     Raises:

@@ -210,16 +210,24 @@ class HelloReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class ListReply(Message):
-    """Answer to ``list``: one summary dict per (model, layout, rank) on this GPU."""
+    """Answer to ``list``: one :class:`SlabInfo` object per (model, layout, rank) on this GPU."""
 
     models: list
+
+    def slabs(self) -> tuple[SlabInfo, ...]:
+        """The typed records."""
+        return tuple(SlabInfo.from_json(m) for m in self.models)
 
 
 @dataclass(frozen=True, slots=True)
 class StatusReply(Message):
-    """Answer to ``status``: GPU, backend, memory (bytes), every slab with state, progress, leases and key summary."""
+    """Answer to ``status``: a :class:`ServiceStatus` object (GPU, backend, memory, every slab, leases)."""
 
     status: dict
+
+    def typed(self) -> ServiceStatus:
+        """The typed record."""
+        return ServiceStatus.from_json(self.status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,9 +271,13 @@ class ReleaseReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class VerifyReply(Message):
-    """Per slab: ``{model, tp_size, tp_rank, tensors, mismatched: [names]}``."""
+    """Answer to ``verify``: one :class:`VerifyResult` object per slab."""
 
     results: list
+
+    def typed(self) -> tuple[VerifyResult, ...]:
+        """The typed records."""
+        return tuple(VerifyResult.from_json(r) for r in self.results)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +305,232 @@ class Error(Message):
     @classmethod
     def from_exc(cls, e: WeightcacheError) -> "Error":
         return cls(**e.to_wire())
+
+
+# --- typed records inside replies --------------------------------------------
+#
+# The ``status`` and ``list`` replies carry these as plain JSON objects (the
+# wire is unchanged); the service builds them and clients read them through
+# ``from_json``, so the schema lives here and nowhere else.
+
+
+def _from_json(cls: type, d: dict[str, Any], **nested: Any) -> Any:
+    """Builds record ``cls`` from the JSON object ``d``; keys ``cls`` does not know are ignored (newer services)."""
+    if not isinstance(d, dict):
+        raise RemoteProtocolError(f"{cls.__name__}: expected a JSON object, got {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in d.items() if k in names}, **nested)
+    except TypeError as e:
+        raise RemoteProtocolError(f"{cls.__name__}: {e}") from None
+
+
+class _Record:
+    """Base of the records inside replies: ``to_json`` is the fields as a JSON object, ``from_json`` the reverse."""
+
+    __slots__ = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Any:
+        """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
+        return _from_json(cls, d)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo(_Record):
+    """One lease in a ``status`` reply.
+
+    Attributes:
+        lease_id (`int`): the lease's id on its service.
+        pid, uid, gid (`int`): the holder, from ``SO_PEERCRED``.
+        since (`float`): when it was granted, Unix time in seconds.
+        mode (`str`): ``zero_copy`` or ``copy``.
+    """
+
+    lease_id: int
+    pid: int
+    uid: int
+    gid: int
+    since: float
+    mode: str
+
+
+@dataclass(frozen=True, slots=True)
+class KeySummary(_Record):
+    """The part of a resident slab's cache key (DESIGN section 5) that ``status`` shows.
+
+    Attributes:
+        architecture (`str | None`): ``config.json`` ``architectures[0]``.
+        quant_scheme (`str | None`): e.g. ``modelopt_fp8``; None when unquantized.
+        pipeline_version (`int | None`): weightcache's processing version.
+        files (`int`): number of checkpoint files in the key.
+    """
+
+    architecture: str | None
+    quant_scheme: str | None
+    pipeline_version: int | None
+    files: int
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo(_Record):
+    """Why a slab failed: the error's ``code`` (docs/errors.md), ``message`` and ``details``."""
+
+    code: str
+    message: str
+    details: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SlabInfo(_Record):
+    """One (model, layout, rank) in a ``status`` or ``list`` reply.
+
+    Attributes:
+        model (`str`), path (`str`): the configured name and checkpoint directory.
+        tp_size, tp_rank (`int`): the layout and rank.
+        state (`str`): ``pending``, ``loading``, ``ready``, ``failed`` or ``evicted``.
+        done_bytes, total_bytes (`int`): load progress, payload bytes.
+        rate_bytes_per_s (`int`): load rate while loading, else 0.
+        resident_bytes (`int`): size of the resident slab mapping (0 when none).
+        adopted (`bool`): the slab came back from systemd's fd store.
+        dtype (`str`), naming (`str`): the configured dtype and naming.
+        tensors (`int`): tensor records in the resident slab's manifest.
+        error (`ErrorInfo | None`): why the last load failed.
+        key (`KeySummary | None`): summary of the resident slab's cache key.
+        leases (`tuple[LeaseInfo]`): who holds it.
+    """
+
+    model: str
+    path: str
+    tp_size: int
+    tp_rank: int
+    state: str
+    done_bytes: int
+    total_bytes: int
+    rate_bytes_per_s: int
+    resident_bytes: int
+    adopted: bool
+    dtype: str
+    naming: str
+    tensors: int
+    error: ErrorInfo | None = None
+    key: KeySummary | None = None
+    leases: tuple[LeaseInfo, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """``<model> tp=<tp_size> rank=<tp_rank>``, as the CLI prints it."""
+        return f"{self.model} tp={self.tp_size} rank={self.tp_rank}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object on the wire; ``error`` and ``key`` only when set."""
+        d: dict[str, Any] = {f: getattr(self, f) for f in (
+            "model", "path", "tp_size", "tp_rank", "state", "done_bytes", "total_bytes", "rate_bytes_per_s",
+            "resident_bytes", "adopted", "dtype", "naming", "tensors")}
+        if self.error is not None:
+            d["error"] = self.error.to_json()
+        if self.key is not None:
+            d["key"] = self.key.to_json()
+        d["leases"] = [le.to_json() for le in self.leases]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SlabInfo":
+        """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
+        err, key = d.get("error"), d.get("key")
+        return _from_json(cls, {k: v for k, v in d.items() if k not in ("error", "key", "leases")},
+                          error=ErrorInfo.from_json(err) if err is not None else None,
+                          key=KeySummary.from_json(key) if key is not None else None,
+                          leases=tuple(LeaseInfo.from_json(le) for le in d.get("leases", ())))
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo(_Record):
+    """The device a service's slabs live on (the ``device`` fields of the cache key, DESIGN section 5).
+
+    Attributes:
+        backend (`str`): ``host`` or ``cuda``.
+        gpu_uuid (`str`): ``GPU-...`` (empty on host).
+        compute_capability (`str`): e.g. ``9.0`` (empty on host).
+    """
+
+    backend: str = ""
+    gpu_uuid: str = ""
+    compute_capability: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStatus(_Record):
+    """The ``status`` reply's record: one service (one GPU).
+
+    Attributes:
+        gpu (`int`): GPU index; pid (`int`): the service's pid.
+        backend (`str`): ``host`` or ``cuda``.
+        device (`DeviceInfo`): the slabs' device.
+        free_bytes, total_bytes (`int`): memory of the backend (GPU, or host RAM), bytes.
+        slabs (`tuple[SlabInfo]`): every configured (model, layout, rank).
+        clients (`int`): open connections.
+        status_line (`str`): the line systemd's ``STATUS=`` shows.
+    """
+
+    gpu: int
+    pid: int
+    backend: str
+    device: DeviceInfo
+    free_bytes: int
+    total_bytes: int
+    slabs: tuple[SlabInfo, ...]
+    clients: int
+    status_line: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object on the wire (memory as ``{"free_bytes", "total_bytes"}``)."""
+        return {"gpu": self.gpu, "pid": self.pid, "backend": self.backend, "device": self.device.to_json(),
+                "memory": {"free_bytes": self.free_bytes, "total_bytes": self.total_bytes},
+                "slabs": [s.to_json() for s in self.slabs], "clients": self.clients,
+                "status_line": self.status_line}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ServiceStatus":
+        """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
+        mem = d.get("memory") or {}
+        return _from_json(cls, {k: v for k, v in d.items() if k not in ("memory", "slabs", "device")},
+                          device=DeviceInfo.from_json(d.get("device") or {}), free_bytes=mem.get("free_bytes", 0),
+                          total_bytes=mem.get("total_bytes", 0),
+                          slabs=tuple(SlabInfo.from_json(s) for s in d.get("slabs", ())))
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult(_Record):
+    """One slab in a ``verify`` reply.
+
+    Attributes:
+        model (`str`), tp_size, tp_rank (`int`): which slab.
+        state (`str`): its state; only ``ready`` slabs are verified.
+        mismatched (`list[str]`): tensors whose content digest differs from the one recorded at load.
+        tensors (`int`): tensors checked (0 when not ready).
+    """
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    state: str
+    mismatched: list
+    tensors: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} tp={self.tp_size} rank={self.tp_rank}"
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"model": self.model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "state": self.state}
+        if self.state == "ready":
+            d["tensors"] = self.tensors
+        d["mismatched"] = list(self.mismatched)
+        return d
 
 
 REQUESTS = (Hello, List, Status, Attach, Release, Verify, Evict, Preload)
@@ -458,10 +696,6 @@ class Connection:
         """Hands back every fd received but not yet matched to a frame."""
         fds, self._fds = self._fds, []
         return fds
-
-    @property
-    def buffered_bytes(self) -> int:
-        return len(self._buf)
 
     def bytes_wanted(self, default: int) -> int:
         """How many more bytes complete the next frame (``default`` while its length is unknown).

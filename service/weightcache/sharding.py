@@ -78,15 +78,15 @@ FAMILIES: dict[str, Family] = {
 }
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW = ("o_proj", "down_proj")
 _LINEAR_RE = re.compile(
     r"^(?P<prefix>(?:.+\.)?)(?P<module>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
     r"\.(?P<param>weight|bias|weight_scale|input_scale|k_scale|v_scale)$"
 )
 _VOCAB_RE = re.compile(r"^(?:.+\.)?(?:embed_tokens|lm_head)\.(?:weight|weight_scale)$")
-#: vLLM fused modules: name -> parts, in concatenation order.
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_PART_OF = {p: fused for fused, parts in _FUSED.items() for p in parts}
+#: vLLM fused modules: name -> parts, in concatenation order (the one table; quant reads it too).
+FUSED_PARTS: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                           "gate_up_proj": ("gate_proj", "up_proj")}
+_PART_OF = {p: fused for fused, parts in FUSED_PARTS.items() for p in parts}
 _SCALES = ("weight_scale", "input_scale", "k_scale", "v_scale")
 
 
@@ -493,7 +493,7 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
         else:
             specs[name] = _spec(rules.other(info), dtype)
     for (prefix, fused, param), got in groups.items():
-        missing = [p for p in _FUSED[fused] if p not in got]
+        missing = [p for p in FUSED_PARTS[fused] if p not in got]
         if missing:
             raise ShapeMismatch(
                 f"checkpoint {ck.path}: {prefix}{missing[0]}.{param} is missing, so {prefix}{fused}.{param} "
@@ -501,7 +501,7 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
                 tensor=f"{prefix}{missing[0]}.{param}",
             )
         out = f"{prefix}{fused}.{param}"
-        specs[out] = _fused_spec(ck, out, [(p, got[p]) for p in _FUSED[fused]], dtype)
+        specs[out] = _fused_spec(ck, out, [(p, got[p]) for p in FUSED_PARTS[fused]], dtype)
     if tied:
         target = specs[embed]
         specs["lm_head.weight"] = TensorSpec(

@@ -19,6 +19,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+#: ``dtype`` names -> safetensors dtype code of the slab (``auto``: the checkpoint's own).
+DTYPE_NAMES = {"auto": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What the pipeline needs to know about one model: where it is and how to lay it out.
+
+    The operator's :class:`weightcache.config.ModelConfig` is one (it adds
+    allow lists, layouts and its source file); an engine's ``attach()``
+    builds one from its arguments. Both feed :func:`weightcache.pipeline.plan`
+    and the cache key.
+
+    Attributes:
+        name (`str`): the model's name (the manifest's ``model``).
+        path (`str`): checkpoint directory.
+        dtype (`str`, *optional*, defaults to ``"auto"``): a key of :data:`DTYPE_NAMES`.
+        naming (`str`, *optional*, defaults to ``"hf"``): ``hf`` or ``vllm`` (fused names).
+        kernel (`str`, *optional*, defaults to ``"cutlass"``): layout target of quantized weights.
+        revision (`str`, *optional*): the operator's label, part of the cache key.
+    """
+
+    name: str
+    path: str
+    dtype: str = "auto"
+    naming: str = "hf"
+    kernel: str = "cutlass"
+    revision: str = ""
+
+
 @dataclass(frozen=True)
 class SourceRef:
     """A slice of one checkpoint tensor.

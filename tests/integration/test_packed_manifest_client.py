@@ -10,7 +10,6 @@ from __future__ import annotations
 import array
 import json
 import os
-import re
 import socket
 import struct
 import threading
@@ -21,7 +20,7 @@ import torch
 
 from weightcache import attach, errors, pipeline
 from weightcache.checkpoint import Checkpoint
-from weightcache.client import _model_config
+from weightcache.client import load_request
 from weightcache.manifest import Manifest
 from weightcache.memory import get_backend
 
@@ -67,7 +66,7 @@ def _serve_once(path: str, header: dict, payload: bytes, slab_bytes: int) -> thr
 
 def _packed(break_it=None) -> tuple[dict, bytes, int]:
     ck = _minilm()
-    pl = pipeline.plan(_model_config(str(ck), "auto", "hf", "cutlass"), 1, 0, get_backend("host").device_info())
+    pl = pipeline.plan(load_request(str(ck), "auto", "hf", "cutlass"), 1, 0, get_backend("host").device_info())
     header, payload = Manifest("minilm", 1, 0, pl.key, pl.slab_size_bytes, tuple(pl.records)).to_wire()
     if break_it is not None:
         header, payload = break_it(header, payload)
@@ -89,27 +88,26 @@ def test_a_hand_written_service_is_understood(tmp_path):
     t.join(10)
 
 
-@pytest.mark.parametrize("break_it,message", [
-    (lambda h, p: (h, p[: len(p) // 2]), "invalid manifest: manifest section"),
-    (lambda h, p: ({**h, "tensors": {**h["tensors"], "format": "columnar"}}, p), "invalid manifest: manifest tensors format"),
-    (lambda h, p: ({**h, "tensors": {k: v for k, v in h["tensors"].items() if k != "table"}}, p),
-     "invalid manifest: manifest section 'table'"),
+@pytest.mark.parametrize("break_it,section", [
+    (lambda h, p: (h, p[: len(p) // 2]), "table"),
+    (lambda h, p: ({**h, "tensors": {**h["tensors"], "format": "columnar"}}, p), "header"),
+    (lambda h, p: ({**h, "tensors": {k: v for k, v in h["tensors"].items() if k != "table"}}, p), "table"),
     (lambda h, p: ({**h, "tensors": {**h["tensors"], "runs": h["tensors"]["runs"] + h["tensors"]["runs"][:1]}}, p),
-     "invalid manifest: manifest run .* covers a tensor another run covers"),
-    (lambda h, p: ({**h, "tensors": {**h["tensors"], "dtypes": ["XX"]}}, p),
-     "invalid manifest: manifest dtypes"),
+     "runs"),
+    (lambda h, p: ({**h, "tensors": {**h["tensors"], "dtypes": ["XX"]}}, p), "dtypes"),
 ])
-def test_a_broken_manifest_is_a_protocol_error_or_a_disk_load(tmp_path, break_it, message):
+def test_a_broken_manifest_is_a_protocol_error_or_a_disk_load(tmp_path, break_it, section):
     header, payload, size = _packed(break_it)
     t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
-    with pytest.raises(errors.RemoteProtocolError, match=message):
+    with pytest.raises(errors.ManifestInvalid) as ei:
         attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10)
+    assert isinstance(ei.value, errors.RemoteProtocolError)  # the peer sent invalid data
+    assert (ei.value.code, ei.value.details["section"]) == ("manifest_invalid", section)
     t.join(10)
     os.unlink(tmp_path / "0.sock")
     t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
     w = attach(str(_minilm()), socket_dir=str(tmp_path), fallback=True, timeout=10)
-    assert w.source == "disk" and w.fallback_reason.startswith("protocol_violation")
-    assert re.search(message.split(": ")[-1], w.fallback_reason)
+    assert w.source == "disk" and w.fallback_reason.startswith("manifest_invalid: ")
     from safetensors.torch import load_file
 
     ref = load_file(str(_minilm() / "model.safetensors"))
@@ -122,20 +120,24 @@ def test_a_slab_smaller_than_its_manifest_is_refused(tmp_path):
     """Views past the end of the received mapping are never built (torch's storage bounds)."""
     header, payload, _ = _packed()
     t = _serve_once(str(tmp_path / "0.sock"), header, payload, 4096)
-    with pytest.raises(errors.RemoteProtocolError, match="manifest does not fit the slab"):
+    with pytest.raises(errors.ManifestSlabMismatch) as ei:
         attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10)
+    assert ei.value.code == "manifest_slab_mismatch" and isinstance(ei.value, errors.RemoteProtocolError)
     t.join(10)
 
 
-@pytest.mark.parametrize("break_it", [
-    lambda h, p: ({**h, "tensors": None}, p),
-    lambda h, p: ({**h, "tensors": []}, p),
-    lambda h, p: ({**h, "key": {**h["key"], "checkpoint": {**h["key"]["checkpoint"],
-                                                          "files": {"model.safetensors": 7}}}}, p),
+@pytest.mark.parametrize("break_it,code", [
+    (lambda h, p: ({**h, "tensors": None}, p), "manifest_invalid"),
+    (lambda h, p: ({**h, "tensors": []}, p), "manifest_invalid"),
+    (lambda h, p: ({k: v for k, v in h.items() if k != "tp_rank"}, p), "manifest_invalid"),
+    (lambda h, p: ({**h, "key": {**h["key"], "checkpoint": {**h["key"]["checkpoint"],
+                                                           "files": {"model.safetensors": 7}}}}, p),
+     "protocol_violation"),
 ])
-def test_a_malformed_reply_is_a_protocol_error_not_a_crash(tmp_path, break_it):
+def test_a_malformed_reply_is_a_protocol_error_not_a_crash(tmp_path, break_it, code):
     header, payload, size = _packed(break_it)
     t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
-    with pytest.raises(errors.RemoteProtocolError, match="invalid manifest|malformed cache key"):
+    with pytest.raises(errors.RemoteProtocolError) as ei:
         attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10)
+    assert ei.value.code == code
     t.join(10)

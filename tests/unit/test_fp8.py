@@ -47,6 +47,11 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     return {algo: F.write_fp8_checkpoint(root / algo, algo) for algo in ALGOS}
 
 
+def _record(manifest, name):
+    """The manifest's record of tensor ``name``."""
+    return next(t for t in manifest.tensors if t.name == name)
+
+
 def _fresh(ckpts, tmp_path, algo) -> Path:
     """A private copy of a fixture checkpoint (for tests that edit it)."""
     dst = tmp_path / "ck"
@@ -434,7 +439,7 @@ def test_fused_layers_two_imports_of_one_slab(ckpts, algo):
         x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
         widths = {}
         for name in ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"):
-            lay = man.record(name).layout
+            lay = _record(man, name).layout
             widths[name] = (lay["logical_output_width"], lay["stored_shape"][0])
             outs = []
             for v in views:

@@ -79,3 +79,36 @@ def test_rule_parsing_and_detection(tmp_path):
     bad = PKG / "protocol.py"
     imports = dict(_imports(bad))
     assert "weightcache.errors" in imports and "socket" not in imports
+
+
+#: The service's rooms (DESIGN.md section 3) and what each must at least refuse to import.
+DAEMON_ROOMS = {
+    "state.py": {"socket", "selectors", "threading", "torch", "weightcache.memory", "weightcache.daemon.transport",
+                 "weightcache.daemon.handlers", "weightcache.daemon.loads"},
+    "handlers.py": {"socket", "selectors", "threading", "weightcache.daemon.transport", "weightcache.daemon.loads",
+                    "weightcache.daemon.fdstore"},
+    "loads.py": {"socket", "selectors", "weightcache.protocol", "weightcache.daemon.transport",
+                 "weightcache.daemon.handlers"},
+    "fdstore.py": {"socket", "selectors", "weightcache.protocol", "weightcache.daemon.transport",
+                   "weightcache.daemon.handlers"},
+    "access.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.handlers"},
+    "transport.py": {"threading", "torch", "weightcache.pipeline", "weightcache.daemon.handlers",
+                     "weightcache.daemon.loads"},
+    "ticker.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.handlers"},
+    "loop.py": {"torch"},
+    "__init__.py": {"torch"},
+}
+
+
+def test_every_daemon_room_declares_its_boundaries():
+    """Each file of service/weightcache/daemon/ is a known room whose docstring says what it owns and
+    forbids at least the imports above (the parametrized test then enforces the line)."""
+    rooms = {p.name for p in (PKG / "daemon").glob("*.py")}
+    assert rooms == set(DAEMON_ROOMS), "a new file in daemon/ needs its entry (and its docstring rules) here"
+    for name, must in DAEMON_ROOMS.items():
+        doc = ast.get_docstring(ast.parse((PKG / "daemon" / name).read_text())) or ""
+        m = re.search(r"Forbidden imports:(.*?)(?:\n\n|$)", doc, re.S)
+        assert m, f"daemon/{name}: no 'Forbidden imports:' line"
+        declared = {n for n, _ in _rules(m.group(1))}
+        assert must <= declared, f"daemon/{name} must forbid {sorted(must - declared)}"
+        assert len(doc.split("\n\n")[0]) > 20, f"daemon/{name}: the first paragraph says what it owns"

@@ -144,8 +144,9 @@ def _packed_parts(tiny_llama):
 ])
 def test_malformed_packed_manifest_is_a_clear_error(tiny_llama, breakage, message):
     header, payload = breakage(*_packed_parts(tiny_llama))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as ei:
         Manifest.from_wire(header, payload)
+    assert ei.value.code == "manifest_invalid"
 
 
 @pytest.mark.parametrize("keep", [0, 3])
@@ -201,8 +202,9 @@ def _retable(edit):
 def test_runs_and_rows_that_contradict_the_table_are_refused(tiny_llama, breakage, message):
     """A run must repeat its first member's dtype, shape, stride and size at its step; rows must fit their views."""
     header, payload = breakage(*_packed_parts(tiny_llama))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as ei:
         Manifest.from_wire(header, payload)
+    assert ei.value.code == "manifest_invalid"
 
 
 def _renamed(header, payload, names_bytes):
@@ -224,8 +226,9 @@ def test_names_must_be_unique_utf8_strings(tiny_llama):
     for bad, message in ((json.dumps([names[1]] + names[1:]).encode(), "twice"),
                          (b'["\xff\xfe' + json.dumps(names)[2:].encode(), "not a UTF-8 JSON array"),
                          (json.dumps([1] + names[1:]).encode(), "array of strings")):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=message) as ei:
             Manifest.from_wire(*_renamed(header, payload, bad))
+        assert (ei.value.code, ei.value.details["section"]) == ("manifest_invalid", "names")
 
 
 def test_any_tensor_name_round_trips():

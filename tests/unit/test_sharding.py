@@ -29,6 +29,11 @@ from weightcache.spec import SourceRef  # noqa: E402
 FAMILIES = ("tiny_llama", "tiny_qwen2", "tiny_mistral")
 
 
+def _record(manifest, name):
+    """The manifest's record of tensor ``name``."""
+    return next(t for t in manifest.tensors if t.name == name)
+
+
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
@@ -64,12 +69,12 @@ def test_shards_reassemble_to_checkpoint_bytes(family, tp, naming, request):
             assert _bytes_equal(full[name], ck[name]), name
         for manifest, views, _ in ranks:
             assert manifest.tp_size == tp
-            emb = manifest.record("model.embed_tokens.weight")
+            emb = _record(manifest, "model.embed_tokens.weight")
             assert emb.layout["logical_vocab_size"] == config["vocab_size"]
             padded = -(-config["vocab_size"] // 64) * 64 if (tp > 1 or naming == "vllm") else config["vocab_size"]
             assert emb.layout["padded_vocab_size"] == padded
             assert emb.shape == (padded // tp, config["hidden_size"])
-            lm = manifest.record("lm_head.weight")
+            lm = _record(manifest, "lm_head.weight")
             if tied:
                 assert lm.alias_of == "model.embed_tokens.weight"
                 assert lm.layout["tied_to"] == "model.embed_tokens.weight"
@@ -188,7 +193,7 @@ def test_tied_checkpoint_with_lm_head_still_aliases(tmp_path):
         ranks = _load_all(path, 2, naming)
         try:
             for manifest, views, _ in ranks:
-                lm = manifest.record("lm_head.weight")
+                lm = _record(manifest, "lm_head.weight")
                 assert lm.alias_of == "model.embed_tokens.weight"
                 assert views["lm_head.weight"] is views["model.embed_tokens.weight"]
                 assert sum(1 for r in manifest.tensors if r.offset_bytes == lm.offset_bytes) == 2

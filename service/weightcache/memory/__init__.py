@@ -86,6 +86,12 @@ class Backend(Protocol):
     def import_fd(self, fd: int, size_bytes: int, device: str) -> ImportedSlab:
         """Maps a received fd read-only. Does not take ownership of ``fd``."""
 
+    def mem_info(self) -> tuple[int, int]:
+        """Returns ``(free_bytes, total_bytes)`` of the memory slabs come from (GPU, or host RAM)."""
+
+    def device_info(self) -> dict:
+        """Key fields of the slab's device (DESIGN section 5): ``backend``, ``gpu_uuid``, ``compute_capability``."""
+
 
 def get_backend(name: str, gpu: int = 0) -> Backend:
     """Returns the backend named ``name`` (``host`` or ``cuda``) for GPU ``gpu``.

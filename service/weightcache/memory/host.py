@@ -37,6 +37,39 @@ def _frombuffer(buf, writable: bool):
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
+def sealed_memfd(data: bytes, name: str) -> int:
+    """A new memfd holding ``data``, sealed against every change (shrink, grow, write, further seals).
+
+    Args:
+        data (`bytes`): the content.
+        name (`str`): the memfd's name (``/proc/<pid>/fd`` shows ``memfd:<name>``).
+
+    Returns:
+        `int`: the fd (close-on-exec); the caller owns it.
+    """
+    fd = os.memfd_create(name[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def host_memory_info() -> tuple[int, int]:
+    """``(free_bytes, total_bytes)`` of host RAM: ``MemAvailable`` and ``MemTotal`` of /proc/meminfo."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            info[k] = int(v.split()[0]) * 1024
+    return info.get("MemAvailable", 0), info.get("MemTotal", 0)
+
+
 def _round(size_bytes: int) -> int:
     return max(PAGE, (size_bytes + PAGE - 1) // PAGE * PAGE)
 
@@ -151,6 +184,10 @@ class HostBackend:
     def import_fd(self, fd: int, size_bytes: int, device: str = "cpu") -> HostImportedSlab:
         """Maps a received memfd ``PROT_READ``; the caller keeps (and closes) ``fd``."""
         return HostImportedSlab(fd, size_bytes)
+
+    def mem_info(self) -> tuple[int, int]:
+        """Returns ``(free_bytes, total_bytes)`` of host RAM (/proc/meminfo ``MemAvailable``, ``MemTotal``)."""
+        return host_memory_info()
 
     def device_info(self) -> dict:
         """Key fields of the slab's device (DESIGN §5): host memory has no GPU."""

@@ -43,6 +43,9 @@ class Scheme:
             ``quant_config_blake2b``).
         source (`str`): file the config came from.
         capability (`Capability | None`): the capability table entry.
+        quant_config: the parsed ``modelopt_fp8.QuantConfig``.
+        quantized (`frozenset[str]`): the quantized linear modules, as
+            ``check_layers`` found them from the headers (checked once per plan).
     """
 
     name: str
@@ -50,7 +53,8 @@ class Scheme:
     config_hash: str
     source: str = ""
     capability: Capability | None = None
-    quant_config: Any = None  # the parsed modelopt_fp8.QuantConfig
+    quant_config: Any = None
+    quantized: frozenset[str] = frozenset()
 
 
 #: Default of the ``scheme`` arguments below: detect it from the checkpoint.
@@ -80,8 +84,8 @@ def detect(ck: Checkpoint, kernel: str | None = None) -> Scheme | None:
     if qc is None:
         return None
     cap = modelopt_fp8.capability(ck, qc, kernel)
-    modelopt_fp8.check_layers(ck, qc, cap)
-    return Scheme(cap.scheme, qc.raw, modelopt_fp8.config_hash(qc.raw), qc.file, cap, qc)
+    quantized = frozenset(modelopt_fp8.check_layers(ck, qc, cap))
+    return Scheme(cap.scheme, qc.raw, modelopt_fp8.config_hash(qc.raw), qc.file, cap, qc, quantized)
 
 
 def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, scheme: Any = DETECT) -> list[TensorSpec]:
@@ -106,4 +110,4 @@ def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, scheme: 
         scheme = detect(ck, kernel)
     if scheme is None:
         return specs
-    return modelopt_fp8.process_specs(ck, specs, kernel, scheme.quant_config, scheme.capability)
+    return modelopt_fp8.process_specs(ck, specs, kernel, scheme.capability, scheme.quantized)

@@ -44,6 +44,7 @@ from typing import Any
 
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointCorrupt, UnsupportedQuantization
+from ..sharding import FUSED_PARTS  # fused projections and their parts, as vLLM's packed_modules_mapping
 from ..spec import SourceRef, TensorSpec
 from . import capabilities
 from .capabilities import Capability
@@ -58,11 +59,6 @@ ALIGN_ELEMENTS = 16
 #: padded weight rows are zero, so any finite scale gives exactly 0 there; 1.0
 #: (not 0) keeps every scale positive and invertible for engines that divide.
 SCALE_PAD_VALUE = 1.0
-#: Fused projections and their parts, as vLLM's ``packed_modules_mapping``.
-FUSED_PARTS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 QUANT_FILE = "hf_quant_config.json"
 
 OP_WEIGHT = "modelopt_fp8_weight"
@@ -352,10 +348,6 @@ def check_layers(ck: Checkpoint, qc: QuantConfig, cap: Capability) -> set[str]:
     return quantized
 
 
-def _part_name(module: str) -> str:
-    return module.rsplit(".", 1)[-1]
-
-
 def _scale_source(ref: SourceRef, scale: str, granularity: str) -> SourceRef:
     # Per-channel scales follow the weight's row slice (column-parallel
     # shards); row-parallel shards (dim 1) and per-tensor scales are whole.
@@ -451,8 +443,8 @@ def _rewrite_weight(ck: Checkpoint, spec: TensorSpec, modules: list[str], cap: C
     return out
 
 
-def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, qc: QuantConfig,
-                  cap: Capability) -> list[TensorSpec]:
+def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, cap: Capability,
+                  quantized: frozenset[str] | set[str]) -> list[TensorSpec]:
     """Rewrites the sharded specs of a ModelOpt FP8 checkpoint for ``kernel`` (headers only).
 
     For every spec whose sources are all quantized ``*.weight`` tensors (one,
@@ -473,12 +465,19 @@ def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, qc: Quan
     scale). Other ``*_scale`` tensors (``k_scale``, ``v_scale``) pass through,
     kept in their stored dtype (``F32``). Everything else is unchanged.
 
+    Args:
+        ck (`Checkpoint`): the checkpoint (headers).
+        specs (`list[TensorSpec]`): the sharded specs.
+        kernel (`str`): the kernel layout target (``cutlass``).
+        cap (`Capability`): the scheme's capability entry.
+        quantized (`frozenset[str]`): the quantized modules, from
+            :func:`check_layers` (run once, by ``quant.detect``).
+
     Raises:
-        UnsupportedQuantization (`unsupported_quantization`): a layer that does
-            not fit the scheme (missing or block-wise scales, excluded yet FP8,
-            a fused layer mixing FP8 and unquantized parts).
+        UnsupportedQuantization (`unsupported_quantization`): a fused layer
+            mixing FP8 and unquantized parts, or a spec mixing scales with
+            other tensors (per-layer checks are :func:`check_layers`'s).
     """
-    quantized = check_layers(ck, qc, cap)
     drop = {f"{m}.weight_scale" for m in quantized} | {f"{m}.input_scale" for m in quantized}
     weights = {f"{m}.weight" for m in quantized}
     out: list[TensorSpec] = []

@@ -1,0 +1,37 @@
+"""The per-GPU service, one room per concern.
+
+One process serves one GPU (``weightcache serve --gpu N``). The main thread
+runs the serving loop (:mod:`.loop`) over the listening socket, the client
+connections and a wake-up pipe; one loader thread (:mod:`.loads`) runs the
+pipeline for every (model, layout, rank) placed on the GPU, one after the
+other, and posts its results to the loop. Clients are served while loads run:
+an ``attach`` for a model still loading waits (up to its ``wait_ms``) or gets
+a ``loading`` reply with progress.
+
+========================  =====================================================
+module                    owns
+========================  =====================================================
+:mod:`.state`             SlotState, the transition table, Slot, Lease, Peer,
+                          ServiceState (no I/O, no threads)
+:mod:`.handlers`          one function per request, returning replies and
+                          effects; the failure rule for one request
+:mod:`.loads`             the loader thread and the results it posts
+:mod:`.fdstore`           systemd's fd store: put, remove, adopt
+:mod:`.access`            a peer's rights; allow-list checks
+:mod:`.transport`         listener, connections, outboxes, backpressure
+:mod:`.ticker`            STATUS, EXTEND_TIMEOUT, READY, WATCHDOG, gc.freeze
+:mod:`.loop`              :class:`Daemon`: wires the rooms, carries out effects
+========================  =====================================================
+
+Trust boundary: a malformed frame, a protocol violation or a dead client ends
+that connection only; a bad model fails alone; a failure inside one request
+answers that client with ``internal_error``. A broken invariant of the
+service's own state exits non-zero (systemd restarts it; the fd store keeps the
+slabs).
+
+Forbidden imports: torch.
+"""
+
+from .loop import Daemon
+
+__all__ = ["Daemon"]

@@ -1,0 +1,307 @@
+"""One function per request: takes the state and the request, returns replies and effects.
+
+Owns the meaning of every request (``hello``, ``list``, ``status``,
+``attach``, ``release``, ``verify``, ``evict``, ``preload``), the
+:data:`HANDLERS` dict that dispatches them by message type, and :func:`handle`,
+which applies the service's rule for failures inside one request (STYLE.md,
+"Errors"):
+
+- a :class:`~weightcache.errors.WeightcacheError` becomes that client's error
+  reply;
+- any other exception answers that client with ``internal_error`` and logs
+  CRITICAL with the traceback; the service goes on;
+- :class:`~weightcache.daemon.state.IllegalTransition` (the service's own
+  bookkeeping is broken) is not caught: the serving loop exits on it.
+
+Handlers change the state directly (they run on the serving loop's thread)
+and *return* what the I/O layer must do (h11's way): :class:`Reply` frames
+for the requester and effects (:class:`StartLoad`, :class:`FreeSlab`,
+:class:`Refuse`). They never touch a socket, the fd store or the loader, so
+tests call them in-process (tests/unit/test_daemon_handlers.py).
+
+Forbidden imports: socket, selectors, threading, weightcache.notify, weightcache.fdpass,
+weightcache.daemon.transport, weightcache.daemon.loads, weightcache.daemon.fdstore,
+weightcache.daemon.ticker, weightcache.daemon.loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .. import pipeline, protocol
+from ..errors import InternalError, LeaseBusy, ModelLoadFailed, RemoteProtocolError, WeightcacheError
+from ..journal import event
+from . import access
+from .state import IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED
+
+log = logging.getLogger(__name__)
+
+#: What ``hello_reply`` lists as the service's capabilities.
+CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A frame for the requester: ``msg`` and the fds that travel with it (the I/O layer dups them)."""
+
+    msg: protocol.Message
+    fds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StartLoad:
+    """Effect: queue ``slot`` (now PENDING) on the loader."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class FreeSlab:
+    """Effect: drop the fd-store entries ``store_id`` and close ``sealed`` (the backend's SealedSlab)."""
+
+    store_id: str
+    sealed: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Effect: a protocol violation; send ``error`` if possible and close the connection."""
+
+    error: RemoteProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one request produced: replies for the requester, then effects for the I/O layer."""
+
+    replies: tuple[Reply, ...] = ()
+    effects: tuple[Any, ...] = ()
+
+
+@dataclass
+class Context:
+    """What handlers read besides the state: clocks and the backend's memory figures.
+
+    Attributes:
+        state (`ServiceState`): the service's state.
+        mem_info (`callable`): ``() -> (free_bytes, total_bytes)`` of the backend.
+        monotonic (`callable`): seconds, for deadlines (``time.monotonic``).
+        wall (`callable`): Unix time in seconds, for lease timestamps (``time.time``).
+        pid (`int`): the service's pid, as ``status`` reports it.
+    """
+
+    state: ServiceState
+    mem_info: Callable[[], tuple[int, int]]
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    pid: int = field(default_factory=os.getpid)
+
+
+def _one(msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
+    return Outcome((Reply(msg, fds),))
+
+
+def on_hello(ctx: Context, peer: Peer, msg: protocol.Hello) -> Outcome:
+    """``hello``: the service's version, GPU and capabilities; another protocol version is refused."""
+    st = ctx.state
+    if msg.protocol_version != protocol.PROTOCOL_VERSION:
+        return Outcome(effects=(Refuse(RemoteProtocolError(
+            f"protocol version {msg.protocol_version} is not supported; this service speaks "
+            f"{protocol.PROTOCOL_VERSION}: upgrade the client or the service", field="protocol_version")),))
+    return _one(protocol.HelloReply(protocol.PROTOCOL_VERSION, st.gpu, st.device.get("gpu_uuid", ""),
+                                    st.backend, list(CAPABILITIES)))
+
+
+def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
+    """``list``: one :class:`~weightcache.protocol.SlabInfo` per slot."""
+    now = ctx.monotonic()
+    return _one(protocol.ListReply([s.info(now).to_json() for s in ctx.state.slots]))
+
+
+def status(ctx: Context) -> protocol.ServiceStatus:
+    """The service's :class:`~weightcache.protocol.ServiceStatus` now."""
+    st, now = ctx.state, ctx.monotonic()
+    free, total = ctx.mem_info()
+    return protocol.ServiceStatus(
+        gpu=st.gpu, pid=ctx.pid, backend=st.backend, device=protocol.DeviceInfo.from_json(st.device),
+        free_bytes=int(free), total_bytes=int(total), slabs=tuple(s.info(now) for s in st.slots), clients=len(st.peers),
+        status_line=st.status_line(now))
+
+
+def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
+    """``status``: see :func:`status`."""
+    return _one(protocol.StatusReply(status(ctx).to_json()))
+
+
+def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
+    """``attach``: a lease and the slab's fd, or ``loading``, or parks the request while the slot loads.
+
+    Raises:
+        RemoteProtocolError (`protocol_violation`): unknown ``mode``.
+        ModelNotFound (`model_not_found`), AccessDenied (`access_denied`),
+        ModelLoadFailed (`model_load_failed`): see :func:`answer_attach`.
+    """
+    if msg.mode not in ("zero_copy", "copy"):
+        raise RemoteProtocolError(f"attach: mode must be zero_copy or copy, got {msg.mode!r}", field="mode")
+    st = ctx.state
+    slot = st.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming)[0]
+    access.check_attach(peer, slot, st.service_uid)
+    if slot.state in UNSETTLED and msg.wait_ms > 0:
+        peer.waiting.append((msg, slot, ctx.monotonic() + msg.wait_ms / 1e3))
+        return Outcome()
+    return answer_attach(ctx, peer, msg, slot)
+
+
+def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) -> Outcome:
+    """The answer to an attach for ``slot`` as it is now.
+
+    Raises:
+        ModelLoadFailed (`model_load_failed`): the slot failed to load (``cause``
+            is the load error's code) or was evicted (``cause=evicted``).
+    """
+    p = slot.placement
+    if slot.state is SlotState.READY:
+        lease = ctx.state.lease(peer, slot, msg.mode, ctx.wall())
+        if slot.manifest_wire is None:  # adopted from the fd store: encoded at the first attach
+            header, payload = slot.manifest.to_wire()
+            slot.manifest_wire = (protocol.PreEncoded(header), payload)
+        header, payload = slot.manifest_wire
+        log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
+                 p.model.name, p.tp_size, p.tp_rank, peer.pid, peer.uid, lease.lease_id, msg.mode,
+                 extra=event("attached", p.model.name, p.tp_rank, peer_pid=peer.pid))
+        return _one(protocol.AttachReply(lease.lease_id, header, p.model.path, ctx.state.backend, payload),
+                    (slot.sealed.fd,))
+    if slot.state is SlotState.FAILED:
+        e = slot.error
+        raise ModelLoadFailed(f"model {p.model.name} ({p.label}) failed to load: {e.message}",
+                              model=p.model.name,
+                              cause=e.details.get("cause", e.code) if isinstance(e, ModelLoadFailed) else e.code,
+                              cause_details=e.details)
+    if slot.state is SlotState.EVICTED:
+        raise ModelLoadFailed(f"model {p.model.name} ({p.label}) was evicted; run `weightcache preload "
+                              f"{p.model.name}` to load it again", model=p.model.name, cause="evicted")
+    return _one(protocol.Loading(p.model.name, slot.done_bytes, slot.total_bytes, slot.state.value))
+
+
+def service_waiting(ctx: Context, peer: Peer) -> Outcome:
+    """Answers the parked attaches of ``peer`` whose slot settled or whose deadline passed."""
+    now = ctx.monotonic()
+    still, replies = [], []
+    for msg, slot, deadline in peer.waiting:
+        if slot.state in UNSETTLED and now < deadline:
+            still.append((msg, slot, deadline))
+            continue
+        replies += _guarded(peer, msg, lambda m=msg, s=slot: answer_attach(ctx, peer, m, s)).replies
+    peer.waiting = still
+    return Outcome(tuple(replies))
+
+
+def on_release(ctx: Context, peer: Peer, msg: protocol.Release) -> Outcome:
+    """``release``: ends one lease of this connection.
+
+    Raises:
+        RemoteProtocolError (`protocol_violation`): the lease is not this connection's.
+    """
+    lease = peer.leases.get(msg.lease_id)
+    if lease is None:
+        raise RemoteProtocolError(f"release: lease {msg.lease_id} is not held by this connection",
+                                  lease_id=msg.lease_id)
+    end_lease(ctx.state, peer, lease)
+    return _one(protocol.ReleaseReply(msg.lease_id))
+
+
+def end_lease(state: ServiceState, peer: Peer, lease: Any) -> None:
+    """Ends ``lease`` (release or connection closed) and logs it."""
+    state.end_lease(peer, lease)
+    p = lease.slot.placement
+    log.info("released model=%s rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_rank, peer.pid, lease.lease_id,
+             extra=event("released", p.model.name, p.tp_rank))
+
+
+def on_verify(ctx: Context, peer: Peer, msg: protocol.Verify) -> Outcome:
+    """``verify``: recomputes the content digests of each matching READY slab."""
+    results = []
+    for s in ctx.state.find_slots(msg.model, msg.tp_size, msg.tp_rank):
+        p = s.placement
+        if s.state is not SlotState.READY:
+            results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, []))
+            continue
+        bad = pipeline.verify(s.manifest, s.sealed.tensor)
+        results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, bad,
+                                             len(s.manifest.tensors)))
+    return _one(protocol.VerifyReply([r.to_json() for r in results]))
+
+
+def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
+    """``evict``: frees every READY slab of a model (engines keep their mappings).
+
+    Raises:
+        LeaseBusy (`lease_busy`): leases are held and ``force`` is not set.
+    """
+    slots = ctx.state.find_slots(msg.model)
+    leased = [s for s in slots if s.leases]
+    if leased and not msg.force:
+        raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
+                        f"use --force to evict anyway (engines keep their mappings)", model=msg.model)
+    evicted, effects = [], []
+    for s in slots:
+        if s.state is not SlotState.READY:
+            continue
+        effects.append(FreeSlab(s.store_id, s.evict()))
+        evicted.append(s.label)
+        log.info("evicted model=%s rank=%d forced=%s", s.placement.model.name, s.placement.tp_rank, msg.force,
+                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank))
+    return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
+
+
+def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
+    """``preload``: queues every FAILED or EVICTED slot of a model for loading again."""
+    started, effects = [], []
+    for s in ctx.state.find_slots(msg.model):
+        if s.state in (SlotState.FAILED, SlotState.EVICTED):
+            s.requeue()
+            effects.append(StartLoad(s))
+            started.append(s.label)
+    return Outcome((Reply(protocol.PreloadReply(started)),), tuple(effects))
+
+
+#: Message type -> handler.
+HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
+    protocol.Hello: on_hello,
+    protocol.List: on_list,
+    protocol.Status: on_status,
+    protocol.Attach: on_attach,
+    protocol.Release: on_release,
+    protocol.Verify: on_verify,
+    protocol.Evict: on_evict,
+    protocol.Preload: on_preload,
+}
+
+
+def _guarded(peer: Peer, msg: protocol.Message, fn: Callable[[], Outcome]) -> Outcome:
+    """Runs ``fn`` under the rule for failures inside one request (module docstring)."""
+    try:
+        return fn()
+    except WeightcacheError as e:
+        return _one(protocol.Error.from_exc(e))
+    except IllegalTransition:
+        raise
+    except Exception as e:  # noqa: BLE001 - one request must never take the service down
+        log.critical("request failed peer_pid=%d type=%s error=%r\n%s", peer.pid, msg.tag(), e,
+                     traceback.format_exc())
+        return _one(protocol.Error.from_exc(InternalError(
+            f"the service failed to handle {msg.tag()!r}: {e!r}"[:4096], request=msg.tag())))
+
+
+def handle(ctx: Context, peer: Peer, msg: protocol.Message) -> Outcome:
+    """Dispatches one request of ``peer`` and applies the failure rule (module docstring).
+
+    Raises:
+        IllegalTransition: the service's own state is broken (the caller exits).
+    """
+    return _guarded(peer, msg, lambda: HANDLERS[type(msg)](ctx, peer, msg))

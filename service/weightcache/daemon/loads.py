@@ -1,0 +1,239 @@
+"""The loader thread: runs the pipeline for one slot after another and posts what happened.
+
+Owns the loader thread, its queue, the load timeout
+(``service.load_timeout_s``) and the result records it posts
+(:class:`Started`, :class:`Planned`, :class:`Progress`, :class:`Loaded`,
+:class:`Failed`). The thread never writes the service's state: it appends a
+result to a queue and writes one byte to the serving loop's wake-up pipe; the
+serving loop calls :func:`apply`, so only its thread moves a slot through the
+transition table.
+
+The loader reads only a slot's ``placement`` (immutable). A load that raises
+anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
+as itself, ``MemoryError`` as ``out_of_memory``, anything else as
+``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
+
+Forbidden imports: socket, selectors, weightcache.protocol, weightcache.fdpass,
+weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.ticker,
+weightcache.daemon.fdstore, weightcache.daemon.loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .. import pipeline
+from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
+from ..journal import event
+from ..loader import LoaderOptions
+from ..manifest import Manifest
+from .state import ServiceState, Slot
+
+log = logging.getLogger(__name__)
+
+#: Progress is posted at most this often (seconds): STATUS= shows it once a second.
+PROGRESS_PERIOD_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """The loader took ``slot`` at ``at`` (``time.monotonic()`` s)."""
+
+    slot: Slot
+    at: float
+
+    def apply(self, state: ServiceState) -> None:
+        self.slot.start(self.at)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """The plan is made: ``total_bytes`` of payload will be written."""
+
+    slot: Slot
+    total_bytes: int
+
+    def apply(self, state: ServiceState) -> None:
+        self.slot.total_bytes = self.total_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """``done_bytes`` of the payload are written."""
+
+    slot: Slot
+    done_bytes: int
+
+    def apply(self, state: ServiceState) -> None:
+        self.slot.done_bytes = self.done_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """The slab is sealed: its manifest, the backend's SealedSlab, the encoded manifest and the load time."""
+
+    slot: Slot
+    manifest: Manifest
+    sealed: Any
+    wire: Any
+    duration_s: float
+
+    def apply(self, state: ServiceState) -> None:
+        slot, p, dt = self.slot, self.slot.placement, self.duration_s
+        slot.loaded(self.manifest, self.sealed, self.wire, time.monotonic())
+        state.loads_done += 1
+        log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f rate_gbps=%.2f",
+                 p.model.name, p.tp_size, p.tp_rank, len(self.manifest.tensors), slot.total_bytes, dt * 1e3,
+                 slot.total_bytes / max(dt, 1e-9) / 1e9, extra=event("loaded", p.model.name, p.tp_rank))
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The load failed with ``error``; ``logged`` when the loader already logged it (CRITICAL)."""
+
+    slot: Slot
+    error: WeightcacheError
+    logged: bool = False
+
+    def apply(self, state: ServiceState) -> None:
+        e, p = self.error, self.slot.placement
+        self.slot.fail(e)
+        state.loads_done += 1
+        if not self.logged:
+            log.error("load failed model=%s rank=%d code=%s error=%s", p.model.name, p.tp_rank, e.code, e.message,
+                      extra=event("load_failed", p.model.name, p.tp_rank))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSettings:
+    """What every load needs from the service.
+
+    Attributes:
+        backend: the slab backend (``allocate``).
+        device (`dict`): the backend's ``device_info()`` (part of the cache key).
+        timeout_s (`float`): ``service.load_timeout_s``.
+        options (`LoaderOptions`): read threads and staging bytes.
+        config_source (`str`): the config file, named in the timeout error.
+    """
+
+    backend: Any
+    device: dict
+    timeout_s: float
+    options: LoaderOptions
+    config_source: str
+
+
+class Loader:
+    """The loader thread.
+
+    Args:
+        settings (`LoadSettings`): see there.
+        wake_fd (`int`): the serving loop's wake-up pipe (non-blocking write end).
+        encode (`callable`): ``manifest -> wire form``, run here rather than in
+            the serving loop at the first attach.
+    """
+
+    def __init__(self, settings: LoadSettings, wake_fd: int, encode: Callable[[Manifest], Any]) -> None:
+        self.settings = settings
+        self._wake_fd = wake_fd
+        self._encode = encode
+        self._jobs: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="weightcache-loader", daemon=True)
+
+    def start(self) -> None:
+        """Starts the thread."""
+        self._thread.start()
+
+    def submit(self, slot: Slot) -> None:
+        """Queues a PENDING ``slot``."""
+        self._jobs.put(slot)
+
+    def stop(self) -> None:
+        """Asks the thread to end after the current load (it is a daemon thread: exit does not wait)."""
+        self._jobs.put(None)
+
+    def results(self) -> list[Any]:
+        """Every result posted since the last call, in order (serving loop only)."""
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _post(self, result: Any) -> None:
+        self._results.put(result)
+        try:
+            os.write(self._wake_fd, b"l")
+        except (BlockingIOError, InterruptedError):
+            pass  # the pipe is full: the loop is woken already
+
+    def _run(self) -> None:
+        while True:
+            slot = self._jobs.get()
+            if slot is None:
+                return
+            self._post(self._load(slot))
+
+    def _load(self, slot: Slot) -> Loaded | Failed:
+        p, st = slot.placement, self.settings
+        started = time.monotonic()
+        self._post(Started(slot, started))
+        writable = None
+        last_post = [0.0]
+        try:
+            pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, st.device)
+            self._post(Planned(slot, pl.payload_bytes))
+            writable = st.backend.allocate(pl.slab_size_bytes, p.label)
+
+            def progress(done: int, total: int) -> None:
+                now = time.monotonic()
+                if now - started > st.timeout_s:
+                    raise ModelLoadFailed(
+                        f"model {p.model.name}: load exceeded service.load_timeout_s = {st.timeout_s:g} s "
+                        f"({done}/{total} bytes read); raise it in {st.config_source}",
+                        model=p.model.name, cause="timeout")
+                if now - last_post[0] >= PROGRESS_PERIOD_S:
+                    last_post[0] = now
+                    self._post(Progress(slot, done))
+
+            manifest = pipeline.execute(pl, writable.tensor, progress, st.options)
+            wire = self._encode(manifest)
+            sealed = writable.seal()
+            writable = None
+            return Loaded(slot, manifest, sealed, wire, time.monotonic() - started)
+        except WeightcacheError as e:
+            return self._fail(slot, e, writable)
+        except MemoryError as e:
+            return self._fail(slot, OutOfMemory(f"model {p.model.name}: out of host memory: {e}",
+                                                model=p.model.name), writable)
+        except Exception as e:  # noqa: BLE001 - a bug or an unexpected library error: fail this model only
+            log.critical("load crashed model=%s rank=%d error=%r\n%s", p.model.name, p.tp_rank, e,
+                         traceback.format_exc(), extra=event("load_failed", p.model.name, p.tp_rank))
+            return self._fail(slot, ModelLoadFailed(f"model {p.model.name}: internal error while loading: {e!r}",
+                                                    model=p.model.name, cause="internal"), writable, logged=True)
+
+    def _fail(self, slot: Slot, e: WeightcacheError, writable: Any, logged: bool = False) -> Failed:
+        if writable is not None:
+            try:
+                writable.abort()
+            except Exception as ae:  # noqa: BLE001 - best effort; the original error matters
+                log.warning("abort of partial slab failed model=%s error=%r", slot.placement.model.name, ae)
+        return Failed(slot, e, logged)
+
+
+def apply(state: ServiceState, result: Started | Planned | Progress | Loaded | Failed) -> None:
+    """Applies one loader result to the state (serving loop only).
+
+    Raises:
+        IllegalTransition: the result does not fit the slot's state (a bug).
+    """
+    result.apply(state)

@@ -1,0 +1,357 @@
+"""The service's state: slots, their transition table, leases and peers. No I/O.
+
+Owns:
+
+- :class:`SlotState` and :class:`SlotEvent`, and :data:`TRANSITIONS`, the
+  literal table of every allowed move (as h11's ``_state.py`` and Dynamo GMS's
+  ``fsm.py``). :meth:`Slot.move` is the only code that changes a slot's state;
+  a move the table does not hold raises :class:`IllegalTransition` (a broken
+  invariant of the service itself: the serving loop logs CRITICAL and exits).
+- :class:`Slot` (one (model, layout, rank) on this GPU and its slab),
+  :class:`Lease`, :class:`Peer` (one connection's identity, leases and parked
+  attaches, without its socket) and :class:`ServiceState` (all of them, the
+  lease counter and the count of every transition taken, for metrics).
+
+Only the serving loop's thread touches these objects; the loader thread posts
+results (:mod:`weightcache.daemon.loads`) instead of writing here.
+
+Forbidden imports: socket, selectors, threading, torch, weightcache.memory,
+weightcache.pipeline, weightcache.notify, weightcache.daemon.transport,
+weightcache.daemon.handlers, weightcache.daemon.loads, weightcache.daemon.fdstore,
+weightcache.daemon.ticker, weightcache.daemon.loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import protocol
+from ..config import Placement
+from ..errors import ModelNotFound, WeightcacheError
+from ..manifest import Manifest
+
+
+class SlotState(enum.Enum):
+    """Where one slot is in its life; the value is what ``status`` reports."""
+
+    PENDING = "pending"   # configured, waiting for the loader
+    LOADING = "loading"   # the loader plans, reads and fills its slab
+    READY = "ready"       # sealed slab resident, attachable
+    FAILED = "failed"     # the last load failed; ``error`` says why
+    EVICTED = "evicted"   # freed by ``evict``; ``preload`` loads it again
+
+
+class SlotEvent(enum.Enum):
+    """What can happen to a slot."""
+
+    START = "start"          # the loader took it
+    LOADED = "loaded"        # the loader sealed its slab
+    FAIL = "fail"            # the load failed (error, timeout, out of memory, crash)
+    ADOPT = "adopt"          # a matching slab came back from systemd's fd store
+    EVICT = "evict"          # ``evict`` freed the slab
+    REQUEUE = "requeue"      # ``preload`` after a failure or an eviction
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One allowed move: ``source`` --``event``--> ``target``."""
+
+    source: SlotState
+    event: SlotEvent
+    target: SlotState
+
+
+S, E = SlotState, SlotEvent
+
+#: Every allowed move; anything absent raises :class:`IllegalTransition`.
+TRANSITIONS: tuple[Transition, ...] = (
+    Transition(S.PENDING, E.START, S.LOADING),
+    Transition(S.PENDING, E.ADOPT, S.READY),
+    Transition(S.LOADING, E.LOADED, S.READY),
+    Transition(S.LOADING, E.FAIL, S.FAILED),
+    Transition(S.READY, E.EVICT, S.EVICTED),
+    Transition(S.FAILED, E.REQUEUE, S.PENDING),
+    Transition(S.EVICTED, E.REQUEUE, S.PENDING),
+)
+
+_TABLE: dict[tuple[SlotState, SlotEvent], SlotState] = {(t.source, t.event): t.target for t in TRANSITIONS}
+
+#: States in which a load is still to come or under way (attaches may wait).
+UNSETTLED = frozenset({S.PENDING, S.LOADING})
+
+del S, E
+
+
+class IllegalTransition(Exception):
+    """The transition table refused a move: the service's own bookkeeping is broken.
+
+    Not a :class:`~weightcache.errors.WeightcacheError` (no client caused it):
+    the serving loop logs CRITICAL and exits non-zero; systemd restarts the
+    service and the fd store keeps the resident slabs.
+    """
+
+    def __init__(self, label: str, source: SlotState, event: SlotEvent) -> None:
+        super().__init__(f"slot {label}: event {event.value!r} is not allowed in state {source.value!r} "
+                         f"(allowed there: {[t.event.value for t in TRANSITIONS if t.source is source]})")
+        self.label, self.source, self.event = label, source, event
+
+
+@dataclass(eq=False)
+class Lease:
+    """One attach held by one connection: ends with ``release`` or the connection.
+
+    ``pid``/``uid``/``gid`` come from ``SO_PEERCRED``; ``since`` is a Unix time
+    in seconds; ``mode`` is ``zero_copy`` or ``copy``.
+    """
+
+    lease_id: int
+    slot: "Slot"
+    pid: int
+    uid: int
+    gid: int
+    since: float
+    mode: str
+
+    def info(self) -> protocol.LeaseInfo:
+        """The lease as the ``status`` reply carries it."""
+        return protocol.LeaseInfo(self.lease_id, self.pid, self.uid, self.gid, self.since, self.mode)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One (model, layout, rank) on this GPU and its slab.
+
+    ``state`` changes only through :meth:`move` (see :data:`TRANSITIONS`).
+    ``done_bytes``/``total_bytes`` are the load's progress in payload bytes;
+    ``started_at``/``ready_at`` are ``time.monotonic()`` seconds.
+    """
+
+    placement: Placement
+    state: SlotState = SlotState.PENDING
+    done_bytes: int = 0
+    total_bytes: int = 0
+    error: WeightcacheError | None = None
+    manifest: Manifest | None = None
+    #: (protocol.PreEncoded header, payload) of the packed manifest, encoded once per slab.
+    manifest_wire: Any = None
+    #: The backend's SealedSlab (fd, size_bytes, tensor) while READY.
+    sealed: Any = None
+    adopted: bool = False
+    started_at: float = 0.0
+    ready_at: float = 0.0
+    leases: dict[int, Lease] = field(default_factory=dict)
+    #: Counts of (source, event, target) moves, shared with the ServiceState (for metrics).
+    counts: collections.Counter = field(default_factory=collections.Counter, repr=False)
+
+    @property
+    def store_id(self) -> str:
+        """The slot's name in systemd's fd store (``slab-<id>``, ``manifest-<id>``): 16 hex digits."""
+        p = self.placement
+        raw = f"{p.model.name}\0{p.tp_size}\0{p.tp_rank}\0{p.gpu}".encode()
+        return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+    @property
+    def label(self) -> str:
+        """``model/tpN/rankR``."""
+        return self.placement.label
+
+    def move(self, event: SlotEvent) -> SlotState:
+        """Applies ``event`` through :data:`TRANSITIONS`; returns the new state.
+
+        Raises:
+            IllegalTransition: the table holds no move for (state, event).
+        """
+        target = _TABLE.get((self.state, event))
+        if target is None:
+            raise IllegalTransition(self.label, self.state, event)
+        self.counts[(self.state, event, target)] += 1
+        self.state = target
+        return target
+
+    def start(self, now: float) -> None:
+        """PENDING -> LOADING: the loader took the slot at ``now`` (monotonic s).
+
+        ``total_bytes`` keeps the previous load's size (a reload after evict or
+        failure) until the new plan replaces it.
+        """
+        self.move(SlotEvent.START)
+        self.error, self.done_bytes, self.started_at = None, 0, now
+
+    def loaded(self, manifest: Manifest, sealed: Any, wire: Any, now: float) -> None:
+        """LOADING -> READY with the sealed slab and its manifest."""
+        self.move(SlotEvent.LOADED)
+        self.manifest, self.sealed, self.manifest_wire, self.ready_at = manifest, sealed, wire, now
+        self.done_bytes = self.total_bytes
+
+    def fail(self, error: WeightcacheError) -> None:
+        """LOADING -> FAILED with the error clients will get."""
+        self.move(SlotEvent.FAIL)
+        self.error = error
+
+    def adopt(self, manifest: Manifest, sealed: Any, wire: Any, now: float) -> None:
+        """PENDING -> READY with a slab handed back by systemd's fd store."""
+        self.move(SlotEvent.ADOPT)
+        self.manifest, self.sealed, self.manifest_wire, self.adopted = manifest, sealed, wire, True
+        self.ready_at = now
+        self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
+
+    def evict(self) -> Any:
+        """READY -> EVICTED; returns the SealedSlab for the caller to close (leases stay until released)."""
+        self.move(SlotEvent.EVICT)
+        sealed, self.sealed, self.manifest, self.manifest_wire, self.adopted = self.sealed, None, None, None, False
+        return sealed
+
+    def requeue(self) -> None:
+        """FAILED | EVICTED -> PENDING (``preload``)."""
+        self.move(SlotEvent.REQUEUE)
+        self.error = None
+
+    def rate_bytes_per_s(self, now: float) -> float:
+        """Load rate so far, bytes per second (0 unless LOADING)."""
+        if self.state is not SlotState.LOADING or not self.started_at:
+            return 0.0
+        return self.done_bytes / max(1e-6, now - self.started_at)
+
+    def info(self, now: float) -> protocol.SlabInfo:
+        """The slot as ``status`` and ``list`` report it."""
+        p, m = self.placement, self.manifest
+        key = None
+        if m is not None:
+            k = m.key
+            key = protocol.KeySummary(k.get("architecture"), k.get("quant_scheme"), k.get("pipeline_version"),
+                                      len(k.get("checkpoint", {}).get("files", {})))
+        return protocol.SlabInfo(
+            model=p.model.name, path=p.model.path, tp_size=p.tp_size, tp_rank=p.tp_rank, state=self.state.value,
+            done_bytes=self.done_bytes, total_bytes=self.total_bytes,
+            rate_bytes_per_s=round(self.rate_bytes_per_s(now)),
+            resident_bytes=self.sealed.size_bytes if self.sealed is not None else 0,
+            adopted=self.adopted, dtype=p.model.dtype, naming=p.model.naming,
+            tensors=len(m.tensors) if m is not None else 0,
+            error=protocol.ErrorInfo(**self.error.to_wire()) if self.error is not None else None,
+            key=key, leases=tuple(lease.info() for lease in self.leases.values()))
+
+
+@dataclass(eq=False)
+class Peer:
+    """One connection as the state sees it: who (``SO_PEERCRED``), its leases, its parked attaches.
+
+    ``waiting`` holds ``(attach request, slot, deadline)`` with the deadline in
+    ``time.monotonic()`` seconds. ``rights`` is filled by
+    :mod:`weightcache.daemon.access` on first use.
+    """
+
+    pid: int
+    uid: int
+    gid: int
+    leases: dict[int, Lease] = field(default_factory=dict)
+    waiting: list[tuple[protocol.Attach, Slot, float]] = field(default_factory=list)
+    rights: Any = None
+
+
+class ServiceState:
+    """Everything the service knows, without its sockets or threads.
+
+    Args:
+        gpu (`int`): the GPU index this instance serves.
+        backend (`str`): ``host`` or ``cuda``.
+        device (`dict`): the backend's ``device_info()`` (``gpu_uuid``, ``compute_capability``).
+        placements (`list[Placement]`): what the config places on this GPU.
+        config_source (`str`): the config file(s), for error messages.
+        service_uid (`int`): the service's own uid (always allowed).
+    """
+
+    def __init__(self, gpu: int, backend: str, device: dict[str, Any], placements: list[Placement],
+                 config_source: str = "the config", service_uid: int | None = None) -> None:
+        self.gpu = gpu
+        self.backend = backend
+        self.device = device
+        self.config_source = config_source
+        self.service_uid = os.getuid() if service_uid is None else service_uid
+        #: Counts of (source, event, target) moves of every slot: what a metrics layer exports.
+        self.transition_counts: collections.Counter = collections.Counter()
+        self.slots = [Slot(p, counts=self.transition_counts) for p in placements]
+        self.peers: set[Peer] = set()
+        self.loads_done = 0  # loads settled (ready or failed) since start
+        self._next_lease = 1
+        self._realpaths: dict[str, str] = {}
+
+    def lease(self, peer: Peer, slot: Slot, mode: str, since: float) -> Lease:
+        """Grants ``peer`` a new lease on READY ``slot``; ``since`` is Unix time in seconds."""
+        lease = Lease(self._next_lease, slot, peer.pid, peer.uid, peer.gid, since, mode)
+        self._next_lease += 1
+        peer.leases[lease.lease_id] = lease
+        slot.leases[lease.lease_id] = lease
+        return lease
+
+    def end_lease(self, peer: Peer, lease: Lease) -> None:
+        """Ends one lease of ``peer`` (release, or the connection closed)."""
+        peer.leases.pop(lease.lease_id, None)
+        lease.slot.leases.pop(lease.lease_id, None)
+
+    @property
+    def settled(self) -> bool:
+        """True when no slot is PENDING or LOADING."""
+        return all(s.state not in UNSETTLED for s in self.slots)
+
+    def find_slots(self, model: str, tp_size: int | None = None, tp_rank: int | None = None,
+                   dtype: str | None = None, naming: str | None = None) -> list[Slot]:
+        """Slots matching a model name or checkpoint path (and layout, when given).
+
+        Raises:
+            ModelNotFound (`model_not_found`): nothing matches; the message lists
+                what this GPU holds.
+        """
+        if "\0" in model:  # os.path.realpath raises on NUL; no model or path can contain one
+            raise ModelNotFound(f"GPU {self.gpu} has no model {model[:200]!r}: names and paths contain no NUL byte",
+                                model=model[:200], gpu=self.gpu)
+        real = os.path.realpath(model) if os.sep in model else None
+        out = []
+        for s in self.slots:
+            m = s.placement.model
+            if m.name != model and (real is None or self._realpath(m.path) != real):
+                continue
+            if tp_size is not None and s.placement.tp_size != tp_size:
+                continue
+            if tp_rank is not None and s.placement.tp_rank != tp_rank:
+                continue
+            if dtype is not None and m.dtype != dtype:
+                continue
+            if naming is not None and m.naming != naming:
+                continue
+            out.append(s)
+        if not out:
+            held = ", ".join(s.label for s in self.slots) or "nothing"
+            raise ModelNotFound(
+                f"GPU {self.gpu} has no model {model!r} with tp_size={tp_size} tp_rank={tp_rank}"
+                f"{'' if dtype is None else ' dtype=' + dtype}{'' if naming is None else ' naming=' + naming}; "
+                f"it holds: {held}", model=model, tp_size=tp_size, tp_rank=tp_rank, gpu=self.gpu)
+        return out
+
+    def _realpath(self, path: str) -> str:
+        """``os.path.realpath`` of a configured checkpoint path, resolved once."""
+        real = self._realpaths.get(path)
+        if real is None:
+            real = self._realpaths[path] = os.path.realpath(path)
+        return real
+
+    def status_line(self, now: float) -> str:
+        """One line for systemd's ``STATUS=`` and ``weightcache status``."""
+        loading = [s for s in self.slots if s.state in UNSETTLED]
+        ready = sum(s.state is SlotState.READY for s in self.slots)
+        failed = [s for s in self.slots if s.state is SlotState.FAILED]
+        if loading:
+            cur = next((s for s in loading if s.state is SlotState.LOADING), loading[0])
+            if not cur.total_bytes:  # planning: headers read, size not known yet
+                return f"loading {cur.label}: planning; {ready}/{len(self.slots)} ready"
+            pct = 100.0 * cur.done_bytes / cur.total_bytes
+            return (f"loading {cur.label}: {pct:.0f}% ({cur.done_bytes / 1e6:.0f}/{cur.total_bytes / 1e6:.0f} MB, "
+                    f"{cur.rate_bytes_per_s(now) / 1e9:.2f} GB/s); {ready}/{len(self.slots)} ready")
+        line = f"ready: {ready}/{len(self.slots)} slabs resident"
+        if failed:
+            line += f"; failed: {', '.join(s.label + ' (' + (s.error.code if s.error else '?') + ')' for s in failed)}"
+        return line

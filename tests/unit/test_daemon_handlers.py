@@ -1,0 +1,189 @@
+"""The service's handlers in-process: state + request in, replies + effects out; no socket, no thread.
+
+A real two-tensor checkpoint is loaded through the loader's own code (run in
+the test's thread) into a host slab; attach replies are decoded and mapped,
+and their bytes compared with the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from service_harness import compare_bytes, read_checkpoint, write_checkpoint
+from weightcache import protocol
+from weightcache.config import ModelConfig, Placement
+from weightcache.daemon import handlers, loads
+from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
+from weightcache.daemon.loop import encode_manifest
+from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent, SlotState
+from weightcache.loader import LoaderOptions
+from weightcache.manifest import Manifest, build_views
+from weightcache.memory.host import HostBackend
+
+TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64)}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def svc(tmp_path):
+    """A service state with model ``m`` (open) and ``locked`` (allow list without us), and a load runner."""
+    ck = write_checkpoint(tmp_path / "ck", TENSORS)
+    backend = HostBackend()
+    models = [ModelConfig("m", str(ck)), ModelConfig("locked", str(ck), allow_users=("nobody-here",))]
+    st = ServiceState(0, "host", backend.device_info(), [Placement(m, 1, 0, 0) for m in models],
+                      service_uid=os.getuid() + 1)
+    clock = Clock()
+    ctx = Context(st, lambda: (111, 222), monotonic=clock, wall=lambda: 1.7e9, pid=4242)
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"),
+                          w, encode_manifest)
+
+    def load(slot):
+        final = loader._load(slot)  # the thread's body, run here
+        for result in loader.results() + [final]:
+            loads.apply(st, result)
+
+    yield ctx, st, load, backend, ck, clock
+    for s in st.slots:
+        if s.sealed is not None:
+            s.sealed.close()
+    os.close(r)
+    os.close(w)
+
+
+def _error(out) -> protocol.Error:
+    (reply,) = out.replies
+    assert isinstance(reply.msg, protocol.Error), reply
+    return reply.msg
+
+
+def _views(backend, reply):
+    msg = reply.msg
+    manifest = Manifest.from_wire(msg.manifest, msg.payload)
+    imported = backend.import_fd(reply.fds[0], manifest.slab_size_bytes)
+    return build_views(imported.tensor, manifest)
+
+
+def test_hello_version(svc):
+    ctx, *_ = svc
+    (reply,) = handlers.handle(ctx, Peer(1, 2, 3), protocol.Hello(protocol.PROTOCOL_VERSION)).replies
+    assert (reply.msg.protocol_version, reply.msg.backend, reply.fds) == (protocol.PROTOCOL_VERSION, "host", ())
+    out = handlers.handle(ctx, Peer(1, 2, 3), protocol.Hello(protocol.PROTOCOL_VERSION + 1))
+    assert out.replies == () and isinstance(out.effects[0], Refuse)
+    assert out.effects[0].error.code == "protocol_violation"
+
+
+def test_attach_loading_parks_then_answers_with_the_bytes(svc):
+    ctx, st, load, backend, ck, clock = svc
+    peer = Peer(10, os.getuid(), os.getgid())
+    (reply,) = handlers.handle(ctx, peer, protocol.Attach("m")).replies
+    assert reply.msg == protocol.Loading("m", 0, 0, "pending")
+    assert handlers.handle(ctx, peer, protocol.Attach("m", wait_ms=5000)) == handlers.Outcome()
+    assert len(peer.waiting) == 1 and handlers.service_waiting(ctx, peer).replies == ()
+    load(st.slots[0])
+    assert st.slots[0].state is SlotState.READY and st.loads_done == 1
+    (reply,) = handlers.service_waiting(ctx, peer).replies
+    assert isinstance(reply.msg, protocol.AttachReply) and reply.fds == (st.slots[0].sealed.fd,)
+    assert peer.waiting == [] and list(peer.leases) == [reply.msg.lease_id]
+    assert st.slots[0].leases[reply.msg.lease_id].pid == 10
+    compare_bytes(_views(backend, reply), read_checkpoint(ck))
+
+
+def test_parked_attach_times_out_with_loading(svc):
+    ctx, st, load, *_, clock = svc
+    peer = Peer(10, os.getuid(), os.getgid())
+    handlers.handle(ctx, peer, protocol.Attach("m", wait_ms=1000))
+    clock.t += 1.5
+    (reply,) = handlers.service_waiting(ctx, peer).replies
+    assert reply.msg == protocol.Loading("m", 0, 0, "pending") and peer.waiting == []
+
+
+def test_failed_load_answers_model_load_failed_with_cause(svc, tmp_path):
+    ctx, st, load, *_ = svc
+    os.remove(tmp_path / "ck" / "model.safetensors")
+    load(st.slots[0])
+    assert st.slots[0].state is SlotState.FAILED
+    err = _error(handlers.handle(ctx, Peer(1, os.getuid(), 0), protocol.Attach("m")))
+    assert err.code == "model_load_failed" and err.details["cause"] == st.slots[0].error.code
+
+
+def test_access_denied_off_the_allow_list(svc):
+    ctx, *_ = svc
+    err = _error(handlers.handle(ctx, Peer(1, os.getuid(), os.getgid()), protocol.Attach("locked")))
+    assert (err.code, err.details["model"]) == ("access_denied", "locked")
+
+
+def test_release_status_evict_preload(svc):
+    ctx, st, load, backend, ck, clock = svc
+    peer = Peer(10, os.getuid(), os.getgid())
+    load(st.slots[0])
+    (att,) = handlers.handle(ctx, peer, protocol.Attach("m", mode="copy")).replies
+    lease_id = att.msg.lease_id
+
+    status = handlers.handle(ctx, peer, protocol.Status()).replies[0].msg.typed()
+    m = status.slabs[0]
+    assert (status.pid, status.free_bytes, status.total_bytes, m.state, m.tensors) == (4242, 111, 222, "ready", 2)
+    assert m.leases == (protocol.LeaseInfo(lease_id, 10, os.getuid(), os.getgid(), 1.7e9, "copy"),)
+    assert protocol.ServiceStatus.from_json(status.to_json()) == status
+
+    assert _error(handlers.handle(ctx, peer, protocol.Evict("m"))).code == "lease_busy"
+    assert _error(handlers.handle(ctx, peer, protocol.Release(lease_id + 1))).code == "protocol_violation"
+    (rel,) = handlers.handle(ctx, peer, protocol.Release(lease_id)).replies
+    assert rel.msg == protocol.ReleaseReply(lease_id) and not peer.leases and not st.slots[0].leases
+
+    sealed = st.slots[0].sealed
+    out = handlers.handle(ctx, peer, protocol.Evict("m"))
+    assert out.replies[0].msg == protocol.EvictReply(["m/tp1/rank0"])
+    assert out.effects == (FreeSlab(st.slots[0].store_id, sealed),) and st.slots[0].state is SlotState.EVICTED
+    sealed.close()
+    assert _error(handlers.handle(ctx, peer, protocol.Attach("m"))).details["cause"] == "evicted"
+
+    out = handlers.handle(ctx, peer, protocol.Preload("m"))
+    assert out.replies[0].msg == protocol.PreloadReply(["m/tp1/rank0"]) and out.effects == (StartLoad(st.slots[0]),)
+    assert st.slots[0].state is SlotState.PENDING
+
+
+def test_verify_reports_a_changed_tensor(svc):
+    ctx, st, load, *_ = svc
+    load(st.slots[0])
+    (reply,) = handlers.handle(ctx, Peer(1, 0, 0), protocol.Verify("m")).replies
+    assert [(r.state, r.tensors, r.mismatched) for r in reply.msg.typed()] == [("ready", 2, [])]
+    (reply,) = handlers.handle(ctx, Peer(1, 0, 0), protocol.Verify("locked")).replies
+    assert [(r.state, r.mismatched) for r in reply.msg.typed()] == [("pending", [])]
+
+
+def test_unexpected_exception_is_that_clients_internal_error(svc, monkeypatch, caplog):
+    ctx, st, load, *_ = svc
+    load(st.slots[0])
+
+    def broken(manifest, slab):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(handlers.pipeline, "verify", broken)
+    with caplog.at_level(logging.CRITICAL, logger="weightcache.daemon.handlers"):
+        err = _error(handlers.handle(ctx, Peer(1, 0, 0), protocol.Verify("m")))
+    assert (err.code, err.details["request"]) == ("internal_error", "verify")
+    assert any(r.levelno == logging.CRITICAL and "ZeroDivisionError" in r.getMessage() for r in caplog.records)
+    assert st.slots[0].state is SlotState.READY  # the service goes on
+
+
+def test_broken_invariant_is_not_caught(svc, monkeypatch):
+    ctx, st, *_ = svc
+
+    def corrupt(ctx, peer, msg):
+        st.slots[0].move(SlotEvent.LOADED)  # PENDING has no LOADED move
+
+    monkeypatch.setitem(handlers.HANDLERS, protocol.List, corrupt)
+    with pytest.raises(IllegalTransition):
+        handlers.handle(ctx, Peer(1, 0, 0), protocol.List())
