@@ -66,12 +66,17 @@ def unreadable(path: str | os.PathLike) -> CheckpointUnreadable:
     except KeyError:
         user = str(uid)
     path = os.path.abspath(path)
-    blocked = next((d for d in _ancestors(path) if not os.access(d, os.X_OK)), None)
+    blocked = next((d for d in _ancestors(path) if not _may(d, os.X_OK)), None)
     where = f" (directory {blocked} is not searchable by it)" if blocked else ""
     return CheckpointUnreadable(
         f"permission denied: user {user} (uid {uid}) cannot read {path}{where}; the service reads checkpoints as "
         f"{user}: make the checkpoint readable by it (e.g. chmod -R o+rX the checkpoint directory and "
         f"o+x its parents, or give it to {user}'s group)", file=path, user=user, uid=uid)
+
+
+def _may(path: str | os.PathLike, mode: int) -> bool:
+    """``access(2)`` for the effective ids, the ones ``open`` uses."""
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
 
 
 def _ancestors(path: str) -> list[str]:
@@ -271,7 +276,7 @@ class Checkpoint:
         if not stat.S_ISDIR(st.st_mode):
             raise CheckpointNotFound(f"checkpoint path {path} is not a directory; give the directory that holds "
                                      f"config.json and the *.safetensors files", path=str(path))
-        if not os.access(path, os.R_OK | os.X_OK):
+        if not _may(path, os.R_OK | os.X_OK):
             raise unreadable(path)
         self.path = Path(os.path.realpath(path))
         self._index = self.path / INDEX_NAME

@@ -661,7 +661,8 @@ class Daemon:
                 continue
             if tp_rank is not None and s.placement.tp_rank != tp_rank:
                 continue
-            if dtype is not None and m.dtype != dtype:
+            if dtype is not None and not pipeline.dtype_matches(m, s.placement.tp_size, s.placement.tp_rank, dtype,
+                                                               s.manifest.key if s.manifest else None):
                 continue
             if naming is not None and m.naming != naming:
                 continue
