@@ -302,8 +302,7 @@ def _check_as(args: argparse.Namespace) -> int | None:
         try:
             pwd.getpwnam(user)
         except KeyError:
-            print(f"note: checking as root: user {user} does not exist here, so what it may read is not checked",
-                  file=sys.stderr)
+            print(f"checking as root: user {user} does not exist here, so what it may read is not checked")
             return None
     if user == "root" or (os.geteuid() != 0 and pwd.getpwuid(os.geteuid()).pw_name == user):
         return None
