@@ -1,7 +1,7 @@
 """Command line: ``weightcache serve|status|list|check-config|verify|evict|preload|wait``.
 
 Thin: each command parses arguments, talks to a service (or runs it) and
-prints; the commands are documented in ``weightcache(8)`` and docs/, and
+prints; the commands are documented in ``weightcache(1)`` and docs/, and
 tests/integration/test_cli.py drives each against live services. Exit status:
 0 success, 1 a failed model or a refused request, 2 bad usage or
 configuration, 3 no service (``serve``: 78 on an invalid configuration).
@@ -542,9 +542,9 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``weightcache`` argument parser: one sub-command per operator task (see weightcache(8))."""
+    """The ``weightcache`` argument parser: one sub-command per operator task (see weightcache(1))."""
     p = argparse.ArgumentParser(
-        prog="weightcache", description="LLM weights resident in GPU memory. See weightcache(8).",
+        prog="weightcache", description="LLM weights resident in GPU memory. See weightcache(1).",
         epilog="exit status: 0 success; 1 a model failed or a request was refused; 2 bad usage or configuration; "
                "3 no service answered; 78 (serve) the configuration or runtime was rejected.")
     from . import __version__

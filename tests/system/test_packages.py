@@ -165,7 +165,7 @@ def test_deb_builds_and_lintian_has_no_errors(deb):
               "/usr/sbin/weightcache-setup-runtime",
               "/usr/bin/weightcache",
               "/usr/lib/python3/dist-packages/weightcache/__init__.py",
-              "/usr/share/man/man8/weightcache.8.gz",
+              "/usr/share/man/man1/weightcache.1.gz",
               "/usr/share/man/man5/weightcache.toml.5.gz"):
         assert f in paths, f
     ctrl = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
