@@ -271,3 +271,20 @@ def test_wrapper_runs_help_on_system_python_without_the_runtime(tmp_path):
     r = subprocess.run(["sh", str(ROOT / "packaging" / "weightcache.sh"), "serve", "--gpu", "0"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 78 and "runtime missing" in r.stderr
+
+
+def test_setup_runtime_picks_the_torch_build_from_the_node():
+    """Without a driver: the CPU torch from the CPU index and no cuda-bindings; --cuda: both as pinned."""
+    script = [str(ROOT / "packaging" / "weightcache-setup-runtime"), "--dry-run",
+              "--requirements", str(ROOT / "packaging" / "runtime-requirements.txt"), "--prefix", "/nonexistent/v"]
+    forced = {flag: subprocess.run(["sh", *script, flag], capture_output=True, text=True, timeout=60)
+              for flag in ("--cpu", "--cuda")}
+    assert all(r.returncode == 0 for r in forced.values()), forced
+    cpu, cuda = forced["--cpu"].stdout, forced["--cuda"].stdout
+    assert "torch==2.13.0" in cpu and "cuda-bindings" not in cpu and "--index-url" in cpu
+    assert "torch==2.13.0" in cuda and "cuda-bindings==" in cuda and "--index-url" not in cuda
+    detected = subprocess.run(["sh", *script], capture_output=True, text=True, timeout=60)
+    has_driver = os.path.exists("/proc/driver/nvidia/version") or "libcuda.so.1" in subprocess.run(
+        ["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout
+    assert detected.stdout.startswith(f"torch build: {'cuda' if has_driver else 'cpu'} ("), detected.stdout
+    assert not os.path.exists("/nonexistent/v")

@@ -188,7 +188,7 @@ def test_deb_builds_and_lintian_has_no_errors(deb):
 @pytest.mark.system
 @pytest.mark.slow
 def test_rpm_smoke_build(tmp_path):
-    reason = _missing("rpmbuild", "rpm")
+    reason = _missing("rpmbuild", "rpm", "rpm2cpio", "cpio")
     if reason:
         pytest.skip(reason)
     top = tmp_path / "rpmbuild"
@@ -212,7 +212,17 @@ def test_rpm_smoke_build(tmp_path):
         assert f in files, f
 
     assert set(_run(["rpm", "-qp", "--configfiles", str(rpm)]).stdout.split()) == {
-        "/etc/weightcache/weightcache.toml", "/etc/default/weightcache"}
+        "/etc/weightcache/weightcache.toml", "/etc/sysconfig/weightcache"}
+    # Fedora's place for the environment file, in every file that reads it.
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    cpio = subprocess.run(["rpm2cpio", str(rpm)], capture_output=True, check=True).stdout
+    subprocess.run(["cpio", "-idm", "--quiet"], input=cpio, cwd=unpacked, check=True)
+    for f in ("usr/lib/systemd/system/weightcache@.service", "usr/bin/weightcache",
+              "usr/libexec/weightcache/weightcache-launch", "usr/sbin/weightcache-setup-runtime"):
+        text = (unpacked / f).read_text()
+        assert "/etc/default/weightcache" not in text and "/etc/sysconfig/weightcache" in text, f
+    assert {f for f in files if "site-packages/weightcache-" in f and f.endswith("LICENSE")}, files
     flags = dict(line.split() for line in _run(
         ["rpm", "-qp", "--qf", r"[%{FILENAMES} %{FILEFLAGS:fflags}\n]", str(rpm)]).stdout.splitlines()
         if len(line.split()) == 2)
@@ -339,9 +349,16 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
     assert "/etc/weightcache/weightcache.toml" in c.run(
         ["dpkg-query", "-W", "-f=${Conffiles}", "weightcache"]).stdout
 
-    # No runtime yet: the command and the unit say how to make one.
+    # No runtime yet: --version and the socket commands run on Debian's python3; the commands that
+    # read checkpoints, and the unit, say how to make one.
+    assert c.run(["weightcache", "--version"]).stdout.startswith("weightcache ")
     r = c.run(["weightcache", "status"], check=False)
+    assert r.returncode == 3 and "no weightcache sockets" in r.stderr, (r.returncode, r.stderr)
+    r = c.run(["weightcache", "check-config"], check=False)
     assert r.returncode == 78 and "weightcache-setup-runtime" in r.stderr, (r.returncode, r.stderr)
+    # This container has no NVIDIA driver: the runtime would be the CPU torch, without cuda-bindings.
+    r = c.run(["weightcache-setup-runtime", "--dry-run"])
+    assert r.stdout.startswith("torch build: cpu") and "cuda-bindings" not in r.stdout, r.stdout
     c.run(["systemctl", "start", "weightcache@0.service"], check=False)
     s = c.wait_for("weightcache@0.service", "ActiveState", "failed", timeout=30)
     assert "weightcache-setup-runtime" in s["StatusText"], s
