@@ -112,9 +112,18 @@ def deb(tmp_path_factory) -> Path:
         pytest.skip(reason)
     base = tmp_path_factory.mktemp("deb")
     _copy_inputs(base / "src")
+    before = {p for p in (base / "src").rglob("*") if p.is_file()}
     _run(["dpkg-buildpackage", "-us", "-uc", "-b"], cwd=base / "src", timeout=600)
     out = base / f"weightcache_{VERSION}_all.deb"
     assert out.is_file(), sorted(p.name for p in base.iterdir())
+    # A build in the tree leaves it clean: .gitignore covers everything the build wrote.
+    made = sorted(str(p.relative_to(base / "src")) for p in (base / "src").rglob("*")
+                  if p.is_file() and p not in before and "__pycache__" not in p.parts)
+    if made and (REPO / ".git").exists() and shutil.which("git"):
+        r = subprocess.run(["git", "check-ignore", "--no-index", "--stdin", "-z"], cwd=REPO, timeout=60,
+                           input="\0".join(made).encode(), capture_output=True)
+        ignored = set(r.stdout.decode().split("\0"))
+        assert [f for f in made if f not in ignored] == []
     return out
 
 
