@@ -135,7 +135,19 @@ def _gpus(args: argparse.Namespace) -> list[int]:
 
 
 def _no_sockets(args: argparse.Namespace) -> str:
-    return (f"no weightcache sockets in {_socket_dir(args)} (is weightcache.target started? "
+    """Why no socket answers: no model configured (so no instance), a config that does not load, or the target."""
+    where = _socket_dir(args)
+    try:
+        cfg = load_config(None)
+    except ConfigError as e:
+        if e.details.get("cause") != "not_found":  # a node with no config at all may be a client only
+            return f"no weightcache sockets in {where}; the configuration does not load: {e.message}"
+    else:
+        if not cfg.models:
+            return (f"no weightcache sockets in {where}: no model is configured in {', '.join(cfg.files)}; add a "
+                    f"[models.NAME] table (weightcache.toml(5)), check it with `weightcache check-config`, then "
+                    f"`systemctl daemon-reload && systemctl restart weightcache.target`")
+    return (f"no weightcache sockets in {where} (is weightcache.target started? "
             f"set --socket-dir or $WEIGHTCACHE_SOCKET_DIR if the service listens elsewhere)")
 
 

@@ -288,3 +288,13 @@ def test_setup_runtime_picks_the_torch_build_from_the_node():
         ["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout
     assert detected.stdout.startswith(f"torch build: {'cuda' if has_driver else 'cpu'} ("), detected.stdout
     assert not os.path.exists("/nonexistent/v")
+
+
+def test_status_with_no_models_says_so(tmp_path):
+    """The shipped example (every model commented out): status names the config, not the target."""
+    cfg = tmp_path / "weightcache.toml"
+    shutil.copy(ROOT / "examples" / "weightcache.toml", cfg)
+    r = subprocess.run([WEIGHTCACHE, "status", "--socket-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60, env=service_env({"WEIGHTCACHE_CONFIG": str(cfg)}))
+    assert r.returncode == 3
+    assert f"no model is configured in {cfg}" in r.stderr and "weightcache.target started" not in r.stderr, r.stderr

@@ -362,7 +362,7 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
     # read checkpoints, and the unit, say how to make one.
     assert c.run(["weightcache", "--version"]).stdout.startswith("weightcache ")
     r = c.run(["weightcache", "status"], check=False)
-    assert r.returncode == 3 and "no weightcache sockets" in r.stderr, (r.returncode, r.stderr)
+    assert r.returncode == 3 and "no model is configured" in r.stderr, (r.returncode, r.stderr)
     r = c.run(["weightcache", "check-config"], check=False)
     assert r.returncode == 78 and "weightcache-setup-runtime" in r.stderr, (r.returncode, r.stderr)
     # This container has no NVIDIA driver: the runtime would be the CPU torch, without cuda-bindings.
