@@ -141,6 +141,8 @@ def probe_cuda() -> CudaProbe:
         from cuda.bindings import driver as cu
     except ImportError as e:
         return CudaProbe(False, 0, f"cuda-bindings is not installed ({e})")
+    except (OSError, RuntimeError) as e:  # e.g. cuda.pathfinder's ctypes.util.find_library without a temp dir
+        return CudaProbe(False, 0, f"cuda-bindings failed to import: {type(e).__name__}: {str(e).rstrip('.')}")
     # cuInit loads libcuda.so.1 on first use; cuda.pathfinder raises DynamicLibNotFoundError
     # (a RuntimeError) when it is absent, other loaders an OSError.
     try:
