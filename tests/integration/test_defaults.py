@@ -9,7 +9,6 @@ the same driver-less probe the packaged runtime meets on a CPU node.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import socket
@@ -22,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from as_user import as_nobody
 from service_harness import make_config, service_env
 from weightcache import attach, errors, pipeline
 from weightcache.checkpoint import Checkpoint
@@ -31,7 +31,6 @@ from weightcache.memory import probe_cuda
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 WEIGHTCACHE = str(Path(PY).with_name("weightcache"))
-NOBODY = 65534
 
 
 def minilm() -> Path:
@@ -143,20 +142,6 @@ def test_explicit_cuda_without_driver_is_a_configuration_error(serve):
 # --- permissions --------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _as_nobody():
-    """Root drops its effective uid (and with it CAP_DAC_OVERRIDE) to nobody for the block."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to read as another user")
-    os.setegid(NOBODY)
-    os.seteuid(NOBODY)
-    try:
-        yield
-    finally:
-        os.seteuid(0)
-        os.setegid(0)
-
-
 @pytest.fixture
 def unreadable_ck():
     """A copy of MiniLM in a world-searchable directory whose weights file is mode 0600 (owner root)."""
@@ -172,7 +157,7 @@ def unreadable_ck():
 
 
 def test_unreadable_checkpoint_file_is_a_named_permission_error(unreadable_ck):
-    with _as_nobody(), pytest.raises(errors.CheckpointUnreadable) as e:
+    with as_nobody(), pytest.raises(errors.CheckpointUnreadable) as e:
         Checkpoint(unreadable_ck)
     assert e.value.code == "checkpoint_unreadable"
     assert (e.value.details["file"], e.value.details["user"]) == (str(unreadable_ck / "model.safetensors"), "nobody")
@@ -180,7 +165,7 @@ def test_unreadable_checkpoint_file_is_a_named_permission_error(unreadable_ck):
 
 def test_unsearchable_checkpoint_directory_is_not_reported_missing(unreadable_ck):
     unreadable_ck.chmod(0o700)
-    with _as_nobody(), pytest.raises(errors.CheckpointUnreadable) as e:
+    with as_nobody(), pytest.raises(errors.CheckpointUnreadable) as e:
         Checkpoint(unreadable_ck)
     assert e.value.details["file"] == str(unreadable_ck)
 

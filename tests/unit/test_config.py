@@ -1,11 +1,10 @@
 """Config parsing: schema, drop-ins, placements, errors naming file and key."""
 
-import contextlib
-import os
 from pathlib import Path
 
 import pytest
 
+from as_user import as_nobody
 from weightcache.config import load_config
 from weightcache.errors import ConfigError
 
@@ -130,25 +129,10 @@ def test_directory_is_config_invalid(tmp_path):
     assert (e.value.details["file"], e.value.details["cause"]) == (str(tmp_path / "weightcache.toml"), "is_a_directory")
 
 
-@contextlib.contextmanager
-def _as_nobody():
-    """Root drops its effective uid (and with it CAP_DAC_OVERRIDE) to nobody for the block; others stay."""
-    if os.geteuid() != 0:
-        yield
-        return
-    os.setegid(65534)
-    os.seteuid(65534)
-    try:
-        yield
-    finally:
-        os.seteuid(0)
-        os.setegid(0)
-
-
 def test_unreadable_file_is_config_invalid(tmp_path):
     p = _write(tmp_path, "[service]\n")
     p.chmod(0)
-    with _as_nobody(), pytest.raises(ConfigError) as e:
+    with as_nobody(), pytest.raises(ConfigError) as e:
         load_config(p)
     assert (e.value.details["file"], e.value.details["cause"]) == (str(p), "permission_denied")
 
