@@ -63,6 +63,15 @@ def test_env_var_selects_file(tmp_path, monkeypatch):
         ('[service]\nread_threads = "8"\n', "service.read_threads"),
         ('[servise]\n', "servise"),
         ('[models.a]\npath = "/x"\nlayouts = [{ tp = 0, gpus = [] }]\n', "models.a.layouts[0].tp"),
+        ("[service]\nload_timeout_s = -1\n", "service.load_timeout_s"),
+        ("[service]\nload_timeout_s = 0\n", "service.load_timeout_s"),
+        ("[service]\nload_timeout_s = nan\n", "service.load_timeout_s"),
+        ("[service]\nload_timeout_s = inf\n", "service.load_timeout_s"),
+        ("[service]\nread_threads = 0\n", "service.read_threads"),
+        ("[service]\nread_threads = 100000\n", "service.read_threads"),
+        ("[service]\nstaging_bytes = 0\n", "service.staging_bytes"),
+        ('[service]\nsocket_dir = "run/weightcache"\n', "service.socket_dir"),
+        ('[models.a]\npath = "models/a"\n', "models.a.path"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path, text, key):
@@ -85,27 +94,6 @@ def test_missing_file(tmp_path):
     with pytest.raises(Exception) as e:
         load_config(tmp_path / "nope.toml")
     assert e.value.code == "config_invalid"
-
-
-@pytest.mark.parametrize(
-    "text,key",
-    [
-        ("[service]\nload_timeout_s = -1\n", "service.load_timeout_s"),
-        ("[service]\nload_timeout_s = 0\n", "service.load_timeout_s"),
-        ("[service]\nload_timeout_s = nan\n", "service.load_timeout_s"),
-        ("[service]\nload_timeout_s = inf\n", "service.load_timeout_s"),
-        ("[service]\nread_threads = 0\n", "service.read_threads"),
-        ("[service]\nread_threads = 100000\n", "service.read_threads"),
-        ("[service]\nstaging_bytes = 0\n", "service.staging_bytes"),
-        ('[service]\nsocket_dir = "run/weightcache"\n', "service.socket_dir"),
-        ('[models.a]\npath = "models/a"\n', "models.a.path"),
-    ],
-)
-def test_numbers_out_of_range_and_relative_paths_are_rejected(tmp_path, text, key):
-    p = _write(tmp_path, text)
-    with pytest.raises(ConfigError) as e:
-        load_config(p)
-    assert e.value.details["key"] == key
 
 
 def test_numbers_in_range_are_accepted(tmp_path):
