@@ -426,3 +426,24 @@ def test_unreadable_checkpoint_is_a_named_permission_error(box, tmp_path):
     finally:
         c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt))
         c.run(["rm", "-rf", "/srv/wc-private"])
+
+
+def test_a_config_typo_fails_the_restart_and_the_documented_recovery_works(box):
+    """docs/troubleshooting.md, exit status 78: the status names file and key; fix, reset-failed, restart."""
+    c, unit = box, "weightcache@0.service"
+    c.run(["systemctl", "start", unit])
+    c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt).replace("[service]\n", "[service]\nbakend = 1\n"))
+    try:
+        assert c.run(["systemctl", "restart", unit], check=False).returncode != 0
+        s = c.show(unit, "ActiveState", "ExecMainStatus", "StatusText")
+        assert (s["ActiveState"], s["ExecMainStatus"]) == ("failed", "78"), s
+        assert s["StatusText"].startswith("configuration rejected: /etc/weightcache/weightcache.toml: service.bakend:")
+    finally:
+        c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt))
+    assert c.run([str(PYTHON), "-m", "weightcache", "check-config"], timeout=120).returncode == 0
+    failed = c.run(["systemctl", "list-units", "--failed", "--plain", "--no-legend", "weightcache@*"]).stdout.split()
+    assert unit in failed, failed
+    c.run(["systemctl", "reset-failed", "weightcache@*"])
+    c.run(["systemctl", "start", unit])
+    assert active(c.show(unit, "ActiveState", "SubState"))
+    assert good(client(c, "alice", 0))
