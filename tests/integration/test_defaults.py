@@ -283,3 +283,19 @@ def test_status_with_no_models_says_so(tmp_path):
                        timeout=60, env=service_env({"WEIGHTCACHE_CONFIG": str(cfg)}))
     assert r.returncode == 3
     assert f"no model is configured in {cfg}" in r.stderr and "weightcache.target started" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["utf16", "directory", "missing"])
+def test_config_that_cannot_be_read_is_exit_78_for_serve_and_2_for_the_cli(tmp_path, kind):
+    cfg = tmp_path / "weightcache.toml"
+    if kind == "utf16":
+        cfg.write_text('[service]\nbackend = "host"\n', encoding="utf-16")
+    elif kind == "directory":
+        cfg.mkdir()
+    serve = subprocess.run([WEIGHTCACHE, "serve", "--gpu", "0", "--config", str(cfg), "--listen",
+                            str(tmp_path / "0.sock")], capture_output=True, text=True, timeout=120, env=service_env())
+    assert serve.returncode == 78 and "code=config_invalid" in serve.stderr, serve.stderr
+    check = subprocess.run([WEIGHTCACHE, "check-config", "--config", str(cfg), "--as-user", "root"],
+                           capture_output=True, text=True, timeout=120, env=service_env())
+    assert check.returncode == 2 and check.stderr.startswith(f"weightcache: {cfg}: "), check.stderr
+    assert "Traceback" not in serve.stderr + check.stderr

@@ -155,9 +155,11 @@ def test_generator_falls_back_to_pci_sysfs(tmp_path):
     assert _generate(tmp_path, tmp_path / "missing.toml", sysfs) == ["weightcache@0.socket", "weightcache@1.socket"]
 
 
-def test_generator_survives_a_broken_config(tmp_path):
+@pytest.mark.parametrize("text,encoding", [("[models.a\npath = ", "utf-8"),
+                                           ('[models.a]\npath = "/m"\n', "utf-16")])
+def test_generator_survives_a_broken_config(tmp_path, text, encoding):
     main = tmp_path / "weightcache.toml"
-    main.write_text("[models.a\npath = ")
+    main.write_text(text, encoding=encoding)
     sysfs = _fake_pci(tmp_path / "sys", {"0000:17:00.0": ("0x10de", "0x030200")})
     assert _generate(tmp_path, main, sysfs) == ["weightcache@0.socket"]
 
