@@ -333,11 +333,17 @@ def _check_as(args: argparse.Namespace) -> int | None:
     if pid == 0:  # the child drops to the user and does the checks; the parent only waits
         code = EXIT_FAILED
         try:
-            os.setgroups(os.getgrouplist(user, pw.pw_gid))
-            os.setgid(pw.pw_gid)
-            os.setuid(pw.pw_uid)
-            args.as_user = "root"  # already switched: the child checks as itself
-            code = _run_checked(cmd_check_config, args)
+            try:
+                os.setgroups(os.getgrouplist(user, pw.pw_gid))
+                os.setgid(pw.pw_gid)
+                os.setuid(pw.pw_uid)
+            except OSError as e:
+                print(f"weightcache: --as-user {user}: cannot switch to uid {pw.pw_uid}: {e.strerror}",
+                      file=sys.stderr)
+                code = EXIT_USAGE
+            else:
+                args.as_user = "root"  # already switched: the child checks as itself
+                code = _run_checked(cmd_check_config, args)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
