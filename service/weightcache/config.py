@@ -271,10 +271,11 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        bom = " (it starts with a UTF-16 byte order mark)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise ConfigError(f"{path}: not UTF-8 text{bom}: byte {e.start} is invalid; TOML files are UTF-8, "
-                          f"convert it (iconv -f UTF-16 -t UTF-8)", file=str(path), key="",
-                          cause="not_utf8") from None
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        how = ("it starts with a UTF-16 byte order mark: convert it with iconv -f UTF-16 -t UTF-8" if utf16
+               else "save it as UTF-8")
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is invalid); TOML files are UTF-8: {how}",
+                          file=str(path), key="", cause="not_utf8") from None
     try:
         return tomllib.loads(text), text
     except tomllib.TOMLDecodeError as e:
@@ -290,12 +291,19 @@ def _line_of(text: str, key: str) -> int | None:
     return None
 
 
+def _commented_header(text: str, table: str, before: int | None) -> int | None:
+    """1-based line of the last ``# [table...`` header above line ``before``."""
+    pat = re.compile(rf"^\s*#\s*\[\s*{re.escape(table)}\b")
+    lines = text.splitlines()[: (before or 0) - 1 if before else None]
+    return next((i for i in range(len(lines), 0, -1) if pat.match(lines[i - 1])), None)
+
+
 def _unknown_table(path: str, text: str, name: str) -> ConfigError:
     line = _line_of(text, name)
     where = f" (line {line})" if line else ""
     if name in _SERVICE_KEYS or name in _MODEL_KEYS:
         table = "[service]" if name in _SERVICE_KEYS else "[models.NAME]"
-        header = _line_of(text.replace("# [", "["), "service" if name in _SERVICE_KEYS else "models")
+        header = _commented_header(text, "service" if name in _SERVICE_KEYS else "models", line)
         hint = f"; its {table} header (line {header}) is still commented out: uncomment it too" if header else (
             f"; put it under a {table} header")
         return ConfigError(f"{path}: {name}{where}: {name!r} is a {table} key outside any table{hint}",

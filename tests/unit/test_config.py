@@ -136,3 +136,11 @@ def test_key_under_commented_service_header_says_so(tmp_path):
     header = example.splitlines().index("# [service]") + 1
     assert e.value.details["line"] == example.splitlines().index('# backend = "auto"') + 1
     assert e.value.details["commented_header_line"] == header
+
+
+def test_key_outside_a_table_without_a_commented_header(tmp_path):
+    p = _write(tmp_path, 'read_threads = 4\n[service]\nbackend = "host"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert (e.value.details["key"], e.value.details["line"], e.value.details["commented_header_line"]) == (
+        "read_threads", 1, None)
