@@ -21,13 +21,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pwd
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointCorrupt, CheckpointNotFound
+from .errors import CheckpointCorrupt, CheckpointNotFound, CheckpointUnreadable
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Same cap as the safetensors Rust core (100 MB header).
@@ -55,13 +57,65 @@ class TensorInfo:
     size_bytes: int
 
 
+def unreadable(path: str | os.PathLike) -> CheckpointUnreadable:
+    """The error for ``EACCES`` on ``path``: names the path, the first directory
+    on the way that this user may not enter (if any), the user, and the fix."""
+    uid = os.geteuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    path = os.path.abspath(path)
+    blocked = next((d for d in _ancestors(path) if not _may(d, os.X_OK)), None)
+    where = f" (directory {blocked} is not searchable by it)" if blocked else ""
+    return CheckpointUnreadable(
+        f"permission denied: user {user} (uid {uid}) cannot read {path}{where}; the service reads checkpoints as "
+        f"{user}: make the checkpoint readable by it (e.g. chmod -R o+rX the checkpoint directory and "
+        f"o+x its parents, or give it to {user}'s group)", file=path, user=user, uid=uid)
+
+
+def _may(path: str | os.PathLike, mode: int) -> bool:
+    """``access(2)`` for the effective ids, the ones ``open`` uses."""
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b/c`` -> ``["/", "/a", "/a/b"]``."""
+    parts, out = path.rstrip("/").split("/")[:-1], []
+    for i in range(len(parts)):
+        out.append("/".join(parts[: i + 1]) or "/")
+    return out
+
+
+def open_file(path: str | os.PathLike, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int:
+    """``os.open`` of a checkpoint file, with its failures as checkpoint errors.
+
+    Raises:
+        CheckpointNotFound (`checkpoint_not_found`): it does not exist.
+        CheckpointUnreadable (`checkpoint_unreadable`): ``EACCES``; names the
+            file and the user.
+    """
+    try:
+        return os.open(path, flags)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"checkpoint file {path} does not exist", file=str(path)) from None
+    except PermissionError:
+        raise unreadable(path) from None
+
+
 def _read_small(path: str) -> bytes | None:
-    """The bytes of a small side file (``config.json``...), ``None`` if it does not exist."""
+    """The bytes of a small side file (``config.json``...), ``None`` if it does not exist.
+
+    Raises:
+        CheckpointUnreadable (`checkpoint_unreadable`): it exists but may not be read.
+    """
     try:
         with open(path, "rb") as f:
             return f.read()
     except FileNotFoundError:
         return None
+    except PermissionError:
+        raise unreadable(path) from None
 
 
 def _blake2b_128(data: bytes) -> str:
@@ -97,10 +151,7 @@ def _read_raw_header(path: Path) -> tuple[bytes, int, int]:
         CheckpointNotFound (`checkpoint_not_found`): the file does not exist.
         CheckpointCorrupt (`checkpoint_corrupt`): shorter than its header says.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"checkpoint file {path} does not exist", file=str(path)) from None
+    fd = open_file(path)
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
@@ -204,6 +255,8 @@ class Checkpoint:
     Raises:
         CheckpointNotFound (`checkpoint_not_found`): missing directory, file,
             or a tensor of the index absent from its file.
+        CheckpointUnreadable (`checkpoint_unreadable`): the directory or a
+            file exists but this user may not read it (names both).
         CheckpointCorrupt (`checkpoint_corrupt`): a truncated or invalid file,
             or an index that is not valid JSON.
 
@@ -214,8 +267,17 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike, validate: bool = True) -> None:
-        if not os.path.isdir(path):
-            raise CheckpointNotFound(f"checkpoint directory {path} does not exist", path=str(path))
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFound(f"checkpoint directory {path} does not exist", path=str(path)) from None
+        except PermissionError:
+            raise unreadable(path) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise CheckpointNotFound(f"checkpoint path {path} is not a directory; give the directory that holds "
+                                     f"config.json and the *.safetensors files", path=str(path))
+        if not _may(path, os.R_OK | os.X_OK):
+            raise unreadable(path)
         self.path = Path(os.path.realpath(path))
         self._index = self.path / INDEX_NAME
         self._files: list[str] | None = None
@@ -257,7 +319,7 @@ class Checkpoint:
         index = self._index
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(_read_small(str(index)) or b"")["weight_map"]
                 files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointCorrupt(f"index {index} is invalid: {e}", file=str(index)) from None
@@ -429,7 +491,7 @@ class Checkpoint:
             CheckpointCorrupt (`checkpoint_corrupt`): the file ended early.
         """
         path = self.path / info.file
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_file(path)
         try:
             pread_exact(fd, memoryview(out).cast("B"), info.offset_bytes, info.size_bytes, str(path), info.name,
                         info.offset_bytes + info.size_bytes)

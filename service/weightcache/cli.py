@@ -1,7 +1,7 @@
 """Command line: ``weightcache serve|status|list|check-config|verify|evict|preload|wait``.
 
 Thin: each command parses arguments, talks to a service (or runs it) and
-prints; the commands are documented in ``weightcache(8)`` and docs/, and
+prints; the commands are documented in ``weightcache(1)`` and docs/, and
 tests/integration/test_cli.py drives each against live services. Exit status:
 0 success, 1 a failed model or a refused request, 2 bad usage or
 configuration, 3 no service (``serve``: 78 on an invalid configuration).
@@ -43,11 +43,16 @@ def _human_bytes(n: float) -> str:
 
 
 def _backend_for(cfg: Config, explicit: str | None, gpu: int):
-    from .memory import cuda_available, get_backend
+    """The slab backend for ``serve``: ``--backend``, else the config's; ``auto`` asks the driver.
 
-    name = explicit or cfg.service.backend
-    if name == "auto":
-        name = "cuda" if cuda_available() else "host"
+    Raises:
+        ConfigError (`config_invalid`): ``cuda`` without a usable driver (see
+            :func:`weightcache.memory.select_backend`).
+    """
+    from .memory import get_backend, select_backend
+
+    name, reason = select_backend(explicit or cfg.service.backend)
+    log.info("backend selected backend=%s gpu=%d reason=%s", name, gpu, reason)
     return get_backend(name, gpu)
 
 
@@ -131,7 +136,19 @@ def _gpus(args: argparse.Namespace) -> list[int]:
 
 
 def _no_sockets(args: argparse.Namespace) -> str:
-    return (f"no weightcache sockets in {_socket_dir(args)} (is weightcache.target started? "
+    """Why no socket answers: no model configured (so no instance), a config that does not load, or the target."""
+    where = _socket_dir(args)
+    try:
+        cfg = load_config(None)
+    except ConfigError as e:
+        if e.details.get("cause") != "not_found":  # a node with no config at all may be a client only
+            return f"no weightcache sockets in {where}; the configuration does not load: {e.message}"
+    else:
+        if not cfg.models:
+            return (f"no weightcache sockets in {where}: no model is configured in {', '.join(cfg.files)}; add a "
+                    f"[models.NAME] table (weightcache.toml(5)), check it with `weightcache check-config`, then "
+                    f"`systemctl daemon-reload && systemctl restart weightcache.target`")
+    return (f"no weightcache sockets in {where} (is weightcache.target started? "
             f"set --socket-dir or $WEIGHTCACHE_SOCKET_DIR if the service listens elsewhere)")
 
 
@@ -289,11 +306,70 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_UNAVAILABLE if not statuses else EXIT_OK
 
 
+#: The user weightcache@.service runs as (units/weightcache.sysusers).
+SERVICE_USER = "weightcache"
+
+
+def _check_as(args: argparse.Namespace) -> int | None:
+    """Runs the rest of ``check-config`` as the service user when asked, or by default as root.
+
+    Returns the exit status of the child that did the checks as that user, or
+    ``None`` when this process goes on itself (not root, or ``--as-user root``).
+    """
+    user = args.as_user
+    if user is None:
+        if os.geteuid() != 0:
+            return None
+        user = SERVICE_USER
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            print(f"checking as root: user {user} does not exist here, so what it may read is not checked")
+            return None
+    if user == "root" or (os.geteuid() != 0 and pwd.getpwuid(os.geteuid()).pw_name == user):
+        return None
+    if os.geteuid() != 0:
+        raise ConfigError(f"--as-user {user}: checking as another user needs root (run with sudo, or leave "
+                          f"--as-user out to check as yourself)", key="--as-user")
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise ConfigError(f"--as-user {user}: no such user (the service runs as {SERVICE_USER})",
+                          key="--as-user") from None
+    print(f"checking as user {user} (uid {pw.pw_uid}), as weightcache@.service reads the files")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child drops to the user and does the checks; the parent only waits
+        code = EXIT_FAILED
+        try:
+            try:
+                os.setgroups(os.getgrouplist(user, pw.pw_gid))
+                os.setgid(pw.pw_gid)
+                os.setuid(pw.pw_uid)
+            except OSError as e:
+                print(f"weightcache: --as-user {user}: cannot switch to uid {pw.pw_uid}: {e.strerror}",
+                      file=sys.stderr)
+                code = EXIT_USAGE
+            else:
+                args.as_user = "root"  # already switched: the child checks as itself
+                code = _run_checked(cmd_check_config, args)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """Validates the config and plans every slab from headers alone (no tensor is read)."""
+    """Validates the config and plans every slab from headers alone (no tensor is read),
+    reading every file as the service user when run as root (see :func:`_check_as`)."""
     from . import pipeline
     from .config import config_path
 
+    rc = _check_as(args)
+    if rc is not None:
+        return rc
     cfg = load_config(args.config)
     host = {"backend": "host", "gpu_uuid": "", "compute_capability": ""}
     problems: list[str] = []
@@ -494,9 +570,9 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``weightcache`` argument parser: one sub-command per operator task (see weightcache(8))."""
+    """The ``weightcache`` argument parser: one sub-command per operator task (see weightcache(1))."""
     p = argparse.ArgumentParser(
-        prog="weightcache", description="LLM weights resident in GPU memory. See weightcache(8).",
+        prog="weightcache", description="LLM weights resident in GPU memory. See weightcache(1).",
         epilog="exit status: 0 success; 1 a model failed or a request was refused; 2 bad usage or configuration; "
                "3 no service answered; 78 (serve) the configuration or runtime was rejected.")
     from . import __version__
@@ -537,6 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("check-config", help="validate a config and print the placement of every rank")
     sp.add_argument("--config", default=None, help="main config file (default $WEIGHTCACHE_CONFIG or "
                                                    "/etc/weightcache/weightcache.toml); conf.d/ beside it is read too")
+    sp.add_argument("--as-user", default=None, metavar="USER",
+                    help="read the config and checkpoints as USER (needs root); default when run as root: "
+                         f"{SERVICE_USER}, the service user; 'root' checks as root")
     sp.set_defaults(fn=cmd_check_config)
 
     sp = sub.add_parser("verify", help="recompute content digests of resident slabs")
@@ -569,8 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``weightcache`` console script."""
     args = build_parser().parse_args(argv)
+    return _run_checked(args.fn, args)
+
+
+def _run_checked(fn, args: argparse.Namespace) -> int:
+    """Runs a command, mapping weightcache errors to the exit statuses of the module docstring."""
     try:
-        return args.fn(args)
+        return fn(args)
     except ConfigError as e:
         print(f"weightcache: {e.message}", file=sys.stderr)
         return EXIT_USAGE

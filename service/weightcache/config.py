@@ -28,7 +28,9 @@ Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,12 @@ _SERVICE_KEYS = {
     "load_timeout_s": (int, float),
     "staging_bytes": int,
     "read_threads": int,
+}
+#: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
+_SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
+    "load_timeout_s": (0, False, 30 * 24 * 3600.0, "seconds one model may take to load"),
+    "staging_bytes": (2 * 1024 * 1024, True, 1 << 40, "bytes of pinned staging memory"),
+    "read_threads": (1, True, 256, "reader threads per checkpoint"),
 }
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
@@ -166,6 +174,7 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
     if "path" not in table:
         raise _err(path, f"{k}.path", "missing: the checkpoint directory is required")
     _check_type(path, f"{k}.path", table["path"], str)
+    _check_absolute(path, f"{k}.path", table["path"])
     dtype = table.get("dtype", "auto")
     if dtype not in DTYPE_NAMES:
         raise _err(path, f"{k}.dtype", f"{dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
@@ -215,14 +224,99 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
     )
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _check_range(path: str, key: str, value: float) -> None:
+    lo, inclusive, hi, what = _SERVICE_RANGES[key.rsplit(".", 1)[-1]]
+    if not math.isfinite(value) or not (lo <= value if inclusive else lo < value) or value > hi:
+        low = f"at least {lo:g}" if inclusive else f"greater than {lo:g}"
+        raise _err(path, key, f"{value!r} is out of range for {what}: expected {low} and at most {hi:g}")
+
+
+def _check_absolute(path: str, key: str, value: str) -> None:
+    if not os.path.isabs(value):
+        raise _err(path, key, f"{value!r} is a relative path; the service does not resolve it against the "
+                              f"config file or any working directory: write the absolute path "
+                              f"(e.g. {os.path.join('/srv/models', value) if key.endswith('.path') else '/run/weightcache'!r})")
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes; every way it cannot be read is a :class:`ConfigError` naming the cause."""
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            return f.read()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: configuration file does not exist", file=str(path), key="") from None
+        raise ConfigError(f"{path}: configuration file does not exist", file=str(path), key="",
+                          cause="not_found") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: permission denied reading the configuration file as uid {os.geteuid()}; "
+                          f"make it readable by the service user (chmod 0644 or chgrp weightcache)",
+                          file=str(path), key="", cause="permission_denied") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a configuration file; --config and $WEIGHTCACHE_CONFIG "
+                          f"name the main TOML file (drop-ins go in conf.d/ beside it)", file=str(path), key="",
+                          cause="is_a_directory") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the configuration file: {e.strerror}", file=str(path),
+                          key="", cause="unreadable") from None
+
+
+def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
+    """Parses one file; returns the tables and the text (for messages that quote a line)."""
+    raw = _read_bytes(path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        utf16 = raw[:2] in (b"\xff\xfe", b"\xfe\xff")
+        how = ("it starts with a UTF-16 byte order mark: convert it with iconv -f UTF-16 -t UTF-8" if utf16
+               else "save it as UTF-8")
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is invalid); TOML files are UTF-8: {how}",
+                          file=str(path), key="", cause="not_utf8") from None
+    try:
+        return tomllib.loads(text), text
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML: {e}", file=str(path), key="") from None
+        raise ConfigError(f"{path}: invalid TOML: {e}", file=str(path), key="", cause="toml_syntax") from None
+
+
+def _line_of(text: str, key: str) -> int | None:
+    """1-based line of the first ``key = ...`` or ``[key...`` in ``text``."""
+    pat = re.compile(rf"^\s*(?:{re.escape(key)}\s*=|\[\s*{re.escape(key)}\b)")
+    for i, line in enumerate(text.splitlines(), 1):
+        if pat.match(line):
+            return i
+    return None
+
+
+def _commented_header(text: str, table: str, before: int | None) -> int | None:
+    """1-based line of the last ``# [table...`` header above line ``before``."""
+    pat = re.compile(rf"^\s*#\s*\[\s*{re.escape(table)}\b")
+    lines = text.splitlines()[: (before or 0) - 1 if before else None]
+    return next((i for i in range(len(lines), 0, -1) if pat.match(lines[i - 1])), None)
+
+
+def _unknown_table(path: str, text: str, name: str) -> ConfigError:
+    line = _line_of(text, name)
+    where = f" (line {line})" if line else ""
+    if name in _SERVICE_KEYS or name in _MODEL_KEYS:
+        table = "[service]" if name in _SERVICE_KEYS else "[models.NAME]"
+        header = _commented_header(text, "service" if name in _SERVICE_KEYS else "models", line)
+        hint = f"; its {table} header (line {header}) is still commented out: uncomment it too" if header else (
+            f"; put it under a {table} header")
+        return ConfigError(f"{path}: {name}{where}: {name!r} is a {table} key outside any table{hint}",
+                           file=path, key=name, line=line, commented_header_line=header)
+    return ConfigError(f"{path}: {name}{where}: unknown table (known: service, models)", file=path, key=name,
+                       line=line)
+
+
+def _drop_ins(d: Path) -> list[Path]:
+    """``d/*.toml`` in lexical order (none when ``d`` does not exist)."""
+    try:
+        names = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except PermissionError:
+        raise ConfigError(f"{d}: permission denied listing the drop-in directory as uid {os.geteuid()}; make it "
+                          f"readable and searchable by the service user (chmod 0755)", file=str(d), key="",
+                          cause="permission_denied") from None
+    return [d / n for n in sorted(names) if n.endswith(".toml") and not n.startswith(".")]
 
 
 def config_path(explicit: str | None = None) -> Path:
@@ -240,19 +334,22 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
         `Config`.
 
     Raises:
-        ConfigError (`config_invalid`): invalid TOML, an unknown or mistyped
-            key, an impossible layout; the message names the file and the key
+        ConfigError (`config_invalid`): a file that is missing, unreadable,
+            a directory or not UTF-8; invalid TOML; an unknown or mistyped key,
+            a number out of its range, a relative path, an impossible layout;
+            the message names the file and the key
             (``/etc/weightcache/weightcache.toml: models.x.layouts[0].gpus: ...``).
     """
     main = config_path(str(path) if path else None)
-    files = [main] + sorted((main.parent / "conf.d").glob("*.toml"))
+    parsed = [(main, *_read_toml(main))]  # the main file's own errors come first
+    parsed += [(f, *_read_toml(f)) for f in _drop_ins(main.parent / "conf.d")]
+    files = [f for f, _, _ in parsed]
     service: dict[str, Any] = {}
     models: dict[str, ModelConfig] = {}
-    for f in files:
-        data = _read_toml(f)
+    for f, data, text in parsed:
         unknown = set(data) - {"service", "models"}
         if unknown:
-            raise _err(str(f), sorted(unknown)[0], "unknown table (known: service, models)")
+            raise _unknown_table(str(f), text, sorted(unknown)[0])
         svc = data.get("service", {})
         if not isinstance(svc, dict):
             raise _err(str(f), "service", "must be a table")
@@ -262,6 +359,10 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
             _check_type(str(f), f"service.{key}", value, _SERVICE_KEYS[key])
             if key == "backend" and value not in BACKENDS:
                 raise _err(str(f), "service.backend", f"{value!r} is not one of {', '.join(BACKENDS)}")
+            if key in _SERVICE_RANGES:
+                _check_range(str(f), f"service.{key}", value)
+            if key == "socket_dir":
+                _check_absolute(str(f), "service.socket_dir", value)
             service[key] = value
         mtable = data.get("models", {})
         if not isinstance(mtable, dict):

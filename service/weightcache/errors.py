@@ -49,6 +49,15 @@ class CheckpointNotFound(WeightcacheError):
     code = "checkpoint_not_found"
 
 
+class CheckpointUnreadable(WeightcacheError):
+    """A checkpoint directory or file exists but the reading user may not open it (``EACCES``).
+
+    ``details``: ``file`` (the path refused), ``user`` and ``uid`` (who read).
+    """
+
+    code = "checkpoint_unreadable"
+
+
 class CheckpointCorrupt(WeightcacheError):
     """A safetensors file is truncated or its header is invalid."""
 

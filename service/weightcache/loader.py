@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .checkpoint import Checkpoint, pread_exact
+from .checkpoint import Checkpoint, open_file, pread_exact
 from .manifest import TensorRecord, itemsize
 from .spec import TensorSpec
 
@@ -118,7 +118,7 @@ class _Files:
         with self.lock:
             fd = self.fds.get(path)
             if fd is None:
-                fd = self.fds[path] = os.open(path, self.flags)
+                fd = self.fds[path] = open_file(path, self.flags)
                 if not self.flags & os.O_DIRECT:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             return fd

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from . import digest, quant, sharding
 from .checkpoint import Checkpoint
-from .errors import ShapeMismatch
+from .errors import ShapeMismatch, WeightcacheError
 from .loader import LoaderOptions, direct_task, read_into_slab
 from .manifest import ALIGNMENT_BYTES, Manifest, TensorRecord, align, contiguous_stride, itemsize, torch_dtype
 from .spec import DTYPE_NAMES, LoadRequest, SourceRef, TensorSpec
@@ -112,7 +112,7 @@ def key_fields(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, d
     return {
         "revision": model.revision,
         "architecture": (ck.config.get("architectures") or [ck.config.get("model_type", "")])[0],
-        "dtype": model.dtype,
+        "dtype": effective_dtype(ck, tp_size, tp_rank, model.naming, model.dtype),
         "naming": model.naming,
         "tp_size": tp_size,
         "tp_rank": tp_rank,
@@ -122,6 +122,58 @@ def key_fields(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, d
         "pipeline_version": PIPELINE_VERSION,
         "device": dict(device),
     }
+
+
+def effective_dtype(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: str) -> str:
+    """The dtype the cache key carries: ``dtype``, or ``"auto"`` when casting to it changes nothing here.
+
+    A configured dtype that every cast tensor of this rank is already stored in
+    gives the same bytes as ``auto`` (as stored), so both are one key: an
+    engine attaching with ``dtype="auto"`` gets the slab configured
+    ``dtype = "float32"`` for a float32 checkpoint, and the reverse. ``auto``
+    itself needs no header; an explicit dtype compares the rank's tensor specs
+    with and without the cast (:func:`weightcache.sharding.shard_specs`,
+    headers only).
+
+    Args:
+        ck (`Checkpoint`): the checkpoint (its headers are read for an explicit dtype).
+        tp_size, tp_rank (`int`), naming (`str`): the slab's layout, rank and naming.
+        dtype (`str`): ``auto``, ``bfloat16``, ``float16`` or ``float32``.
+
+    Returns:
+        `str`: ``"auto"`` or ``dtype``.
+
+    Raises:
+        The errors of :func:`weightcache.sharding.shard_specs` (which :func:`plan` raises first).
+    """
+    if dtype == "auto":
+        return "auto"
+    as_stored = sharding.shard_specs(ck, tp_size, tp_rank, naming, None)
+    cast = sharding.shard_specs(ck, tp_size, tp_rank, naming, DTYPE_NAMES[dtype])
+    return "auto" if [s.dtype for s in as_stored] == [s.dtype for s in cast] else dtype
+
+
+def dtype_matches(model: LoadRequest, tp_size: int, tp_rank: int, requested: str,
+                  key: dict[str, Any] | None = None) -> bool:
+    """Whether a slab configured with ``model.dtype`` serves an engine asking for ``requested``.
+
+    True when both name the same dtype or give the same bytes (see
+    :func:`effective_dtype`). ``key`` is the slab's cache key when it is
+    loaded (its ``dtype`` is already effective); otherwise the checkpoint's
+    headers are read. A checkpoint that cannot be read matches, so that the
+    engine hears the slab's own error rather than ``model_not_found``.
+    """
+    if requested == model.dtype:
+        return True
+    if requested not in DTYPE_NAMES:
+        return False
+    try:
+        ck = None if requested == "auto" and key is not None else Checkpoint(model.path, validate=False)
+        have = key["dtype"] if key is not None else effective_dtype(ck, tp_size, tp_rank, model.naming, model.dtype)
+        want = "auto" if requested == "auto" else effective_dtype(ck, tp_size, tp_rank, model.naming, requested)
+    except WeightcacheError:
+        return True
+    return have == want
 
 
 def check_key(fields: dict[str, Any], ck: Checkpoint, key: dict[str, Any]) -> list[str]:

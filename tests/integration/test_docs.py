@@ -17,7 +17,7 @@
 - Every ``yaml`` block parses.
 - docs/errors.md's table lists exactly the codes, classes and retryable flags
   of weightcache/errors.py, and docs/troubleshooting.md has a section per code.
-- weightcache(8) names every command and option; weightcache.toml(5) and
+- weightcache(1) names every command and option; weightcache.toml(5) and
   docs/configuration.md name every configuration key.
 """
 
@@ -231,8 +231,8 @@ def _man_text(name: str) -> str:
     return raw.replace("\\-", "-").replace("\\(dq", '"')
 
 
-def test_weightcache_8_names_every_command_and_option():
-    text = _man_text("weightcache.8")
+def test_weightcache_1_names_every_command_and_option():
+    text = _man_text("weightcache.1")
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     for name, sp in sub.choices.items():
@@ -240,7 +240,7 @@ def test_weightcache_8_names_every_command_and_option():
         for action in sp._actions:
             for opt in action.option_strings:
                 if opt not in ("-h", "--help"):
-                    assert opt in text, f"weightcache {name} {opt} is not in man/weightcache.8"
+                    assert opt in text, f"weightcache {name} {opt} is not in man/weightcache.1"
 
 
 def test_every_config_key_is_documented():
@@ -251,3 +251,12 @@ def test_every_config_key_is_documented():
         term = rf"\b{key}\b" if key in ("tp", "gpus") else rf"^\.BR? {key}\b"
         assert re.search(term, man, re.M), f"{key} is not described in man/weightcache.toml.5"
         assert f"| `{key}` |" in conf, f"{key} has no row in docs/configuration.md"
+
+
+def test_systemd_7_lists_every_journal_event():
+    from weightcache.journal import MESSAGE_IDS
+
+    text = _man_text("weightcache.systemd.7")
+    for kind, message_id in MESSAGE_IDS.items():
+        assert re.search(rf"^{kind}\t{message_id}\t", text, re.M), f"{kind} {message_id} not in weightcache.systemd(7)"
+    assert "weightcache (1)" in text and "weightcache (8)" not in text

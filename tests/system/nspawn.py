@@ -295,7 +295,11 @@ class Container:
 #: checkpoints) may live under /tmp, which the unit's PrivateTmp=yes hides from
 #: the service: the test services see the real /tmp. Production keeps PrivateTmp.
 TEST_DROPIN = ("# The source tree, its venv and the test checkpoints may be under /tmp (CI checkouts):\n"
-               "PrivateTmp=no\n")
+               "PrivateTmp=no\n"
+               "# ... which leaves the service no writable temporary directory (ProtectSystem=strict), and\n"
+               "# import torch -> cuda.bindings -> cuda.pathfinder runs ctypes.util.find_library, which\n"
+               "# needs one when the volatile container has no /etc/ld.so.cache. Production has PrivateTmp.\n"
+               "Environment=TMPDIR=%t/weightcache/%i\n")
 
 
 def install_weightcache(c: Container, python: Path | None = None) -> None:

@@ -112,9 +112,18 @@ def deb(tmp_path_factory) -> Path:
         pytest.skip(reason)
     base = tmp_path_factory.mktemp("deb")
     _copy_inputs(base / "src")
+    before = {p for p in (base / "src").rglob("*") if p.is_file()}
     _run(["dpkg-buildpackage", "-us", "-uc", "-b"], cwd=base / "src", timeout=600)
     out = base / f"weightcache_{VERSION}_all.deb"
     assert out.is_file(), sorted(p.name for p in base.iterdir())
+    # A build in the tree leaves it clean: .gitignore covers everything the build wrote.
+    made = sorted(str(p.relative_to(base / "src")) for p in (base / "src").rglob("*")
+                  if p.is_file() and p not in before and "__pycache__" not in p.parts)
+    if made and (REPO / ".git").exists() and shutil.which("git"):
+        r = subprocess.run(["git", "check-ignore", "--no-index", "--stdin", "-z"], cwd=REPO, timeout=60,
+                           input="\0".join(made).encode(), capture_output=True)
+        ignored = set(r.stdout.decode().split("\0"))
+        assert [f for f in made if f not in ignored] == []
     return out
 
 
@@ -165,7 +174,7 @@ def test_deb_builds_and_lintian_has_no_errors(deb):
               "/usr/sbin/weightcache-setup-runtime",
               "/usr/bin/weightcache",
               "/usr/lib/python3/dist-packages/weightcache/__init__.py",
-              "/usr/share/man/man8/weightcache.8.gz",
+              "/usr/share/man/man1/weightcache.1.gz",
               "/usr/share/man/man5/weightcache.toml.5.gz"):
         assert f in paths, f
     ctrl = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
@@ -188,7 +197,7 @@ def test_deb_builds_and_lintian_has_no_errors(deb):
 @pytest.mark.system
 @pytest.mark.slow
 def test_rpm_smoke_build(tmp_path):
-    reason = _missing("rpmbuild", "rpm")
+    reason = _missing("rpmbuild", "rpm", "rpm2cpio", "cpio")
     if reason:
         pytest.skip(reason)
     top = tmp_path / "rpmbuild"
@@ -212,7 +221,17 @@ def test_rpm_smoke_build(tmp_path):
         assert f in files, f
 
     assert set(_run(["rpm", "-qp", "--configfiles", str(rpm)]).stdout.split()) == {
-        "/etc/weightcache/weightcache.toml", "/etc/default/weightcache"}
+        "/etc/weightcache/weightcache.toml", "/etc/sysconfig/weightcache"}
+    # Fedora's place for the environment file, in every file that reads it.
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    cpio = subprocess.run(["rpm2cpio", str(rpm)], capture_output=True, check=True).stdout
+    subprocess.run(["cpio", "-idm", "--quiet"], input=cpio, cwd=unpacked, check=True)
+    for f in ("usr/lib/systemd/system/weightcache@.service", "usr/bin/weightcache",
+              "usr/libexec/weightcache/weightcache-launch", "usr/sbin/weightcache-setup-runtime"):
+        text = (unpacked / f).read_text()
+        assert "/etc/default/weightcache" not in text and "/etc/sysconfig/weightcache" in text, f
+    assert {f for f in files if "site-packages/weightcache-" in f and f.endswith("LICENSE")}, files
     flags = dict(line.split() for line in _run(
         ["rpm", "-qp", "--qf", r"[%{FILENAMES} %{FILEFLAGS:fflags}\n]", str(rpm)]).stdout.splitlines()
         if len(line.split()) == 2)
@@ -339,9 +358,16 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
     assert "/etc/weightcache/weightcache.toml" in c.run(
         ["dpkg-query", "-W", "-f=${Conffiles}", "weightcache"]).stdout
 
-    # No runtime yet: the command and the unit say how to make one.
+    # No runtime yet: --version and the socket commands run on Debian's python3; the commands that
+    # read checkpoints, and the unit, say how to make one.
+    assert c.run(["weightcache", "--version"]).stdout.startswith("weightcache ")
     r = c.run(["weightcache", "status"], check=False)
+    assert r.returncode == 3 and "no model is configured" in r.stderr, (r.returncode, r.stderr)
+    r = c.run(["weightcache", "check-config"], check=False)
     assert r.returncode == 78 and "weightcache-setup-runtime" in r.stderr, (r.returncode, r.stderr)
+    # This container has no NVIDIA driver: the runtime would be the CPU torch, without cuda-bindings.
+    r = c.run(["weightcache-setup-runtime", "--dry-run"])
+    assert r.stdout.startswith("torch build: cpu") and "cuda-bindings" not in r.stdout, r.stdout
     c.run(["systemctl", "start", "weightcache@0.service"], check=False)
     s = c.wait_for("weightcache@0.service", "ActiveState", "failed", timeout=30)
     assert "weightcache-setup-runtime" in s["StatusText"], s

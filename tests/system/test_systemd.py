@@ -357,3 +357,93 @@ def test_the_serving_loop_pings_the_watchdog(box):
     finally:
         os.unlink(c.path(dropin))
         c.run(["systemctl", "daemon-reload"])
+
+
+# -- the operator's defaults (issue 15) ---------------------------------------------------------
+
+
+def _status_json(c, gpu: int) -> dict:
+    """``weightcache status --json`` for one instance, run as root inside the container."""
+    r = c.run([str(PYTHON), "-m", "weightcache", "status", "--json", "--gpu", str(gpu)], check=False, timeout=60)
+    assert r.stdout.strip(), r.stderr
+    (st,) = json.loads(r.stdout)["gpus"]
+    return st
+
+
+def test_cpu_node_default_serves_from_host_memory(box):
+    """The runtime has cuda-bindings, the node no NVIDIA driver, the config no backend key: host memory."""
+    c, unit = box, "weightcache@0.service"
+    probe = c.run([str(PYTHON), "-c", "import cuda.bindings; from weightcache.memory import probe_cuda; "
+                                      "p = probe_cuda(); print(p.usable)"], check=False)
+    assert probe.returncode == 0, f"the runtime must have cuda-bindings (the test extra): {probe.stderr}"
+    if probe.stdout.strip() == "True":
+        pytest.skip("this host has a working NVIDIA driver")
+    c.write("/etc/weightcache/weightcache.toml",
+            f'[models.minilm]\npath = "{c.ckpt}"\nlayouts = [{{ tp = 1, gpus = [0] }}]\n')
+    try:
+        c.run(["systemctl", "start", unit])  # Type=notify: returns after READY=1, or fails
+        s = c.show(unit, "ActiveState", "NRestarts", "MainPID")
+        assert (s["ActiveState"], s["NRestarts"]) == ("active", "0"), s
+        st = _status_json(c, 0)
+        assert st["backend"] == "host" and [sl["state"] for sl in st["slabs"]] == ["ready"], st
+        assert good(client(c, "alice", 0))
+        line = c.run(["journalctl", "-u", unit, f"_PID={s['MainPID']}", "--no-pager", "-o", "cat",
+                      "--grep", "backend selected"], check=False).stdout
+        assert "backend=host" in line and "libcuda.so.1" in line, line
+    finally:
+        c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt))
+
+
+def test_unreadable_checkpoint_is_a_named_permission_error(box, tmp_path):
+    """A checkpoint root may read and the service user may not: the service and check-config name both."""
+    import torch
+    from safetensors.torch import save_file
+
+    c, unit = box, "weightcache@0.service"
+    save_file({"w": torch.arange(4, dtype=torch.float32).reshape(2, 2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    private = "/srv/wc-private/tiny"
+    c.copy(tmp_path / "config.json", f"{private}/config.json", 0o644)
+    c.copy(tmp_path / "model.safetensors", f"{private}/model.safetensors", 0o600)  # root's own
+    c.run(["chmod", "755", "/srv/wc-private", private])
+    config = _config(c.ckpt) + f'\n[models.tiny]\npath = "{private}"\nlayouts = [{{ tp = 1, gpus = [0] }}]\n'
+    c.write("/etc/weightcache/weightcache.toml", config)
+    try:
+        c.run(["systemctl", "start", unit])
+        st = _status_json(c, 0)
+        tiny = next(sl for sl in st["slabs"] if sl["model"] == "tiny")
+        assert tiny["state"] == "failed" and tiny["error"]["code"] == "checkpoint_unreadable", tiny
+        assert tiny["error"]["details"] == {**tiny["error"]["details"], "file": f"{private}/model.safetensors",
+                                            "user": "weightcache"}, tiny
+        assert good(client(c, "alice", 0))  # the other model serves on
+        # check-config as root reads as the service user by default.
+        r = c.run([str(PYTHON), "-m", "weightcache", "check-config"], check=False, timeout=120)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "checkpoint_unreadable" in r.stderr and f"{private}/model.safetensors" in r.stderr, r.stderr
+        assert "user weightcache" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert c.run([str(PYTHON), "-m", "weightcache", "check-config", "--as-user", "root"],
+                     check=False, timeout=120).returncode == 0
+    finally:
+        c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt))
+        c.run(["rm", "-rf", "/srv/wc-private"])
+
+
+def test_a_config_typo_fails_the_restart_and_the_documented_recovery_works(box):
+    """docs/troubleshooting.md, exit status 78: the status names file and key; fix, reset-failed, restart."""
+    c, unit = box, "weightcache@0.service"
+    c.run(["systemctl", "start", unit])
+    c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt).replace("[service]\n", "[service]\nbakend = 1\n"))
+    try:
+        assert c.run(["systemctl", "restart", unit], check=False).returncode != 0
+        s = c.show(unit, "ActiveState", "ExecMainStatus", "StatusText")
+        assert (s["ActiveState"], s["ExecMainStatus"]) == ("failed", "78"), s
+        assert s["StatusText"].startswith("configuration rejected: /etc/weightcache/weightcache.toml: service.bakend:")
+    finally:
+        c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt))
+    assert c.run([str(PYTHON), "-m", "weightcache", "check-config"], timeout=120).returncode == 0
+    failed = c.run(["systemctl", "list-units", "--failed", "--plain", "--no-legend", "weightcache@*"]).stdout.split()
+    assert unit in failed, failed
+    c.run(["systemctl", "reset-failed", "weightcache@*"])
+    c.run(["systemctl", "start", unit])
+    assert active(c.show(unit, "ActiveState", "SubState"))
+    assert good(client(c, "alice", 0))

@@ -1,8 +1,12 @@
 """Config parsing: schema, drop-ins, placements, errors naming file and key."""
 
+from pathlib import Path
+
 import pytest
 
+from as_user import as_nobody
 from weightcache.config import load_config
+from weightcache.errors import ConfigError
 
 
 def _write(tmp_path, text, name="weightcache.toml"):
@@ -59,6 +63,15 @@ def test_env_var_selects_file(tmp_path, monkeypatch):
         ('[service]\nread_threads = "8"\n', "service.read_threads"),
         ('[servise]\n', "servise"),
         ('[models.a]\npath = "/x"\nlayouts = [{ tp = 0, gpus = [] }]\n', "models.a.layouts[0].tp"),
+        ("[service]\nload_timeout_s = -1\n", "service.load_timeout_s"),
+        ("[service]\nload_timeout_s = 0\n", "service.load_timeout_s"),
+        ("[service]\nload_timeout_s = nan\n", "service.load_timeout_s"),
+        ("[service]\nload_timeout_s = inf\n", "service.load_timeout_s"),
+        ("[service]\nread_threads = 0\n", "service.read_threads"),
+        ("[service]\nread_threads = 100000\n", "service.read_threads"),
+        ("[service]\nstaging_bytes = 0\n", "service.staging_bytes"),
+        ('[service]\nsocket_dir = "run/weightcache"\n', "service.socket_dir"),
+        ('[models.a]\npath = "models/a"\n', "models.a.path"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path, text, key):
@@ -81,3 +94,53 @@ def test_missing_file(tmp_path):
     with pytest.raises(Exception) as e:
         load_config(tmp_path / "nope.toml")
     assert e.value.code == "config_invalid"
+
+
+def test_numbers_in_range_are_accepted(tmp_path):
+    p = _write(tmp_path, "[service]\nload_timeout_s = 0.5\nread_threads = 1\nstaging_bytes = 2097152\n")
+    svc = load_config(p).service
+    assert (svc.load_timeout_s, svc.read_threads, svc.staging_bytes) == (0.5, 1, 2097152)
+
+
+def test_utf16_file_is_config_invalid(tmp_path):
+    p = tmp_path / "weightcache.toml"
+    p.write_text('[service]\nbackend = "host"\n', encoding="utf-16")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert (e.value.details["file"], e.value.details["cause"]) == (str(p), "not_utf8")
+
+
+def test_directory_is_config_invalid(tmp_path):
+    (tmp_path / "weightcache.toml").mkdir()
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "weightcache.toml")
+    assert (e.value.details["file"], e.value.details["cause"]) == (str(tmp_path / "weightcache.toml"), "is_a_directory")
+
+
+def test_unreadable_file_is_config_invalid(tmp_path):
+    p = _write(tmp_path, "[service]\n")
+    p.chmod(0)
+    with as_nobody(), pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert (e.value.details["file"], e.value.details["cause"]) == (str(p), "permission_denied")
+
+
+def test_key_under_commented_service_header_says_so(tmp_path):
+    """The shipped example with only `backend = "host"` uncommented: the error names the commented header."""
+    example = (Path(__file__).parents[2] / "examples" / "weightcache.toml").read_text()
+    assert '# backend = "auto"' in example
+    p = _write(tmp_path, example.replace('# backend = "auto"', 'backend = "host"'))
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.details["key"] == "backend"
+    header = example.splitlines().index("# [service]") + 1
+    assert e.value.details["line"] == example.splitlines().index('# backend = "auto"') + 1
+    assert e.value.details["commented_header_line"] == header
+
+
+def test_key_outside_a_table_without_a_commented_header(tmp_path):
+    p = _write(tmp_path, 'read_threads = 4\n[service]\nbackend = "host"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert (e.value.details["key"], e.value.details["line"], e.value.details["commented_header_line"]) == (
+        "read_threads", 1, None)

@@ -138,6 +138,13 @@ def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
     return _one(protocol.StatusReply(status(ctx).to_json()))
 
 
+def _dtype_matches(slot: Slot, requested: str) -> bool:
+    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.pipeline.dtype_matches`)."""
+    p = slot.placement
+    return pipeline.dtype_matches(p.model, p.tp_size, p.tp_rank, requested,
+                                  slot.manifest.key if slot.manifest else None)
+
+
 def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
     """``attach``: a lease and the slab's fd, or ``loading``, or parks the request while the slot loads.
 
@@ -149,7 +156,7 @@ def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
     if msg.mode not in ("zero_copy", "copy"):
         raise RemoteProtocolError(f"attach: mode must be zero_copy or copy, got {msg.mode!r}", field="mode")
     st = ctx.state
-    slot = st.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming)[0]
+    slot = st.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming, _dtype_matches)[0]
     access.check_attach(peer, slot, st.service_uid)
     if slot.state in UNSETTLED and msg.wait_ms > 0:
         peer.waiting.append((msg, slot, ctx.monotonic() + msg.wait_ms / 1e3))

@@ -28,7 +28,7 @@ import enum
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .. import protocol
 from ..config import Placement
@@ -299,8 +299,14 @@ class ServiceState:
         return all(s.state not in UNSETTLED for s in self.slots)
 
     def find_slots(self, model: str, tp_size: int | None = None, tp_rank: int | None = None,
-                   dtype: str | None = None, naming: str | None = None) -> list[Slot]:
+                   dtype: str | None = None, naming: str | None = None,
+                   dtype_matches: Callable[[Slot, str], bool] | None = None) -> list[Slot]:
         """Slots matching a model name or checkpoint path (and layout, when given).
+
+        ``dtype_matches(slot, dtype)`` decides whether a slot serves an engine asking
+        for ``dtype`` (the caller's, since it may read headers: see
+        :func:`weightcache.pipeline.dtype_matches`); without it the configured
+        dtype must equal ``dtype``.
 
         Raises:
             ModelNotFound (`model_not_found`): nothing matches; the message lists
@@ -319,7 +325,7 @@ class ServiceState:
                 continue
             if tp_rank is not None and s.placement.tp_rank != tp_rank:
                 continue
-            if dtype is not None and m.dtype != dtype:
+            if dtype is not None and not (dtype_matches(s, dtype) if dtype_matches else m.dtype == dtype):
                 continue
             if naming is not None and m.naming != naming:
                 continue

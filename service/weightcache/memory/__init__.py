@@ -15,6 +15,7 @@ long as any process (the service, an engine, systemd's fd store) holds it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import ConfigError
@@ -110,18 +111,97 @@ def get_backend(name: str, gpu: int = 0) -> Backend:
     raise ConfigError(f"unknown memory backend {name!r} (known: host, cuda)", key="service.backend")
 
 
-def cuda_available() -> bool:
-    """True when the CUDA driver (through ``cuda-bindings``) reports at least one device.
+@dataclass(frozen=True)
+class CudaProbe:
+    """What the CUDA driver answered.
+
+    Attributes:
+        usable (`bool`): the driver library loaded, ``cuInit`` succeeded and at
+            least one device answered.
+        devices (`int`): devices the driver reports (0 when not usable).
+        reason (`str`): why, in words, for the journal and ``STATUS=``
+            (``"CUDA driver reports 8 device(s)"``, ``"the CUDA driver library
+            libcuda.so.1 could not be loaded: ..."``).
+    """
+
+    usable: bool
+    devices: int
+    reason: str
+
+
+def probe_cuda() -> CudaProbe:
+    """Asks the CUDA driver (through ``cuda-bindings``) whether a device answers; never raises.
 
     Asked through the driver, not torch: the service must not import torch
-    before READY when it adopts slabs from the fd store.
+    before READY when it adopts slabs from the fd store. Every way the driver
+    can be missing is an answer, not an exception: ``cuda-bindings`` not
+    installed (``ImportError``), ``libcuda.so.1`` absent (``cuda.pathfinder``'s
+    ``DynamicLibNotFoundError``, an ``OSError`` or ``RuntimeError`` from the
+    loader), ``cuInit`` failing (no device node, driver/library mismatch), or
+    no device.
+
+    Returns:
+        `CudaProbe`.
     """
     try:
         from cuda.bindings import driver as cu
-    except ImportError:
-        return False
-    (err,) = cu.cuInit(0)[:1]
+    except ImportError as e:
+        return CudaProbe(False, 0, f"cuda-bindings is not installed ({e})")
+    except (OSError, RuntimeError) as e:  # e.g. cuda.pathfinder's ctypes.util.find_library without a temp dir
+        return CudaProbe(False, 0, f"cuda-bindings failed to import: {type(e).__name__}: {str(e).rstrip('.')}")
+    # cuInit loads libcuda.so.1 on first use; cuda.pathfinder raises DynamicLibNotFoundError
+    # (a RuntimeError) when it is absent, other loaders an OSError.
+    try:
+        (err,) = cu.cuInit(0)[:1]
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return CudaProbe(False, 0, f"the CUDA driver is installed but cuInit failed with {_cu_name(err)} "
+                                       f"(no device node, or the driver and its kernel module differ)")
+        err, n = cu.cuDeviceGetCount()
+    except (OSError, RuntimeError) as e:
+        return CudaProbe(False, 0, f"the CUDA driver library (libcuda.so.1) could not be loaded: "
+                                   f"{type(e).__name__}: {str(e).rstrip('.')}")
     if err != cu.CUresult.CUDA_SUCCESS:
-        return False
-    err, n = cu.cuDeviceGetCount()
-    return err == cu.CUresult.CUDA_SUCCESS and n > 0
+        return CudaProbe(False, 0, f"cuDeviceGetCount failed with {_cu_name(err)}")
+    if n < 1:
+        return CudaProbe(False, 0, "the CUDA driver reports no device")
+    return CudaProbe(True, int(n), f"the CUDA driver reports {n} device(s)")
+
+
+def _cu_name(err: object) -> str:
+    return getattr(err, "name", None) or str(err)
+
+
+def cuda_available() -> bool:
+    """True when the CUDA driver (through ``cuda-bindings``) reports at least one device; see :func:`probe_cuda`."""
+    return probe_cuda().usable
+
+
+def select_backend(name: str, probe=probe_cuda) -> tuple[str, str]:
+    """Resolves the configured ``[service] backend`` to ``host`` or ``cuda``, saying why.
+
+    Args:
+        name (`str`): ``auto``, ``cuda`` or ``host``.
+        probe (`Callable[[], CudaProbe]`, *optional*): the driver question
+            (:func:`probe_cuda`).
+
+    Returns:
+        `tuple[str, str]`: the backend name and the reason, for the journal
+        (``("host", "backend = auto: cuda-bindings is not installed ...")``).
+
+    Raises:
+        ConfigError (`config_invalid`): ``cuda`` on a node whose driver does
+            not load or has no device (the message names the cause and the
+            fix), or an unknown name.
+    """
+    if name == "host":
+        return "host", "backend = host in the configuration"
+    if name not in ("auto", "cuda"):
+        raise ConfigError(f"unknown memory backend {name!r} (known: auto, host, cuda)", key="service.backend")
+    p = probe()
+    if p.usable:
+        return "cuda", f"backend = {name}: {p.reason}"
+    if name == "auto":
+        return "host", f"backend = auto: {p.reason}; slabs live in host memory"
+    raise ConfigError(
+        f"backend = \"cuda\" but {p.reason}; install the NVIDIA driver (or fix the device access), or set "
+        f"backend = \"host\" (or \"auto\") in [service] to serve from host memory", key="service.backend")
