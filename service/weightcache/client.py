@@ -114,6 +114,36 @@ def device_info(device: str) -> dict[str, Any]:
     return local_backend(device).device_info()
 
 
+#: Pause between ``connect`` attempts while the service's backlog is full (seconds, first and largest).
+_BACKLOG_PAUSE_S = (0.001, 0.05)
+
+
+def _connect(sock: socket.socket, path: str, deadline: float) -> None:
+    """``connect``, waiting while the listen backlog is full (``EAGAIN``) until ``deadline`` (monotonic s).
+
+    A full backlog means the service is busy (starting, or many engines
+    connecting at once), not absent: the kernel answers ``EAGAIN`` at once on
+    a Unix socket instead of waiting, so this waits for it, backing off from
+    1 ms to 50 ms. It is part of connecting within the caller's timeout, not a
+    retry of a request; the first wait and the number of waits are logged.
+    """
+    pause, waits = _BACKLOG_PAUSE_S[0], 0
+    while True:
+        try:
+            sock.connect(path)
+            if waits:
+                log.info("connected after a full backlog socket=%s waits=%d", path, waits)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise socket.timeout(f"the service's listen backlog stayed full for {waits} attempts") from None
+            if not waits:
+                log.warning("service backlog full, waiting socket=%s", path)
+            waits += 1
+            time.sleep(pause)
+            pause = min(pause * 2, _BACKLOG_PAUSE_S[1])
+
+
 class Session:
     """A blocking client connection to one service socket (one per attach).
 
@@ -133,7 +163,7 @@ class Session:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
-            self.sock.connect(path)
+            _connect(self.sock, path, time.monotonic() + timeout)
         except (FileNotFoundError, ConnectionRefusedError, socket.timeout, PermissionError, OSError) as e:
             self.sock.close()
             raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None

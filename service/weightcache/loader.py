@@ -92,7 +92,7 @@ def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> ReadTask
         start, n = info.offset_bytes + src.start * row, (src.stop - src.start) * row
     if n != rec.size_bytes:
         return None
-    return ReadTask(str(ck.path / info.file), start, n, rec.offset_bytes, spec.name)
+    return ReadTask(ck.file_path(info.file), start, n, rec.offset_bytes, spec.name)
 
 
 def _split(tasks: list[ReadTask], chunk: int) -> list[ReadTask]:

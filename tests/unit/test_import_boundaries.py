@@ -95,6 +95,8 @@ DAEMON_ROOMS = {
     "transport.py": {"threading", "torch", "weightcache.pipeline", "weightcache.daemon.handlers",
                      "weightcache.daemon.loads"},
     "ticker.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.handlers"},
+    "limits.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
+                  "weightcache.daemon.handlers"},
     "loop.py": {"torch"},
     "__init__.py": {"torch"},
 }

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any
@@ -31,9 +33,10 @@ from ..config import Config
 from ..loader import LoaderOptions
 from ..manifest import Manifest
 from ..memory import Backend
-from . import handlers, loads
+from . import access, handlers, loads
 from .fdstore import FdStore
-from .handlers import Context, FreeSlab, Outcome, Refuse, StartLoad
+from .handlers import Context, FreeSlab, Outcome, Refuse, StartLoad, StartVerify
+from .limits import Limits
 from .loads import Loader, LoadSettings
 from .state import IllegalTransition, ServiceState, SlotState
 from .ticker import Ticker
@@ -71,9 +74,10 @@ class Daemon:
         device = backend.device_info()
         source = config.files[0] if config.files else "the config"
         self.state = ServiceState(gpu, backend.name, device, config.placements(gpu), source)
-        self.ctx = Context(self.state, backend.mem_info)
+        self.ctx = Context(self.state, backend.mem_info,
+                           policy=access.Policy(self.state.service_uid, config.service.operator_groups))
         self.transport = Transport(listener, self._on_message, self._on_close,
-                                   lambda c: self.state.peers.add(c.peer))
+                                   lambda c: self.state.peers.add(c.peer), Limits.from_config(config.service))
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -83,6 +87,11 @@ class Daemon:
                              self._wake_w, encode_manifest)
         self._stop = False
         self._broken: IllegalTransition | None = None
+        #: Verifies done on their threads: (client, outcome, the slabs they read).
+        self._verified: queue.SimpleQueue = queue.SimpleQueue()
+        #: id(sealed slab) -> verifies reading it; evicted slabs among them are closed when the last ends.
+        self._reading: dict[int, int] = {}
+        self._close_later: dict[int, Any] = {}
         now = time.monotonic()
         for slot, (rec, sealed) in self.fdstore.adopt(stored_fds or {}, self.state.slots).items():
             header, payload = rec.wire
@@ -104,14 +113,50 @@ class Daemon:
             self._effect(c, eff)
 
     def _effect(self, c: Client, eff: Any) -> None:
-        {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse}[type(eff)](c, eff)
+        {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse,
+         StartVerify: self._start_verify}[type(eff)](c, eff)
 
     def _start_load(self, c: Client, eff: StartLoad) -> None:
         self.loader.submit(eff.slot)
 
     def _free_slab(self, c: Client, eff: FreeSlab) -> None:
         self.fdstore.remove(eff.store_id)
+        if self._reading.get(id(eff.sealed)):
+            self._close_later[id(eff.sealed)] = eff.sealed  # a verify still reads it
+            return
         eff.sealed.close()
+
+    def _start_verify(self, c: Client, eff: StartVerify) -> None:
+        """Runs the hashing on a thread; the client's later requests wait (replies stay in order)."""
+        slabs = [it.sealed for it in eff.items if it.sealed is not None]
+        for sealed in slabs:
+            self._reading[id(sealed)] = self._reading.get(id(sealed), 0) + 1
+        self.transport.hold(c)
+
+        def work() -> None:
+            self._verified.put((c, handlers.verify_reply(c.peer, eff.items), slabs))
+            try:
+                os.write(self._wake_w, b"v")
+            except (BlockingIOError, InterruptedError):
+                pass
+
+        threading.Thread(target=work, name="weightcache-verify", daemon=True).start()
+
+    def _finish_verifies(self) -> None:
+        while True:
+            try:
+                c, out, slabs = self._verified.get_nowait()
+            except queue.Empty:
+                return
+            for sealed in slabs:
+                self._reading[id(sealed)] -= 1
+                if not self._reading[id(sealed)]:
+                    del self._reading[id(sealed)]
+                    later = self._close_later.pop(id(sealed), None)
+                    if later is not None:
+                        later.close()
+            self._carry_out(c, out)
+            self.transport.release(c)
 
     def _refuse(self, c: Client, eff: Refuse) -> None:
         self.transport.violation(c, eff.error)
@@ -131,6 +176,7 @@ class Daemon:
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
                 self.fdstore.put(result.slot, result.sealed, result.manifest)
             loads.apply(self.state, result)
+        self._finish_verifies()
 
     def _service_waiting(self) -> None:
         for c in list(self.transport.clients.values()):
@@ -165,7 +211,9 @@ class Daemon:
         log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots))
         while not self._stop:
             try:
-                self.ticker.tick(time.monotonic())
+                now = time.monotonic()
+                self.ticker.tick(now)
+                self.transport.expire(now)
                 waiting = any(c.peer.waiting for c in self.transport.clients.values())
                 self.transport.poll(0.2 if waiting else 0.5)
                 self._service_waiting()

@@ -32,8 +32,9 @@ from typing import Any, Callable
 
 from .. import protocol
 from ..config import Placement
-from ..errors import ModelNotFound, WeightcacheError
+from ..errors import ModelNotFound, RemoteProtocolError, WeightcacheError
 from ..manifest import Manifest
+from .limits import MAX_MODEL_BYTES
 
 
 class SlotState(enum.Enum):
@@ -241,13 +242,15 @@ class Peer:
     """One connection as the state sees it: who (``SO_PEERCRED``), its leases, its parked attaches.
 
     ``waiting`` holds ``(attach request, slot, deadline)`` with the deadline in
-    ``time.monotonic()`` seconds. ``rights`` is filled by
-    :mod:`weightcache.daemon.access` on first use.
+    ``time.monotonic()`` seconds. ``groups``: supplementary gids from
+    ``SO_PEERGROUPS``. ``rights`` is filled by :mod:`weightcache.daemon.access`
+    on first use.
     """
 
     pid: int
     uid: int
     gid: int
+    groups: tuple[int, ...] = ()
     leases: dict[int, Lease] = field(default_factory=dict)
     waiting: list[tuple[protocol.Attach, Slot, float]] = field(default_factory=list)
     rights: Any = None
@@ -278,7 +281,10 @@ class ServiceState:
         self.peers: set[Peer] = set()
         self.loads_done = 0  # loads settled (ready or failed) since start
         self._next_lease = 1
-        self._realpaths: dict[str, str] = {}
+        #: Each configured checkpoint path, normalised and resolved once (never a client's string).
+        self._paths: dict[str, frozenset[str]] = {
+            m.path: frozenset({os.path.normpath(m.path), os.path.realpath(m.path)})
+            for m in {s.placement.model.path: s.placement.model for s in self.slots}.values()}
 
     def lease(self, peer: Peer, slot: Slot, mode: str, since: float) -> Lease:
         """Grants ``peer`` a new lease on READY ``slot``; ``since`` is Unix time in seconds."""
@@ -308,18 +314,29 @@ class ServiceState:
         :func:`weightcache.pipeline.dtype_matches`); without it the configured
         dtype must equal ``dtype``.
 
+        A path matches a configured checkpoint path after ``os.path.normpath``
+        (linear in its length), equal to the configured path or to what it
+        resolved to when the service started; the service never resolves a
+        client's string (the client sends its own ``realpath``).
+
         Raises:
+            RemoteProtocolError (`protocol_violation`): ``model`` is longer than
+                :data:`~weightcache.daemon.limits.MAX_MODEL_BYTES` (``PATH_MAX``).
             ModelNotFound (`model_not_found`): nothing matches; the message lists
                 what this GPU holds.
         """
-        if "\0" in model:  # os.path.realpath raises on NUL; no model or path can contain one
+        if len(model) > MAX_MODEL_BYTES or len(model.encode("utf-8", "surrogatepass")) > MAX_MODEL_BYTES:
+            raise RemoteProtocolError(f"model is {len(model.encode('utf-8', 'surrogatepass'))} bytes long; names "
+                                      f"and checkpoint paths are at most {MAX_MODEL_BYTES} bytes (PATH_MAX)",
+                                      field="model")
+        if "\0" in model:  # no model name or path can contain one
             raise ModelNotFound(f"GPU {self.gpu} has no model {model[:200]!r}: names and paths contain no NUL byte",
                                 model=model[:200], gpu=self.gpu)
-        real = os.path.realpath(model) if os.sep in model else None
+        norm = os.path.normpath(model) if os.sep in model else None
         out = []
         for s in self.slots:
             m = s.placement.model
-            if m.name != model and (real is None or self._realpath(m.path) != real):
+            if m.name != model and (norm is None or norm not in self._paths[m.path]):
                 continue
             if tp_size is not None and s.placement.tp_size != tp_size:
                 continue
@@ -337,13 +354,6 @@ class ServiceState:
                 f"{'' if dtype is None else ' dtype=' + dtype}{'' if naming is None else ' naming=' + naming}; "
                 f"it holds: {held}", model=model, tp_size=tp_size, tp_rank=tp_rank, gpu=self.gpu)
         return out
-
-    def _realpath(self, path: str) -> str:
-        """``os.path.realpath`` of a configured checkpoint path, resolved once."""
-        real = self._realpaths.get(path)
-        if real is None:
-            real = self._realpaths[path] = os.path.realpath(path)
-        return real
 
     def status_line(self, now: float) -> str:
         """One line for systemd's ``STATUS=`` and ``weightcache status``."""
