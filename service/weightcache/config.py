@@ -140,7 +140,7 @@ class ServiceConfig:
     operator_groups: tuple[str, ...] = ()
     #: Per-client caps (see weightcache.daemon.limits.Limits).
     max_unread_replies: int = 64
-    max_queued_bytes: int = 64 * 1024 * 1024
+    max_queued_bytes: int = 16 * 1024 * 1024
     max_held_fds: int = 64
     max_buffered_bytes: int = 16 * 1024 * 1024
     max_connections_per_uid: int = 64

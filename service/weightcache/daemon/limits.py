@@ -54,7 +54,7 @@ class Limits:
     """
 
     max_unread_replies: int = 64
-    max_queued_bytes: int = 64 * 1024 * 1024
+    max_queued_bytes: int = 16 * 1024 * 1024
     max_held_fds: int = 64
     max_buffered_bytes: int = 16 * 1024 * 1024
     max_connections_per_uid: int = 64
