@@ -47,7 +47,8 @@ class Limits:
             incomplete request frames held. The connection whose read goes past
             it gets ``resource_exhausted`` and is closed.
         max_connections_per_uid (`int`): open connections of one uid
-            (``SO_PEERCRED``). One more gets ``resource_exhausted`` and is closed.
+            (``SO_PEERCRED``; root and the service user are exempt). One more gets
+            ``resource_exhausted`` and is closed.
         partial_frame_timeout_s (`float`): seconds an incomplete request frame
             may wait for its remaining bytes before the connection is closed
             with ``resource_exhausted``.

@@ -77,7 +77,8 @@ class Daemon:
         self.ctx = Context(self.state, backend.mem_info,
                            policy=access.Policy(self.state.service_uid, config.service.operator_groups))
         self.transport = Transport(listener, self._on_message, self._on_close,
-                                   lambda c: self.state.peers.add(c.peer), Limits.from_config(config.service))
+                                   lambda c: self.state.peers.add(c.peer), Limits.from_config(config.service),
+                                   trusted_uids=frozenset({0, self.state.service_uid}))
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)

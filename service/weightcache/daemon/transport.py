@@ -127,12 +127,17 @@ class Transport:
         on_open (`callable`): ``(client) -> None`` once per accepted connection.
         limits (`Limits`, *optional*): the caps (defaults: :class:`Limits`).
         clock (`callable`, *optional*): monotonic seconds (``time.monotonic``).
+        trusted_uids (`frozenset[int]`, *optional*): uids exempt from
+            ``max_connections_per_uid`` (root and the service user, who may
+            do everything anyway); default: root and this process's uid.
     """
 
     def __init__(self, listener: socket.socket, on_message: Callable[[Client, protocol.Message], None],
                  on_close: Callable[[Client], None], on_open: Callable[[Client], None],
-                 limits: Limits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 limits: Limits | None = None, clock: Callable[[], float] = time.monotonic,
+                 trusted_uids: frozenset[int] | None = None) -> None:
         self.limits = limits or Limits()
+        self.trusted_uids = frozenset({0, os.getuid()}) if trusted_uids is None else trusted_uids
         self.clock = clock
         #: Bytes of incomplete requests held across all connections.
         self.buffered_bytes = 0
@@ -213,7 +218,7 @@ class Transport:
             self.clients[sock.fileno()] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
             self.on_open(c)
-            same_uid = sum(1 for o in self.clients.values() if o.peer.uid == uid)
+            same_uid = 0 if uid in self.trusted_uids else sum(1 for o in self.clients.values() if o.peer.uid == uid)
             if same_uid > self.limits.max_connections_per_uid:
                 self.exhausted(c, "max_connections_per_uid", self.limits.max_connections_per_uid, same_uid,
                                close=True)
