@@ -44,7 +44,7 @@ def transport(tmp_path):
 
     clock = Clock()
     tr = Transport(listener, on_message, lambda c: None, lambda c: None,
-                   Limits(max_unread_replies=4, partial_frame_timeout_s=5.0), clock, trusted_uids=frozenset())
+                   Limits.defaults(max_unread_replies=4, partial_frame_timeout_s=5.0), clock, trusted_uids=frozenset())
     tr.start()
     socks: list[socket.socket] = []
 

@@ -19,8 +19,10 @@ weightcache.daemon.loads, weightcache.daemon.loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from ..config import ServiceConfig
 
 #: Largest request frame the service reads (bytes). Requests are small (a
 #: ``model`` string of at most :data:`MAX_MODEL_BYTES` and a few numbers); replies
@@ -33,7 +35,8 @@ MAX_MODEL_BYTES = 4096
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """The caps, from ``[service]`` (docs/configuration.md lists the keys and ranges).
+    """The caps, from ``[service]`` (docs/configuration.md lists the keys, ranges and defaults; the defaults
+    live in :class:`~weightcache.config.ServiceConfig` only).
 
     Attributes:
         max_unread_replies (`int`): per connection, replies queued but not yet
@@ -54,14 +57,19 @@ class Limits:
             with ``resource_exhausted``.
     """
 
-    max_unread_replies: int = 64
-    max_queued_bytes: int = 16 * 1024 * 1024
-    max_held_fds: int = 64
-    max_buffered_bytes: int = 16 * 1024 * 1024
-    max_connections_per_uid: int = 64
-    partial_frame_timeout_s: float = 10.0
+    max_unread_replies: int
+    max_queued_bytes: int
+    max_held_fds: int
+    max_buffered_bytes: int
+    max_connections_per_uid: int
+    partial_frame_timeout_s: float
 
     @classmethod
     def from_config(cls, service: Any) -> "Limits":
         """The caps of a :class:`~weightcache.config.ServiceConfig` (same attribute names)."""
         return cls(**{name: getattr(service, name) for name in cls.__dataclass_fields__})
+
+    @classmethod
+    def defaults(cls, **changes: Any) -> "Limits":
+        """The caps of an empty ``[service]`` table, with ``changes`` applied."""
+        return replace(cls.from_config(ServiceConfig()), **changes)

@@ -125,7 +125,7 @@ class Transport:
         on_message (`callable`): ``(client, message) -> None`` for each request.
         on_close (`callable`): ``(client) -> None`` once per closed connection.
         on_open (`callable`): ``(client) -> None`` once per accepted connection.
-        limits (`Limits`, *optional*): the caps (defaults: :class:`Limits`).
+        limits (`Limits`, *optional*): the caps (default: :meth:`Limits.defaults`).
         clock (`callable`, *optional*): monotonic seconds (``time.monotonic``).
         trusted_uids (`frozenset[int]`, *optional*): uids exempt from
             ``max_connections_per_uid`` (root and the service user, who may
@@ -136,7 +136,7 @@ class Transport:
                  on_close: Callable[[Client], None], on_open: Callable[[Client], None],
                  limits: Limits | None = None, clock: Callable[[], float] = time.monotonic,
                  trusted_uids: frozenset[int] | None = None) -> None:
-        self.limits = limits or Limits()
+        self.limits = limits or Limits.defaults()
         self.trusted_uids = frozenset({0, os.getuid()}) if trusted_uids is None else trusted_uids
         self.clock = clock
         #: Bytes of incomplete requests held across all connections.
