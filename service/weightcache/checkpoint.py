@@ -226,7 +226,10 @@ def _parse_header(path: Path, raw: bytes, data_start: int, size: int) -> dict[st
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:  # its message would quote the byte: name the position only
+        raise CheckpointCorrupt(f"safetensors header of {path} is not UTF-8 (byte {e.start} of the header)",
+                                file=str(path)) from None
+    except ValueError as e:
         raise CheckpointCorrupt(f"safetensors header of {path} is not valid JSON: {e}", file=str(path)) from None
     for name, entry in header.items():
         if name == "__metadata__":
