@@ -240,8 +240,9 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
         s.close()
     _back_to_baseline(svc, before, extra_memfds=4)  # blocked and later are resident now: 2 memfds each
     record_figures("attack.parked_attaches", "3 connections park 2,000 attaches each on a loading model, never read",
-                   "service up (RLIMIT_NOFILE=512); each connection: 64 attach replies, then one resource_exhausted "
-                   "(max_unread_replies); a well-behaved attach within 1 s during and after; fds and RSS back",
+                   "service up (RLIMIT_NOFILE=512); per connection 64 attaches parked, the 65th answered "
+                   "resource_exhausted (max_unread_replies) at once, the 64 get their fds when the load ends; a "
+                   "well-behaved attach within 1 s during and after; fds and RSS back",
                    clients=5, faults_injected=3, bytes_compared=compared,
                    fds_held_max=sum(during.values()) - sum(before["fds"].values()))
 
