@@ -163,8 +163,8 @@ class Transport:
         self._readers[fd] = callback
 
     def poll(self, timeout: float) -> None:
-        """Waits up to ``timeout`` seconds and serves what became ready."""
-        for key, events in self.sel.select(timeout):
+        """Waits up to ``timeout`` seconds (none while a resumed client waits) and serves what became ready."""
+        for key, events in self.sel.select(0 if self._resume else timeout):
             if key.data == "listen":
                 self._accept()
             elif key.data == "reader":
