@@ -314,7 +314,8 @@ def test_huge_model_string_is_refused_at_once(daemon, ok_ck):
     _back_to_baseline(svc, before)
     record_figures("attack.huge_model_string", "a 1.2 MB model path, and a 5 KB one",
                    "1.2 MB: protocol_violation at the length prefix (frame > 64 KiB), never resolved; 5 KB: "
-                   "protocol_violation field=model (PATH_MAX); a well-behaved attach within 1 s meanwhile; fds, RSS back",
+                   "protocol_violation field=model (PATH_MAX); a well-behaved attach within 1 s meanwhile; "
+                   "fds, RSS back",
                    clients=3, faults_injected=2, bytes_compared=compared)
 
 

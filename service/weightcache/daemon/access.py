@@ -115,7 +115,9 @@ def may_attach(peer: Peer, slot: Slot, policy: Policy) -> bool:
 
 
 def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach") -> None:
-    """Allows ``peer`` to use ``slot`` for ``request`` (``attach``; ``evict``... after :func:`check_operator`) or raises.
+    """Allows ``peer`` to use ``slot`` for ``request`` or raises.
+
+    ``request`` is ``attach``, or ``evict``/``preload``/``verify`` after :func:`check_operator`.
 
     Raises:
         AccessDenied (`access_denied`): the peer is on neither ``allow_users``

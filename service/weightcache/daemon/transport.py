@@ -214,7 +214,8 @@ class Transport:
                 sock.close()
                 continue
             sock.setblocking(False)  # replies queue in the client's outbox; a slow reader blocks no one
-            c = Client(sock, protocol.Connection(protocol.SERVER, MAX_REQUEST_BYTES), Peer(pid, uid, gid, groups=groups))
+            c = Client(sock, protocol.Connection(protocol.SERVER, MAX_REQUEST_BYTES),
+                       Peer(pid, uid, gid, groups=groups))
             self.clients[sock.fileno()] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
             self.on_open(c)
