@@ -125,7 +125,8 @@ def _connect(sock: socket.socket, path: str, deadline: float) -> None:
     connecting at once), not absent: the kernel answers ``EAGAIN`` at once on
     a Unix socket instead of waiting, so this waits for it, backing off from
     1 ms to 50 ms. It is part of connecting within the caller's timeout, not a
-    retry of a request; the first wait and the number of waits are logged.
+    retry of a request; the first wait is logged as a WARNING, each attempt at
+    DEBUG, and the number of waits once connected.
     """
     pause, waits = _BACKLOG_PAUSE_S[0], 0
     while True:
@@ -140,6 +141,8 @@ def _connect(sock: socket.socket, path: str, deadline: float) -> None:
             if not waits:
                 log.warning("service backlog full, waiting socket=%s", path)
             waits += 1
+            log.debug("connect again after a full backlog socket=%s attempt=%d pause_ms=%.0f", path, waits,
+                      pause * 1e3)
             time.sleep(pause)
             pause = min(pause * 2, _BACKLOG_PAUSE_S[1])
 
