@@ -30,7 +30,6 @@ Usage: bench_concurrency.py [--device cpu|cuda] [--ns 1,8,32,64] [--samples 64] 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import re
@@ -42,7 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    LLAMA2_7B, emit, has_cuda, scaled, service_env, stats, versions, wait_ready, write_checkpoint, write_config,
+    LLAMA2_7B, emit, has_cuda, patch_timers, scaled, service_env, stats, versions, wait_ready, write_checkpoint,
+    write_config,
 )
 
 STAGES = ("connect", "send", "reply wait", "manifest file", "key check", "import + map", "views")
@@ -52,24 +52,11 @@ def _instrument(acc: dict[str, float], device: str) -> None:
     """Wraps the client's steps with timers adding seconds into ``acc`` (this process only)."""
     from weightcache import client
 
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
-        return wrapper
-
     backend = client.local_backend(device)
-    for owner, attr, name in ((client.Session, "__init__", "connect"), (client.Session, "send", "send"),
-                              (client.Session, "replies", "reply wait"),
-                              (client, "read_manifest_file", "manifest file"),
-                              (client.pipeline, "check_key", "key check"),
-                              (type(backend), "import_fd", "import + map"), (client, "build_views", "views")):
-        fn = getattr(owner, attr, None)
-        if fn is not None:  # (an older client, e.g. protocol 2, has no manifest file to read)
-            setattr(owner, attr, timed(name, fn))
+    patch_timers([(client.Session, "__init__", "connect"), (client.Session, "send", "send"),
+                  (client.Session, "replies", "reply wait"), (client, "read_manifest_file", "manifest file"),
+                  (client.pipeline, "check_key", "key check"), (type(backend), "import_fd", "import + map"),
+                  (client, "build_views", "views")], acc)
 
 
 def _engine(cfg: dict, rounds: int, barrier, results) -> None:
