@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import socketserver
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from urllib.parse import urlsplit
 
@@ -63,9 +64,11 @@ class MetricsServer(HTTPServer):
     """
 
     def __init__(self, listener: socket.socket, reg: CollectorRegistry) -> None:
-        super().__init__(listener.getsockname()[:2], _Handler, bind_and_activate=False)
-        self.socket.close()
+        # BaseServer's, not TCPServer's: that one creates a socket of its own, which the unit's
+        # RestrictAddressFamilies=AF_UNIX refuses (and which would only be closed again).
+        socketserver.BaseServer.__init__(self, listener.getsockname()[:2], _Handler)
         self.socket = listener
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
         self.registry = reg
 
 

@@ -24,6 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "units"
 INSTALLED_LAUNCHER = "/usr/libexec/weightcache/weightcache-launch"
+INSTALLED_COMMAND = "/usr/bin/weightcache"
 
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 
@@ -40,6 +41,8 @@ def _instantiate(tmp_path: Path) -> list[str]:
             text = f.read_text()
             if not os.access(INSTALLED_LAUNCHER, os.X_OK):
                 text = text.replace(f"ExecStart={INSTALLED_LAUNCHER}", f"ExecStart={UNITS / 'weightcache-launch'}")
+            if not os.access(INSTALLED_COMMAND, os.X_OK):
+                text = text.replace(f"ExecStart={INSTALLED_COMMAND}", f"ExecStart={REPO / 'packaging' / 'weightcache.sh'}")
             (tmp_path / f.name).write_text(text)
             if "@." in f.name:
                 inst = f.name.replace("@.", "@0.")
@@ -53,7 +56,8 @@ def test_verify_has_no_warnings(tmp_path):
     names = _instantiate(tmp_path)
     assert names == ["weightcache@0.service", "weightcache@0.socket"]
     r = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", *[f"./{n}" for n in names], "./weightcache.target"],
+        ["systemd-analyze", "verify", "--man=no", *[f"./{n}" for n in names], "./weightcache.target",
+         "./weightcache-metrics.socket", "./weightcache-metrics.service"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 0, r.stderr
@@ -72,6 +76,19 @@ def test_security_exposure_is_low(tmp_path):
     m = re.search(r"Overall exposure level for weightcache@0\.service: ([0-9.]+)", r.stdout)
     assert m, r.stdout
     # 10 is fully exposed; GPU access (no PrivateDevices=, no PrivateUsers=) keeps it above 0.
+    assert float(m.group(1)) <= 2.0, r.stdout
+
+
+@needs_analyze
+def test_metrics_endpoint_exposure_is_low(tmp_path):
+    _instantiate(tmp_path)
+    r = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--man=no", "--no-pager", "./weightcache-metrics.service"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"Overall exposure level for weightcache-metrics\.service: ([0-9.]+)", r.stdout)
+    assert m, r.stdout
     assert float(m.group(1)) <= 2.0, r.stdout
 
 
