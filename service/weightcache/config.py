@@ -66,6 +66,8 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "staging_bytes": (2 * 1024 * 1024, True, 1 << 40, "bytes of pinned staging memory"),
     "read_threads": (1, True, 256, "reader threads per checkpoint"),
 }
+#: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
+_METRICS_KEYS = ("address", "port")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
 }
@@ -172,7 +174,7 @@ def _parse_metrics(path: str, table: Any, into: dict[str, Any]) -> None:
                 raise _err(path, "metrics.port", f"{value} is out of range for a TCP port: expected 1..65535 "
                                                   f"(default {DEFAULT_METRICS_PORT})")
         else:
-            raise _err(path, f"metrics.{key}", "unknown key (known: address, port)")
+            raise _err(path, f"metrics.{key}", f"unknown key (known: {', '.join(_METRICS_KEYS)})")
         into[key] = value
 
 

@@ -185,6 +185,27 @@ def test_generator_without_gpus_links_nothing(tmp_path):
     assert _generate(tmp_path, tmp_path / "missing.toml", tmp_path / "nosys") == []
 
 
+@pytest.mark.parametrize("table,listen", [
+    ('[metrics]\nport = 19661\n', "127.0.0.1:19661"),
+    ('[metrics]\naddress = "::1"\n', "[::1]:9661"),
+    ('[metrics]\nport = 70000\n', None),  # out of range: warned, the unit's default stays
+    ('', None),  # no [metrics]: no drop-in
+])
+def test_generator_moves_the_metrics_socket_to_the_configured_address(tmp_path, table, listen):
+    main = tmp_path / "weightcache.toml"
+    main.write_text(table + '[models.a]\npath = "/srv/a"\n')
+    assert _generate(tmp_path, main, tmp_path / "nosys") == ["weightcache@0.socket"]
+    dropin = tmp_path / "normal" / "weightcache-metrics.socket.d" / "50-config.conf"
+    if listen is None:
+        assert not dropin.exists()
+    else:
+        assert re.findall(r"^ListenStream=(.*)$", dropin.read_text(), re.M) == ["", listen]
+    default = re.search(r"^ListenStream=(.*)$", (UNITS / "weightcache-metrics.socket").read_text(), re.M).group(1)
+    from weightcache.config import MetricsConfig
+
+    assert default == MetricsConfig().listen  # the unit's default is the config's default
+
+
 # -- launcher -------------------------------------------------------------------------------
 
 
