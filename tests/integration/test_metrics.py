@@ -1,6 +1,6 @@
 """``weightcache metrics`` against live services: promtool accepts it, and it says what ``status --json`` says.
 
-Two ``weightcache serve`` subprocesses (GPU 0 and 1, host backend) hold the
+test_cli.py's node: two ``weightcache serve`` subprocesses (GPU 0 and 1, host backend) hold the
 real all-MiniLM-L6-v2 checkpoint (GPU 0), a tiny Llama at tp = 2 (GPUs 0 and
 1) and a model whose checkpoint does not exist (fails on GPU 0). An engine
 holds a lease on minilm; another attach of the failed model is refused; an
@@ -29,7 +29,7 @@ from weightcache import attach
 from weightcache.errors import ModelLoadFailed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_cli import Services, minilm_path, write_tiny_llama  # noqa: E402
+from test_cli import Services, llama_path, minilm_path, services  # noqa: E402,F401 - fixtures
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,35 +60,19 @@ def value(smp: dict, name: str, **labels) -> float:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
+def node(services):
+    """test_cli's node (its own instances for this module), after an attach held, one refused and a verify."""
     if os.path.isdir("/run/systemd/system"):
         pytest.skip("this host runs systemd: metrics asks only running weightcache@N units (see the system test)")
-    root = tmp_path_factory.mktemp("wcm")
-    llama = write_tiny_llama(root / "tiny-llama")
-    cfg = root / "weightcache.toml"
-    cfg.write_text(f"""
-[service]
-backend = "host"
-
-[models.minilm]
-path = "{minilm_path()}"
-
-[models.llama]
-path = "{llama}"
-layouts = [ {{ tp = 2, gpus = [0, 1] }} ]
-
-[models.broken]
-path = "{root / 'no-such-checkpoint'}"
-""")
-    with Services(cfg, root / "run", [0, 1]) as svc:
-        held = attach("minilm", socket_dir=str(svc.socket_dir), gpu=0, fallback=False, timeout=30)
-        try:
-            with pytest.raises(ModelLoadFailed):
-                attach("broken", socket_dir=str(svc.socket_dir), gpu=0, fallback=False, timeout=30)
-            assert run_cli(svc, "verify", "minilm", "--gpu", "0").returncode == 0
-            yield svc, held
-        finally:
-            held.close()
+    svc = services
+    held = attach("minilm", socket_dir=str(svc.socket_dir), gpu=0, fallback=False, timeout=30)
+    try:
+        with pytest.raises(ModelLoadFailed):
+            attach("broken", socket_dir=str(svc.socket_dir), gpu=0, fallback=False, timeout=30)
+        assert run_cli(svc, "verify", "minilm", "--gpu", "0").returncode == 0
+        yield svc, held
+    finally:
+        held.close()
 
 
 def test_promtool_accepts_the_exposition(node):
