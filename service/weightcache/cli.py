@@ -571,14 +571,16 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def _metrics_registry(args: argparse.Namespace):
-    """The node's metrics registry: the socket directory's instances and the config's GPUs."""
+    """The node's metrics registry: the socket directory's instances and the config's GPUs (read at each scrape)."""
     from . import metrics
 
-    try:
-        gpus = load_config(getattr(args, "config", None)).gpus()
-    except ConfigError as e:
-        log.warning("metrics: configuration not read, only the sockets are reported: %s", e.message)
-        gpus = []
+    def gpus() -> list[int]:
+        try:
+            return load_config(args.config).gpus()
+        except ConfigError as e:
+            log.warning("metrics: configuration not read, only the sockets are reported: %s", e.message)
+            return []
+
     return metrics.registry(_socket_dir(args), gpus, args.timeout)
 
 

@@ -41,7 +41,7 @@ import logging
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest, write_to_textfile
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
@@ -258,23 +258,26 @@ class NodeCollector:
     """A ``prometheus_client`` collector of the node's instances, as :func:`collect` finds them.
 
     Args:
-        socket_dir (`str`), configured_gpus (`list[int]`), timeout (`float`): see :func:`collect`.
+        socket_dir (`str`), timeout (`float`): see :func:`collect`.
+        configured_gpus (`callable`): ``() -> list[int]``, the GPUs the config
+            places models on, called at each scrape (a long-running endpoint
+            sees a changed config without a restart).
     """
 
-    def __init__(self, socket_dir: str, configured_gpus: list[int] | tuple[int, ...] = (), timeout: float = 5.0):
+    def __init__(self, socket_dir: str, configured_gpus: Callable[[], list[int]] = list, timeout: float = 5.0):
         self.socket_dir = socket_dir
-        self.configured_gpus = tuple(configured_gpus)
+        self.configured_gpus = configured_gpus
         self.timeout = timeout
 
     def collect(self) -> Iterator[Metric]:
         """The families of :data:`FAMILIES` (those with no sample left out)."""
         fam = _Families()
-        for inst in collect(self.socket_dir, self.configured_gpus, self.timeout):
+        for inst in collect(self.socket_dir, self.configured_gpus(), self.timeout):
             _add_instance(fam, inst)
         yield from (m for m in fam.f.values() if m.samples)
 
 
-def registry(socket_dir: str, configured_gpus: list[int] | tuple[int, ...] = (), timeout: float = 5.0) -> CollectorRegistry:
+def registry(socket_dir: str, configured_gpus: Callable[[], list[int]] = list, timeout: float = 5.0) -> CollectorRegistry:
     """A registry holding only :class:`NodeCollector` (no process or platform metrics of the caller)."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(NodeCollector(socket_dir, configured_gpus, timeout))

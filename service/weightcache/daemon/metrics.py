@@ -66,13 +66,21 @@ class Counters:
     def __init__(self, placements: list[Placement], started_at: float) -> None:
         self.started_at = started_at
         self._names: dict[str, str] = {}
-        for p in placements:
-            for alias in (p.model.name, p.model.path, os.path.normpath(p.model.path)):
-                self._names.setdefault(alias, p.model.name)
-        self._slabs = {(p.model.name, p.tp_size, p.tp_rank): _Slab() for p in placements}
+        self._slabs: dict[tuple[str, int, int], _Slab] = {}
+        self.track(placements)
         self._attaches: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self._times: dict[str, _Histogram] = collections.defaultdict(_Histogram)
         self._loads: collections.Counter[tuple[str, int, int, str, str]] = collections.Counter()
+
+    def track(self, placements: list[Placement]) -> None:
+        """Adds label values for ``placements`` (at start; again when a reload places new models).
+
+        Counts already taken stay, also those of models no longer placed.
+        """
+        for p in placements:
+            for alias in (p.model.name, p.model.path, os.path.normpath(p.model.path)):
+                self._names.setdefault(alias, p.model.name)
+            self._slabs.setdefault((p.model.name, p.tp_size, p.tp_rank), _Slab())
 
     def model_label(self, requested: str) -> str:
         """The configured name for a name or checkpoint path a client sent, else :data:`OTHER_MODEL`."""

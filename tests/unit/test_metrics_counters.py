@@ -188,3 +188,15 @@ def test_operations_md_lists_every_event_and_metric():
     for name, (kind, _, _) in metrics.FAMILIES.items():
         shown = name + {"counter": "_total", "info": "_info"}.get(kind, "")
         assert f"| `{shown}` | {kind} |" in ops, shown
+
+
+def test_promtool_accepts_the_alert_rules():
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus, in the Makefile's APT_PKGS)")
+    r = subprocess.run([promtool, "check", "rules", str(REPO / "examples" / "prometheus" / "weightcache-alerts.yml")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS: 3 rules found" in r.stdout, r.stdout + r.stderr
