@@ -81,6 +81,13 @@ def test_env_var_selects_file(tmp_path, monkeypatch):
         ("[service]\npartial_frame_timeout_s = nan\n", "service.partial_frame_timeout_s"),
         ('[service]\noperator_groups = "wheel"\n', "service.operator_groups"),
         ('[service]\noperator_groups = ["wheel", 3]\n', "service.operator_groups"),
+        ("[metrics]\nport = 0\n", "metrics.port"),
+        ("[metrics]\nport = 65536\n", "metrics.port"),
+        ('[metrics]\nport = "9661"\n', "metrics.port"),
+        ('[metrics]\naddress = "localhost"\n', "metrics.address"),
+        ('[metrics]\naddress = "127.0.0.1:9661"\n', "metrics.address"),
+        ("[metrics]\nlisten = 1\n", "metrics.listen"),
+        ("metrics = 3\n", "metrics"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path, text, key):
@@ -119,6 +126,14 @@ def test_caps_and_operators_in_range_are_accepted(tmp_path):
     assert (svc.max_unread_replies, svc.max_queued_bytes, svc.max_held_fds, svc.max_buffered_bytes,
             svc.max_connections_per_uid, svc.partial_frame_timeout_s, svc.operator_groups) == (
         1, 1048576, 65536, 65536, 1, 0.5, ("wheel", "4242"))
+
+
+def test_metrics_address_and_port(tmp_path):
+    assert load_config(_write(tmp_path, "")).metrics.listen == "127.0.0.1:9661"  # loopback by default
+    p = _write(tmp_path, '[metrics]\naddress = "::1"\nport = 9100\n')
+    _write(tmp_path, "[metrics]\nport = 19661\n", "conf.d/10-port.toml")  # a drop-in overrides one key
+    m = load_config(p).metrics
+    assert (m.address, m.port, m.listen) == ("::1", 19661, "[::1]:19661")
 
 
 def test_utf16_file_is_config_invalid(tmp_path):

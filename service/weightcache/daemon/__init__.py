@@ -21,6 +21,8 @@ module                    owns
 :mod:`.limits`            the per-client caps (:class:`~.limits.Limits`)
 :mod:`.transport`         listener, connections, outboxes, backpressure, caps
 :mod:`.ticker`            STATUS, EXTEND_TIMEOUT, READY, WATCHDOG, gc.freeze
+:mod:`.metrics`           the counters of the ``metrics`` reply (attaches,
+                          their service times, loads, verifies)
 :mod:`.loop`              :class:`Daemon`: wires the rooms, carries out effects
 ========================  =====================================================
 

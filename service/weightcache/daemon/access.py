@@ -128,6 +128,7 @@ def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach"
     m, r = slot.placement.model, _rights(peer)
     log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-on-allow-list", request,
                 m.name, peer.pid, peer.uid, r.user, extra=event("rejected", m.name, slot.placement.tp_rank,
+                                                                 error_code="access_denied",
                                                                  peer_uid=peer.uid))
     raise AccessDenied(
         f"user {r.user or peer.uid} (uid {peer.uid}) may not {request} model {m.name!r}: not in allow_users "
@@ -146,7 +147,8 @@ def check_operator(peer: Peer, policy: Policy, request: str, model: str) -> None
         return
     r = _rights(peer)
     log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-an-operator", request,
-                model[:200], peer.pid, peer.uid, r.user, extra=event("rejected", peer_uid=peer.uid))
+                model[:200], peer.pid, peer.uid, r.user,
+                extra=event("rejected", error_code="access_denied", peer_uid=peer.uid))
     raise AccessDenied(
         f"user {r.user or peer.uid} (uid {peer.uid}) may not {request}: only root, the service user and members "
         f"of service.operator_groups {list(policy.operator_groups)} may; run it as one of them (e.g. sudo)",

@@ -43,7 +43,7 @@ from .state import IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSET
 log = logging.getLogger(__name__)
 
 #: What ``hello_reply`` lists as the service's capabilities.
-CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait")
+CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait", "metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +63,11 @@ class StartLoad:
 
 @dataclass(frozen=True, slots=True)
 class FreeSlab:
-    """Effect: drop the fd-store entries ``store_id`` and close ``sealed`` (the backend's SealedSlab)."""
+    """Effect: drop the fd-store entries ``store_id``, close ``sealed`` (the backend's SealedSlab) and its manifest file."""
 
     store_id: str
     sealed: Any
+    manifest_file: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,8 @@ class Context:
         pid (`int`): the service's pid, as ``status`` reports it.
         policy (`access.Policy`, *optional*): the service uid and operator groups (default: the
             state's ``service_uid``, no operator groups).
+        counters (`Counters`, *optional*): the service's counters
+            (:class:`weightcache.daemon.metrics.Counters`), for ``metrics``.
     """
 
     state: ServiceState
@@ -104,6 +107,7 @@ class Context:
     wall: Callable[[], float] = time.time
     pid: int = field(default_factory=os.getpid)
     policy: access.Policy | None = None
+    counters: Any = None
 
     def __post_init__(self) -> None:
         if self.policy is None:  # no operator groups: root and the service user
@@ -125,12 +129,21 @@ def on_hello(ctx: Context, peer: Peer, msg: protocol.Hello) -> Outcome:
                                     st.backend, list(CAPABILITIES)))
 
 
+#: What ``status`` shows of another uid's lease to a non-operator: the lease, not who holds it.
+HIDDEN_ID = -1
+
+
 def _visible(ctx: Context, peer: Peer | None, now: float) -> tuple[protocol.SlabInfo, ...]:
     """What ``peer`` may see: every slot for an operator (or ``None``: the service itself); else the slots
-    it may attach, each with only the leases of its own uid."""
+    it may attach, where the leases of other uids keep their id, time and mode but show
+    :data:`HIDDEN_ID` as pid, uid and gid (lease counts stay right, holders stay private)."""
     if peer is None or access.is_operator(peer, ctx.policy):
         return tuple(s.info(now) for s in ctx.state.slots)
-    return tuple(dataclasses.replace(i, leases=tuple(x for x in i.leases if x.uid == peer.uid))
+
+    def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
+        return x if x.uid == peer.uid else dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID)
+
+    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases))
                  for i in (s.info(now) for s in ctx.state.slots if access.may_attach(peer, s, ctx.policy)))
 
 
@@ -143,7 +156,7 @@ def status(ctx: Context, peer: Peer | None = None) -> protocol.ServiceStatus:
     """The service's :class:`~weightcache.protocol.ServiceStatus` now, as ``peer`` may see it.
 
     Operators (and ``peer=None``) see every slab; anyone else sees the models it
-    may attach, with only its own uid's leases.
+    may attach, with the holders of other uids' leases hidden (:data:`HIDDEN_ID`).
     """
     st, now = ctx.state, ctx.monotonic()
     free, total = ctx.mem_info()
@@ -194,15 +207,13 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     p = slot.placement
     if slot.state is SlotState.READY:
         lease = ctx.state.lease(peer, slot, msg.mode, ctx.wall())
-        if slot.manifest_wire is None:  # adopted from the fd store: encoded at the first attach
-            header, payload = slot.manifest.to_wire()
-            slot.manifest_wire = (protocol.PreEncoded(header), payload)
-        header, payload = slot.manifest_wire
+        mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
                  p.model.name, p.tp_size, p.tp_rank, peer.pid, peer.uid, lease.lease_id, msg.mode,
-                 extra=event("attached", p.model.name, p.tp_rank, peer_pid=peer.pid))
-        return _one(protocol.AttachReply(lease.lease_id, header, p.model.path, ctx.state.backend, payload),
-                    (slot.sealed.fd,))
+                 extra=event("attached", p.model.name, p.tp_rank, size_bytes=slot.sealed.size_bytes,
+                               peer_pid=peer.pid, lease=lease.lease_id))
+        return _one(protocol.AttachReply(lease.lease_id, p.model.path, ctx.state.backend, mf.size_bytes),
+                    (slot.sealed.fd, mf.fd))
     if slot.state is SlotState.FAILED:
         e = slot.error
         raise ModelLoadFailed(f"model {p.model.name} ({p.label}) failed to load: {e.message}",
@@ -247,7 +258,8 @@ def end_lease(state: ServiceState, peer: Peer, lease: Any) -> None:
     state.end_lease(peer, lease)
     p = lease.slot.placement
     log.info("released model=%s rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_rank, peer.pid, lease.lease_id,
-             extra=event("released", p.model.name, p.tp_rank))
+             extra=event("released", p.model.name, p.tp_rank, duration_ms=(time.time() - lease.since) * 1e3,
+                         lease=lease.lease_id))
 
 
 def _operator_slots(ctx: Context, peer: Peer, request: str, model: str, **layout: Any) -> list[Slot]:
@@ -278,7 +290,7 @@ def on_verify(ctx: Context, peer: Peer, msg: protocol.Verify) -> Outcome:
         p, ready = s.placement, s.state is SlotState.READY
         items.append(VerifyItem(p.model.name, p.tp_size, p.tp_rank, s.state.value,
                                 s.manifest if ready else None, s.sealed if ready else None))
-    return Outcome(effects=(StartVerify(tuple(items)),))
+    return Outcome(effects=(StartVerify(msg, tuple(items)),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,25 +307,32 @@ class VerifyItem:
 
 @dataclass(frozen=True, slots=True)
 class StartVerify:
-    """Effect: run :func:`verify_reply` on ``items`` off the serving loop, then send its reply."""
+    """Effect: run :func:`verify_reply` on ``items`` off the serving loop, then send its reply to ``request``."""
 
+    request: protocol.Verify
     items: tuple[VerifyItem, ...]
 
 
-def verify_reply(peer: Peer, items: tuple[VerifyItem, ...]) -> Outcome:
-    """The ``verify_reply`` for ``items`` (runs on a worker thread; touches no state), under the failure rule."""
+def verify_reply(peer: Peer, eff: StartVerify) -> Outcome:
+    """The ``verify_reply`` for ``eff.items`` (runs on a worker thread; touches no state), under the failure rule."""
     def run() -> Outcome:
         results = []
-        for it in items:
+        for it in eff.items:
             if it.sealed is None:
                 results.append(protocol.VerifyResult(it.model, it.tp_size, it.tp_rank, it.state, []))
                 continue
+            t0 = time.monotonic()
             bad = pipeline.verify(it.manifest, it.sealed.tensor)
-            results.append(protocol.VerifyResult(it.model, it.tp_size, it.tp_rank, it.state, bad,
-                                                 len(it.manifest.tensors)))
+            n = len(it.manifest.tensors)
+            log.log(logging.WARNING if bad else logging.INFO,
+                    "verified model=%s tp_size=%d rank=%d tensors=%d mismatched=%d", it.model, it.tp_size,
+                    it.tp_rank, n, len(bad),
+                    extra=event("verify", it.model, it.tp_rank, duration_ms=(time.monotonic() - t0) * 1e3,
+                                tensors=n, mismatched=len(bad)))
+            results.append(protocol.VerifyResult(it.model, it.tp_size, it.tp_rank, it.state, bad, n))
         return _one(protocol.VerifyReply([r.to_json() for r in results]))
 
-    return _guarded(peer, protocol.Verify(items[0].model if items else ""), run)
+    return _guarded(peer, eff.request, run)
 
 
 def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
@@ -332,10 +351,12 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     for s in slots:
         if s.state is not SlotState.READY:
             continue
-        effects.append(FreeSlab(s.store_id, s.evict()))
+        sealed, manifest_file = s.evict()
+        effects.append(FreeSlab(s.store_id, sealed, manifest_file))
         evicted.append(s.label)
-        log.info("evicted model=%s rank=%d forced=%s", s.placement.model.name, s.placement.tp_rank, msg.force,
-                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank))
+        log.info("evicted model=%s rank=%d forced=%s size_bytes=%d", s.placement.model.name, s.placement.tp_rank,
+                 msg.force, sealed.size_bytes,
+                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank, size_bytes=sealed.size_bytes))
     return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
 
 
@@ -350,6 +371,12 @@ def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
     return Outcome((Reply(protocol.PreloadReply(started)),), tuple(effects))
 
 
+def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
+    """``metrics``: the :func:`status` record as ``peer`` may see it and the service's counters (none: empty)."""
+    counters = ctx.counters.record() if ctx.counters is not None else protocol.ServiceCounters("", 0.0)
+    return _one(protocol.MetricsReply(status(ctx, peer).to_json(), counters.to_json()))
+
+
 #: Message type -> handler.
 HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
     protocol.Hello: on_hello,
@@ -360,6 +387,7 @@ HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
     protocol.Verify: on_verify,
     protocol.Evict: on_evict,
     protocol.Preload: on_preload,
+    protocol.Metrics: on_metrics,
 }
 
 

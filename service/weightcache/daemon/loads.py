@@ -17,7 +17,10 @@ thread): if its read ever returns, it aborts its partial slab (or closes the
 sealed one) and posts nothing. While the read blocks, that worker keeps its
 partial slab and its open file.
 
-The loader reads only a slot's ``placement`` (immutable). A load that raises
+The loader reads only a slot's ``placement`` (immutable). It also writes the
+slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
+a manifest over the limit fails the load (``manifest_too_large``), so no
+slab is ever READY that an engine could not attach. A load that raises
 anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
 ``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
@@ -29,6 +32,7 @@ weightcache.daemon.fdstore, weightcache.daemon.loop.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -36,13 +40,14 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .. import pipeline
 from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
 from ..loader import LoaderOptions
-from ..manifest import Manifest
+from ..manifest import Manifest, pack_file
+from ..memory.host import SealedFile
 from .state import ServiceState, Slot
 
 log = logging.getLogger(__name__)
@@ -86,21 +91,23 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """The slab is sealed: its manifest, the backend's SealedSlab, the encoded manifest and the load time."""
+    """The slab is sealed: its manifest, the backend's SealedSlab, its manifest file and the load time."""
 
     slot: Slot
     manifest: Manifest
     sealed: Any
-    wire: Any
+    manifest_file: SealedFile
     duration_s: float
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
-        slot.loaded(self.manifest, self.sealed, self.wire, time.monotonic())
+        slot.loaded(self.manifest, self.sealed, self.manifest_file, time.monotonic())
         state.loads_done += 1
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f rate_gbps=%.2f",
                  p.model.name, p.tp_size, p.tp_rank, len(self.manifest.tensors), slot.total_bytes, dt * 1e3,
-                 slot.total_bytes / max(dt, 1e-9) / 1e9, extra=event("loaded", p.model.name, p.tp_rank))
+                 slot.total_bytes / max(dt, 1e-9) / 1e9,
+                 extra=event("loaded", p.model.name, p.tp_rank, size_bytes=slot.total_bytes, duration_ms=dt * 1e3,
+                             tensors=len(self.manifest.tensors)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +124,7 @@ class Failed:
         state.loads_done += 1
         if not self.logged:
             log.error("load failed model=%s rank=%d code=%s error=%s", p.model.name, p.tp_rank, e.code, e.message,
-                      extra=event("load_failed", p.model.name, p.tp_rank))
+                      extra=event("load_failed", p.model.name, p.tp_rank, error_code=e.code))
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,14 +152,11 @@ class Loader:
     Args:
         settings (`LoadSettings`): see there.
         wake_fd (`int`): the serving loop's wake-up pipe (non-blocking write end).
-        encode (`callable`): ``manifest -> wire form``, run here rather than in
-            the serving loop at the first attach.
     """
 
-    def __init__(self, settings: LoadSettings, wake_fd: int, encode: Callable[[Manifest], Any]) -> None:
+    def __init__(self, settings: LoadSettings, wake_fd: int) -> None:
         self.settings = settings
         self._wake_fd = wake_fd
-        self._encode = encode
         self._jobs: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="weightcache-loader", daemon=True)
@@ -207,9 +211,18 @@ class Loader:
                     return
             _discard(result)  # the loader gave up on it: nothing of it reaches the state
 
-        threading.Thread(target=work, name=f"weightcache-load-{slot.label}", daemon=True).start()
-        # A little past the deadline: a load that notices the timeout itself (in progress()) reports it.
-        job.done.wait(self.settings.timeout_s + 1.0)
+        # Planning and packing allocate a few objects per tensor and create no cycles; the cyclic
+        # GC's full passes over a heap that grows by 150k records made a 150k-tensor load 2x slower.
+        # Off while this load runs, on again when it ends or is abandoned (never left off by a stuck read).
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            threading.Thread(target=work, name=f"weightcache-load-{slot.label}", daemon=True).start()
+            # A little past the deadline: a load that notices the timeout itself (in progress()) reports it.
+            job.done.wait(self.settings.timeout_s + 1.0)
+        finally:
+            if was:
+                gc.enable()
         with job.lock:
             if job.result is not None:
                 return job.result
@@ -248,10 +261,17 @@ class Loader:
                             self._post(Progress(slot, done))
 
             manifest = pipeline.execute(pl, writable.tensor, progress, st.options)
-            wire = self._encode(manifest)
-            sealed = writable.seal()
+            # Here, not at the first attach: a manifest no engine could read fails the load, by name.
+            raw = pack_file(manifest, backend=st.backend.name, size_bytes=writable.size_bytes,
+                            checkpoint_path=p.model.path)
+            manifest_file = SealedFile.create(raw, f"weightcache-manifest:{p.label}")
+            try:
+                sealed = writable.seal()
+            except BaseException:
+                manifest_file.close()
+                raise
             writable = None
-            return Loaded(slot, manifest, sealed, wire, time.monotonic() - started)
+            return Loaded(slot, manifest, sealed, manifest_file, time.monotonic() - started)
         except WeightcacheError as e:
             return self._fail(slot, e, writable)
         except MemoryError as e:
@@ -259,7 +279,8 @@ class Loader:
                                                 model=p.model.name), writable)
         except Exception as e:  # noqa: BLE001 - a bug or an unexpected library error: fail this model only
             log.critical("load crashed model=%s rank=%d error=%r\n%s", p.model.name, p.tp_rank, e,
-                         traceback.format_exc(), extra=event("load_failed", p.model.name, p.tp_rank))
+                         traceback.format_exc(),
+                         extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed"))
             return self._fail(slot, ModelLoadFailed(f"model {p.model.name}: internal error while loading: {e!r}",
                                                     model=p.model.name, cause="internal"), writable, logged=True)
 
@@ -287,6 +308,7 @@ def _discard(result: Loaded | Failed) -> None:
     if isinstance(result, Loaded):
         try:
             result.sealed.close()
+            result.manifest_file.close()
         except Exception as e:  # noqa: BLE001 - best effort after a timeout
             log.warning("close of an abandoned slab failed model=%s error=%r", result.slot.placement.model.name, e)
 

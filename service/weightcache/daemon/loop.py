@@ -30,14 +30,15 @@ from typing import Any
 
 from .. import protocol
 from ..config import Config
+from ..journal import event
 from ..loader import LoaderOptions
-from ..manifest import Manifest
 from ..memory import Backend
 from . import access, handlers, loads
 from .fdstore import FdStore
 from .handlers import Context, FreeSlab, Outcome, Refuse, StartLoad, StartVerify
 from .limits import Limits
 from .loads import Loader, LoadSettings
+from .metrics import Counters
 from .state import IllegalTransition, ServiceState, SlotState
 from .ticker import Ticker
 from .transport import Client, Transport
@@ -46,12 +47,6 @@ log = logging.getLogger(__name__)
 
 #: Exit status on a broken invariant (sysexits.h EX_SOFTWARE).
 EXIT_INVARIANT = 70
-
-
-def encode_manifest(manifest: Manifest) -> tuple[protocol.PreEncoded, bytes]:
-    """The packed manifest as every ``attach_reply`` carries it: header encoded once, payload."""
-    header, payload = manifest.to_wire()
-    return protocol.PreEncoded(header), payload
 
 
 class Daemon:
@@ -74,7 +69,8 @@ class Daemon:
         device = backend.device_info()
         source = config.files[0] if config.files else "the config"
         self.state = ServiceState(gpu, backend.name, device, config.placements(gpu), source)
-        self.ctx = Context(self.state, backend.mem_info,
+        self.counters = Counters([s.placement for s in self.state.slots], time.time())
+        self.ctx = Context(self.state, backend.mem_info, counters=self.counters,
                            policy=access.Policy(self.state.service_uid, config.service.operator_groups))
         self.transport = Transport(listener, self._on_message, self._on_close,
                                    lambda c: self.state.peers.add(c.peer), Limits.from_config(config.service),
@@ -85,26 +81,31 @@ class Daemon:
         self.loader = Loader(LoadSettings(backend, device, config.service.load_timeout_s,
                                           LoaderOptions(threads=config.service.read_threads,
                                                         staging_bytes=config.service.staging_bytes), source),
-                             self._wake_w, encode_manifest)
+                             self._wake_w)
         self._stop = False
         self._broken: IllegalTransition | None = None
-        #: Verifies done on their threads: (client, outcome, the slabs they read).
+        #: Verifies done on their threads: (client, request, outcome, seconds, the slabs they read).
         self._verified: queue.SimpleQueue = queue.SimpleQueue()
-        #: id(sealed slab) -> verifies reading it; evicted slabs among them are closed when the last ends.
+        #: id(sealed slab) -> verifies reading it; the FreeSlab of one evicted meanwhile waits for the last.
         self._reading: dict[int, int] = {}
         self._close_later: dict[int, Any] = {}
         now = time.monotonic()
-        for slot, (rec, sealed) in self.fdstore.adopt(stored_fds or {}, self.state.slots).items():
-            header, payload = rec.wire
-            slot.adopt(rec.manifest, sealed, (protocol.PreEncoded(header), payload), now)
+        for slot, got in self.fdstore.adopt(stored_fds or {}, self.state.slots).items():
+            slot.adopt(got.manifest, got.sealed, got.manifest_file, now)
 
     # --- what handlers and the loader return ----------------------------------
 
     def _on_message(self, c: Client, msg: protocol.Message) -> None:
+        t0 = time.perf_counter()
         try:
-            self._carry_out(c, handlers.handle(self.ctx, c.peer, msg))
+            out = handlers.handle(self.ctx, c.peer, msg)
+            self.counters.answered(msg, out.replies, time.perf_counter() - t0)
+            self._carry_out(c, out)
         except IllegalTransition as e:
             self._break(e)
+        if log.isEnabledFor(logging.DEBUG):  # the service's own time per request (benchmarks/bench_concurrency.py)
+            log.debug("request served type=%s peer_pid=%d duration_us=%.0f", msg.tag(), c.peer.pid,
+                      (time.perf_counter() - t0) * 1e6)
 
     def _carry_out(self, c: Client, out: Outcome) -> None:
         for r in out.replies:
@@ -123,9 +124,10 @@ class Daemon:
     def _free_slab(self, c: Client, eff: FreeSlab) -> None:
         self.fdstore.remove(eff.store_id)
         if self._reading.get(id(eff.sealed)):
-            self._close_later[id(eff.sealed)] = eff.sealed  # a verify still reads it
+            self._close_later[id(eff.sealed)] = eff  # a verify still reads the slab
             return
         eff.sealed.close()
+        eff.manifest_file.close()
 
     def _start_verify(self, c: Client, eff: StartVerify) -> None:
         """Runs the hashing on a thread; the client's later requests wait (replies stay in order)."""
@@ -135,7 +137,9 @@ class Daemon:
         self.transport.hold(c)
 
         def work() -> None:
-            self._verified.put((c, handlers.verify_reply(c.peer, eff.items), slabs))
+            t0 = time.perf_counter()
+            out = handlers.verify_reply(c.peer, eff)
+            self._verified.put((c, eff.request, out, time.perf_counter() - t0, slabs))
             try:
                 os.write(self._wake_w, b"v")
             except (BlockingIOError, InterruptedError):
@@ -146,7 +150,7 @@ class Daemon:
     def _finish_verifies(self) -> None:
         while True:
             try:
-                c, out, slabs = self._verified.get_nowait()
+                c, request, out, seconds, slabs = self._verified.get_nowait()
             except queue.Empty:
                 return
             for sealed in slabs:
@@ -154,8 +158,10 @@ class Daemon:
                 if not self._reading[id(sealed)]:
                     del self._reading[id(sealed)]
                     later = self._close_later.pop(id(sealed), None)
-                    if later is not None:
-                        later.close()
+                    if later is not None:  # evicted while it was hashed
+                        later.sealed.close()
+                        later.manifest_file.close()
+            self.counters.answered(request, out.replies, seconds)
             self._carry_out(c, out)
             self.transport.release(c)
 
@@ -175,14 +181,21 @@ class Daemon:
             pass
         for result in self.loader.results():
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
-                self.fdstore.put(result.slot, result.sealed, result.manifest)
+                self.fdstore.put(result.slot, result.sealed, result.manifest_file)
             loads.apply(self.state, result)
+            if isinstance(result, loads.Loaded):
+                self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes)
+            elif isinstance(result, loads.Failed):
+                self.counters.load_settled(result.slot.placement, result.error.code)
         self._finish_verifies()
 
     def _service_waiting(self) -> None:
         for c in list(self.transport.clients.values()):
             if c.peer.waiting:
-                self._carry_out(c, handlers.service_waiting(self.ctx, c.peer))
+                before = list(c.peer.waiting)
+                out = handlers.service_waiting(self.ctx, c.peer)
+                self.counters.waited(before, c.peer.waiting, out.replies, time.monotonic())
+                self._carry_out(c, out)
 
     def _break(self, e: IllegalTransition) -> None:
         log.critical("invariant broken, exiting error=%s\n%s", e, traceback.format_exc())
@@ -209,7 +222,8 @@ class Daemon:
         for s in self.state.slots:
             if s.state is SlotState.PENDING:
                 self.loader.submit(s)
-        log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots))
+        log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
+                 extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))
         while not self._stop:
             try:
                 now = time.monotonic()

@@ -23,6 +23,7 @@ import logging
 from typing import Callable
 
 from .. import notify
+from ..journal import event
 from .state import ServiceState, SlotState
 
 log = logging.getLogger(__name__)
@@ -37,15 +38,15 @@ class Ticker:
     Args:
         state (`ServiceState`): what to report.
         send (`callable`, *optional*): ``(text) -> None``; :func:`weightcache.notify.notify` by default.
-        watchdog_s (`float | None`, *optional*): ping interval, seconds; from
-            ``$WATCHDOG_USEC`` by default (None: no watchdog).
+        watchdog_s (`float | None`, *optional*): ping interval, seconds (0: no
+            watchdog); None (the default): from ``$WATCHDOG_USEC``.
     """
 
     def __init__(self, state: ServiceState, send: Callable[[str], object] = notify.notify,
-                 watchdog_s: float | None = -1.0) -> None:
+                 watchdog_s: float | None = None) -> None:
         self.state = state
         self.send = send
-        self.watchdog_s = notify.watchdog_interval_s() if watchdog_s == -1.0 else watchdog_s
+        self.watchdog_s = notify.watchdog_interval_s() if watchdog_s is None else watchdog_s
         self.ready_sent = False
         self._frozen_at = -1
         self._last_status = ""
@@ -72,8 +73,11 @@ class Ticker:
         if settled and not self.ready_sent:
             self.send(f"READY=1\nSTATUS={status}")
             self.ready_sent = True
-            log.info("ready slabs=%d failed=%d", sum(s.state is SlotState.READY for s in st.slots),
-                     sum(s.state is SlotState.FAILED for s in st.slots))
+            ready = [s for s in st.slots if s.state is SlotState.READY]
+            failed = sum(s.state is SlotState.FAILED for s in st.slots)
+            resident = sum(s.sealed.size_bytes for s in ready if s.sealed is not None)
+            log.info("ready slabs=%d failed=%d size_bytes=%d", len(ready), failed, resident,
+                     extra=event("ready", size_bytes=resident, slabs=len(ready), failed=failed))
         if settled and self._frozen_at != st.loads_done:
             # Keep what is alive now out of every later collection, so that a full collection in
             # the middle of an attach scans what that attach allocated, not the whole heap

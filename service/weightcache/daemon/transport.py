@@ -291,7 +291,8 @@ class Transport:
     def exhausted(self, c: Client, limit: str, value: float, actual: float, close: bool) -> None:
         """Answers ``c`` with ``resource_exhausted`` naming ``limit``; pauses reading, or closes when ``close``."""
         log.warning("rejected request peer_pid=%d peer_uid=%d code=resource_exhausted limit=%s value=%s actual=%s",
-                    c.peer.pid, c.peer.uid, limit, value, actual, extra=event("rejected", peer_uid=c.peer.uid))
+                    c.peer.pid, c.peer.uid, limit, value, actual,
+                    extra=event("rejected", error_code="resource_exhausted", peer_uid=c.peer.uid, limit=limit))
         err = protocol.Error.from_exc(ResourceExhausted(
             f"{'connection closed' if close else 'request refused'}: service.{limit} = {value} reached "
             f"(this client is at {actual}); read your replies, close idle connections, or ask the operator "
@@ -309,7 +310,7 @@ class Transport:
     def violation(self, c: Client, e: RemoteProtocolError) -> None:
         """Answers a protocol violation with its error (best effort) and closes the connection."""
         log.warning("rejected frame peer_pid=%d code=%s error=%s", c.peer.pid, e.code, e.message,
-                    extra=event("rejected"))
+                    extra=event("rejected", error_code=e.code))
         for fd in c.conn.take_all_fds():
             os.close(fd)
         if not c.outbox and not c.closed:  # best effort, and never in the middle of a half-sent frame
@@ -331,9 +332,13 @@ class Transport:
         except WeightcacheError as e:
             self.drop(c, f"send failed: {e}")
             return False
+        dups: list[int] = []
         try:
-            dups = [os.dup(fd) for fd in fds]
+            for fd in fds:
+                dups.append(os.dup(fd))
         except OSError as e:  # out of fds: this reply cannot be sent; the rest of the service goes on
+            for fd in dups:
+                os.close(fd)
             self.drop(c, f"dup failed: {e.strerror}")
             return False
         c.outbox.append([memoryview(data), dups])
