@@ -148,7 +148,7 @@ class ServiceConfig:
     #: Per-client caps (see weightcache.daemon.limits.Limits).
     max_unread_replies: int = 64
     max_queued_bytes: int = 16 * 1024 * 1024
-    max_held_fds: int = 64
+    max_held_fds: int = 128
     max_buffered_bytes: int = 16 * 1024 * 1024
     max_connections_per_uid: int = 64
     partial_frame_timeout_s: float = 10.0

@@ -203,14 +203,15 @@ def _unblock(ck: Path) -> None:
 def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
     """Three connections each park 2,000 attaches on a model that is still loading and never read.
 
-    Before: each parked attach became a dup of the slab fd when the load ended; with RLIMIT_NOFILE = 512 the
+    Before: each parked attach became a dup of the slab fd when the load ended; with RLIMIT_NOFILE = 1024 the
     service died with EMFILE. Now each connection parks at most max_unread_replies (64); the next attach is
     answered resource_exhausted (limit max_unread_replies) and reading pauses; when the load ends the service
-    holds 3 * 64 dups, stays up, and gives every fd back when the attackers go."""
+    holds 3 * 64 * 2 dups (the slab's and its manifest file's per reply), stays up, and gives every fd back
+    when the attackers go."""
     ok, expected = ok_ck
     blocked = _blocked_checkpoint(tmp_path / "blocked", seed=8)
     later = llama_checkpoint(tmp_path / "later", seed=9)
-    svc = daemon(make_config({"ok": ok, "blocked": blocked, "later": later}, load_timeout_s=120), nofile=512)
+    svc = daemon(make_config({"ok": ok, "blocked": blocked, "later": later}, load_timeout_s=120), nofile=1024)
     _wait_state(svc, "ok", ("ready",))
     _wait_state(svc, "blocked", ("loading",))
     before = svc.snapshot()
@@ -225,7 +226,7 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
     compared += _ok_attach(svc, expected)
     assert svc.alive()
     during = proc_fds(svc.pid)
-    assert sum(during.values()) < sum(before["fds"].values()) + 3 * 64 + 16, during
+    assert sum(during.values()) < sum(before["fds"].values()) + 3 * 64 * 2 + 16, during
     codes = []
     for s in attackers:
         got = _replies(s, timeout=2.0)
@@ -234,13 +235,14 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
         # hello_reply, then the 65th attach refused while 64 wait for the load, then the 64 parked replies
         # (and, once read, more of the buffered attaches: each pause answers one with the error).
         assert [o["type"] for o in got[:2]] == ["hello_reply", "error"]
-        assert len(attached) >= 64 and sum(o["fd_count"] for o in got) == len(attached)
+        assert len(attached) >= 64 and sum(o["fd_count"] for o in got) == 2 * len(attached)  # slab, manifest
         assert errors and set(errors) == {("resource_exhausted", "max_unread_replies")}, set(errors)
         codes.append(len(errors))
         s.close()
-    _back_to_baseline(svc, before, extra_memfds=4)  # blocked and later are resident now: 2 memfds each
+    # blocked and later are resident now: each holds what ok's slab holds (the slab, its mapping, its manifest)
+    _back_to_baseline(svc, before, extra_memfds=2 * before["fds"]["memfd"])
     record_figures("attack.parked_attaches", "3 connections park 2,000 attaches each on a loading model, never read",
-                   "service up (RLIMIT_NOFILE=512); per connection 64 attaches parked, the 65th answered "
+                   "service up (RLIMIT_NOFILE=1024); per connection 64 attaches parked, the 65th answered "
                    "resource_exhausted (max_unread_replies) at once, the 64 get their fds when the load ends; a "
                    "well-behaved attach within 1 s during and after; fds and RSS back",
                    clients=5, faults_injected=3, bytes_compared=compared,
@@ -256,7 +258,7 @@ def test_unread_replies_are_capped_per_connection(daemon, ok_ck):
     daemon_unavailable. Now: at most 64 unread replies per connection, then resource_exhausted and no more reads
     from it; `status` and a new attach keep working; fds come back when the attackers close."""
     ok, expected = ok_ck
-    svc = daemon(make_config({"ok": ok}), nofile=256)
+    svc = daemon(make_config({"ok": ok}), nofile=1024)
     svc.wait_settled()
     before = svc.snapshot()
     attackers = [raw_connect(svc.socket_path) for _ in range(3)]
@@ -268,7 +270,7 @@ def test_unread_replies_are_capped_per_connection(daemon, ok_ck):
     compared = _ok_attach(svc, expected)
     assert svc.status()["slabs"][0]["state"] == "ready"  # `weightcache status` still answers
     held = sum(proc_fds(svc.pid).values()) - sum(before["fds"].values())
-    assert held <= 3 * (64 + 1) + 4, held
+    assert held <= 3 * (128 + 1) + 4, held  # max_held_fds per connection, and its socket
     for s in attackers:
         got = _replies(s, timeout=1.0)
         errors = [(o["code"], o["details"].get("limit")) for o in got if o["type"] == "error"]
@@ -278,7 +280,7 @@ def test_unread_replies_are_capped_per_connection(daemon, ok_ck):
     compared += _ok_attach(svc, expected)
     _back_to_baseline(svc, before)
     record_figures("attack.unread_replies", "3 connections pipeline attaches on a ready model, never read",
-                   "service up (RLIMIT_NOFILE=256); each attacker gets resource_exhausted (max_unread_replies) after "
+                   "service up (RLIMIT_NOFILE=1024); each attacker gets resource_exhausted (max_unread_replies) after "
                    "its unread replies; status and a new attach within 1 s work during; fds and RSS back",
                    clients=5, faults_injected=3, frames_tried=sent, bytes_compared=compared, fds_held_max=held)
 

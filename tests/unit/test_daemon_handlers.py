@@ -169,7 +169,7 @@ def _verify(ctx, peer, model):
     if out.replies:  # refused before any hashing
         return out
     assert not out.replies and [type(e) for e in out.effects] == [handlers.StartVerify]
-    return handlers.verify_reply(peer, out.effects[0].items)
+    return handlers.verify_reply(peer, out.effects[0])
 
 
 def test_verify_reports_a_changed_tensor(svc):

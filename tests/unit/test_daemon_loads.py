@@ -20,7 +20,6 @@ import torch
 from service_harness import write_checkpoint
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import loads
-from weightcache.daemon.loop import encode_manifest
 from weightcache.daemon.state import ServiceState, SlotState
 from weightcache.loader import LoaderOptions
 from weightcache.memory.host import HostBackend
@@ -53,8 +52,7 @@ def test_blocked_read_fails_with_timeout_and_the_next_model_loads(tmp_path, monk
     backend = CountingBackend()
     st = ServiceState(0, "host", backend.device_info(), [Placement(m, 1, 0, 0) for m in models])
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    loader = loads.Loader(loads.LoadSettings(backend, st.device, 0.5, LoaderOptions(threads=1), "test.toml"),
-                          w, encode_manifest)
+    loader = loads.Loader(loads.LoadSettings(backend, st.device, 0.5, LoaderOptions(threads=1), "test.toml"), w)
     unblock = threading.Event()
     real_execute = loads.pipeline.execute
 
@@ -95,5 +93,6 @@ def test_blocked_read_fails_with_timeout_and_the_next_model_loads(tmp_path, monk
         for s in st.slots:
             if s.sealed is not None:
                 s.sealed.close()
+                s.manifest_file.close()
         os.close(r)
         os.close(w)

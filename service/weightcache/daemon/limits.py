@@ -45,7 +45,8 @@ class Limits:
         max_queued_bytes (`int`): per connection, bytes of replies queued but
             not yet read.
         max_held_fds (`int`): per connection, fds the service holds for it:
-            dups queued with unread replies plus one per parked attach.
+            dups queued with unread replies plus those a parked attach will
+            carry (``AttachReply.FD_COUNT``, 2: the slab and its manifest file).
         max_buffered_bytes (`int`): all connections together, bytes of
             incomplete request frames held. The connection whose read goes past
             it gets ``resource_exhausted`` and is closed.

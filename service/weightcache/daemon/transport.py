@@ -253,9 +253,10 @@ class Transport:
     def _over_cap(self, c: Client) -> tuple[str, int, int] | None:
         """The first per-connection cap ``c`` has reached: ``(limit, value, actual)``, else None."""
         lim, waiting = self.limits, len(c.peer.waiting)
+        parked_fds = waiting * protocol.AttachReply.FD_COUNT  # what the parked attaches will hold when answered
         for name, value, actual in (("max_unread_replies", lim.max_unread_replies, len(c.outbox) + waiting),
                                     ("max_queued_bytes", lim.max_queued_bytes, c.outbox_bytes),
-                                    ("max_held_fds", lim.max_held_fds, c.outbox_fds + waiting)):
+                                    ("max_held_fds", lim.max_held_fds, c.outbox_fds + parked_fds)):
             if actual >= value:
                 return name, value, actual
         return None
