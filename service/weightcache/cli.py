@@ -19,6 +19,7 @@ import pwd
 import socket
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -354,6 +355,9 @@ def _check_as(args: argparse.Namespace) -> int | None:
             else:
                 args.as_user = "root"  # already switched: the child checks as itself
                 code = _run_checked(cmd_check_config, args)
+        except BaseException:  # os._exit below skips the interpreter's own traceback printing
+            traceback.print_exc()
+            code = EXIT_FAILED
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
