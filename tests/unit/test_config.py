@@ -72,6 +72,7 @@ def test_env_var_selects_file(tmp_path, monkeypatch):
         ("[service]\nstaging_bytes = 0\n", "service.staging_bytes"),
         ('[service]\nsocket_dir = "run/weightcache"\n', "service.socket_dir"),
         ('[models.a]\npath = "models/a"\n', "models.a.path"),
+        ('[models.a]\npath = "/srv/a\\u0000b"\n', "models.a.path"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path, text, key):
@@ -144,3 +145,11 @@ def test_key_outside_a_table_without_a_commented_header(tmp_path):
         load_config(p)
     assert (e.value.details["key"], e.value.details["line"], e.value.details["commented_header_line"]) == (
         "read_threads", 1, None)
+
+
+def test_range_error_writes_bounds_as_integers(tmp_path):
+    """The bounds are what one writes in TOML (2097152), not %g's 2.09715e+06."""
+    p = _write(tmp_path, "[service]\nstaging_bytes = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.message.endswith("expected at least 2097152 and at most 1099511627776")
