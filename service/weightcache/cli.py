@@ -279,6 +279,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             _print_status(st, now)
         for e in errors:
             print(f"GPU {e.gpu}  unreachable: {e.message}")
+            if "Permission denied" not in e.message:  # that message names its own fix
+                print(f"      under systemd, why: systemctl status weightcache@{e.gpu}.socket weightcache@{e.gpu}"
+                      f".service; journalctl -u weightcache@{e.gpu}")
     if not statuses:
         return EXIT_UNAVAILABLE
     if failed:
