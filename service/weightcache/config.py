@@ -284,11 +284,18 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
 def _check_range(path: str, key: str, value: float) -> None:
     lo, inclusive, hi, what = _SERVICE_RANGES[key.rsplit(".", 1)[-1]]
     if not math.isfinite(value) or not (lo <= value if inclusive else lo < value) or value > hi:
-        low = f"at least {lo:g}" if inclusive else f"greater than {lo:g}"
-        raise _err(path, key, f"{value!r} is out of range for {what}: expected {low} and at most {hi:g}")
+        low = f"at least {_bound(lo)}" if inclusive else f"greater than {_bound(lo)}"
+        raise _err(path, key, f"{value!r} is out of range for {what}: expected {low} and at most {_bound(hi)}")
+
+
+def _bound(v: float) -> str:
+    """A range bound as written in TOML: ``2097152``, not ``2.09715e+06``."""
+    return str(int(v)) if float(v).is_integer() else repr(v)
 
 
 def _check_absolute(path: str, key: str, value: str) -> None:
+    if "\0" in value:
+        raise _err(path, key, f"{value[:200]!r} contains a NUL character (\\u0000); no file can have that name")
     if not os.path.isabs(value):
         raise _err(path, key, f"{value!r} is a relative path; the service does not resolve it against the "
                               f"config file or any working directory: write the absolute path "
