@@ -8,6 +8,15 @@ result to a queue and writes one byte to the serving loop's wake-up pipe; the
 serving loop calls :func:`apply`, so only its thread moves a slot through the
 transition table.
 
+A load whose tensors are all byte ranges of the checkpoint (unquantized, no
+cast) runs without torch (:func:`weightcache.pipeline.fill`), so the first
+slab is ready before the seconds ``import torch`` takes are spent. When a
+model queued behind the current load may need torch (a dtype to cast to, a
+quantized checkpoint: :func:`weightcache.pipeline.may_need_torch`), torch is
+imported on a background thread (:func:`warm_torch`) while the current load
+reads. A service whose models need no torch never imports it (``verify``
+imports it when first asked).
+
 The loader reads only a slot's ``placement`` (immutable). A load that raises
 anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
@@ -26,7 +35,8 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import pipeline
@@ -77,21 +87,34 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """The slab is sealed: its manifest, the backend's SealedSlab, the encoded manifest and the load time."""
+    """The slab is sealed: its manifest, the backend's SealedSlab, the encoded manifest and the load time.
+
+    ``stages_s`` holds the seconds of each stage: ``plan``, ``allocate``,
+    ``read`` (on CUDA's torch-free path, digests included), ``digest``,
+    ``seal`` (with the manifest's encoding); ``torch_free`` whether the slab
+    was filled without torch.
+    """
 
     slot: Slot
     manifest: Manifest
     sealed: Any
     wire: Any
     duration_s: float
+    stages_s: dict[str, float] = field(default_factory=dict)
+    torch_free: bool = False
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
         slot.loaded(self.manifest, self.sealed, self.wire, time.monotonic())
         state.loads_done += 1
-        log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f rate_gbps=%.2f",
+        st = self.stages_s
+        read_s = st.get("read", dt)
+        log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f read_ms=%.0f "
+                 "read_gbps=%.2f plan_ms=%.0f allocate_ms=%.0f digest_ms=%.0f seal_ms=%.0f torch_free=%s",
                  p.model.name, p.tp_size, p.tp_rank, len(self.manifest.tensors), slot.total_bytes, dt * 1e3,
-                 slot.total_bytes / max(dt, 1e-9) / 1e9, extra=event("loaded", p.model.name, p.tp_rank))
+                 read_s * 1e3, slot.total_bytes / max(read_s, 1e-9) / 1e9, st.get("plan", 0) * 1e3,
+                 st.get("allocate", 0) * 1e3, st.get("digest", 0) * 1e3, st.get("seal", 0) * 1e3,
+                 "yes" if self.torch_free else "no", extra=event("loaded", p.model.name, p.tp_rank))
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +169,8 @@ class Loader:
         self._encode = encode
         self._jobs: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued: list[Slot] = []  # submitted, not yet taken: what the torch look-ahead reads
         self._thread = threading.Thread(target=self._run, name="weightcache-loader", daemon=True)
 
     def start(self) -> None:
@@ -154,6 +179,8 @@ class Loader:
 
     def submit(self, slot: Slot) -> None:
         """Queues a PENDING ``slot``."""
+        with self._lock:
+            self._queued.append(slot)
         self._jobs.put(slot)
 
     def stop(self) -> None:
@@ -181,6 +208,13 @@ class Loader:
             slot = self._jobs.get()
             if slot is None:
                 return
+            with self._lock:
+                if slot in self._queued:
+                    self._queued.remove(slot)
+                later = [s.placement.model for s in self._queued]
+            if later and "torch" not in sys.modules:
+                threading.Thread(target=_warm_if_needed, args=(later,), name="weightcache-torch-lookahead",
+                                 daemon=True).start()
             self._post(self._load(slot))
 
     def _load(self, slot: Slot) -> Loaded | Failed:
@@ -189,10 +223,14 @@ class Loader:
         self._post(Started(slot, started))
         writable = None
         last_post = [0.0]
+        stages: dict[str, float] = {}
         try:
             pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, st.device)
             self._post(Planned(slot, pl.payload_bytes))
+            t_plan = time.monotonic()
             writable = st.backend.allocate(pl.slab_size_bytes, p.label)
+            t_alloc = time.monotonic()
+            stages.update(plan=t_plan - started, allocate=t_alloc - t_plan)
 
             def progress(done: int, total: int) -> None:
                 now = time.monotonic()
@@ -205,11 +243,15 @@ class Loader:
                     last_post[0] = now
                     self._post(Progress(slot, done))
 
-            manifest = pipeline.execute(pl, writable.tensor, progress, st.options)
+            filled = pipeline.fill(pl, writable, progress, st.options)
+            t_filled = time.monotonic()
+            manifest = filled.manifest
             wire = self._encode(manifest)
             sealed = writable.seal()
             writable = None
-            return Loaded(slot, manifest, sealed, wire, time.monotonic() - started)
+            end = time.monotonic()
+            stages.update(read=filled.read_s, digest=filled.digest_s, seal=end - t_filled)
+            return Loaded(slot, manifest, sealed, wire, end - started, stages, filled.torch_free)
         except WeightcacheError as e:
             return self._fail(slot, e, writable)
         except MemoryError as e:
@@ -228,6 +270,41 @@ class Loader:
             except Exception as ae:  # noqa: BLE001 - best effort; the original error matters
                 log.warning("abort of partial slab failed model=%s error=%r", slot.placement.model.name, ae)
         return Failed(slot, e, logged)
+
+
+def _warm_if_needed(later: list[Any]) -> None:
+    """Starts :func:`warm_torch` when a model queued behind the current load may need torch."""
+    if any(pipeline.may_need_torch(m) for m in later):
+        warm_torch()
+
+
+_warm_lock = threading.Lock()
+_warm_thread: list[threading.Thread] = []
+
+
+def warm_torch() -> threading.Thread | None:
+    """Imports torch on a background daemon thread, once per process; returns that thread (None: already imported).
+
+    Whatever needs torch later (``import torch`` anywhere) waits on the same
+    import instead of starting its own; nothing waits for it otherwise.
+    """
+    if "torch" in sys.modules and not _warm_thread:
+        return None
+    with _warm_lock:
+        if not _warm_thread:
+            def run() -> None:
+                t0 = time.monotonic()
+                try:
+                    import torch  # noqa: F401 - the import is the point
+                except Exception as e:  # noqa: BLE001 - whoever needs torch will meet the error itself
+                    log.warning("background import of torch failed error=%r", e)
+                    return
+                log.debug("torch imported in the background duration_ms=%.0f", (time.monotonic() - t0) * 1e3)
+
+            th = threading.Thread(target=run, name="weightcache-torch-import", daemon=True)
+            th.start()
+            _warm_thread.append(th)
+        return _warm_thread[0]
 
 
 def apply(state: ServiceState, result: Started | Planned | Progress | Loaded | Failed) -> None:
