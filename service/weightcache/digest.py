@@ -104,32 +104,55 @@ class Sum64:
         return f"sum64:{(self._acc ^ self.size_bytes) & _MASK:016x}"
 
 
+_STEP_WORDS = 1 << 17  # words per numpy pass: 1 MiB blocks, scratch reused per thread
+_scratch = threading.local()
+_bases: list = []
+
+
+def _sum64_bases():
+    """``(j * K, 2j + 1)`` for ``j < _STEP_WORDS`` as ``uint64`` arrays, built once."""
+    import numpy as np
+
+    if not _bases:
+        j = np.arange(_STEP_WORDS, dtype=np.uint64)
+        _bases.append((j * np.uint64(_K & _MASK), j * np.uint64(2) + np.uint64(1)))
+    return _bases[0]
+
+
 def _sum64_words(buf, first_word: int) -> int:
     """``sum_i (w_i XOR (i * K)) * (2i + 1) mod 2**64`` over ``buf``'s little-endian words, ``i`` from ``first_word``.
 
-    numpy with wrap-around ``uint64`` arithmetic; a tail shorter than a word is zero-padded.
+    numpy with wrap-around ``uint64`` arithmetic, in 1 MiB blocks through
+    per-thread scratch arrays (fresh temporaries would page-fault on every
+    chunk); a tail shorter than a word is zero-padded.
     """
     import numpy as np
 
     mv = memoryview(buf).cast("B")
     n = len(mv)
-    whole = n - n % 8
-    k = np.uint64(_K & _MASK)
+    words = n // 8
+    base_k, base_odd = _sum64_bases()
+    a = getattr(_scratch, "a", None)
+    if a is None:
+        a = _scratch.a = np.empty(_STEP_WORDS, dtype=np.uint64)
+        _scratch.b = np.empty(_STEP_WORDS, dtype=np.uint64)
+    b = _scratch.b
     acc = 0
-    step = 1 << 20  # words per pass: temporaries stay in cache-friendly 8 MiB blocks
-    for lo in range(0, whole // 8, step):
-        w = np.frombuffer(mv, dtype="<u8", count=min(step, whole // 8 - lo), offset=lo * 8)
-        idx = np.arange(first_word + lo, first_word + lo + w.size, dtype=np.uint64)
-        odd = idx << np.uint64(1)
-        odd |= np.uint64(1)
-        idx *= k
-        idx ^= w
-        idx *= odd
-        acc += int(idx.sum(dtype=np.uint64))  # the array sum wraps mod 2**64
+    for lo in range(0, words, _STEP_WORDS):
+        m = min(_STEP_WORDS, words - lo)
+        s = first_word + lo
+        w = np.frombuffer(mv, dtype="<u8", count=m, offset=lo * 8)
+        np.add(base_k[:m], np.uint64((s * _K) & _MASK), out=a[:m])  # (s + j) * K
+        np.bitwise_xor(a[:m], w, out=a[:m])
+        np.add(base_odd[:m], np.uint64((2 * s) & _MASK), out=b[:m])  # 2 (s + j) + 1
+        np.multiply(a[:m], b[:m], out=a[:m])
+        acc += int(a[:m].sum(dtype=np.uint64))  # the array sum wraps mod 2**64
+        del w
     if n % 8:
-        tail = int.from_bytes(bytes(mv[whole:]), "little")
-        i = first_word + whole // 8
+        tail = int.from_bytes(bytes(mv[words * 8 :]), "little")
+        i = first_word + words
         acc += ((tail ^ (i * _K)) & _MASK) * (2 * i + 1)
+    mv.release()
     return acc & _MASK
 
 

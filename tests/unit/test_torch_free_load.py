@@ -7,6 +7,7 @@ reads from disk.
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import sys
@@ -133,3 +134,68 @@ def test_default_threads_follow_the_cpus_we_may_run_on(monkeypatch, cpus, want):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     assert loader.default_threads() == want
     assert loader.LoaderOptions().threads == want
+
+
+class _FakeStager:
+    """:class:`weightcache.memory.cuda.CudaStager`'s contract over host memory: the copy is done at ``wait``
+    (a late copy would show as wrong bytes if the reader reused a buffer too early)."""
+
+    def __init__(self, slab: bytearray, buffer_bytes: int) -> None:
+        self.slab, self.buffer_bytes = slab, buffer_bytes
+        self.bufs = [mmap.mmap(-1, buffer_bytes), mmap.mmap(-1, buffer_bytes)]  # page-aligned, as pinned memory is
+        self.pending: list = [None, None]
+
+    def __enter__(self):
+        return self
+
+    def buffer(self, i: int) -> memoryview:
+        assert self.pending[i] is None, "buffer refilled before its copy was waited for"
+        return memoryview(self.bufs[i])
+
+    def wait(self, i: int) -> None:
+        if self.pending[i] is not None:
+            src, n, dst = self.pending[i]
+            self.slab[dst : dst + n] = self.bufs[i][src : src + n]
+            self.pending[i] = None
+
+    def copy(self, i: int, src_offset: int, length: int, slab_offset: int) -> None:
+        assert src_offset + length <= self.buffer_bytes and slab_offset + length <= len(self.slab)
+        self.pending[i] = (src_offset, length, slab_offset)
+
+    def __exit__(self, *exc) -> None:
+        self.wait(0)
+        self.wait(1)
+
+
+class _FakeCudaSlab:
+    """A writable slab offering only ``stager()``, as :class:`~weightcache.memory.cuda.CudaWritableSlab` does."""
+
+    def __init__(self, size_bytes: int) -> None:
+        self.bytes = bytearray(size_bytes)
+
+    def stager(self, buffer_bytes: int) -> _FakeStager:
+        return _FakeStager(self.bytes, buffer_bytes)
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_staged_fill_takes_sum64_digests_equal_to_the_gpu_formula(tmp_path, o_direct):
+    """The CUDA reader's logic (two buffers per thread, offsets, O_DIRECT alignment, sum64 from chunks)
+    against a stager that copies on host memory; chunks of 8 KiB split every tensor."""
+    ck = llama_checkpoint(tmp_path / "ck", seed=8, files=2, hidden=128, inter=256)
+    if o_direct:
+        try:
+            os.close(os.open(next(ck.glob("*.safetensors")), os.O_RDONLY | os.O_DIRECT))
+        except OSError:
+            pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    p = pipeline.plan(ModelConfig(name="m", path=str(ck)), 1, 0, DEVICE)
+    slab = _FakeCudaSlab(p.slab_size_bytes)
+    opts = loader.LoaderOptions(threads=3, staging_bytes=6 * 16384, o_direct=o_direct)
+    assert opts.chunk_bytes == 8192
+    filled = pipeline.fill(p, slab, options=opts)
+    assert filled.torch_free is True
+    _, want = _execute(ck)
+    t = torch.frombuffer(slab.bytes, dtype=torch.uint8)
+    for r in filled.manifest.tensors:
+        assert slab.bytes[r.offset_bytes : r.offset_bytes + r.size_bytes] == want[r.offset_bytes :
+                                                                                   r.offset_bytes + r.size_bytes]
+        assert r.digest == digest._sum64(t[r.offset_bytes : r.offset_bytes + r.size_bytes]), r.name

@@ -211,11 +211,15 @@ class Loader:
             with self._lock:
                 if slot in self._queued:
                     self._queued.remove(slot)
-                later = [s.placement.model for s in self._queued]
-            if later and "torch" not in sys.modules:
-                threading.Thread(target=_warm_if_needed, args=(later,), name="weightcache-torch-lookahead",
-                                 daemon=True).start()
             self._post(self._load(slot))
+
+    def _look_ahead(self) -> None:
+        """Imports torch in the background when a model queued behind this load may need it."""
+        with self._lock:
+            later = [s.placement.model for s in self._queued]
+        if later and "torch" not in sys.modules and not _warm_thread:
+            threading.Thread(target=_warm_if_needed, args=(later,), name="weightcache-torch-lookahead",
+                             daemon=True).start()
 
     def _load(self, slot: Slot) -> Loaded | Failed:
         p, st = slot.placement, self.settings
@@ -227,6 +231,7 @@ class Loader:
         try:
             pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, st.device)
             self._post(Planned(slot, pl.payload_bytes))
+            self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
             t_plan = time.monotonic()
             writable = st.backend.allocate(pl.slab_size_bytes, p.label)
             t_alloc = time.monotonic()
