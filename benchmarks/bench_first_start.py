@@ -35,7 +35,7 @@ before the timed starts so that it is in the page cache; one warm-up start
 is not counted.
 
 Usage: bench_first_start.py [--device cuda|cpu] [--size-gb G] [--reps N] [--read-threads N]
-       [--activator systemd|holder]
+       [--activator systemd|holder] [--dir DIR] [--remove]
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ def main() -> int:
     ap.add_argument("--activator", choices=("systemd", "holder"),
                     default="systemd" if shutil.which("systemd-socket-activate") else "holder")
     ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR", "/tmp/weightcache-bench"))
+    ap.add_argument("--remove", action="store_true", help="delete the checkpoint afterwards (default: keep, reused)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     gb = args.size_gb if args.size_gb is not None else (15.0 if cuda else 0.5)
@@ -209,6 +210,8 @@ def main() -> int:
         runs = [one_start(work, cfg, backend, args.activator, 600) for _ in range(args.reps)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if args.remove:
+            shutil.rmtree(ck, ignore_errors=True)
     med = {k: stats([r[k] for r in runs]) for k in (*STAGES, "total", "read_gbps")}
     target_s = 1.5
     res = {"versions": versions(), "device": args.device, "backend": backend, "activator": args.activator,
