@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import digest
 from .checkpoint import Checkpoint, open_file, pread_exact
@@ -160,6 +160,27 @@ def _pread_exact(fd: int, buf: memoryview, offset: int, need: int, t: ReadTask) 
     pread_exact(fd, buf, offset, need, t.path, t.tensor, t.file_offset + t.length)
 
 
+def _drain(work: queue.SimpleQueue, errors: list[BaseException]) -> Iterator[ReadTask]:
+    """The tasks left in ``work``, until it is empty or a thread failed."""
+    while not errors:
+        try:
+            yield work.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _run_threads(worker: Callable[[], None], n: int, files: _Files, errors: list[BaseException]) -> None:
+    """Runs ``n`` (at least 1) reader threads to the end, closes the files, raises the first error a thread kept."""
+    threads = [threading.Thread(target=worker, name=f"weightcache-read-{i}", daemon=True) for i in range(max(1, n))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    files.close()
+    if errors:
+        raise errors[0]
+
+
 def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
                    progress: Callable[[int], None] | None = None) -> int:
     """Runs ``tasks`` on a thread pool, writing into ``slab``.
@@ -207,11 +228,7 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
             if cuda:
                 stream = torch.cuda.Stream(device=slab.device)
             i = 0
-            while not errors:
-                try:
-                    t = work.get_nowait()
-                except queue.Empty:
-                    break
+            for t in _drain(work, errors):
                 fd = files.fd(t.path)
                 if not staged:
                     _pread_exact(fd, host_view[t.slab_offset : t.slab_offset + t.length], t.file_offset, t.length, t)
@@ -246,15 +263,7 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
             errors.append(e)
 
     t0 = time.monotonic()
-    threads = [threading.Thread(target=worker, name=f"weightcache-read-{i}", daemon=True)
-               for i in range(max(1, opts.threads))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    files.close()
-    if errors:
-        raise errors[0]
+    _run_threads(worker, opts.threads, files, errors)
     dt = time.monotonic() - t0
     log.debug("read ranges=%d size_bytes=%d duration_ms=%.1f rate_gbps=%.2f", len(tasks), read_total[0], dt * 1e3,
               read_total[0] / max(dt, 1e-9) / 1e9)
@@ -340,11 +349,7 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     def host_worker() -> None:
         stage = memoryview(mmap.mmap(-1, size)) if opts.o_direct else None
         try:
-            while not errors:
-                try:
-                    t = work.get_nowait()
-                except queue.Empty:
-                    break
+            for t in _drain(work, errors):
                 got = one(t, stage)
                 if got is not None:
                     host[t.slab_offset : t.slab_offset + t.length] = got
@@ -360,11 +365,7 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
         try:
             with slab.stager(size) as st:
                 i = 0
-                while not errors:
-                    try:
-                        t = work.get_nowait()
-                    except queue.Empty:
-                        break
+                for t in _drain(work, errors):
                     b = i % 2
                     i += 1
                     st.wait(b)
@@ -379,15 +380,7 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
             errors.append(e)
 
     t0 = time.monotonic()
-    threads = [threading.Thread(target=cuda_worker if host is None else host_worker, name=f"weightcache-read-{i}",
-                                daemon=True) for i in range(max(1, opts.threads))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    files.close()
-    if errors:
-        raise errors[0]
+    _run_threads(cuda_worker if host is None else host_worker, opts.threads, files, errors)
     t_read = time.monotonic()
     out = {name: s.hexdigest() for name, s in sums.items()}
     if with_digests and host is not None:

@@ -289,6 +289,22 @@ def may_need_torch(model: LoadRequest) -> bool:
         return False
 
 
+def _counter(total: int, progress: Callable[[int, int], None] | None) -> tuple[Callable[[int], None], list[int]]:
+    """``(advance, done)``: ``advance(n)`` adds ``n`` written bytes to ``done[0]`` (thread-safe) and reports
+    ``progress(done, total)``."""
+    done = [0]
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:
+            done[0] += n
+            d = done[0]
+        if progress is not None:
+            progress(d, total)
+
+    return advance, done
+
+
 def _split_specs(p: Plan) -> tuple[list, list]:
     """The plan's stored tensors: ``(direct read tasks, [(spec, record)] that need processing)``."""
     tasks, computed = [], []
@@ -333,18 +349,7 @@ def fill(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
         timings: dict[str, float] = {}
         manifest = execute(p, slab.tensor, progress, opts, timings=timings)
         return Filled(manifest, False, timings["read_s"], timings["digest_s"], p.payload_bytes)
-    total = p.payload_bytes
-    done = [0]
-    lock = threading.Lock()
-
-    def advance(n: int) -> None:
-        with lock:
-            done[0] += n
-            d = done[0]
-        if progress is not None:
-            progress(d, total)
-
-    r = read_direct(tasks, slab, opts, advance)
+    r = read_direct(tasks, slab, opts, _counter(p.payload_bytes, progress)[0])
     return Filled(_manifest(p, r.digests), True, r.read_s, r.digest_s, r.bytes_read)
 
 
@@ -432,17 +437,7 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
     import torch
 
     opts = options or LoaderOptions()
-    total = p.payload_bytes
-    done = [0]
-    lock = threading.Lock()
-
-    def advance(n: int) -> None:
-        with lock:
-            done[0] += n
-            d = done[0]
-        if progress is not None:
-            progress(d, total)
-
+    advance, done = _counter(p.payload_bytes, progress)
     t0 = time.monotonic()
     tasks, computed = _split_specs(p)
     failure: list[BaseException] = []
