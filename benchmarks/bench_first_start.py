@@ -130,13 +130,17 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
             cmd += [f"-E{k}" for k in ("PYTHONPATH", "PYTHONUNBUFFERED", "NOTIFY_SOCKET", "WC_BENCH_TRACE")]
             proc = subprocess.Popen(cmd + serve, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
             deadline = time.monotonic() + 30
-            while not os.path.exists(sock_path):  # the activator is listening once the path exists
+            while True:  # the path exists once bound, the connect succeeds once it listens
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                t0 = time.time()
+                try:
+                    client.connect(sock_path)  # the service starts now
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    client.close()
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("systemd-socket-activate did not listen\n" + log_path.read_text())
                 time.sleep(0.005)
-            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            t0 = time.time()
-            client.connect(sock_path)  # the service starts now
         else:
             listener = unix_listener(sock_path)
             env["WC_BENCH_LISTEN_FD"] = str(listener.fileno())
