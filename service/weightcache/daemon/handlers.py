@@ -62,10 +62,11 @@ class StartLoad:
 
 @dataclass(frozen=True, slots=True)
 class FreeSlab:
-    """Effect: drop the fd-store entries ``store_id`` and close ``sealed`` (the backend's SealedSlab)."""
+    """Effect: drop the fd-store entries ``store_id``, close ``sealed`` (the backend's SealedSlab) and its manifest file."""
 
     store_id: str
     sealed: Any
+    manifest_file: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,15 +175,12 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     p = slot.placement
     if slot.state is SlotState.READY:
         lease = ctx.state.lease(peer, slot, msg.mode, ctx.wall())
-        if slot.manifest_wire is None:  # adopted from the fd store: encoded at the first attach
-            header, payload = slot.manifest.to_wire()
-            slot.manifest_wire = (protocol.PreEncoded(header), payload)
-        header, payload = slot.manifest_wire
+        mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
                  p.model.name, p.tp_size, p.tp_rank, peer.pid, peer.uid, lease.lease_id, msg.mode,
                  extra=event("attached", p.model.name, p.tp_rank, peer_pid=peer.pid))
-        return _one(protocol.AttachReply(lease.lease_id, header, p.model.path, ctx.state.backend, payload),
-                    (slot.sealed.fd,))
+        return _one(protocol.AttachReply(lease.lease_id, p.model.path, ctx.state.backend, mf.size_bytes),
+                    (slot.sealed.fd, mf.fd))
     if slot.state is SlotState.FAILED:
         e = slot.error
         raise ModelLoadFailed(f"model {p.model.name} ({p.label}) failed to load: {e.message}",
@@ -259,7 +257,7 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     for s in slots:
         if s.state is not SlotState.READY:
             continue
-        effects.append(FreeSlab(s.store_id, s.evict()))
+        effects.append(FreeSlab(s.store_id, *s.evict()))
         evicted.append(s.label)
         log.info("evicted model=%s rank=%d forced=%s", s.placement.model.name, s.placement.tp_rank, msg.force,
                  extra=event("evicted", s.placement.model.name, s.placement.tp_rank))

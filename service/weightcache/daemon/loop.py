@@ -29,7 +29,6 @@ from typing import Any
 from .. import protocol
 from ..config import Config
 from ..loader import LoaderOptions
-from ..manifest import Manifest
 from ..memory import Backend
 from . import handlers, loads
 from .fdstore import FdStore
@@ -43,12 +42,6 @@ log = logging.getLogger(__name__)
 
 #: Exit status on a broken invariant (sysexits.h EX_SOFTWARE).
 EXIT_INVARIANT = 70
-
-
-def encode_manifest(manifest: Manifest) -> tuple[protocol.PreEncoded, bytes]:
-    """The packed manifest as every ``attach_reply`` carries it: header encoded once, payload."""
-    header, payload = manifest.to_wire()
-    return protocol.PreEncoded(header), payload
 
 
 class Daemon:
@@ -80,21 +73,24 @@ class Daemon:
         self.loader = Loader(LoadSettings(backend, device, config.service.load_timeout_s,
                                           LoaderOptions(threads=config.service.read_threads,
                                                         staging_bytes=config.service.staging_bytes), source),
-                             self._wake_w, encode_manifest)
+                             self._wake_w)
         self._stop = False
         self._broken: IllegalTransition | None = None
         now = time.monotonic()
-        for slot, (rec, sealed) in self.fdstore.adopt(stored_fds or {}, self.state.slots).items():
-            header, payload = rec.wire
-            slot.adopt(rec.manifest, sealed, (protocol.PreEncoded(header), payload), now)
+        for slot, got in self.fdstore.adopt(stored_fds or {}, self.state.slots).items():
+            slot.adopt(got.manifest, got.sealed, got.manifest_file, now)
 
     # --- what handlers and the loader return ----------------------------------
 
     def _on_message(self, c: Client, msg: protocol.Message) -> None:
+        t0 = time.perf_counter()
         try:
             self._carry_out(c, handlers.handle(self.ctx, c.peer, msg))
         except IllegalTransition as e:
             self._break(e)
+        if log.isEnabledFor(logging.DEBUG):  # the service's own time per request (benchmarks/bench_concurrency.py)
+            log.debug("request served type=%s peer_pid=%d duration_us=%.0f", msg.tag(), c.peer.pid,
+                      (time.perf_counter() - t0) * 1e6)
 
     def _carry_out(self, c: Client, out: Outcome) -> None:
         for r in out.replies:
@@ -112,6 +108,7 @@ class Daemon:
     def _free_slab(self, c: Client, eff: FreeSlab) -> None:
         self.fdstore.remove(eff.store_id)
         eff.sealed.close()
+        eff.manifest_file.close()
 
     def _refuse(self, c: Client, eff: Refuse) -> None:
         self.transport.violation(c, eff.error)
@@ -129,7 +126,7 @@ class Daemon:
             pass
         for result in self.loader.results():
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
-                self.fdstore.put(result.slot, result.sealed, result.manifest)
+                self.fdstore.put(result.slot, result.sealed, result.manifest_file)
             loads.apply(self.state, result)
 
     def _service_waiting(self) -> None:
