@@ -187,6 +187,19 @@ def digests(slab, ranges: list[tuple[str, int, int]], threads: int = 8) -> dict[
     return {name: done[name] for name, _, _ in ranges}
 
 
+def matches_buffer(buf, recorded: str) -> bool:
+    """Whether the bytes of ``buf`` (bytes-like, e.g. a host slab's mapping) still have the digest ``recorded``;
+    no torch."""
+    algo = recorded.split(":", 1)[0]
+    if algo == "sum64":
+        s = Sum64(len(memoryview(buf)))
+        s.add(buf, 0)
+        return s.hexdigest() == recorded
+    if algo == "xxh3_128":
+        return xxh3_buffer(buf) == recorded
+    raise ValueError(f"unknown digest algorithm in {recorded!r}")
+
+
 def matches(t, recorded: str) -> bool:
     """Whether ``t``'s bytes still have the digest ``recorded`` (any algorithm above)."""
     algo = recorded.split(":", 1)[0]

@@ -485,6 +485,27 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
     return _manifest(p, sums)
 
 
+def verify_sealed(manifest: Manifest, sealed) -> list[str]:
+    """Names of the tensors of a sealed slab whose bytes no longer match their digests.
+
+    A host slab (it offers ``buffer``) is checked on its read-only mapping
+    without torch (:func:`weightcache.digest.matches_buffer`); a CUDA slab on
+    the GPU through its tensor (:func:`verify`).
+
+    Args:
+        manifest (`Manifest`): the slab's manifest, digests included.
+        sealed (`SealedSlab`): the backend's sealed slab.
+    """
+    buf = getattr(sealed, "buffer", None)
+    if buf is None:
+        return verify(manifest, sealed.tensor)
+    try:
+        return [r.name for r in manifest.tensors if r.alias_of is None
+                and not digest.matches_buffer(buf[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]
+    finally:
+        buf.release()
+
+
 def verify(manifest: Manifest, slab) -> list[str]:
     """Names of the tensors whose resident bytes no longer match their digests.
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+from weightcache import protocol
+
 from service_harness import (
     blocked_torch_env, compare_bytes, llama_checkpoint, read_checkpoint, start_service, torch_import_attempts,
 )
@@ -35,6 +37,9 @@ def test_unquantized_host_load_needs_no_torch(tmp_path):
             n = compare_bytes(dict(w.tensors), read_checkpoint(ck))
         assert n == sum(t.numel() * t.element_size() for t in read_checkpoint(ck).values())
         assert "torch_free=yes" in svc.log()
+        verify = svc.request(protocol.Verify("m")).results[0]
+        assert verify["mismatched"] == [] and verify["tensors"] == 21
+        assert torch_import_attempts(log) == []  # verify on a host slab needs no torch either
     finally:
         svc.kill()
 

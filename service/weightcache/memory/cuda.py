@@ -19,7 +19,7 @@ Driver calls (CUDA Driver API, "Virtual Memory Management"), through NVIDIA's
   reserve, map, ``cuMemSetAccess`` ``PROT_READ``.
 - fill without torch (:class:`CudaStager`, one per reader thread): two
   page-locked host buffers (``cuMemAllocHost``), a non-blocking stream
-  (``cuStreamCreate``) and an event per buffer (``cuEventCreate``); each chunk
+  (``cuStreamCreate``) and a blocking-sync event per buffer (``cuEventCreate``); each chunk
   is copied with ``cuMemcpyHtoDAsync`` and its buffer reused only after
   ``cuEventSynchronize`` on the event recorded behind the copy.
 
@@ -396,8 +396,10 @@ class CudaStager:
                                  f"{self.buffer_bytes} bytes of pinned staging memory (service.staging_bytes)"))
                 self._host.append(ptr)
                 self._views.append(memoryview((ctypes.c_ubyte * self.buffer_bytes).from_address(ptr)).cast("B"))
-                self._events.append(_check("cuEventCreate",
-                                           cu.cuEventCreate(int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))))
+                # Blocking sync: a reader waiting for its buffer sleeps instead of spinning on a core
+                # that the other readers' preadv needs.
+                flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING) | int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
+                self._events.append(_check("cuEventCreate", cu.cuEventCreate(flags)))
         except BaseException:
             self._free()
             raise

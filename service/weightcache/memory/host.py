@@ -186,6 +186,12 @@ class HostSealedSlab:
             self._tensor = _frombuffer(self._map, writable=False)
         return self._tensor
 
+    @property
+    def buffer(self) -> memoryview | None:
+        """A new read-only ``memoryview`` (format ``B``) of the mapping, for torch-free digests; the caller
+        releases it. None after :meth:`close`."""
+        return None if self._map is None else memoryview(self._map)
+
     def close(self) -> None:
         """Closes the fd and drops the owner's view.
 
