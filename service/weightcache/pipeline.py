@@ -485,37 +485,25 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
     return _manifest(p, sums)
 
 
-def verify_sealed(manifest: Manifest, sealed) -> list[str]:
-    """Names of the tensors of a sealed slab whose bytes no longer match their digests.
-
-    A host slab (it offers ``buffer``) is checked on its read-only mapping
-    without torch (:func:`weightcache.digest.matches_buffer`); a CUDA slab on
-    the GPU through its tensor (:func:`verify`).
-
-    Args:
-        manifest (`Manifest`): the slab's manifest, digests included.
-        sealed (`SealedSlab`): the backend's sealed slab.
-    """
-    buf = getattr(sealed, "buffer", None)
-    if buf is None:
-        return verify(manifest, sealed.tensor)
-    try:
-        return [r.name for r in manifest.tensors if r.alias_of is None
-                and not digest.matches_buffer(buf[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]
-    finally:
-        buf.release()
-
-
 def verify(manifest: Manifest, slab) -> list[str]:
     """Names of the tensors whose resident bytes no longer match their digests.
 
     Args:
-        slab (`torch.Tensor`): the slab as 1-D ``uint8`` (host or CUDA).
+        slab (`torch.Tensor | SealedSlab`): the slab as 1-D ``uint8`` (host or
+            CUDA), or a backend's sealed slab: a host one (it offers
+            ``buffer``) is checked on its read-only mapping without torch
+            (:func:`weightcache.digest.matches_buffer`), a CUDA one on the GPU
+            through its ``tensor``.
     """
-    bad = []
-    for rec in manifest.tensors:
-        if rec.alias_of is not None:
-            continue
-        if not digest.matches(slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes], rec.digest):
-            bad.append(rec.name)
-    return bad
+    stored = [r for r in manifest.tensors if r.alias_of is None]
+    buf = getattr(slab, "buffer", None)
+    if buf is not None:
+        try:
+            return [r.name for r in stored
+                    if not digest.matches_buffer(buf[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]
+        finally:
+            buf.release()
+    if hasattr(slab, "tensor"):  # a CUDA sealed slab
+        slab = slab.tensor
+    return [r.name for r in stored
+            if not digest.matches(slab[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]

@@ -201,7 +201,7 @@ def test_staged_fill_takes_sum64_digests_equal_to_the_gpu_formula(tmp_path, o_di
         assert r.digest == digest._sum64(t[r.offset_bytes : r.offset_bytes + r.size_bytes]), r.name
 
 
-def test_verify_sealed_checks_a_host_slab_on_its_mapping(tmp_path):
+def test_verify_checks_a_sealed_host_slab_on_its_mapping(tmp_path):
     import dataclasses
 
     ck = llama_checkpoint(tmp_path / "ck", seed=9, files=1)
@@ -210,12 +210,12 @@ def test_verify_sealed_checks_a_host_slab_on_its_mapping(tmp_path):
     man = pipeline.fill(p, w).manifest
     sealed = w.seal()
     try:
-        assert pipeline.verify_sealed(man, sealed) == []
+        assert pipeline.verify(man, sealed) == []
         victim = man.tensors[3]
         wrong = dataclasses.replace(man, tensors=tuple(
             dataclasses.replace(r, digest=digest.xxh3_buffer(b"other")) if r.name == victim.name else r
             for r in man.tensors))
-        assert pipeline.verify_sealed(wrong, sealed) == [victim.name]
+        assert pipeline.verify(wrong, sealed) == [victim.name]
         assert pipeline.verify(man, sealed.tensor) == []  # the torch way agrees
     finally:
         sealed.close()

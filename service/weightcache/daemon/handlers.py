@@ -236,7 +236,7 @@ def on_verify(ctx: Context, peer: Peer, msg: protocol.Verify) -> Outcome:
         if s.state is not SlotState.READY:
             results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, []))
             continue
-        bad = pipeline.verify_sealed(s.manifest, s.sealed)
+        bad = pipeline.verify(s.manifest, s.sealed)
         results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, bad,
                                              len(s.manifest.tensors)))
     return _one(protocol.VerifyReply([r.to_json() for r in results]))

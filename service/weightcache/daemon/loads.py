@@ -14,8 +14,8 @@ slab is ready before the seconds ``import torch`` takes are spent. When a
 model queued behind the current load may need torch (a dtype to cast to, a
 quantized checkpoint: :func:`weightcache.pipeline.may_need_torch`), torch is
 imported on a background thread (:func:`warm_torch`) while the current load
-reads. A service whose models need no torch never imports it (``verify``
-imports it when first asked).
+reads. A service whose models need no torch does not import it until
+``verify`` is asked of a CUDA slab (a host slab is verified without torch).
 
 The loader reads only a slot's ``placement`` (immutable). It also writes the
 slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
