@@ -95,6 +95,8 @@ DAEMON_ROOMS = {
     "transport.py": {"threading", "torch", "weightcache.pipeline", "weightcache.daemon.handlers",
                      "weightcache.daemon.loads"},
     "ticker.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.handlers"},
+    "metrics.py": {"socket", "selectors", "threading", "torch", "prometheus_client", "weightcache.daemon.transport",
+                   "weightcache.daemon.loop"},
     "loop.py": {"torch"},
     "__init__.py": {"torch"},
 }

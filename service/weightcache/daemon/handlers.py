@@ -42,7 +42,7 @@ from .state import IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSET
 log = logging.getLogger(__name__)
 
 #: What ``hello_reply`` lists as the service's capabilities.
-CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait")
+CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait", "metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +94,8 @@ class Context:
         monotonic (`callable`): seconds, for deadlines (``time.monotonic``).
         wall (`callable`): Unix time in seconds, for lease timestamps (``time.time``).
         pid (`int`): the service's pid, as ``status`` reports it.
+        counters (`Counters`, *optional*): the service's counters
+            (:class:`weightcache.daemon.metrics.Counters`), for ``metrics``.
     """
 
     state: ServiceState
@@ -101,6 +103,7 @@ class Context:
     monotonic: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
     pid: int = field(default_factory=os.getpid)
+    counters: Any = None
 
 
 def _one(msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
@@ -178,7 +181,8 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
         mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
                  p.model.name, p.tp_size, p.tp_rank, peer.pid, peer.uid, lease.lease_id, msg.mode,
-                 extra=event("attached", p.model.name, p.tp_rank, peer_pid=peer.pid))
+                 extra=event("attached", p.model.name, p.tp_rank, size_bytes=slot.sealed.size_bytes,
+                               peer_pid=peer.pid, lease=lease.lease_id))
         return _one(protocol.AttachReply(lease.lease_id, p.model.path, ctx.state.backend, mf.size_bytes),
                     (slot.sealed.fd, mf.fd))
     if slot.state is SlotState.FAILED:
@@ -225,7 +229,8 @@ def end_lease(state: ServiceState, peer: Peer, lease: Any) -> None:
     state.end_lease(peer, lease)
     p = lease.slot.placement
     log.info("released model=%s rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_rank, peer.pid, lease.lease_id,
-             extra=event("released", p.model.name, p.tp_rank))
+             extra=event("released", p.model.name, p.tp_rank, duration_ms=(time.time() - lease.since) * 1e3,
+                         lease=lease.lease_id))
 
 
 def on_verify(ctx: Context, peer: Peer, msg: protocol.Verify) -> Outcome:
@@ -236,7 +241,13 @@ def on_verify(ctx: Context, peer: Peer, msg: protocol.Verify) -> Outcome:
         if s.state is not SlotState.READY:
             results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, []))
             continue
+        t0 = time.monotonic()
         bad = pipeline.verify(s.manifest, s.sealed)
+        log.log(logging.WARNING if bad else logging.INFO,
+                "verified model=%s tp_size=%d rank=%d tensors=%d mismatched=%d", p.model.name, p.tp_size, p.tp_rank,
+                len(s.manifest.tensors), len(bad),
+                extra=event("verify", p.model.name, p.tp_rank, duration_ms=(time.monotonic() - t0) * 1e3,
+                            tensors=len(s.manifest.tensors), mismatched=len(bad)))
         results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, bad,
                                              len(s.manifest.tensors)))
     return _one(protocol.VerifyReply([r.to_json() for r in results]))
@@ -257,10 +268,12 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     for s in slots:
         if s.state is not SlotState.READY:
             continue
-        effects.append(FreeSlab(s.store_id, *s.evict()))
+        sealed, manifest_file = s.evict()
+        effects.append(FreeSlab(s.store_id, sealed, manifest_file))
         evicted.append(s.label)
-        log.info("evicted model=%s rank=%d forced=%s", s.placement.model.name, s.placement.tp_rank, msg.force,
-                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank))
+        log.info("evicted model=%s rank=%d forced=%s size_bytes=%d", s.placement.model.name, s.placement.tp_rank,
+                 msg.force, sealed.size_bytes,
+                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank, size_bytes=sealed.size_bytes))
     return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
 
 
@@ -275,6 +288,12 @@ def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
     return Outcome((Reply(protocol.PreloadReply(started)),), tuple(effects))
 
 
+def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
+    """``metrics``: the :func:`status` record and the service's counters (no counters: empty ones)."""
+    counters = ctx.counters.record() if ctx.counters is not None else protocol.ServiceCounters("", 0.0)
+    return _one(protocol.MetricsReply(status(ctx).to_json(), counters.to_json()))
+
+
 #: Message type -> handler.
 HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
     protocol.Hello: on_hello,
@@ -285,6 +304,7 @@ HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
     protocol.Verify: on_verify,
     protocol.Evict: on_evict,
     protocol.Preload: on_preload,
+    protocol.Metrics: on_metrics,
 }
 
 

@@ -119,7 +119,9 @@ class Loaded:
                  p.model.name, p.tp_size, p.tp_rank, len(self.manifest.tensors), slot.total_bytes, dt * 1e3,
                  read_s * 1e3, slot.total_bytes / max(read_s, 1e-9) / 1e9, st.get("plan", 0) * 1e3,
                  st.get("allocate", 0) * 1e3, st.get("digest", 0) * 1e3, st.get("seal", 0) * 1e3,
-                 "yes" if self.torch_free else "no", extra=event("loaded", p.model.name, p.tp_rank))
+                 "yes" if self.torch_free else "no",
+                 extra=event("loaded", p.model.name, p.tp_rank, size_bytes=slot.total_bytes, duration_ms=dt * 1e3,
+                             tensors=len(self.manifest.tensors), read_ms=read_s * 1e3))
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +138,7 @@ class Failed:
         state.loads_done += 1
         if not self.logged:
             log.error("load failed model=%s rank=%d code=%s error=%s", p.model.name, p.tp_rank, e.code, e.message,
-                      extra=event("load_failed", p.model.name, p.tp_rank))
+                      extra=event("load_failed", p.model.name, p.tp_rank, error_code=e.code))
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +284,8 @@ class Loader:
                                                 model=p.model.name), writable)
         except Exception as e:  # noqa: BLE001 - a bug or an unexpected library error: fail this model only
             log.critical("load crashed model=%s rank=%d error=%r\n%s", p.model.name, p.tp_rank, e,
-                         traceback.format_exc(), extra=event("load_failed", p.model.name, p.tp_rank))
+                         traceback.format_exc(),
+                         extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed"))
             return self._fail(slot, ModelLoadFailed(f"model {p.model.name}: internal error while loading: {e!r}",
                                                     model=p.model.name, cause="internal"), writable, logged=True)
 

@@ -28,12 +28,14 @@ from typing import Any
 
 from .. import protocol
 from ..config import Config
+from ..journal import event
 from ..loader import LoaderOptions
 from ..memory import Backend
 from . import handlers, loads
 from .fdstore import FdStore
 from .handlers import Context, FreeSlab, Outcome, Refuse, StartLoad
 from .loads import Loader, LoadSettings
+from .metrics import Counters
 from .state import IllegalTransition, ServiceState, SlotState
 from .ticker import Ticker
 from .transport import Client, Transport
@@ -64,7 +66,8 @@ class Daemon:
         device = backend.device_info()
         source = config.files[0] if config.files else "the config"
         self.state = ServiceState(gpu, backend.name, device, config.placements(gpu), source)
-        self.ctx = Context(self.state, backend.mem_info)
+        self.counters = Counters([s.placement for s in self.state.slots], time.time())
+        self.ctx = Context(self.state, backend.mem_info, counters=self.counters)
         self.transport = Transport(listener, self._on_message, self._on_close,
                                    lambda c: self.state.peers.add(c.peer))
         self.fdstore = FdStore(backend, device)
@@ -85,7 +88,9 @@ class Daemon:
     def _on_message(self, c: Client, msg: protocol.Message) -> None:
         t0 = time.perf_counter()
         try:
-            self._carry_out(c, handlers.handle(self.ctx, c.peer, msg))
+            out = handlers.handle(self.ctx, c.peer, msg)
+            self.counters.answered(msg, out.replies, time.perf_counter() - t0)
+            self._carry_out(c, out)
         except IllegalTransition as e:
             self._break(e)
         if log.isEnabledFor(logging.DEBUG):  # the service's own time per request (benchmarks/bench_concurrency.py)
@@ -128,11 +133,18 @@ class Daemon:
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
                 self.fdstore.put(result.slot, result.sealed, result.manifest_file)
             loads.apply(self.state, result)
+            if isinstance(result, loads.Loaded):
+                self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes)
+            elif isinstance(result, loads.Failed):
+                self.counters.load_settled(result.slot.placement, result.error.code)
 
     def _service_waiting(self) -> None:
         for c in list(self.transport.clients.values()):
             if c.peer.waiting:
-                self._carry_out(c, handlers.service_waiting(self.ctx, c.peer))
+                before = list(c.peer.waiting)
+                out = handlers.service_waiting(self.ctx, c.peer)
+                self.counters.waited(before, c.peer.waiting, out.replies, time.monotonic())
+                self._carry_out(c, out)
 
     def _break(self, e: IllegalTransition) -> None:
         log.critical("invariant broken, exiting error=%s\n%s", e, traceback.format_exc())
@@ -159,7 +171,8 @@ class Daemon:
         for s in self.state.slots:
             if s.state is SlotState.PENDING:
                 self.loader.submit(s)
-        log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots))
+        log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
+                 extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))
         while not self._stop:
             try:
                 self.ticker.tick(time.monotonic())
