@@ -35,9 +35,11 @@ def _fill(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0, **opts) -> 
     w = get_backend("host").allocate(p.slab_size_bytes, "m")
     filled = pipeline.fill(p, w, options=loader.LoaderOptions(**opts))
     sealed = w.seal()
+    buf = sealed.buffer
     try:
-        return filled, bytes(sealed._map[: p.slab_size_bytes])
+        return filled, bytes(buf[: p.slab_size_bytes])
     finally:
+        buf.release()
         sealed.close()
 
 
