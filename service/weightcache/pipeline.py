@@ -262,7 +262,8 @@ class Filled:
             (every tensor a byte range of a file, :func:`weightcache.loader.read_direct`).
         read_s (`float`): wall time reading (and processing) the tensors, seconds.
         digest_s (`float`): wall time of the digests after the read, seconds
-            (0 on CUDA's torch-free path, which takes them during the read).
+            (CUDA's torch-free path takes them during the read: there, the
+            share of ``read_s`` they took).
         bytes_read (`int`): payload bytes written.
     """
 

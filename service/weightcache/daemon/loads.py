@@ -95,7 +95,8 @@ class Loaded:
     """The slab is sealed: its manifest, the backend's SealedSlab, its manifest file and the load time.
 
     ``stages_s`` holds the seconds of each stage: ``plan``, ``allocate``,
-    ``read`` (on CUDA's torch-free path, digests included), ``digest``,
+    ``read`` (on CUDA's torch-free path, digests included), ``digest`` (there:
+    the share of ``read`` the digests took),
     ``seal`` (with the manifest file); ``torch_free`` whether the slab was
     filled without torch.
     """
