@@ -47,6 +47,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from .errors import ConfigError
+from .loader import default_threads
 from .spec import DTYPE_NAMES, LoadRequest
 
 DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
@@ -121,13 +122,15 @@ class Placement:
 class ServiceConfig:
     """``[service]``: ``backend`` (auto | cuda | host), ``socket_dir``,
     ``load_timeout_s`` (seconds per model), ``staging_bytes`` (pinned staging
-    memory of the CUDA loader, bytes), ``read_threads`` (loader threads).
+    memory of the CUDA loader, bytes), ``read_threads`` (loader threads;
+    by default the CPUs the service may run on, 4 to 32:
+    :func:`weightcache.loader.default_threads`).
     """
     backend: str = "auto"
     socket_dir: str = "/run/weightcache"
     load_timeout_s: float = 3600.0
     staging_bytes: int = 256 * 1024 * 1024
-    read_threads: int = 8
+    read_threads: int = field(default_factory=default_threads)
 
 
 @dataclass(frozen=True)
