@@ -329,16 +329,19 @@ class WeightcacheModelLoader(BaseModelLoader):
                                  key="mode")
         plain_cpu = current_platform.is_cpu()
         quantized = model_config.quantization is not None
+        undo = zc.registry_undo(vllm_config)
         with set_default_torch_dtype(model_config.dtype):
             model = zc.initialize_on_meta(vllm_config, model_config, prefix, target)
             reason = zc.quant_refusal(model)
             if reason is not None:
+                undo()
                 return self._refused(rank, reason, ConfigError, key="mode")
             w: Attachment | None = self._attach(rank, "vllm", self.options["fallback"])
             try:
                 self._log_fallback(rank, w)
                 diff = zc.canary(vllm_config, model_config, prefix, rank.path, w, target, plain_cpu)
                 if diff is not None:
+                    undo()
                     self._handoff, w = w, None
                     return self._refused(rank, diff.reason, ShapeMismatch, tensor=diff.tensor)
                 shared = zc.share(model, w, check_shapes=not quantized)

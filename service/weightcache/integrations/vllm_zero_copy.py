@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -105,6 +105,25 @@ def initialize_on_meta(vllm_config: VllmConfig, model_config: ModelConfig, prefi
     """
     with device, EmptyOnMeta():
         return initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+
+
+def registry_undo(vllm_config: VllmConfig) -> Callable[[], None]:
+    """A function that unregisters the layers a model registers from now on (for a model thrown away).
+
+    vLLM's layers register themselves by name in the compilation config
+    (``static_forward_context``: attention layers, which get KV cache;
+    ``static_all_moe_layers``). When zero-copy is refused the meta model is
+    dropped and vLLM builds another one under the same names.
+    """
+    cc = vllm_config.compilation_config
+    keys, moe = set(cc.static_forward_context), len(cc.static_all_moe_layers)
+
+    def undo() -> None:
+        for key in set(cc.static_forward_context) - keys:
+            del cc.static_forward_context[key]
+        del cc.static_all_moe_layers[moe:]
+
+    return undo
 
 
 def quant_refusal(model: nn.Module) -> str | None:
@@ -262,8 +281,8 @@ def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, path
            device: torch.device, plain_cpu: bool) -> CanaryDiff | None:
     """vLLM's own loading and processing of decoder layer 0, compared with the slab.
 
-    A second model is built on meta (on a copy of ``vllm_config``, so that
-    its attention layers do not join the engine's forward context); the
+    A second model is built on meta (:func:`_private_registries`: its
+    attention layers do not join the engine's forward context); the
     parameters of layer 0 are materialised on ``device`` (vLLM's
     ``materialize_meta_tensor``: same classes and loader attributes), filled
     by the model's own ``load_weights`` from the checkpoint's tensors of that
@@ -279,8 +298,7 @@ def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, path
         `CanaryDiff | None`: the first difference (layer, field, vLLM's
         value, the slab's), or ``None`` when the layer is identical.
     """
-    probe_config = copy.deepcopy(vllm_config)
-    probe = initialize_on_meta(probe_config, model_config, prefix, device)
+    probe = initialize_on_meta(_private_registries(vllm_config), model_config, prefix, device)
     modules = dict(probe.named_modules())
     layer = next((m.group(1) for n in modules if (m := _CANARY_LAYER.match(n + "."))), None)
     if layer is None:
@@ -314,6 +332,21 @@ def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, path
         return CanaryDiff(layer, f"canary: {layer} has no layer with a quant method")
     log.debug("weightcache canary passed layers=%s", checked)
     return None
+
+
+def _private_registries(vllm_config: VllmConfig) -> VllmConfig:
+    """A shallow copy of ``vllm_config`` whose compilation config has empty layer registries.
+
+    The probe model is built while the engine's meta model exists: on the
+    engine's own config its layers would collide with that model's
+    (``Duplicate layer name``, see :func:`registry_undo`).
+    """
+    cc = copy.copy(vllm_config.compilation_config)
+    cc.static_forward_context = {}
+    cc.static_all_moe_layers = []
+    out = copy.copy(vllm_config)
+    out.compilation_config = cc
+    return out
 
 
 def _read(ck: Checkpoint, names: list[str], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
