@@ -29,6 +29,7 @@ Optional job keys:
 - ``write_after``: after printing ``RESULT``, writes one element of the first
   parameter in place (in-process engine only): with a zero-copy model the
   shared mapping is ``PROT_READ`` and the process dies of ``SIGSEGV``;
+- ``enable_lora``: ``LLM(enable_lora=True)``;
 - ``inject``: ``"linear_n_contig"`` stands in for a vLLM whose processed
   layout differs from the service's: vLLM's unquantized linear processing
   (when the weights are not pre-processed) first makes the weight
@@ -155,7 +156,7 @@ def main(argv: list[str]) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs = {}
+    kwargs = {"enable_lora": True} if job.get("enable_lora") else {}
     if job.get("load_format"):
         kwargs["load_format"] = job["load_format"]
         if job.get("extra") is not None:
