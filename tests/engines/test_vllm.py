@@ -348,7 +348,7 @@ def test_failed_canary_fallback_false_is_an_error(service, llama):
     assert CANARY_REASON in result["error"]["message"]
 
 
-FP8_REASON = "ModelOptFp8LinearMethod of this vLLM does not support pre-processed weights"
+FP8_REASON = "ModelOptLinearMethod of this vLLM does not support pre-processed weights"
 
 
 def test_fp8_zero_copy_refused_copy_mode_same_tokens(service, fp8, fp8_reference):

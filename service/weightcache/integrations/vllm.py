@@ -251,7 +251,7 @@ class _Rank:
     tp_size: int
     tp_rank: int
     device: str  # "cpu" or "cuda:N"
-    gpu: int | None
+    gpu: int  # the service instance
     dtype: str
 
 
@@ -421,7 +421,7 @@ class WeightcacheModelLoader(BaseModelLoader):
 
     def _rank(self, model_config: ModelConfig, dev: torch.device) -> _Rank:
         if dev.type == "cpu":
-            device, gpu = "cpu", self.options["gpu"]
+            device, gpu = "cpu", self.options["gpu"] or 0
         elif dev.type == "cuda":
             index = dev.index if dev.index is not None else torch.cuda.current_device()
             device, gpu = f"cuda:{index}", self.options["gpu"]
