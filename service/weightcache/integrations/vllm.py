@@ -380,7 +380,8 @@ class WeightcacheModelLoader(BaseModelLoader):
         Raises:
             ConfigError (`config_invalid`): ``model`` is zero-copy (its weights
                 are the service's read-only memory: no reload); ``tp_size > 1``
-                with a quantized model.
+                with a quantized model or an architecture without vLLM naming
+                rules.
             ShapeMismatch (`shape_mismatch`): a tensor that fits no parameter.
             DaemonUnavailable, CacheKeyMismatch, ModelLoading, ... : from
                 :func:`weightcache.attach` when ``fallback`` is false.
@@ -477,8 +478,8 @@ class WeightcacheModelLoader(BaseModelLoader):
             if dst is None or tuple(dst.shape) != tuple(tensor.shape):
                 raise ShapeMismatch(
                     f"attached tensor {name!r} {list(tensor.shape)} has no vLLM parameter of that name and shape "
-                    f"(found {list(dst.shape) if dst is not None else None}); this architecture's tensor-parallel "
-                    f"naming differs from vLLM's: use tp_size 1 or the default loader",
+                    f"(found {list(dst.shape) if dst is not None else None}); weightcache's vLLM naming for this "
+                    f"architecture differs from this vLLM's model: use the default loader",
                     tensor=name, actual=list(tensor.shape))
             if id(dst) in filled:
                 continue

@@ -259,8 +259,13 @@ def finish(model: nn.Module, model_config: ModelConfig, device: torch.device, sh
 
 
 def _tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters, buffers and plain tensor attributes (workspaces) of every module."""
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
+    for module_name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                yield f"{module_name}.{attr}", value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +295,9 @@ def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, path
     the layer is processed by its quant method's
     ``process_weights_after_loading``. Every parameter and buffer of those
     modules is then compared with the slab's tensor of the same name: dtype,
-    shape, stride, bytes. Transient memory: one decoder layer.
+    shape, stride, bytes; so is every tensor the slab holds for them
+    (buffers vLLM computes for itself and the slab lacks are not
+    compared). Transient memory: one decoder layer.
 
     Call inside ``set_default_torch_dtype(model_config.dtype)``.
 
@@ -324,7 +331,10 @@ def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, path
             module._cpu_skip_gemm_dispatch = True
         qm.process_weights_after_loading(module)
         checked.append(module_name)
-        for leaf, mine in [*module._parameters.items(), *module._buffers.items()]:
+        slab_leaves = {n[len(module_name) + 1:] for n in w.tensors if n.rpartition(".")[0] == module_name}
+        for leaf in sorted(set(module._parameters) | slab_leaves):
+            mine = module._parameters.get(leaf)
+            mine = mine if mine is not None else module._buffers.get(leaf)
             diff = _compare(mine, w.tensors.get(f"{module_name}.{leaf}"))
             if diff:
                 return CanaryDiff(f"{module_name}.{leaf}", f"canary: layer {module_name} field {leaf}: {diff}")
