@@ -22,12 +22,13 @@ three see the same machine state:
 Reported per mode: the process's wall time from its start to the first
 generated token (``first_token_s``: Python and vLLM imports, engine
 construction with the weight load, KV-cache set-up, one-token
-generation), the load duration vLLM logs (``Model loading took``), and
-after generation the engine's private memory (``/proc/self/smaps_rollup``
-``Private_Clean + Private_Dirty``), the bytes of parameters outside the
-``memfd:weightcache`` mapping, and the mapping's resident share
-(``RssShmem``). "Weight memory" is the private memory above the zero-copy
-engine's, plus the zero-copy engine's own private parameters.
+generation), the model load (vLLM's ``get_model``: build, loader,
+``process_weights_after_loading``), and after generation the engine's own memory
+(``/proc/self/smaps_rollup`` ``Anonymous``: the shared memfd mapping is not
+in it; smaps' ``Private_*`` would count the mapping's pages as private while
+no other process maps them), the mapping's resident pages (``RssShmem``),
+and the parameters outside the ``memfd:weightcache`` mapping. "Weight
+memory" is the engine's own memory above the zero-copy engine's.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -49,7 +49,6 @@ from bench_common import ROOT, emit, service_env, versions, wait_ready, warm_pag
 RUNNER = ROOT / "tests" / "engines" / "vllm_runner.py"
 MODES = ("default", "copy", "zero_copy")
 PROMPTS = [[1, 5, 17, 42, 99]]
-_LOADING = re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds")
 
 
 def build_checkpoint(dest: Path, layers: int) -> Path:
@@ -84,10 +83,9 @@ def run_engine(model: Path, mode: str, socket_dir: str) -> dict:
     result = json.loads(lines[-1][7:])
     (probe,) = result["probe"]
     m = probe["memory_kb"]
-    loading = _LOADING.search(p.stdout + p.stderr)
     return {"mode": mode, "first_token_s": result["first_token_s"], "engine_s": result["start_s"],
-            "process_wall_s": wall_s, "load_s": float(loading.group(2)) if loading else None,
-            "private_bytes": (m["Private_Clean"] + m["Private_Dirty"]) * 1024,
+            "process_wall_s": wall_s, "load_s": result["load_s"],
+            "anonymous_bytes": m["Anonymous"] * 1024, "private_bytes": (m["Private_Clean"] + m["Private_Dirty"]) * 1024,
             "rss_shmem_bytes": m["RssShmem"] * 1024, "outside_params": len(probe["outside"]),
             "params": probe["params"], "param_bytes": probe["param_bytes"], "tokens": result["tokens"]}
 
@@ -118,28 +116,29 @@ def main() -> int:
         svc.wait()
     tokens = {json.dumps(r["tokens"]) for r in runs}
     by_mode = {mode: [r for r in runs if r["mode"] == mode] for mode in MODES}
-    zc_private = statistics.median(r["private_bytes"] for r in by_mode["zero_copy"])
+    zc_anon = statistics.median(r["anonymous_bytes"] for r in by_mode["zero_copy"])
     rows, summary = [], {}
     for mode, rs in by_mode.items():
         s = {"first_token_s": statistics.median(r["first_token_s"] for r in rs),
              "first_token_s_all": [round(r["first_token_s"], 2) for r in rs],
-             "load_s": statistics.median(r["load_s"] for r in rs) if all(r["load_s"] is not None for r in rs) else None,
+             "load_s": statistics.median(r["load_s"] for r in rs),
+             "anonymous_bytes": statistics.median(r["anonymous_bytes"] for r in rs),
              "private_bytes": statistics.median(r["private_bytes"] for r in rs),
              "rss_shmem_bytes": statistics.median(r["rss_shmem_bytes"] for r in rs),
              "outside_params": rs[0]["outside_params"], "params": rs[0]["params"]}
-        s["weight_bytes_above_zero_copy"] = s["private_bytes"] - zc_private
+        s["weight_bytes_above_zero_copy"] = s["anonymous_bytes"] - zc_anon
         summary[mode] = s
-        load = "n/a" if s["load_s"] is None else f"{s['load_s']:.2f}"
+        load = f"{s['load_s']:.2f}"
         rows.append(f"| {mode} | {s['first_token_s']:.2f} ({', '.join(map(str, s['first_token_s_all']))}) | {load} "
-                    f"| {s['private_bytes'] / 2**20:.0f} | {s['weight_bytes_above_zero_copy'] / 2**20:+.0f} "
+                    f"| {s['anonymous_bytes'] / 2**20:.0f} | {s['weight_bytes_above_zero_copy'] / 2**20:+.0f} "
                     f"| {s['rss_shmem_bytes'] / 2**20:.0f} | {s['outside_params']}/{s['params']} |")
     md = "\n".join([
         f"vLLM engine start, {time.strftime('%Y-%m-%d')}, Llama float32 {args.layers} layers, "
         f"{size / 2**20:.0f} MiB checkpoint, {args.reps} runs per mode, {os.cpu_count()} CPUs; "
         f"tokens identical across all runs: {len(tokens) == 1}",
         "",
-        "| mode | start to first token, s: median (runs) | load, s (vLLM's log) | private memory, MiB "
-        "| vs zero_copy, MiB | shared mapping resident, MiB | parameters outside the mapping |",
+        "| mode | start to first token, s: median (runs) | model load, s: median | own memory (Anonymous), MiB "
+        "| vs zero_copy, MiB | shared mapping resident (RssShmem), MiB | parameters outside the mapping |",
         "|---|---|---|---|---|---|---|",
         *rows,
     ])

@@ -9,7 +9,10 @@ registered plugins, the in-process engine core)::
         "load_format": "weightcache", "extra": {...}, "prompts": [[1, 5]], "max_tokens": 12}'
 
 The last ``RESULT`` line of stdout is ``RESULT {"tokens": [[...], ...],
-"probe": [...], "start_s": ..., "first_token_s": ...}`` or, when the engine
+"probe": [...], "start_s": ..., "first_token_s": ..., "load_s": ...}``
+(seconds from the runner's start to the engine built and to the first
+token; ``load_s``: vLLM's ``get_model``, the loader included, when the
+engine core runs in this process, else null) or, when the engine
 failed, ``RESULT {"error": {"type": "DaemonUnavailable", "code":
 "daemon_unavailable"}}`` (the first weightcache error in the exception's
 chain; ``code`` is null when there is none). Whether the engine core runs
@@ -148,11 +151,29 @@ def _inject_linear_n_contig() -> None:
     UnquantizedLinearMethod.process_weights_after_loading = process
 
 
+def _time_model_load(into: dict) -> None:
+    """Records ``load_s``, the seconds of the CPU model runner's ``get_model`` (loader included), in this process."""
+    from vllm.v1.worker import cpu_model_runner
+
+    get_model = cpu_model_runner.get_model
+
+    def timed(*args, **kwargs):
+        t = time.monotonic()
+        try:
+            return get_model(*args, **kwargs)
+        finally:
+            into["load_s"] = time.monotonic() - t
+
+    cpu_model_runner.get_model = timed
+
+
 def main(argv: list[str]) -> int:
     job = json.loads(argv[1])
     t0 = time.monotonic()
     if job.get("inject") == "linear_n_contig":
         _inject_linear_n_contig()
+    timing: dict = {"load_s": None}
+    _time_model_load(timing)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -175,7 +196,7 @@ def main(argv: list[str]) -> int:
     first_token_s = time.monotonic() - t0
     outs = llm.generate(prompts, params, use_tqdm=False)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "start_s": start_s,
-              "first_token_s": first_token_s, "first": list(first[0].outputs[0].token_ids)}
+              "first_token_s": first_token_s, "first": list(first[0].outputs[0].token_ids), **timing}
     if job.get("probe"):
         result["probe"] = llm.collective_rpc(probe)
     print("RESULT " + json.dumps(result), flush=True)
