@@ -22,7 +22,7 @@ three see the same machine state:
 Reported per mode: the process's wall time from its start to the first
 generated token (``first_token_s``: Python and vLLM imports, engine
 construction with the weight load, KV-cache set-up, one-token
-generation), the model load (vLLM's ``get_model``: build, loader,
+generation), the same from vLLM imported (``LLM()`` to first token), the model load (vLLM's ``get_model``: build, loader,
 ``process_weights_after_loading``), and after generation the engine's own memory
 (``/proc/self/smaps_rollup`` ``Anonymous``: the shared memfd mapping is not
 in it; smaps' ``Private_*`` would count the mapping's pages as private while
@@ -84,6 +84,7 @@ def run_engine(model: Path, mode: str, socket_dir: str) -> dict:
     (probe,) = result["probe"]
     m = probe["memory_kb"]
     return {"mode": mode, "first_token_s": result["first_token_s"], "engine_s": result["start_s"],
+            "engine_to_first_token_s": result["first_token_s"] - result["import_s"], "import_s": result["import_s"],
             "process_wall_s": wall_s, "load_s": result["load_s"],
             "anonymous_bytes": m["Anonymous"] * 1024, "private_bytes": (m["Private_Clean"] + m["Private_Dirty"]) * 1024,
             "rss_shmem_bytes": m["RssShmem"] * 1024, "outside_params": len(probe["outside"]),
@@ -121,6 +122,8 @@ def main() -> int:
     for mode, rs in by_mode.items():
         s = {"first_token_s": statistics.median(r["first_token_s"] for r in rs),
              "first_token_s_all": [round(r["first_token_s"], 2) for r in rs],
+             "engine_to_first_token_s": statistics.median(r["engine_to_first_token_s"] for r in rs),
+             "engine_to_first_token_s_all": [round(r["engine_to_first_token_s"], 2) for r in rs],
              "load_s": statistics.median(r["load_s"] for r in rs),
              "anonymous_bytes": statistics.median(r["anonymous_bytes"] for r in rs),
              "private_bytes": statistics.median(r["private_bytes"] for r in rs),
@@ -129,7 +132,9 @@ def main() -> int:
         s["weight_bytes_above_zero_copy"] = s["anonymous_bytes"] - zc_anon
         summary[mode] = s
         load = f"{s['load_s']:.2f}"
-        rows.append(f"| {mode} | {s['first_token_s']:.2f} ({', '.join(map(str, s['first_token_s_all']))}) | {load} "
+        rows.append(f"| {mode} | {s['first_token_s']:.2f} ({', '.join(map(str, s['first_token_s_all']))}) "
+                    f"| {s['engine_to_first_token_s']:.2f} ({', '.join(map(str, s['engine_to_first_token_s_all']))}) "
+                    f"| {load} "
                     f"| {s['anonymous_bytes'] / 2**20:.0f} | {s['weight_bytes_above_zero_copy'] / 2**20:+.0f} "
                     f"| {s['rss_shmem_bytes'] / 2**20:.0f} | {s['outside_params']}/{s['params']} |")
     md = "\n".join([
@@ -137,9 +142,10 @@ def main() -> int:
         f"{size / 2**20:.0f} MiB checkpoint, {args.reps} runs per mode, {os.cpu_count()} CPUs; "
         f"tokens identical across all runs: {len(tokens) == 1}",
         "",
-        "| mode | start to first token, s: median (runs) | model load, s: median | own memory (Anonymous), MiB "
+        "| mode | process start to first token, s: median (runs) | `LLM()` to first token, s: median (runs) "
+        "| model load, s: median | own memory (Anonymous), MiB "
         "| vs zero_copy, MiB | shared mapping resident (RssShmem), MiB | parameters outside the mapping |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
     ])
     emit("vllm_start", {"versions": versions(), "checkpoint_bytes": size, "layers": args.layers,

@@ -11,8 +11,8 @@ registered plugins, the in-process engine core)::
 The last ``RESULT`` line of stdout is ``RESULT {"tokens": [[...], ...],
 "probe": [...], "start_s": ..., "first_token_s": ..., "load_s": ...}``
 (seconds from the runner's start to the engine built and to the first
-token; ``load_s``: vLLM's ``get_model``, the loader included, when the
-engine core runs in this process, else null) or, when the engine
+token; ``import_s``: to vLLM imported; ``load_s``: vLLM's ``get_model``, the
+loader included, when the engine core runs in this process, else null) or, when the engine
 failed, ``RESULT {"error": {"type": "DaemonUnavailable", "code":
 "daemon_unavailable"}}`` (the first weightcache error in the exception's
 chain; ``code`` is null when there is none). Whether the engine core runs
@@ -177,6 +177,7 @@ def main(argv: list[str]) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    timing["import_s"] = time.monotonic() - t0
     kwargs = {"enable_lora": True} if job.get("enable_lora") else {}
     if job.get("load_format"):
         kwargs["load_format"] = job["load_format"]
