@@ -39,8 +39,6 @@ import copy
 import dataclasses
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
-
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -62,7 +60,7 @@ log = init_logger("vllm." + __name__)
 _UNINITIALISED = frozenset({torch.empty, torch.empty_strided, torch.empty_like})
 
 #: vLLM features that write into weights after loading: (name, predicate on the VllmConfig).
-WRITING_FEATURES: tuple[tuple[str, Any], ...] = (
+WRITING_FEATURES: tuple[tuple[str, Callable[[VllmConfig], bool]], ...] = (
     ("LoRA (enable_lora)", lambda c: c.lora_config is not None),
     ("sleep mode (enable_sleep_mode: weight offload)", lambda c: bool(c.model_config.enable_sleep_mode)),
     ("weight transfer (weight_transfer_config: in-place weight updates)",
