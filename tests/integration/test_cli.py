@@ -423,6 +423,7 @@ def test_commands_without_a_service(capsys, tmp_path):
         assert rc == 3, argv
     rc, out, err = cli(capsys, "status", "--gpu", "4", *s)
     assert rc == 3 and "GPU 4  unreachable: no weightcache service at" in out
+    assert "systemctl status weightcache@4.socket weightcache@4.service; journalctl -u weightcache@4" in out
 
 
 def _serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notify: str, log: Path) -> subprocess.Popen:

@@ -200,3 +200,11 @@ def test_files_outside_the_directory_or_not_regular_are_refused(tmp_path, how):
     named = e.value.details["file"]
     assert named.endswith(target) if how in ("dotdot", "absolute", "subdir") else \
         named.endswith("model-00001-of-00002.safetensors")
+
+
+@pytest.mark.parametrize("path,cause", [("/" + "a" * 5000, "File name too long"), ("/srv/a\0b", "NUL character")])
+def test_impossible_path_is_checkpoint_not_found(path, cause):
+    """A path no directory can have is the typed error, not an OSError/ValueError traceback."""
+    with pytest.raises(Exception) as e:
+        Checkpoint(path)
+    assert e.value.code == "checkpoint_not_found" and cause in e.value.message

@@ -2,7 +2,7 @@
 
 The checkpoint read is made to block the way a hung NFS read does (the reading
 thread sleeps in a call that does not return) by replacing
-``pipeline.execute`` with one that waits on an event. The loader must post
+``pipeline.fill`` with one that waits on an event. The loader must post
 ``Failed(cause=timeout)`` for that slot within ``load_timeout_s`` (plus its 1 s
 grace), load the next slot, and, once the stuck read returns, abort the
 partial slab and post nothing more.
@@ -54,14 +54,14 @@ def test_blocked_read_fails_with_timeout_and_the_next_model_loads(tmp_path, monk
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     loader = loads.Loader(loads.LoadSettings(backend, st.device, 0.5, LoaderOptions(threads=1), "test.toml"), w)
     unblock = threading.Event()
-    real_execute = loads.pipeline.execute
+    real_fill = loads.pipeline.fill
 
-    def execute(plan, slab, progress=None, options=None):
+    def fill(plan, writable, *args, **kw):
         if plan.model.name == "stuck":
             unblock.wait()  # a read that does not return (no progress() call either)
-        return real_execute(plan, slab, progress, options)
+        return real_fill(plan, writable, *args, **kw)
 
-    monkeypatch.setattr(loads.pipeline, "execute", execute)
+    monkeypatch.setattr(loads.pipeline, "fill", fill)
     loader.start()
     try:
         for s in st.slots:

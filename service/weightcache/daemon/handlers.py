@@ -322,7 +322,7 @@ def verify_reply(peer: Peer, eff: StartVerify) -> Outcome:
                 results.append(protocol.VerifyResult(it.model, it.tp_size, it.tp_rank, it.state, []))
                 continue
             t0 = time.monotonic()
-            bad = pipeline.verify(it.manifest, it.sealed.tensor)
+            bad = pipeline.verify(it.manifest, it.sealed)
             n = len(it.manifest.tensors)
             log.log(logging.WARNING if bad else logging.INFO,
                     "verified model=%s tp_size=%d rank=%d tensors=%d mismatched=%d", it.model, it.tp_size,
