@@ -268,7 +268,8 @@ class Loader:
             job.abandoned = True
         p = slot.placement
         log.error("load abandoned model=%s rank=%d timeout_s=%g reason=read-did-not-return", p.model.name,
-                  p.tp_rank, self.settings.timeout_s, extra=event("load_failed", p.model.name, p.tp_rank))
+                  p.tp_rank, self.settings.timeout_s,
+                  extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed", cause="timeout"))
         return Failed(slot, self._timeout(slot, "the read did not return"), logged=True)
 
     def _timeout(self, slot: Slot, what: str) -> ModelLoadFailed:
