@@ -273,7 +273,9 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
     try:
         return tomllib.loads(text), text
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML: {e}", file=str(path), key="", cause="toml_syntax") from None
+        at = re.search(r"at line (\d+)", str(e))
+        raise ConfigError(f"{path}: invalid TOML: {e}", file=str(path), key="", cause="toml_syntax",
+                          line=int(at.group(1)) if at else None) from None
 
 
 def _line_of(text: str, key: str) -> int | None:
@@ -347,26 +349,57 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     service: dict[str, Any] = {}
     models: dict[str, ModelConfig] = {}
     for f, data, text in parsed:
-        unknown = set(data) - {"service", "models"}
-        if unknown:
-            raise _unknown_table(str(f), text, sorted(unknown)[0])
-        svc = data.get("service", {})
-        if not isinstance(svc, dict):
-            raise _err(str(f), "service", "must be a table")
-        for key, value in svc.items():
-            if key not in _SERVICE_KEYS:
-                raise _err(str(f), f"service.{key}", f"unknown key (known: {', '.join(sorted(_SERVICE_KEYS))})")
-            _check_type(str(f), f"service.{key}", value, _SERVICE_KEYS[key])
-            if key == "backend" and value not in BACKENDS:
-                raise _err(str(f), "service.backend", f"{value!r} is not one of {', '.join(BACKENDS)}")
-            if key in _SERVICE_RANGES:
-                _check_range(str(f), f"service.{key}", value)
-            if key == "socket_dir":
-                _check_absolute(str(f), "service.socket_dir", value)
-            service[key] = value
-        mtable = data.get("models", {})
-        if not isinstance(mtable, dict):
-            raise _err(str(f), "models", "must be a table of [models.NAME] tables")
-        for name, table in mtable.items():
-            models[name] = _parse_model(str(f), name, table)
+        try:
+            _merge(f, data, text, service, models)
+        except ConfigError as e:
+            if e.details.get("line") is None and e.details.get("key"):
+                e.details["line"] = _locate(text, e.details["key"])
+            raise
     return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files))
+
+
+def _locate(text: str, key: str) -> int | None:
+    """1-based line of dotted ``key`` (``models.x.layouts[0].gpus``) in ``text``: its table's header,
+    then the first ``leaf =`` below it (inline tables included); None when not found."""
+    parts = key.split(".")
+    table = parts[:2] if parts[0] == "models" else parts[:1]
+    names = "|".join(re.escape(n) for n in (".".join(table), ".".join(table[:1] + [f'"{p}"' for p in table[1:]])))
+    header = re.compile(rf"^\s*\[\s*(?:{names})\s*\]")
+    name = re.escape(re.sub(r"\[\d+\]$", "", parts[-1]))
+    leaf = re.compile(rf"(?:^|[{{,\s]){name}\s*=")
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if header.match(ln)), None)
+    if start is None:
+        return None
+    for i in range(start, len(lines)):
+        if i > start and lines[i].lstrip().startswith("["):
+            break
+        if len(parts) > len(table) and leaf.search(lines[i].split("#", 1)[0]):
+            return i + 1
+    return start + 1
+
+
+def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], models: dict[str, ModelConfig]) -> None:
+    """Checks one parsed file and merges it into ``service`` and ``models`` (later files win)."""
+    unknown = set(data) - {"service", "models"}
+    if unknown:
+        raise _unknown_table(str(f), text, sorted(unknown)[0])
+    svc = data.get("service", {})
+    if not isinstance(svc, dict):
+        raise _err(str(f), "service", "must be a table")
+    for key, value in svc.items():
+        if key not in _SERVICE_KEYS:
+            raise _err(str(f), f"service.{key}", f"unknown key (known: {', '.join(sorted(_SERVICE_KEYS))})")
+        _check_type(str(f), f"service.{key}", value, _SERVICE_KEYS[key])
+        if key == "backend" and value not in BACKENDS:
+            raise _err(str(f), "service.backend", f"{value!r} is not one of {', '.join(BACKENDS)}")
+        if key in _SERVICE_RANGES:
+            _check_range(str(f), f"service.{key}", value)
+        if key == "socket_dir":
+            _check_absolute(str(f), "service.socket_dir", value)
+        service[key] = value
+    mtable = data.get("models", {})
+    if not isinstance(mtable, dict):
+        raise _err(str(f), "models", "must be a table of [models.NAME] tables")
+    for name, table in mtable.items():
+        models[name] = _parse_model(str(f), name, table)

@@ -25,6 +25,8 @@ MESSAGE_IDS = {
     "evicted": "6e5d4c3b2a1948f7e6d5c4b3a2918f7e",
     "adopted": "1a2b3c4d5e6f47089a1b2c3d4e5f6a7b",
     "released": "c1d2e3f4a5b64c7d8e9f0a1b2c3d4e5f",
+    "reloaded": "7a2112c2cf224a43bcec0e7cd261cd25",
+    "config_rejected": "574150c4c549451792f1a95b09e14187",
 }
 
 

@@ -8,7 +8,10 @@ result to a queue and writes one byte to the serving loop's wake-up pipe; the
 serving loop calls :func:`apply`, so only its thread moves a slot through the
 transition table.
 
-The loader reads only a slot's ``placement`` (immutable). A load that raises
+The loader reads only a slot's ``placement`` (immutable) and the set of
+slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
+slot is skipped, or its load stops at the next progress report; whatever it
+still posts for a DROPPED slot the serving loop passes to :func:`discard`. A load that raises
 anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
 ``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
@@ -145,6 +148,8 @@ class Loader:
         self._wake_fd = wake_fd
         self._encode = encode
         self._jobs: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
+        self._cancelled: set[Slot] = set()
+        self._lock = threading.Lock()
         self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="weightcache-loader", daemon=True)
 
@@ -155,6 +160,15 @@ class Loader:
     def submit(self, slot: Slot) -> None:
         """Queues a PENDING ``slot``."""
         self._jobs.put(slot)
+
+    def cancel(self, slot: Slot) -> None:
+        """Skips ``slot`` if still queued, or stops its load at the next progress report (a reload dropped it)."""
+        with self._lock:
+            self._cancelled.add(slot)
+
+    def _is_cancelled(self, slot: Slot) -> bool:
+        with self._lock:
+            return slot in self._cancelled
 
     def stop(self) -> None:
         """Asks the thread to end after the current load (it is a daemon thread: exit does not wait)."""
@@ -181,7 +195,13 @@ class Loader:
             slot = self._jobs.get()
             if slot is None:
                 return
+            if self._is_cancelled(slot):
+                with self._lock:
+                    self._cancelled.discard(slot)
+                continue
             self._post(self._load(slot))
+            with self._lock:
+                self._cancelled.discard(slot)
 
     def _load(self, slot: Slot) -> Loaded | Failed:
         p, st = slot.placement, self.settings
@@ -196,6 +216,9 @@ class Loader:
 
             def progress(done: int, total: int) -> None:
                 now = time.monotonic()
+                if self._is_cancelled(slot):
+                    raise ModelLoadFailed(f"model {p.model.name}: load cancelled, a reload removed it",
+                                          model=p.model.name, cause="cancelled")
                 if now - started > st.timeout_s:
                     raise ModelLoadFailed(
                         f"model {p.model.name}: load exceeded service.load_timeout_s = {st.timeout_s:g} s "
@@ -228,6 +251,14 @@ class Loader:
             except Exception as ae:  # noqa: BLE001 - best effort; the original error matters
                 log.warning("abort of partial slab failed model=%s error=%r", slot.placement.model.name, ae)
         return Failed(slot, e, logged)
+
+
+def discard(result: Started | Planned | Progress | Loaded | Failed) -> None:
+    """Drops a result for a slot a reload removed (DROPPED): a sealed slab is closed, nothing else happens."""
+    if isinstance(result, Loaded):
+        result.sealed.close()
+        log.info("load discarded model=%s rank=%d reason=removed-by-reload", result.slot.placement.model.name,
+                 result.slot.placement.tp_rank)
 
 
 def apply(state: ServiceState, result: Started | Planned | Progress | Loaded | Failed) -> None:

@@ -8,6 +8,10 @@ loader return: replies go to :mod:`~weightcache.daemon.transport`,
 backend, loader results into the state (:func:`weightcache.daemon.loads.apply`).
 Only this module's thread changes the state.
 
+``SIGHUP`` and a ``reload`` request both run
+:func:`~weightcache.daemon.handlers.on_reload`, between ``RELOADING=1``
+(with ``MONOTONIC_USEC=``) and ``READY=1`` to systemd.
+
 A broken invariant of the service's own state
 (:class:`~weightcache.daemon.state.IllegalTransition`) logs CRITICAL and
 :meth:`Daemon.serve` returns :data:`EXIT_INVARIANT` (non-zero: systemd
@@ -28,14 +32,15 @@ from typing import Any
 
 from .. import protocol
 from ..config import Config
+from ..errors import ConfigError
 from ..loader import LoaderOptions
 from ..manifest import Manifest
 from ..memory import Backend
 from . import handlers, loads
 from .fdstore import FdStore
-from .handlers import Context, FreeSlab, Outcome, Refuse, StartLoad
+from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad
 from .loads import Loader, LoadSettings
-from .state import IllegalTransition, ServiceState, SlotState
+from .state import IllegalTransition, Peer, ServiceState, SlotState
 from .ticker import Ticker
 from .transport import Client, Transport
 
@@ -61,17 +66,25 @@ class Daemon:
         listener (`socket.socket`): the listening Unix stream socket.
         stored_fds (`dict[str, list[int]]`, *optional*): fds handed back by
             systemd's fd store, by ``FDNAME``.
+        load_config (`callable`, *optional*): ``() -> Config``, reads the files
+            again for ``reload`` and ``SIGHUP`` (without it a reload is refused).
+        config_error (`ConfigError`, *optional*): the configuration was
+            refused at start; ``config`` then holds only the placements of the
+            slabs found in the fd store (``weightcache serve``), and stored
+            entries that match no slot stay in the store for the next start.
     """
 
     def __init__(self, config: Config, gpu: int, backend: Backend, listener: socket.socket,
-                 stored_fds: dict[str, list[int]] | None = None) -> None:
+                 stored_fds: dict[str, list[int]] | None = None, load_config: Any = None,
+                 config_error: ConfigError | None = None) -> None:
         self.config = config
         self.gpu = gpu
         self.backend = backend
         device = backend.device_info()
         source = config.files[0] if config.files else "the config"
         self.state = ServiceState(gpu, backend.name, device, config.placements(gpu), source)
-        self.ctx = Context(self.state, backend.mem_info)
+        self.state.config_error = config_error
+        self.ctx = Context(self.state, backend.mem_info, load_config or self._no_config, config.service)
         self.transport = Transport(listener, self._on_message, self._on_close,
                                    lambda c: self.state.peers.add(c.peer))
         self.fdstore = FdStore(backend, device)
@@ -82,43 +95,87 @@ class Daemon:
                                                         staging_bytes=config.service.staging_bytes), source),
                              self._wake_w, encode_manifest)
         self._stop = False
+        self._reload_asked = False
         self._broken: IllegalTransition | None = None
         now = time.monotonic()
-        for slot, (rec, sealed) in self.fdstore.adopt(stored_fds or {}, self.state.slots).items():
+        stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
+        for slot, (rec, sealed) in stored.items():
             header, payload = rec.wire
             slot.adopt(rec.manifest, sealed, (protocol.PreEncoded(header), payload), now)
+        if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
+            self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 
     # --- what handlers and the loader return ----------------------------------
 
+    def _no_config(self) -> Config:
+        raise ConfigError("this service was started without a configuration file to read again",
+                          file="", key="")
+
     def _on_message(self, c: Client, msg: protocol.Message) -> None:
+        reloading = type(msg) is protocol.Reload
+        if reloading:
+            self.ticker.reloading()
         try:
             self._carry_out(c, handlers.handle(self.ctx, c.peer, msg))
         except IllegalTransition as e:
             self._break(e)
+        finally:
+            if reloading:
+                self.ticker.reloaded(time.monotonic())
 
-    def _carry_out(self, c: Client, out: Outcome) -> None:
+    def _carry_out(self, c: Client | None, out: Outcome) -> None:
         for r in out.replies:
-            if not self.transport.send(c, r.msg, r.fds):
+            if c is None:
+                log.info("reload answered %s", r.msg.to_json())
+            elif not self.transport.send(c, r.msg, r.fds):
                 break
         for eff in out.effects:
             self._effect(c, eff)
 
-    def _effect(self, c: Client, eff: Any) -> None:
-        {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse}[type(eff)](c, eff)
+    def _effect(self, c: Client | None, eff: Any) -> None:
+        {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse, CancelLoad: self._cancel_load,
+         Reconfigure: self._reconfigure}[type(eff)](c, eff)
+
+    def _cancel_load(self, c: Client | None, eff: CancelLoad) -> None:
+        self.loader.cancel(eff.slot)
+
+    def _reconfigure(self, c: Client | None, eff: Reconfigure) -> None:
+        for sid in sorted(self.fdstore.left):  # kept while the config did not load; a new slab may take the name
+            log.info("fd store slab dropped id=%s reason=unclaimed-after-reload", sid)
+            self.fdstore.remove(sid)
+        self.fdstore.left.clear()
+        self.config = cfg = eff.config
+        source = cfg.files[0] if cfg.files else "the config"
+        self.loader.settings = LoadSettings(self.backend, self.state.device, cfg.service.load_timeout_s,
+                                            LoaderOptions(threads=cfg.service.read_threads,
+                                                          staging_bytes=cfg.service.staging_bytes), source)
+
+    def _reload_from_signal(self) -> None:
+        """SIGHUP: the same reload as a request from the service's own user (no reply to send)."""
+        self._reload_asked = False
+        self.ticker.reloading()
+        try:
+            self._carry_out(None, handlers.handle(self.ctx, Peer(os.getpid(), os.getuid(), os.getgid()),
+                                                  protocol.Reload()))
+        finally:
+            self.ticker.reloaded(time.monotonic())
 
     def _start_load(self, c: Client, eff: StartLoad) -> None:
         self.loader.submit(eff.slot)
 
-    def _free_slab(self, c: Client, eff: FreeSlab) -> None:
-        self.fdstore.remove(eff.store_id)
-        eff.sealed.close()
+    def _free_slab(self, c: Client | None, eff: FreeSlab) -> None:
+        if eff.store_id is not None:
+            self.fdstore.remove(eff.store_id)
+        if eff.sealed is not None:
+            eff.sealed.close()
 
     def _refuse(self, c: Client, eff: Refuse) -> None:
         self.transport.violation(c, eff.error)
 
     def _on_close(self, c: Client) -> None:
         for lease in list(c.peer.leases.values()):
-            handlers.end_lease(self.state, c.peer, lease)
+            for eff in handlers.end_lease(self.state, c.peer, lease):
+                self._effect(None, eff)
         c.peer.waiting.clear()
         self.state.peers.discard(c.peer)
 
@@ -128,6 +185,9 @@ class Daemon:
         except BlockingIOError:
             pass
         for result in self.loader.results():
+            if result.slot.state is SlotState.DROPPED:  # a reload removed it while it loaded
+                loads.discard(result)
+                continue
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
                 self.fdstore.put(result.slot, result.sealed, result.manifest)
             loads.apply(self.state, result)
@@ -144,6 +204,14 @@ class Daemon:
 
     # --- main loop -------------------------------------------------------------
 
+    def request_reload(self, *_: Any) -> None:
+        """Reloads the configuration at the next pass (SIGHUP)."""
+        self._reload_asked = True
+        try:
+            os.write(self._wake_w, b"r")
+        except OSError:
+            pass
+
     def request_stop(self, *_: Any) -> None:
         """Ends :meth:`serve` after the current pass (SIGTERM, SIGINT)."""
         self._stop = True
@@ -156,6 +224,7 @@ class Daemon:
         """Runs until SIGTERM/SIGINT. Returns the process exit status (:data:`EXIT_INVARIANT` on a broken invariant)."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
         self.transport.start()
         self.transport.add_reader(self._wake_r, self._drain_loader)
         self.loader.start()
@@ -165,6 +234,8 @@ class Daemon:
         log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots))
         while not self._stop:
             try:
+                if self._reload_asked:
+                    self._reload_from_signal()
                 self.ticker.tick(time.monotonic())
                 waiting = any(c.peer.waiting for c in self.transport.clients.values())
                 self.transport.poll(0.2 if waiting else 0.5)
