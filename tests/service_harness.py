@@ -294,6 +294,29 @@ class ServiceProcess:
         return self.start(timeout)
 
 
+def serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notify: str, log: Path,
+                          gpu: int = 0) -> subprocess.Popen:
+    """Starts ``serve --gpu N`` as systemd would after a restart: the fd store's
+    fds (``FDNAME`` -> fd) at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``,
+    and ``$NOTIFY_SOCKET`` set to ``notify``."""
+    names = sorted(stored)
+    launcher = (
+        "import fcntl, os, sys\n"
+        "fds = [int(x) for x in sys.argv[1].split(',') if x]\n"
+        "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]  # out of the way of 3, 4, ...\n"
+        "for i, fd in enumerate(high):\n"
+        "    os.dup2(fd, 3 + i, inheritable=True)\n"
+        "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=sys.argv[2],\n"
+        "                  NOTIFY_SOCKET=sys.argv[3])\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'weightcache'] + sys.argv[4:])\n"
+    )
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-c", launcher, ",".join(str(stored[n]) for n in names), ":".join(names), notify,
+             "serve", "--gpu", str(gpu), "--backend", "host", "--config", str(cfg), "--listen", str(listen)],
+            pass_fds=[stored[n] for n in names], stdout=out, stderr=subprocess.STDOUT, env=service_env())
+
+
 def start_service(workdir: Path, models_or_config: dict[str, Any], backend: str = "host", gpu: int = 0,
                   env: dict[str, str] | None = None, nofile: int | None = None, **service: Any) -> ServiceProcess:
     """Writes a config and starts a service; returns once it answers ``status``.

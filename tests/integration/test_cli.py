@@ -31,6 +31,7 @@ from weightcache.cli import main
 from weightcache.client import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service_harness import serve_with_stored_fds  # noqa: E402
 from tiny_models import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -425,29 +426,6 @@ def test_commands_without_a_service(capsys, tmp_path):
     assert rc == 3 and "GPU 4  unreachable: no weightcache service at" in out
 
 
-def _serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notify: str, log: Path) -> subprocess.Popen:
-    """Starts ``serve --gpu 0`` as systemd would after a restart: the fd store's
-    fds at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``."""
-    names = sorted(stored)
-    launcher = (
-        "import fcntl, os, sys\n"
-        "fds = [int(x) for x in sys.argv[1].split(',')]\n"
-        "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]  # out of the way of 3, 4, ...\n"
-        "for i, fd in enumerate(high):\n"
-        "    os.dup2(fd, 3 + i, inheritable=True)\n"
-        "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=sys.argv[2],\n"
-        "                  NOTIFY_SOCKET=sys.argv[3])\n"
-        "os.execv(sys.executable, [sys.executable, '-m', 'weightcache'] + sys.argv[4:])\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID",
-                                                           "LISTEN_FDNAMES", "WATCHDOG_USEC")}
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-c", launcher, ",".join(str(stored[n]) for n in names), ":".join(names), notify,
-             "serve", "--gpu", "0", "--backend", "host", "--config", str(cfg), "--listen", str(listen)],
-            pass_fds=[stored[n] for n in names], stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
 def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path):
     """A restarted service re-adopts the stored slab; the CLI says so and verify still passes."""
     import socket as socketlib
@@ -489,7 +467,7 @@ def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path)
         procs[0].send_signal(signal.SIGTERM)
         assert procs[0].wait(timeout=30) == 0
 
-        procs.append(_serve_with_stored_fds(cfg, run / "0.sock", stored, notify_path, tmp_path / "serve.log"))
+        procs.append(serve_with_stored_fds(cfg, run / "0.sock", stored, notify_path, tmp_path / "serve.log"))
         deadline = time.monotonic() + 90
         while not (run / "0.sock").exists() or procs[1].poll() is not None:
             assert procs[1].poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
