@@ -382,6 +382,9 @@ class ServiceState:
     def status_line(self, now: float) -> str:
         """One line for systemd's ``STATUS=`` and ``weightcache status``."""
         line = self._slots_line(now)
+        retired = [s for s in self.slots if s.state is SlotState.RETIRED]
+        if retired:
+            line += f"; removed from the config, kept while leased: {', '.join(s.label for s in retired)}"
         if self.config_error is not None:
             line += f"; configuration rejected, {describe_config_error(self.config_error)}"
         return line
@@ -401,9 +404,6 @@ class ServiceState:
         line = f"ready: {ready}/{len(configured)} slabs resident"
         if failed:
             line += f"; failed: {', '.join(s.label + ' (' + (s.error.code if s.error else '?') + ')' for s in failed)}"
-        retired = [s for s in self.slots if s.state is SlotState.RETIRED]
-        if retired:
-            line += f"; removed from the config, kept while leased: {', '.join(s.label for s in retired)}"
         return line
 
 
