@@ -40,6 +40,9 @@ def _instantiate(tmp_path: Path) -> list[str]:
             text = f.read_text()
             if not os.access(INSTALLED_LAUNCHER, os.X_OK):
                 text = text.replace(f"ExecStart={INSTALLED_LAUNCHER}", f"ExecStart={UNITS / 'weightcache-launch'}")
+            if not os.access("/usr/bin/weightcache", os.X_OK):
+                text = text.replace("ExecReload=/usr/bin/weightcache",
+                                    f"ExecReload={REPO / 'packaging' / 'weightcache.sh'}")
             (tmp_path / f.name).write_text(text)
             if "@." in f.name:
                 inst = f.name.replace("@.", "@0.")
@@ -92,6 +95,7 @@ def test_socket_and_service_keys():
                  "IPAddressDeny=any"):
         assert re.search(rf"^{re.escape(line)}$", svc, re.M), line
     assert re.search(r"^ExecStart=\S+ %i$", svc, re.M)
+    assert re.search(r"^ExecReload=/usr/bin/weightcache reload --gpu %i --socket-dir /run/weightcache$", svc, re.M)
     assert not re.search(r"^PrivateDevices=", svc, re.M)
     # Booleans are only yes/no (STYLE.md).
     for text in (sock, svc):

@@ -58,7 +58,7 @@ _SLAB_FIELDS = tuple(f.name for f in dataclasses.fields(LoadRequest))
 
 
 def config_rejected_event(e: ConfigError) -> dict[str, str]:
-    """Journal fields of a refused configuration: ``WEIGHTCACHE_CONFIG_FILE``, ``_LINE``, ``_KEY``."""
+    """Journal fields of a refused configuration: ``CONFIG_FILE``, ``CONFIG_LINE``, ``CONFIG_KEY``."""
     d = e.details
     return event("config_rejected", config_file=d.get("file", ""), config_line=d.get("line") or "",
                  config_key=d.get("key", ""))
