@@ -527,3 +527,27 @@ def test_a_config_typo_keeps_the_weights_and_systemctl_reload_recovers(box, tmp_
             held.close()
         c.write(conf, _config(c.ckpt))
         c.run(["rm", "-rf", "/srv/wc-tiny"])
+
+
+def test_a_typo_with_nothing_stored_keeps_the_socket_and_reload_loads(box):
+    """Socket activation with a typo and an empty fd store: engines' connects no longer start the service
+    over and over into the start limit (which removed the socket); it runs, answers, and a reload loads."""
+    c, unit, conf = box, "weightcache@0.service", "/etc/weightcache/weightcache.toml"
+    c.write(conf, _config(c.ckpt).replace("[service]\n", "[service]\nbakend = 1\n"))
+    try:
+        c.run(["systemctl", "start", "weightcache@0.socket"])
+        for _ in range(3):  # each would have been a failed start before
+            answer = client(c, "alice", 0)
+            assert answer["ok"] is False and answer["code"] == "model_not_found", answer
+            assert "configuration was rejected" in answer["message"] and "service.bakend" in answer["message"]
+        s = c.show(unit, "ActiveState", "SubState", "NRestarts", "StatusText", "MainPID")
+        assert active(s) and s["NRestarts"] == "0", s
+        assert s["StatusText"].startswith("ready: 0/0 slabs resident; configuration rejected, "
+                                          "/etc/weightcache/weightcache.toml:2: service.bakend"), s
+        assert c.show("weightcache@0.socket", "ActiveState") == {"ActiveState": "active"}
+    finally:
+        c.write(conf, _config(c.ckpt))
+    c.run(["systemctl", "reload", unit], timeout=120)
+    _wait_until("minilm loaded by the reload", lambda: _slab_states(c, 0) == {"minilm": "ready"})
+    assert good(client(c, "alice", 0))
+    assert c.show(unit, "MainPID")["MainPID"] == s["MainPID"]
