@@ -285,3 +285,37 @@ def test_reload_notifications():
     assert head == "RELOADING=1" and usec.startswith("MONOTONIC_USEC=") and int(usec.split("=")[1]) > 0
     assert status == "STATUS=reloading the configuration"
     assert sent[1] == "READY=1\nSTATUS=ready: 0/0 slabs resident"
+
+
+def test_a_load_cancelled_midway_stops_and_frees_its_partial_slab(tmp_path, monkeypatch):
+    """The progress report after the cancel ends the load: the writable slab is aborted, nothing sealed."""
+    import torch
+
+    from service_harness import write_checkpoint
+    from weightcache.daemon.loop import encode_manifest
+    from weightcache.memory.host import HostBackend
+
+    ck = write_checkpoint(tmp_path / "ck", {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)})
+    st = _state(None, _model("a", str(ck)))
+    backend = HostBackend()
+    aborted = []
+    real_allocate = backend.allocate
+
+    def allocate(*a, **kw):
+        w = real_allocate(*a, **kw)
+        real_abort = w.abort
+        w.abort = lambda: (aborted.append(True), real_abort())
+        return w
+
+    monkeypatch.setattr(backend, "allocate", allocate)
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        loader = loads.Loader(loads.LoadSettings(backend, {}, 60.0, LoaderOptions(threads=1), "t.toml"), w,
+                              encode_manifest)
+        loader.cancel(st.slots[0])
+        result = loader._load(st.slots[0])  # the thread's body for one slot
+        assert isinstance(result, loads.Failed) and result.error.details["cause"] == "cancelled"
+        assert aborted == [True]
+    finally:
+        os.close(r)
+        os.close(w)
