@@ -18,7 +18,6 @@ Usage: bench_attach_stages.py [--device cuda|cpu] [--iters N]
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import signal
 import subprocess
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import LLAMA2_7B, emit, has_cuda, scaled, service_env, stats, versions, wait_ready, write_checkpoint, write_config  # noqa: E402,E501
+from bench_common import LLAMA2_7B, emit, has_cuda, patch_timers, scaled, service_env, stats, versions, wait_ready, write_checkpoint, write_config  # noqa: E402,E501
 
 
 def main() -> int:
@@ -75,17 +74,6 @@ def _measure(ck: str, socket_dir: str, device: str, iters: int, warmup: int) -> 
     if device.startswith("cuda"):
         torch.empty(1, device=device)
     acc: dict[str, float] = {}
-
-    def timed(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
-        return wrapper
-
     backend = client.local_backend(device)
     patches = [
         (client.Session, "__init__", "connect"),
@@ -93,23 +81,16 @@ def _measure(ck: str, socket_dir: str, device: str, iters: int, warmup: int) -> 
         (client.Checkpoint, "__init__", "local Checkpoint: config.json (overlaps the service)"),
         (client.pipeline, "key_fields", "local key fields (overlaps the service)"),
         (client, "recv_with_fds", "recvmsg: waiting for the service + reading the reply"),
-        (client.protocol.Connection, "next_message", "frame decode (JSON header, payload split)"),
+        (client.protocol.Connection, "next_message", "frame decode (JSON)"),
         (client.Manifest, "from_wire", "Manifest.from_wire (packed columns)"),
         (client.pipeline, "check_key", "key check: fields + stat() of the files"),
         (type(backend), "import_fd", "fd import + map + set access + tensor wrap"),
         (client, "build_views", "build_views (runs + unbind)"),
     ]
-    saved = []
-    for owner, attr, name in patches:
-        orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        if isinstance(orig, classmethod):
-            wrapped = classmethod(timed(name, orig.__func__))
-        else:
-            wrapped = timed(name, orig)
-        saved.append((owner, attr, orig))
-        setattr(owner, attr, wrapped)
+    saved = patch_timers(patches, acc)
     stage_times: dict[str, list[float]] = {name: [] for _, _, name in patches}
-    stage_times["other (argument handling, GC pause, Attachment)"] = []
+    other = "other (argument handling, manifest file fstat + pread + JSON, GC pause, Attachment)"
+    stage_times[other] = []
     e2e, ntens = [], 0
     try:
         kw = dict(device=device, fallback=False, socket_dir=socket_dir, naming="vllm")
@@ -125,8 +106,7 @@ def _measure(ck: str, socket_dir: str, device: str, iters: int, warmup: int) -> 
                 e2e.append(dt * 1e6)
                 for _, _, name in patches:  # disjoint: none of them calls another
                     stage_times[name].append(acc.get(name, 0.0) * 1e6)
-                stage_times["other (argument handling, GC pause, Attachment)"].append(
-                    (dt - sum(acc.values())) * 1e6)
+                stage_times[other].append((dt - sum(acc.values())) * 1e6)
     finally:
         for owner, attr, orig in saved:
             setattr(owner, attr, orig)

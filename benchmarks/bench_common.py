@@ -313,6 +313,35 @@ def versions() -> dict[str, str]:
     return out
 
 
+def patch_timers(patches: list[tuple[Any, str, str]], acc: dict[str, float]) -> list[tuple[Any, str, Any]]:
+    """Wraps ``owner.attr`` for each ``(owner, attr, name)`` so that its calls add their seconds to ``acc[name]``.
+
+    Class methods stay class methods; an attribute ``owner`` lacks is skipped (an
+    older client). Returns ``(owner, attr, original)`` for restoring them.
+    """
+    import functools
+
+    def timed(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    saved = []
+    for owner, attr, name in patches:
+        orig = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if orig is None:
+            continue
+        wrapped = classmethod(timed(name, orig.__func__)) if isinstance(orig, classmethod) else timed(name, orig)
+        saved.append((owner, attr, orig))
+        setattr(owner, attr, wrapped)
+    return saved
+
+
 def emit(name: str, result: dict[str, Any], markdown: str) -> None:
     """Prints ``markdown`` and writes ``result`` to ``$BENCH_JSON_DIR/<name>.json`` when set."""
     print(markdown, flush=True)

@@ -414,7 +414,7 @@ def read_reply(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     return obj, fds
 
 
-HELLO = {"type": "hello", "protocol_version": 2, "client": "tests"}
+HELLO = {"type": "hello", "protocol_version": 3, "client": "tests"}
 
 # A client that sends hello + attach and then never reads (nor takes the fd): the test SIGKILLs it.
 _DOOMED_CLIENT = r"""
@@ -425,7 +425,7 @@ s.connect(path)
 def send(o):
     b = json.dumps(o).encode()
     s.sendall(struct.pack(">I", len(b)) + b)
-send({"type": "hello", "protocol_version": 2, "client": "doomed"})
+send({"type": "hello", "protocol_version": 3, "client": "doomed"})
 n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
 s.recv(n, socket.MSG_WAITALL)
 send({"type": "attach", "model": model, "wait_ms": wait_ms})

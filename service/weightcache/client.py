@@ -40,7 +40,7 @@ from .errors import (
 )
 from .fdpass import recv_with_fds
 from .journal import event
-from .manifest import LayoutMap, Manifest, build_views
+from .manifest import MAX_MANIFEST_BYTES, LayoutMap, Manifest, build_views, unpack_file
 from .spec import LoadRequest
 
 log = logging.getLogger(__name__)
@@ -497,6 +497,20 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def read_manifest_file(fd: int, size_bytes: int) -> Manifest:
+    """The manifest in the manifest file ``fd`` that came with an ``attach_reply`` (``size_bytes`` announced).
+
+    Raises:
+        ManifestInvalid (`manifest_invalid`): the file's size differs from the
+            announced one or exceeds ``MAX_MANIFEST_BYTES``, or its content is invalid.
+    """
+    size = os.fstat(fd).st_size
+    if size != size_bytes or size > MAX_MANIFEST_BYTES:
+        raise ManifestInvalid(f"manifest file holds {size} bytes, the reply announced {size_bytes} "
+                              f"(limit {MAX_MANIFEST_BYTES})", section="file", size_bytes=size)
+    return unpack_file(os.pread(fd, size, 0))[1]
+
+
 def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: dict[str, Any] | None,
                    session: Session, deadline: float) -> Attachment:
     """Reads the replies to the pipelined ``hello`` + ``attach`` and maps the slab.
@@ -517,13 +531,15 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: di
                 f"after the timeout", model=model, done_bytes=reply.done_bytes, total_bytes=reply.total_bytes)
         if not isinstance(reply, protocol.AttachReply):
             raise RemoteProtocolError(f"attach: unexpected reply {reply.tag()!r}")
-        (fd,) = session.last_fds
+        fd, manifest_fd = session.last_fds
         try:
             try:
-                manifest = Manifest.from_wire(reply.manifest, reply.payload)
+                manifest = read_manifest_file(manifest_fd, reply.manifest_size_bytes)
             except ManifestInvalid as e:
                 raise ManifestInvalid(f"attach_reply from {sock_path} has an invalid manifest: {e.message}",
                                       socket=sock_path, **e.details) from None
+            finally:
+                os.close(manifest_fd)
             key = manifest.key
             backend = local_backend(device)
             if expected is not None:  # by path: what this engine asked for

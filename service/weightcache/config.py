@@ -109,6 +109,30 @@ class Placement:
     def label(self) -> str:
         return f"{self.model.name}/tp{self.tp_size}/rank{self.tp_rank}"
 
+    def to_json(self) -> dict[str, Any]:
+        """The placement as a JSON object: the model's fields (layouts as ``[tp, [gpus]]``), rank, GPU."""
+        m = self.model
+        model = {"name": m.name, "path": m.path, "dtype": m.dtype, "naming": m.naming, "kernel": m.kernel,
+                 "revision": m.revision, "allow_users": list(m.allow_users), "allow_groups": list(m.allow_groups),
+                 "layouts": [[lay.tp, list(lay.gpus)] for lay in m.layouts], "source": m.source}
+        return {"model": model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "gpu": self.gpu}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Placement":
+        """Reverses :meth:`to_json`.
+
+        Raises:
+            ValueError: a field is missing or of the wrong type.
+        """
+        try:
+            m = dict(d["model"])
+            layouts = tuple(Layout(int(tp), tuple(int(g) for g in gpus)) for tp, gpus in m.pop("layouts"))
+            model = ModelConfig(**{**m, "allow_users": tuple(m["allow_users"]),
+                                   "allow_groups": tuple(m["allow_groups"]), "layouts": layouts})
+            return cls(model, int(d["tp_size"]), int(d["tp_rank"]), int(d["gpu"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"stored placement is damaged: {e!r}") from None
+
 
 @dataclass(frozen=True)
 class ServiceConfig:

@@ -182,6 +182,12 @@ class ManifestInvalid(RemoteProtocolError, ValueError):
     code = "manifest_invalid"
 
 
+class ManifestTooLarge(WeightcacheError):
+    """A slab's manifest file would exceed the limit engines read (raised at load, never at attach)."""
+
+    code = "manifest_too_large"
+
+
 class ManifestSlabMismatch(RemoteProtocolError):
     """A manifest's views do not fit the slab received with it (a view past the mapping's end)."""
 

@@ -337,10 +337,11 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
 
     t0 = time.monotonic()
     tasks, computed = [], []
+    paths: dict[str, str] = {}
     for spec, rec in zip(p.specs, p.records):
         if spec.alias_of is not None:
             continue
-        task = direct_task(spec, rec, p.checkpoint)
+        task = direct_task(spec, rec, p.checkpoint, paths)
         if task is not None:
             tasks.append(task)
         else:

@@ -1,10 +1,7 @@
 """The wire protocol, sans-I/O (in the manner of h11).
 
 Frames on a Unix stream socket: a 4-byte big-endian length ``N`` followed by
-``N`` bytes of one UTF-8 JSON object (no NaN, at most :data:`MAX_FRAME_BYTES`),
-which a message with a binary payload (``attach_reply``: the packed manifest)
-follows with one NUL byte and the payload, inside the ``N`` bytes. Valid JSON
-text never holds a raw NUL, so the first NUL ends the JSON.
+``N`` bytes of one UTF-8 JSON object (no NaN, at most :data:`MAX_FRAME_BYTES`).
 The object's ``type`` is the snake_case name of a message class below; its
 optional ``fd_count`` says how many file descriptors travel as ``SCM_RIGHTS``
 with the frame. On a stream socket the fds arrive with whichever read picks up
@@ -30,7 +27,8 @@ from typing import Any, ClassVar
 
 from .errors import LocalProtocolError, RemoteProtocolError, WeightcacheError
 
-PROTOCOL_VERSION = 2
+#: 3: the manifest travels as a sealed memfd beside the slab (2: inside the frame; 1: JSON lists).
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 #: Integers on the wire are signed 64-bit, so that any client language can hold them.
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
@@ -51,8 +49,7 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
-_JSON_TYPES = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list, "float": (int, float),
-               "bytes": bytes}
+_JSON_TYPES = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list, "float": (int, float)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +75,8 @@ class Message:
         return tag
 
     def to_json(self) -> dict[str, Any]:
-        """The message's JSON fields, with ``type`` (and ``fd_count``); the binary ``payload`` is left out."""
-        d = {name: getattr(self, name) for name, _, _ in _specs(type(self)) if name != "payload"}
+        """The message's JSON fields, with ``type`` (and ``fd_count``)."""
+        d = {name: getattr(self, name) for name, _, _ in _specs(type(self))}
         d["type"] = self.tag()
         if self.FD_COUNT:
             d["fd_count"] = self.FD_COUNT
@@ -237,24 +234,26 @@ class StatusReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class AttachReply(Message):
-    """A lease on one slab; the slab's fd travels with this frame.
+    """A lease on one slab; two fds travel with this frame: the slab, then its manifest file.
+
+    The manifest file is a sealed memfd holding the slab's packed manifest
+    (:func:`weightcache.manifest.pack_file`, docs/protocol.md), the same for
+    every attach of the slab; it travels beside the frame so that a manifest
+    of any tensor count fits (at most ``MAX_MANIFEST_BYTES`` of
+    :mod:`weightcache.manifest`, checked when the slab is loaded).
 
     Attributes:
         lease_id: ends with :class:`Release` or the connection.
-        manifest: the header of the packed manifest
-            (:meth:`weightcache.manifest.Manifest.to_wire`).
         checkpoint_path: the checkpoint directory the slab was loaded from.
         backend: ``host`` or ``cuda``.
-        payload: the packed manifest's binary sections (the frame's payload,
-            after the JSON and a NUL byte).
+        manifest_size_bytes: the manifest file's size in bytes.
     """
 
-    FD_COUNT: ClassVar[int] = 1
+    FD_COUNT: ClassVar[int] = 2
     lease_id: int
-    manifest: dict
     checkpoint_path: str
     backend: str
-    payload: bytes = field(default=b"", repr=False)
+    manifest_size_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -591,39 +590,14 @@ for _role, _dir in ((SERVER, "out"), (CLIENT, "in")):
         TRANSITIONS[(_role, READY, _dir, _rep.tag())] = READY
 
 
-class PreEncoded(dict):
-    """A JSON object field whose encoding is computed once and reused.
-
-    The service sends the same manifest (hundreds of tensor records) on every
-    attach; wrapping it in ``PreEncoded`` makes :func:`encode` splice the cached
-    bytes instead of serialising it again. It is still a ``dict`` for
-    validation and for readers of the message.
-    """
-
-    __slots__ = ("raw",)
-
-    def __init__(self, obj: dict[str, Any]) -> None:
-        super().__init__(obj)
-        self.raw = json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def encode(msg: Message) -> bytes:
-    """Serialises one message into a frame (length prefix + JSON [+ NUL + payload]).
+    """Serialises one message into a frame (length prefix + JSON).
 
     Raises:
         LocalProtocolError (`local_protocol_violation`): the frame exceeds
             :data:`MAX_FRAME_BYTES`.
     """
-    obj = msg.to_json()
-    spliced = {k: v.raw for k, v in obj.items() if isinstance(v, PreEncoded)}
-    for i, k in enumerate(spliced):
-        obj[k] = f"\x00pre{i}\x00"
-    body = json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
-    for i, raw in enumerate(spliced.values()):
-        body = body.replace(b'"\\u0000pre%d\\u0000"' % i, raw, 1)
-    payload = getattr(msg, "payload", b"")
-    if payload:
-        body = b"".join((body, b"\x00", payload))
+    body = json.dumps(msg.to_json(), allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
     if len(body) > MAX_FRAME_BYTES:
         raise LocalProtocolError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit",
                                  size_bytes=len(body))
@@ -641,18 +615,10 @@ def decode(body: bytes) -> tuple[Message, int]:
     """Parses one frame body into ``(message, fd_count)``.
 
     Raises:
-        RemoteProtocolError (`protocol_violation`): invalid UTF-8/JSON, not an
-            object, unknown ``type``, unknown or mistyped fields, or a payload
-            on a message that takes none.
+        RemoteProtocolError (`protocol_violation`): invalid UTF-8/JSON (a NUL
+            byte included), not an object, unknown ``type``, unknown or
+            mistyped fields.
     """
-    nul = body.find(b"\x00")
-    if nul < 0:
-        return _decode(body, None)
-    return _decode(body[:nul], body[nul + 1:])
-
-
-def _decode(body: bytes, payload: bytes | None) -> tuple[Message, int]:
-    """:func:`decode` of a frame already split into its JSON ``body`` and its ``payload`` (``None``: no NUL)."""
     try:
         obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
         # Lone surrogates ("\ud800") parse but cannot be encoded again (e.g. echoed in an error).
@@ -675,13 +641,6 @@ def _decode(body: bytes, payload: bytes | None) -> tuple[Message, int]:
         raise RemoteProtocolError(f"unknown message type {tag!r}", type=str(tag)[:64])
     specs = _specs(cls)
     names = {name for name, _, _ in specs}
-    if "payload" in obj:
-        raise RemoteProtocolError(f"message {tag!r}: 'payload' travels after the JSON, not in it", field="payload")
-    if payload is not None:
-        if "payload" not in names:
-            raise RemoteProtocolError(f"message {tag!r} takes no binary payload, the frame has "
-                                      f"{len(payload)} bytes after a NUL")
-        obj["payload"] = payload
     unknown = set(obj) - names
     if unknown:
         raise RemoteProtocolError(f"message {tag!r} has unknown field {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
@@ -711,7 +670,7 @@ class Connection:
         >>> data, fds = Connection(CLIENT).send(Hello(PROTOCOL_VERSION))
         >>> srv.receive(data)
         >>> srv.next_message()
-        (Hello(protocol_version=2, client=''), [])
+        (Hello(protocol_version=3, client=''), [])
     """
 
     def __init__(self, role: str) -> None:
@@ -769,14 +728,10 @@ class Connection:
             raise RemoteProtocolError(f"frame length {n} exceeds the {MAX_FRAME_BYTES}-byte limit", size_bytes=n)
         if len(self._buf) < 4 + n:
             return NEED_DATA
-        nul = self._buf.find(b"\x00", 4, 4 + n)
-        if nul < 0:
-            body, payload = bytes(self._buf[4 : 4 + n]), None
-        else:  # one copy of each part (not of the whole frame, then of its halves)
-            body, payload = bytes(self._buf[4:nul]), bytes(self._buf[nul + 1 : 4 + n])
+        body = bytes(self._buf[4 : 4 + n])
         del self._buf[: 4 + n]
         try:
-            msg, fd_count = _decode(body, payload)
+            msg, fd_count = decode(body)
         except RemoteProtocolError:
             self.state = CLOSED
             raise

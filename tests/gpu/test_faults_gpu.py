@@ -130,7 +130,7 @@ def test_client_killed_mid_attach_cuda_leaks_nothing(service, tmp_path):
 
 def test_verify_reports_change_through_read_write_remap(service, tmp_path):
     from weightcache import protocol
-    from weightcache.manifest import Manifest
+    from weightcache.client import read_manifest_file
     from weightcache.memory.cuda import CudaBackend, _map_fd  # a deliberate read-write import (test only)
 
     t0 = time.monotonic()
@@ -141,8 +141,9 @@ def test_verify_reports_change_through_read_write_remap(service, tmp_path):
     s = svc.session()
     try:
         reply = s.request(protocol.Attach(model="a"))
-        (fd,) = s.last_fds
-        manifest = Manifest.from_wire(reply.manifest, reply.payload)
+        fd, manifest_fd = s.last_fds
+        manifest = read_manifest_file(manifest_fd, reply.manifest_size_bytes)
+        os.close(manifest_fd)
         rec = next(r for r in manifest.tensors if r.alias_of is None and r.size_bytes >= 16)
         backend = CudaBackend(GPU)
         mapping = _map_fd(backend._device(GPU), fd, manifest.slab_size_bytes, read_only=False)

@@ -41,6 +41,7 @@ from service_harness import (  # noqa: E402
     write_checkpoint,
 )
 from weightcache import attach, protocol  # noqa: E402
+from weightcache.client import read_manifest_file  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402
 from weightcache.memory.host import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE  # noqa: E402
 
@@ -102,8 +103,9 @@ def test_client_killed_while_waiting_and_mid_attach(daemon, tmp_path):
         base = svc.snapshot(others=1)  # w_small stays attached through the kills below
         assert base["leases"] == 1
         assert base["fds"]["socket"] == 3  # listener, w_small's connection, ours
-        # Two sealed slabs, each: the owned fd + the dup that Python's mmap keeps (no trackfd before 3.13).
-        assert base["fds"]["memfd"] == 4
+        # Two sealed slabs, each: the owned fd + the dup that Python's mmap keeps (no trackfd before 3.13),
+        # + the slab's manifest file (protocol 3: sent beside the slab on every attach).
+        assert base["fds"]["memfd"] == 6
 
         # 2. Killed mid-attach: its attach reply, with the slab fd, sits unread in its socket.
         kills = 5
@@ -498,12 +500,14 @@ def test_host_seal_forbids_every_writable_path(two_models):
     s = svc.session()
     try:
         reply = s.request(protocol.Attach(model="a"))
-        (fd,) = s.last_fds
-        size = reply.manifest["slab_size_bytes"]
+        fd, manifest_fd = s.last_fds
+        size = read_manifest_file(manifest_fd, reply.manifest_size_bytes).slab_size_bytes
         size = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        seals = __import__("fcntl").fcntl(fd, F_GET_SEALS)
-        assert seals & (F_SEAL_WRITE | F_SEAL_SEAL | F_SEAL_GROW | F_SEAL_SHRINK) == (
-            F_SEAL_WRITE | F_SEAL_SEAL | F_SEAL_GROW | F_SEAL_SHRINK)
+        for sealed_fd in (fd, manifest_fd):  # the manifest file beside the slab is sealed the same way
+            seals = __import__("fcntl").fcntl(sealed_fd, F_GET_SEALS)
+            assert seals & (F_SEAL_WRITE | F_SEAL_SEAL | F_SEAL_GROW | F_SEAL_SHRINK) == (
+                F_SEAL_WRITE | F_SEAL_SEAL | F_SEAL_GROW | F_SEAL_SHRINK)
+        os.close(manifest_fd)
         refused = 0
         with pytest.raises(PermissionError):
             mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

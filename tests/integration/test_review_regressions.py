@@ -34,7 +34,7 @@ def test_symlink_loop_in_attach_path_is_an_error_not_a_crash(daemon, tmp_path):
     for i in range(1200):
         os.symlink(chain / f"l{i + 1}", chain / f"l{i}")
     s = raw_connect(svc.socket_path)
-    s.sendall(_frame({"type": "hello", "protocol_version": 2}) + _frame({"type": "attach", "model": str(chain / "l0")}))
+    s.sendall(_frame({"type": "hello", "protocol_version": 3}) + _frame({"type": "attach", "model": str(chain / "l0")}))
     read_reply(s)
     reply, _ = read_reply(s)
     assert reply["type"] == "error"
@@ -71,7 +71,7 @@ def test_waiting_attach_survives_its_path_changing(daemon, tmp_path):
     svc = daemon(make_config({"slow": slow}))
     svc.wait_settled()
     s = raw_connect(svc.socket_path, timeout=120.0)  # the reload may be slow on a loaded CI machine
-    s.sendall(_frame({"type": "hello", "protocol_version": 2}) + _frame({"type": "evict", "model": "slow"})
+    s.sendall(_frame({"type": "hello", "protocol_version": 3}) + _frame({"type": "evict", "model": "slow"})
               + _frame({"type": "preload", "model": "slow"})
               + _frame({"type": "attach", "model": str(link), "wait_ms": 30000}))
     for _ in range(3):
@@ -158,7 +158,7 @@ def test_a_client_of_another_protocol_version_is_told_so(daemon):
     s.sendall(_frame({"type": "hello", "protocol_version": 1}))
     reply, _ = read_reply(s)
     assert reply["type"] == "error" and reply["code"] == "protocol_violation"
-    assert "protocol version 1 is not supported; this service speaks 2" in reply["message"]
+    assert "protocol version 1 is not supported; this service speaks 3" in reply["message"]
     assert read_reply(s) == (None, [])
     s.close()
     with attach(str(_minilm()), socket_dir=svc.socket_dir, fallback=False, timeout=30) as w:

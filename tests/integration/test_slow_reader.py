@@ -21,7 +21,7 @@ def test_unread_replies_do_not_block_other_clients(daemon):
     svc = daemon(make_config({"minilm": ck}))
     svc.wait_settled()
     stuck = raw_connect(svc.socket_path)
-    stuck.sendall(_frame({"type": "hello", "protocol_version": 2}))
+    stuck.sendall(_frame({"type": "hello", "protocol_version": 3}))
     # Far more status replies than the socket buffers hold, never read.
     stuck.setblocking(False)
     sent = 0

@@ -18,10 +18,10 @@ from weightcache import protocol
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import handlers, loads
 from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
-from weightcache.daemon.loop import encode_manifest
 from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent, SlotState
 from weightcache.loader import LoaderOptions
-from weightcache.manifest import Manifest, build_views
+from weightcache import manifest as manifest_module
+from weightcache.manifest import build_views, unpack_file
 from weightcache.memory.host import HostBackend
 
 TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64)}
@@ -46,8 +46,7 @@ def svc(tmp_path):
     clock = Clock()
     ctx = Context(st, lambda: (111, 222), monotonic=clock, wall=lambda: 1.7e9, pid=4242)
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"),
-                          w, encode_manifest)
+    loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"), w)
 
     def load(slot):
         final = loader._load(slot)  # the thread's body, run here
@@ -58,6 +57,7 @@ def svc(tmp_path):
     for s in st.slots:
         if s.sealed is not None:
             s.sealed.close()
+            s.manifest_file.close()
     os.close(r)
     os.close(w)
 
@@ -69,9 +69,14 @@ def _error(out) -> protocol.Error:
 
 
 def _views(backend, reply):
-    msg = reply.msg
-    manifest = Manifest.from_wire(msg.manifest, msg.payload)
-    imported = backend.import_fd(reply.fds[0], manifest.slab_size_bytes)
+    slab_fd, manifest_fd = reply.fds
+    assert os.fstat(manifest_fd).st_size == reply.msg.manifest_size_bytes
+    fields, manifest = unpack_file(os.pread(manifest_fd, reply.msg.manifest_size_bytes, 0))
+    placement = Placement.from_json(fields.pop("placement"))  # what a service with a broken config serves it as
+    assert (placement.model.path, placement.tp_size, placement.tp_rank) == (reply.msg.checkpoint_path, 1, 0)
+    assert fields == {"format": "weightcache-manifest-1", "backend": "host", "size_bytes": os.fstat(slab_fd).st_size,
+                      "checkpoint_path": reply.msg.checkpoint_path}
+    imported = backend.import_fd(slab_fd, manifest.slab_size_bytes)
     return build_views(imported.tensor, manifest)
 
 
@@ -94,7 +99,8 @@ def test_attach_loading_parks_then_answers_with_the_bytes(svc):
     load(st.slots[0])
     assert st.slots[0].state is SlotState.READY and st.loads_done == 1
     (reply,) = handlers.service_waiting(ctx, peer).replies
-    assert isinstance(reply.msg, protocol.AttachReply) and reply.fds == (st.slots[0].sealed.fd,)
+    assert isinstance(reply.msg, protocol.AttachReply)
+    assert reply.fds == (st.slots[0].sealed.fd, st.slots[0].manifest_file.fd)
     assert peer.waiting == [] and list(peer.leases) == [reply.msg.lease_id]
     assert st.slots[0].leases[reply.msg.lease_id].pid == 10
     compare_bytes(_views(backend, reply), read_checkpoint(ck))
@@ -142,11 +148,12 @@ def test_release_status_evict_preload(svc):
     (rel,) = handlers.handle(ctx, peer, protocol.Release(lease_id)).replies
     assert rel.msg == protocol.ReleaseReply(lease_id) and not peer.leases and not st.slots[0].leases
 
-    sealed = st.slots[0].sealed
+    sealed, mf = st.slots[0].sealed, st.slots[0].manifest_file
     out = handlers.handle(ctx, peer, protocol.Evict("m"))
     assert out.replies[0].msg == protocol.EvictReply(["m/tp1/rank0"])
-    assert out.effects == (FreeSlab(st.slots[0].store_id, sealed),) and st.slots[0].state is SlotState.EVICTED
+    assert out.effects == (FreeSlab(st.slots[0].store_id, sealed, mf),) and st.slots[0].state is SlotState.EVICTED
     sealed.close()
+    mf.close()
     assert _error(handlers.handle(ctx, peer, protocol.Attach("m"))).details["cause"] == "evicted"
 
     out = handlers.handle(ctx, peer, protocol.Preload("m"))
@@ -187,3 +194,15 @@ def test_broken_invariant_is_not_caught(svc, monkeypatch):
     monkeypatch.setitem(handlers.HANDLERS, protocol.List, corrupt)
     with pytest.raises(IllegalTransition):
         handlers.handle(ctx, Peer(1, 0, 0), protocol.List())
+
+
+def test_a_manifest_over_the_limit_fails_the_load_by_name(svc, monkeypatch):
+    """A slab no engine could read is never READY: the load fails with manifest_too_large, attaches say so."""
+    ctx, st, load, *_ = svc
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 100)
+    load(st.slots[0])
+    slot = st.slots[0]
+    assert slot.state is SlotState.FAILED and slot.sealed is None and slot.manifest_file is None
+    assert (slot.error.code, slot.error.details["limit_bytes"]) == ("manifest_too_large", 100)
+    err = _error(handlers.handle(ctx, Peer(1, os.getuid(), 0), protocol.Attach("m")))
+    assert (err.code, err.details["cause"]) == ("model_load_failed", "manifest_too_large")

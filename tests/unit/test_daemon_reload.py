@@ -49,9 +49,10 @@ def _state(tmp_path, *models: ModelConfig) -> ServiceState:
 
 
 def _ready(slot) -> Sealed:
+    """Moves ``slot`` to READY with a stand-in slab (returned) and manifest file (``slot.manifest_file``)."""
     sealed = Sealed()
     slot.start(1.0)
-    slot.loaded(None, sealed, None, 2.0)
+    slot.loaded(None, sealed, Sealed(), 2.0)
     return sealed
 
 
@@ -128,6 +129,7 @@ def test_apply_moves_slots_and_returns_what_to_free_cancel_and_load(paths):
     st = _state(None, a, b, c, d, e)
     sa, sb, sc, sd, se = st.slots
     sealed_a, sealed_b, sealed_c = _ready(sa), _ready(sb), _ready(sc)
+    mf_c = sc.manifest_file
     sd.start(1.0)  # loading
     se.start(1.0)
     se.fail(ConfigError("x", file="f", key="k"))  # failed: retried when kept
@@ -137,7 +139,7 @@ def test_apply_moves_slots_and_returns_what_to_free_cancel_and_load(paths):
 
     assert (sa.state, sb.state, sc.state, sd.state, se.state) == (S.READY, S.RETIRED, S.DROPPED, S.DROPPED,
                                                                    S.PENDING)
-    assert done.cancel == (sd,) and set(done.free) == {(sb.store_id, None), (sc.store_id, sealed_c)}
+    assert done.cancel == (sd,) and set(done.free) == {(sb.store_id, None, None), (sc.store_id, sealed_c, mf_c)}
     added = st.slots[2]
     assert st.slots == [se, sa, added, sb]  # config order, then the retired
     assert done.load == (se, added) and added.state is S.PENDING and added.placement.model.name == "n"
@@ -174,11 +176,12 @@ def test_reload_handler_replies_and_returns_effects(ctx):
     st = ctx.state
     sa, sb = st.slots
     sealed_b = _ready(sb)
+    mf_b = sb.manifest_file
     out = handlers.handle(ctx, ME, protocol.Reload())
     (reply,) = out.replies
     assert reply.msg == protocol.ReloadReply([], ["b/tp1/rank0"], [], ["a/tp1/rank0"], [],
                                              ["/etc/weightcache/weightcache.toml"])
-    assert out.effects == (FreeSlab(sb.store_id, sealed_b), Reconfigure(ctx.holder["config"]))
+    assert out.effects == (FreeSlab(sb.store_id, sealed_b, mf_b), Reconfigure(ctx.holder["config"]))
     assert st.slots == [sa] and st.config_error is None
 
 
@@ -221,23 +224,25 @@ def test_the_last_release_of_a_retired_slab_frees_it(ctx):
     st = ctx.state
     sa, sb = st.slots
     sealed_b = _ready(sb)
+    mf_b = sb.manifest_file
     lease = st.lease(ME, sb, "zero_copy", 0.0)
     out = handlers.handle(ctx, ME, protocol.Reload())
-    assert out.replies[0].msg.retired == ["b/tp1/rank0"] and FreeSlab(sb.store_id, None) in out.effects
+    assert out.replies[0].msg.retired == ["b/tp1/rank0"] and FreeSlab(sb.store_id, None, None) in out.effects
     assert "kept while leased: b/tp1/rank0" in st.status_line(0.0)
     out = handlers.handle(ctx, ME, protocol.Release(lease.lease_id))
-    assert out.effects == (FreeSlab(None, sealed_b),) and sb.state is S.DROPPED and st.slots == [sa]
+    assert out.effects == (FreeSlab(None, sealed_b, mf_b),) and sb.state is S.DROPPED and st.slots == [sa]
 
 
 def test_evict_force_frees_a_retired_slab(ctx):
     st = ctx.state
     sa, sb = st.slots
     sealed_b = _ready(sb)
+    mf_b = sb.manifest_file
     st.lease(ME, sb, "zero_copy", 0.0)
     handlers.handle(ctx, ME, protocol.Reload())
     assert handlers.handle(ctx, ME, protocol.Evict("b")).replies[0].msg.code == "lease_busy"
     out = handlers.handle(ctx, ME, protocol.Evict("b", force=True))
-    assert out.replies[0].msg.evicted == ["b/tp1/rank0"] and out.effects == (FreeSlab(None, sealed_b),)
+    assert out.replies[0].msg.evicted == ["b/tp1/rank0"] and out.effects == (FreeSlab(None, sealed_b, mf_b),)
     assert st.slots == [sa]
 
 
@@ -248,7 +253,7 @@ def test_a_cancelled_slot_is_skipped_by_the_loader(paths):
     st = _state(None, _model("a", paths["a"]))
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        loader = loads.Loader(loads.LoadSettings(None, {}, 60.0, LoaderOptions(threads=1), "t.toml"), w, None)
+        loader = loads.Loader(loads.LoadSettings(None, {}, 60.0, LoaderOptions(threads=1), "t.toml"), w)
         loader.submit(st.slots[0])
         loader.cancel(st.slots[0])
         loader.stop()
@@ -263,10 +268,10 @@ def test_discard_closes_a_slab_loaded_for_a_dropped_slot(paths):
     st = _state(None, _model("a", paths["a"]))
     slot = st.slots[0]
     slot.drop()
-    sealed = Sealed()
-    loads.discard(loads.Loaded(slot, None, sealed, None, 1.0))
+    sealed, manifest_file = Sealed(), Sealed()
+    loads.discard(loads.Loaded(slot, None, sealed, manifest_file, 1.0))
     loads.discard(loads.Started(slot, 1.0))
-    assert sealed.closed == 1 and slot.state is S.DROPPED
+    assert sealed.closed == manifest_file.closed == 1 and slot.state is S.DROPPED
 
 
 def test_reload_notifications():
@@ -292,7 +297,6 @@ def test_a_load_cancelled_midway_stops_and_frees_its_partial_slab(tmp_path, monk
     import torch
 
     from service_harness import write_checkpoint
-    from weightcache.daemon.loop import encode_manifest
     from weightcache.memory.host import HostBackend
 
     ck = write_checkpoint(tmp_path / "ck", {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)})
@@ -310,8 +314,7 @@ def test_a_load_cancelled_midway_stops_and_frees_its_partial_slab(tmp_path, monk
     monkeypatch.setattr(backend, "allocate", allocate)
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        loader = loads.Loader(loads.LoadSettings(backend, {}, 60.0, LoaderOptions(threads=1), "t.toml"), w,
-                              encode_manifest)
+        loader = loads.Loader(loads.LoadSettings(backend, {}, 60.0, LoaderOptions(threads=1), "t.toml"), w)
         loader.cancel(st.slots[0])
         result = loader._load(st.slots[0])  # the thread's body for one slot
         assert isinstance(result, loads.Failed) and result.error.details["cause"] == "cancelled"
@@ -319,3 +322,13 @@ def test_a_load_cancelled_midway_stops_and_frees_its_partial_slab(tmp_path, monk
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_placement_round_trips_through_json(paths):
+    """The manifest file keeps the slot's placement (fdstore.stored_placements reads it back)."""
+    m = ModelConfig("a", paths["a"], dtype="bfloat16", naming="vllm", revision="r2", allow_users=("alice",),
+                    allow_groups=("ml",), layouts=(Layout(1, (0,)), Layout(2, (0, 1))), source="/etc/x.toml")
+    p = Placement(m, 2, 1, 1)
+    assert Placement.from_json(p.to_json()) == p
+    with pytest.raises(ValueError):
+        Placement.from_json({"model": {"name": "a"}, "tp_size": 1, "tp_rank": 0, "gpu": 0})

@@ -73,11 +73,11 @@ def test_helpers_move_through_the_table_and_set_their_fields():
     slot.start(5.0)
     assert (slot.state, slot.started_at, slot.done_bytes, slot.total_bytes) == (S.LOADING, 5.0, 0, 0)
     slot.total_bytes = 100
-    slot.loaded("MANIFEST", "SEALED", "WIRE", 9.0)  # state holds them opaquely
-    assert (slot.state, slot.manifest, slot.sealed, slot.manifest_wire, slot.done_bytes) == (
-        S.READY, "MANIFEST", "SEALED", "WIRE", 100)
-    assert slot.evict() == "SEALED"
-    assert (slot.state, slot.sealed, slot.manifest, slot.manifest_wire) == (S.EVICTED, None, None, None)
+    slot.loaded("MANIFEST", "SEALED", "FILE", 9.0)  # state holds them opaquely
+    assert (slot.state, slot.manifest, slot.sealed, slot.manifest_file, slot.done_bytes) == (
+        S.READY, "MANIFEST", "SEALED", "FILE", 100)
+    assert slot.evict() == ("SEALED", "FILE")
+    assert (slot.state, slot.sealed, slot.manifest, slot.manifest_file) == (S.EVICTED, None, None, None)
     slot.requeue()
     assert slot.state is S.PENDING
     with pytest.raises(IllegalTransition):

@@ -23,15 +23,15 @@ def test_golden_hello_frame():
     assert fds == []
 
 
-def test_golden_attach_reply_frame_declares_its_fd():
+def test_golden_attach_reply_frame_declares_its_fds():
+    """Protocol 3: the slab's fd, then the manifest file's; the frame holds no manifest."""
     srv = Connection(SERVER)
     srv.receive(Connection(CLIENT).send(protocol.Hello(1))[0])
     srv.next_message()
-    data, fds = srv.send(protocol.AttachReply(7, {"m": 1}, "/ck", "host"), [42])
-    body = json.loads(data[4:])
-    assert body == {"type": "attach_reply", "lease_id": 7, "manifest": {"m": 1}, "checkpoint_path": "/ck",
-                    "backend": "host", "fd_count": 1}
-    assert fds == [42]
+    data, fds = srv.send(protocol.AttachReply(7, "/ck", "host", 1234), [42, 43])
+    assert data == (b'\x00\x00\x00u{"lease_id":7,"checkpoint_path":"/ck","backend":"host",'
+                    b'"manifest_size_bytes":1234,"type":"attach_reply","fd_count":2}')
+    assert fds == [42, 43]
 
 
 @pytest.mark.parametrize("cls", protocol.REQUESTS + protocol.REPLIES)
@@ -64,26 +64,26 @@ def test_frames_split_across_reads_and_fds_matched_by_count():
     srv.receive(Connection(CLIENT).send(protocol.Hello(1))[0])
     assert srv.next_message()[0] == protocol.Hello(1)
     cli.send(protocol.Hello(1))
-    a, _ = srv.send(protocol.AttachReply(1, {}, "/a", "host"), [10])
-    b, _ = srv.send(protocol.AttachReply(2, {}, "/b", "host"), [11])
+    a, _ = srv.send(protocol.AttachReply(1, "/a", "host", 100), [10, 20])
+    b, _ = srv.send(protocol.AttachReply(2, "/b", "host", 200), [11, 21])
     stream = a + b
     # fds arrive with the first byte of the first frame, data split at odd places
-    cli.receive(stream[:3], [10, 11])
+    cli.receive(stream[:3], [10, 20, 11, 21])
     assert cli.next_message() is NEED_DATA
     cli.receive(stream[3 : len(a) + 5])
     m1, f1 = cli.next_message()
-    assert (m1.lease_id, f1) == (1, [10])
+    assert (m1.lease_id, f1) == (1, [10, 20])
     assert cli.next_message() is NEED_DATA
     cli.receive(stream[len(a) + 5 :])
     m2, f2 = cli.next_message()
-    assert (m2.lease_id, f2) == (2, [11])
+    assert (m2.lease_id, f2) == (2, [11, 21])
 
 
 def test_fewer_fds_than_declared_is_remote_violation():
     cli = Connection(CLIENT)
     cli.send(protocol.Hello(1))
-    cli.receive(_frame({"type": "attach_reply", "lease_id": 1, "manifest": {}, "checkpoint_path": "/",
-                        "backend": "host", "fd_count": 1}))
+    cli.receive(_frame({"type": "attach_reply", "lease_id": 1, "checkpoint_path": "/", "backend": "host",
+                        "manifest_size_bytes": 1, "fd_count": 2}), [7])
     with pytest.raises(errors.RemoteProtocolError) as e:
         cli.next_message()
     assert e.value.code == "protocol_violation"
@@ -175,7 +175,7 @@ def test_send_checks_fd_count_locally():
     srv.receive(_frame({"type": "hello", "protocol_version": 1}))
     srv.next_message()
     with pytest.raises(errors.LocalProtocolError) as e:
-        srv.send(protocol.AttachReply(1, {}, "/", "host"), [])
+        srv.send(protocol.AttachReply(1, "/", "host", 1), [3])
     assert e.value.code == "local_protocol_violation"
 
 
@@ -193,33 +193,15 @@ def test_decoder_fuzz_never_raises_anything_but_protocol_errors(data):
     assert seen <= len(data) // 4
 
 
-def test_pre_encoded_field_gives_the_same_frame_as_plain():
-    manifest = {"model": "m", "tensors": [{"name": "a\u00e9", "shape": [2, 2]}], "key": {"x": None}}
-    plain = protocol.encode(protocol.AttachReply(3, manifest, "/ck", "host"))
-    pre = protocol.encode(protocol.AttachReply(3, protocol.PreEncoded(manifest), "/ck", "host"))
-    assert pre == plain
-    back, n = protocol.decode(pre[4:])
-    assert back.manifest == manifest and n == 1
-
-
-def test_attach_reply_payload_follows_the_json_after_a_nul():
-    """The packed manifest's payload travels raw after the JSON; a NUL inside the payload is just a byte."""
-    payload = b"\x00\x01names\x00more\n\xff" * 100
-    frame = protocol.encode(protocol.AttachReply(3, {"m": 1}, "/ck", "host", payload))
-    body = frame[4:]
-    head, nul, rest = body.partition(b"\x00")
-    assert json.loads(head)["type"] == "attach_reply" and "payload" not in json.loads(head)
-    assert nul == b"\x00" and rest == payload
-    back, fd_count = protocol.decode(body)
-    assert back.payload == payload and back.manifest == {"m": 1} and fd_count == 1
-
-
-@pytest.mark.parametrize("body,message", [
-    (b'{"type":"hello","protocol_version":1}\x00junk', "takes no binary payload"),
-    (b'{"type":"attach_reply","lease_id":1,"manifest":{},"checkpoint_path":"/","backend":"host",'
-     b'"fd_count":1,"payload":"x"}', "travels after the JSON"),
-    (b'{"type":"hello","protocol_version":1\x00}', "not valid UTF-8 JSON"),
+@pytest.mark.parametrize("body", [
+    b'{"type":"hello","protocol_version":1}\x00junk',  # protocol 2's NUL + payload is gone
+    b'{"type":"hello","protocol_version":1\x00}',
+    b'{"type":"attach_reply","lease_id":1,"checkpoint_path":"/","backend":"host","manifest_size_bytes":1,'
+    b'"fd_count":2,"payload":"x"}',
+    b'{"type":"attach_reply","lease_id":1,"checkpoint_path":"/","backend":"host","manifest_size_bytes":1,'
+    b'"fd_count":1}',
 ])
-def test_misplaced_payload_is_a_protocol_violation(body, message):
-    with pytest.raises(errors.RemoteProtocolError, match=message):
+def test_nul_payload_or_an_old_attach_reply_is_a_protocol_violation(body):
+    with pytest.raises(errors.RemoteProtocolError) as e:
         protocol.decode(body)
+    assert e.value.code == "protocol_violation"

@@ -64,10 +64,12 @@ class StartLoad:
 
 @dataclass(frozen=True, slots=True)
 class FreeSlab:
-    """Effect: drop the fd-store entries ``store_id`` and close ``sealed`` (the backend's SealedSlab); either may be None."""
+    """Effect: drop the fd-store entries ``store_id`` (when not None), close ``sealed`` (the backend's
+    SealedSlab) and its manifest file (when not None)."""
 
     store_id: str | None
     sealed: Any
+    manifest_file: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,15 +198,12 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     p = slot.placement
     if slot.state is SlotState.READY:
         lease = ctx.state.lease(peer, slot, msg.mode, ctx.wall())
-        if slot.manifest_wire is None:  # adopted from the fd store: encoded at the first attach
-            header, payload = slot.manifest.to_wire()
-            slot.manifest_wire = (protocol.PreEncoded(header), payload)
-        header, payload = slot.manifest_wire
+        mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
                  p.model.name, p.tp_size, p.tp_rank, peer.pid, peer.uid, lease.lease_id, msg.mode,
                  extra=event("attached", p.model.name, p.tp_rank, peer_pid=peer.pid))
-        return _one(protocol.AttachReply(lease.lease_id, header, p.model.path, ctx.state.backend, payload),
-                    (slot.sealed.fd,))
+        return _one(protocol.AttachReply(lease.lease_id, p.model.path, ctx.state.backend, mf.size_bytes),
+                    (slot.sealed.fd, mf.fd))
     if slot.state is SlotState.FAILED:
         e = slot.error
         raise ModelLoadFailed(f"model {p.model.name} ({p.label}) failed to load: {e.message}",
@@ -253,8 +252,8 @@ def end_lease(state: ServiceState, peer: Peer, lease: Any) -> tuple[FreeSlab, ..
     p = lease.slot.placement
     log.info("released model=%s rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_rank, peer.pid, lease.lease_id,
              extra=event("released", p.model.name, p.tp_rank))
-    sealed = reload.release_retired(state, lease.slot)
-    return (FreeSlab(None, sealed),) if sealed is not None else ()
+    freed = reload.release_retired(state, lease.slot)
+    return (FreeSlab(None, *freed),) if freed is not None else ()
 
 
 def on_verify(ctx: Context, peer: Peer, msg: protocol.Verify) -> Outcome:
@@ -286,12 +285,12 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     for s in slots:
         if s.state is SlotState.RETIRED:  # removed by a reload, already out of the fd store
             ctx.state.slots = [x for x in ctx.state.slots if x is not s]
-            effects.append(FreeSlab(None, s.drop()))
+            effects.append(FreeSlab(None, *s.drop()))
             evicted.append(s.label)
             continue
         if s.state is not SlotState.READY:
             continue
-        effects.append(FreeSlab(s.store_id, s.evict()))
+        effects.append(FreeSlab(s.store_id, *s.evict()))
         evicted.append(s.label)
         log.info("evicted model=%s rank=%d forced=%s", s.placement.model.name, s.placement.tp_rank, msg.force,
                  extra=event("evicted", s.placement.model.name, s.placement.tp_rank))
@@ -336,7 +335,7 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
     log.info("reloaded files=%s added=%d dropped=%d retired=%d kept=%d restart_keys=%s", ",".join(config.files),
              len(done.added), len(done.dropped), len(done.retired), len(done.kept), ",".join(p.restart_keys) or "-",
              extra=event("reloaded"))
-    effects = ([CancelLoad(s) for s in done.cancel] + [FreeSlab(sid, sealed) for sid, sealed in done.free]
+    effects = ([CancelLoad(s) for s in done.cancel] + [FreeSlab(*f) for f in done.free]
                + [StartLoad(s) for s in done.load] + [Reconfigure(config)])
     return Outcome((Reply(protocol.ReloadReply(list(done.added), list(done.dropped), list(done.retired),
                                                list(done.kept), list(p.restart_keys), list(config.files))),),

@@ -34,7 +34,6 @@ from .. import protocol
 from ..config import Config
 from ..errors import ConfigError
 from ..loader import LoaderOptions
-from ..manifest import Manifest
 from ..memory import Backend
 from . import handlers, loads
 from .fdstore import FdStore
@@ -48,12 +47,6 @@ log = logging.getLogger(__name__)
 
 #: Exit status on a broken invariant (sysexits.h EX_SOFTWARE).
 EXIT_INVARIANT = 70
-
-
-def encode_manifest(manifest: Manifest) -> tuple[protocol.PreEncoded, bytes]:
-    """The packed manifest as every ``attach_reply`` carries it: header encoded once, payload."""
-    header, payload = manifest.to_wire()
-    return protocol.PreEncoded(header), payload
 
 
 class Daemon:
@@ -93,15 +86,14 @@ class Daemon:
         self.loader = Loader(LoadSettings(backend, device, config.service.load_timeout_s,
                                           LoaderOptions(threads=config.service.read_threads,
                                                         staging_bytes=config.service.staging_bytes), source),
-                             self._wake_w, encode_manifest)
+                             self._wake_w)
         self._stop = False
         self._reload_asked = False
         self._broken: IllegalTransition | None = None
         now = time.monotonic()
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
-        for slot, (rec, sealed) in stored.items():
-            header, payload = rec.wire
-            slot.adopt(rec.manifest, sealed, (protocol.PreEncoded(header), payload), now)
+        for slot, got in stored.items():
+            slot.adopt(got.manifest, got.sealed, got.manifest_file, now)
         if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
             self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 
@@ -112,6 +104,7 @@ class Daemon:
                           file="", key="")
 
     def _on_message(self, c: Client, msg: protocol.Message) -> None:
+        t0 = time.perf_counter()
         reloading = type(msg) is protocol.Reload
         if reloading:
             self.ticker.reloading()
@@ -122,6 +115,9 @@ class Daemon:
         finally:
             if reloading:
                 self.ticker.reloaded(time.monotonic())
+        if log.isEnabledFor(logging.DEBUG):  # the service's own time per request (benchmarks/bench_concurrency.py)
+            log.debug("request served type=%s peer_pid=%d duration_us=%.0f", msg.tag(), c.peer.pid,
+                      (time.perf_counter() - t0) * 1e6)
 
     def _carry_out(self, c: Client | None, out: Outcome) -> None:
         for r in out.replies:
@@ -166,8 +162,9 @@ class Daemon:
     def _free_slab(self, c: Client | None, eff: FreeSlab) -> None:
         if eff.store_id is not None:
             self.fdstore.remove(eff.store_id)
-        if eff.sealed is not None:
-            eff.sealed.close()
+        for f in (eff.sealed, eff.manifest_file):
+            if f is not None:
+                f.close()
 
     def _refuse(self, c: Client, eff: Refuse) -> None:
         self.transport.violation(c, eff.error)
@@ -189,7 +186,7 @@ class Daemon:
                 loads.discard(result)
                 continue
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
-                self.fdstore.put(result.slot, result.sealed, result.manifest)
+                self.fdstore.put(result.slot, result.sealed, result.manifest_file)
             loads.apply(self.state, result)
 
     def _service_waiting(self) -> None:

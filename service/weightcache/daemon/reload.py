@@ -125,14 +125,14 @@ class Applied:
     Attributes:
         load (`tuple[Slot]`): PENDING slots to queue on the loader.
         cancel (`tuple[Slot]`): DROPPED slots whose load is queued or under way.
-        free (`tuple[tuple[str | None, Any]]`): (fd-store id to remove or None,
-            SealedSlab to close or None) pairs.
+        free (`tuple[tuple[str | None, Any, Any]]`): (fd-store id to remove, SealedSlab
+            to close, manifest file to close), each None when there is none.
         added, dropped, retired, kept (`tuple[str]`): slot labels.
     """
 
     load: tuple[Slot, ...]
     cancel: tuple[Slot, ...]
-    free: tuple[tuple[str | None, Any], ...]
+    free: tuple[tuple[str | None, Any, Any], ...]
     added: tuple[str, ...]
     dropped: tuple[str, ...]
     retired: tuple[str, ...]
@@ -151,14 +151,14 @@ def apply(state: ServiceState, p: ReloadPlan, config: Config) -> Applied:
     for s in p.drop:
         if s.state in (SlotState.PENDING, SlotState.LOADING):
             cancel.append(s)
-        sealed = s.drop()
-        if sealed is not None:
-            free.append((s.store_id, sealed))
+        sealed, manifest_file = s.drop()
+        if sealed is not None or manifest_file is not None:
+            free.append((s.store_id, sealed, manifest_file))
         log.info("dropped by reload model=%s tp_size=%d rank=%d", s.placement.model.name, s.placement.tp_size,
                  s.placement.tp_rank, extra=event("evicted", s.placement.model.name, s.placement.tp_rank))
     for s in p.retire:
         s.retire()
-        free.append((s.store_id, None))  # out of the fd store now: the changed model's new slab takes its name
+        free.append((s.store_id, None, None))  # out of the fd store now: the changed model's new slab takes its name
         log.info("retired by reload model=%s tp_size=%d rank=%d leases=%d: freed when the last is released",
                  s.placement.model.name, s.placement.tp_size, s.placement.tp_rank, len(s.leases))
     by_id = {identity(new): s for s, new in p.keep}
@@ -179,8 +179,8 @@ def apply(state: ServiceState, p: ReloadPlan, config: Config) -> Applied:
                    tuple(s.label for s, _ in p.keep))
 
 
-def release_retired(state: ServiceState, slot: Slot) -> Any:
-    """Drops a RETIRED ``slot`` whose last lease ended; returns its SealedSlab for the caller to close.
+def release_retired(state: ServiceState, slot: Slot) -> tuple[Any, Any] | None:
+    """Drops a RETIRED ``slot`` whose last lease ended; returns (SealedSlab, manifest file) for the caller to close.
 
     Returns None (and changes nothing) while the slot is not RETIRED or still leased.
     """

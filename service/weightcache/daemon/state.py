@@ -149,8 +149,9 @@ class Slot:
     total_bytes: int = 0
     error: WeightcacheError | None = None
     manifest: Manifest | None = None
-    #: (protocol.PreEncoded header, payload) of the packed manifest, encoded once per slab.
-    manifest_wire: Any = None
+    #: The manifest file sent beside the slab on every attach and kept in the fd store
+    #: (a ``memory.host.SealedFile``: ``fd``, ``size_bytes``) while READY.
+    manifest_file: Any = None
     #: The backend's SealedSlab (fd, size_bytes, tensor) while READY.
     sealed: Any = None
     adopted: bool = False
@@ -196,10 +197,10 @@ class Slot:
         self.move(SlotEvent.START)
         self.error, self.done_bytes, self.started_at = None, 0, now
 
-    def loaded(self, manifest: Manifest, sealed: Any, wire: Any, now: float) -> None:
-        """LOADING -> READY with the sealed slab and its manifest."""
+    def loaded(self, manifest: Manifest, sealed: Any, manifest_file: Any, now: float) -> None:
+        """LOADING -> READY with the sealed slab, its manifest and its manifest file."""
         self.move(SlotEvent.LOADED)
-        self.manifest, self.sealed, self.manifest_wire, self.ready_at = manifest, sealed, wire, now
+        self.manifest, self.sealed, self.manifest_file, self.ready_at = manifest, sealed, manifest_file, now
         self.done_bytes = self.total_bytes
 
     def fail(self, error: WeightcacheError) -> None:
@@ -207,18 +208,19 @@ class Slot:
         self.move(SlotEvent.FAIL)
         self.error = error
 
-    def adopt(self, manifest: Manifest, sealed: Any, wire: Any, now: float) -> None:
-        """PENDING -> READY with a slab handed back by systemd's fd store."""
+    def adopt(self, manifest: Manifest, sealed: Any, manifest_file: Any, now: float) -> None:
+        """PENDING -> READY with a slab and its manifest file handed back by systemd's fd store."""
         self.move(SlotEvent.ADOPT)
-        self.manifest, self.sealed, self.manifest_wire, self.adopted = manifest, sealed, wire, True
+        self.manifest, self.sealed, self.manifest_file, self.adopted = manifest, sealed, manifest_file, True
         self.ready_at = now
         self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
-    def evict(self) -> Any:
-        """READY -> EVICTED; returns the SealedSlab for the caller to close (leases stay until released)."""
+    def evict(self) -> tuple[Any, Any]:
+        """READY -> EVICTED; returns (SealedSlab, manifest file) for the caller to close (leases stay until released)."""
         self.move(SlotEvent.EVICT)
-        sealed, self.sealed, self.manifest, self.manifest_wire, self.adopted = self.sealed, None, None, None, False
-        return sealed
+        out = (self.sealed, self.manifest_file)
+        self.sealed, self.manifest, self.manifest_file, self.adopted = None, None, None, False
+        return out
 
     def requeue(self) -> None:
         """FAILED | EVICTED -> PENDING (``preload``)."""
@@ -229,11 +231,12 @@ class Slot:
         """READY -> RETIRED: removed from the config while leased; the slab stays until the last release."""
         self.move(SlotEvent.RETIRE)
 
-    def drop(self) -> Any:
-        """-> DROPPED (see :data:`TRANSITIONS`); returns the SealedSlab (or None) for the caller to close."""
+    def drop(self) -> tuple[Any, Any]:
+        """-> DROPPED (see :data:`TRANSITIONS`); returns (SealedSlab, manifest file), None when absent, to close."""
         self.move(SlotEvent.DROP)
-        sealed, self.sealed, self.manifest, self.manifest_wire = self.sealed, None, None, None
-        return sealed
+        out = (self.sealed, self.manifest_file)
+        self.sealed, self.manifest, self.manifest_file, self.adopted = None, None, None, False
+        return out
 
     def rate_bytes_per_s(self, now: float) -> float:
         """Load rate so far, bytes per second (0 unless LOADING)."""

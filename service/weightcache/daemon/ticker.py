@@ -40,15 +40,15 @@ class Ticker:
     Args:
         state (`ServiceState`): what to report.
         send (`callable`, *optional*): ``(text) -> None``; :func:`weightcache.notify.notify` by default.
-        watchdog_s (`float | None`, *optional*): ping interval, seconds; from
-            ``$WATCHDOG_USEC`` by default (None: no watchdog).
+        watchdog_s (`float | None`, *optional*): ping interval, seconds (0: no
+            watchdog); None (the default): from ``$WATCHDOG_USEC``.
     """
 
     def __init__(self, state: ServiceState, send: Callable[[str], object] = notify.notify,
-                 watchdog_s: float | None = -1.0) -> None:
+                 watchdog_s: float | None = None) -> None:
         self.state = state
         self.send = send
-        self.watchdog_s = notify.watchdog_interval_s() if watchdog_s == -1.0 else watchdog_s
+        self.watchdog_s = notify.watchdog_interval_s() if watchdog_s is None else watchdog_s
         self.ready_sent = False
         self._frozen_at = -1
         self._last_status = ""

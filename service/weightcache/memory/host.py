@@ -60,6 +60,34 @@ def sealed_memfd(data: bytes, name: str) -> int:
     return fd
 
 
+class SealedFile:
+    """A sealed memfd and its size, owned by whoever holds this object (e.g. a slab's manifest file).
+
+    Attributes:
+        fd (`int`): the memfd (close-on-exec); -1 once closed.
+        size_bytes (`int`): its content's size.
+    """
+
+    def __init__(self, fd: int, size_bytes: int) -> None:
+        self.fd = fd
+        self.size_bytes = size_bytes
+
+    @classmethod
+    def create(cls, data: bytes, name: str) -> "SealedFile":
+        """A new sealed memfd holding ``data`` (see :func:`sealed_memfd`)."""
+        return cls(sealed_memfd(data, name), len(data))
+
+    def read(self) -> bytes:
+        """The whole content."""
+        return os.pread(self.fd, self.size_bytes, 0)
+
+    def close(self) -> None:
+        """Closes the fd (other holders keep their own)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 def host_memory_info() -> tuple[int, int]:
     """``(free_bytes, total_bytes)`` of host RAM: ``MemAvailable`` and ``MemTotal`` of /proc/meminfo."""
     info = {}
