@@ -14,7 +14,7 @@ import pytest
 from weightcache import protocol
 from weightcache.config import Config, Layout, ModelConfig, Placement, ServiceConfig
 from weightcache.daemon import handlers, loads, reload
-from weightcache.daemon.handlers import CancelLoad, Context, FreeSlab, Reconfigure, StartLoad
+from weightcache.daemon.handlers import CancelLoad, Context, FreeSlab, Reconfigure
 from weightcache.daemon.state import Peer, ServiceState, SlotState
 from weightcache.daemon.ticker import Ticker
 from weightcache.errors import ConfigError

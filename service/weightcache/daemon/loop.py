@@ -83,10 +83,7 @@ class Daemon:
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.loader = Loader(LoadSettings(backend, device, config.service.load_timeout_s,
-                                          LoaderOptions(threads=config.service.read_threads,
-                                                        staging_bytes=config.service.staging_bytes), source),
-                             self._wake_w)
+        self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
         self._broken: IllegalTransition | None = None
@@ -140,11 +137,14 @@ class Daemon:
             log.info("fd store slab dropped id=%s reason=unclaimed-after-reload", sid)
             self.fdstore.remove(sid)
         self.fdstore.left.clear()
-        self.config = cfg = eff.config
-        source = cfg.files[0] if cfg.files else "the config"
-        self.loader.settings = LoadSettings(self.backend, self.state.device, cfg.service.load_timeout_s,
-                                            LoaderOptions(threads=cfg.service.read_threads,
-                                                          staging_bytes=cfg.service.staging_bytes), source)
+        self.config = eff.config
+        self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
+
+    def _load_settings(self, cfg: Config) -> LoadSettings:
+        svc = cfg.service
+        return LoadSettings(self.backend, self.state.device, svc.load_timeout_s,
+                            LoaderOptions(threads=svc.read_threads, staging_bytes=svc.staging_bytes),
+                            cfg.files[0] if cfg.files else "the config")
 
     def _reload_from_signal(self) -> None:
         """SIGHUP: the same reload as a request from the service's own user (no reply to send)."""
