@@ -13,10 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,11 +22,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from service_harness import (  # noqa: E402
+    FdStoreStandIn,
     compare_bytes,
     make_config,
+    poll_until,
     proc_fds,
     read_checkpoint,
-    serve_with_stored_fds,
     service_env,
     to_toml,
     write_checkpoint,
@@ -45,16 +44,6 @@ def _ckpt(dest: Path, seed: int) -> Path:
     """A 2-tensor float32 checkpoint whose bytes differ per seed."""
     g = torch.Generator().manual_seed(seed)
     return write_checkpoint(dest, {"a.weight": torch.randn(4, 8, generator=g), "b.bias": torch.randn(8, generator=g)})
-
-
-def _poll(cond, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _slabs(svc) -> dict[str, dict]:
@@ -97,7 +86,7 @@ def test_reload_adds_drops_keeps_and_retires_a_leased_model(daemon, tmp_path):
         assert proc_fds(svc.pid)["memfd"] == 3 * per_slab  # a, c, and b while leased (d freed)
     finally:
         held_b.close()
-    _poll(lambda: "b/tp1/rank0" not in _slabs(svc), "the retired slab to go at its last release")
+    poll_until(lambda: "b/tp1/rank0" not in _slabs(svc), "the retired slab to go at its last release")
     assert proc_fds(svc.pid)["memfd"] == 2 * per_slab
     compare_bytes(held_a.tensors, read_checkpoint(cks["a"]))
     held_a.close()
@@ -146,7 +135,7 @@ def test_sighup_reloads_and_the_service_lives_on(daemon, tmp_path):
     svc.wait_settled()
     svc.write_config(make_config({"m": ck, "n": new}))
     svc.proc.send_signal(signal.SIGHUP)
-    _poll(lambda: _slabs(svc).get("n/tp1/rank0", {}).get("state") == "ready", "n to load after SIGHUP")
+    poll_until(lambda: _slabs(svc).get("n/tp1/rank0", {}).get("state") == "ready", "n to load after SIGHUP")
     assert svc.alive() and _slabs(svc)["m/tp1/rank0"]["state"] == "ready"
     with _attach(svc, "n") as w:
         compare_bytes(w.tensors, read_checkpoint(new))
@@ -180,11 +169,6 @@ def test_an_invalid_config_at_start_serves_the_slabs_from_the_fd_store_until_a_r
     cfg, listen, log = tmp_path / "weightcache.toml", tmp_path / "0.sock", tmp_path / "serve.log"
     good = to_toml(make_config({"m": ck}))
     cfg.write_text(good)
-    notify_path = str(tmp_path / "notify.sock")
-    store = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    store.bind(notify_path)
-    stored: dict[str, int] = {}
-    procs: list[subprocess.Popen] = []
 
     def status() -> dict:
         from weightcache.client import Session
@@ -195,24 +179,16 @@ def test_an_invalid_config_at_start_serves_the_slabs_from_the_fd_store_until_a_r
         finally:
             s.close()
 
-    try:
-        procs.append(serve_with_stored_fds(cfg, listen, {}, notify_path, log))
-        store.settimeout(90)
-        while len(stored) < 2:  # FDSTORE=1 for slab-<id> and manifest-<id>
-            msg, fds, _, _ = socket.recv_fds(store, 65536, 4)
-            fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
-            if fields.get("FDSTORE") == "1" and fds:
-                stored[fields["FDNAME"]] = fds[0]
-            else:
-                for fd in fds:
-                    os.close(fd)
-        procs[0].send_signal(signal.SIGTERM)
-        assert procs[0].wait(timeout=30) == 0, log.read_text()
+    with FdStoreStandIn(tmp_path / "notify.sock") as store:
+        first = store.serve(cfg, listen, log)  # nothing stored yet
+        store.collect(2, log=log.read_text)  # the slab and its manifest file
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0, log.read_text()
 
         cfg.write_text(TYPO + good.split("\n", 2)[2])
-        procs.append(serve_with_stored_fds(cfg, listen, stored, notify_path, log))
-        st = _poll(lambda: listen.exists() and status(), "the service with the invalid config to answer", 90)
-        assert procs[1].poll() is None, log.read_text()
+        second = store.serve(cfg, listen, log)
+        st = poll_until(lambda: listen.exists() and status(), "the service with the invalid config to answer", 90)
+        assert second.poll() is None, log.read_text()
         assert [(s["model"], s["state"], s["adopted"]) for s in st["slabs"]] == [("m", "ready", True)]
         assert st["config_error"]["details"]["key"] == "service.bakend" and st["config_error"]["details"]["line"] == 3
         with attach(str(ck), socket_dir=str(tmp_path), fallback=False, timeout=60) as w:
@@ -220,19 +196,11 @@ def test_an_invalid_config_at_start_serves_the_slabs_from_the_fd_store_until_a_r
         assert "loaded model=" not in log.read_text().split("serving gpu=0")[-1]  # nothing read from disk
 
         cfg.write_text(good)
-        procs[1].send_signal(signal.SIGHUP)
-        _poll(lambda: "config_error" not in status(), "the fixed config to apply")
+        second.send_signal(signal.SIGHUP)
+        poll_until(lambda: "config_error" not in status(), "the fixed config to apply")
         st = status()
         assert [(s["model"], s["state"], s["adopted"]) for s in st["slabs"]] == [("m", "ready", True)]  # kept
         assert st["status_line"] == "ready: 1/1 slabs resident"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=30)
-        for fd in stored.values():
-            os.close(fd)
-        store.close()
 
 
 def test_an_invalid_config_at_start_with_nothing_to_keep_exits_78(tmp_path):
