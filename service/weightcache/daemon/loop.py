@@ -204,16 +204,16 @@ class Daemon:
     def request_reload(self, *_: Any) -> None:
         """Reloads the configuration at the next pass (SIGHUP)."""
         self._reload_asked = True
-        try:
-            os.write(self._wake_w, b"r")
-        except OSError:
-            pass
+        self._wake()
 
     def request_stop(self, *_: Any) -> None:
         """Ends :meth:`serve` after the current pass (SIGTERM, SIGINT)."""
         self._stop = True
+        self._wake()
+
+    def _wake(self) -> None:
         try:
-            os.write(self._wake_w, b"s")
+            os.write(self._wake_w, b"w")
         except OSError:
             pass
 
