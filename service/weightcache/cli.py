@@ -137,8 +137,8 @@ def _config_kept(args: argparse.Namespace, stored: dict[str, list[int]], e: Conf
     placements, backend = stored_placements(stored, args.gpu)
     if not placements and not (stored.get("listen") or stored.get("unknown")):
         return None
-    log.error("configuration rejected, serving what was kept slabs=%d error=%s", len(placements),
-              describe_config_error(e), extra=config_rejected_event(e))
+    log.warning("configuration rejected, serving what was kept slabs=%d error=%s", len(placements),
+                describe_config_error(e), extra=config_rejected_event(e))
     models = {p.model.name: p.model for p in placements}
     return Config(service=ServiceConfig(backend=args.backend or backend or "auto"), models=models,
                   files=(str(config_path(args.config)),))

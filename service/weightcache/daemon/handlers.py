@@ -16,8 +16,9 @@ which applies the service's rule for failures inside one request (STYLE.md,
 Handlers change the state directly (they run on the serving loop's thread)
 and *return* what the I/O layer must do (h11's way): :class:`Reply` frames
 for the requester and effects (:class:`StartLoad`, :class:`FreeSlab`,
-:class:`Refuse`, :class:`CancelLoad`, :class:`Reconfigure`). They never touch a socket, the fd store or the loader, so
-tests call them in-process (tests/unit/test_daemon_handlers.py).
+:class:`Refuse`, :class:`CancelLoad`, :class:`Reconfigure`). They never touch a
+socket, the fd store or the loader, so tests call them in-process
+(tests/unit/test_daemon_handlers.py, tests/unit/test_daemon_reload.py).
 
 Forbidden imports: socket, selectors, threading, weightcache.notify, weightcache.fdpass,
 weightcache.daemon.transport, weightcache.daemon.loads, weightcache.daemon.fdstore,
@@ -284,8 +285,7 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     evicted, effects = [], []
     for s in slots:
         if s.state is SlotState.RETIRED:  # removed by a reload, already out of the fd store
-            ctx.state.slots = [x for x in ctx.state.slots if x is not s]
-            effects.append(FreeSlab(None, *s.drop()))
+            effects.append(FreeSlab(None, *reload.release_retired(ctx.state, s, force=True)))
             evicted.append(s.label)
             continue
         if s.state is not SlotState.READY:
@@ -325,9 +325,9 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
         config = ctx.load_config()
     except ConfigError as e:
         st.config_error = e
-        log.error("reload refused, still serving the previous configuration file=%s line=%s key=%s error=%s",
-                  e.details.get("file"), e.details.get("line"), e.details.get("key"), describe_config_error(e),
-                  extra=reload.config_rejected_event(e))
+        log.warning("reload refused, still serving the previous configuration file=%s line=%s key=%s error=%s",
+                    e.details.get("file"), e.details.get("line"), e.details.get("key"), describe_config_error(e),
+                    extra=reload.config_rejected_event(e))
         raise
     p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service)
     done = reload.apply(st, p, config)

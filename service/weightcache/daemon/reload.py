@@ -179,12 +179,13 @@ def apply(state: ServiceState, p: ReloadPlan, config: Config) -> Applied:
                    tuple(s.label for s, _ in p.keep))
 
 
-def release_retired(state: ServiceState, slot: Slot) -> tuple[Any, Any] | None:
-    """Drops a RETIRED ``slot`` whose last lease ended; returns (SealedSlab, manifest file) for the caller to close.
+def release_retired(state: ServiceState, slot: Slot, force: bool = False) -> tuple[Any, Any] | None:
+    """Drops a RETIRED ``slot`` whose last lease ended (or any RETIRED one with ``force``: ``evict --force``);
+    returns (SealedSlab, manifest file) for the caller to close.
 
     Returns None (and changes nothing) while the slot is not RETIRED or still leased.
     """
-    if slot.state is not SlotState.RETIRED or slot.leases:
+    if slot.state is not SlotState.RETIRED or (slot.leases and not force):
         return None
     state.slots = [s for s in state.slots if s is not slot]
     log.info("freed retired slab model=%s tp_size=%d rank=%d", slot.placement.model.name, slot.placement.tp_size,
