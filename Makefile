@@ -8,7 +8,7 @@ VPY     := $(VENV)/bin/python
 APT_PKGS := libsystemd-dev pkg-config systemd-container debootstrap \
             dpkg-dev debhelper dh-python pybuild-plugin-pyproject python3-all \
             python3-setuptools lintian rpm fakeroot build-essential \
-            python3-venv python3-dev cpio
+            python3-venv python3-dev cpio prometheus
 STAMP_APT  := .cache/apt.stamp
 STAMP_VENV := $(VENV)/.stamp
 

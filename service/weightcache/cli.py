@@ -1,4 +1,4 @@
-"""Command line: ``weightcache serve|status|list|check-config|verify|evict|preload|wait|reload``.
+"""Command line: ``weightcache serve|status|list|check-config|verify|evict|preload|wait|reload|metrics|serve-metrics``.
 
 Thin: each command parses arguments, talks to a service (or runs it) and
 prints; the commands are documented in ``weightcache(1)`` and docs/, and
@@ -90,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """
     from . import notify
     from .daemon import Daemon
-    from .journal import setup_logging
+    from .journal import event, setup_logging
 
     setup_logging(args.gpu, logging.DEBUG if args.verbose else logging.INFO)
     stored = notify.listen_fds()
@@ -100,13 +100,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         cfg, config_error = _config_kept(args, stored, e), e
         if cfg is None:
-            log.critical("configuration rejected code=%s error=%s", e.code, e.message)
+            from .daemon.reload import config_rejected_event
+
+            log.critical("configuration rejected code=%s error=%s", e.code, e.message, extra=config_rejected_event(e))
             notify.notify(f"STATUS=configuration rejected: {e.message}")
             return EXIT_CONFIG
     try:
         backend = _backend_for(cfg, args.backend, args.gpu)
     except ConfigError as e:
-        log.critical("configuration rejected code=%s error=%s", e.code, e.message)
+        log.critical("configuration rejected code=%s error=%s", e.code, e.message,
+                     extra=event("config_rejected", error_code=e.code))
         notify.notify(f"STATUS=configuration rejected: {e.message}")
         return EXIT_CONFIG
     except WeightcacheError as e:  # e.g. the CUDA driver not ready yet: worth a restart
@@ -660,6 +663,51 @@ def cmd_wait(args: argparse.Namespace) -> int:
     return _wait(args, args.model)
 
 
+def _metrics_registry(args: argparse.Namespace):
+    """The node's metrics registry: the socket directory's instances and the config's GPUs (read at each scrape)."""
+    from . import metrics
+
+    def gpus() -> list[int]:
+        try:
+            return load_config(args.config).gpus()
+        except ConfigError as e:
+            log.warning("metrics: configuration not read, only the sockets are reported: %s", e.message)
+            return []
+
+    return metrics.registry(_socket_dir(args), gpus, args.timeout)
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    """``weightcache metrics``: the Prometheus text of every running instance; never starts one."""
+    from . import metrics
+
+    reg = _metrics_registry(args)
+    if args.output:
+        metrics.write_textfile(args.output, reg)
+    else:
+        sys.stdout.write(metrics.exposition(reg).decode())
+    return EXIT_OK
+
+
+def cmd_serve_metrics(args: argparse.Namespace) -> int:
+    """``weightcache serve-metrics``: answers GET /metrics on the socket systemd passes (or ``--listen``)."""
+    from . import metrics_http
+    from .journal import setup_logging
+
+    setup_logging(None)
+    listener = metrics_http.listener_from_systemd()
+    if listener is None:
+        if not args.listen:
+            raise ConfigError("serve-metrics: no socket from systemd ($LISTEN_FDS) and no --listen HOST:PORT; "
+                              "start weightcache-metrics.socket, or give --listen 127.0.0.1:9661", key="--listen")
+        try:
+            listener = metrics_http.bind(args.listen)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"serve-metrics: cannot listen on {args.listen}: {e}", key="--listen") from None
+    metrics_http.serve(listener, _metrics_registry(args))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``weightcache`` argument parser: one sub-command per operator task (see weightcache(1))."""
     p = argparse.ArgumentParser(
@@ -738,6 +786,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait (default 3600)")
     client_opts(sp)
     sp.set_defaults(fn=cmd_wait)
+
+    sp = sub.add_parser("metrics", help="the node's metrics in Prometheus' text format (never starts an instance)")
+    client_opts(sp, gpu=False)
+    sp.add_argument("--config", default=None, help="config file naming the GPUs to report besides the sockets found")
+    sp.add_argument("-o", "--output", metavar="FILE", default=None,
+                    help="write FILE atomically instead of stdout (node_exporter's textfile collector: *.prom)")
+    sp.set_defaults(fn=cmd_metrics, timeout=5.0)
+
+    sp = sub.add_parser("serve-metrics", help="answer GET /metrics over HTTP (weightcache-metrics.service)")
+    client_opts(sp, gpu=False)
+    sp.add_argument("--config", default=None, help="main config file (default $WEIGHTCACHE_CONFIG or "
+                                                   "/etc/weightcache/weightcache.toml)")
+    sp.add_argument("--listen", metavar="HOST:PORT", default=None,
+                    help="bind this address when not socket-activated (e.g. 127.0.0.1:9661)")
+    sp.set_defaults(fn=cmd_serve_metrics, timeout=5.0)
     return p
 
 

@@ -14,6 +14,10 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     socket_dir = "/run/weightcache"
     load_timeout_s = 3600       # per model
 
+    [metrics]                   # weightcache-metrics.socket (the generator reads it)
+    address = "127.0.0.1"       # an IP address; loopback by default
+    port = 9661
+
     [models.qwen]
     path = "/srv/models/Qwen2.5-7B-Instruct"   # HF directory of safetensors files
     dtype = "auto"              # auto (as stored) | bfloat16 | float16 | float32
@@ -28,6 +32,7 @@ Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -61,6 +66,8 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "staging_bytes": (2 * 1024 * 1024, True, 1 << 40, "bytes of pinned staging memory"),
     "read_threads": (1, True, 256, "reader threads per checkpoint"),
 }
+#: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
+_METRICS_KEYS = ("address", "port")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
 }
@@ -148,11 +155,60 @@ class ServiceConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """``[metrics]``: where ``weightcache-metrics.socket`` listens (TCP).
+
+    Attributes:
+        address (`str`): an IPv4 or IPv6 address; ``127.0.0.1`` (loopback) by default.
+        port (`int`): 1..65535; :data:`DEFAULT_METRICS_PORT` by default.
+    """
+
+    address: str = "127.0.0.1"
+    port: int = 9661
+
+    @property
+    def listen(self) -> str:
+        """``ADDRESS:PORT`` as systemd's ``ListenStream=`` takes it (``[ADDRESS]:PORT`` for IPv6)."""
+        return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
+
+
+DEFAULT_METRICS_PORT = MetricsConfig.port
+
+
+def _parse_metrics(path: str, table: Any, into: dict[str, Any]) -> None:
+    """Checks one file's ``[metrics]`` table and merges it into ``into``.
+
+    Raises:
+        ConfigError (`config_invalid`): not a table, an unknown key, an address
+            that is not an IP address, a port outside 1..65535.
+    """
+    if not isinstance(table, dict):
+        raise _err(path, "metrics", "must be a table")
+    for key, value in table.items():
+        if key == "address":
+            _check_type(path, "metrics.address", value, str)
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise _err(path, "metrics.address", f"{value!r} is not an IP address; give one the node has, "
+                                                     f"e.g. \"127.0.0.1\" (loopback, the default) or \"::1\"") from None
+        elif key == "port":
+            _check_type(path, "metrics.port", value, int)
+            if not 1 <= value <= 65535:
+                raise _err(path, "metrics.port", f"{value} is out of range for a TCP port: expected 1..65535 "
+                                                  f"(default {DEFAULT_METRICS_PORT})")
+        else:
+            raise _err(path, f"metrics.{key}", f"unknown key (known: {', '.join(_METRICS_KEYS)})")
+        into[key] = value
+
+
+@dataclass(frozen=True)
 class Config:
     """The merged configuration.
 
     Attributes:
         service (`ServiceConfig`): ``[service]``.
+        metrics (`MetricsConfig`): ``[metrics]``.
         models (`dict[str, ModelConfig]`): ``[models.*]`` by name.
         files (`tuple[str]`): files read, in order.
     """
@@ -160,6 +216,7 @@ class Config:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     files: tuple[str, ...] = ()
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def placements(self, gpu: int | None = None) -> list[Placement]:
         """Every (model, layout, rank) on ``gpu`` (all GPUs when ``None``), in config order."""
@@ -328,7 +385,7 @@ def _unknown_table(path: str, text: str, name: str) -> ConfigError:
             f"; put it under a {table} header")
         return ConfigError(f"{path}: {name}{where}: {name!r} is a {table} key outside any table{hint}",
                            file=path, key=name, line=line, commented_header_line=header)
-    return ConfigError(f"{path}: {name}{where}: unknown table (known: service, models)", file=path, key=name,
+    return ConfigError(f"{path}: {name}{where}: unknown table (known: service, models, metrics)", file=path, key=name,
                        line=line)
 
 
@@ -362,7 +419,8 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     Raises:
         ConfigError (`config_invalid`): a file that is missing, unreadable,
             a directory or not UTF-8; invalid TOML; an unknown or mistyped key,
-            a number out of its range, a relative path, an impossible layout;
+            a number out of its range, a relative path, an impossible layout,
+            a ``[metrics]`` address that is not an IP address or a port outside 1..65535;
             the message names the file and the key
             (``/etc/weightcache/weightcache.toml: models.x.layouts[0].gpus: ...``).
     """
@@ -371,15 +429,17 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     parsed += [(f, *_read_toml(f)) for f in _drop_ins(main.parent / "conf.d")]
     files = [f for f, _, _ in parsed]
     service: dict[str, Any] = {}
+    metrics: dict[str, Any] = {}
     models: dict[str, ModelConfig] = {}
     for f, data, text in parsed:
         try:
-            _merge(f, data, text, service, models)
+            _merge(f, data, text, service, metrics, models)
         except ConfigError as e:
             if e.details.get("line") is None and e.details.get("key"):
                 e.details["line"] = _locate(text, e.details["key"])
             raise
-    return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files))
+    return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files),
+                  metrics=MetricsConfig(**metrics))
 
 
 def _locate(text: str, key: str) -> int | None:
@@ -403,9 +463,10 @@ def _locate(text: str, key: str) -> int | None:
     return start + 1
 
 
-def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], models: dict[str, ModelConfig]) -> None:
-    """Checks one parsed file and merges it into ``service`` and ``models`` (later files win)."""
-    unknown = set(data) - {"service", "models"}
+def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], metrics: dict[str, Any],
+           models: dict[str, ModelConfig]) -> None:
+    """Checks one parsed file and merges it into ``service``, ``metrics`` and ``models`` (later files win)."""
+    unknown = set(data) - {"service", "models", "metrics"}
     if unknown:
         raise _unknown_table(str(f), text, sorted(unknown)[0])
     svc = data.get("service", {})
@@ -422,6 +483,8 @@ def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], mo
         if key == "socket_dir":
             _check_absolute(str(f), "service.socket_dir", value)
         service[key] = value
+    if "metrics" in data:
+        _parse_metrics(str(f), data["metrics"], metrics)
     mtable = data.get("models", {})
     if not isinstance(mtable, dict):
         raise _err(str(f), "models", "must be a table of [models.NAME] tables")

@@ -3,10 +3,12 @@
 Under systemd (``$JOURNAL_STREAM`` names our stderr) records go to journald
 through ``systemd.journal.JournalHandler`` with the constant fields
 ``SYSLOG_IDENTIFIER=weightcache`` and ``WEIGHTCACHE_GPU``; per-event fields
-(``WEIGHTCACHE_MODEL``, ``WEIGHTCACHE_RANK``, ``MESSAGE_ID``...) come from
-``extra=`` (only UPPERCASE names survive). Each event kind has a fixed
-``MESSAGE_ID`` (generated once with ``systemd-id128 new``), listed below and
-in docs/operations.md.
+(``WEIGHTCACHE_MODEL``, ``WEIGHTCACHE_RANK``, ``MESSAGE_ID``, and numbers as
+fields of their own: ``WEIGHTCACHE_BYTES``, ``WEIGHTCACHE_DURATION_MS``,
+``WEIGHTCACHE_ERROR_CODE``...) come from ``extra=`` built by :func:`event`
+(only UPPERCASE names survive). Each event kind has a fixed random
+``MESSAGE_ID``, listed below, in weightcache.systemd(7), docs/operations.md
+and the journal message catalog.
 """
 
 from __future__ import annotations
@@ -15,18 +17,26 @@ import logging
 import os
 import sys
 
-#: Fixed MESSAGE_IDs, one per event kind.
+#: One random 128-bit MESSAGE_ID per event kind, generated once
+#: (``python3 -c 'import uuid; print(uuid.uuid4().hex)'``) and never changed:
+#: operators search by them and the message catalog
+#: (units/weightcache.catalog, installed as
+#: /usr/lib/systemd/catalog/weightcache.catalog) explains each. The list is
+#: also in weightcache.systemd(7) and docs/operations.md (a test keeps all three equal).
 MESSAGE_IDS = {
-    "loaded": "5d1c8e0b3f2a4c7e9a6b1d2e3f405162",
-    "load_failed": "a7e3c2b19f8d4e6a8b7c6d5e4f3a2b10",
-    "attached": "0f9e8d7c6b5a49382716f5e4d3c2b1a0",
-    "fallback": "3c4d5e6f708192a3b4c5d6e7f8091a2b",
-    "rejected": "9b8a7c6d5e4f30211f2e3d4c5b6a7988",
-    "evicted": "6e5d4c3b2a1948f7e6d5c4b3a2918f7e",
-    "adopted": "1a2b3c4d5e6f47089a1b2c3d4e5f6a7b",
-    "released": "c1d2e3f4a5b64c7d8e9f0a1b2c3d4e5f",
+    "serving": "c399c6e3cb7a4d0fae0534a290bffab6",
+    "ready": "a53d9ed7248b4e379818a36e367b81d4",
+    "config_rejected": "da569fd55db74952a73f20c2858941b8",
+    "loaded": "6ad38071b6cb4658bd5919c57e4aaac6",
+    "load_failed": "6ec80d77f7684d67a638ac64427674bb",
+    "attached": "7648ddf34cc84145b40ae515cea198f3",
+    "released": "cb5449baccf940bcb4dd97270ca1f671",
+    "evicted": "beb355af0f964bfdb1e578323c2502b2",
+    "adopted": "f3fc5d86cced450b90db137a1ee94d81",
+    "verify": "8155f7ddb1d54d5d9e079155da4d441e",
+    "fallback": "4b523c7d13ff4c70b6900ef60d96c209",
+    "rejected": "d62fa5f1c03d4c50b2b8645956695356",
     "reloaded": "7a2112c2cf224a43bcec0e7cd261cd25",
-    "config_rejected": "574150c4c549451792f1a95b09e14187",
 }
 
 
@@ -75,12 +85,36 @@ def setup_logging(gpu: int | None = None, level: int = logging.INFO) -> str:
     return "stderr"
 
 
-def event(kind: str, model: str | None = None, rank: int | None = None, **more: str) -> dict:
-    """``extra=`` fields of one event: MESSAGE_ID plus WEIGHTCACHE_MODEL/RANK."""
+def event(kind: str, model: str | None = None, rank: int | None = None, *, size_bytes: int | None = None,
+          duration_ms: float | None = None, error_code: str | None = None, **more: object) -> dict:
+    """``extra=`` fields of one event: its MESSAGE_ID, the model and rank, and its numbers as fields of their own.
+
+    Args:
+        kind (`str`): a key of :data:`MESSAGE_IDS` (also ``WEIGHTCACHE_EVENT=``).
+        model (`str`, *optional*): ``WEIGHTCACHE_MODEL=``.
+        rank (`int`, *optional*): ``WEIGHTCACHE_RANK=`` (the tp_rank).
+        size_bytes (`int`, *optional*): ``WEIGHTCACHE_BYTES=``, bytes.
+        duration_ms (`float`, *optional*): ``WEIGHTCACHE_DURATION_MS=``, milliseconds, written as an integer.
+        error_code (`str`, *optional*): ``WEIGHTCACHE_ERROR_CODE=`` (docs/errors.md).
+        **more: further fields, written as ``WEIGHTCACHE_<NAME>=`` (``peer_pid=3`` -> ``WEIGHTCACHE_PEER_PID=3``).
+
+    Raises:
+        KeyError: ``kind`` has no MESSAGE_ID (a bug: every event kind must have one).
+
+    Example:
+        >>> event("loaded", "qwen", 0, size_bytes=4096, duration_ms=12.4)["WEIGHTCACHE_DURATION_MS"]
+        '12'
+    """
     d = {"MESSAGE_ID": MESSAGE_IDS[kind], "WEIGHTCACHE_EVENT": kind}
     if model is not None:
         d["WEIGHTCACHE_MODEL"] = model
     if rank is not None:
         d["WEIGHTCACHE_RANK"] = str(rank)
-    d.update({k.upper(): str(v) for k, v in more.items()})
+    if size_bytes is not None:
+        d["WEIGHTCACHE_BYTES"] = str(int(size_bytes))
+    if duration_ms is not None:
+        d["WEIGHTCACHE_DURATION_MS"] = str(round(duration_ms))
+    if error_code is not None:
+        d["WEIGHTCACHE_ERROR_CODE"] = error_code
+    d.update({f"WEIGHTCACHE_{k.upper()}": str(v) for k, v in more.items()})
     return d

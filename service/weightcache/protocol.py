@@ -568,9 +568,135 @@ class VerifyResult(_Record):
         return d
 
 
+# --- metrics (protocol version 3; docs/protocol.md "metrics") ---------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics(Message):
+    """Asks for the status and the service's counters (what ``weightcache metrics`` exports)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsReply(Message):
+    """Answer to ``metrics``: a :class:`ServiceStatus` object and a :class:`ServiceCounters` object."""
+
+    status: dict
+    counters: dict
+
+    def typed(self) -> tuple[ServiceStatus, ServiceCounters]:
+        """The typed records."""
+        return ServiceStatus.from_json(self.status), ServiceCounters.from_json(self.counters)
+
+
+@dataclass(frozen=True, slots=True)
+class AttachCount(_Record):
+    """Attaches answered for one model with one outcome since the service started.
+
+    Attributes:
+        model (`str`): the configured model name; ``(other)`` for a name or path no model of this service has.
+        outcome (`str`): ``daemon`` (a lease and the slab's fd), ``loading`` (a ``loading`` reply) or
+            ``refused`` (an ``error`` reply).
+        code (`str`): the error's code (docs/errors.md) when refused, else empty.
+        count (`int`): how many.
+    """
+
+    model: str
+    outcome: str
+    code: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttachTimes(_Record):
+    """Histogram of attach service times of one model: request read to reply queued, seconds.
+
+    Attributes:
+        model (`str`): as in :class:`AttachCount`.
+        bounds_s (`list[float]`): bucket upper bounds, seconds, increasing (``+Inf`` is implied).
+        counts (`list[int]`): observations per bucket, not cumulative; one more than ``bounds_s`` (the last
+            is above every bound).
+        sum_s (`float`): sum of all observations, seconds.
+    """
+
+    model: str
+    bounds_s: list
+    counts: list
+    sum_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCount(_Record):
+    """Loads of one (model, layout, rank) that ended one way since the service started.
+
+    Attributes:
+        model (`str`), tp_size, tp_rank (`int`): which slab.
+        outcome (`str`): ``loaded`` or ``failed``.
+        code (`str`): the error's code when failed, else empty.
+        count (`int`): how many.
+    """
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    outcome: str
+    code: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class SlabCounters(_Record):
+    """Counters of one (model, layout, rank) since the service started.
+
+    Attributes:
+        model (`str`), tp_size, tp_rank (`int`): which slab.
+        last_load_s (`float`): duration of its last successful load, seconds (0: none since start).
+        last_load_bytes (`int`): payload bytes that load wrote (0: none since start).
+        verify_runs (`int`): ``verify`` requests that recomputed its digests.
+        verify_failures (`int`): those that found a tensor whose digest differs.
+    """
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    last_load_s: float = 0.0
+    last_load_bytes: int = 0
+    verify_runs: int = 0
+    verify_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceCounters(_Record):
+    """The ``metrics`` reply's counters: one service (one GPU) since it started.
+
+    Attributes:
+        version (`str`): weightcache's version.
+        started_at (`float`): when the service started, Unix time in seconds.
+        attaches (`tuple[AttachCount]`), attach_times (`tuple[AttachTimes]`),
+        loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`): see there.
+    """
+
+    version: str
+    started_at: float
+    attaches: tuple[AttachCount, ...] = ()
+    attach_times: tuple[AttachTimes, ...] = ()
+    loads: tuple[LoadCount, ...] = ()
+    slabs: tuple[SlabCounters, ...] = ()
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ServiceCounters":
+        """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
+        nested = {"attaches": AttachCount, "attach_times": AttachTimes, "loads": LoadCount, "slabs": SlabCounters}
+        if not isinstance(d, dict):
+            raise RemoteProtocolError(f"ServiceCounters: expected a JSON object, got {type(d).__name__}")
+        return _from_json(cls, {k: v for k, v in d.items() if k not in nested},
+                          **{k: tuple(rec.from_json(x) for x in d.get(k, ())) for k, rec in nested.items()})
+
+
 REQUESTS = (Hello, List, Status, Attach, Release, Verify, Evict, Preload, Reload)
 REPLIES = (HelloReply, ListReply, StatusReply, AttachReply, Loading, ReleaseReply, VerifyReply, EvictReply,
            PreloadReply, ReloadReply, Error)
+REQUESTS += (Metrics,)
+REPLIES += (MetricsReply,)
 
 # --- connection state machine -----------------------------------------------
 

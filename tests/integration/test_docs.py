@@ -244,7 +244,7 @@ def test_weightcache_1_names_every_command_and_option():
 
 
 def test_every_config_key_is_documented():
-    keys = set(wc_config._SERVICE_KEYS) | set(wc_config._MODEL_KEYS) | {"tp", "gpus"}
+    keys = set(wc_config._SERVICE_KEYS) | set(wc_config._MODEL_KEYS) | set(wc_config._METRICS_KEYS) | {"tp", "gpus"}
     man = _man_text("weightcache.toml.5")
     conf = (DOCS / "configuration.md").read_text()
     for key in sorted(keys):

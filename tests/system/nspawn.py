@@ -311,7 +311,8 @@ def install_weightcache(c: Container, python: Path | None = None) -> None:
     tree's launcher. ``/etc/default/weightcache`` names the tree's venv.
     """
     python = python or REPO / ".venv" / "bin" / "python"
-    for f in ("weightcache@.socket", "weightcache@.service", "weightcache.target"):
+    for f in ("weightcache@.socket", "weightcache@.service", "weightcache.target", "weightcache-metrics.socket",
+              "weightcache-metrics.service"):
         c.copy(UNITS / f, f"/etc/systemd/system/{f}", 0o644)
     c.copy(UNITS / "weightcache-generator", "/etc/systemd/system-generators/weightcache-generator", 0o755)
     c.copy(UNITS / "weightcache.sysusers", "/etc/sysusers.d/weightcache.conf", 0o644)
@@ -321,6 +322,12 @@ def install_weightcache(c: Container, python: Path | None = None) -> None:
         f"[Service]\nExecStart=\nExecStart={UNITS / 'weightcache-launch'} %i\n"
         f"ExecReload=\nExecReload={REPO / 'packaging' / 'weightcache.sh'} reload --gpu %i --socket-dir /run/weightcache\n"
         + TEST_DROPIN,
+    )
+    c.write(
+        "/etc/systemd/system/weightcache-metrics.service.d/50-source-tree.conf",
+        "# tests/system/nspawn.py: the tree's command line (/usr/bin/weightcache is not installed here).\n"
+        f"[Service]\nExecStart=\nExecStart={python} -m weightcache serve-metrics\n"
+        "# The source tree and its venv may be under /tmp (CI checkouts).\nPrivateTmp=no\n",
     )
     c.write("/etc/default/weightcache", f"WEIGHTCACHE_PYTHON={python}\n")
     c.run(["systemd-sysusers"])

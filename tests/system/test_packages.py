@@ -47,6 +47,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from nspawn import REPO, TEST_DROPIN, Container, python_binds
+from weightcache.journal import MESSAGE_IDS
 
 
 VERSION = "0.1.0"
@@ -55,11 +56,13 @@ PACKAGE_INPUTS = ["pyproject.toml", "README.md", "LICENSE", "service", "units", 
                   "packaging", "examples", "docs"]
 # dpkg-buildpackage and rpmbuild must not see a pyenv or venv python first on PATH.
 CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/root"}
-DEBOOTSTRAP_INCLUDE = "systemd,systemd-sysv,dbus,python3,python3-systemd,python3-venv"
+DEBOOTSTRAP_INCLUDE = "systemd,systemd-sysv,dbus,python3,python3-systemd,python3-venv,python3-prometheus-client"
 RUNTIME_PY = REPO / ".venv" / "bin" / "python"
 PKG_PYTHONPATH = "/usr/lib/weightcache/python"
 
-UNIT_FILES = ["weightcache@.socket", "weightcache@.service", "weightcache.target"]
+UNIT_FILES = ["weightcache@.socket", "weightcache@.service", "weightcache.target", "weightcache-metrics.socket",
+              "weightcache-metrics.service"]
+CATALOG = "/usr/lib/systemd/catalog/weightcache.catalog"
 
 
 def _missing(*tools: str) -> str | None:
@@ -215,7 +218,7 @@ def test_rpm_smoke_build(tmp_path):
     for f in UNIT_FILES:
         assert f"/usr/lib/systemd/system/{f}" in files
     for f in ("/usr/lib/systemd/system-generators/weightcache-generator",
-              "/usr/lib/sysusers.d/weightcache.conf",
+              "/usr/lib/sysusers.d/weightcache.conf", CATALOG,
               "/usr/libexec/weightcache/weightcache-launch",
               "/etc/weightcache/weightcache.toml"):
         assert f in files, f
@@ -227,7 +230,8 @@ def test_rpm_smoke_build(tmp_path):
     unpacked.mkdir()
     cpio = subprocess.run(["rpm2cpio", str(rpm)], capture_output=True, check=True).stdout
     subprocess.run(["cpio", "-idm", "--quiet"], input=cpio, cwd=unpacked, check=True)
-    for f in ("usr/lib/systemd/system/weightcache@.service", "usr/bin/weightcache",
+    for f in ("usr/lib/systemd/system/weightcache@.service", "usr/lib/systemd/system/weightcache-metrics.service",
+              "usr/bin/weightcache",
               "usr/libexec/weightcache/weightcache-launch", "usr/sbin/weightcache-setup-runtime"):
         text = (unpacked / f).read_text()
         assert "/etc/default/weightcache" not in text and "/etc/sysconfig/weightcache" in text, f
@@ -241,7 +245,8 @@ def test_rpm_smoke_build(tmp_path):
     sections = dict(re.findall(r"^(\w+) scriptlet \(using /bin/sh\):\n(.*?)(?=^\w+ scriptlet|\Z)", scripts,
                                re.S | re.M))
     helper = "/usr/lib/systemd/systemd-update-helper"
-    assert f"{helper} install-system-units weightcache.target" in sections["postinstall"]
+    assert f"{helper} install-system-units weightcache.target weightcache-metrics.socket" in sections["postinstall"]
+    assert "journalctl --update-catalog" in sections["postinstall"]
     assert f"{helper} remove-system-units weightcache.target" in sections["preuninstall"]
     assert f"{helper} mark-restart-system-units weightcache.target" in sections["postuninstall"]
     pre = sections["preinstall"]
@@ -350,9 +355,13 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
                  "/lib/systemd/system-generators/weightcache-generator",
                  "/usr/libexec/weightcache/weightcache-launch",
                  "/usr/lib/sysusers.d/weightcache.conf",
-                 "/etc/weightcache/weightcache.toml",
-                 "/etc/systemd/system/multi-user.target.wants/weightcache.target"]
+                 "/etc/weightcache/weightcache.toml", CATALOG,
+                 "/etc/systemd/system/multi-user.target.wants/weightcache.target",
+                 "/etc/systemd/system/weightcache.target.wants/weightcache-metrics.socket"]
     assert _existing(c, *installed) == installed
+    # The postinst put the catalog into journald's database.
+    listed = c.run(["journalctl", "--list-catalog", "--no-pager"]).stdout
+    assert f"{MESSAGE_IDS['load_failed']} weightcache: " in listed, listed[-2000:]
     assert c.run(["systemctl", "is-enabled", "weightcache.target"], check=False).stdout.strip() == "enabled"
     assert c.show("weightcache.target", "ActiveState")["ActiveState"] == "active"
     assert "/etc/weightcache/weightcache.toml" in c.run(
@@ -447,6 +456,25 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["ok"] and got["source"] == "daemon" and got["equal"], got
 
+    # -- the metrics endpoint the package enabled: a scrape shows the resident slab -------------
+    assert c.show("weightcache-metrics.socket", "ActiveState")["ActiveState"] == "active"
+    text = c.run(["/usr/bin/python3", "-c", "import urllib.request\nprint(urllib.request.urlopen("
+                  "'http://127.0.0.1:9661/metrics', timeout=60).read().decode())"], timeout=120).stdout
+    resident = [line for line in text.splitlines()
+                if line.startswith("weightcache_slab_resident_bytes{") and 'model="minilm"' in line]
+    assert len(resident) == 1 and float(resident[0].split()[-1]) > 0, text[-3000:]
+    assert c.show("weightcache-metrics.service", "User")["User"] == "weightcache-metrics"
+
+    # -- a load failure, explained by the installed catalog (journalctl -x) ---------------------
+    c.write("/etc/weightcache/weightcache.toml",
+            f'[service]\nbackend = "host"\n\n[models.minilm]\npath = "{ckpt}"\n'
+            'layouts = [ { tp = 1, gpus = [0] } ]\n\n[models.broken]\npath = "/srv/no-such-checkpoint"\n')
+    c.run(["systemctl", "restart", "weightcache@0.service"], timeout=120)
+    explained = c.run(["journalctl", "-x", "-u", "weightcache@0", "--no-pager",
+                       f"MESSAGE_ID={MESSAGE_IDS['load_failed']}"]).stdout
+    assert "failed to load broken rank 0 on GPU 0" in explained, explained  # the catalog's Subject:
+    assert "error code checkpoint_not_found" in explained and "weightcache preload broken" in explained, explained
+
     # -- weightcache-setup-runtime (offline, empty requirements): the venv sees the package ------
     c.write("/var/tmp/no-requirements.txt", "# nothing: the test checks the venv, not PyPI\n")
     (c.path("/var/tmp/wheelhouse")).mkdir()
@@ -477,7 +505,8 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
         *[f"/lib/systemd/system/{f}" for f in UNIT_FILES],
         "/lib/systemd/system-generators/weightcache-generator",
         "/usr/libexec/weightcache",
-        "/usr/lib/sysusers.d/weightcache.conf",
+        "/usr/lib/sysusers.d/weightcache.conf", CATALOG,
+        "/etc/systemd/system/weightcache.target.wants/weightcache-metrics.socket",
         "/usr/lib/python3/dist-packages/weightcache",
         "/usr/lib/weightcache",
         "/usr/bin/weightcache",

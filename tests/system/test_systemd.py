@@ -468,8 +468,8 @@ def test_a_config_typo_keeps_the_weights_and_systemctl_reload_recovers(box, tmp_
         s = c.show(unit, "ActiveState", "MainPID", "StatusText")
         assert (s["ActiveState"], s["MainPID"]) == ("active", first) and where in s["StatusText"], s
         (entry,) = journal(c, unit, "config_rejected", first)
-        assert (entry["CONFIG_FILE"], entry["CONFIG_LINE"],
-                entry["CONFIG_KEY"]) == (conf, "2", "service.bakend"), entry
+        assert (entry["WEIGHTCACHE_CONFIG_FILE"], entry["WEIGHTCACHE_CONFIG_LINE"], entry["WEIGHTCACHE_CONFIG_KEY"],
+                entry["WEIGHTCACHE_ERROR_CODE"]) == (conf, "2", "service.bakend", "config_invalid"), entry
 
         # A restart with the typo: the slab comes back from the fd store and is served.
         c.run(["systemctl", "restart", unit])

@@ -24,6 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "units"
 INSTALLED_LAUNCHER = "/usr/libexec/weightcache/weightcache-launch"
+INSTALLED_COMMAND = "/usr/bin/weightcache"
 
 needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 
@@ -40,9 +41,9 @@ def _instantiate(tmp_path: Path) -> list[str]:
             text = f.read_text()
             if not os.access(INSTALLED_LAUNCHER, os.X_OK):
                 text = text.replace(f"ExecStart={INSTALLED_LAUNCHER}", f"ExecStart={UNITS / 'weightcache-launch'}")
-            if not os.access("/usr/bin/weightcache", os.X_OK):
-                text = text.replace("ExecReload=/usr/bin/weightcache",
-                                    f"ExecReload={REPO / 'packaging' / 'weightcache.sh'}")
+            if not os.access(INSTALLED_COMMAND, os.X_OK):
+                for key in ("ExecStart", "ExecReload"):
+                    text = text.replace(f"{key}={INSTALLED_COMMAND}", f"{key}={REPO / 'packaging' / 'weightcache.sh'}")
             (tmp_path / f.name).write_text(text)
             if "@." in f.name:
                 inst = f.name.replace("@.", "@0.")
@@ -56,7 +57,8 @@ def test_verify_has_no_warnings(tmp_path):
     names = _instantiate(tmp_path)
     assert names == ["weightcache@0.service", "weightcache@0.socket"]
     r = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", *[f"./{n}" for n in names], "./weightcache.target"],
+        ["systemd-analyze", "verify", "--man=no", *[f"./{n}" for n in names], "./weightcache.target",
+         "./weightcache-metrics.socket", "./weightcache-metrics.service"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 0, r.stderr
@@ -65,16 +67,17 @@ def test_verify_has_no_warnings(tmp_path):
 
 
 @needs_analyze
-def test_security_exposure_is_low(tmp_path):
+@pytest.mark.parametrize("unit", ["weightcache@0.service", "weightcache-metrics.service"])
+def test_security_exposure_is_low(tmp_path, unit):
     _instantiate(tmp_path)
     r = subprocess.run(
-        ["systemd-analyze", "security", "--offline=yes", "--man=no", "--no-pager", "./weightcache@0.service"],
+        ["systemd-analyze", "security", "--offline=yes", "--man=no", "--no-pager", f"./{unit}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 0, r.stderr
-    m = re.search(r"Overall exposure level for weightcache@0\.service: ([0-9.]+)", r.stdout)
+    m = re.search(rf"Overall exposure level for {re.escape(unit)}: ([0-9.]+)", r.stdout)
     assert m, r.stdout
-    # 10 is fully exposed; GPU access (no PrivateDevices=, no PrivateUsers=) keeps it above 0.
+    # 10 is fully exposed; GPU access (no PrivateDevices=, no PrivateUsers=) keeps the daemon above 0.
     assert float(m.group(1)) <= 2.0, r.stdout
 
 
@@ -170,6 +173,27 @@ def test_generator_survives_a_broken_config(tmp_path, text, encoding):
 
 def test_generator_without_gpus_links_nothing(tmp_path):
     assert _generate(tmp_path, tmp_path / "missing.toml", tmp_path / "nosys") == []
+
+
+@pytest.mark.parametrize("table,listen", [
+    ('[metrics]\nport = 19661\n', "127.0.0.1:19661"),
+    ('[metrics]\naddress = "::1"\n', "[::1]:9661"),
+    ('[metrics]\nport = 70000\n', None),  # out of range: warned, the unit's default stays
+    ('', None),  # no [metrics]: no drop-in
+])
+def test_generator_moves_the_metrics_socket_to_the_configured_address(tmp_path, table, listen):
+    main = tmp_path / "weightcache.toml"
+    main.write_text(table + '[models.a]\npath = "/srv/a"\n')
+    assert _generate(tmp_path, main, tmp_path / "nosys") == ["weightcache@0.socket"]
+    dropin = tmp_path / "normal" / "weightcache-metrics.socket.d" / "50-config.conf"
+    if listen is None:
+        assert not dropin.exists()
+    else:
+        assert re.findall(r"^ListenStream=(.*)$", dropin.read_text(), re.M) == ["", listen]
+    default = re.search(r"^ListenStream=(.*)$", (UNITS / "weightcache-metrics.socket").read_text(), re.M).group(1)
+    from weightcache.config import MetricsConfig
+
+    assert default == MetricsConfig().listen  # the unit's default is the config's default
 
 
 # -- launcher -------------------------------------------------------------------------------

@@ -72,6 +72,13 @@ def test_env_var_selects_file(tmp_path, monkeypatch):
         ("[service]\nstaging_bytes = 0\n", "service.staging_bytes"),
         ('[service]\nsocket_dir = "run/weightcache"\n', "service.socket_dir"),
         ('[models.a]\npath = "models/a"\n', "models.a.path"),
+        ("[metrics]\nport = 0\n", "metrics.port"),
+        ("[metrics]\nport = 65536\n", "metrics.port"),
+        ('[metrics]\nport = "9661"\n', "metrics.port"),
+        ('[metrics]\naddress = "localhost"\n', "metrics.address"),
+        ('[metrics]\naddress = "127.0.0.1:9661"\n', "metrics.address"),
+        ("[metrics]\nlisten = 1\n", "metrics.listen"),
+        ("metrics = 3\n", "metrics"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path, text, key):
@@ -100,6 +107,14 @@ def test_numbers_in_range_are_accepted(tmp_path):
     p = _write(tmp_path, "[service]\nload_timeout_s = 0.5\nread_threads = 1\nstaging_bytes = 2097152\n")
     svc = load_config(p).service
     assert (svc.load_timeout_s, svc.read_threads, svc.staging_bytes) == (0.5, 1, 2097152)
+
+
+def test_metrics_address_and_port(tmp_path):
+    assert load_config(_write(tmp_path, "")).metrics.listen == "127.0.0.1:9661"  # loopback by default
+    p = _write(tmp_path, '[metrics]\naddress = "::1"\nport = 9100\n')
+    _write(tmp_path, "[metrics]\nport = 19661\n", "conf.d/10-port.toml")  # a drop-in overrides one key
+    m = load_config(p).metrics
+    assert (m.address, m.port, m.listen) == ("::1", 19661, "[::1]:19661")
 
 
 def test_utf16_file_is_config_invalid(tmp_path):

@@ -22,6 +22,8 @@ module                    owns
 :mod:`.access`            a peer's rights; allow-list checks
 :mod:`.transport`         listener, connections, outboxes, backpressure
 :mod:`.ticker`            STATUS, EXTEND_TIMEOUT, READY, WATCHDOG, gc.freeze
+:mod:`.metrics`           the counters of the ``metrics`` reply (attaches,
+                          their service times, loads, verifies)
 :mod:`.loop`              :class:`Daemon`: wires the rooms, carries out effects
 ========================  =====================================================
 

@@ -82,7 +82,7 @@ def check_attach(peer: Peer, slot: Slot, service_uid: int) -> None:
             or r.groups & set(m.allow_groups):
         return
     log.warning("rejected attach model=%s peer_pid=%d peer_uid=%d user=%s reason=not-on-allow-list",
-                m.name, peer.pid, peer.uid, r.user, extra=event("rejected", m.name, slot.placement.tp_rank,
+                m.name, peer.pid, peer.uid, r.user, extra=event("rejected", m.name, slot.placement.tp_rank, error_code="access_denied",
                                                                  peer_uid=peer.uid))
     raise AccessDenied(
         f"user {r.user or peer.uid} (uid {peer.uid}) may not attach model {m.name!r}: not in allow_users "

@@ -167,5 +167,5 @@ class FdStore:
         sealed = self.backend.adopt(slab_fd, int(fields["size_bytes"]))
         log.info("adopted slab from fd store model=%s tp_size=%d rank=%d size_bytes=%d",
                  p.model.name, p.tp_size, p.tp_rank, sealed.size_bytes,
-                 extra=event("adopted", p.model.name, p.tp_rank))
+                 extra=event("adopted", p.model.name, p.tp_rank, size_bytes=sealed.size_bytes))
         return Adopted(manifest, sealed, SealedFile(manifest_fd, size))

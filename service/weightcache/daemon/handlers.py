@@ -45,7 +45,7 @@ from .state import IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSET
 log = logging.getLogger(__name__)
 
 #: What ``hello_reply`` lists as the service's capabilities.
-CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait", "reload")
+CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait", "metrics", "reload")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +115,8 @@ class Context:
         monotonic (`callable`): seconds, for deadlines (``time.monotonic``).
         wall (`callable`): Unix time in seconds, for lease timestamps (``time.time``).
         pid (`int`): the service's pid, as ``status`` reports it.
+        counters (`Counters`, *optional*): the service's counters
+            (:class:`weightcache.daemon.metrics.Counters`), for ``metrics``.
     """
 
     state: ServiceState
@@ -124,6 +126,7 @@ class Context:
     monotonic: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
     pid: int = field(default_factory=os.getpid)
+    counters: Any = None
 
 
 def _one(msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
@@ -202,7 +205,8 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
         mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
                  p.model.name, p.tp_size, p.tp_rank, peer.pid, peer.uid, lease.lease_id, msg.mode,
-                 extra=event("attached", p.model.name, p.tp_rank, peer_pid=peer.pid))
+                 extra=event("attached", p.model.name, p.tp_rank, size_bytes=slot.sealed.size_bytes,
+                               peer_pid=peer.pid, lease=lease.lease_id))
         return _one(protocol.AttachReply(lease.lease_id, p.model.path, ctx.state.backend, mf.size_bytes),
                     (slot.sealed.fd, mf.fd))
     if slot.state is SlotState.FAILED:
@@ -252,7 +256,8 @@ def end_lease(state: ServiceState, peer: Peer, lease: Any) -> tuple[FreeSlab, ..
     state.end_lease(peer, lease)
     p = lease.slot.placement
     log.info("released model=%s rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_rank, peer.pid, lease.lease_id,
-             extra=event("released", p.model.name, p.tp_rank))
+             extra=event("released", p.model.name, p.tp_rank, duration_ms=(time.time() - lease.since) * 1e3,
+                         lease=lease.lease_id))
     freed = reload.release_retired(state, lease.slot)
     return (FreeSlab(None, *freed),) if freed is not None else ()
 
@@ -265,7 +270,13 @@ def on_verify(ctx: Context, peer: Peer, msg: protocol.Verify) -> Outcome:
         if s.state is not SlotState.READY:
             results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, []))
             continue
+        t0 = time.monotonic()
         bad = pipeline.verify(s.manifest, s.sealed.tensor)
+        log.log(logging.WARNING if bad else logging.INFO,
+                "verified model=%s tp_size=%d rank=%d tensors=%d mismatched=%d", p.model.name, p.tp_size, p.tp_rank,
+                len(s.manifest.tensors), len(bad),
+                extra=event("verify", p.model.name, p.tp_rank, duration_ms=(time.monotonic() - t0) * 1e3,
+                            tensors=len(s.manifest.tensors), mismatched=len(bad)))
         results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, bad,
                                              len(s.manifest.tensors)))
     return _one(protocol.VerifyReply([r.to_json() for r in results]))
@@ -290,10 +301,12 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
             continue
         if s.state is not SlotState.READY:
             continue
-        effects.append(FreeSlab(s.store_id, *s.evict()))
+        sealed, manifest_file = s.evict()
+        effects.append(FreeSlab(s.store_id, sealed, manifest_file))
         evicted.append(s.label)
-        log.info("evicted model=%s rank=%d forced=%s", s.placement.model.name, s.placement.tp_rank, msg.force,
-                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank))
+        log.info("evicted model=%s rank=%d forced=%s size_bytes=%d", s.placement.model.name, s.placement.tp_rank,
+                 msg.force, sealed.size_bytes,
+                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank, size_bytes=sealed.size_bytes))
     return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
 
 
@@ -306,6 +319,12 @@ def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
             effects.append(StartLoad(s))
             started.append(s.label)
     return Outcome((Reply(protocol.PreloadReply(started)),), tuple(effects))
+
+
+def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
+    """``metrics``: the :func:`status` record and the service's counters (no counters: empty ones)."""
+    counters = ctx.counters.record() if ctx.counters is not None else protocol.ServiceCounters("", 0.0)
+    return _one(protocol.MetricsReply(status(ctx).to_json(), counters.to_json()))
 
 
 def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
@@ -334,7 +353,8 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
     ctx.service_config = config.service
     log.info("reloaded files=%s added=%d dropped=%d retired=%d kept=%d restart_keys=%s", ",".join(config.files),
              len(done.added), len(done.dropped), len(done.retired), len(done.kept), ",".join(p.restart_keys) or "-",
-             extra=event("reloaded"))
+             extra=event("reloaded", added=len(done.added), dropped=len(done.dropped), retired=len(done.retired),
+                         kept=len(done.kept)))
     effects = ([CancelLoad(s) for s in done.cancel] + [FreeSlab(*f) for f in done.free]
                + [StartLoad(s) for s in done.load] + [Reconfigure(config)])
     return Outcome((Reply(protocol.ReloadReply(list(done.added), list(done.dropped), list(done.retired),
@@ -352,6 +372,7 @@ HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
     protocol.Verify: on_verify,
     protocol.Evict: on_evict,
     protocol.Preload: on_preload,
+    protocol.Metrics: on_metrics,
     protocol.Reload: on_reload,
 }
 

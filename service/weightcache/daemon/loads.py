@@ -99,7 +99,9 @@ class Loaded:
         state.loads_done += 1
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f rate_gbps=%.2f",
                  p.model.name, p.tp_size, p.tp_rank, len(self.manifest.tensors), slot.total_bytes, dt * 1e3,
-                 slot.total_bytes / max(dt, 1e-9) / 1e9, extra=event("loaded", p.model.name, p.tp_rank))
+                 slot.total_bytes / max(dt, 1e-9) / 1e9,
+                 extra=event("loaded", p.model.name, p.tp_rank, size_bytes=slot.total_bytes, duration_ms=dt * 1e3,
+                             tensors=len(self.manifest.tensors)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +118,7 @@ class Failed:
         state.loads_done += 1
         if not self.logged:
             log.error("load failed model=%s rank=%d code=%s error=%s", p.model.name, p.tp_rank, e.code, e.message,
-                      extra=event("load_failed", p.model.name, p.tp_rank))
+                      extra=event("load_failed", p.model.name, p.tp_rank, error_code=e.code))
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +260,8 @@ class Loader:
                                                 model=p.model.name), writable)
         except Exception as e:  # noqa: BLE001 - a bug or an unexpected library error: fail this model only
             log.critical("load crashed model=%s rank=%d error=%r\n%s", p.model.name, p.tp_rank, e,
-                         traceback.format_exc(), extra=event("load_failed", p.model.name, p.tp_rank))
+                         traceback.format_exc(),
+                         extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed"))
             return self._fail(slot, ModelLoadFailed(f"model {p.model.name}: internal error while loading: {e!r}",
                                                     model=p.model.name, cause="internal"), writable, logged=True)
 

@@ -33,12 +33,14 @@ from typing import Any
 from .. import protocol
 from ..config import Config
 from ..errors import ConfigError
+from ..journal import event
 from ..loader import LoaderOptions
 from ..memory import Backend
 from . import handlers, loads
 from .fdstore import FdStore
 from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad
 from .loads import Loader, LoadSettings
+from .metrics import Counters
 from .state import IllegalTransition, Peer, ServiceState, SlotState
 from .ticker import Ticker
 from .transport import Client, Transport
@@ -77,7 +79,9 @@ class Daemon:
         source = config.files[0] if config.files else "the config"
         self.state = ServiceState(gpu, backend.name, device, config.placements(gpu), source)
         self.state.config_error = config_error
-        self.ctx = Context(self.state, backend.mem_info, load_config or self._no_config, config.service)
+        self.counters = Counters([s.placement for s in self.state.slots], time.time())
+        self.ctx = Context(self.state, backend.mem_info, load_config=load_config or self._no_config,
+                           service_config=config.service, counters=self.counters)
         self.transport = Transport(listener, self._on_message, self._on_close,
                                    lambda c: self.state.peers.add(c.peer))
         self.fdstore = FdStore(backend, device)
@@ -106,7 +110,9 @@ class Daemon:
         if reloading:
             self.ticker.reloading()
         try:
-            self._carry_out(c, handlers.handle(self.ctx, c.peer, msg))
+            out = handlers.handle(self.ctx, c.peer, msg)
+            self.counters.answered(msg, out.replies, time.perf_counter() - t0)
+            self._carry_out(c, out)
         except IllegalTransition as e:
             self._break(e)
         finally:
@@ -139,6 +145,7 @@ class Daemon:
         self.fdstore.left.clear()
         self.config = eff.config
         self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
+        self.counters.track(eff.config.placements(self.gpu))  # label values of models the reload added
 
     def _load_settings(self, cfg: Config) -> LoadSettings:
         svc = cfg.service
@@ -188,11 +195,18 @@ class Daemon:
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
                 self.fdstore.put(result.slot, result.sealed, result.manifest_file)
             loads.apply(self.state, result)
+            if isinstance(result, loads.Loaded):
+                self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes)
+            elif isinstance(result, loads.Failed):
+                self.counters.load_settled(result.slot.placement, result.error.code)
 
     def _service_waiting(self) -> None:
         for c in list(self.transport.clients.values()):
             if c.peer.waiting:
-                self._carry_out(c, handlers.service_waiting(self.ctx, c.peer))
+                before = list(c.peer.waiting)
+                out = handlers.service_waiting(self.ctx, c.peer)
+                self.counters.waited(before, c.peer.waiting, out.replies, time.monotonic())
+                self._carry_out(c, out)
 
     def _break(self, e: IllegalTransition) -> None:
         log.critical("invariant broken, exiting error=%s\n%s", e, traceback.format_exc())
@@ -228,7 +242,8 @@ class Daemon:
         for s in self.state.slots:
             if s.state is SlotState.PENDING:
                 self.loader.submit(s)
-        log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots))
+        log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
+                 extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))
         while not self._stop:
             try:
                 if self._reload_asked:

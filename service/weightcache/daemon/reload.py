@@ -58,10 +58,11 @@ _SLAB_FIELDS = tuple(f.name for f in dataclasses.fields(LoadRequest))
 
 
 def config_rejected_event(e: ConfigError) -> dict[str, str]:
-    """Journal fields of a refused configuration: ``CONFIG_FILE``, ``CONFIG_LINE``, ``CONFIG_KEY``."""
+    """Journal fields of a refused configuration: ``WEIGHTCACHE_ERROR_CODE``, ``WEIGHTCACHE_CONFIG_FILE``,
+    ``WEIGHTCACHE_CONFIG_LINE``, ``WEIGHTCACHE_CONFIG_KEY``."""
     d = e.details
-    return event("config_rejected", config_file=d.get("file", ""), config_line=d.get("line") or "",
-                 config_key=d.get("key", ""))
+    return event("config_rejected", error_code=e.code, config_file=d.get("file", ""),
+                 config_line=d.get("line") or "", config_key=d.get("key", ""))
 
 
 def identity(p: Placement) -> tuple[str, int, int, int]:

@@ -26,6 +26,7 @@ import time
 from typing import Callable
 
 from .. import notify
+from ..journal import event
 from .state import ServiceState, SlotState
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,11 @@ class Ticker:
         if settled and not self.ready_sent:
             self.send(f"READY=1\nSTATUS={status}")
             self.ready_sent = True
-            log.info("ready slabs=%d failed=%d", sum(s.state is SlotState.READY for s in st.slots),
-                     sum(s.state is SlotState.FAILED for s in st.slots))
+            ready = [s for s in st.slots if s.state is SlotState.READY]
+            failed = sum(s.state is SlotState.FAILED for s in st.slots)
+            resident = sum(s.sealed.size_bytes for s in ready if s.sealed is not None)
+            log.info("ready slabs=%d failed=%d size_bytes=%d", len(ready), failed, resident,
+                     extra=event("ready", size_bytes=resident, slabs=len(ready), failed=failed))
         if settled and self._frozen_at != st.loads_done:
             # Keep what is alive now out of every later collection, so that a full collection in
             # the middle of an attach scans what that attach allocated, not the whole heap

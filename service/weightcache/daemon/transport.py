@@ -184,7 +184,7 @@ class Transport:
     def violation(self, c: Client, e: RemoteProtocolError) -> None:
         """Answers a protocol violation with its error (best effort) and closes the connection."""
         log.warning("rejected frame peer_pid=%d code=%s error=%s", c.peer.pid, e.code, e.message,
-                    extra=event("rejected"))
+                    extra=event("rejected", error_code=e.code))
         for fd in c.conn.take_all_fds():
             os.close(fd)
         if not c.outbox and not c.closed:  # best effort, and never in the middle of a half-sent frame
@@ -209,7 +209,7 @@ class Transport:
         c.outbox_bytes += len(data)
         if c.outbox_bytes > MAX_OUTBOX_BYTES:
             log.warning("dropped client peer_pid=%d reason=not-reading-replies queued_bytes=%d", c.peer.pid,
-                        c.outbox_bytes, extra=event("rejected"))
+                        c.outbox_bytes, extra=event("rejected", size_bytes=c.outbox_bytes))
             self.drop(c, "outbox full")
             return False
         return self.flush(c)

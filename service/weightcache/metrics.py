@@ -1,0 +1,299 @@
+"""The node's metrics in Prometheus' exposition format, written with ``prometheus_client``.
+
+Owns the metric names, their labels and help texts (:data:`FAMILIES` lists
+them; docs/operations.md has the table), how the instances of a node are
+found and asked (:func:`collect`), and the text (:func:`exposition`,
+:func:`write_textfile`). ``weightcache metrics`` prints it;
+``weightcache serve-metrics`` (:mod:`weightcache.metrics_http`, behind
+``weightcache-metrics.socket``) answers ``GET /metrics`` with it.
+
+Never starts an instance. Connecting to ``/run/weightcache/N.sock`` while
+``weightcache@N.service`` is not running would start it (socket activation)
+and with it every load placed on GPU N. So an instance is asked (one
+``metrics`` request over its socket) only when its service is already
+running, decided without touching the socket:
+
+1. systemd is asked, read-only: ``systemctl show -p ActiveState
+   weightcache@N.service ...`` (one call for all GPUs); ``active`` and
+   ``reloading`` are asked, every other state is reported as it is and not asked;
+2. where systemd cannot answer (no D-Bus for an unprivileged caller), the
+   service's ``RuntimeDirectory=`` decides: ``/run/weightcache/N/`` exists from
+   the service's start until it stops or fails (kept across its automatic
+   restarts), so present means running;
+3. on a host without systemd (``/run/systemd/system`` missing) nothing can be
+   socket-activated: every socket is asked (a ``weightcache serve`` run by hand).
+
+A window remains between the check and the connect: an instance stopped in it
+is started again by the connect. ``systemctl stop`` of an instance stops its
+socket too when both are stopped together, as ``weightcache.target`` does.
+
+GPUs reported: every ``N.sock`` in the socket directory and every GPU the
+config places a model on (a configured GPU without a socket shows
+``weightcache_socket_listening 0``). An idle node answers with what it knows:
+socket and unit state, no slabs.
+
+Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest, write_to_textfile
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    InfoMetricFamily, Metric)
+
+from . import protocol
+from .client import Session
+from .errors import WeightcacheError
+
+log = logging.getLogger(__name__)
+
+#: systemd's ActiveState values of a unit, plus ``unknown`` (systemd not asked or not there).
+UNIT_STATES = ("active", "reloading", "inactive", "failed", "activating", "deactivating", "unknown")
+#: States of a service that may be asked without starting it.
+ASKABLE = frozenset({"active", "reloading"})
+#: A slab's states (``weightcache.daemon.state.SlotState`` values).
+SLAB_STATES = ("pending", "loading", "ready", "failed", "evicted")
+
+SLAB_LABELS = ("gpu", "model", "tp_size", "tp_rank")
+
+#: name -> (type, labels, help): every family this module writes (docs/operations.md has the same table).
+FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "weightcache_socket_listening": ("gauge", ("gpu",),
+                                     "1 when /run/weightcache/N.sock exists (weightcache@N.socket listens)"),
+    "weightcache_service_state": ("gauge", ("gpu", "state"),
+                                  "1 for the systemd ActiveState of weightcache@N.service (unknown: not asked)"),
+    "weightcache_instance_up": ("gauge", ("gpu",), "1 when the instance answered this scrape's metrics request"),
+    "weightcache_build": ("info", ("gpu", "version", "protocol_version", "backend", "gpu_uuid",
+                                   "compute_capability"), "The instance's weightcache version and device"),
+    "weightcache_start_time_seconds": ("gauge", ("gpu",), "When the instance started, Unix time in seconds"),
+    "weightcache_clients": ("gauge", ("gpu",), "Open client connections of the instance"),
+    "weightcache_memory_slab_bytes": ("gauge", ("gpu",), "Device memory held by resident slabs, bytes"),
+    "weightcache_memory_free_bytes": ("gauge", ("gpu",), "Free memory of the device (host RAM: host backend), bytes"),
+    "weightcache_memory_total_bytes": ("gauge", ("gpu",), "Total memory of the device (host RAM: host backend), bytes"),
+    "weightcache_slab_state": ("gauge", SLAB_LABELS + ("state",), "1 for the slab's state"),
+    "weightcache_slab_resident_bytes": ("gauge", SLAB_LABELS, "Size of the slab's resident mapping, bytes"),
+    "weightcache_slab_tensors": ("gauge", SLAB_LABELS, "Tensor records in the resident slab's manifest"),
+    "weightcache_slab_leases": ("gauge", SLAB_LABELS, "Leases held on the slab (attached engines)"),
+    "weightcache_slab_adopted": ("gauge", SLAB_LABELS, "1 when the slab was taken back from systemd's fd store"),
+    "weightcache_slab_last_load_duration_seconds": ("gauge", SLAB_LABELS,
+                                                    "Duration of the slab's last load since start, seconds"),
+    "weightcache_slab_last_load_bytes": ("gauge", SLAB_LABELS, "Payload bytes written by the slab's last load"),
+    "weightcache_loads": ("counter", SLAB_LABELS + ("outcome", "code"),
+                          "Loads that ended, by outcome (loaded, failed) and error code"),
+    "weightcache_verify_runs": ("counter", SLAB_LABELS, "verify requests that recomputed the slab's digests"),
+    "weightcache_verify_failures": ("counter", SLAB_LABELS, "verify runs that found a changed tensor"),
+    "weightcache_attaches": ("counter", ("gpu", "model", "outcome", "code"),
+                             "Attaches answered, by outcome (daemon, loading, refused) and error code"),
+    "weightcache_attach_duration_seconds": ("histogram", ("gpu", "model"),
+                                            "Attach service time, request read to reply queued, seconds"),
+}
+
+
+@dataclass(frozen=True)
+class Instance:
+    """What is known about one GPU's instance at one scrape.
+
+    Attributes:
+        gpu (`int`): the GPU index (the instance name).
+        socket_listening (`bool`): ``N.sock`` exists in the socket directory.
+        service_state (`str`): one of :data:`UNIT_STATES`.
+        status (`ServiceStatus | None`), counters (`ServiceCounters | None`): its
+            ``metrics`` reply, when it was asked and answered.
+        error (`str`): why an asked instance did not answer (empty otherwise).
+    """
+
+    gpu: int
+    socket_listening: bool
+    service_state: str
+    status: protocol.ServiceStatus | None = None
+    counters: protocol.ServiceCounters | None = None
+    error: str = ""
+
+
+def _systemd_running() -> bool:
+    return os.path.isdir("/run/systemd/system")
+
+
+def service_states(gpus: list[int], socket_dir: str) -> dict[int, str]:
+    """The state of ``weightcache@N.service`` for each GPU, without starting anything.
+
+    See the module docstring for the order: systemd (read-only ``systemctl
+    show``), then the ``RuntimeDirectory=`` ``<socket_dir>/N/``, then
+    ``unknown`` on a host without systemd.
+    """
+    if not gpus:
+        return {}
+    if not _systemd_running():
+        return {g: "unknown" for g in gpus}
+    units = [f"weightcache@{g}.service" for g in gpus]
+    try:
+        r = subprocess.run(["systemctl", "show", "--property=Id,ActiveState", "--", *units],
+                           capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        r = None
+        why = str(e)
+    else:
+        why = r.stderr.strip()
+    states: dict[int, str] = {}
+    if r is not None and r.returncode == 0:
+        for block in r.stdout.strip().split("\n\n"):
+            props = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+            unit, state = props.get("Id", ""), props.get("ActiveState", "")
+            if unit in units and state in UNIT_STATES:
+                states[gpus[units.index(unit)]] = state
+    if len(states) == len(gpus):
+        return states
+    log.debug("systemctl show gave no unit states (%s); using the runtime directories", why)
+    return {g: states.get(g) or ("active" if os.path.isdir(os.path.join(socket_dir, str(g))) else "inactive")
+            for g in gpus}
+
+
+def _sockets(socket_dir: str) -> set[int]:
+    try:
+        names = os.listdir(socket_dir)
+    except OSError:
+        return set()
+    return {int(n[:-5]) for n in names if n.endswith(".sock") and n[:-5].isdigit()}
+
+
+def collect(socket_dir: str, configured_gpus: list[int] | tuple[int, ...] = (), timeout: float = 5.0) -> list[Instance]:
+    """Asks every running instance of the node for its metrics; never starts one.
+
+    Args:
+        socket_dir (`str`): where the ``N.sock`` sockets are (``/run/weightcache``).
+        configured_gpus (`list[int]`): GPUs the config places models on.
+        timeout (`float`): seconds to connect and for each reply, per instance.
+
+    Returns:
+        `list[Instance]`: one per GPU, by index.
+    """
+    listening = _sockets(socket_dir)
+    gpus = sorted(listening | set(configured_gpus))
+    states = service_states(gpus, socket_dir)
+    out = []
+    for g in gpus:
+        state = states.get(g, "unknown")
+        if g not in listening or (state not in ASKABLE and state != "unknown"):
+            out.append(Instance(g, g in listening, state))
+            continue
+        try:
+            s = Session(os.path.join(socket_dir, f"{g}.sock"), timeout=timeout, client="weightcache-metrics")
+            try:
+                status, counters = s.request(protocol.Metrics()).typed()
+            finally:
+                s.close()
+        except WeightcacheError as e:
+            log.warning("metrics request failed gpu=%d code=%s error=%s", g, e.code, e.message)
+            out.append(Instance(g, True, state, error=f"{e.code}: {e.message}"))
+            continue
+        out.append(Instance(g, True, state, status, counters))
+    return out
+
+
+class _Families:
+    """One metric family object per name of :data:`FAMILIES`, filled instance by instance."""
+
+    def __init__(self) -> None:
+        self.f: dict[str, Metric] = {}
+        for name, (kind, labels, text) in FAMILIES.items():
+            cls = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily, "info": InfoMetricFamily,
+                   "histogram": HistogramMetricFamily}[kind]
+            lab = list(labels) if kind != "info" else ["gpu"]
+            self.f[name] = cls(name, text, labels=lab)
+
+    def add(self, name: str, labels: tuple, value: float) -> None:
+        self.f[name].add_metric([str(v) for v in labels], value)
+
+
+def _add_instance(fam: _Families, inst: Instance) -> None:
+    g = str(inst.gpu)
+    fam.add("weightcache_socket_listening", (g,), int(inst.socket_listening))
+    for state in UNIT_STATES:
+        fam.add("weightcache_service_state", (g, state), int(inst.service_state == state))
+    fam.add("weightcache_instance_up", (g,), int(inst.status is not None))
+    st, co = inst.status, inst.counters
+    if st is None or co is None:
+        return
+    fam.f["weightcache_build"].add_metric([g], {
+        "version": co.version, "protocol_version": str(protocol.PROTOCOL_VERSION), "backend": st.backend,
+        "gpu_uuid": st.device.gpu_uuid, "compute_capability": st.device.compute_capability})
+    fam.add("weightcache_start_time_seconds", (g,), co.started_at)
+    fam.add("weightcache_clients", (g,), st.clients)
+    fam.add("weightcache_memory_slab_bytes", (g,), sum(sl.resident_bytes for sl in st.slabs))
+    fam.add("weightcache_memory_free_bytes", (g,), st.free_bytes)
+    fam.add("weightcache_memory_total_bytes", (g,), st.total_bytes)
+    for sl in st.slabs:
+        lab = (g, sl.model, sl.tp_size, sl.tp_rank)
+        for state in SLAB_STATES:
+            fam.add("weightcache_slab_state", lab + (state,), int(sl.state == state))
+        fam.add("weightcache_slab_resident_bytes", lab, sl.resident_bytes)
+        fam.add("weightcache_slab_tensors", lab, sl.tensors)
+        fam.add("weightcache_slab_leases", lab, len(sl.leases))
+        fam.add("weightcache_slab_adopted", lab, int(sl.adopted))
+    for sc in co.slabs:
+        lab = (g, sc.model, sc.tp_size, sc.tp_rank)
+        fam.add("weightcache_slab_last_load_duration_seconds", lab, sc.last_load_s)
+        fam.add("weightcache_slab_last_load_bytes", lab, sc.last_load_bytes)
+        fam.add("weightcache_verify_runs", lab, sc.verify_runs)
+        fam.add("weightcache_verify_failures", lab, sc.verify_failures)
+    for lc in co.loads:
+        fam.add("weightcache_loads", (g, lc.model, lc.tp_size, lc.tp_rank, lc.outcome, lc.code), lc.count)
+    for ac in co.attaches:
+        fam.add("weightcache_attaches", (g, ac.model, ac.outcome, ac.code), ac.count)
+    for at in co.attach_times:
+        cumulative, buckets = 0, []
+        for bound, n in zip([*at.bounds_s, float("inf")], at.counts):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        fam.f["weightcache_attach_duration_seconds"].add_metric([g, at.model], buckets, at.sum_s)
+
+
+class NodeCollector:
+    """A ``prometheus_client`` collector of the node's instances, as :func:`collect` finds them.
+
+    Args:
+        socket_dir (`str`), timeout (`float`): see :func:`collect`.
+        configured_gpus (`callable`): ``() -> list[int]``, the GPUs the config
+            places models on, called at each scrape (a long-running endpoint
+            sees a changed config without a restart).
+    """
+
+    def __init__(self, socket_dir: str, configured_gpus: Callable[[], list[int]] = list, timeout: float = 5.0):
+        self.socket_dir = socket_dir
+        self.configured_gpus = configured_gpus
+        self.timeout = timeout
+
+    def collect(self) -> Iterator[Metric]:
+        """The families of :data:`FAMILIES` (those with no sample left out)."""
+        fam = _Families()
+        for inst in collect(self.socket_dir, self.configured_gpus(), self.timeout):
+            _add_instance(fam, inst)
+        yield from (m for m in fam.f.values() if m.samples)
+
+
+def registry(socket_dir: str, configured_gpus: Callable[[], list[int]] = list, timeout: float = 5.0) -> CollectorRegistry:
+    """A registry holding only :class:`NodeCollector` (no process or platform metrics of the caller)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(NodeCollector(socket_dir, configured_gpus, timeout))
+    return reg
+
+
+def exposition(reg: CollectorRegistry) -> bytes:
+    """The text exposition format (``text/plain; version=0.0.4``) of ``reg``, asking the instances now."""
+    return generate_latest(reg)
+
+
+def write_textfile(path: str, reg: CollectorRegistry) -> None:
+    """Writes the exposition to ``path`` atomically (a temporary file renamed over it), for
+    node_exporter's textfile collector, which must never read a half-written file."""
+    write_to_textfile(path, reg)
+
+
+__all__ = ["FAMILIES", "Instance", "NodeCollector", "collect", "exposition", "registry", "service_states",
+           "write_textfile"]

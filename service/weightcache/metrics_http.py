@@ -1,0 +1,107 @@
+"""``weightcache serve-metrics``: answers ``GET /metrics`` on the TCP socket systemd passes.
+
+Owns the HTTP side of ``weightcache-metrics.service``: it takes the listening
+socket of ``weightcache-metrics.socket`` (``$LISTEN_FDS``; loopback
+``127.0.0.1:9661`` by default, ``[metrics]`` in the config moves it, see
+weightcache.toml(5)), or binds ``--listen HOST:PORT`` when run by hand, and
+answers each ``GET /metrics`` with :func:`weightcache.metrics.exposition`,
+asking the running instances at that moment (never starting one: see
+:mod:`weightcache.metrics`). One request at a time; a client that sends
+nothing for :data:`REQUEST_TIMEOUT_S` is dropped.
+
+Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import socketserver
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from urllib.parse import urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+
+from . import metrics, notify
+
+log = logging.getLogger(__name__)
+
+#: Seconds a connection may take to send its request line and headers.
+REQUEST_TIMEOUT_S = 10.0
+INDEX = b"weightcache metrics: GET /metrics (Prometheus text format). See weightcache.systemd(7).\n"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    timeout = REQUEST_TIMEOUT_S
+    server_version = "weightcache-metrics"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        path = urlsplit(self.path).path
+        if path == "/metrics":
+            self._reply(200, metrics.exposition(self.server.registry), CONTENT_TYPE_LATEST)
+        elif path == "/":
+            self._reply(200, INDEX, "text/plain; charset=utf-8")
+        else:
+            self._reply(404, b"not found: try /metrics\n", "text/plain; charset=utf-8")
+
+    def _reply(self, code: int, body: bytes, ctype: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, fmt: str, *args: object) -> None:
+        log.debug("http %s peer=%s", fmt % args, self.client_address[0] if self.client_address else "")
+
+
+class MetricsServer(HTTPServer):
+    """An ``http.server`` on an already listening socket; ``registry`` is what ``/metrics`` shows.
+
+    Args:
+        listener (`socket.socket`): a listening TCP socket (from systemd, or bound by :func:`bind`).
+        reg (`CollectorRegistry`): see :func:`weightcache.metrics.registry`.
+    """
+
+    def __init__(self, listener: socket.socket, reg: CollectorRegistry) -> None:
+        # BaseServer's, not TCPServer's: that one creates a socket of its own, which the unit's
+        # RestrictAddressFamilies=AF_UNIX refuses (and which would only be closed again).
+        socketserver.BaseServer.__init__(self, listener.getsockname()[:2], _Handler)
+        self.socket = listener
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+        self.registry = reg
+
+
+def bind(listen: str) -> socket.socket:
+    """A listening socket on ``HOST:PORT`` (``[::1]:PORT`` for IPv6).
+
+    Raises:
+        ValueError: ``listen`` is not ``HOST:PORT`` with a port number.
+        OSError: the address cannot be bound (in use, not local).
+    """
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--listen {listen!r}: expected HOST:PORT, e.g. 127.0.0.1:9661")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, int(port)))
+    s.listen(16)
+    return s
+
+
+def listener_from_systemd() -> socket.socket | None:
+    """The socket ``weightcache-metrics.socket`` passed (``FileDescriptorName=metrics``), or None."""
+    fds = notify.listen_fds()
+    mine = fds.pop("metrics", []) or fds.pop("unknown", [])
+    for extra in mine[1:] + [fd for rest in fds.values() for fd in rest]:
+        socket.socket(fileno=extra).close()
+    return socket.socket(fileno=mine[0]) if mine else None
+
+
+def serve(listener: socket.socket, reg: CollectorRegistry) -> None:
+    """Answers requests on ``listener`` until the process is stopped (SIGTERM)."""
+    server = MetricsServer(listener, reg)
+    log.info("serving metrics address=%s", listener.getsockname())
+    server.serve_forever()

@@ -1,0 +1,202 @@
+"""The service's counters (daemon/metrics.py), the exposition's names (metrics.py) and the journal's fields.
+
+In-process: counters fed with real protocol messages, the exposition of
+hand-made :class:`~weightcache.metrics.Instance` records parsed back with
+prometheus_client's parser, and the example dashboard and alert rules checked
+against the names the exposition has.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from weightcache import metrics, protocol
+from weightcache.config import Layout, ModelConfig, Placement
+from weightcache.daemon.metrics import ATTACH_BUCKETS_S, OTHER_MODEL, Counters
+from weightcache.journal import MESSAGE_IDS, event
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _placement(name: str, rank: int = 0, tp: int = 1) -> Placement:
+    return Placement(ModelConfig(name=name, path=f"/srv/{name}", layouts=(Layout(tp, tuple(range(tp))),)), tp, rank,
+                     rank)
+
+
+class _Reply:
+    def __init__(self, msg: protocol.Message) -> None:
+        self.msg = msg
+
+
+def test_attaches_are_counted_by_model_outcome_and_code():
+    c = Counters([_placement("qwen")], started_at=1700000000.0)
+    c.answered(protocol.Attach("qwen"), [_Reply(protocol.AttachReply(1, "/srv/qwen", "host", 4096))], 0.0007)
+    c.answered(protocol.Attach("/srv/qwen/"), [_Reply(protocol.Loading("qwen", 1, 2))], 0.002)  # by path
+    c.answered(protocol.Attach("nope"), [_Reply(protocol.Error("model_not_found", "m"))], 0.0001)
+    c.answered(protocol.Attach("qwen"), [], 0.0)  # parked: counted when answered
+    rec = protocol.ServiceCounters.from_json(c.record().to_json())  # as the wire carries it
+    assert {(a.model, a.outcome, a.code): a.count for a in rec.attaches} == {
+        ("qwen", "daemon", ""): 1, ("qwen", "loading", ""): 1, (OTHER_MODEL, "refused", "model_not_found"): 1}
+    times = {t.model: t for t in rec.attach_times}
+    assert times["qwen"].bounds_s == list(ATTACH_BUCKETS_S)
+    # 0.7 ms lands in the (0.5 ms, 1 ms] bucket, 2 ms in (1 ms, 2.5 ms].
+    assert times["qwen"].counts[:3] == [0, 1, 1] and sum(times["qwen"].counts) == 2
+    assert times["qwen"].sum_s == pytest.approx(0.0027)
+    assert rec.started_at == 1700000000.0 and rec.version
+
+
+def test_a_parked_attach_counts_from_when_it_was_parked():
+    c = Counters([_placement("qwen")], started_at=0.0)
+    a, b = protocol.Attach("qwen", wait_ms=5000), protocol.Attach("qwen", wait_ms=1000)
+    wa, wb = (a, None, 100.0 + 5.0), (b, None, 103.0 + 1.0)  # parked at t=100 and t=103
+    c.waited([wa, wb], [wa], [_Reply(protocol.Error("model_load_failed", "x"))], now=103.5)
+    (t,) = c.record().attach_times
+    assert t.sum_s == pytest.approx(0.5)  # only b was answered, 0.5 s after it was parked
+    assert [(x.outcome, x.code) for x in c.record().attaches] == [("refused", "model_load_failed")]
+
+
+def test_loads_and_verifies():
+    p = _placement("qwen")
+    c = Counters([p], started_at=0.0)
+    c.load_settled(p, "checkpoint_not_found")
+    c.load_settled(p, None, 1.5, 4096)
+    c.answered(protocol.Verify("qwen"), [_Reply(protocol.VerifyReply([
+        protocol.VerifyResult("qwen", 1, 0, "ready", ["w"], 3).to_json()]))], 0.1)
+    rec = c.record()
+    assert {(x.outcome, x.code): x.count for x in rec.loads} == {("failed", "checkpoint_not_found"): 1,
+                                                                 ("loaded", ""): 1}
+    (s,) = rec.slabs
+    assert (s.last_load_s, s.last_load_bytes, s.verify_runs, s.verify_failures) == (1.5, 4096, 1, 1)
+
+
+def _status(slabs) -> protocol.ServiceStatus:
+    return protocol.ServiceStatus(0, 42, "host", protocol.DeviceInfo("host"), 1000, 4000, tuple(slabs), 1, "ready")
+
+
+def _slab(model: str, state: str, resident: int, leases: int = 0) -> protocol.SlabInfo:
+    return protocol.SlabInfo(model, f"/srv/{model}", 1, 0, state, resident, resident, 0, resident, False, "auto",
+                             "hf", 7 if resident else 0,
+                             leases=tuple(protocol.LeaseInfo(i, 1, 2, 3, 0.0, "zero_copy") for i in range(leases)))
+
+
+def _exposition(instances) -> dict:
+    class _Fixed:
+        def collect(self):
+            fam = metrics._Families()
+            for inst in instances:
+                metrics._add_instance(fam, inst)
+            yield from (m for m in fam.f.values() if m.samples)
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Fixed())
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+
+
+def test_exposition_names_types_and_values():
+    c = Counters([_placement("qwen")], started_at=123.0)
+    c.answered(protocol.Attach("qwen"), [_Reply(protocol.AttachReply(1, "/srv/qwen", "host", 4096))], 0.003)
+    c.load_settled(_placement("qwen"), None, 2.0, 2048)
+    st = _status([_slab("qwen", "ready", 2048, leases=2), _slab("bad", "failed", 0)])
+    fams = _exposition([metrics.Instance(0, True, "active", st, c.record()),
+                        metrics.Instance(1, True, "inactive")])
+    for name, fam in fams.items():
+        assert re.fullmatch(r"weightcache_[a-z0-9_]+", name), name
+        kind = metrics.FAMILIES[name.removesuffix("_info") if name.endswith("_info") else name][0]
+        # The text format (0.0.4) has no info type: an info family is a gauge named *_info.
+        assert fam.type == ("gauge" if kind == "info" else kind), (name, fam.type)
+        for s in fam.samples:
+            if kind == "counter":
+                assert s.name == name + "_total", s.name
+    assert len(fams) == len(metrics.FAMILIES)  # every family has a sample with one instance up
+
+    def val(name, **labels):
+        fam_name = next(n for n in fams if name.startswith(n))
+        (v,) = [s.value for s in fams[fam_name].samples
+                if s.name == name and all(s.labels.get(k) == str(x) for k, x in labels.items())]
+        return v
+
+    assert val("weightcache_slab_resident_bytes", gpu=0, model="qwen") == 2048
+    assert val("weightcache_slab_leases", gpu=0, model="qwen") == 2
+    assert val("weightcache_slab_state", gpu=0, model="bad", state="failed") == 1
+    assert val("weightcache_slab_state", gpu=0, model="bad", state="ready") == 0
+    assert val("weightcache_memory_slab_bytes", gpu=0) == 2048
+    assert val("weightcache_instance_up", gpu=1) == 0 and val("weightcache_instance_up", gpu=0) == 1
+    assert val("weightcache_service_state", gpu=1, state="inactive") == 1
+    assert val("weightcache_attaches_total", gpu=0, model="qwen", outcome="daemon") == 1
+    assert val("weightcache_attach_duration_seconds_bucket", gpu=0, model="qwen", le="0.0025") == 0
+    assert val("weightcache_attach_duration_seconds_bucket", gpu=0, model="qwen", le="0.005") == 1
+    assert val("weightcache_start_time_seconds", gpu=0) == 123.0
+    # The idle instance has no slab, build or memory series at all.
+    assert {s.labels["gpu"] for s in fams["weightcache_slab_resident_bytes"].samples} == {"0"}
+
+
+def _names_in(expr: str) -> set[str]:
+    return set(re.findall(r"\bweightcache_[a-z0-9_]+", expr))
+
+
+def _exposed(name: str) -> bool:
+    for fam, (kind, _, _) in metrics.FAMILIES.items():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}.get(
+            kind, ("",))
+        if name in {fam + s for s in suffixes}:
+            return True
+    return False
+
+
+def test_alert_rules_and_dashboard_use_exposed_names():
+    rules = (REPO / "examples" / "prometheus" / "weightcache-alerts.yml").read_text()
+    exprs = re.findall(r"expr: \|?\n?((?:.+\n)+?)\s+(?:for|labels):", rules)
+    assert len(exprs) == 3, exprs
+    dashboard = json.loads((REPO / "examples" / "grafana" / "weightcache-dashboard.json").read_text())
+    targets = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(targets) >= 6
+    for expr in exprs + targets:
+        names = _names_in(expr)
+        assert names, expr
+        assert all(_exposed(n) for n in names), (expr, [n for n in names if not _exposed(n)])
+
+
+def test_every_event_has_a_random_id_and_a_catalog_entry():
+    catalog = (REPO / "units" / "weightcache.catalog").read_text()
+    assert set(MESSAGE_IDS) == {"serving", "ready", "config_rejected", "loaded", "load_failed", "attached",
+                                "released", "evicted", "adopted", "verify", "fallback", "rejected", "reloaded"}
+    assert len(set(MESSAGE_IDS.values())) == len(MESSAGE_IDS)
+    for kind, mid in MESSAGE_IDS.items():
+        assert re.fullmatch(r"[0-9a-f]{32}", mid) and mid[12] == "4" and mid[16] in "89ab", kind  # a uuid4
+        assert re.search(rf"^-- {mid}\nSubject: .+\nDefined-By: weightcache\n", catalog, re.M), kind
+    assert len(re.findall(r"^-- [0-9a-f]{32}$", catalog, re.M)) == len(MESSAGE_IDS)
+
+
+def test_event_fields_hold_numbers_of_their_own():
+    fields = event("loaded", "qwen", 1, size_bytes=4096, duration_ms=12.6, tensors=7)
+    assert fields == {"MESSAGE_ID": MESSAGE_IDS["loaded"], "WEIGHTCACHE_EVENT": "loaded", "WEIGHTCACHE_MODEL": "qwen",
+                      "WEIGHTCACHE_RANK": "1", "WEIGHTCACHE_BYTES": "4096", "WEIGHTCACHE_DURATION_MS": "13",
+                      "WEIGHTCACHE_TENSORS": "7"}
+    assert event("load_failed", error_code="checkpoint_not_found")["WEIGHTCACHE_ERROR_CODE"] == "checkpoint_not_found"
+
+
+def test_operations_md_lists_every_event_and_metric():
+    ops = (REPO / "docs" / "operations.md").read_text()
+    for kind, mid in MESSAGE_IDS.items():
+        assert f"| `{kind}` | `{mid}` |" in ops, kind
+    for name, (kind, _, _) in metrics.FAMILIES.items():
+        shown = name + {"counter": "_total", "info": "_info"}.get(kind, "")
+        assert f"| `{shown}` | {kind} |" in ops, shown
+
+
+def test_promtool_accepts_the_alert_rules():
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus, in the Makefile's APT_PKGS)")
+    r = subprocess.run([promtool, "check", "rules", str(REPO / "examples" / "prometheus" / "weightcache-alerts.yml")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS: 3 rules found" in r.stdout, r.stdout + r.stderr
