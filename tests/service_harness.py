@@ -21,7 +21,8 @@ Plain functions (``tests/gpu`` loads this file with
 :func:`start_service`, :func:`write_checkpoint`,
 :func:`llama_checkpoint`, :func:`big_checkpoint`, :func:`read_checkpoint`,
 :func:`compare_bytes`, :func:`record_figures`, :func:`proc_fds`,
-:func:`proc_rss_bytes`, :func:`raw_connect`, :func:`doomed_client`.
+:func:`proc_rss_bytes`, :func:`raw_connect`, :func:`doomed_client`,
+:func:`blocked_torch_env`, :func:`torch_import_attempts`.
 
 Figures: each reliability scenario calls :func:`record_figures` once its
 assertions passed; they are merged into ``.cache/reliability.json``, from
@@ -673,3 +674,41 @@ def record_figures(scenario: str, title: str, checks: str, backend: str = "host"
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
         os.replace(tmp, RELIABILITY_JSON)
 
+
+# --- a service without torch --------------------------------------------------------
+
+
+_TORCH_BLOCKER = '''
+import json, os, sys, threading, traceback
+
+class _NoTorch:
+    """Writes down and refuses every import of torch."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            with open(os.environ["WC_TEST_TORCH_LOG"], "a") as f:
+                f.write(json.dumps({"thread": threading.current_thread().name,
+                                    "stack": "".join(traceback.format_stack())}) + "\\n")
+            raise ImportError("torch is blocked by the test's sitecustomize")
+        return None
+
+sys.meta_path.insert(0, _NoTorch())
+'''
+
+
+def blocked_torch_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """``env=`` for a service in which every ``import torch`` is written down (with its thread) and fails.
+
+    Returns the environment (a ``sitecustomize`` first on ``PYTHONPATH``) and
+    the JSON-lines file the attempts go to (:func:`torch_import_attempts`).
+    """
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_TORCH_BLOCKER)
+    log = tmp_path / "torch-imports.jsonl"
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(SERVICE_DIR)]), "WC_TEST_TORCH_LOG": str(log)}, log
+
+
+def torch_import_attempts(log: Path) -> list[dict]:
+    """The ``import torch`` attempts a :func:`blocked_torch_env` service made: ``{"thread", "stack"}`` each."""
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

@@ -69,9 +69,10 @@ def unreadable(path: str | os.PathLike) -> CheckpointUnreadable:
     blocked = next((d for d in _ancestors(path) if not _may(d, os.X_OK)), None)
     where = f" (directory {blocked} is not searchable by it)" if blocked else ""
     return CheckpointUnreadable(
-        f"permission denied: user {user} (uid {uid}) cannot read {path}{where}; the service reads checkpoints as "
-        f"{user}: make the checkpoint readable by it (e.g. chmod -R o+rX the checkpoint directory and "
-        f"o+x its parents, or give it to {user}'s group)", file=path, user=user, uid=uid)
+        f"permission denied: user {user} (uid {uid}) cannot read {path}{where}; this process reads the "
+        f"checkpoint as {user} (the service as its user, an engine's disk fallback as the engine's user): make "
+        f"the checkpoint readable by {user} (e.g. chmod -R o+rX the checkpoint directory and o+x its parents, "
+        f"or give it to {user}'s group)", file=path, user=user, uid=uid)
 
 
 def _may(path: str | os.PathLike, mode: int) -> bool:
@@ -254,7 +255,8 @@ class Checkpoint:
 
     Raises:
         CheckpointNotFound (`checkpoint_not_found`): missing directory, file,
-            or a tensor of the index absent from its file.
+            or a tensor of the index absent from its file; a path that cannot
+            name a directory (too long, a symlink loop, a NUL character).
         CheckpointUnreadable (`checkpoint_unreadable`): the directory or a
             file exists but this user may not read it (names both).
         CheckpointCorrupt (`checkpoint_corrupt`): a truncated or invalid file,
@@ -273,6 +275,13 @@ class Checkpoint:
             raise CheckpointNotFound(f"checkpoint directory {path} does not exist", path=str(path)) from None
         except PermissionError:
             raise unreadable(path) from None
+        except OSError as e:  # ENAMETOOLONG, ELOOP, EIO...: no directory to read at that path
+            raise CheckpointNotFound(f"checkpoint directory {str(path)[:200]!r} cannot be opened: {e.strerror}; "
+                                     f"give the directory that holds config.json and the *.safetensors files",
+                                     path=str(path)[:4096], errno=e.errno) from None
+        except ValueError:  # os.stat: "embedded null byte"
+            raise CheckpointNotFound(f"checkpoint path {str(path)[:200]!r} contains a NUL character; no file can "
+                                     f"have that name", path=str(path)[:4096]) from None
         if not stat.S_ISDIR(st.st_mode):
             raise CheckpointNotFound(f"checkpoint path {path} is not a directory; give the directory that holds "
                                      f"config.json and the *.safetensors files", path=str(path))

@@ -20,6 +20,7 @@ import pwd
 import socket
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,6 +327,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             _print_status(st, now)
         for e in errors:
             print(f"GPU {e.gpu}  unreachable: {e.message}")
+            if "Permission denied" not in e.message:  # that message names its own fix
+                print(f"      under systemd, why: systemctl status weightcache@{e.gpu}.socket weightcache@{e.gpu}"
+                      f".service; journalctl -u weightcache@{e.gpu}")
     if not statuses:
         return EXIT_UNAVAILABLE
     if failed:
@@ -402,6 +406,9 @@ def _check_as(args: argparse.Namespace) -> int | None:
             else:
                 args.as_user = "root"  # already switched: the child checks as itself
                 code = _run_checked(cmd_check_config, args)
+        except BaseException:  # os._exit below skips the interpreter's own traceback printing
+            traceback.print_exc()
+            code = EXIT_FAILED
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -17,7 +17,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import grp
+import math
 import os
+import pwd
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -41,7 +45,8 @@ from .errors import (
 from .fdpass import recv_with_fds
 from .journal import event
 from .manifest import MAX_MANIFEST_BYTES, LayoutMap, Manifest, build_views, unpack_file
-from .spec import LoadRequest
+from .sharding import NAMINGS
+from .spec import DTYPE_NAMES, LoadRequest
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +119,23 @@ def device_info(device: str) -> dict[str, Any]:
     return local_backend(device).device_info()
 
 
+def _denied_text(path: str, e: OSError) -> str:
+    """Why connecting to ``path`` gave ``EACCES``: who we are, the socket's group, and the fix."""
+    uid = os.geteuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    try:
+        gid = os.stat(path).st_gid
+        group = grp.getgrgid(gid).gr_name
+    except (OSError, KeyError):  # the directory is not searchable either, or the gid has no name
+        group = "weightcache-clients"
+    return (f"no weightcache service at {path}: {e.strerror}: user {user} (uid {uid}) may not connect; the socket "
+            f"admits root and group {group}: add the user to it (usermod -aG {group} {user}, then log in again) "
+            f"or run the engine with that group")
+
+
 class Session:
     """A blocking client connection to one service socket (one per attach).
 
@@ -134,7 +156,10 @@ class Session:
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(path)
-        except (FileNotFoundError, ConnectionRefusedError, socket.timeout, PermissionError, OSError) as e:
+        except PermissionError as e:
+            self.sock.close()
+            raise DaemonUnavailable(_denied_text(path, e), socket=path) from None
+        except (FileNotFoundError, ConnectionRefusedError, socket.timeout, OSError) as e:
             self.sock.close()
             raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None
         self.conn = protocol.Connection(protocol.CLIENT)
@@ -318,6 +343,8 @@ class AttachRequest:
 
     Raises:
         ValueError: ``mode`` is not ``zero_copy`` or ``copy``.
+        ConfigError (`config_invalid`): another field no service could accept;
+            ``details["key"]`` names it.
     """
 
     model: str
@@ -336,6 +363,13 @@ class AttachRequest:
     def __post_init__(self) -> None:
         if self.mode not in ("zero_copy", "copy"):
             raise ValueError(f"mode must be 'zero_copy' or 'copy', got {self.mode!r}")
+        # A pathlib.Path or a torch.device is as good as its string.
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
+        if not isinstance(self.device, str) and type(self.device).__name__ == "device":
+            object.__setattr__(self, "device", str(self.device))
+        for problem, key in _arg_problems(self):
+            raise ConfigError(f"attach(): {problem}", key=key)
 
     @property
     def socket_path(self) -> str:
@@ -350,6 +384,33 @@ class AttachRequest:
                      kernel: str | None = None, revision: str = "") -> LoadRequest:
         """What the pipeline needs for checkpoint ``path``: this request's choices unless overridden."""
         return load_request(path, dtype or self.dtype, naming or self.naming, kernel or self.kernel, revision)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _arg_problems(req: AttachRequest) -> Iterator[tuple[str, str]]:
+    """``(message, key)`` for each argument of ``req`` that no service or disk load could accept."""
+    if not isinstance(req.model, str) or not req.model or "\0" in req.model:
+        yield f"model {req.model!r} must be a checkpoint directory or a configured model name", "model"
+    if not _is_int(req.tp_size) or req.tp_size < 1:
+        yield f"tp_size {req.tp_size!r} must be an integer >= 1", "tp_size"
+    elif not _is_int(req.tp_rank) or not 0 <= req.tp_rank < req.tp_size:
+        yield f"tp_rank {req.tp_rank!r} must be an integer in [0, {req.tp_size}) for tp_size={req.tp_size}", "tp_rank"
+    if not isinstance(req.device, str) or not re.fullmatch(r"cpu|cuda(:[0-9]+)?", req.device):
+        yield f"device {req.device!r} must be 'cpu', 'cuda' or 'cuda:N'", "device"
+    if isinstance(req.timeout, bool) or not isinstance(req.timeout, (int, float)) or not (
+            math.isfinite(req.timeout) and req.timeout >= 0):
+        yield f"timeout {req.timeout!r} must be a finite number of seconds >= 0", "timeout"
+    if req.gpu is not None and (not _is_int(req.gpu) or req.gpu < 0):
+        yield f"gpu {req.gpu!r} must be a GPU index (an integer >= 0) or None", "gpu"
+    if req.dtype not in DTYPE_NAMES:
+        yield f"dtype {req.dtype!r} is not one of {', '.join(DTYPE_NAMES)}", "dtype"
+    if req.naming not in NAMINGS:
+        yield f"naming {req.naming!r} is not one of {', '.join(NAMINGS)}", "naming"
+    if not isinstance(req.kernel, str):
+        yield f"kernel {req.kernel!r} must be a string such as 'cutlass'", "kernel"
 
 
 def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", mode: str = "zero_copy",
@@ -387,7 +448,10 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
         CacheKeyMismatch (`cache_key_mismatch`): the service holds another key;
             ``details["fields"]`` lists the differing fields (``fallback=False``).
         ModelNotFound, ModelLoadFailed, AccessDenied: from the service (``fallback=False``).
-        ConfigError (`config_invalid`): ``gpu`` not given and ``CUDA_VISIBLE_DEVICES``
+        ConfigError (`config_invalid`): an argument no service could accept
+            (``details["key"]`` names it: ``tp_size``, ``tp_rank``, ``device``,
+            ``timeout``, ``gpu``, ``dtype``, ``naming``, ...), checked before
+            connecting; or ``gpu`` not given and ``CUDA_VISIBLE_DEVICES``
             names the device by UUID or MIG id.
         ManifestInvalid (`manifest_invalid`), ManifestSlabMismatch
             (`manifest_slab_mismatch`): the service's manifest cannot be used (``fallback=False``).
@@ -427,6 +491,10 @@ def _attach(req: AttachRequest) -> Attachment:
             session.close()
             session = None
         if not is_path:
+            if req.fallback and isinstance(e, DaemonUnavailable):
+                raise DaemonUnavailable(f"{e.message}; no disk fallback: {model[:200]!r} is not a checkpoint "
+                                        f"directory on this machine (a model name needs the service)",
+                                        **e.details) from None
             raise
         unavailable = e  # raised (or fallen back from) once the local checks have run
     local_ck = expected = None

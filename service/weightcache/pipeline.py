@@ -29,7 +29,7 @@ from typing import Any, Callable
 from . import digest, quant, sharding
 from .checkpoint import Checkpoint
 from .errors import ShapeMismatch, WeightcacheError
-from .loader import LoaderOptions, direct_task, read_into_slab
+from .loader import LoaderOptions, direct_task, read_direct, read_into_slab
 from .manifest import ALIGNMENT_BYTES, Manifest, TensorRecord, align, contiguous_stride, itemsize, torch_dtype
 from .spec import DTYPE_NAMES, LoadRequest, SourceRef, TensorSpec
 
@@ -252,6 +252,119 @@ def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any],
                 cache_key(model, tp_size, tp_rank, ck, device, scheme))
 
 
+@dataclass(frozen=True)
+class Filled:
+    """What :func:`fill` did.
+
+    Attributes:
+        manifest (`Manifest`): of the filled slab, digests included.
+        torch_free (`bool`): the slab was filled without importing torch
+            (every tensor a byte range of a file, :func:`weightcache.loader.read_direct`).
+        read_s (`float`): wall time reading (and processing) the tensors, seconds.
+        digest_s (`float`): wall time of the digests after the read, seconds
+            (CUDA's torch-free path takes them during the read: there, the
+            share of ``read_s`` they took).
+        bytes_read (`int`): payload bytes written.
+    """
+
+    manifest: Manifest
+    torch_free: bool
+    read_s: float
+    digest_s: float
+    bytes_read: int
+
+
+def may_need_torch(model: LoadRequest) -> bool:
+    """Whether loading ``model`` may need torch: a dtype to cast to, or a quantized checkpoint.
+
+    Reads ``config.json`` and the safetensors headers, no tensor data. A
+    checkpoint that cannot be opened answers ``False`` (its load fails on its
+    own). ``True`` is a hint: a configured dtype the checkpoint is already
+    stored in needs no cast, and :func:`fill` finds that out.
+    """
+    if model.dtype != "auto":
+        return True
+    try:
+        return quant.modelopt_fp8.read_config(Checkpoint(model.path, validate=False)) is not None
+    except WeightcacheError:
+        return False
+
+
+def _counter(total: int, progress: Callable[[int, int], None] | None) -> tuple[Callable[[int], None], list[int]]:
+    """``(advance, done)``: ``advance(n)`` adds ``n`` written bytes to ``done[0]`` (thread-safe) and reports
+    ``progress(done, total)``."""
+    done = [0]
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:
+            done[0] += n
+            d = done[0]
+        if progress is not None:
+            progress(d, total)
+
+    return advance, done
+
+
+def _split_specs(p: Plan) -> tuple[list, list]:
+    """The plan's stored tensors: ``(direct read tasks, [(spec, record)] that need processing)``."""
+    tasks, computed = [], []
+    paths: dict[str, str] = {}
+    for spec, rec in zip(p.specs, p.records):
+        if spec.alias_of is not None:
+            continue
+        task = direct_task(spec, rec, p.checkpoint, paths)
+        if task is not None:
+            tasks.append(task)
+        else:
+            computed.append((spec, rec))
+    return tasks, computed
+
+
+def fill(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
+         options: LoaderOptions | None = None) -> Filled:
+    """Fills a backend's writable slab with the tensors of ``p``; without torch when nothing needs processing.
+
+    When every tensor is a byte range of a checkpoint file (an unquantized
+    checkpoint loaded without a dtype cast, sharded along contiguous
+    dimensions) and the slab offers torch-free access (a host memfd's
+    ``buffer``, a CUDA slab's ``stager()``), the reader fills it and takes
+    the digests with no torch imported (:func:`weightcache.loader.read_direct`).
+    Otherwise this is :func:`execute` on ``slab.tensor``. Both give the same
+    bytes and the same manifest.
+
+    Args:
+        p (`Plan`): from :func:`plan`.
+        slab (`WritableSlab`): from the backend's ``allocate``.
+        progress (`callable`, *optional*): called as ``progress(done_bytes, total_bytes)``.
+        options (`LoaderOptions`, *optional*): reader threads, staging bytes, O_DIRECT.
+
+    Returns:
+        `Filled`.
+
+    Raises:
+        The errors of :func:`execute`.
+    """
+    opts = options or LoaderOptions()
+    tasks, computed = _split_specs(p)
+    if computed or (getattr(slab, "buffer", None) is None and not hasattr(slab, "stager")):
+        timings: dict[str, float] = {}
+        manifest = execute(p, slab.tensor, progress, opts, timings=timings)
+        return Filled(manifest, False, timings["read_s"], timings["digest_s"], p.payload_bytes)
+    r = read_direct(tasks, slab, opts, _counter(p.payload_bytes, progress)[0])
+    return Filled(_manifest(p, r.digests), True, r.read_s, r.digest_s, r.bytes_read)
+
+
+def _manifest(p: Plan, sums: dict[str, str]) -> Manifest:
+    """The plan's records with their digests (aliases take their target's)."""
+    records = []
+    for rec in p.records:
+        d = sums.get(rec.alias_of or rec.name, "")
+        records.append(TensorRecord(rec.name, rec.dtype, rec.shape, rec.stride, rec.offset_bytes, rec.size_bytes,
+                                    d, rec.layout, rec.alias_of))
+    return Manifest(p.model.name, p.tp_size, p.tp_rank, p.key, p.slab_size_bytes, tuple(records))
+
+
 class _Reader:
     """Reads whole checkpoint tensors, caching within one spec.
 
@@ -296,7 +409,8 @@ class _Reader:
 
 
 def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
-            options: LoaderOptions | None = None, with_digests: bool = True) -> Manifest:
+            options: LoaderOptions | None = None, with_digests: bool = True,
+            timings: dict[str, float] | None = None) -> Manifest:
     """Reads, shards, processes and packs every tensor of ``p`` into ``slab``.
 
     Tensors that are a contiguous byte range of a file (whole tensors, dim-0
@@ -313,6 +427,7 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
         options (`LoaderOptions`, *optional*): reader threads, staging bytes, O_DIRECT.
         with_digests (`bool`, *optional*, defaults to `True`): record digests
             (the client's disk fallback skips them).
+        timings (`dict`, *optional*): receives ``read_s`` and ``digest_s`` (seconds).
 
     Returns:
         `Manifest` of the filled slab.
@@ -324,28 +439,9 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
     import torch
 
     opts = options or LoaderOptions()
-    total = p.payload_bytes
-    done = [0]
-    lock = threading.Lock()
-
-    def advance(n: int) -> None:
-        with lock:
-            done[0] += n
-            d = done[0]
-        if progress is not None:
-            progress(d, total)
-
+    advance, done = _counter(p.payload_bytes, progress)
     t0 = time.monotonic()
-    tasks, computed = [], []
-    paths: dict[str, str] = {}
-    for spec, rec in zip(p.specs, p.records):
-        if spec.alias_of is not None:
-            continue
-        task = direct_task(spec, rec, p.checkpoint, paths)
-        if task is not None:
-            tasks.append(task)
-        else:
-            computed.append((spec, rec))
+    tasks, computed = _split_specs(p)
     failure: list[BaseException] = []
 
     def direct() -> None:
@@ -382,27 +478,33 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
     t_packed = time.monotonic()
     stored = [(r.name, r.offset_bytes, r.size_bytes) for r in p.records if r.alias_of is None]
     sums = digest.digests(slab, stored, opts.threads) if with_digests else {}
+    t_end = time.monotonic()
     log.debug("packed checkpoint=%s size_bytes=%d direct=%d processed=%d pack_ms=%.1f digest_ms=%.1f",
-              p.checkpoint.path, done[0], len(tasks), len(computed), (t_packed - t0) * 1e3,
-              (time.monotonic() - t_packed) * 1e3)
-    records = []
-    for rec in p.records:
-        d = sums.get(rec.alias_of or rec.name, "")
-        records.append(TensorRecord(rec.name, rec.dtype, rec.shape, rec.stride, rec.offset_bytes, rec.size_bytes,
-                                    d, rec.layout, rec.alias_of))
-    return Manifest(p.model.name, p.tp_size, p.tp_rank, p.key, p.slab_size_bytes, tuple(records))
+              p.checkpoint.path, done[0], len(tasks), len(computed), (t_packed - t0) * 1e3, (t_end - t_packed) * 1e3)
+    if timings is not None:
+        timings.update(read_s=t_packed - t0, digest_s=t_end - t_packed)
+    return _manifest(p, sums)
 
 
 def verify(manifest: Manifest, slab) -> list[str]:
     """Names of the tensors whose resident bytes no longer match their digests.
 
     Args:
-        slab (`torch.Tensor`): the slab as 1-D ``uint8`` (host or CUDA).
+        slab (`torch.Tensor | SealedSlab`): the slab as 1-D ``uint8`` (host or
+            CUDA), or a backend's sealed slab: a host one (it offers
+            ``buffer``) is checked on its read-only mapping without torch
+            (:func:`weightcache.digest.matches_buffer`), a CUDA one on the GPU
+            through its ``tensor``.
     """
-    bad = []
-    for rec in manifest.tensors:
-        if rec.alias_of is not None:
-            continue
-        if not digest.matches(slab[rec.offset_bytes : rec.offset_bytes + rec.size_bytes], rec.digest):
-            bad.append(rec.name)
-    return bad
+    stored = [r for r in manifest.tensors if r.alias_of is None]
+    buf = getattr(slab, "buffer", None)
+    if buf is not None:
+        try:
+            return [r.name for r in stored
+                    if not digest.matches_buffer(buf[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]
+        finally:
+            buf.release()
+    if hasattr(slab, "tensor"):  # a CUDA sealed slab
+        slab = slab.tensor
+    return [r.name for r in stored
+            if not digest.matches(slab[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]

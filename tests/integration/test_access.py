@@ -89,7 +89,7 @@ def _as_user(pw: pwd.struct_passwd, target: str, socket_dir: str, fallback: bool
                 a = attach(target, socket_dir=socket_dir, fallback=fallback, timeout=30)
                 out = {"source": a.source, "reason": a.fallback_reason, "digest": _digest(a.tensors)}
             except WeightcacheError as e:
-                out = {"code": e.code, "details": e.details}
+                out = {"code": e.code, "details": e.details, "message": e.message}
         except BaseException as e:  # noqa: BLE001 - report anything to the parent
             out = {"crash": repr(e)}
         os.write(w, json.dumps(out, default=str).encode())
@@ -152,6 +152,9 @@ def test_socket_group_and_allow_lists(daemon, accounts):
         got = _as_user(u["wctest-outsider"], "open", svc.socket_dir)
         assert got.get("code") == "daemon_unavailable", got
         assert got["details"]["socket"] == svc.socket_path
+        # The message says who was refused and how to fix it, not just "no service".
+        assert f"Permission denied: user wctest-outsider (uid {u['wctest-outsider'].pw_uid})" in got["message"]
+        assert f"usermod -aG {CLIENTS} wctest-outsider" in got["message"], got
         outcomes += 1
 
         denied_uid = u["wctest-denied"].pw_uid

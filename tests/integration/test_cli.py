@@ -424,6 +424,7 @@ def test_commands_without_a_service(capsys, tmp_path):
         assert rc == 3, argv
     rc, out, err = cli(capsys, "status", "--gpu", "4", *s)
     assert rc == 3 and "GPU 4  unreachable: no weightcache service at" in out
+    assert "systemctl status weightcache@4.socket weightcache@4.service; journalctl -u weightcache@4" in out
 
 
 def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path):

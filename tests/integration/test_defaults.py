@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -186,6 +187,23 @@ def test_check_config_as_root_checks_as_the_service_user(unreadable_ck, tmp_path
     assert as_user.returncode == 1, as_user.stdout + as_user.stderr
     assert "checkpoint_unreadable" in as_user.stderr and "Traceback" not in as_user.stderr
     assert str(unreadable_ck / "model.safetensors") in as_user.stderr and "user nobody" in as_user.stderr
+
+
+def test_check_config_as_another_user_reports_an_impossible_path():
+    """Run by root, the checks happen in a child as the service user: its findings must reach the
+    terminal (a path too long to stat once ended the child silently with status 1)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    with tempfile.TemporaryDirectory(prefix="wc-long-") as d:  # pytest's tmp_path is root-only
+        os.chmod(d, 0o755)
+        cfg = Path(d) / "weightcache.toml"
+        cfg.write_text(f'[models.long]\npath = "/{"a" * 5000}"\n')
+        cfg.chmod(0o644)
+        r = subprocess.run([PY, "-m", "weightcache", "check-config", "--config", str(cfg), "--as-user", "nobody"],
+                           capture_output=True, text=True, timeout=120, env=service_env(), cwd="/")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "model long tp=1 rank=0" in r.stderr and "checkpoint_not_found" in r.stderr, r.stderr
+    assert "File name too long" in r.stderr and "Traceback" not in r.stderr
 
 
 # --- dtype --------------------------------------------------------------------

@@ -145,3 +145,11 @@ def test_unvalidated_checkpoint_reads_no_header_until_asked(tmp_path):
     assert ck.config == {"architectures": ["Tiny"]}
     with pytest.raises(CheckpointCorrupt, match="model-00002-of-00002.safetensors"):
         ck.raw_headers
+
+
+@pytest.mark.parametrize("path,cause", [("/" + "a" * 5000, "File name too long"), ("/srv/a\0b", "NUL character")])
+def test_impossible_path_is_checkpoint_not_found(path, cause):
+    """A path no directory can have is the typed error, not an OSError/ValueError traceback."""
+    with pytest.raises(Exception) as e:
+        Checkpoint(path)
+    assert e.value.code == "checkpoint_not_found" and cause in e.value.message

@@ -79,6 +79,7 @@ def test_env_var_selects_file(tmp_path, monkeypatch):
         ('[metrics]\naddress = "127.0.0.1:9661"\n', "metrics.address"),
         ("[metrics]\nlisten = 1\n", "metrics.listen"),
         ("metrics = 3\n", "metrics"),
+        ('[models.a]\npath = "/srv/a\\u0000b"\n', "models.a.path"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path, text, key):
@@ -159,3 +160,11 @@ def test_key_outside_a_table_without_a_commented_header(tmp_path):
         load_config(p)
     assert (e.value.details["key"], e.value.details["line"], e.value.details["commented_header_line"]) == (
         "read_threads", 1, None)
+
+
+def test_range_error_writes_bounds_as_integers(tmp_path):
+    """The bounds are what one writes in TOML (2097152), not %g's 2.09715e+06."""
+    p = _write(tmp_path, "[service]\nstaging_bytes = 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.message.endswith("expected at least 2097152 and at most 1099511627776")

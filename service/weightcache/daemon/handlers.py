@@ -271,7 +271,7 @@ def on_verify(ctx: Context, peer: Peer, msg: protocol.Verify) -> Outcome:
             results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, []))
             continue
         t0 = time.monotonic()
-        bad = pipeline.verify(s.manifest, s.sealed.tensor)
+        bad = pipeline.verify(s.manifest, s.sealed)
         log.log(logging.WARNING if bad else logging.INFO,
                 "verified model=%s tp_size=%d rank=%d tensors=%d mismatched=%d", p.model.name, p.tp_size, p.tp_rank,
                 len(s.manifest.tensors), len(bad),

@@ -8,11 +8,20 @@ result to a queue and writes one byte to the serving loop's wake-up pipe; the
 serving loop calls :func:`apply`, so only its thread moves a slot through the
 transition table.
 
+A load whose tensors are all byte ranges of the checkpoint (unquantized, no
+cast) runs without torch (:func:`weightcache.pipeline.fill`), so the first
+slab is ready before the seconds ``import torch`` takes are spent. When a
+model queued behind the current load may need torch (a dtype to cast to, a
+quantized checkpoint: :func:`weightcache.pipeline.may_need_torch`), torch is
+imported on a background thread (:func:`warm_torch`) while the current load
+reads. A service whose models need no torch does not import it until
+``verify`` is asked of a CUDA slab (a host slab is verified without torch).
+
 The loader reads only a slot's ``placement`` (immutable) and the set of
 slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
 slot is skipped, or its load stops at the next progress report; whatever it
-still posts for a DROPPED slot the serving loop passes to :func:`discard`. It
-also writes the slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
+still posts for a DROPPED slot the serving loop passes to :func:`discard`. It also writes the
+slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
 a manifest over the limit fails the load (``manifest_too_large``), so no
 slab is ever READY that an engine could not attach. A load that raises
 anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
@@ -30,10 +39,11 @@ import gc
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import pipeline
@@ -85,23 +95,37 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Loaded:
-    """The slab is sealed: its manifest, the backend's SealedSlab, its manifest file and the load time."""
+    """The slab is sealed: its manifest, the backend's SealedSlab, its manifest file and the load time.
+
+    ``stages_s`` holds the seconds of each stage: ``plan``, ``allocate``,
+    ``read`` (on CUDA's torch-free path, digests included), ``digest`` (there:
+    the share of ``read`` the digests took),
+    ``seal`` (with the manifest file); ``torch_free`` whether the slab was
+    filled without torch.
+    """
 
     slot: Slot
     manifest: Manifest
     sealed: Any
     manifest_file: SealedFile
     duration_s: float
+    stages_s: dict[str, float] = field(default_factory=dict)
+    torch_free: bool = False
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
         slot.loaded(self.manifest, self.sealed, self.manifest_file, time.monotonic())
         state.loads_done += 1
-        log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f rate_gbps=%.2f",
+        st = self.stages_s
+        read_s = st.get("read", dt)
+        log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f read_ms=%.0f "
+                 "read_gbps=%.2f plan_ms=%.0f allocate_ms=%.0f digest_ms=%.0f seal_ms=%.0f torch_free=%s",
                  p.model.name, p.tp_size, p.tp_rank, len(self.manifest.tensors), slot.total_bytes, dt * 1e3,
-                 slot.total_bytes / max(dt, 1e-9) / 1e9,
+                 read_s * 1e3, slot.total_bytes / max(read_s, 1e-9) / 1e9, st.get("plan", 0) * 1e3,
+                 st.get("allocate", 0) * 1e3, st.get("digest", 0) * 1e3, st.get("seal", 0) * 1e3,
+                 "yes" if self.torch_free else "no",
                  extra=event("loaded", p.model.name, p.tp_rank, size_bytes=slot.total_bytes, duration_ms=dt * 1e3,
-                             tensors=len(self.manifest.tensors)))
+                             tensors=len(self.manifest.tensors), read_ms=read_s * 1e3))
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,9 +176,10 @@ class Loader:
         self.settings = settings
         self._wake_fd = wake_fd
         self._jobs: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
-        self._cancelled: set[Slot] = set()
-        self._lock = threading.Lock()
+        self._cancelled: set[Slot] = set()  # dropped by a reload: skipped, or stopped at a progress report
         self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued: list[Slot] = []  # submitted, not yet taken: what the torch look-ahead reads
         self._thread = threading.Thread(target=self._run, name="weightcache-loader", daemon=True)
 
     def start(self) -> None:
@@ -163,12 +188,16 @@ class Loader:
 
     def submit(self, slot: Slot) -> None:
         """Queues a PENDING ``slot``."""
+        with self._lock:
+            self._queued.append(slot)
         self._jobs.put(slot)
 
     def cancel(self, slot: Slot) -> None:
         """Skips ``slot`` if still queued, or stops its load at the next progress report (a reload dropped it)."""
         with self._lock:
             self._cancelled.add(slot)
+            if slot in self._queued:  # nor does the torch look-ahead count it
+                self._queued.remove(slot)
 
     def _is_cancelled(self, slot: Slot) -> bool:
         with self._lock:
@@ -199,9 +228,13 @@ class Loader:
             slot = self._jobs.get()
             if slot is None:
                 return
-            if self._is_cancelled(slot):
-                with self._lock:
+            with self._lock:
+                if slot in self._queued:
+                    self._queued.remove(slot)
+                skip = slot in self._cancelled
+                if skip:
                     self._cancelled.discard(slot)
+            if skip:
                 continue
             # Planning and packing allocate a few objects per tensor and create no cycles; the cyclic
             # GC's full passes over a heap that grows by 150k records made a 150k-tensor load 2x slower.
@@ -216,16 +249,29 @@ class Loader:
             with self._lock:
                 self._cancelled.discard(slot)
 
+    def _look_ahead(self) -> None:
+        """Imports torch in the background when a model queued behind this load may need it."""
+        with self._lock:
+            later = [s.placement.model for s in self._queued]
+        if later and "torch" not in sys.modules and not _warm_thread:
+            threading.Thread(target=_warm_if_needed, args=(later,), name="weightcache-torch-lookahead",
+                             daemon=True).start()
+
     def _load(self, slot: Slot) -> Loaded | Failed:
         p, st = slot.placement, self.settings
         started = time.monotonic()
         self._post(Started(slot, started))
         writable = None
         last_post = [0.0]
+        stages: dict[str, float] = {}
         try:
             pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, st.device)
             self._post(Planned(slot, pl.payload_bytes))
+            self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
+            t_plan = time.monotonic()
             writable = st.backend.allocate(pl.slab_size_bytes, p.label)
+            t_alloc = time.monotonic()
+            stages.update(plan=t_plan - started, allocate=t_alloc - t_plan)
 
             def progress(done: int, total: int) -> None:
                 now = time.monotonic()
@@ -241,7 +287,9 @@ class Loader:
                     last_post[0] = now
                     self._post(Progress(slot, done))
 
-            manifest = pipeline.execute(pl, writable.tensor, progress, st.options)
+            filled = pipeline.fill(pl, writable, progress, st.options)
+            t_filled = time.monotonic()
+            manifest = filled.manifest
             # Here, not at the first attach: a manifest no engine could read fails the load, by name.
             raw = pack_file(manifest, backend=st.backend.name, size_bytes=writable.size_bytes,
                             checkpoint_path=p.model.path, placement=p.to_json())
@@ -252,7 +300,9 @@ class Loader:
                 manifest_file.close()
                 raise
             writable = None
-            return Loaded(slot, manifest, sealed, manifest_file, time.monotonic() - started)
+            end = time.monotonic()
+            stages.update(read=filled.read_s, digest=filled.digest_s, seal=end - t_filled)
+            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free)
         except WeightcacheError as e:
             return self._fail(slot, e, writable)
         except MemoryError as e:
@@ -282,6 +332,41 @@ def discard(result: Started | Planned | Progress | Loaded | Failed) -> None:
         result.manifest_file.close()
         log.info("load discarded model=%s rank=%d reason=removed-by-reload", result.slot.placement.model.name,
                  result.slot.placement.tp_rank)
+
+
+def _warm_if_needed(later: list[Any]) -> None:
+    """Starts :func:`warm_torch` when a model queued behind the current load may need torch."""
+    if any(pipeline.may_need_torch(m) for m in later):
+        warm_torch()
+
+
+_warm_lock = threading.Lock()
+_warm_thread: list[threading.Thread] = []
+
+
+def warm_torch() -> threading.Thread | None:
+    """Imports torch on a background daemon thread, once per process; returns that thread (None: already imported).
+
+    Whatever needs torch later (``import torch`` anywhere) waits on the same
+    import instead of starting its own; nothing waits for it otherwise.
+    """
+    if "torch" in sys.modules and not _warm_thread:
+        return None
+    with _warm_lock:
+        if not _warm_thread:
+            def run() -> None:
+                t0 = time.monotonic()
+                try:
+                    import torch  # noqa: F401 - the import is the point
+                except Exception as e:  # noqa: BLE001 - whoever needs torch will meet the error itself
+                    log.warning("background import of torch failed error=%r", e)
+                    return
+                log.debug("torch imported in the background duration_ms=%.0f", (time.monotonic() - t0) * 1e3)
+
+            th = threading.Thread(target=run, name="weightcache-torch-import", daemon=True)
+            th.start()
+            _warm_thread.append(th)
+        return _warm_thread[0]
 
 
 def apply(state: ServiceState, result: Started | Planned | Progress | Loaded | Failed) -> None:

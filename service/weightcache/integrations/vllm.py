@@ -4,26 +4,37 @@ Usage (the plugin is found through the ``vllm.general_plugins`` entry point,
 so it is active in the engine process and in every worker)::
 
     vllm serve /srv/models/Llama-3.1-8B --load-format weightcache \\
-        --model-loader-extra-config '{"socket_dir": "/run/weightcache", "fallback": true, "mode": "copy"}'
+        --model-loader-extra-config '{"socket_dir": "/run/weightcache", "fallback": true}'
 
     LLM(model=path, load_format="weightcache",
         model_loader_extra_config={"fallback": False})
 
-vLLM builds the model as usual (its own parameters, on its own device); this
-loader attaches the rank's tensors with :func:`weightcache.attach` (tensor
-parallel size and rank from vLLM's parallel state, the device from the
-model's parameters) and feeds them to the model, after which vLLM's own
-``process_weights_after_loading`` runs unchanged:
+The loader asks the service for vLLM's own model dtype (``--dtype``, e.g.
+``float32``), never ``auto``. Two modes:
 
-- ``tp_size == 1``: tensors with checkpoint (Hugging Face) names go through
-  ``model.load_weights``, exactly like vLLM's default loader. Tensors the
-  service stored in a kernel layout (ModelOpt FP8: transposed, padded) are
-  given back in checkpoint form (a view, then a private copy), as the
-  ``layouts`` metadata describes.
-- ``tp_size > 1``: the service holds the rank's shard in vLLM's naming
-  (fused ``qkv_proj``/``gate_up_proj``, padded vocabulary), which is copied
-  straight into the parameters of the same name and shape, as vLLM's
-  ``ShardedStateLoader`` does; unquantized checkpoints only.
+- ``zero_copy`` (the default): vLLM's parameters *are* the service's
+  read-only tensors, attached with ``naming = "vllm"`` at any tensor-parallel
+  size (:mod:`weightcache.integrations.vllm_zero_copy` has the steps).
+  :meth:`WeightcacheModelLoader.get_external_weight_memory` gives vLLM's
+  memory profiler the attached bytes; the attachment (the lease) is kept as
+  ``model._weightcache`` and closed when the model goes or the process exits.
+  Where vLLM cannot take the slab's tensors as they are (a quant method
+  without ``supports_pre_processed_weights``, a failed start-up canary, an
+  architecture without vLLM naming rules) the loader logs the reason and
+  loads in ``copy`` mode; ``fallback = false`` makes that an error. Features
+  that write into weights (LoRA, sleep mode, weight transfer,
+  ``reload_weights``) are refused with ``config_invalid``.
+- ``copy``: vLLM builds the model as usual (its own parameters, on its own
+  device) and the attached tensors are copied in; vLLM's own
+  ``process_weights_after_loading`` runs unchanged. Unquantized models of a
+  family with vLLM naming rules (Llama, Mistral, Qwen2) attach with
+  ``naming = "vllm"`` (the same slab as zero-copy), and each tensor is copied
+  into the parameter of the same name and shape, as vLLM's
+  ``ShardedStateLoader`` does. Quantized models (``tp_size == 1``) attach with
+  ``naming = "hf"`` and go through ``model.load_weights``, exactly like
+  vLLM's default loader; tensors the service stored in a kernel layout
+  (ModelOpt FP8: transposed, padded) are given back in checkpoint form (a
+  view, then a private copy), as the ``layouts`` metadata describes.
 
 Extra config keys (anything else is an error):
 
@@ -33,20 +44,20 @@ key            default          meaning
 socket_dir     ``None``         service socket directory (else ``$WEIGHTCACHE_SOCKET_DIR``,
                                 else ``/run/weightcache``)
 fallback       ``true``         load from disk through weightcache's pipeline when the
-                                service cannot serve (the reason is logged)
-mode           ``"copy"``       ``copy``: vLLM's parameters are its own memory, filled from
-                                the attachment. ``zero_copy`` is designed (docs/engines.md)
-                                but not shipped: rejected
+                                service cannot serve, and from ``zero_copy`` to ``copy``
+                                when vLLM cannot share the slab (the reason is logged)
+mode           ``"zero_copy"``  ``zero_copy`` or ``copy`` (above)
 timeout_s      ``30``           seconds to wait for the service (a load in progress included)
 gpu            derived          service instance; default: the physical index of the
                                 model's CUDA device (``CUDA_VISIBLE_DEVICES``), 0 on CPU
-dtype          ``"auto"``       dtype to ask for (must match the service's config)
 kernel         ``"cutlass"``    kernel layout target of quantized weights
 =============  ===============  =====================================================
 
 Log lines go to vLLM's logger tree (``vllm.weightcache...``) so that they show
 in vLLM's own log: one ``weightcache attached`` line with ``source=daemon|disk``
-and, on a disk fallback, a WARNING with the reason.
+and ``mode=zero_copy|copy``; a WARNING with the reason on a disk fallback
+(``weightcache fallback to disk``) and on a fall back to copy mode
+(``weightcache zero-copy refused``).
 
 Forbidden imports: weightcache.daemon.
 """
@@ -56,22 +67,27 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from vllm.config import ModelConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_default_torch_dtype
 
+from .. import sharding
 from ..checkpoint import Checkpoint
 from ..client import Attachment, attach, physical_gpu  # noqa: F401  (physical_gpu: re-exported)
-from ..errors import ConfigError, ShapeMismatch
+from ..errors import ConfigError, ShapeMismatch, WeightcacheError
+from . import vllm_zero_copy as zc
 
 # vLLM attaches its handler to the "vllm" logger only; a child of it shows in
 # vLLM's log with vLLM's format (getLogger(__name__) would be silent there).
@@ -80,14 +96,16 @@ log = init_logger("vllm." + __name__)
 #: The ``--load-format`` value.
 LOAD_FORMAT = "weightcache"
 
+#: ``mode`` values.
+MODES = ("zero_copy", "copy")
+
 #: Extra config keys: name -> (accepted types, default).
 EXTRA_CONFIG: dict[str, tuple[tuple[type, ...], Any]] = {
     "socket_dir": ((str, type(None)), None),
     "fallback": ((bool,), True),
-    "mode": ((str,), "copy"),
+    "mode": ((str,), "zero_copy"),
     "timeout_s": ((int, float), 30.0),
     "gpu": ((int, type(None)), None),
-    "dtype": ((str,), "auto"),
     "kernel": ((str,), "cutlass"),
 }
 
@@ -102,19 +120,20 @@ def parse_extra_config(extra: dict[str, Any] | None) -> dict[str, Any]:
         `dict`: every key of :data:`EXTRA_CONFIG`, defaults filled in.
 
     Raises:
-        ConfigError (`config_invalid`): an unknown key, a value of the wrong
-            type, an unknown ``mode``, or ``mode = "zero_copy"`` (not shipped).
+        ConfigError (`config_invalid`): an unknown key (``dtype`` included:
+            the dtype is vLLM's ``--dtype``), a value of the wrong type, a
+            ``mode`` not in :data:`MODES`, or ``timeout_s <= 0``.
 
     Example:
         >>> parse_extra_config({"fallback": False})["mode"]
-        'copy'
+        'zero_copy'
     """
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(EXTRA_CONFIG))
     if unknown:
         raise ConfigError(
             f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: unknown keys {unknown}; "
-            f"accepted keys are {sorted(EXTRA_CONFIG)}", key=unknown[0])
+            f"accepted keys are {sorted(EXTRA_CONFIG)} (the dtype is vLLM's own --dtype)", key=unknown[0])
     out: dict[str, Any] = {}
     for key, (types, default) in EXTRA_CONFIG.items():
         value = extra.get(key, default)
@@ -124,19 +143,31 @@ def parse_extra_config(extra: dict[str, Any] | None) -> dict[str, Any]:
                 f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: {key} must be "
                 f"{' or '.join(t.__name__ for t in types)}, got {value!r}", key=key)
         out[key] = value
-    if out["mode"] == "zero_copy":
+    if out["mode"] not in MODES:
         raise ConfigError(
-            f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: mode 'zero_copy' is not available "
-            f"for vLLM yet (it needs vLLM's pre-processed restore path, see docs/engines.md); use mode 'copy'",
-            key="mode")
-    if out["mode"] != "copy":
-        raise ConfigError(
-            f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: mode must be 'copy', "
+            f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: mode must be one of {list(MODES)}, "
             f"got {out['mode']!r}", key="mode")
     if out["timeout_s"] <= 0:
         raise ConfigError(f"--model-loader-extra-config: timeout_s must be > 0, got {out['timeout_s']!r}",
                           key="timeout_s")
     return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The service's name for vLLM's model dtype (``torch.float32`` -> ``"float32"``).
+
+    Raises:
+        ConfigError (`config_invalid`): a dtype the service cannot hold.
+
+    Example:
+        >>> dtype_name(torch.bfloat16)
+        'bfloat16'
+    """
+    name = str(dtype).removeprefix("torch.")
+    if name not in ("bfloat16", "float16", "float32"):
+        raise ConfigError(f"load format {LOAD_FORMAT!r}: vLLM's dtype {name} is not one the service holds "
+                          f"(bfloat16, float16, float32); set --dtype", key="dtype")
+    return name
 
 
 def checkpoint_form(name: str, tensor: torch.Tensor, layout: dict[str, Any],
@@ -187,6 +218,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rank:
+    """What this worker attaches: checkpoint, tensor-parallel rank, device, service instance, dtype."""
+
+    path: str
+    tp_size: int
+    tp_rank: int
+    device: str  # "cpu" or "cuda:N"
+    gpu: int  # the service instance
+    dtype: str
+
+
 class WeightcacheModelLoader(BaseModelLoader):
     """Model loader for ``--load-format weightcache`` (see the module docstring).
 
@@ -197,69 +240,192 @@ class WeightcacheModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
         self.options = parse_extra_config(load_config.model_loader_extra_config)
-        self.attachment: Attachment | None = None
+        # A zero-copy attachment that copy mode takes over after a refused canary.
+        self._handoff: Attachment | None = None
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Nothing to download: the checkpoint is a local directory or served by name."""
 
-    def get_external_weight_memory(self, vllm_config: Any) -> int:
-        """0: in ``copy`` mode every weight lives in vLLM's own memory."""
-        return 0
+    def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
+        """Bytes of this rank's slab, which zero-copy maps outside vLLM's allocator; 0 in ``copy`` mode.
 
-    def _device(self, model: nn.Module) -> tuple[str, int | None]:
-        param = next(model.parameters(), None)
-        dev = param.device if param is not None else torch.device("cpu")
-        if dev.type == "cpu":
-            return "cpu", self.options["gpu"]
-        if dev.type != "cuda":
-            raise ConfigError(f"load format {LOAD_FORMAT!r} supports cpu and cuda devices, the model is on {dev}",
-                              key="device")
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        gpu = self.options["gpu"]
-        if gpu is None:
-            gpu = physical_gpu(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        return f"cuda:{index}", gpu
+        vLLM's GPU worker asks before loading (a fresh loader, parallel state
+        initialised) and takes the bytes out of the KV-cache budget's
+        accounting. The slab is attached and released again to read its
+        size. When the service cannot serve (the load will then read from
+        disk into vLLM's own memory) the answer is 0.
+        """
+        if self.options["mode"] != "zero_copy":
+            return 0
+        rank = self._rank(vllm_config.model_config, self._target(vllm_config))
+        try:
+            w = self._attach(rank, "vllm", fallback=False)
+        except WeightcacheError as e:
+            log.info("weightcache external weight memory 0 checkpoint=%s tp_rank=%d reason=%s: %s",
+                     rank.path, rank.tp_rank, e.code, e.message)
+            return 0
+        with w:
+            return w.resident_bytes
 
-    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        """Attaches the rank's weights and loads them into ``model``.
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        """Builds the model: zero-copy when possible (and asked for), else vLLM's usual way plus a copy.
 
         Raises:
+            ConfigError (`config_invalid`): a feature that writes into weights
+                in ``zero_copy`` mode; ``zero_copy`` impossible for this model
+                with ``fallback = false``; ``tp_size > 1`` with a quantized model.
+            ShapeMismatch (`shape_mismatch`): the slab does not fit vLLM's model
+                (names, shapes, a tensor left on meta), or the canary found a
+                difference with ``fallback = false``.
             DaemonUnavailable, CacheKeyMismatch, ModelLoading, ... : from
                 :func:`weightcache.attach` when ``fallback`` is false.
-            UnsupportedQuantization (`unsupported_quantization`): always.
-            ConfigError (`config_invalid`): ``tp_size > 1`` with a quantized model.
-            ShapeMismatch (`shape_mismatch`): a tensor that fits no parameter.
         """
-        o = self.options
-        tp_size = get_tensor_model_parallel_world_size()
-        tp_rank = get_tensor_model_parallel_rank()
-        if tp_size > 1 and model_config.quantization is not None:
+        if self.options["mode"] == "zero_copy":
+            model = self._load_zero_copy(vllm_config, model_config, prefix)
+            if model is not None:
+                return model
+        return super().load_model(vllm_config, model_config, prefix)
+
+    # --- zero-copy -----------------------------------------------------------------------
+
+    def _load_zero_copy(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module | None:
+        features = zc.writing_features(vllm_config)
+        if features:
             raise ConfigError(
-                f"load format {LOAD_FORMAT!r}: tensor parallelism (tp_size={tp_size}) with quantization "
-                f"{model_config.quantization!r} is not supported yet; use tp_size 1 or the default loader",
-                key="tensor_parallel_size")
-        device, gpu = self._device(model)
-        path = model_config.model_weights or model_config.model
-        naming = "hf" if tp_size == 1 else "vllm"
+                f"load format {LOAD_FORMAT!r}, mode 'zero_copy': {features[0]} writes into the weights, which "
+                f"are the service's read-only memory in this mode; turn it off or use mode 'copy'", key="mode")
+        target = self._target(vllm_config)
+        rank = self._rank(model_config, target)
         t0 = time.monotonic()
-        w = attach(path, tp_size=tp_size, tp_rank=tp_rank, device=device, mode="zero_copy",
-                   fallback=o["fallback"], timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=gpu,
-                   dtype=o["dtype"], naming=naming, kernel=o["kernel"])
+        config_json = Checkpoint(rank.path, validate=False).config
+        if sharding.family_of(config_json) is None:
+            return self._refused(rank, f"architecture {config_json.get('architectures')} has no vLLM naming "
+                                 f"rules in weightcache (families: {', '.join(sharding.FAMILIES)})", ConfigError,
+                                 key="mode")
+        plain_cpu = current_platform.is_cpu()
+        quantized = model_config.quantization is not None
+        undo = zc.registry_undo(vllm_config)
+        with set_default_torch_dtype(model_config.dtype):
+            model = zc.initialize_on_meta(vllm_config, model_config, prefix, target)
+            reason = zc.quant_refusal(model)
+            if reason is not None:
+                undo()
+                return self._refused(rank, reason, ConfigError, key="mode")
+            w: Attachment | None = self._attach(rank, "vllm", self.options["fallback"])
+            try:
+                self._log_fallback(rank, w)
+                diff = zc.canary(vllm_config, model_config, prefix, rank.path, w, target, plain_cpu)
+                if diff is not None:
+                    undo()
+                    self._handoff, w = w, None
+                    return self._refused(rank, diff.reason, ShapeMismatch, tensor=diff.tensor)
+                shared = zc.share(model, w, check_shapes=not quantized)
+                if not quantized:
+                    zc.check_all_shared(model, shared)
+                if plain_cpu:
+                    zc.mark_plain_cpu_linear(model)
+                zc.finish(model, model_config, target, shared, plain_cpu)
+            except BaseException:
+                if w is not None:
+                    w.close()
+                raise
+        _keep_lease(model, w)
+        private = zc.private_tensors(model, shared)
+        self._log_attached(rank, w, "zero_copy", t0, private=len(private))
+        if private:
+            log.info("weightcache private copies tensors=%s", private)
+        return model.eval()
+
+    def _refused(self, rank: _Rank, reason: str, error: type[WeightcacheError], **details: Any) -> None:
+        """Zero-copy is not possible: copy mode with a logged reason, or (``fallback = false``) ``error``."""
+        if not self.options["fallback"]:
+            if self._handoff is not None:
+                self._handoff.close()
+                self._handoff = None
+            raise error(f"load format {LOAD_FORMAT!r}: mode 'zero_copy' is not possible for {rank.path}: {reason}; "
+                        f"use mode 'copy', or fallback true to let the loader do so", **details)
+        log.warning("weightcache zero-copy refused, loading in copy mode checkpoint=%s tp_rank=%d reason=%s",
+                    rank.path, rank.tp_rank, reason)
+
+    # --- copy ----------------------------------------------------------------------------
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """Copy mode: attaches the rank's weights and copies them into ``model``'s parameters.
+
+        Raises:
+            ConfigError (`config_invalid`): ``model`` is zero-copy (its weights
+                are the service's read-only memory: no reload); ``tp_size > 1``
+                with a quantized model or an architecture without vLLM naming
+                rules.
+            ShapeMismatch (`shape_mismatch`): a tensor that fits no parameter.
+            DaemonUnavailable, CacheKeyMismatch, ModelLoading, ... : from
+                :func:`weightcache.attach` when ``fallback`` is false.
+        """
+        if getattr(model, "_weightcache", None) is not None:
+            _refuse_reload()
+        param = next(model.parameters(), None)
+        rank = self._rank(model_config, param.device if param is not None else torch.device("cpu"))
+        t0 = time.monotonic()
+        w, self._handoff = self._handoff, None
+        if w is None:
+            quantized = model_config.quantization is not None
+            named = not quantized and sharding.family_of(Checkpoint(rank.path, validate=False).config) is not None
+            if rank.tp_size > 1 and not named:
+                raise ConfigError(
+                    f"load format {LOAD_FORMAT!r}: tensor parallelism (tp_size={rank.tp_size}) needs an "
+                    f"unquantized model of a family with vLLM naming rules ({', '.join(sharding.FAMILIES)}); "
+                    f"quantization={model_config.quantization!r}: use tp_size 1 or the default loader",
+                    key="tensor_parallel_size")
+            w = self._attach(rank, "vllm" if named else "hf", self.options["fallback"])
+            self._log_fallback(rank, w)
         try:
-            if w.fallback_reason is not None:
-                log.warning("weightcache fallback to disk checkpoint=%s tp_rank=%d reason=%s",
-                            path, tp_rank, w.fallback_reason)
-            if tp_size == 1:
-                loaded = model.load_weights(self._weights(path, w))
-                self._track(model, model_config, loaded)
-            else:
+            if w.manifest.key.get("naming") == "vllm":
                 self._copy_into(model, w)
-            log.info("weightcache attached checkpoint=%s source=%s tp_size=%d tp_rank=%d device=%s gpu=%s "
-                     "tensors=%d size_bytes=%d duration_ms=%.1f", path, w.source, tp_size, tp_rank, device, gpu,
-                     len(w.tensors), w.resident_bytes, (time.monotonic() - t0) * 1e3)
+            else:
+                loaded = model.load_weights(self._weights(rank.path, w))
+                self._track(model, model_config, loaded)
+            self._log_attached(rank, w, "copy", t0)
         finally:
             # copy mode: every byte now lives in vLLM's parameters; end the lease.
             w.close()
+
+    # --- shared ----------------------------------------------------------------------------
+
+    def _target(self, vllm_config: VllmConfig) -> torch.device:
+        """The device vLLM loads onto (``load_config.device``, else the device config's)."""
+        return torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
+
+    def _rank(self, model_config: ModelConfig, dev: torch.device) -> _Rank:
+        if dev.type == "cpu":
+            device, gpu = "cpu", self.options["gpu"] or 0
+        elif dev.type == "cuda":
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            device, gpu = f"cuda:{index}", self.options["gpu"]
+            if gpu is None:
+                gpu = physical_gpu(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        else:
+            raise ConfigError(f"load format {LOAD_FORMAT!r} supports cpu and cuda devices, the model is on {dev}",
+                              key="device")
+        return _Rank(model_config.model_weights or model_config.model, get_tensor_model_parallel_world_size(),
+                     get_tensor_model_parallel_rank(), device, gpu, dtype_name(model_config.dtype))
+
+    def _attach(self, rank: _Rank, naming: str, fallback: bool) -> Attachment:
+        o = self.options
+        return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode="zero_copy",
+                      fallback=fallback, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
+                      dtype=rank.dtype, naming=naming, kernel=o["kernel"])
+
+    def _log_fallback(self, rank: _Rank, w: Attachment) -> None:
+        if w.fallback_reason is not None:
+            log.warning("weightcache fallback to disk checkpoint=%s tp_rank=%d reason=%s",
+                        rank.path, rank.tp_rank, w.fallback_reason)
+
+    def _log_attached(self, rank: _Rank, w: Attachment, mode: str, t0: float, **extra: Any) -> None:
+        log.info("weightcache attached checkpoint=%s source=%s mode=%s tp_size=%d tp_rank=%d device=%s gpu=%s "
+                 "dtype=%s naming=%s tensors=%d size_bytes=%d duration_ms=%.1f%s", rank.path, w.source, mode,
+                 rank.tp_size, rank.tp_rank, rank.device, rank.gpu, rank.dtype, w.manifest.key.get("naming"),
+                 len(w.tensors), w.manifest.slab_size_bytes, (time.monotonic() - t0) * 1e3,
+                 "".join(f" {k}={v}" for k, v in extra.items()))
 
     def _weights(self, path: str, w: Attachment) -> Iterator[tuple[str, torch.Tensor]]:
         ck_shapes: dict[str, tuple[int, ...]] = {}
@@ -287,8 +453,8 @@ class WeightcacheModelLoader(BaseModelLoader):
             if dst is None or tuple(dst.shape) != tuple(tensor.shape):
                 raise ShapeMismatch(
                     f"attached tensor {name!r} {list(tensor.shape)} has no vLLM parameter of that name and shape "
-                    f"(found {list(dst.shape) if dst is not None else None}); this architecture's tensor-parallel "
-                    f"naming differs from vLLM's: use tp_size 1 or the default loader",
+                    f"(found {list(dst.shape) if dst is not None else None}); weightcache's vLLM naming for this "
+                    f"architecture differs from this vLLM's model: use the default loader",
                     tensor=name, actual=list(tensor.shape))
             if id(dst) in filled:
                 continue
@@ -299,6 +465,29 @@ class WeightcacheModelLoader(BaseModelLoader):
             raise ShapeMismatch(
                 f"vLLM parameters {missing[:5]} ({len(missing)} in all) got no tensor from the attachment; "
                 f"the service's layout does not cover this model", tensor=missing[0])
+
+
+def _refuse_reload(*args: Any, **kwargs: Any) -> None:
+    """``load_weights`` of a zero-copy model (vLLM's ``reload_weights``): refused.
+
+    Raises:
+        ConfigError (`config_invalid`): always.
+    """
+    raise ConfigError(
+        f"reload_weights: the weights of this model are the weightcache service's read-only memory "
+        f"(load format {LOAD_FORMAT!r}, mode 'zero_copy') and cannot be written; start the engine with "
+        f"mode 'copy' to reload weights in place", key="mode")
+
+
+def _keep_lease(model: nn.Module, w: Attachment) -> None:
+    """Ties the attachment (the lease) to ``model``: closed when the model is collected or at exit.
+
+    The model's ``load_weights`` (what vLLM's ``reload_weights`` calls) is
+    replaced by :func:`_refuse_reload`.
+    """
+    model._weightcache = w
+    weakref.finalize(model, w.close)
+    model.load_weights = _refuse_reload
 
 
 def register() -> None:

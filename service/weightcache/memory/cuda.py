@@ -17,6 +17,11 @@ Driver calls (CUDA Driver API, "Virtual Memory Management"), through NVIDIA's
   warning; :attr:`CudaSealedSlab.owner_read_only` says which happened).
 - import: ``cuMemImportFromShareableHandle`` (does not consume the fd),
   reserve, map, ``cuMemSetAccess`` ``PROT_READ``.
+- fill without torch (:class:`CudaStager`, one per reader thread): two
+  page-locked host buffers (``cuMemAllocHost``), a non-blocking stream
+  (``cuStreamCreate``) and a blocking-sync event per buffer (``cuEventCreate``); each chunk
+  is copied with ``cuMemcpyHtoDAsync`` and its buffer reused only after
+  ``cuEventSynchronize`` on the event recorded behind the copy.
 
 Read-only is enforced by the GPU's page tables: a kernel writing through a
 ``PROT_READ`` mapping faults (``cudaErrorIllegalAddress``, which poisons the
@@ -43,6 +48,7 @@ Forbidden imports: daemon, client, protocol, cli.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import threading
@@ -64,6 +70,7 @@ __all__ = [
     "CudaWritableSlab",
     "CudaSealedSlab",
     "CudaImportedSlab",
+    "CudaStager",
     "gpu_uuid",
 ]
 
@@ -350,13 +357,111 @@ def _map_fd(device: _Device, fd: int, size_bytes: int, read_only: bool) -> _Mapp
             cu.cuMemRelease(handle)
 
 
+class CudaStager:
+    """One reader thread's way into a slab without torch: two pinned buffers, a stream, two events.
+
+    Use as a context manager in the thread that copies: entering makes the
+    device's primary context current and allocates, leaving waits for every
+    copy (``cuStreamSynchronize``) and frees. Per chunk: ``wait(i)``, fill
+    ``buffer(i)``, ``copy(i, ...)``.
+
+    Args:
+        device (`_Device`): the slab's GPU.
+        slab_ptr (`int`): device address of the slab's first byte.
+        slab_bytes (`int`): the slab's size (copies are bounds-checked against it).
+        buffer_bytes (`int`): size of each of the two pinned buffers.
+
+    Raises:
+        CudaDriverError: a driver call failed (on enter, on a copy, or on exit).
+    """
+
+    def __init__(self, device: _Device, slab_ptr: int, slab_bytes: int, buffer_bytes: int) -> None:
+        self._device = device
+        self._slab_ptr = int(slab_ptr)
+        self._slab_bytes = int(slab_bytes)
+        self.buffer_bytes = int(buffer_bytes)
+        self._host: list[int] = []
+        self._views: list[memoryview] = []
+        self._events: list[Any] = []
+        self._recorded = [False, False]
+        self._stream: Any = None
+
+    def __enter__(self) -> "CudaStager":
+        _check("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._device.ctx))
+        try:
+            self._stream = _check("cuStreamCreate",
+                                  cu.cuStreamCreate(int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)))
+            for _ in range(2):
+                ptr = int(_check("cuMemAllocHost", cu.cuMemAllocHost(self.buffer_bytes),
+                                 f"{self.buffer_bytes} bytes of pinned staging memory (service.staging_bytes)"))
+                self._host.append(ptr)
+                self._views.append(memoryview((ctypes.c_ubyte * self.buffer_bytes).from_address(ptr)).cast("B"))
+                # Blocking sync: a reader waiting for its buffer sleeps instead of spinning on a core
+                # that the other readers' preadv needs.
+                flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING) | int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
+                self._events.append(_check("cuEventCreate", cu.cuEventCreate(flags)))
+        except BaseException:
+            self._free()
+            raise
+        return self
+
+    def buffer(self, i: int) -> memoryview:
+        """Pinned buffer ``i`` (0 or 1), writable, ``buffer_bytes`` long; :meth:`wait` on it first."""
+        return self._views[i]
+
+    def wait(self, i: int) -> None:
+        """Blocks until the last copy out of buffer ``i`` is done (``cuEventSynchronize``)."""
+        if self._recorded[i]:
+            _check("cuEventSynchronize", cu.cuEventSynchronize(self._events[i]), "a copy into the slab failed")
+            self._recorded[i] = False
+
+    def copy(self, i: int, src_offset: int, length: int, slab_offset: int) -> None:
+        """Queues ``length`` bytes at ``src_offset`` of buffer ``i`` to ``slab_offset`` of the slab.
+
+        Raises:
+            ValueError: the range is outside the buffer or the slab.
+        """
+        if src_offset < 0 or length < 0 or src_offset + length > self.buffer_bytes \
+                or slab_offset < 0 or slab_offset + length > self._slab_bytes:
+            raise ValueError(f"staged copy of {length} bytes from buffer offset {src_offset} to slab offset "
+                             f"{slab_offset}: outside the buffer ({self.buffer_bytes}) or slab ({self._slab_bytes})")
+        _check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(self._slab_ptr + slab_offset, self._host[i] + src_offset,
+                                                         length, self._stream))
+        _check("cuEventRecord", cu.cuEventRecord(self._events[i], self._stream))
+        self._recorded[i] = True
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self._stream is not None:
+                _check("cuStreamSynchronize", cu.cuStreamSynchronize(self._stream), "a copy into the slab failed")
+        finally:
+            self._free()
+
+    def _free(self) -> None:
+        for v in self._views:
+            v.release()
+        self._views.clear()
+        for ev in self._events:
+            cu.cuEventDestroy(ev)
+        self._events.clear()
+        for ptr in self._host:
+            cu.cuMemFreeHost(ptr)
+        self._host.clear()
+        if self._stream is not None:
+            cu.cuStreamDestroy(self._stream)
+            self._stream = None
+        cu.cuCtxPopCurrent()
+
+
 class CudaWritableSlab:
     """A VMM allocation being filled by the loader.
 
     Attributes:
         size_bytes (`int`): allocation size, rounded up to the granularity.
+        ptr (`int`): device address of the first byte (valid until :meth:`seal`/:meth:`abort`).
         tensor (`torch.Tensor`): the whole slab, shape ``(size_bytes,)``, dtype
-            ``U8``, on ``cuda:<gpu>``, writable until :meth:`seal`.
+            ``U8``, on ``cuda:<gpu>``, writable until :meth:`seal`; built on
+            first use (importing torch then).
         label (`str`): what the slab holds (model/layout/rank), for messages.
     """
 
@@ -384,12 +489,26 @@ class CudaWritableSlab:
             finally:
                 # The mapping holds the allocation from here on; unmapping frees it.
                 cu.cuMemRelease(handle)
-        try:
-            self.tensor = self._mapping.tensor()
-        except BaseException:
-            self.abort()
-            raise
+        self.ptr = self._mapping.ptr
+        self._tensor = None
         log.info("slab allocated gpu=%d label=%s size_bytes=%d", device.index, label, self.size_bytes)
+
+    @property
+    def tensor(self):
+        """The writable ``uint8`` tensor over the slab, built on first use (imports torch)."""
+        if self._tensor is None and self._mapping is not None:
+            self._tensor = self._mapping.tensor()
+        return self._tensor
+
+    def stager(self, buffer_bytes: int) -> CudaStager:
+        """A :class:`CudaStager` into this slab with two pinned buffers of ``buffer_bytes`` (one per reader thread).
+
+        Raises:
+            RuntimeError: the slab was sealed or aborted.
+        """
+        if self._mapping is None:
+            raise RuntimeError(f"slab {self.label!r} was already sealed or aborted")
+        return CudaStager(self._device, self.ptr, self.size_bytes, buffer_bytes)
 
     def seal(self) -> "CudaSealedSlab":
         """Waits for all queued writes, exports the fd, makes the owner's view read-only.
@@ -412,7 +531,7 @@ class CudaWritableSlab:
         except BaseException:
             os.close(fd)
             raise
-        self.tensor = None
+        self._tensor = None
         self._mapping = None
         log.info(
             "slab sealed gpu=%d label=%s size_bytes=%d owner_read_only=%s",
@@ -425,7 +544,7 @@ class CudaWritableSlab:
 
     def abort(self) -> None:
         """Frees the allocation now; views of ``tensor`` must not be used after."""
-        self.tensor = None
+        self._tensor = None
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
             mapping.release()

@@ -103,7 +103,15 @@ def _round(size_bytes: int) -> int:
 
 
 class HostWritableSlab:
-    """A memfd being filled. ``tensor`` is a writable 1-D ``uint8`` CPU tensor."""
+    """A memfd being filled.
+
+    Attributes:
+        size_bytes (`int`): mapping size, a multiple of the page size.
+        buffer (`memoryview`): the writable mapping, format ``B``, ``size_bytes``
+            long; what the torch-free reader writes into.
+        tensor (`torch.Tensor`): the same bytes as a writable 1-D ``uint8`` CPU
+            tensor, built on first use (importing torch then).
+    """
 
     def __init__(self, size_bytes: int, label: str) -> None:
         self.size_bytes = _round(size_bytes)
@@ -120,23 +128,43 @@ class HostWritableSlab:
                 size_bytes=self.size_bytes,
                 model=label,
             ) from None
-        self.tensor = _frombuffer(self._map, writable=True)
+        self.buffer: memoryview | None = memoryview(self._map)
+        self._tensor = None
+
+    @property
+    def tensor(self):
+        """Writable 1-D ``uint8`` tensor over the mapping, built on first use (imports torch)."""
+        if self._tensor is None and self.buffer is not None:
+            self._tensor = _frombuffer(self._map, writable=True)
+        return self._tensor
+
+    def _unmap(self) -> None:
+        self._tensor = None
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+        self._map.close()
 
     def seal(self) -> "HostSealedSlab":
         """Seals the memfd read-only for every process (see the module docstring); returns the owner's handle."""
         fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
         # The loader holds no views of the writable mapping any more: unmap it
         # so that F_SEAL_WRITE (which needs no writable mapping) can be added.
-        self.tensor = None
-        self._map.close()
+        self._unmap()
         fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SEAL)
         fd, self.fd = self.fd, -1
         return HostSealedSlab(fd, self.size_bytes)
 
     def abort(self) -> None:
-        """Unmaps and closes a slab whose load failed: nothing stays allocated."""
-        self.tensor = None
-        self._map.close()
+        """Unmaps and closes a slab whose load failed: nothing stays allocated.
+
+        A view still held (say, by the traceback of the read that failed) keeps
+        the mapping until it dies; the fd is closed either way.
+        """
+        try:
+            self._unmap()
+        except BufferError:
+            self._map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -157,6 +185,12 @@ class HostSealedSlab:
         if self._tensor is None and self._map is not None:
             self._tensor = _frombuffer(self._map, writable=False)
         return self._tensor
+
+    @property
+    def buffer(self) -> memoryview | None:
+        """A new read-only ``memoryview`` (format ``B``) of the mapping, for torch-free digests; the caller
+        releases it. None after :meth:`close`."""
+        return None if self._map is None else memoryview(self._map)
 
     def close(self) -> None:
         """Closes the fd and drops the owner's view.

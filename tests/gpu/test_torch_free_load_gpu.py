@@ -1,0 +1,102 @@
+"""The torch-free fill on the cuda backend (run by scripts/gpu-check on a GPU machine).
+
+- In process: a bf16 checkpoint filled into a CUDA slab through
+  :func:`weightcache.pipeline.fill` (cuda-bindings' pinned staging, stream
+  and events; ``sum64`` digests summed on the host) gives the bytes
+  safetensors reads from disk, the digests the GPU computes from the slab, and
+  the manifest the torch pipeline gives; so does the ``O_DIRECT`` path.
+- A service on the cuda backend whose ``import torch`` fails (a
+  ``sys.meta_path`` hook) loads the same checkpoint to ``ready`` and an
+  engine attaches it on ``cuda:0`` byte for byte.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location("wc_harness_torch_free", ROOT / "tests/service_harness.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bf16_checkpoint(dest: Path) -> Path:
+    h = _harness()
+    tensors = {k: v.to(torch.bfloat16) for k, v in h.llama_tensors(seed=11, hidden=256, inter=512, vocab=320).items()}
+    cfg = {**h.llama_config(hidden=256, inter=512, vocab=320), "torch_dtype": "bfloat16"}
+    return h.write_checkpoint(dest, tensors, cfg, files=2)
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
+    from weightcache import digest, loader, pipeline
+    from weightcache.config import ModelConfig
+    from weightcache.manifest import build_views
+    from weightcache.memory.cuda import CudaBackend
+
+    ck = _bf16_checkpoint(tmp_path / "ck")
+    if o_direct:
+        try:
+            os.close(os.open(next(ck.glob("*.safetensors")), os.O_RDONLY | os.O_DIRECT))
+        except OSError:
+            pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    backend = CudaBackend(0)
+    p = pipeline.plan(ModelConfig(name="m", path=str(ck)), 1, 0, backend.device_info())
+    opts = loader.LoaderOptions(threads=3, staging_bytes=2 << 20, o_direct=o_direct)
+
+    w = backend.allocate(p.slab_size_bytes, "m")
+    filled = pipeline.fill(p, w, options=opts)
+    sealed = w.seal()
+    assert filled.torch_free is True
+    stored = [(r.name, r.offset_bytes, r.size_bytes) for r in p.records if r.alias_of is None]
+    on_gpu = digest.digests(sealed.tensor, stored)
+    assert {r.name: r.digest for r in filled.manifest.tensors} == on_gpu
+    assert all(d.startswith("sum64:") for d in on_gpu.values())
+
+    ref = _harness().read_checkpoint(ck)
+    views = build_views(sealed.tensor, filled.manifest)
+    assert sorted(views) == sorted(ref)
+    for name, want in ref.items():
+        assert views[name].is_cuda and torch.equal(views[name].cpu(), want), name
+
+    w2 = backend.allocate(p.slab_size_bytes, "m-torch")
+    want_manifest = pipeline.execute(p, w2.tensor, options=opts)
+    assert filled.manifest.tensors == want_manifest.tensors  # the same records and digests
+    w2.abort()
+    sealed.close()
+
+
+def test_cuda_service_reaches_ready_without_torch(tmp_path):
+    from weightcache.client import attach
+
+    h = _harness()
+    ck = _bf16_checkpoint(tmp_path / "ck")
+    env, log = h.blocked_torch_env(tmp_path)
+    svc = h.ServiceProcess(tmp_path / "s", h.make_config({"m": ck}, backend="cuda"), gpu=0, backend="cuda",
+                           env=env).start()
+    try:
+        slab = svc.wait_settled()["slabs"][0]
+        assert slab["state"] == "ready", (slab, svc.log())
+        attempts = h.torch_import_attempts(log)
+        assert attempts == [], attempts[0]["stack"] if attempts else ""
+        assert "torch_free=yes" in svc.log()
+        w = attach("m", device="cuda:0", socket_dir=svc.socket_dir, fallback=False)
+        try:
+            assert w.source == "daemon"
+            h.compare_bytes(dict(w.tensors), h.read_checkpoint(ck))
+        finally:
+            w.close()
+    finally:
+        svc.kill()

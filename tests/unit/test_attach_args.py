@@ -1,0 +1,55 @@
+"""``attach()`` checks its own arguments before it connects: typed errors that name the argument."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from weightcache import attach  # noqa: E402
+from weightcache.errors import ConfigError, DaemonUnavailable  # noqa: E402
+
+
+@pytest.mark.parametrize("kwargs,key", [
+    ({"tp_size": 0}, "tp_size"),
+    ({"tp_size": "2"}, "tp_size"),
+    ({"tp_size": True}, "tp_size"),
+    ({"tp_rank": 1}, "tp_rank"),
+    ({"tp_rank": -1}, "tp_rank"),
+    ({"tp_size": 2, "tp_rank": 2}, "tp_rank"),
+    ({"device": "gpu0"}, "device"),
+    ({"device": "cuda:x"}, "device"),
+    ({"timeout": -1}, "timeout"),
+    ({"timeout": math.nan}, "timeout"),
+    ({"gpu": -1}, "gpu"),
+    ({"dtype": "fp8"}, "dtype"),
+    ({"naming": "vLLM"}, "naming"),
+])
+def test_bad_argument_is_config_invalid_before_connecting(tmp_path, kwargs, key):
+    """No service listens in ``tmp_path``: an argument error must win over ``daemon_unavailable``."""
+    with pytest.raises(ConfigError) as e:
+        attach("/srv/models/anything", socket_dir=str(tmp_path), fallback=False, **kwargs)
+    assert e.value.code == "config_invalid" and e.value.details["key"] == key
+    assert key in e.value.message
+
+
+def test_empty_model_is_config_invalid(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        attach("", socket_dir=str(tmp_path))
+    assert e.value.details["key"] == "model"
+
+
+def test_torch_device_is_accepted_like_its_string(tmp_path):
+    with pytest.raises(DaemonUnavailable):  # got as far as connecting: the device was understood
+        attach("/srv/models/anything", device=torch.device("cpu"), socket_dir=str(tmp_path), fallback=False)
+
+
+def test_fallback_impossible_for_a_model_that_is_not_a_local_directory(tmp_path):
+    """``fallback=True`` cannot load a name or a missing path from disk: the error says so."""
+    for model in ("minilm", str(tmp_path / "absent")):
+        with pytest.raises(DaemonUnavailable) as e:
+            attach(model, socket_dir=str(tmp_path), fallback=True)
+        assert f"no disk fallback: {model!r} is not a checkpoint directory" in e.value.message
+        assert e.value.details["socket"] == str(tmp_path / "0.sock")

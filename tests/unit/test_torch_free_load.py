@@ -1,0 +1,223 @@
+"""The torch-free fill: the same bytes, digests and manifest as the torch pipeline, and when it applies.
+
+Real checkpoints (safetensors files written by the test), the real host
+backend (sealed memfds); the slab's bytes are compared with what safetensors
+reads from disk.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fp8_fixtures as F  # noqa: E402
+from service_harness import llama_checkpoint, read_checkpoint  # noqa: E402
+
+from weightcache import digest, loader, pipeline  # noqa: E402
+from weightcache.config import ModelConfig  # noqa: E402
+from weightcache.manifest import build_views  # noqa: E402
+from weightcache.memory import get_backend  # noqa: E402
+
+DEVICE = {"backend": "host", "gpu_uuid": "", "compute_capability": ""}
+
+
+def _fill(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0, **opts) -> tuple[pipeline.Filled, bytes]:
+    """Fills a real host slab through :func:`pipeline.fill`; returns what it did and the slab's bytes."""
+    p = pipeline.plan(ModelConfig(name="m", path=str(ck), dtype=dtype), tp, rank, DEVICE)
+    w = get_backend("host").allocate(p.slab_size_bytes, "m")
+    filled = pipeline.fill(p, w, options=loader.LoaderOptions(**opts))
+    sealed = w.seal()
+    buf = sealed.buffer
+    try:
+        return filled, bytes(buf[: p.slab_size_bytes])
+    finally:
+        buf.release()
+        sealed.close()
+
+
+def _execute(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0):
+    """The torch pipeline into a plain CPU tensor."""
+    p = pipeline.plan(ModelConfig(name="m", path=str(ck), dtype=dtype), tp, rank, DEVICE)
+    slab = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
+    return pipeline.execute(p, slab), bytes(slab.numpy())
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1)])
+def test_torch_free_fill_equals_the_torch_pipeline(tmp_path, tp, rank):
+    ck = llama_checkpoint(tmp_path / "ck", seed=5, files=2)
+    filled, got = _fill(ck, tp=tp, rank=rank, threads=3, staging_bytes=2 << 20)
+    want_manifest, want = _execute(ck, tp=tp, rank=rank)
+    # TP 2 shards o_proj/down_proj along dim 1: not one byte range of the file, so torch slices them.
+    assert filled.torch_free is (tp == 1)
+    assert got == want
+    assert filled.manifest.tensors == want_manifest.tensors  # digests included
+    assert all(r.digest.startswith("xxh3_128:") for r in filled.manifest.tensors)
+    assert filled.bytes_read == sum(r.size_bytes for r in filled.manifest.tensors if r.alias_of is None)
+    if tp == 1:
+        views = build_views(torch.frombuffer(bytearray(got), dtype=torch.uint8), filled.manifest)
+        ref = read_checkpoint(ck)
+        assert sorted(views) == sorted(ref)
+        assert all(torch.equal(views[n], ref[n]) for n in ref)
+
+
+def test_a_cast_goes_through_torch_and_gives_the_same_bytes(tmp_path):
+    ck = llama_checkpoint(tmp_path / "ck", seed=6, files=1)  # F32 stored
+    filled, got = _fill(ck, dtype="bfloat16")
+    want_manifest, want = _execute(ck, dtype="bfloat16")
+    assert filled.torch_free is False
+    assert got == want and filled.manifest.tensors == want_manifest.tensors
+
+
+def test_o_direct_reads_through_staging(tmp_path):
+    ck = llama_checkpoint(tmp_path / "ck", seed=7, files=2)
+    try:
+        fd = os.open(next(ck.glob("*.safetensors")), os.O_RDONLY | os.O_DIRECT)
+        os.close(fd)
+    except OSError:
+        pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    filled, got = _fill(ck, o_direct=True, threads=2, staging_bytes=2 << 20)
+    want_manifest, want = _execute(ck)
+    assert filled.torch_free is True
+    assert got == want and filled.manifest.tensors == want_manifest.tensors
+
+
+def test_may_need_torch(tmp_path):
+    plain = llama_checkpoint(tmp_path / "plain", seed=1, files=1)
+    fp8 = F.write_fp8_per_tensor(tmp_path / "fp8")
+    assert pipeline.may_need_torch(ModelConfig(name="a", path=str(plain))) is False
+    assert pipeline.may_need_torch(ModelConfig(name="b", path=str(plain), dtype="bfloat16")) is True
+    assert pipeline.may_need_torch(ModelConfig(name="c", path=str(fp8))) is True
+    assert pipeline.may_need_torch(ModelConfig(name="d", path=str(tmp_path / "absent"))) is False
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 4095, 8192, 3 * 8192 + 5, (1 << 21) + 3])
+def test_sum64_from_chunks_equals_the_gpu_formula(n):
+    """:class:`digest.Sum64` over chunks in any order equals ``digest._sum64`` (the GPU's code, run on CPU)."""
+    rng = random.Random(n)
+    data = bytes(rng.getrandbits(8) for _ in range(min(n, 4096))) * (n // 4096 + 1)
+    data = data[:n]
+    want = digest._sum64(torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else
+                         torch.empty(0, dtype=torch.uint8))
+    cuts = sorted({0, n, *(rng.randrange(n + 1) // 8 * 8 for _ in range(4))})
+    parts = list(zip(cuts, cuts[1:]))
+    rng.shuffle(parts)
+    s = digest.Sum64(n)
+    for a, b in parts:
+        s.add(memoryview(data)[a:b], a)
+    assert s.hexdigest() == want
+    changed = bytearray(data)
+    if n:
+        changed[n // 2] ^= 1
+        s2 = digest.Sum64(n)
+        s2.add(changed, 0)
+        assert s2.hexdigest() != want
+
+
+def test_sum64_refuses_a_chunk_off_a_word():
+    with pytest.raises(ValueError):
+        digest.Sum64(16).add(b"x" * 8, 4)
+
+
+def test_xxh3_buffer_equals_the_tensor_digest():
+    data = bytearray(os.urandom(100_003))
+    assert digest.xxh3_buffer(memoryview(data)) == digest.digest(torch.frombuffer(data, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("cpus,want", [(1, 4), (16, 16), (128, 32)])
+def test_default_threads_follow_the_cpus_we_may_run_on(monkeypatch, cpus, want):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert loader.default_threads() == want
+    assert loader.LoaderOptions().threads == want
+
+
+class _FakeStager:
+    """:class:`weightcache.memory.cuda.CudaStager`'s contract over host memory: the copy is done at ``wait``
+    (a late copy would show as wrong bytes if the reader reused a buffer too early)."""
+
+    def __init__(self, slab: bytearray, buffer_bytes: int) -> None:
+        self.slab, self.buffer_bytes = slab, buffer_bytes
+        self.bufs = [mmap.mmap(-1, buffer_bytes), mmap.mmap(-1, buffer_bytes)]  # page-aligned, as pinned memory is
+        self.pending: list = [None, None]
+
+    def __enter__(self):
+        return self
+
+    def buffer(self, i: int) -> memoryview:
+        assert self.pending[i] is None, "buffer refilled before its copy was waited for"
+        return memoryview(self.bufs[i])
+
+    def wait(self, i: int) -> None:
+        if self.pending[i] is not None:
+            src, n, dst = self.pending[i]
+            self.slab[dst : dst + n] = self.bufs[i][src : src + n]
+            self.pending[i] = None
+
+    def copy(self, i: int, src_offset: int, length: int, slab_offset: int) -> None:
+        assert src_offset + length <= self.buffer_bytes and slab_offset + length <= len(self.slab)
+        self.pending[i] = (src_offset, length, slab_offset)
+
+    def __exit__(self, *exc) -> None:
+        self.wait(0)
+        self.wait(1)
+
+
+class _FakeCudaSlab:
+    """A writable slab offering only ``stager()``, as :class:`~weightcache.memory.cuda.CudaWritableSlab` does."""
+
+    def __init__(self, size_bytes: int) -> None:
+        self.bytes = bytearray(size_bytes)
+
+    def stager(self, buffer_bytes: int) -> _FakeStager:
+        return _FakeStager(self.bytes, buffer_bytes)
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_staged_fill_takes_sum64_digests_equal_to_the_gpu_formula(tmp_path, o_direct):
+    """The CUDA reader's logic (two buffers per thread, offsets, O_DIRECT alignment, sum64 from chunks)
+    against a stager that copies on host memory; chunks of 8 KiB split every tensor."""
+    ck = llama_checkpoint(tmp_path / "ck", seed=8, files=2, hidden=128, inter=256)
+    if o_direct:
+        try:
+            os.close(os.open(next(ck.glob("*.safetensors")), os.O_RDONLY | os.O_DIRECT))
+        except OSError:
+            pytest.skip(f"{tmp_path} does not support O_DIRECT")
+    p = pipeline.plan(ModelConfig(name="m", path=str(ck)), 1, 0, DEVICE)
+    slab = _FakeCudaSlab(p.slab_size_bytes)
+    opts = loader.LoaderOptions(threads=3, staging_bytes=6 * 16384, o_direct=o_direct)
+    assert opts.chunk_bytes == 8192
+    filled = pipeline.fill(p, slab, options=opts)
+    assert filled.torch_free is True
+    _, want = _execute(ck)
+    t = torch.frombuffer(slab.bytes, dtype=torch.uint8)
+    for r in filled.manifest.tensors:
+        assert slab.bytes[r.offset_bytes : r.offset_bytes + r.size_bytes] == want[r.offset_bytes :
+                                                                                   r.offset_bytes + r.size_bytes]
+        assert r.digest == digest._sum64(t[r.offset_bytes : r.offset_bytes + r.size_bytes]), r.name
+
+
+def test_verify_checks_a_sealed_host_slab_on_its_mapping(tmp_path):
+    import dataclasses
+
+    ck = llama_checkpoint(tmp_path / "ck", seed=9, files=1)
+    p = pipeline.plan(ModelConfig(name="m", path=str(ck)), 1, 0, DEVICE)
+    w = get_backend("host").allocate(p.slab_size_bytes, "m")
+    man = pipeline.fill(p, w).manifest
+    sealed = w.seal()
+    try:
+        assert pipeline.verify(man, sealed) == []
+        victim = man.tensors[3]
+        wrong = dataclasses.replace(man, tensors=tuple(
+            dataclasses.replace(r, digest=digest.xxh3_buffer(b"other")) if r.name == victim.name else r
+            for r in man.tensors))
+        assert pipeline.verify(wrong, sealed) == [victim.name]
+        assert pipeline.verify(man, sealed.tensor) == []  # the torch way agrees
+    finally:
+        sealed.close()
