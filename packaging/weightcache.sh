@@ -31,7 +31,7 @@ if [ ! -x "$PY" ]; then
         esac
     done
     case ${1:-} in
-        ""|status|list|verify|evict|preload|wait|metrics|serve-metrics) needs_runtime=no ;;
+        ""|status|list|verify|evict|preload|wait|reload|metrics|serve-metrics) needs_runtime=no ;;
     esac
     if [ "$needs_runtime" = no ] && [ -x /usr/bin/python3 ]; then
         exec /usr/bin/python3 -m weightcache "$@"

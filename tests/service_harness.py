@@ -295,6 +295,92 @@ class ServiceProcess:
         return self.start(timeout)
 
 
+def serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notify: str, log: Path,
+                          gpu: int = 0) -> subprocess.Popen:
+    """Starts ``serve --gpu N`` as systemd would after a restart: the fd store's
+    fds (``FDNAME`` -> fd) at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``,
+    and ``$NOTIFY_SOCKET`` set to ``notify``."""
+    names = sorted(stored)
+    launcher = (
+        "import fcntl, os, sys\n"
+        "fds = [int(x) for x in sys.argv[1].split(',') if x]\n"
+        "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]  # out of the way of 3, 4, ...\n"
+        "for i, fd in enumerate(high):\n"
+        "    os.dup2(fd, 3 + i, inheritable=True)\n"
+        "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=sys.argv[2],\n"
+        "                  NOTIFY_SOCKET=sys.argv[3])\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'weightcache'] + sys.argv[4:])\n"
+    )
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-c", launcher, ",".join(str(stored[n]) for n in names), ":".join(names), notify,
+             "serve", "--gpu", str(gpu), "--backend", "host", "--config", str(cfg), "--listen", str(listen)],
+            pass_fds=[stored[n] for n in names], stdout=out, stderr=subprocess.STDOUT, env=service_env())
+
+
+def poll_until(cond: Callable[[], Any], what: str, timeout: float = 60.0, period_s: float = 0.02) -> Any:
+    """Calls ``cond`` until it returns something true (returned) or ``timeout`` seconds pass (AssertionError)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(period_s)
+
+
+class FdStoreStandIn:
+    """systemd's fd store, stood in for by a test-owned ``$NOTIFY_SOCKET`` at ``path``.
+
+    Keeps the fds a service sends with ``FDSTORE=1`` by ``FDNAME``
+    (:meth:`collect`) and hands them to the next service it starts
+    (:meth:`serve`), as systemd does after a restart. On exit it stops those
+    services (SIGTERM) and closes the fds and the socket.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.fds: dict[str, int] = {}
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "FdStoreStandIn":
+        return self
+
+    def collect(self, count: int = 2, timeout: float = 90.0, log: Callable[[], str] = str) -> dict[str, int]:
+        """Receives until ``count`` fds are stored (``slab-<id>`` and ``manifest-<id>`` per slab); returns them."""
+        self.sock.settimeout(timeout)
+        while len(self.fds) < count:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self.sock, 65536, 4)
+            except TimeoutError:
+                raise AssertionError(f"the service sent no FDSTORE=1 fds to $NOTIFY_SOCKET\n{log()}") from None
+            fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
+            keep = fds[:1] if fields.get("FDSTORE") == "1" else []
+            if keep:
+                self.fds[fields["FDNAME"]] = keep[0]
+            for fd in fds[len(keep):]:
+                os.close(fd)
+        return dict(self.fds)
+
+    def serve(self, cfg: Path, listen: Path, log: Path, gpu: int = 0) -> subprocess.Popen:
+        """Starts ``serve`` with the fds stored so far (:func:`serve_with_stored_fds`)."""
+        p = serve_with_stored_fds(cfg, listen, self.fds, self.path, log, gpu)
+        self.procs.append(p)
+        return p
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=30)
+        for fd in self.fds.values():
+            os.close(fd)
+        self.sock.close()
+
+
 def start_service(workdir: Path, models_or_config: dict[str, Any], backend: str = "host", gpu: int = 0,
                   env: dict[str, str] | None = None, nofile: int | None = None, **service: Any) -> ServiceProcess:
     """Writes a config and starts a service; returns once it answers ``status``.

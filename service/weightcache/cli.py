@@ -1,10 +1,11 @@
-"""Command line: ``weightcache serve|status|list|check-config|verify|evict|preload|wait|metrics|serve-metrics``.
+"""Command line: ``weightcache serve|status|list|check-config|verify|evict|preload|wait|reload|metrics|serve-metrics``.
 
 Thin: each command parses arguments, talks to a service (or runs it) and
 prints; the commands are documented in ``weightcache(1)`` and docs/, and
 tests/integration/test_cli.py drives each against live services. Exit status:
 0 success, 1 a failed model or a refused request, 2 bad usage or
-configuration, 3 no service (``serve``: 78 on an invalid configuration).
+configuration, 3 no service (``serve``: 78 on an invalid configuration when
+it has nothing to keep serving, see :func:`cmd_serve`).
 Human output goes to stdout, diagnostics to stderr; ``--json`` output is the
 services' own status records.
 """
@@ -78,15 +79,34 @@ def _listener(args: argparse.Namespace, cfg: Config, stored: dict[str, list[int]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """``weightcache serve``: runs the service for one GPU until SIGTERM (exit 78 on a rejected config)."""
+    """``weightcache serve``: runs the service for one GPU until SIGTERM; SIGHUP reloads the config.
+
+    A configuration that does not load is reported (journal, ``STATUS=``,
+    ``status``) and the service keeps what it has: the slabs systemd's fd store
+    handed back (served as they were configured) and the listening socket
+    systemd handed over (its clients get ``model_not_found`` naming the error,
+    rather than the socket starting the service again and again until the start
+    limit removes it). ``systemctl reload`` applies the fixed file. With neither
+    (run by hand), it exits 78.
+    """
     from . import notify
     from .daemon import Daemon
     from .journal import event, setup_logging
 
     setup_logging(args.gpu, logging.DEBUG if args.verbose else logging.INFO)
     stored = notify.listen_fds()
+    config_error = None
     try:
         cfg = load_config(args.config)
+    except ConfigError as e:
+        cfg, config_error = _config_kept(args, stored, e), e
+        if cfg is None:
+            from .daemon.reload import config_rejected_event
+
+            log.critical("configuration rejected code=%s error=%s", e.code, e.message, extra=config_rejected_event(e))
+            notify.notify(f"STATUS=configuration rejected: {e.message}")
+            return EXIT_CONFIG
+    try:
         backend = _backend_for(cfg, args.backend, args.gpu)
     except ConfigError as e:
         log.critical("configuration rejected code=%s error=%s", e.code, e.message,
@@ -98,7 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         notify.notify(f"STATUS=start failed: {e.message}")
         return EXIT_FAILED
     listener, bound = _listener(args, cfg, stored)
-    d = Daemon(cfg, args.gpu, backend, listener, stored)
+    d = Daemon(cfg, args.gpu, backend, listener, stored, load_config=lambda: load_config(args.config),
+               config_error=config_error)
     try:
         return d.serve()
     finally:
@@ -107,6 +128,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 os.unlink(bound)
             except FileNotFoundError:
                 pass
+
+
+def _config_kept(args: argparse.Namespace, stored: dict[str, list[int]], e: ConfigError) -> Config | None:
+    """The configuration to serve while the files do not load: the placements recorded beside the slabs
+    in the fd store, on their backend; None when there is nothing to keep (no slab, no socket from systemd)."""
+    from .config import ServiceConfig, config_path
+    from .daemon.fdstore import stored_placements
+    from .daemon.reload import config_rejected_event
+    from .daemon.state import describe_config_error
+
+    placements, backend = stored_placements(stored, args.gpu)
+    if not placements and not (stored.get("listen") or stored.get("unknown")):
+        return None
+    log.warning("configuration rejected, serving what was kept slabs=%d error=%s", len(placements),
+                describe_config_error(e), extra=config_rejected_event(e))
+    models = {p.model.name: p.model for p in placements}
+    return Config(service=ServiceConfig(backend=args.backend or backend or "auto"), models=models,
+                  files=(str(config_path(args.config)),))
 
 
 def _socket_dir(args: argparse.Namespace) -> str:
@@ -228,6 +267,8 @@ def _state_text(sl: protocol.SlabInfo) -> str:
         return f"failed: {sl.error.code}"
     if state == "evicted":
         return "evicted (run `weightcache preload` to load again)"
+    if state == "retired":
+        return f"retired: removed from the config, freed when its {_n(len(sl.leases), 'lease')} end"
     return state
 
 
@@ -247,6 +288,11 @@ def _print_status(st: protocol.ServiceStatus, now: float) -> None:
           f"{where} free {_human_bytes(st.free_bytes)} of {_human_bytes(st.total_bytes)}; "
           f"{_n(leases, 'lease')}")
     print(f"  {st.status_line}")
+    if st.config_error is not None:
+        d = st.config_error.details
+        print(f"  configuration rejected: {st.config_error.message}" + (f" (line {d['line']})" if d.get("line") else ""))
+        print(f"      serving the previous configuration; fix the file, check it with `weightcache check-config`, "
+              f"then `systemctl reload weightcache@{st.gpu}`")
     for sl in st.slabs:
         print(f"  {sl.label:<32} {_state_text(sl)}")
         if sl.resident_bytes or sl.tensors:
@@ -268,7 +314,8 @@ def _print_status(st: protocol.ServiceStatus, now: float) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     statuses, errors = _collect(args)
-    failed = any(sl.state == "failed" for st in statuses for sl in st.slabs)
+    failed = any(sl.state == "failed" for st in statuses for sl in st.slabs) or any(
+        st.config_error is not None for st in statuses)
     if args.json:
         print(json.dumps({"gpus": [st.to_json() for st in statuses], "unreachable": [e.to_json() for e in errors]},
                          indent=2))
@@ -573,6 +620,52 @@ def _wait(args: argparse.Namespace, model: str | None) -> int:
     return EXIT_UNAVAILABLE if errors else EXIT_OK
 
 
+def cmd_reload(args: argparse.Namespace) -> int:
+    """``weightcache reload``: each instance reads the configuration again and applies it (``ExecReload=``).
+
+    Exit status: 0 applied everywhere; 2 an instance refused the files (it keeps
+    serving the previous configuration); 3 an instance did not answer; 1 another refusal.
+    """
+    gpus = _gpus(args)
+    if not gpus:
+        print(_no_sockets(args), file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    rc = EXIT_OK
+    for gpu in gpus:
+        try:
+            s = _session(args, gpu)
+            try:
+                r = s.request(protocol.Reload())
+            finally:
+                s.close()
+        except DaemonUnavailable as e:
+            print(f"GPU {gpu}: {e.message}", file=sys.stderr)
+            rc = max(rc, EXIT_UNAVAILABLE)
+            continue
+        except ConfigError as e:
+            line = e.details.get("line")
+            print(f"GPU {gpu}: reload refused, still serving the previous configuration: {e.message}"
+                  f"{f' (line {line})' if line else ''}", file=sys.stderr)
+            rc = max(rc, EXIT_USAGE)
+            continue
+        except WeightcacheError as e:
+            print(f"GPU {gpu}: {e.code}: {e.message}", file=sys.stderr)
+            rc = max(rc, EXIT_FAILED)
+            continue
+        print(f"GPU {gpu}: reloaded {', '.join(r.files)}: {_n(len(r.added), 'slab')} added (loading), "
+              f"{len(r.dropped)} dropped, {len(r.retired)} kept while leased, {len(r.kept)} unchanged")
+        for label in r.added:
+            print(f"  loading  {label}")
+        for label in r.dropped:
+            print(f"  dropped  {label}")
+        for label in r.retired:
+            print(f"  retired  {label} (freed when its last lease is released)")
+        if r.restart_keys:
+            print(f"  [service] {', '.join(r.restart_keys)} changed: takes effect at the next "
+                  f"`systemctl restart weightcache@{gpu}`")
+    return rc
+
+
 def cmd_wait(args: argparse.Namespace) -> int:
     return _wait(args, args.model)
 
@@ -689,6 +782,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the load (default 3600)")
     client_opts(sp)
     sp.set_defaults(fn=cmd_preload)
+
+    sp = sub.add_parser("reload", help="apply the configuration files again, without a restart "
+                                       "(systemctl reload runs it)")
+    client_opts(sp)
+    sp.set_defaults(fn=cmd_reload)
 
     sp = sub.add_parser("wait", help="wait until loads finish, with progress")
     sp.add_argument("model", nargs="?", default=None, help="only this model (default: every slab)")

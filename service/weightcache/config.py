@@ -130,6 +130,30 @@ class Placement:
     def label(self) -> str:
         return f"{self.model.name}/tp{self.tp_size}/rank{self.tp_rank}"
 
+    def to_json(self) -> dict[str, Any]:
+        """The placement as a JSON object: the model's fields (layouts as ``[tp, [gpus]]``), rank, GPU."""
+        m = self.model
+        model = {"name": m.name, "path": m.path, "dtype": m.dtype, "naming": m.naming, "kernel": m.kernel,
+                 "revision": m.revision, "allow_users": list(m.allow_users), "allow_groups": list(m.allow_groups),
+                 "layouts": [[lay.tp, list(lay.gpus)] for lay in m.layouts], "source": m.source}
+        return {"model": model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "gpu": self.gpu}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Placement":
+        """Reverses :meth:`to_json`.
+
+        Raises:
+            ValueError: a field is missing or of the wrong type.
+        """
+        try:
+            m = dict(d["model"])
+            layouts = tuple(Layout(int(tp), tuple(int(g) for g in gpus)) for tp, gpus in m.pop("layouts"))
+            model = ModelConfig(**{**m, "allow_users": tuple(m["allow_users"]),
+                                   "allow_groups": tuple(m["allow_groups"]), "layouts": layouts})
+            return cls(model, int(d["tp_size"]), int(d["tp_rank"]), int(d["gpu"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"stored placement is damaged: {e!r}") from None
+
 
 @dataclass(frozen=True)
 class ServiceConfig:
@@ -364,7 +388,9 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
     try:
         return tomllib.loads(text), text
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML: {e}", file=str(path), key="", cause="toml_syntax") from None
+        at = re.search(r"at line (\d+)", str(e))
+        raise ConfigError(f"{path}: invalid TOML: {e}", file=str(path), key="", cause="toml_syntax",
+                          line=int(at.group(1)) if at else None) from None
 
 
 def _line_of(text: str, key: str) -> int | None:
@@ -440,33 +466,65 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     metrics: dict[str, Any] = {}
     models: dict[str, ModelConfig] = {}
     for f, data, text in parsed:
-        unknown = set(data) - {"service", "models", "metrics"}
-        if unknown:
-            raise _unknown_table(str(f), text, sorted(unknown)[0])
-        svc = data.get("service", {})
-        if not isinstance(svc, dict):
-            raise _err(str(f), "service", "must be a table")
-        for key, value in svc.items():
-            if key not in _SERVICE_KEYS:
-                raise _err(str(f), f"service.{key}", f"unknown key (known: {', '.join(sorted(_SERVICE_KEYS))})")
-            _check_type(str(f), f"service.{key}", value, _SERVICE_KEYS[key])
-            if key == "backend" and value not in BACKENDS:
-                raise _err(str(f), "service.backend", f"{value!r} is not one of {', '.join(BACKENDS)}")
-            if key in _SERVICE_RANGES:
-                _check_range(str(f), f"service.{key}", value)
-            if key == "socket_dir":
-                _check_absolute(str(f), "service.socket_dir", value)
-            if key == "operator_groups":
-                if not all(isinstance(g, str) and g for g in value):
-                    raise _err(str(f), "service.operator_groups", "must be a list of group names (non-empty strings)")
-                value = tuple(value)
-            service[key] = value
-        if "metrics" in data:
-            _parse_metrics(str(f), data["metrics"], metrics)
-        mtable = data.get("models", {})
-        if not isinstance(mtable, dict):
-            raise _err(str(f), "models", "must be a table of [models.NAME] tables")
-        for name, table in mtable.items():
-            models[name] = _parse_model(str(f), name, table)
+        try:
+            _merge(f, data, text, service, metrics, models)
+        except ConfigError as e:
+            if e.details.get("line") is None and e.details.get("key"):
+                e.details["line"] = _locate(text, e.details["key"])
+            raise
     return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files),
                   metrics=MetricsConfig(**metrics))
+
+
+def _locate(text: str, key: str) -> int | None:
+    """1-based line of dotted ``key`` (``models.x.layouts[0].gpus``) in ``text``: its table's header,
+    then the first ``leaf =`` below it (inline tables included); None when not found."""
+    parts = key.split(".")
+    table = parts[:2] if parts[0] == "models" else parts[:1]
+    names = "|".join(re.escape(n) for n in (".".join(table), ".".join(table[:1] + [f'"{p}"' for p in table[1:]])))
+    header = re.compile(rf"^\s*\[\s*(?:{names})\s*\]")
+    name = re.escape(re.sub(r"\[\d+\]$", "", parts[-1]))
+    leaf = re.compile(rf"(?:^|[{{,\s]){name}\s*=")
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if header.match(ln)), None)
+    if start is None:
+        return None
+    for i in range(start, len(lines)):
+        if i > start and lines[i].lstrip().startswith("["):
+            break
+        if len(parts) > len(table) and leaf.search(lines[i].split("#", 1)[0]):
+            return i + 1
+    return start + 1
+
+
+def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], metrics: dict[str, Any],
+           models: dict[str, ModelConfig]) -> None:
+    """Checks one parsed file and merges it into ``service``, ``metrics`` and ``models`` (later files win)."""
+    unknown = set(data) - {"service", "models", "metrics"}
+    if unknown:
+        raise _unknown_table(str(f), text, sorted(unknown)[0])
+    svc = data.get("service", {})
+    if not isinstance(svc, dict):
+        raise _err(str(f), "service", "must be a table")
+    for key, value in svc.items():
+        if key not in _SERVICE_KEYS:
+            raise _err(str(f), f"service.{key}", f"unknown key (known: {', '.join(sorted(_SERVICE_KEYS))})")
+        _check_type(str(f), f"service.{key}", value, _SERVICE_KEYS[key])
+        if key == "backend" and value not in BACKENDS:
+            raise _err(str(f), "service.backend", f"{value!r} is not one of {', '.join(BACKENDS)}")
+        if key in _SERVICE_RANGES:
+            _check_range(str(f), f"service.{key}", value)
+        if key == "socket_dir":
+            _check_absolute(str(f), "service.socket_dir", value)
+        if key == "operator_groups":
+            if not all(isinstance(g, str) and g for g in value):
+                raise _err(str(f), "service.operator_groups", "must be a list of group names (non-empty strings)")
+            value = tuple(value)
+        service[key] = value
+    if "metrics" in data:
+        _parse_metrics(str(f), data["metrics"], metrics)
+    mtable = data.get("models", {})
+    if not isinstance(mtable, dict):
+        raise _err(str(f), "models", "must be a table of [models.NAME] tables")
+    for name, table in mtable.items():
+        models[name] = _parse_model(str(f), name, table)

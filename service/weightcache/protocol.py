@@ -191,6 +191,11 @@ class Preload(Message):
     model: str
 
 
+@dataclass(frozen=True, slots=True)
+class Reload(Message):
+    """Re-read the configuration and apply it (``systemctl reload``, ``weightcache reload``; root or the service user)."""
+
+
 # --- replies (service -> client) --------------------------------------------
 
 
@@ -294,6 +299,27 @@ class PreloadReply(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class ReloadReply(Message):
+    """Answer to ``reload`` once the new configuration is applied; labels (``model/tpN/rankR``) of the slabs.
+
+    Attributes:
+        added: new or changed placements, now loading.
+        dropped: removed or changed placements whose slab was freed (or never loaded).
+        retired: removed or changed placements kept while leases hold them (freed at the last release).
+        kept: unchanged placements (slab and leases untouched; a failed one is loaded again).
+        restart_keys: changed ``[service]`` keys that take effect at the next restart only.
+        files: the configuration files read.
+    """
+
+    added: list
+    dropped: list
+    retired: list
+    kept: list
+    restart_keys: list = field(default_factory=list)
+    files: list = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
 class Error(Message):
     """A typed error: ``code`` (see docs/errors.md), ``message``, ``details``."""
 
@@ -390,7 +416,8 @@ class SlabInfo(_Record):
     Attributes:
         model (`str`), path (`str`): the configured name and checkpoint directory.
         tp_size, tp_rank (`int`): the layout and rank.
-        state (`str`): ``pending``, ``loading``, ``ready``, ``failed`` or ``evicted``.
+        state (`str`): ``pending``, ``loading``, ``ready``, ``failed``, ``evicted`` or
+            ``retired`` (removed from the config by a reload, kept while leased).
         done_bytes, total_bytes (`int`): load progress, payload bytes.
         rate_bytes_per_s (`int`): load rate while loading, else 0.
         resident_bytes (`int`): size of the resident slab mapping (0 when none).
@@ -473,6 +500,10 @@ class ServiceStatus(_Record):
         slabs (`tuple[SlabInfo]`): every configured (model, layout, rank).
         clients (`int`): open connections.
         status_line (`str`): the line systemd's ``STATUS=`` shows.
+        config_error (`ErrorInfo | None`): the configuration the service refused
+            (``config_invalid``, ``details``: ``file``, ``key``, ``line``) while it
+            serves the one before (or the slabs kept in the fd store); None when
+            the files on disk are the ones applied.
     """
 
     gpu: int
@@ -484,22 +515,27 @@ class ServiceStatus(_Record):
     slabs: tuple[SlabInfo, ...]
     clients: int
     status_line: str
+    config_error: ErrorInfo | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object on the wire (memory as ``{"free_bytes", "total_bytes"}``)."""
-        return {"gpu": self.gpu, "pid": self.pid, "backend": self.backend, "device": self.device.to_json(),
-                "memory": {"free_bytes": self.free_bytes, "total_bytes": self.total_bytes},
-                "slabs": [s.to_json() for s in self.slabs], "clients": self.clients,
-                "status_line": self.status_line}
+        """The JSON object on the wire (memory as ``{"free_bytes", "total_bytes"}``; ``config_error`` when set)."""
+        d = {"gpu": self.gpu, "pid": self.pid, "backend": self.backend, "device": self.device.to_json(),
+             "memory": {"free_bytes": self.free_bytes, "total_bytes": self.total_bytes},
+             "slabs": [s.to_json() for s in self.slabs], "clients": self.clients,
+             "status_line": self.status_line}
+        if self.config_error is not None:
+            d["config_error"] = self.config_error.to_json()
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ServiceStatus":
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
-        mem = d.get("memory") or {}
-        return _from_json(cls, {k: v for k, v in d.items() if k not in ("memory", "slabs", "device")},
+        mem, err = d.get("memory") or {}, d.get("config_error")
+        return _from_json(cls, {k: v for k, v in d.items() if k not in ("memory", "slabs", "device", "config_error")},
                           device=DeviceInfo.from_json(d.get("device") or {}), free_bytes=mem.get("free_bytes", 0),
                           total_bytes=mem.get("total_bytes", 0),
-                          slabs=tuple(SlabInfo.from_json(s) for s in d.get("slabs", ())))
+                          slabs=tuple(SlabInfo.from_json(s) for s in d.get("slabs", ())),
+                          config_error=ErrorInfo.from_json(err) if err is not None else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,9 +692,9 @@ class ServiceCounters(_Record):
                           **{k: tuple(rec.from_json(x) for x in d.get(k, ())) for k, rec in nested.items()})
 
 
-REQUESTS = (Hello, List, Status, Attach, Release, Verify, Evict, Preload)
+REQUESTS = (Hello, List, Status, Attach, Release, Verify, Evict, Preload, Reload)
 REPLIES = (HelloReply, ListReply, StatusReply, AttachReply, Loading, ReleaseReply, VerifyReply, EvictReply,
-           PreloadReply, Error)
+           PreloadReply, ReloadReply, Error)
 REQUESTS += (Metrics,)
 REPLIES += (MetricsReply,)
 

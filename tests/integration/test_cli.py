@@ -31,6 +31,7 @@ from weightcache.cli import main
 from weightcache.client import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service_harness import FdStoreStandIn  # noqa: E402
 from tiny_models import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -426,74 +427,26 @@ def test_commands_without_a_service(capsys, tmp_path):
     assert "systemctl status weightcache@4.socket weightcache@4.service; journalctl -u weightcache@4" in out
 
 
-def _serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notify: str, log: Path) -> subprocess.Popen:
-    """Starts ``serve --gpu 0`` as systemd would after a restart: the fd store's
-    fds at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``."""
-    names = sorted(stored)
-    launcher = (
-        "import fcntl, os, sys\n"
-        "fds = [int(x) for x in sys.argv[1].split(',')]\n"
-        "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]  # out of the way of 3, 4, ...\n"
-        "for i, fd in enumerate(high):\n"
-        "    os.dup2(fd, 3 + i, inheritable=True)\n"
-        "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=sys.argv[2],\n"
-        "                  NOTIFY_SOCKET=sys.argv[3])\n"
-        "os.execv(sys.executable, [sys.executable, '-m', 'weightcache'] + sys.argv[4:])\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID",
-                                                           "LISTEN_FDNAMES", "WATCHDOG_USEC")}
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-c", launcher, ",".join(str(stored[n]) for n in names), ":".join(names), notify,
-             "serve", "--gpu", "0", "--backend", "host", "--config", str(cfg), "--listen", str(listen)],
-            pass_fds=[stored[n] for n in names], stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
 def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path):
     """A restarted service re-adopts the stored slab; the CLI says so and verify still passes."""
-    import socket as socketlib
-
     cfg = tmp_path / "weightcache.toml"
     cfg.write_text(f'[models.minilm]\npath = "{minilm_path()}"\n')
     run = tmp_path / "run"
     run.mkdir()
-    notify_path = str(tmp_path / "notify.sock")
-    store = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
-    store.bind(notify_path)
-    stored: dict[str, int] = {}
-    procs: list[subprocess.Popen] = []
-    try:
-        env = {k: v for k, v in os.environ.items() if k not in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")}
-        env["NOTIFY_SOCKET"] = notify_path
-        with open(tmp_path / "serve.log", "wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "weightcache", "serve", "--gpu", "0", "--backend", "host", "--config",
-                 str(cfg), "--listen", str(run / "0.sock")], stdout=out, stderr=subprocess.STDOUT, env=env))
+    with FdStoreStandIn(tmp_path / "notify.sock") as store:
         first = Services(cfg, run, [0])
-        first.procs, first.logs = {0: procs[0]}, {0: tmp_path / "serve.log"}
+        first.logs = {0: tmp_path / "serve.log"}
+        first.procs = {0: store.serve(cfg, run / "0.sock", first.logs[0])}  # nothing stored yet
         first.wait_settled()  # the slab is stored before it is reported ready
-        store.settimeout(2)
-        while len(stored) < 2:  # FDSTORE=1 with FDNAME=slab-<id> and FDNAME=manifest-<id>
-            try:
-                msg, fds, _, _ = socketlib.recv_fds(store, 65536, 4)
-            except TimeoutError:
-                pytest.fail(f"the service sent no FDSTORE=1 fds to $NOTIFY_SOCKET\n{first.log_text()}")
-            fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
-            if fields.get("FDSTORE") == "1" and fds:
-                stored[fields["FDNAME"]] = fds[0]
-                for extra in fds[1:]:
-                    os.close(extra)
-            else:
-                for fd in fds:
-                    os.close(fd)
+        stored = store.collect(2, timeout=2, log=first.log_text)  # FDNAME=slab-<id> and FDNAME=manifest-<id>
         assert {n.split("-")[0] for n in stored} == {"slab", "manifest"}
-        procs[0].send_signal(signal.SIGTERM)
-        assert procs[0].wait(timeout=30) == 0
+        first.procs[0].send_signal(signal.SIGTERM)
+        assert first.procs[0].wait(timeout=30) == 0
 
-        procs.append(_serve_with_stored_fds(cfg, run / "0.sock", stored, notify_path, tmp_path / "serve.log"))
+        second = store.serve(cfg, run / "0.sock", tmp_path / "serve.log")
         deadline = time.monotonic() + 90
-        while not (run / "0.sock").exists() or procs[1].poll() is not None:
-            assert procs[1].poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+        while not (run / "0.sock").exists() or second.poll() is not None:
+            assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(0.1)
         rc, out, err = cli(capsys, "wait", "--socket-dir", str(run))
         assert rc == 0, err
@@ -508,11 +461,3 @@ def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path)
         assert rc == 0 and ": ok, " in out, err
         with attach(str(minilm_path()), socket_dir=str(run), fallback=False) as w:
             assert_equal_to_checkpoint(w.tensors)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=30)
-        for fd in stored.values():
-            os.close(fd)
-        store.close()

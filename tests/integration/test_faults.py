@@ -35,6 +35,7 @@ from service_harness import (  # noqa: E402
     llama_config,
     llama_tensors,
     make_config,
+    poll_until,
     read_checkpoint,
     record_figures,
     service_env,
@@ -56,15 +57,7 @@ def _kill(p: subprocess.Popen) -> None:
     assert p.wait(30) == -signal.SIGKILL
 
 
-def _poll(cond, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+_poll = poll_until
 
 
 def _lease_pids(svc) -> set[int]:

@@ -319,7 +319,9 @@ def install_weightcache(c: Container, python: Path | None = None) -> None:
     c.write(
         "/etc/systemd/system/weightcache@.service.d/50-source-tree.conf",
         "# tests/system/nspawn.py: run the tree's launcher (/usr is the host's, read-only).\n"
-        f"[Service]\nExecStart=\nExecStart={UNITS / 'weightcache-launch'} %i\n" + TEST_DROPIN,
+        f"[Service]\nExecStart=\nExecStart={UNITS / 'weightcache-launch'} %i\n"
+        f"ExecReload=\nExecReload={REPO / 'packaging' / 'weightcache.sh'} reload --gpu %i --socket-dir /run/weightcache\n"
+        + TEST_DROPIN,
     )
     c.write(
         "/etc/systemd/system/weightcache-metrics.service.d/50-source-tree.conf",

@@ -42,7 +42,8 @@ def _instantiate(tmp_path: Path) -> list[str]:
             if not os.access(INSTALLED_LAUNCHER, os.X_OK):
                 text = text.replace(f"ExecStart={INSTALLED_LAUNCHER}", f"ExecStart={UNITS / 'weightcache-launch'}")
             if not os.access(INSTALLED_COMMAND, os.X_OK):
-                text = text.replace(f"ExecStart={INSTALLED_COMMAND}", f"ExecStart={REPO / 'packaging' / 'weightcache.sh'}")
+                for key in ("ExecStart", "ExecReload"):
+                    text = text.replace(f"{key}={INSTALLED_COMMAND}", f"{key}={REPO / 'packaging' / 'weightcache.sh'}")
             (tmp_path / f.name).write_text(text)
             if "@." in f.name:
                 inst = f.name.replace("@.", "@0.")
@@ -97,6 +98,7 @@ def test_socket_and_service_keys():
                  "IPAddressDeny=any"):
         assert re.search(rf"^{re.escape(line)}$", svc, re.M), line
     assert re.search(r"^ExecStart=\S+ %i$", svc, re.M)
+    assert re.search(r"^ExecReload=/usr/bin/weightcache reload --gpu %i --socket-dir /run/weightcache$", svc, re.M)
     assert not re.search(r"^PrivateDevices=", svc, re.M)
     # Booleans are only yes/no (STYLE.md).
     for text in (sock, svc):

@@ -76,6 +76,8 @@ def _views(backend, reply):
     slab_fd, manifest_fd = reply.fds
     assert os.fstat(manifest_fd).st_size == reply.msg.manifest_size_bytes
     fields, manifest = unpack_file(os.pread(manifest_fd, reply.msg.manifest_size_bytes, 0))
+    placement = Placement.from_json(fields.pop("placement"))  # what a service with a broken config serves it as
+    assert (placement.model.path, placement.tp_size, placement.tp_rank) == (reply.msg.checkpoint_path, 1, 0)
     assert fields == {"format": "weightcache-manifest-1", "backend": "host", "size_bytes": os.fstat(slab_fd).st_size,
                       "checkpoint_path": reply.msg.checkpoint_path}
     imported = backend.import_fd(slab_fd, manifest.slab_size_bytes)

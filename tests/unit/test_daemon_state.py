@@ -21,6 +21,14 @@ EXPECTED = {
     (S.READY, E.EVICT): S.EVICTED,
     (S.FAILED, E.REQUEUE): S.PENDING,
     (S.EVICTED, E.REQUEUE): S.PENDING,
+    # reload: a slot the new config no longer holds as it is
+    (S.PENDING, E.DROP): S.DROPPED,
+    (S.LOADING, E.DROP): S.DROPPED,
+    (S.READY, E.DROP): S.DROPPED,
+    (S.FAILED, E.DROP): S.DROPPED,
+    (S.EVICTED, E.DROP): S.DROPPED,
+    (S.READY, E.RETIRE): S.RETIRED,
+    (S.RETIRED, E.DROP): S.DROPPED,
 }
 
 

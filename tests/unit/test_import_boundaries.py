@@ -97,6 +97,8 @@ DAEMON_ROOMS = {
     "ticker.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.handlers"},
     "limits.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
                   "weightcache.daemon.handlers"},
+    "reload.py": {"socket", "selectors", "threading", "torch", "weightcache.memory", "weightcache.daemon.transport",
+                  "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
     "metrics.py": {"socket", "selectors", "threading", "torch", "prometheus_client", "weightcache.daemon.transport",
                    "weightcache.daemon.loop"},
     "loop.py": {"torch"},

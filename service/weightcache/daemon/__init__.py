@@ -15,6 +15,8 @@ module                    owns
                           ServiceState (no I/O, no threads)
 :mod:`.handlers`          one function per request, returning replies and
                           effects; the failure rule for one request
+:mod:`.reload`            a new configuration: the plan (keep, add, drop,
+                          retire) and carrying it out on the state
 :mod:`.loads`             the loader thread and the results it posts
 :mod:`.fdstore`           systemd's fd store: put, remove, adopt
 :mod:`.access`            a peer's rights; allow-list and operator checks

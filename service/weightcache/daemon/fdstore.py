@@ -4,7 +4,9 @@ Owns the names (``FDNAME=slab-<id>`` and ``FDNAME=manifest-<id>``, ``<id>``
 being :attr:`~weightcache.daemon.state.Slot.store_id`). Beside each slab the
 store keeps the slab's manifest file, the very sealed memfd every attach sends
 (:func:`weightcache.manifest.pack_file`; its JSON carries ``backend``,
-``size_bytes`` and ``checkpoint_path``). At start a stored slab is adopted
+``size_bytes``, ``checkpoint_path`` and the slot's ``placement``,
+:meth:`~weightcache.config.Placement.to_json`, so that a service whose config
+no longer loads can serve the slab as it was configured: :func:`stored_placements`). At start a stored slab is adopted
 only when its manifest's cache key equals the key computed now from the config
 and the checkpoint's headers (no tensor is read); every other entry is dropped
 with ``FDSTOREREMOVE=1``. A manifest of another format (an older release) is
@@ -25,6 +27,7 @@ from typing import Any
 
 from .. import notify, pipeline
 from ..checkpoint import Checkpoint
+from ..config import Placement
 from ..errors import WeightcacheError
 from ..journal import event
 from ..manifest import MAX_MANIFEST_BYTES, Manifest, unpack_file
@@ -43,6 +46,36 @@ class Adopted:
     manifest_file: SealedFile
 
 
+def stored_placements(stored: dict[str, list[int]], gpu: int) -> tuple[list[Placement], str | None]:
+    """The placements on ``gpu`` recorded beside the stored slabs, and their backend (None when none).
+
+    For a service whose configuration does not load: it serves what it kept
+    (:class:`~weightcache.daemon.loop.Daemon` with ``config_error``). Manifest
+    files without a placement (older releases), damaged, or of another backend
+    than the first are skipped (their slabs stay in the store). Reads the files;
+    closes nothing.
+    """
+    out, backend = [], None
+    for name, fds in sorted(stored.items()):
+        if not name.startswith("manifest-") or len(fds) != 1:
+            continue
+        try:
+            size = os.fstat(fds[0]).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise ValueError(f"stored manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}")
+            fields, _ = unpack_file(os.pread(fds[0], size, 0))
+            if fields.get("placement") is None:
+                continue
+            p = Placement.from_json(fields["placement"])
+        except (WeightcacheError, ValueError, OSError) as e:
+            log.warning("fd store manifest unreadable id=%s reason=%s", name.split("-", 1)[1], e)
+            continue
+        if p.gpu == gpu and backend in (None, fields.get("backend")):
+            backend = fields.get("backend")
+            out.append(p)
+    return out, backend
+
+
 class FdStore:
     """The service's side of systemd's fd store.
 
@@ -54,6 +87,8 @@ class FdStore:
     def __init__(self, backend: Any, device: dict[str, Any]) -> None:
         self.backend = backend
         self.device = device
+        #: Store ids :meth:`adopt` left in systemd's store unclaimed (``drop_unknown=False``).
+        self.left: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -73,13 +108,16 @@ class FdStore:
         for kind in ("slab", "manifest"):
             notify.notify(f"FDSTOREREMOVE=1\nFDNAME={kind}-{sid}")
 
-    def adopt(self, stored: dict[str, list[int]], slots: list[Slot]) -> dict[Slot, Adopted]:
+    def adopt(self, stored: dict[str, list[int]], slots: list[Slot], drop_unknown: bool = True) -> dict[Slot, Adopted]:
         """Takes back the stored slabs that still match their slot; drops and closes everything else.
 
         Args:
             stored (`dict[str, list[int]]`): fds from ``$LISTEN_FDS`` by ``FDNAME``
                 (entries not named ``slab-*``/``manifest-*`` are ignored).
             slots (`list[Slot]`): the configured slots.
+            drop_unknown (`bool`): False keeps the entries no slot claims in
+                systemd's store (this process closes its copies): a service
+                whose config did not load must not lose them.
 
         Returns:
             `dict`: slot -> :class:`Adopted` for each adopted slab (its fds now owned by the caller).
@@ -97,14 +135,16 @@ class FdStore:
                     kept = self._match(slot, slab_fds[0], man_fds[0])
                 except (WeightcacheError, ValueError, KeyError, TypeError, OSError) as e:
                     log.warning("fd store slab dropped id=%s reason=%s", sid, e)
-            elif slot is None:
+            elif slot is None and drop_unknown:
                 log.info("fd store slab dropped id=%s reason=no-longer-configured", sid)
             for fd in [] if kept else man_fds + slab_fds:
                 os.close(fd)
             if kept:
                 out[slot] = kept
-            else:
+            elif slot is not None or drop_unknown:
                 self.remove(sid)
+            else:
+                self.left.add(sid)
         return out
 
     def _match(self, slot: Slot, slab_fd: int, manifest_fd: int) -> Adopted | None:

@@ -1,7 +1,7 @@
 """One function per request: takes the state and the request, returns replies and effects.
 
 Owns the meaning of every request (``hello``, ``list``, ``status``,
-``attach``, ``release``, ``verify``, ``evict``, ``preload``), the
+``attach``, ``release``, ``verify``, ``evict``, ``preload``, ``reload``), the
 :data:`HANDLERS` dict that dispatches them by message type, and :func:`handle`,
 which applies the service's rule for failures inside one request (STYLE.md,
 "Errors"):
@@ -16,8 +16,9 @@ which applies the service's rule for failures inside one request (STYLE.md,
 Handlers change the state directly (they run on the serving loop's thread)
 and *return* what the I/O layer must do (h11's way): :class:`Reply` frames
 for the requester and effects (:class:`StartLoad`, :class:`FreeSlab`,
-:class:`Refuse`). They never touch a socket, the fd store or the loader, so
-tests call them in-process (tests/unit/test_daemon_handlers.py).
+:class:`Refuse`, :class:`CancelLoad`, :class:`Reconfigure`). They never touch a
+socket, the fd store or the loader, so tests call them in-process
+(tests/unit/test_daemon_handlers.py, tests/unit/test_daemon_reload.py).
 
 Forbidden imports: socket, selectors, threading, weightcache.notify, weightcache.fdpass,
 weightcache.daemon.transport, weightcache.daemon.loads, weightcache.daemon.fdstore,
@@ -35,15 +36,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .. import pipeline, protocol
-from ..errors import InternalError, LeaseBusy, ModelLoadFailed, RemoteProtocolError, WeightcacheError
+from ..config import Config, ServiceConfig
+from ..errors import (AccessDenied, ConfigError, InternalError, LeaseBusy, ModelLoadFailed, ModelNotFound,
+                      RemoteProtocolError, WeightcacheError)
 from ..journal import event
-from . import access
-from .state import IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED
+from . import access, reload
+from .state import IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED, describe_config_error
 
 log = logging.getLogger(__name__)
 
 #: What ``hello_reply`` lists as the service's capabilities.
-CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait", "metrics")
+CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait", "metrics", "reload")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +66,26 @@ class StartLoad:
 
 @dataclass(frozen=True, slots=True)
 class FreeSlab:
-    """Effect: drop the fd-store entries ``store_id``, close ``sealed`` (the backend's SealedSlab) and its manifest file."""
+    """Effect: drop the fd-store entries ``store_id`` (when not None), close ``sealed`` (the backend's
+    SealedSlab) and its manifest file (when not None)."""
 
-    store_id: str
+    store_id: str | None
     sealed: Any
     manifest_file: Any
+
+
+@dataclass(frozen=True, slots=True)
+class CancelLoad:
+    """Effect: the loader skips ``slot`` (DROPPED) if queued, or stops its load at the next progress report."""
+
+    slot: Slot
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    """Effect: ``config`` is applied; the loader's settings come from it for the next load."""
+
+    config: Config
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +110,9 @@ class Context:
     Attributes:
         state (`ServiceState`): the service's state.
         mem_info (`callable`): ``() -> (free_bytes, total_bytes)`` of the backend.
+        load_config (`callable`): ``() -> Config``, reading the files again (``reload``);
+            raises ConfigError (`config_invalid`).
+        service_config (`ServiceConfig`): ``[service]`` of the configuration applied.
         monotonic (`callable`): seconds, for deadlines (``time.monotonic``).
         wall (`callable`): Unix time in seconds, for lease timestamps (``time.time``).
         pid (`int`): the service's pid, as ``status`` reports it.
@@ -103,6 +124,8 @@ class Context:
 
     state: ServiceState
     mem_info: Callable[[], tuple[int, int]]
+    load_config: Callable[[], Config] | None = None
+    service_config: ServiceConfig = field(default_factory=ServiceConfig)
     monotonic: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
     pid: int = field(default_factory=os.getpid)
@@ -163,7 +186,8 @@ def status(ctx: Context, peer: Peer | None = None) -> protocol.ServiceStatus:
     return protocol.ServiceStatus(
         gpu=st.gpu, pid=ctx.pid, backend=st.backend, device=protocol.DeviceInfo.from_json(st.device),
         free_bytes=int(free), total_bytes=int(total), slabs=_visible(ctx, peer, now), clients=len(st.peers),
-        status_line=st.status_line(now))
+        status_line=st.status_line(now),
+        config_error=protocol.ErrorInfo(**st.config_error.to_wire()) if st.config_error is not None else None)
 
 
 def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
@@ -220,6 +244,9 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
                               model=p.model.name,
                               cause=e.details.get("cause", e.code) if isinstance(e, ModelLoadFailed) else e.code,
                               cause_details=e.details)
+    if slot.state is SlotState.DROPPED:  # a parked attach whose model a reload removed
+        raise ModelNotFound(f"model {p.model.name} ({p.label}) was removed from the configuration by a reload",
+                            model=p.model.name, gpu=ctx.state.gpu)
     if slot.state is SlotState.EVICTED:
         raise ModelLoadFailed(f"model {p.model.name} ({p.label}) was evicted; run `weightcache preload "
                               f"{p.model.name}` to load it again", model=p.model.name, cause="evicted")
@@ -249,17 +276,19 @@ def on_release(ctx: Context, peer: Peer, msg: protocol.Release) -> Outcome:
     if lease is None:
         raise RemoteProtocolError(f"release: lease {msg.lease_id} is not held by this connection",
                                   lease_id=msg.lease_id)
-    end_lease(ctx.state, peer, lease)
-    return _one(protocol.ReleaseReply(msg.lease_id))
+    return Outcome((Reply(protocol.ReleaseReply(msg.lease_id)),), end_lease(ctx.state, peer, lease))
 
 
-def end_lease(state: ServiceState, peer: Peer, lease: Any) -> None:
-    """Ends ``lease`` (release or connection closed) and logs it."""
+def end_lease(state: ServiceState, peer: Peer, lease: Any) -> tuple[FreeSlab, ...]:
+    """Ends ``lease`` (release or connection closed) and logs it; returns the effects (the last lease
+    of a RETIRED slot frees its slab)."""
     state.end_lease(peer, lease)
     p = lease.slot.placement
     log.info("released model=%s rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_rank, peer.pid, lease.lease_id,
              extra=event("released", p.model.name, p.tp_rank, duration_ms=(time.time() - lease.since) * 1e3,
                          lease=lease.lease_id))
+    freed = reload.release_retired(state, lease.slot)
+    return (FreeSlab(None, *freed),) if freed is not None else ()
 
 
 def _operator_slots(ctx: Context, peer: Peer, request: str, model: str, **layout: Any) -> list[Slot]:
@@ -342,13 +371,17 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
         AccessDenied (`access_denied`): see :func:`_operator_slots`.
         LeaseBusy (`lease_busy`): leases are held and ``force`` is not set.
     """
-    slots = _operator_slots(ctx, peer, "evict", msg.model)
+    slots = _operator_slots(ctx, peer, "evict", msg.model, retired=True)
     leased = [s for s in slots if s.leases]
     if leased and not msg.force:
         raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
                         f"use --force to evict anyway (engines keep their mappings)", model=msg.model)
     evicted, effects = [], []
     for s in slots:
+        if s.state is SlotState.RETIRED:  # removed by a reload, already out of the fd store
+            effects.append(FreeSlab(None, *reload.release_retired(ctx.state, s, force=True)))
+            evicted.append(s.label)
+            continue
         if s.state is not SlotState.READY:
             continue
         sealed, manifest_file = s.evict()
@@ -377,6 +410,41 @@ def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
     return _one(protocol.MetricsReply(status(ctx, peer).to_json(), counters.to_json()))
 
 
+def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
+    """``reload``: reads the configuration again and applies it (:mod:`weightcache.daemon.reload`).
+
+    Raises:
+        AccessDenied (`access_denied`): the peer is neither root nor the service's user.
+        ConfigError (`config_invalid`): the files do not load; nothing changed, the
+            service keeps serving and reports the error (``status``, ``STATUS=``).
+    """
+    st = ctx.state
+    if peer.uid not in (0, st.service_uid):
+        raise AccessDenied(f"uid {peer.uid} may not reload the service on GPU {st.gpu}: only root and the "
+                           f"service's user (uid {st.service_uid}) may; run `sudo systemctl reload "
+                           f"weightcache@{st.gpu}`", uid=peer.uid)
+    try:
+        config = ctx.load_config()
+    except ConfigError as e:
+        st.config_error = e
+        log.warning("reload refused, still serving the previous configuration file=%s line=%s key=%s error=%s",
+                    e.details.get("file"), e.details.get("line"), e.details.get("key"), describe_config_error(e),
+                    extra=reload.config_rejected_event(e))
+        raise
+    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service)
+    done = reload.apply(st, p, config)
+    ctx.service_config = config.service
+    log.info("reloaded files=%s added=%d dropped=%d retired=%d kept=%d restart_keys=%s", ",".join(config.files),
+             len(done.added), len(done.dropped), len(done.retired), len(done.kept), ",".join(p.restart_keys) or "-",
+             extra=event("reloaded", added=len(done.added), dropped=len(done.dropped), retired=len(done.retired),
+                         kept=len(done.kept)))
+    effects = ([CancelLoad(s) for s in done.cancel] + [FreeSlab(*f) for f in done.free]
+               + [StartLoad(s) for s in done.load] + [Reconfigure(config)])
+    return Outcome((Reply(protocol.ReloadReply(list(done.added), list(done.dropped), list(done.retired),
+                                               list(done.kept), list(p.restart_keys), list(config.files))),),
+                   tuple(effects))
+
+
 #: Message type -> handler.
 HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
     protocol.Hello: on_hello,
@@ -388,6 +456,7 @@ HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
     protocol.Evict: on_evict,
     protocol.Preload: on_preload,
     protocol.Metrics: on_metrics,
+    protocol.Reload: on_reload,
 }
 
 

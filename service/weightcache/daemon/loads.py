@@ -26,7 +26,10 @@ imported on a background thread (:func:`warm_torch`) while the current load
 reads. A service whose models need no torch does not import it until
 ``verify`` is asked of a CUDA slab (a host slab is verified without torch).
 
-The loader reads only a slot's ``placement`` (immutable). It also writes the
+The loader reads only a slot's ``placement`` (immutable) and the set of
+slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
+slot is skipped, or its load stops at the next progress report; whatever it
+still posts for a DROPPED slot the serving loop passes to :func:`discard`. It also writes the
 slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
 a manifest over the limit fails the load (``manifest_too_large``), so no
 slab is ever READY that an engine could not attach. A load that raises
@@ -182,6 +185,7 @@ class Loader:
         self.settings = settings
         self._wake_fd = wake_fd
         self._jobs: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
+        self._cancelled: set[Slot] = set()  # dropped by a reload: skipped, or stopped at a progress report
         self._results: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._queued: list[Slot] = []  # submitted, not yet taken: what the torch look-ahead reads
@@ -196,6 +200,17 @@ class Loader:
         with self._lock:
             self._queued.append(slot)
         self._jobs.put(slot)
+
+    def cancel(self, slot: Slot) -> None:
+        """Skips ``slot`` if still queued, or stops its load at the next progress report (a reload dropped it)."""
+        with self._lock:
+            self._cancelled.add(slot)
+            if slot in self._queued:  # nor does the torch look-ahead count it
+                self._queued.remove(slot)
+
+    def _is_cancelled(self, slot: Slot) -> bool:
+        with self._lock:
+            return slot in self._cancelled
 
     def stop(self) -> None:
         """Asks the thread to end after the current load (it is a daemon thread: exit does not wait)."""
@@ -225,7 +240,14 @@ class Loader:
             with self._lock:
                 if slot in self._queued:
                     self._queued.remove(slot)
+                skip = slot in self._cancelled
+                if skip:
+                    self._cancelled.discard(slot)
+            if skip:
+                continue
             self._post(self._supervise(slot))
+            with self._lock:
+                self._cancelled.discard(slot)
 
     def _look_ahead(self) -> None:
         """Imports torch in the background when a model queued behind this load may need it."""
@@ -297,6 +319,9 @@ class Loader:
 
             def progress(done: int, total: int) -> None:
                 now = time.monotonic()
+                if self._is_cancelled(slot):
+                    raise ModelLoadFailed(f"model {p.model.name}: load cancelled, a reload removed it",
+                                          model=p.model.name, cause="cancelled")
                 if now - started > st.timeout_s or job.abandoned:
                     raise self._timeout(slot, f"{done}/{total} bytes read")
                 if now - last_post[0] >= PROGRESS_PERIOD_S:
@@ -310,7 +335,7 @@ class Loader:
             manifest = filled.manifest
             # Here, not at the first attach: a manifest no engine could read fails the load, by name.
             raw = pack_file(manifest, backend=st.backend.name, size_bytes=writable.size_bytes,
-                            checkpoint_path=p.model.path)
+                            checkpoint_path=p.model.path, placement=p.to_json())
             manifest_file = SealedFile.create(raw, f"weightcache-manifest:{p.label}")
             try:
                 sealed = writable.seal()
@@ -360,6 +385,16 @@ def _discard(result: Loaded | Failed) -> None:
             result.manifest_file.close()
         except Exception as e:  # noqa: BLE001 - best effort after a timeout
             log.warning("close of an abandoned slab failed model=%s error=%r", result.slot.placement.model.name, e)
+
+
+def discard(result: Started | Planned | Progress | Loaded | Failed) -> None:
+    """Drops a result for a slot a reload removed (DROPPED): a sealed slab and its manifest file are
+    closed, nothing else happens."""
+    if isinstance(result, Loaded):
+        result.sealed.close()
+        result.manifest_file.close()
+        log.info("load discarded model=%s rank=%d reason=removed-by-reload", result.slot.placement.model.name,
+                 result.slot.placement.tp_rank)
 
 
 def _warm_if_needed(later: list[Any]) -> None:

@@ -8,6 +8,10 @@ loader return: replies go to :mod:`~weightcache.daemon.transport`,
 backend, loader results into the state (:func:`weightcache.daemon.loads.apply`).
 Only this module's thread changes the state.
 
+``SIGHUP`` and a ``reload`` request both run
+:func:`~weightcache.daemon.handlers.on_reload`, between ``RELOADING=1``
+(with ``MONOTONIC_USEC=``) and ``READY=1`` to systemd.
+
 A broken invariant of the service's own state
 (:class:`~weightcache.daemon.state.IllegalTransition`) logs CRITICAL and
 :meth:`Daemon.serve` returns :data:`EXIT_INVARIANT` (non-zero: systemd
@@ -30,16 +34,17 @@ from typing import Any
 
 from .. import protocol
 from ..config import Config
+from ..errors import ConfigError
 from ..journal import event
 from ..loader import LoaderOptions
 from ..memory import Backend
 from . import access, handlers, loads
 from .fdstore import FdStore
-from .handlers import Context, FreeSlab, Outcome, Refuse, StartLoad, StartVerify
+from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
 from .limits import Limits
 from .loads import Loader, LoadSettings
 from .metrics import Counters
-from .state import IllegalTransition, ServiceState, SlotState
+from .state import IllegalTransition, Peer, ServiceState, SlotState
 from .ticker import Ticker
 from .transport import Client, Transport
 
@@ -59,18 +64,27 @@ class Daemon:
         listener (`socket.socket`): the listening Unix stream socket.
         stored_fds (`dict[str, list[int]]`, *optional*): fds handed back by
             systemd's fd store, by ``FDNAME``.
+        load_config (`callable`, *optional*): ``() -> Config``, reads the files
+            again for ``reload`` and ``SIGHUP`` (without it a reload is refused).
+        config_error (`ConfigError`, *optional*): the configuration was
+            refused at start; ``config`` then holds only the placements of the
+            slabs found in the fd store (``weightcache serve``), and stored
+            entries that match no slot stay in the store for the next start.
     """
 
     def __init__(self, config: Config, gpu: int, backend: Backend, listener: socket.socket,
-                 stored_fds: dict[str, list[int]] | None = None) -> None:
+                 stored_fds: dict[str, list[int]] | None = None, load_config: Any = None,
+                 config_error: ConfigError | None = None) -> None:
         self.config = config
         self.gpu = gpu
         self.backend = backend
         device = backend.device_info()
         source = config.files[0] if config.files else "the config"
         self.state = ServiceState(gpu, backend.name, device, config.placements(gpu), source)
+        self.state.config_error = config_error
         self.counters = Counters([s.placement for s in self.state.slots], time.time())
-        self.ctx = Context(self.state, backend.mem_info, counters=self.counters,
+        self.ctx = Context(self.state, backend.mem_info, load_config=load_config or self._no_config,
+                           service_config=config.service, counters=self.counters,
                            policy=access.Policy(self.state.service_uid, config.service.operator_groups))
         self.transport = Transport(listener, self._on_message, self._on_close,
                                    lambda c: self.state.peers.add(c.peer), Limits.from_config(config.service),
@@ -78,11 +92,9 @@ class Daemon:
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.loader = Loader(LoadSettings(backend, device, config.service.load_timeout_s,
-                                          LoaderOptions(threads=config.service.read_threads,
-                                                        staging_bytes=config.service.staging_bytes), source),
-                             self._wake_w)
+        self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
+        self._reload_asked = False
         self._broken: IllegalTransition | None = None
         #: Verifies done on their threads: (client, request, outcome, seconds, the slabs they read).
         self._verified: queue.SimpleQueue = queue.SimpleQueue()
@@ -90,44 +102,93 @@ class Daemon:
         self._reading: dict[int, int] = {}
         self._close_later: dict[int, Any] = {}
         now = time.monotonic()
-        for slot, got in self.fdstore.adopt(stored_fds or {}, self.state.slots).items():
+        stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
+        for slot, got in stored.items():
             slot.adopt(got.manifest, got.sealed, got.manifest_file, now)
+        if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
+            self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 
     # --- what handlers and the loader return ----------------------------------
 
+    def _no_config(self) -> Config:
+        raise ConfigError("this service was started without a configuration file to read again",
+                          file="", key="")
+
     def _on_message(self, c: Client, msg: protocol.Message) -> None:
         t0 = time.perf_counter()
+        reloading = type(msg) is protocol.Reload
+        if reloading:
+            self.ticker.reloading()
         try:
             out = handlers.handle(self.ctx, c.peer, msg)
             self.counters.answered(msg, out.replies, time.perf_counter() - t0)
             self._carry_out(c, out)
         except IllegalTransition as e:
             self._break(e)
+        finally:
+            if reloading:
+                self.ticker.reloaded(time.monotonic())
         if log.isEnabledFor(logging.DEBUG):  # the service's own time per request (benchmarks/bench_concurrency.py)
             log.debug("request served type=%s peer_pid=%d duration_us=%.0f", msg.tag(), c.peer.pid,
                       (time.perf_counter() - t0) * 1e6)
 
-    def _carry_out(self, c: Client, out: Outcome) -> None:
+    def _carry_out(self, c: Client | None, out: Outcome) -> None:
         for r in out.replies:
-            if not self.transport.send(c, r.msg, r.fds):
+            if c is None:
+                log.info("reload answered %s", r.msg.to_json())
+            elif not self.transport.send(c, r.msg, r.fds):
                 break
         for eff in out.effects:
             self._effect(c, eff)
 
-    def _effect(self, c: Client, eff: Any) -> None:
-        {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse,
-         StartVerify: self._start_verify}[type(eff)](c, eff)
+    def _effect(self, c: Client | None, eff: Any) -> None:
+        {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse, CancelLoad: self._cancel_load,
+         Reconfigure: self._reconfigure, StartVerify: self._start_verify}[type(eff)](c, eff)
+
+    def _cancel_load(self, c: Client | None, eff: CancelLoad) -> None:
+        self.loader.cancel(eff.slot)
+
+    def _reconfigure(self, c: Client | None, eff: Reconfigure) -> None:
+        for sid in sorted(self.fdstore.left):  # kept while the config did not load; a new slab may take the name
+            log.info("fd store slab dropped id=%s reason=unclaimed-after-reload", sid)
+            self.fdstore.remove(sid)
+        self.fdstore.left.clear()
+        self.config = eff.config
+        # The caps and the operator groups follow the file; connections over a lowered cap meet it at their
+        # next request.
+        self.transport.limits = Limits.from_config(eff.config.service)
+        self.ctx.policy = access.Policy(self.state.service_uid, eff.config.service.operator_groups)
+        self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
+        self.counters.track(eff.config.placements(self.gpu))  # label values of models the reload added
+
+    def _load_settings(self, cfg: Config) -> LoadSettings:
+        svc = cfg.service
+        return LoadSettings(self.backend, self.state.device, svc.load_timeout_s,
+                            LoaderOptions(threads=svc.read_threads, staging_bytes=svc.staging_bytes),
+                            cfg.files[0] if cfg.files else "the config")
+
+    def _reload_from_signal(self) -> None:
+        """SIGHUP: the same reload as a request from the service's own user (no reply to send)."""
+        self._reload_asked = False
+        self.ticker.reloading()
+        try:
+            self._carry_out(None, handlers.handle(self.ctx, Peer(os.getpid(), os.getuid(), os.getgid()),
+                                                  protocol.Reload()))
+        finally:
+            self.ticker.reloaded(time.monotonic())
 
     def _start_load(self, c: Client, eff: StartLoad) -> None:
         self.loader.submit(eff.slot)
 
-    def _free_slab(self, c: Client, eff: FreeSlab) -> None:
-        self.fdstore.remove(eff.store_id)
-        if self._reading.get(id(eff.sealed)):
+    def _free_slab(self, c: Client | None, eff: FreeSlab) -> None:
+        if eff.store_id is not None:
+            self.fdstore.remove(eff.store_id)
+        if eff.sealed is not None and self._reading.get(id(eff.sealed)):
             self._close_later[id(eff.sealed)] = eff  # a verify still reads the slab
             return
-        eff.sealed.close()
-        eff.manifest_file.close()
+        for f in (eff.sealed, eff.manifest_file):
+            if f is not None:
+                f.close()
 
     def _start_verify(self, c: Client, eff: StartVerify) -> None:
         """Runs the hashing on a thread; the client's later requests wait (replies stay in order)."""
@@ -159,8 +220,9 @@ class Daemon:
                     del self._reading[id(sealed)]
                     later = self._close_later.pop(id(sealed), None)
                     if later is not None:  # evicted while it was hashed
-                        later.sealed.close()
-                        later.manifest_file.close()
+                        for f in (later.sealed, later.manifest_file):
+                            if f is not None:
+                                f.close()
             self.counters.answered(request, out.replies, seconds)
             self._carry_out(c, out)
             self.transport.release(c)
@@ -170,7 +232,8 @@ class Daemon:
 
     def _on_close(self, c: Client) -> None:
         for lease in list(c.peer.leases.values()):
-            handlers.end_lease(self.state, c.peer, lease)
+            for eff in handlers.end_lease(self.state, c.peer, lease):
+                self._effect(None, eff)
         c.peer.waiting.clear()
         self.state.peers.discard(c.peer)
 
@@ -180,6 +243,9 @@ class Daemon:
         except BlockingIOError:
             pass
         for result in self.loader.results():
+            if result.slot.state is SlotState.DROPPED:  # a reload removed it while it loaded
+                loads.discard(result)
+                continue
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
                 self.fdstore.put(result.slot, result.sealed, result.manifest_file)
             loads.apply(self.state, result)
@@ -204,11 +270,19 @@ class Daemon:
 
     # --- main loop -------------------------------------------------------------
 
+    def request_reload(self, *_: Any) -> None:
+        """Reloads the configuration at the next pass (SIGHUP)."""
+        self._reload_asked = True
+        self._wake()
+
     def request_stop(self, *_: Any) -> None:
         """Ends :meth:`serve` after the current pass (SIGTERM, SIGINT)."""
         self._stop = True
+        self._wake()
+
+    def _wake(self) -> None:
         try:
-            os.write(self._wake_w, b"s")
+            os.write(self._wake_w, b"w")
         except OSError:
             pass
 
@@ -216,6 +290,7 @@ class Daemon:
         """Runs until SIGTERM/SIGINT. Returns the process exit status (:data:`EXIT_INVARIANT` on a broken invariant)."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
         self.transport.start()
         self.transport.add_reader(self._wake_r, self._drain_loader)
         self.loader.start()
@@ -226,6 +301,8 @@ class Daemon:
                  extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))
         while not self._stop:
             try:
+                if self._reload_asked:
+                    self._reload_from_signal()
                 now = time.monotonic()
                 self.ticker.tick(now)
                 self.transport.expire(now)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from .. import protocol
 from ..config import Placement
-from ..errors import ModelNotFound, RemoteProtocolError, WeightcacheError
+from ..errors import ConfigError, ModelNotFound, RemoteProtocolError, WeightcacheError
 from ..manifest import Manifest
 from .limits import MAX_MODEL_BYTES
 
@@ -45,6 +45,8 @@ class SlotState(enum.Enum):
     READY = "ready"       # sealed slab resident, attachable
     FAILED = "failed"     # the last load failed; ``error`` says why
     EVICTED = "evicted"   # freed by ``evict``; ``preload`` loads it again
+    RETIRED = "retired"   # removed from the config by a reload, kept while leased, attachable by nobody new
+    DROPPED = "dropped"   # removed from the config: out of the service's list (a load under way is discarded)
 
 
 class SlotEvent(enum.Enum):
@@ -56,6 +58,8 @@ class SlotEvent(enum.Enum):
     ADOPT = "adopt"          # a matching slab came back from systemd's fd store
     EVICT = "evict"          # ``evict`` freed the slab
     REQUEUE = "requeue"      # ``preload`` after a failure or an eviction
+    RETIRE = "retire"        # a reload removed or changed it while leases hold its slab
+    DROP = "drop"            # a reload removed or changed it (no lease), or its last lease ended while retired
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,14 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.READY, E.EVICT, S.EVICTED),
     Transition(S.FAILED, E.REQUEUE, S.PENDING),
     Transition(S.EVICTED, E.REQUEUE, S.PENDING),
+    # reload (weightcache.daemon.reload): a slot the new config no longer holds as it is
+    Transition(S.PENDING, E.DROP, S.DROPPED),
+    Transition(S.LOADING, E.DROP, S.DROPPED),
+    Transition(S.READY, E.DROP, S.DROPPED),
+    Transition(S.FAILED, E.DROP, S.DROPPED),
+    Transition(S.EVICTED, E.DROP, S.DROPPED),
+    Transition(S.READY, E.RETIRE, S.RETIRED),
+    Transition(S.RETIRED, E.DROP, S.DROPPED),
 )
 
 _TABLE: dict[tuple[SlotState, SlotEvent], SlotState] = {(t.source, t.event): t.target for t in TRANSITIONS}
@@ -144,6 +156,8 @@ class Slot:
     #: The backend's SealedSlab (fd, size_bytes, tensor) while READY.
     sealed: Any = None
     adopted: bool = False
+    #: ``os.path.realpath`` of the checkpoint path when the slot was made (attach by path matches it).
+    realpath: str = ""
     started_at: float = 0.0
     ready_at: float = 0.0
     leases: dict[int, Lease] = field(default_factory=dict)
@@ -214,6 +228,17 @@ class Slot:
         self.move(SlotEvent.REQUEUE)
         self.error = None
 
+    def retire(self) -> None:
+        """READY -> RETIRED: removed from the config while leased; the slab stays until the last release."""
+        self.move(SlotEvent.RETIRE)
+
+    def drop(self) -> tuple[Any, Any]:
+        """-> DROPPED (see :data:`TRANSITIONS`); returns (SealedSlab, manifest file), None when absent, to close."""
+        self.move(SlotEvent.DROP)
+        out = (self.sealed, self.manifest_file)
+        self.sealed, self.manifest, self.manifest_file, self.adopted = None, None, None, False
+        return out
+
     def rate_bytes_per_s(self, now: float) -> float:
         """Load rate so far, bytes per second (0 unless LOADING)."""
         if self.state is not SlotState.LOADING or not self.started_at:
@@ -268,6 +293,10 @@ class ServiceState:
         placements (`list[Placement]`): what the config places on this GPU.
         config_source (`str`): the config file(s), for error messages.
         service_uid (`int`): the service's own uid (always allowed).
+
+    ``config_error`` is the :class:`~weightcache.errors.ConfigError` of the
+    last configuration the service refused (at start, with slabs kept from the
+    fd store, or at a reload), None once one is applied.
     """
 
     def __init__(self, gpu: int, backend: str, device: dict[str, Any], placements: list[Placement],
@@ -279,14 +308,15 @@ class ServiceState:
         self.service_uid = os.getuid() if service_uid is None else service_uid
         #: Counts of (source, event, target) moves of every slot: what a metrics layer exports.
         self.transition_counts: collections.Counter = collections.Counter()
-        self.slots = [Slot(p, counts=self.transition_counts) for p in placements]
+        self.slots = [self.new_slot(p) for p in placements]
         self.peers: set[Peer] = set()
         self.loads_done = 0  # loads settled (ready or failed) since start
+        self.config_error: ConfigError | None = None
         self._next_lease = 1
-        #: Each configured checkpoint path, normalised and resolved once (never a client's string).
-        self._paths: dict[str, frozenset[str]] = {
-            m.path: frozenset({os.path.normpath(m.path), os.path.realpath(m.path)})
-            for m in {s.placement.model.path: s.placement.model for s in self.slots}.values()}
+
+    def new_slot(self, placement: Placement) -> Slot:
+        """A PENDING slot for ``placement`` (not yet in :attr:`slots`), its checkpoint path resolved now."""
+        return Slot(placement, realpath=os.path.realpath(placement.model.path), counts=self.transition_counts)
 
     def lease(self, peer: Peer, slot: Slot, mode: str, since: float) -> Lease:
         """Grants ``peer`` a new lease on READY ``slot``; ``since`` is Unix time in seconds."""
@@ -308,18 +338,19 @@ class ServiceState:
 
     def find_slots(self, model: str, tp_size: int | None = None, tp_rank: int | None = None,
                    dtype: str | None = None, naming: str | None = None,
-                   dtype_matches: Callable[[Slot, str], bool] | None = None) -> list[Slot]:
+                   dtype_matches: Callable[[Slot, str], bool] | None = None, retired: bool = False) -> list[Slot]:
         """Slots matching a model name or checkpoint path (and layout, when given).
+
+        A path matches after ``os.path.normpath`` (linear in its length): the
+        configured path, or the checkpoint's resolution when the slot was made
+        (:attr:`Slot.realpath`; a reload makes a new slot for a retargeted
+        symlink). The service never resolves a client's string (the client
+        sends its own ``realpath``). RETIRED slots count only with ``retired``.
 
         ``dtype_matches(slot, dtype)`` decides whether a slot serves an engine asking
         for ``dtype`` (the caller's, since it may read headers: see
         :func:`weightcache.pipeline.dtype_matches`); without it the configured
         dtype must equal ``dtype``.
-
-        A path matches a configured checkpoint path after ``os.path.normpath``
-        (linear in its length), equal to the configured path or to what it
-        resolved to when the service started; the service never resolves a
-        client's string (the client sends its own ``realpath``).
 
         Raises:
             RemoteProtocolError (`protocol_violation`): ``model`` is longer than
@@ -338,7 +369,9 @@ class ServiceState:
         out = []
         for s in self.slots:
             m = s.placement.model
-            if m.name != model and (norm is None or norm not in self._paths[m.path]):
+            if s.state is SlotState.RETIRED and not retired:
+                continue
+            if m.name != model and (norm is None or norm not in (s.realpath, os.path.normpath(m.path))):
                 continue
             if tp_size is not None and s.placement.tp_size != tp_size:
                 continue
@@ -350,26 +383,48 @@ class ServiceState:
                 continue
             out.append(s)
         if not out:
-            held = ", ".join(s.label for s in self.slots) or "nothing"
+            held = ", ".join(s.label for s in self.slots if s.state is not SlotState.RETIRED) or "nothing"
+            rejected = "" if self.config_error is None else (
+                f"; its configuration was rejected ({describe_config_error(self.config_error)}): fix it and run "
+                f"`systemctl reload weightcache@{self.gpu}`")
             raise ModelNotFound(
                 f"GPU {self.gpu} has no model {model!r} with tp_size={tp_size} tp_rank={tp_rank}"
                 f"{'' if dtype is None else ' dtype=' + dtype}{'' if naming is None else ' naming=' + naming}; "
-                f"it holds: {held}", model=model, tp_size=tp_size, tp_rank=tp_rank, gpu=self.gpu)
+                f"it holds: {held}{rejected}", model=model, tp_size=tp_size, tp_rank=tp_rank, gpu=self.gpu)
         return out
 
     def status_line(self, now: float) -> str:
         """One line for systemd's ``STATUS=`` and ``weightcache status``."""
-        loading = [s for s in self.slots if s.state in UNSETTLED]
-        ready = sum(s.state is SlotState.READY for s in self.slots)
-        failed = [s for s in self.slots if s.state is SlotState.FAILED]
+        line = self._slots_line(now)
+        retired = [s for s in self.slots if s.state is SlotState.RETIRED]
+        if retired:
+            line += f"; removed from the config, kept while leased: {', '.join(s.label for s in retired)}"
+        if self.config_error is not None:
+            line += f"; configuration rejected, {describe_config_error(self.config_error)}"
+        return line
+
+    def _slots_line(self, now: float) -> str:
+        configured = [s for s in self.slots if s.state is not SlotState.RETIRED]
+        loading = [s for s in configured if s.state in UNSETTLED]
+        ready = sum(s.state is SlotState.READY for s in configured)
+        failed = [s for s in configured if s.state is SlotState.FAILED]
         if loading:
             cur = next((s for s in loading if s.state is SlotState.LOADING), loading[0])
             if not cur.total_bytes:  # planning: headers read, size not known yet
-                return f"loading {cur.label}: planning; {ready}/{len(self.slots)} ready"
+                return f"loading {cur.label}: planning; {ready}/{len(configured)} ready"
             pct = 100.0 * cur.done_bytes / cur.total_bytes
             return (f"loading {cur.label}: {pct:.0f}% ({cur.done_bytes / 1e6:.0f}/{cur.total_bytes / 1e6:.0f} MB, "
-                    f"{cur.rate_bytes_per_s(now) / 1e9:.2f} GB/s); {ready}/{len(self.slots)} ready")
-        line = f"ready: {ready}/{len(self.slots)} slabs resident"
+                    f"{cur.rate_bytes_per_s(now) / 1e9:.2f} GB/s); {ready}/{len(configured)} ready")
+        line = f"ready: {ready}/{len(configured)} slabs resident"
         if failed:
             line += f"; failed: {', '.join(s.label + ' (' + (s.error.code if s.error else '?') + ')' for s in failed)}"
         return line
+
+
+def describe_config_error(e: ConfigError) -> str:
+    """``FILE:LINE: KEY: what`` (the line when known) for STATUS=, ``status`` and the journal."""
+    d, text = e.details, e.message
+    file, line = d.get("file"), d.get("line")
+    if file and line and text.startswith(f"{file}: "):
+        text = f"{file}:{line}: {text[len(file) + 2:]}"
+    return text

@@ -5,7 +5,9 @@ store's, :mod:`weightcache.daemon.fdstore`): ``STATUS=`` at most once per
 :data:`STATUS_PERIOD_S` while it changes, ``EXTEND_TIMEOUT_USEC=`` every
 third of :data:`EXTEND_TIMEOUT_S` until ``READY=1``, ``READY=1`` once every
 slot has settled, ``WATCHDOG=1`` at the interval systemd asked for
-(``$WATCHDOG_USEC``), and ``STOPPING=1``. It also calls ``gc.freeze()``
+(``$WATCHDOG_USEC``), ``RELOADING=1`` with ``MONOTONIC_USEC=`` before a
+reload and ``READY=1`` after it (systemd.service(5), ``Type=notify-reload``;
+systemd 252 honours them for ``Type=notify`` too), and ``STOPPING=1``. It also calls ``gc.freeze()``
 after each batch of settled loads: everything alive then (torch, the config,
 manifests) lives as long as the service, so later collections during an
 attach scan only what that attach allocated.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from typing import Callable
 
 from .. import notify
@@ -87,6 +90,19 @@ class Ticker:
         if self.watchdog_s and now - self._last_watchdog_t >= self.watchdog_s:
             self.send("WATCHDOG=1")
             self._last_watchdog_t = now
+
+    def reloading(self) -> None:
+        """``RELOADING=1`` and ``MONOTONIC_USEC=`` (CLOCK_MONOTONIC, µs), once the service is ready."""
+        if self.ready_sent:
+            usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+            self.send(f"RELOADING=1\nMONOTONIC_USEC={usec}\nSTATUS=reloading the configuration")
+
+    def reloaded(self, now: float) -> None:
+        """``READY=1`` with the new status line after a reload, applied or refused (before the
+        first ``READY=1`` only the status: :meth:`tick` sends READY once every slot settles)."""
+        status = self.state.status_line(now)
+        self.send(f"READY=1\nSTATUS={status}" if self.ready_sent else f"STATUS={status}")
+        self._last_status, self._last_status_t = status, now
 
     def stopping(self) -> None:
         """``STOPPING=1``."""

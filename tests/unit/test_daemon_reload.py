@@ -1,0 +1,334 @@
+"""Reload in-process: the plan (pure), its application through the transition table, the ``reload``
+handler, the last release of a retired slab, the loader's cancellation and the notifications.
+
+No socket, no thread: slabs are stand-ins whose ``close()`` is counted (the state holds them
+opaquely); the config loader is a function the test swaps.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from weightcache import protocol
+from weightcache.config import Config, Layout, ModelConfig, Placement, ServiceConfig
+from weightcache.daemon import handlers, loads, reload
+from weightcache.daemon.handlers import CancelLoad, Context, FreeSlab, Reconfigure
+from weightcache.daemon.state import Peer, ServiceState, SlotState
+from weightcache.daemon.ticker import Ticker
+from weightcache.errors import ConfigError
+from weightcache.loader import LoaderOptions
+
+S = SlotState
+ME = Peer(10, os.getuid(), os.getgid())
+
+
+class Sealed:
+    """A stand-in SealedSlab: counts ``close()``."""
+
+    size_bytes = 64
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def _model(name: str, path: str, **kw) -> ModelConfig:
+    return ModelConfig(name, path, source="/etc/weightcache/weightcache.toml", **kw)
+
+
+def _config(*models: ModelConfig, **service) -> Config:
+    return Config(ServiceConfig(**service), {m.name: m for m in models}, ("/etc/weightcache/weightcache.toml",))
+
+
+def _state(tmp_path, *models: ModelConfig) -> ServiceState:
+    return ServiceState(0, "host", {}, _config(*models).placements(0), service_uid=os.getuid())
+
+
+def _ready(slot) -> Sealed:
+    """Moves ``slot`` to READY with a stand-in slab (returned) and manifest file (``slot.manifest_file``)."""
+    sealed = Sealed()
+    slot.start(1.0)
+    slot.loaded(None, sealed, Sealed(), 2.0)
+    return sealed
+
+
+@pytest.fixture
+def paths(tmp_path):
+    out = {}
+    for n in ("a", "b", "c", "d", "e"):
+        (tmp_path / n).mkdir()
+        out[n] = str(tmp_path / n)
+    return out
+
+
+# -- the plan: pure ---------------------------------------------------------------------------------
+
+
+def test_plan_keeps_adds_drops_and_retires(paths):
+    a, b, c, d, e = (_model(n, paths[n]) for n in "abcde")
+    st = _state(None, a, b, c, d)
+    sa, sb, sc, sd = st.slots
+    _ready(sa), _ready(sb), _ready(sc)
+    st.lease(ME, sb, "zero_copy", 0.0)  # b is leased, c is not, d never loaded (PENDING)
+    new = _config(a, e)
+    p = reload.plan(st.slots, new.placements(0), ServiceConfig(), new.service)
+    assert [s for s, _ in p.keep] == [sa] and [pl.model.name for pl in p.add] == ["e"]
+    assert p.retire == (sb,) and set(p.drop) == {sc, sd} and p.restart_keys == ()
+    assert [s.state for s in st.slots] == [S.READY, S.READY, S.READY, S.PENDING]  # nothing moved
+
+
+@pytest.mark.parametrize("change", [dict(dtype="float16"), dict(naming="vllm"), dict(revision="2"),
+                                    dict(kernel="other")])
+def test_a_changed_slab_field_replaces_the_slot(paths, change):
+    st = _state(None, _model("a", paths["a"]))
+    _ready(st.slots[0])
+    new = _config(_model("a", paths["a"], **change))
+    p = reload.plan(st.slots, new.placements(0), ServiceConfig(), new.service)
+    assert p.keep == () and p.drop == (st.slots[0],) and [pl.model for pl in p.add] == [new.models["a"]]
+
+
+def test_allow_lists_and_source_change_in_place(paths):
+    st = _state(None, _model("a", paths["a"]))
+    sealed = _ready(st.slots[0])
+    new = _config(ModelConfig("a", paths["a"], allow_users=("alice",), source="/etc/weightcache/conf.d/a.toml"))
+    done = reload.apply(st, reload.plan(st.slots, new.placements(0), ServiceConfig(), new.service), new)
+    assert done.kept == ("a/tp1/rank0",) and done.free == () and done.load == ()
+    assert st.slots[0].sealed is sealed and st.slots[0].placement.model.allow_users == ("alice",)
+
+
+def test_a_retargeted_path_replaces_the_slot(paths):
+    st = _state(None, _model("a", paths["a"]))
+    new = _config(_model("a", paths["a"]))
+    moved = {paths["a"]: paths["b"]}
+    p = reload.plan(st.slots, new.placements(0), ServiceConfig(), new.service,
+                    realpath=lambda x: moved.get(x, x))
+    assert p.keep == () and p.drop == (st.slots[0],) and len(p.add) == 1
+
+
+def test_another_layout_is_another_slot(paths):
+    st = _state(None, _model("a", paths["a"]))
+    new = _config(_model("a", paths["a"], layouts=(Layout(1, (0,)), Layout(2, (0, 0)))))
+    p = reload.plan(st.slots, new.placements(0), ServiceConfig(), new.service)
+    assert len(p.keep) == 1 and [(pl.tp_size, pl.tp_rank) for pl in p.add] == [(2, 0), (2, 1)]
+
+
+def test_service_keys_that_need_a_restart(paths):
+    p = reload.plan([], [], ServiceConfig(), ServiceConfig(backend="host", socket_dir="/run/x", read_threads=2))
+    assert p.restart_keys == ("backend", "socket_dir")
+
+
+# -- applying it ------------------------------------------------------------------------------------
+
+
+def test_apply_moves_slots_and_returns_what_to_free_cancel_and_load(paths):
+    a, b, c, d, e = (_model(n, paths[n]) for n in "abcde")
+    st = _state(None, a, b, c, d, e)
+    sa, sb, sc, sd, se = st.slots
+    sealed_a, sealed_b, sealed_c = _ready(sa), _ready(sb), _ready(sc)
+    mf_c = sc.manifest_file
+    sd.start(1.0)  # loading
+    se.start(1.0)
+    se.fail(ConfigError("x", file="f", key="k"))  # failed: retried when kept
+    st.lease(ME, sb, "zero_copy", 0.0)
+    new = _config(e, a, _model("n", paths["c"]))
+    done = reload.apply(st, reload.plan(st.slots, new.placements(0), ServiceConfig(), new.service), new)
+
+    assert (sa.state, sb.state, sc.state, sd.state, se.state) == (S.READY, S.RETIRED, S.DROPPED, S.DROPPED,
+                                                                   S.PENDING)
+    assert done.cancel == (sd,) and set(done.free) == {(sb.store_id, None, None), (sc.store_id, sealed_c, mf_c)}
+    added = st.slots[2]
+    assert st.slots == [se, sa, added, sb]  # config order, then the retired
+    assert done.load == (se, added) and added.state is S.PENDING and added.placement.model.name == "n"
+    assert (done.added, done.retired, done.kept) == (("n/tp1/rank0",), ("b/tp1/rank0",),
+                                                     ("e/tp1/rank0", "a/tp1/rank0"))
+    assert set(done.dropped) == {"c/tp1/rank0", "d/tp1/rank0"}
+    assert sa.sealed is sealed_a and sb.sealed is sealed_b and sealed_a.closed == sealed_b.closed == 0
+    assert st.find_slots("a") == [sa]
+    with pytest.raises(Exception) as ei:
+        st.find_slots("b")  # retired: attachable by nobody new
+    assert ei.value.code == "model_not_found"
+    assert st.find_slots("b", retired=True) == [sb]
+
+
+# -- the handler ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ctx(paths):
+    st = _state(None, _model("a", paths["a"]), _model("b", paths["b"]))
+    holder = {"config": _config(_model("a", paths["a"]))}
+
+    def load_config():
+        if isinstance(holder["config"], Exception):
+            raise holder["config"]
+        return holder["config"]
+
+    c = Context(st, lambda: (1, 2), load_config, ServiceConfig())
+    c.holder = holder
+    return c
+
+
+def test_reload_handler_replies_and_returns_effects(ctx):
+    st = ctx.state
+    sa, sb = st.slots
+    sealed_b = _ready(sb)
+    mf_b = sb.manifest_file
+    out = handlers.handle(ctx, ME, protocol.Reload())
+    (reply,) = out.replies
+    assert reply.msg == protocol.ReloadReply([], ["b/tp1/rank0"], [], ["a/tp1/rank0"], [],
+                                             ["/etc/weightcache/weightcache.toml"])
+    assert out.effects == (FreeSlab(sb.store_id, sealed_b, mf_b), Reconfigure(ctx.holder["config"]))
+    assert st.slots == [sa] and st.config_error is None
+
+
+def test_a_pending_slot_dropped_by_reload_is_cancelled_and_its_parked_attach_answered(ctx):
+    st = ctx.state
+    sa, sb = st.slots
+    ctx.holder["config"] = _config(_model("a", ctx.state.slots[0].placement.model.path))
+    handlers.handle(ctx, ME, protocol.Attach("b", wait_ms=60_000))  # parked: b is pending
+    out = handlers.handle(ctx, ME, protocol.Reload())
+    assert CancelLoad(sb) in out.effects and sb.state is S.DROPPED
+    (reply,) = handlers.service_waiting(ctx, ME).replies
+    assert reply.msg.code == "model_not_found" and not ME.waiting
+
+
+def test_refused_reload_changes_nothing_and_is_reported(ctx):
+    st = ctx.state
+    before = list(st.slots)
+    ctx.holder["config"] = ConfigError("/etc/weightcache/weightcache.toml: service.bakend: unknown key",
+                                       file="/etc/weightcache/weightcache.toml", key="service.bakend", line=3)
+    out = handlers.handle(ctx, ME, protocol.Reload())
+    (reply,) = out.replies
+    assert (reply.msg.code, reply.msg.details["line"], out.effects) == ("config_invalid", 3, ())
+    assert st.slots == before and [s.state for s in st.slots] == [S.PENDING, S.PENDING]
+    assert st.status_line(0.0).endswith(
+        "; configuration rejected, /etc/weightcache/weightcache.toml:3: service.bakend: unknown key")
+    status = handlers.status(ctx)
+    assert status.config_error.details["key"] == "service.bakend"
+    assert protocol.ServiceStatus.from_json(status.to_json()) == status
+    ctx.holder["config"] = _config(*(s.placement.model for s in before))
+    handlers.handle(ctx, ME, protocol.Reload())
+    assert st.config_error is None and handlers.status(ctx).config_error is None
+
+
+def test_only_root_and_the_service_user_may_reload(ctx):
+    out = handlers.handle(ctx, Peer(1, os.getuid() + 1, 0), protocol.Reload())
+    assert out.replies[0].msg.code == "access_denied" and out.effects == ()
+
+
+def test_the_last_release_of_a_retired_slab_frees_it(ctx):
+    st = ctx.state
+    sa, sb = st.slots
+    sealed_b = _ready(sb)
+    mf_b = sb.manifest_file
+    lease = st.lease(ME, sb, "zero_copy", 0.0)
+    out = handlers.handle(ctx, ME, protocol.Reload())
+    assert out.replies[0].msg.retired == ["b/tp1/rank0"] and FreeSlab(sb.store_id, None, None) in out.effects
+    assert "kept while leased: b/tp1/rank0" in st.status_line(0.0)
+    out = handlers.handle(ctx, ME, protocol.Release(lease.lease_id))
+    assert out.effects == (FreeSlab(None, sealed_b, mf_b),) and sb.state is S.DROPPED and st.slots == [sa]
+
+
+def test_evict_force_frees_a_retired_slab(ctx):
+    st = ctx.state
+    sa, sb = st.slots
+    sealed_b = _ready(sb)
+    mf_b = sb.manifest_file
+    st.lease(ME, sb, "zero_copy", 0.0)
+    handlers.handle(ctx, ME, protocol.Reload())
+    assert handlers.handle(ctx, ME, protocol.Evict("b")).replies[0].msg.code == "lease_busy"
+    out = handlers.handle(ctx, ME, protocol.Evict("b", force=True))
+    assert out.replies[0].msg.evicted == ["b/tp1/rank0"] and out.effects == (FreeSlab(None, sealed_b, mf_b),)
+    assert st.slots == [sa]
+
+
+# -- the loader and the notifications ---------------------------------------------------------------
+
+
+def test_a_cancelled_slot_is_skipped_by_the_loader(paths):
+    st = _state(None, _model("a", paths["a"]))
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        loader = loads.Loader(loads.LoadSettings(None, {}, 60.0, LoaderOptions(threads=1), "t.toml"), w)
+        loader.submit(st.slots[0])
+        loader.cancel(st.slots[0])
+        loader.stop()
+        loader._run()  # the thread's body: returns at the stop
+        assert loader.results() == []
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_discard_closes_a_slab_loaded_for_a_dropped_slot(paths):
+    st = _state(None, _model("a", paths["a"]))
+    slot = st.slots[0]
+    slot.drop()
+    sealed, manifest_file = Sealed(), Sealed()
+    loads.discard(loads.Loaded(slot, None, sealed, manifest_file, 1.0))
+    loads.discard(loads.Started(slot, 1.0))
+    assert sealed.closed == manifest_file.closed == 1 and slot.state is S.DROPPED
+
+
+def test_reload_notifications():
+    st = ServiceState(0, "host", {}, [])
+    sent = []
+    t = Ticker(st, send=sent.append, watchdog_s=None)
+    t.reloading()
+    t.reloaded(0.0)
+    assert sent == ["STATUS=ready: 0/0 slabs resident"]  # before the first READY=1: status only
+    sent.clear()
+    t.tick(0.0)
+    sent.clear()
+    t.reloading()
+    t.reloaded(0.0)
+    head, usec, status = sent[0].split("\n")
+    assert head == "RELOADING=1" and usec.startswith("MONOTONIC_USEC=") and int(usec.split("=")[1]) > 0
+    assert status == "STATUS=reloading the configuration"
+    assert sent[1] == "READY=1\nSTATUS=ready: 0/0 slabs resident"
+
+
+def test_a_load_cancelled_midway_stops_and_frees_its_partial_slab(tmp_path, monkeypatch):
+    """The progress report after the cancel ends the load: the writable slab is aborted, nothing sealed."""
+    import torch
+
+    from service_harness import write_checkpoint
+    from weightcache.memory.host import HostBackend
+
+    ck = write_checkpoint(tmp_path / "ck", {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)})
+    st = _state(None, _model("a", str(ck)))
+    backend = HostBackend()
+    aborted = []
+    real_allocate = backend.allocate
+
+    def allocate(*a, **kw):
+        w = real_allocate(*a, **kw)
+        real_abort = w.abort
+        w.abort = lambda: (aborted.append(True), real_abort())
+        return w
+
+    monkeypatch.setattr(backend, "allocate", allocate)
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        loader = loads.Loader(loads.LoadSettings(backend, {}, 60.0, LoaderOptions(threads=1), "t.toml"), w)
+        loader.cancel(st.slots[0])
+        result = loader._supervise(st.slots[0])  # the loader thread's body for one slot (a worker runs it)
+        assert isinstance(result, loads.Failed) and result.error.details["cause"] == "cancelled"
+        assert aborted == [True]
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_placement_round_trips_through_json(paths):
+    """The manifest file keeps the slot's placement (fdstore.stored_placements reads it back)."""
+    m = ModelConfig("a", paths["a"], dtype="bfloat16", naming="vllm", revision="r2", allow_users=("alice",),
+                    allow_groups=("ml",), layouts=(Layout(1, (0,)), Layout(2, (0, 1))), source="/etc/x.toml")
+    p = Placement(m, 2, 1, 1)
+    assert Placement.from_json(p.to_json()) == p
+    with pytest.raises(ValueError):
+        Placement.from_json({"model": {"name": "a"}, "tp_size": 1, "tp_rank": 0, "gpu": 0})
