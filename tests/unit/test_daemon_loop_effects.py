@@ -1,4 +1,5 @@
-"""``verify`` runs off the serving loop, and an evict meanwhile does not unmap the slab under it.
+"""The serving loop's effects in-process: ``verify`` runs off the loop (an evict meanwhile does not unmap the
+slab under it), and a reload hands the new caps and operator groups on.
 
 A :class:`~weightcache.daemon.loop.Daemon` is built in-process on the host
 backend (no ``serve()``); the hashing is made to wait on an event so that the
@@ -80,3 +81,24 @@ def test_evict_during_verify_closes_the_slab_after_the_hashing(tmp_path, monkeyp
     d.loader.stop()
     for s in (a, b, a2, b2, listener):
         s.close()
+
+
+def test_a_reload_applies_the_caps_and_the_operator_groups(tmp_path):
+    """The Reconfigure effect of a reload hands the new [service] caps to the transport and the new operator
+    groups to the handlers' policy (a member of the new group may evict at once)."""
+    import dataclasses
+
+    from weightcache.config import ServiceConfig
+    from weightcache.daemon.handlers import Reconfigure
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "0.sock"))
+    d = Daemon(Config(), 0, HostBackend(), listener)
+    peer = Peer(1, 54321, 54321, groups=(4242,))
+    assert d.transport.limits.max_unread_replies == ServiceConfig().max_unread_replies
+    assert handlers.handle(d.ctx, peer, protocol.Preload("x")).replies[0].msg.code == "access_denied"
+    new = Config(service=dataclasses.replace(ServiceConfig(), max_unread_replies=3, operator_groups=("4242",)))
+    d._reconfigure(None, Reconfigure(new))
+    assert d.transport.limits.max_unread_replies == 3
+    assert handlers.handle(d.ctx, peer, protocol.Preload("x")).replies[0].msg.code == "model_not_found"  # allowed
+    listener.close()
