@@ -9,6 +9,18 @@ every tensor come from the same header (format: 8-byte little-endian header
 length N, N bytes of JSON, then the data; ``data_offsets`` are relative to the
 end of the header). Source: https://github.com/huggingface/safetensors#format.
 
+Containment (docs/reliability.md, "Threat model"): the service reads
+checkpoints with its own privileges, so a checkpoint may only make it read
+files of that checkpoint. The configured directory is resolved once (it may
+itself be a symlink: the operator chose it); every file name (an index's
+``weight_map`` value, a ``*.safetensors`` entry) must be a plain name in that
+directory, must resolve inside it (or, for a Hugging Face hub snapshot
+``.../snapshots/<revision>/``, inside the same repository's ``blobs/``), and
+must be a regular file; it is then opened by its resolved path with
+``O_NOFOLLOW | O_NONBLOCK`` and checked again with ``fstat``. A FIFO, a device,
+a directory or a symlink leading elsewhere is refused before any byte is read,
+and no error message quotes bytes of a file that fails these checks.
+
 The checkpoint *identity* (DESIGN §5) is computed from ``stat()`` and the
 header bytes only, never from tensor data, so an engine can compute the cache
 key in microseconds.
@@ -18,6 +30,7 @@ Forbidden imports: socket, weightcache.daemon, weightcache.client.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -89,19 +102,47 @@ def _ancestors(path: str) -> list[str]:
 
 
 def open_file(path: str | os.PathLike, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int:
-    """``os.open`` of a checkpoint file, with its failures as checkpoint errors.
+    """``os.open`` of a checkpoint file (a resolved path: see :meth:`Checkpoint.file_path`), regular files only.
+
+    Opens with ``O_NOFOLLOW | O_NONBLOCK`` added (a symlink or a FIFO swapped
+    in after the checks neither redirects nor blocks the read) and checks
+    ``fstat`` says a regular file.
 
     Raises:
         CheckpointNotFound (`checkpoint_not_found`): it does not exist.
         CheckpointUnreadable (`checkpoint_unreadable`): ``EACCES``; names the
             file and the user.
+        CheckpointCorrupt (`checkpoint_corrupt`): not a regular file, or a
+            symlink where the resolved file was.
     """
     try:
-        return os.open(path, flags)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CheckpointNotFound(f"checkpoint file {path} does not exist", file=str(path)) from None
     except PermissionError:
         raise unreadable(path) from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise CheckpointCorrupt(f"checkpoint file {path} became a symbolic link after it was checked; the service "
+                                f"opens checkpoint files by their resolved path only", file=str(path)) from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise not_regular(str(path), mode)
+    return fd
+
+
+def not_regular(path: str, mode: int) -> CheckpointCorrupt:
+    """The error for a checkpoint file that is a FIFO, a device, a socket or a directory."""
+    kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+            stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}.get(stat.S_IFMT(mode), "not a regular file")
+    return CheckpointCorrupt(f"checkpoint file {path} is {kind}; safetensors files must be regular files (a read "
+                             f"from anything else may block the loader or never end)", file=path)
 
 
 def _read_small(path: str) -> bytes | None:
@@ -163,8 +204,10 @@ def _read_raw_header(path: Path) -> tuple[bytes, int, int]:
             )
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or 8 + n > size:
+            # The length field's value is not quoted: it is the file's first 8 bytes.
             raise CheckpointCorrupt(
-                f"safetensors file {path} is truncated or corrupt: header length {n} bytes, file {size} bytes",
+                f"safetensors file {path} is truncated or not a safetensors file: its 8-byte header length "
+                f"field points past the end of the file (or past the {MAX_HEADER_BYTES}-byte cap)",
                 file=str(path),
             )
         raw = os.pread(fd, n, 8)
@@ -184,7 +227,10 @@ def _parse_header(path: Path, raw: bytes, data_start: int, size: int) -> dict[st
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:  # its message would quote the byte: name the position only
+        raise CheckpointCorrupt(f"safetensors header of {path} is not UTF-8 (byte {e.start} of the header)",
+                                file=str(path)) from None
+    except ValueError as e:
         raise CheckpointCorrupt(f"safetensors header of {path} is not valid JSON: {e}", file=str(path)) from None
     for name, entry in header.items():
         if name == "__metadata__":
@@ -219,6 +265,29 @@ def _read_header(path: Path) -> tuple[bytes, dict[str, Any], int]:
     """
     raw, data_start, size = _read_raw_header(path)
     return raw, _parse_header(path, raw, data_start, size), data_start
+
+
+def _roots(directory: Path) -> tuple[str, ...]:
+    """Where the files of checkpoint ``directory`` (resolved) may resolve to: itself and, for a Hugging Face
+    hub snapshot (``<repo>/snapshots/<revision>``), ``<repo>/blobs``."""
+    d = str(directory)
+    if directory.parent.name == "snapshots":
+        return d, str(directory.parent.parent / "blobs")
+    return (d,)
+
+
+def _check_plain(fname: Any, index: Path) -> None:
+    """Refuses a checkpoint file name that is not a plain name in the directory (``../x``, ``/etc/x``, ``a/b``).
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): names the index and the entry.
+    """
+    if isinstance(fname, str) and fname not in ("", ".", "..") and "/" not in fname and "\0" not in fname:
+        return
+    raise CheckpointCorrupt(
+        f"index {index} maps tensors to {str(fname)[:200]!r}, which is not a plain file name in the checkpoint "
+        f"directory; weight_map values must be names like 'model-00001-of-00002.safetensors'",
+        file=str(fname)[:200], index=str(index))
 
 
 def _validate_with_safetensors(path: Path) -> None:
@@ -288,6 +357,8 @@ class Checkpoint:
         if not _may(path, os.R_OK | os.X_OK):
             raise unreadable(path)
         self.path = Path(os.path.realpath(path))
+        self._roots = _roots(self.path)
+        self._resolved: dict[str, str] = {}
         self._index = self.path / INDEX_NAME
         self._files: list[str] | None = None
         self._weight_map: dict[str, str] | None = None
@@ -298,7 +369,7 @@ class Checkpoint:
         if validate:
             self._parse()  # our errors name the tensor; then safetensors' own checks
             for fname in self.files:
-                _validate_with_safetensors(self.path / fname)
+                _validate_with_safetensors(Path(self.file_path(fname)))
         cfg = os.path.join(self.path, "config.json")
         self.config_bytes = _read_small(cfg) or b""
         try:
@@ -332,10 +403,12 @@ class Checkpoint:
                 files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointCorrupt(f"index {index} is invalid: {e}", file=str(index)) from None
+            for fname in files:
+                _check_plain(fname, index)
             self._weight_map = weight_map
             for stray in sorted(self.path.glob("*-of-*.safetensors")):
                 if stray.name not in files and re.fullmatch(r".+-\d+-of-\d+\.safetensors", stray.name):
-                    _, stray_header, _ = _read_header(stray)
+                    _, stray_header, _ = _read_header(Path(self.file_path(stray.name)))
                     names = sorted(k for k in stray_header if k != "__metadata__")
                     raise CheckpointCorrupt(
                         f"shard {stray} is in the checkpoint directory but {index} does not list it, so its "
@@ -347,7 +420,42 @@ class Checkpoint:
             files = sorted(f.name for f in self.path.glob("*.safetensors"))
         if not files:
             raise CheckpointNotFound(f"no *.safetensors files in checkpoint directory {self.path}", path=str(self.path))
+        for fname in files:  # non-regular files and escapes are refused before any byte is read
+            self.file_path(fname)
         return files
+
+    def file_path(self, fname: str) -> str:
+        """The resolved path of checkpoint file ``fname``, checked to stay inside the checkpoint (module docstring).
+
+        Resolved once per name (at plan time); later opens use this path with ``O_NOFOLLOW``.
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): ``fname`` is not a plain
+                file name, resolves outside the checkpoint directory, or is not
+                a regular file.
+            CheckpointNotFound (`checkpoint_not_found`): it does not exist.
+        """
+        real = self._resolved.get(fname)
+        if real is not None:
+            return real
+        _check_plain(fname, self._index)
+        real = os.path.realpath(self.path / fname)
+        if not any(os.path.dirname(real) == root for root in self._roots):
+            raise CheckpointCorrupt(
+                f"checkpoint file {self.path / fname} resolves to {real}, outside the checkpoint directory "
+                f"{self.path}; the service reads only files inside it (a Hugging Face snapshot's links into its "
+                f"repository's blobs/ are allowed): copy the file into the checkpoint", file=fname,
+                path=str(self.path))
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"checkpoint file {self.path / fname} does not exist", file=fname) from None
+        except PermissionError:
+            raise unreadable(real) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(str(self.path / fname), st.st_mode)
+        self._resolved[fname] = real
+        return real
 
     @property
     def raw_headers(self) -> dict[str, bytes]:
@@ -359,7 +467,7 @@ class Checkpoint:
         if self._raw_headers is None:
             raw_headers = {}
             for fname in self.files:
-                raw, data_start, size = _read_raw_header(self.path / fname)
+                raw, data_start, size = _read_raw_header(Path(self.file_path(fname)))
                 raw_headers[fname] = raw
                 self._layout[fname] = (data_start, size)
             self._raw_headers = raw_headers
@@ -499,7 +607,7 @@ class Checkpoint:
         Raises:
             CheckpointCorrupt (`checkpoint_corrupt`): the file ended early.
         """
-        path = self.path / info.file
+        path = self.file_path(info.file)
         fd = open_file(path)
         try:
             pread_exact(fd, memoryview(out).cast("B"), info.offset_bytes, info.size_bytes, str(path), info.name,

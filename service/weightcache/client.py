@@ -119,6 +119,39 @@ def device_info(device: str) -> dict[str, Any]:
     return local_backend(device).device_info()
 
 
+#: Pause between ``connect`` attempts while the service's backlog is full (seconds, first and largest).
+_BACKLOG_PAUSE_S = (0.001, 0.05)
+
+
+def _connect(sock: socket.socket, path: str, deadline: float) -> None:
+    """``connect``, waiting while the listen backlog is full (``EAGAIN``) until ``deadline`` (monotonic s).
+
+    A full backlog means the service is busy (starting, or many engines
+    connecting at once), not absent: the kernel answers ``EAGAIN`` at once on
+    a Unix socket instead of waiting, so this waits for it, backing off from
+    1 ms to 50 ms. It is part of connecting within the caller's timeout, not a
+    retry of a request; the first wait is logged as a WARNING, each attempt at
+    DEBUG, and the number of waits once connected.
+    """
+    pause, waits = _BACKLOG_PAUSE_S[0], 0
+    while True:
+        try:
+            sock.connect(path)
+            if waits:
+                log.info("connected after a full backlog socket=%s waits=%d", path, waits)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise socket.timeout(f"the service's listen backlog stayed full for {waits} attempts") from None
+            if not waits:
+                log.warning("service backlog full, waiting socket=%s", path)
+            waits += 1
+            log.debug("connect again after a full backlog socket=%s attempt=%d pause_ms=%.0f", path, waits,
+                      pause * 1e3)
+            time.sleep(pause)
+            pause = min(pause * 2, _BACKLOG_PAUSE_S[1])
+
+
 def _denied_text(path: str, e: OSError) -> str:
     """Why connecting to ``path`` gave ``EACCES``: who we are, the socket's group, and the fix."""
     uid = os.geteuid()
@@ -155,7 +188,7 @@ class Session:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
-            self.sock.connect(path)
+            _connect(self.sock, path, time.monotonic() + timeout)
         except PermissionError as e:
             self.sock.close()
             raise DaemonUnavailable(_denied_text(path, e), socket=path) from None

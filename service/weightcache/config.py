@@ -60,12 +60,25 @@ _SERVICE_KEYS = {
     "load_timeout_s": (int, float),
     "staging_bytes": int,
     "read_threads": int,
+    "operator_groups": list,
+    "max_unread_replies": int,
+    "max_queued_bytes": int,
+    "max_held_fds": int,
+    "max_buffered_bytes": int,
+    "max_connections_per_uid": int,
+    "partial_frame_timeout_s": (int, float),
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "load_timeout_s": (0, False, 30 * 24 * 3600.0, "seconds one model may take to load"),
     "staging_bytes": (2 * 1024 * 1024, True, 1 << 40, "bytes of pinned staging memory"),
     "read_threads": (1, True, 256, "reader threads per checkpoint"),
+    "max_unread_replies": (1, True, 65536, "unread replies per connection"),
+    "max_queued_bytes": (1024 * 1024, True, 1 << 34, "bytes of unread replies per connection"),
+    "max_held_fds": (1, True, 65536, "fds held for one connection"),
+    "max_buffered_bytes": (64 * 1024, True, 1 << 34, "bytes of incomplete requests, all connections"),
+    "max_connections_per_uid": (1, True, 65536, "connections per uid"),
+    "partial_frame_timeout_s": (0, False, 3600.0, "seconds an incomplete request may wait"),
 }
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
@@ -148,13 +161,24 @@ class ServiceConfig:
     ``load_timeout_s`` (seconds per model), ``staging_bytes`` (pinned staging
     memory of the CUDA loader, bytes), ``read_threads`` (loader threads;
     by default the CPUs the service may run on, 4 to 32:
-    :func:`weightcache.loader.default_threads`).
+    :func:`weightcache.loader.default_threads`), ``operator_groups`` (who may
+    evict, preload and verify) and the per-client caps (``max_*``,
+    ``partial_frame_timeout_s``: docs/configuration.md).
     """
     backend: str = "auto"
     socket_dir: str = "/run/weightcache"
     load_timeout_s: float = 3600.0
     staging_bytes: int = 256 * 1024 * 1024
     read_threads: int = field(default_factory=default_threads)
+    #: Groups whose members may evict, preload and verify (besides root and the service user).
+    operator_groups: tuple[str, ...] = ()
+    #: Per-client caps (see weightcache.daemon.limits.Limits).
+    max_unread_replies: int = 64
+    max_queued_bytes: int = 16 * 1024 * 1024
+    max_held_fds: int = 128
+    max_buffered_bytes: int = 16 * 1024 * 1024
+    max_connections_per_uid: int = 64
+    partial_frame_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -492,6 +516,10 @@ def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], me
             _check_range(str(f), f"service.{key}", value)
         if key == "socket_dir":
             _check_absolute(str(f), "service.socket_dir", value)
+        if key == "operator_groups":
+            if not all(isinstance(g, str) and g for g in value):
+                raise _err(str(f), "service.operator_groups", "must be a list of group names (non-empty strings)")
+            value = tuple(value)
         service[key] = value
     if "metrics" in data:
         _parse_metrics(str(f), data["metrics"], metrics)

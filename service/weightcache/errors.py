@@ -211,6 +211,18 @@ class UnknownRemoteError(WeightcacheError):
         self.remote_code = remote_code
 
 
+class ResourceExhausted(WeightcacheError):
+    """A per-client cap of the service was reached (docs/reliability.md, "Limits").
+
+    ``details``: ``limit`` (the ``[service]`` key, e.g. ``max_unread_replies``),
+    ``value`` (its value) and ``actual`` (what the client was at). Retryable
+    once the client reads its replies or closes other connections.
+    """
+
+    code = "resource_exhausted"
+    retryable = True
+
+
 def _all_subclasses(cls: type) -> list[type]:
     out = []
     for sub in cls.__subclasses__():

@@ -123,10 +123,10 @@ def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint,
     if n != rec.size_bytes:
         return None
     if paths is None:
-        return ReadTask(str(ck.path / info.file), start, n, rec.offset_bytes, spec.name)
+        return ReadTask(ck.file_path(info.file), start, n, rec.offset_bytes, spec.name)
     path = paths.get(info.file)
     if path is None:
-        path = paths[info.file] = str(ck.path / info.file)
+        path = paths[info.file] = ck.file_path(info.file)
     return ReadTask(path, start, n, rec.offset_bytes, spec.name)
 
 

@@ -786,6 +786,9 @@ class Connection:
 
     Args:
         role (`str`): :data:`CLIENT` or :data:`SERVER`.
+        max_frame_bytes (`int`, *optional*): largest frame accepted from the
+            peer (the service reads requests with a far smaller cap than
+            :data:`MAX_FRAME_BYTES`).
 
     Any protocol error moves the connection to :data:`CLOSED`; the caller then
     sends the error (if it can), closes every fd from :meth:`take_all_fds`,
@@ -799,8 +802,9 @@ class Connection:
         (Hello(protocol_version=3, client=''), [])
     """
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.role = role
+        self.max_frame_bytes = max_frame_bytes
         self.state = START
         self._buf = bytearray()
         self._fds: list[int] = []
@@ -812,6 +816,11 @@ class Connection:
             return
         self._buf += data
         self._fds.extend(fds)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received but not yet returned as messages (an incomplete frame, or frames not yet taken)."""
+        return len(self._buf)
 
     def take_all_fds(self) -> list[int]:
         """Hands back every fd received but not yet matched to a frame."""
@@ -827,7 +836,7 @@ class Connection:
         if len(self._buf) < 4:
             return default
         (n,) = _LEN.unpack_from(self._buf)
-        return max(1, min(4 + n - len(self._buf), MAX_FRAME_BYTES))
+        return max(1, min(4 + n - len(self._buf), self.max_frame_bytes))
 
     def _transition(self, direction: str, tag: str, exc: type) -> None:
         nxt = TRANSITIONS.get((self.role, self.state, direction, tag))
@@ -849,9 +858,10 @@ class Connection:
         if len(self._buf) < 4:
             return NEED_DATA
         (n,) = _LEN.unpack_from(self._buf)
-        if n > MAX_FRAME_BYTES:
+        if n > self.max_frame_bytes:
             self.state = CLOSED
-            raise RemoteProtocolError(f"frame length {n} exceeds the {MAX_FRAME_BYTES}-byte limit", size_bytes=n)
+            raise RemoteProtocolError(f"frame length {n} exceeds the {self.max_frame_bytes}-byte limit",
+                                      size_bytes=n)
         if len(self._buf) < 4 + n:
             return NEED_DATA
         body = bytes(self._buf[4 : 4 + n])

@@ -147,6 +147,61 @@ def test_unvalidated_checkpoint_reads_no_header_until_asked(tmp_path):
         ck.raw_headers
 
 
+def _read_all(ck: Checkpoint) -> dict[str, bytes]:
+    out = {}
+    for name, info in ck.tensors.items():
+        buf = bytearray(info.size_bytes)
+        ck.read_into(info, memoryview(buf))
+        out[name] = bytes(buf)
+    return out
+
+
+def test_hub_snapshot_links_into_blobs_are_allowed(tmp_path):
+    """A Hugging Face hub cache: snapshots/<rev>/model.safetensors -> ../../blobs/<sha>; read as usual."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    t = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    save_file(t, repo / "blobs" / "sha256-0001")
+    (snap / "model.safetensors").symlink_to("../../blobs/sha256-0001")
+    ck = Checkpoint(snap)
+    assert _read_all(ck) == {"w": t["w"].numpy().tobytes()}
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "subdir", "symlink_out", "fifo", "directory"])
+def test_files_outside_the_directory_or_not_regular_are_refused(tmp_path, how):
+    """Index entries that are not plain names, a shard symlinked out of the directory, a FIFO or a directory
+    as a shard: checkpoint_corrupt naming the entry, before any byte of it is read."""
+    d, _ = _sharded(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"x.weight": torch.zeros(2, 3)}, other / "secret.safetensors")
+    index = d / "model.safetensors.index.json"
+    wm = json.loads(index.read_text())["weight_map"]
+    first = d / "model-00001-of-00002.safetensors"
+    target = ""
+    if how in ("dotdot", "absolute", "subdir"):
+        target = {"dotdot": "../other/secret.safetensors", "absolute": str(other / "secret.safetensors"),
+                  "subdir": "sub/model-00001-of-00002.safetensors"}[how]
+        wm["x.weight"] = target
+        index.write_text(json.dumps({"weight_map": wm}))
+    else:
+        first.unlink()
+        if how == "symlink_out":
+            first.symlink_to(other / "secret.safetensors")
+        elif how == "fifo":
+            os.mkfifo(first)
+        else:
+            first.mkdir()
+    with pytest.raises(CheckpointCorrupt) as e:
+        Checkpoint(d)
+    assert e.value.code == "checkpoint_corrupt"
+    named = e.value.details["file"]
+    assert named.endswith(target) if how in ("dotdot", "absolute", "subdir") else \
+        named.endswith("model-00001-of-00002.safetensors")
+
+
 @pytest.mark.parametrize("path,cause", [("/" + "a" * 5000, "File name too long"), ("/srv/a\0b", "NUL character")])
 def test_impossible_path_is_checkpoint_not_found(path, cause):
     """A path no directory can have is the typed error, not an OSError/ValueError traceback."""

@@ -72,6 +72,15 @@ def test_env_var_selects_file(tmp_path, monkeypatch):
         ("[service]\nstaging_bytes = 0\n", "service.staging_bytes"),
         ('[service]\nsocket_dir = "run/weightcache"\n', "service.socket_dir"),
         ('[models.a]\npath = "models/a"\n', "models.a.path"),
+        ("[service]\nmax_unread_replies = 0\n", "service.max_unread_replies"),
+        ("[service]\nmax_queued_bytes = 1024\n", "service.max_queued_bytes"),
+        ("[service]\nmax_held_fds = 100000\n", "service.max_held_fds"),
+        ("[service]\nmax_buffered_bytes = 1000\n", "service.max_buffered_bytes"),
+        ("[service]\nmax_connections_per_uid = 0\n", "service.max_connections_per_uid"),
+        ("[service]\npartial_frame_timeout_s = 0\n", "service.partial_frame_timeout_s"),
+        ("[service]\npartial_frame_timeout_s = nan\n", "service.partial_frame_timeout_s"),
+        ('[service]\noperator_groups = "wheel"\n', "service.operator_groups"),
+        ('[service]\noperator_groups = ["wheel", 3]\n', "service.operator_groups"),
         ("[metrics]\nport = 0\n", "metrics.port"),
         ("[metrics]\nport = 65536\n", "metrics.port"),
         ('[metrics]\nport = "9661"\n', "metrics.port"),
@@ -108,6 +117,16 @@ def test_numbers_in_range_are_accepted(tmp_path):
     p = _write(tmp_path, "[service]\nload_timeout_s = 0.5\nread_threads = 1\nstaging_bytes = 2097152\n")
     svc = load_config(p).service
     assert (svc.load_timeout_s, svc.read_threads, svc.staging_bytes) == (0.5, 1, 2097152)
+
+
+def test_caps_and_operators_in_range_are_accepted(tmp_path):
+    p = _write(tmp_path, '[service]\nmax_unread_replies = 1\nmax_queued_bytes = 1048576\nmax_held_fds = 65536\n'
+                         'max_buffered_bytes = 65536\nmax_connections_per_uid = 1\npartial_frame_timeout_s = 0.5\n'
+                         'operator_groups = ["wheel", "4242"]\n')
+    svc = load_config(p).service
+    assert (svc.max_unread_replies, svc.max_queued_bytes, svc.max_held_fds, svc.max_buffered_bytes,
+            svc.max_connections_per_uid, svc.partial_frame_timeout_s, svc.operator_groups) == (
+        1, 1048576, 65536, 65536, 1, 0.5, ("wheel", "4242"))
 
 
 def test_metrics_address_and_port(tmp_path):

@@ -16,7 +16,7 @@ import torch
 from service_harness import compare_bytes, read_checkpoint, write_checkpoint
 from weightcache import protocol
 from weightcache.config import ModelConfig, Placement
-from weightcache.daemon import handlers, loads
+from weightcache.daemon import access, handlers, loads
 from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
 from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent, SlotState
 from weightcache.loader import LoaderOptions
@@ -25,6 +25,10 @@ from weightcache.manifest import build_views, unpack_file
 from weightcache.memory.host import HostBackend
 
 TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64)}
+
+
+#: A uid and gid that is neither root, nor the service, nor on any allow list.
+STRANGER = 54321
 
 
 class Clock:
@@ -49,7 +53,7 @@ def svc(tmp_path):
     loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"), w)
 
     def load(slot):
-        final = loader._load(slot)  # the thread's body, run here
+        final = loader._supervise(slot)  # the loader thread's body, run here
         for result in loader.results() + [final]:
             loads.apply(st, result)
 
@@ -126,7 +130,7 @@ def test_failed_load_answers_model_load_failed_with_cause(svc, tmp_path):
 
 def test_access_denied_off_the_allow_list(svc):
     ctx, *_ = svc
-    err = _error(handlers.handle(ctx, Peer(1, os.getuid(), os.getgid()), protocol.Attach("locked")))
+    err = _error(handlers.handle(ctx, Peer(1, STRANGER, STRANGER), protocol.Attach("locked")))
     assert (err.code, err.details["model"]) == ("access_denied", "locked")
 
 
@@ -161,13 +165,73 @@ def test_release_status_evict_preload(svc):
     assert st.slots[0].state is SlotState.PENDING
 
 
+def _verify(ctx, peer, model):
+    """``verify`` as the loop carries it out: the handler's StartVerify, then verify_reply (on a thread there)."""
+    out = handlers.handle(ctx, peer, protocol.Verify(model))
+    if out.replies:  # refused before any hashing
+        return out
+    assert not out.replies and [type(e) for e in out.effects] == [handlers.StartVerify]
+    return handlers.verify_reply(peer, out.effects[0])
+
+
 def test_verify_reports_a_changed_tensor(svc):
     ctx, st, load, *_ = svc
     load(st.slots[0])
-    (reply,) = handlers.handle(ctx, Peer(1, 0, 0), protocol.Verify("m")).replies
+    (reply,) = _verify(ctx, Peer(1, 0, 0), "m").replies
     assert [(r.state, r.tensors, r.mismatched) for r in reply.msg.typed()] == [("ready", 2, [])]
-    (reply,) = handlers.handle(ctx, Peer(1, 0, 0), protocol.Verify("locked")).replies
+    (reply,) = _verify(ctx, Peer(1, 0, 0), "locked").replies
     assert [(r.state, r.mismatched) for r in reply.msg.typed()] == [("pending", [])]
+
+
+@pytest.mark.parametrize("request_", [protocol.Evict("m", force=True), protocol.Preload("m"), protocol.Verify("m")])
+def test_evict_preload_verify_need_an_operator(svc, request_):
+    """A client that may attach ``m`` but is not root, the service user or in operator_groups: access_denied,
+    and nothing changes; a member of operator_groups (by its SO_PEERGROUPS gids) is served."""
+    ctx, st, load, *_ = svc
+    load(st.slots[0])
+    err = _error(handlers.handle(ctx, Peer(1, STRANGER, STRANGER), request_))
+    assert (err.code, err.details["request"], err.details["uid"]) == ("access_denied", request_.tag(), STRANGER)
+    assert st.slots[0].state is SlotState.READY
+    ctx.policy = access.Policy(st.service_uid, operator_groups=(str(STRANGER + 1),))
+    out = handlers.handle(ctx, Peer(1, STRANGER, STRANGER, groups=(STRANGER + 1,)), request_)
+    assert not any(isinstance(r.msg, protocol.Error) for r in out.replies) and (out.replies or out.effects)
+
+
+def test_operator_off_the_allow_list_is_refused(svc):
+    """Being an operator does not open a restricted model: evict of ``locked`` is access_denied."""
+    ctx, st, *_ = svc
+    ctx.policy = access.Policy(st.service_uid, operator_groups=(str(STRANGER + 1),))
+    err = _error(handlers.handle(ctx, Peer(1, STRANGER, STRANGER, groups=(STRANGER + 1,)), protocol.Evict("locked")))
+    assert (err.code, err.details["model"]) == ("access_denied", "locked")
+
+
+def test_status_and_list_show_only_what_the_caller_may_attach(svc):
+    """A non-operator sees the open model, other uids' leases without their holders; the locked model, its
+    path and leases stay hidden. An operator (here root) sees both slabs and every lease."""
+    ctx, st, load, *_ = svc
+    load(st.slots[0])
+    other = Peer(2, STRANGER + 7, STRANGER + 7)
+    handlers.handle(ctx, other, protocol.Attach("m"))
+    me = Peer(1, STRANGER, STRANGER)
+    mine = handlers.handle(ctx, me, protocol.Attach("m")).replies[0].msg.lease_id
+    status = handlers.handle(ctx, me, protocol.Status()).replies[0].msg.typed()
+    assert [s.model for s in status.slabs] == ["m"]
+    assert sorted((x.lease_id == mine, x.pid, x.uid, x.gid) for x in status.slabs[0].leases) == [
+        (False, -1, -1, -1), (True, 1, STRANGER, STRANGER)]  # the other holder is hidden, its lease counted
+    listed = handlers.handle(ctx, me, protocol.List()).replies[0].msg.models
+    assert [s["model"] for s in listed] == ["m"]
+    root = handlers.handle(ctx, Peer(3, 0, 0), protocol.Status()).replies[0].msg.typed()
+    assert [(s.model, len(s.leases)) for s in root.slabs] == [("m", 2), ("locked", 0)]
+
+
+def test_model_longer_than_path_max_is_refused_without_resolving(svc, monkeypatch):
+    """A 1.2 MB path is a protocol_violation naming the field; os.path.realpath is never called on it."""
+    ctx, *_ = svc
+    monkeypatch.setattr(os.path, "realpath", lambda p: pytest.fail("realpath of a client string"))
+    err = _error(handlers.handle(ctx, Peer(1, 0, 0), protocol.Attach("/a" * 600_000)))
+    assert (err.code, err.details["field"]) == ("protocol_violation", "model")
+    at_limit = "/" + "a/" * 2047
+    assert _error(handlers.handle(ctx, Peer(1, 0, 0), protocol.Attach(at_limit))).code == "model_not_found"
 
 
 def test_unexpected_exception_is_that_clients_internal_error(svc, monkeypatch, caplog):
@@ -179,7 +243,7 @@ def test_unexpected_exception_is_that_clients_internal_error(svc, monkeypatch, c
 
     monkeypatch.setattr(handlers.pipeline, "verify", broken)
     with caplog.at_level(logging.CRITICAL, logger="weightcache.daemon.handlers"):
-        err = _error(handlers.handle(ctx, Peer(1, 0, 0), protocol.Verify("m")))
+        err = _error(_verify(ctx, Peer(1, 0, 0), "m"))
     assert (err.code, err.details["request"]) == ("internal_error", "verify")
     assert any(r.levelno == logging.CRITICAL and "ZeroDivisionError" in r.getMessage() for r in caplog.records)
     assert st.slots[0].state is SlotState.READY  # the service goes on

@@ -316,7 +316,7 @@ def test_a_load_cancelled_midway_stops_and_frees_its_partial_slab(tmp_path, monk
     try:
         loader = loads.Loader(loads.LoadSettings(backend, {}, 60.0, LoaderOptions(threads=1), "t.toml"), w)
         loader.cancel(st.slots[0])
-        result = loader._load(st.slots[0])  # the thread's body for one slot
+        result = loader._supervise(st.slots[0])  # the loader thread's body for one slot (a worker runs it)
         assert isinstance(result, loads.Failed) and result.error.details["cause"] == "cancelled"
         assert aborted == [True]
     finally:

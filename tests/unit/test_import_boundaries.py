@@ -95,6 +95,8 @@ DAEMON_ROOMS = {
     "transport.py": {"threading", "torch", "weightcache.pipeline", "weightcache.daemon.handlers",
                      "weightcache.daemon.loads"},
     "ticker.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.handlers"},
+    "limits.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
+                  "weightcache.daemon.handlers"},
     "reload.py": {"socket", "selectors", "threading", "torch", "weightcache.memory", "weightcache.daemon.transport",
                   "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
     "metrics.py": {"socket", "selectors", "threading", "torch", "prometheus_client", "weightcache.daemon.transport",

@@ -19,8 +19,9 @@ module                    owns
                           retire) and carrying it out on the state
 :mod:`.loads`             the loader thread and the results it posts
 :mod:`.fdstore`           systemd's fd store: put, remove, adopt
-:mod:`.access`            a peer's rights; allow-list checks
-:mod:`.transport`         listener, connections, outboxes, backpressure
+:mod:`.access`            a peer's rights; allow-list and operator checks
+:mod:`.limits`            the per-client caps (:class:`~.limits.Limits`)
+:mod:`.transport`         listener, connections, outboxes, backpressure, caps
 :mod:`.ticker`            STATUS, EXTEND_TIMEOUT, READY, WATCHDOG, gc.freeze
 :mod:`.metrics`           the counters of the ``metrics`` reply (attaches,
                           their service times, loads, verifies)

@@ -1,11 +1,25 @@
 """Who may do what: a peer's rights, and the checks made against them.
 
-Owns :class:`Rights` (the peer's uid, user name and group names, looked up
-once per connection from ``SO_PEERCRED``) and the checks a handler calls before
-it touches a model (:func:`check_attach`). The socket's group and mode decide
-who may connect at all (units/weightcache@.socket); a model's ``allow_users``
-and ``allow_groups`` decide who may attach it. Further checks (operators for
-evict/preload/verify, ``SO_PEERGROUPS``) belong here.
+Owns :class:`Policy` (the service's uid and the operator groups, from the
+config), :class:`Rights` (a peer's uid, user name and gids) and the checks
+handlers call before they touch a model. The trust model
+(docs/reliability.md, "Threat model"):
+
+- the socket's group and mode decide who may connect at all
+  (units/weightcache@.socket);
+- a model's ``allow_users`` / ``allow_groups`` decide who may ``attach`` it,
+  and who may see it in ``status`` and ``list`` (a model without allow lists
+  is open to everyone who may connect);
+- ``evict``, ``preload`` and ``verify`` need an operator (root, the service
+  user, or a member of ``service.operator_groups``) who may also attach the
+  model;
+- root and the service user pass every check.
+
+Groups are the peer's primary gid (``SO_PEERCRED``) and the supplementary
+groups it really holds (``SO_PEERGROUPS``, taken at ``connect()`` by the
+transport), never what ``/etc/group`` says about its user name. Configured
+group names are resolved to gids at each check (bounded by the config, not by
+the peer's number of groups).
 
 Forbidden imports: socket, selectors, threading, torch, weightcache.memory,
 weightcache.pipeline, weightcache.daemon.transport, weightcache.daemon.handlers,
@@ -18,7 +32,7 @@ import grp
 import logging
 import os
 import pwd
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import AccessDenied
 from ..journal import event
@@ -28,63 +42,114 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class Rights:
-    """What the system says about a peer: its user name (None when unknown) and group names.
+class Policy:
+    """The service's side of the checks.
 
-    Groups are the user's supplementary groups (``getgrouplist``) plus its
-    primary gid; a gid with no name appears as its number.
+    Attributes:
+        service_uid (`int`): the service's own uid (an operator, always allowed).
+        operator_groups (`tuple[str]`): ``service.operator_groups``: group names
+            (or numeric gids) whose members are operators.
+    """
+
+    service_uid: int = field(default_factory=os.getuid)
+    operator_groups: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Rights:
+    """What the system says about a peer: its user name (None when unknown) and gids.
+
+    ``gids`` are the primary gid from ``SO_PEERCRED`` and the supplementary
+    groups from ``SO_PEERGROUPS``.
     """
 
     uid: int
     user: str | None
-    groups: frozenset[str]
+    gids: frozenset[int]
 
 
-def rights_of(uid: int, gid: int) -> Rights:
-    """Looks up the user name and groups of ``uid`` (primary group ``gid``) through NSS."""
+def rights_of(peer: Peer) -> Rights:
+    """The user name of ``peer.uid`` (through NSS) and the peer's gids as the kernel reported them."""
     try:
-        name = pwd.getpwuid(uid).pw_name
-        gids = set(os.getgrouplist(name, gid))
+        name = pwd.getpwuid(peer.uid).pw_name
     except KeyError:
-        name, gids = None, {gid}
-    groups = set()
-    for g in gids:
-        try:
-            groups.add(grp.getgrgid(g).gr_name)
-        except KeyError:
-            groups.add(str(g))
-    return Rights(uid, name, frozenset(groups))
+        name = None
+    return Rights(peer.uid, name, frozenset((peer.gid, *peer.groups)))
 
 
 def _rights(peer: Peer) -> Rights:
     if peer.rights is None:
-        peer.rights = rights_of(peer.uid, peer.gid)
+        peer.rights = rights_of(peer)
     return peer.rights
 
 
-def check_attach(peer: Peer, slot: Slot, service_uid: int) -> None:
-    """Allows ``peer`` to attach ``slot`` or raises.
+def _gid(name: str) -> int | None:
+    """The gid of a configured group name (or a number written as a string); None when unknown."""
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        return None
 
-    A model without allow lists is open to everyone who may connect; the
-    service's own uid is always allowed.
+
+def _in_groups(r: Rights, names: tuple[str, ...] | list[str]) -> bool:
+    return any(_gid(n) in r.gids for n in names)
+
+
+def is_operator(peer: Peer, policy: Policy) -> bool:
+    """Root, the service user, or a member (``SO_PEERGROUPS``) of ``service.operator_groups``."""
+    return peer.uid in (0, policy.service_uid) or _in_groups(_rights(peer), policy.operator_groups)
+
+
+def may_attach(peer: Peer, slot: Slot, policy: Policy) -> bool:
+    """Whether ``peer`` is on ``slot``'s model's allow lists (or the model has none, or it is root/the service)."""
+    m = slot.placement.model
+    if not m.allow_users and not m.allow_groups:
+        return True
+    if peer.uid in (0, policy.service_uid):
+        return True
+    r = _rights(peer)
+    return (r.user is not None and r.user in m.allow_users) or str(peer.uid) in m.allow_users \
+        or _in_groups(r, m.allow_groups)
+
+
+def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach") -> None:
+    """Allows ``peer`` to use ``slot`` for ``request`` or raises.
+
+    ``request`` is ``attach``, or ``evict``/``preload``/``verify`` after :func:`check_operator`.
 
     Raises:
         AccessDenied (`access_denied`): the peer is on neither ``allow_users``
             (by name or uid) nor ``allow_groups`` of the model.
     """
-    m = slot.placement.model
-    if not m.allow_users and not m.allow_groups:
+    if may_attach(peer, slot, policy):
         return
-    if peer.uid == service_uid:
-        return
-    r = _rights(peer)
-    if (r.user is not None and r.user in m.allow_users) or str(peer.uid) in m.allow_users \
-            or r.groups & set(m.allow_groups):
-        return
-    log.warning("rejected attach model=%s peer_pid=%d peer_uid=%d user=%s reason=not-on-allow-list",
-                m.name, peer.pid, peer.uid, r.user, extra=event("rejected", m.name, slot.placement.tp_rank, error_code="access_denied",
+    m, r = slot.placement.model, _rights(peer)
+    log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-on-allow-list", request,
+                m.name, peer.pid, peer.uid, r.user, extra=event("rejected", m.name, slot.placement.tp_rank,
+                                                                 error_code="access_denied",
                                                                  peer_uid=peer.uid))
     raise AccessDenied(
-        f"user {r.user or peer.uid} (uid {peer.uid}) may not attach model {m.name!r}: not in allow_users "
+        f"user {r.user or peer.uid} (uid {peer.uid}) may not {request} model {m.name!r}: not in allow_users "
         f"{list(m.allow_users)} or allow_groups {list(m.allow_groups)} of {m.source}",
-        model=m.name, uid=peer.uid)
+        model=m.name, uid=peer.uid, request=request)
+
+
+def check_operator(peer: Peer, policy: Policy, request: str, model: str) -> None:
+    """Allows ``request`` (``evict``, ``preload``, ``verify``) from an operator only.
+
+    Raises:
+        AccessDenied (`access_denied`): the peer is not root, the service user
+            or a member of ``service.operator_groups``.
+    """
+    if is_operator(peer, policy):
+        return
+    r = _rights(peer)
+    log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-an-operator", request,
+                model[:200], peer.pid, peer.uid, r.user,
+                extra=event("rejected", error_code="access_denied", peer_uid=peer.uid))
+    raise AccessDenied(
+        f"user {r.user or peer.uid} (uid {peer.uid}) may not {request}: only root, the service user and members "
+        f"of service.operator_groups {list(policy.operator_groups)} may; run it as one of them (e.g. sudo)",
+        model=model[:200], uid=peer.uid, request=request)

@@ -27,6 +27,7 @@ weightcache.daemon.ticker, weightcache.daemon.loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -115,6 +116,8 @@ class Context:
         monotonic (`callable`): seconds, for deadlines (``time.monotonic``).
         wall (`callable`): Unix time in seconds, for lease timestamps (``time.time``).
         pid (`int`): the service's pid, as ``status`` reports it.
+        policy (`access.Policy`, *optional*): the service uid and operator groups (default: the
+            state's ``service_uid``, no operator groups).
         counters (`Counters`, *optional*): the service's counters
             (:class:`weightcache.daemon.metrics.Counters`), for ``metrics``.
     """
@@ -126,7 +129,12 @@ class Context:
     monotonic: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
     pid: int = field(default_factory=os.getpid)
+    policy: access.Policy | None = None
     counters: Any = None
+
+    def __post_init__(self) -> None:
+        if self.policy is None:  # no operator groups: root and the service user
+            self.policy = access.Policy(self.state.service_uid)
 
 
 def _one(msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
@@ -144,26 +152,47 @@ def on_hello(ctx: Context, peer: Peer, msg: protocol.Hello) -> Outcome:
                                     st.backend, list(CAPABILITIES)))
 
 
+#: What ``status`` shows of another uid's lease to a non-operator: the lease, not who holds it.
+HIDDEN_ID = -1
+
+
+def _visible(ctx: Context, peer: Peer | None, now: float) -> tuple[protocol.SlabInfo, ...]:
+    """What ``peer`` may see: every slot for an operator (or ``None``: the service itself); else the slots
+    it may attach, where the leases of other uids keep their id, time and mode but show
+    :data:`HIDDEN_ID` as pid, uid and gid (lease counts stay right, holders stay private)."""
+    if peer is None or access.is_operator(peer, ctx.policy):
+        return tuple(s.info(now) for s in ctx.state.slots)
+
+    def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
+        return x if x.uid == peer.uid else dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID)
+
+    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases))
+                 for i in (s.info(now) for s in ctx.state.slots if access.may_attach(peer, s, ctx.policy)))
+
+
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
-    """``list``: one :class:`~weightcache.protocol.SlabInfo` per slot."""
-    now = ctx.monotonic()
-    return _one(protocol.ListReply([s.info(now).to_json() for s in ctx.state.slots]))
+    """``list``: one :class:`~weightcache.protocol.SlabInfo` per slot ``peer`` may see (see :func:`status`)."""
+    return _one(protocol.ListReply([i.to_json() for i in _visible(ctx, peer, ctx.monotonic())]))
 
 
-def status(ctx: Context) -> protocol.ServiceStatus:
-    """The service's :class:`~weightcache.protocol.ServiceStatus` now."""
+def status(ctx: Context, peer: Peer | None = None) -> protocol.ServiceStatus:
+    """The service's :class:`~weightcache.protocol.ServiceStatus` now, as ``peer`` may see it.
+
+    Operators (and ``peer=None``) see every slab; anyone else sees the models it
+    may attach, with the holders of other uids' leases hidden (:data:`HIDDEN_ID`).
+    """
     st, now = ctx.state, ctx.monotonic()
     free, total = ctx.mem_info()
     return protocol.ServiceStatus(
         gpu=st.gpu, pid=ctx.pid, backend=st.backend, device=protocol.DeviceInfo.from_json(st.device),
-        free_bytes=int(free), total_bytes=int(total), slabs=tuple(s.info(now) for s in st.slots), clients=len(st.peers),
+        free_bytes=int(free), total_bytes=int(total), slabs=_visible(ctx, peer, now), clients=len(st.peers),
         status_line=st.status_line(now),
         config_error=protocol.ErrorInfo(**st.config_error.to_wire()) if st.config_error is not None else None)
 
 
 def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
     """``status``: see :func:`status`."""
-    return _one(protocol.StatusReply(status(ctx).to_json()))
+    return _one(protocol.StatusReply(status(ctx, peer).to_json()))
 
 
 def _dtype_matches(slot: Slot, requested: str) -> bool:
@@ -185,7 +214,7 @@ def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
         raise RemoteProtocolError(f"attach: mode must be zero_copy or copy, got {msg.mode!r}", field="mode")
     st = ctx.state
     slot = st.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming, _dtype_matches)[0]
-    access.check_attach(peer, slot, st.service_uid)
+    access.check_attach(peer, slot, ctx.policy)
     if slot.state in UNSETTLED and msg.wait_ms > 0:
         peer.waiting.append((msg, slot, ctx.monotonic() + msg.wait_ms / 1e3))
         return Outcome()
@@ -262,33 +291,87 @@ def end_lease(state: ServiceState, peer: Peer, lease: Any) -> tuple[FreeSlab, ..
     return (FreeSlab(None, *freed),) if freed is not None else ()
 
 
+def _operator_slots(ctx: Context, peer: Peer, request: str, model: str, **layout: Any) -> list[Slot]:
+    """The slots of ``model`` that an operator ``peer`` may also attach.
+
+    Raises:
+        AccessDenied (`access_denied`): not an operator, or not on the model's allow lists.
+        ModelNotFound (`model_not_found`): nothing matches.
+    """
+    access.check_operator(peer, ctx.policy, request, model)
+    slots = ctx.state.find_slots(model, **layout)
+    for s in slots:
+        access.check_attach(peer, s, ctx.policy, request)
+    return slots
+
+
 def on_verify(ctx: Context, peer: Peer, msg: protocol.Verify) -> Outcome:
-    """``verify``: recomputes the content digests of each matching READY slab."""
-    results = []
-    for s in ctx.state.find_slots(msg.model, msg.tp_size, msg.tp_rank):
-        p = s.placement
-        if s.state is not SlotState.READY:
-            results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, []))
-            continue
-        t0 = time.monotonic()
-        bad = pipeline.verify(s.manifest, s.sealed)
-        log.log(logging.WARNING if bad else logging.INFO,
-                "verified model=%s tp_size=%d rank=%d tensors=%d mismatched=%d", p.model.name, p.tp_size, p.tp_rank,
-                len(s.manifest.tensors), len(bad),
-                extra=event("verify", p.model.name, p.tp_rank, duration_ms=(time.monotonic() - t0) * 1e3,
-                            tensors=len(s.manifest.tensors), mismatched=len(bad)))
-        results.append(protocol.VerifyResult(p.model.name, p.tp_size, p.tp_rank, s.state.value, bad,
-                                             len(s.manifest.tensors)))
-    return _one(protocol.VerifyReply([r.to_json() for r in results]))
+    """``verify``: recomputes the content digests of each matching READY slab (operators only).
+
+    Hashing a slab takes seconds per GiB, so it is not done here: the handler
+    takes a snapshot of the slots (:class:`VerifyItem`) and returns
+    :class:`StartVerify`; the serving loop runs :func:`verify_reply` on a
+    worker thread, holds the requester's later requests until the reply is
+    sent, and keeps the slabs mapped until it is done.
+    """
+    items = []
+    for s in _operator_slots(ctx, peer, "verify", msg.model, tp_size=msg.tp_size, tp_rank=msg.tp_rank):
+        p, ready = s.placement, s.state is SlotState.READY
+        items.append(VerifyItem(p.model.name, p.tp_size, p.tp_rank, s.state.value,
+                                s.manifest if ready else None, s.sealed if ready else None))
+    return Outcome(effects=(StartVerify(msg, tuple(items)),))
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyItem:
+    """One slab to verify, as it was when ``verify`` arrived: ``manifest``/``sealed`` None unless READY."""
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    state: str
+    manifest: Any
+    sealed: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StartVerify:
+    """Effect: run :func:`verify_reply` on ``items`` off the serving loop, then send its reply to ``request``."""
+
+    request: protocol.Verify
+    items: tuple[VerifyItem, ...]
+
+
+def verify_reply(peer: Peer, eff: StartVerify) -> Outcome:
+    """The ``verify_reply`` for ``eff.items`` (runs on a worker thread; touches no state), under the failure rule."""
+    def run() -> Outcome:
+        results = []
+        for it in eff.items:
+            if it.sealed is None:
+                results.append(protocol.VerifyResult(it.model, it.tp_size, it.tp_rank, it.state, []))
+                continue
+            t0 = time.monotonic()
+            bad = pipeline.verify(it.manifest, it.sealed)
+            n = len(it.manifest.tensors)
+            log.log(logging.WARNING if bad else logging.INFO,
+                    "verified model=%s tp_size=%d rank=%d tensors=%d mismatched=%d", it.model, it.tp_size,
+                    it.tp_rank, n, len(bad),
+                    extra=event("verify", it.model, it.tp_rank, duration_ms=(time.monotonic() - t0) * 1e3,
+                                tensors=n, mismatched=len(bad)))
+            results.append(protocol.VerifyResult(it.model, it.tp_size, it.tp_rank, it.state, bad, n))
+        return _one(protocol.VerifyReply([r.to_json() for r in results]))
+
+    return _guarded(peer, eff.request, run)
 
 
 def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
-    """``evict``: frees every READY slab of a model (engines keep their mappings).
+    """``evict``: frees every READY slab of a model (engines keep their mappings; operators only).
 
     Raises:
+        AccessDenied (`access_denied`): see :func:`_operator_slots`.
         LeaseBusy (`lease_busy`): leases are held and ``force`` is not set.
     """
-    slots = ctx.state.find_slots(msg.model, retired=True)
+    slots = _operator_slots(ctx, peer, "evict", msg.model, retired=True)
     leased = [s for s in slots if s.leases]
     if leased and not msg.force:
         raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
@@ -311,9 +394,9 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
 
 
 def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
-    """``preload``: queues every FAILED or EVICTED slot of a model for loading again."""
+    """``preload``: queues every FAILED or EVICTED slot of a model for loading again (operators only)."""
     started, effects = [], []
-    for s in ctx.state.find_slots(msg.model):
+    for s in _operator_slots(ctx, peer, "preload", msg.model):
         if s.state in (SlotState.FAILED, SlotState.EVICTED):
             s.requeue()
             effects.append(StartLoad(s))
@@ -322,9 +405,9 @@ def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
 
 
 def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
-    """``metrics``: the :func:`status` record and the service's counters (no counters: empty ones)."""
+    """``metrics``: the :func:`status` record as ``peer`` may see it and the service's counters (none: empty)."""
     counters = ctx.counters.record() if ctx.counters is not None else protocol.ServiceCounters("", 0.0)
-    return _one(protocol.MetricsReply(status(ctx).to_json(), counters.to_json()))
+    return _one(protocol.MetricsReply(status(ctx, peer).to_json(), counters.to_json()))
 
 
 def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:

@@ -8,6 +8,15 @@ result to a queue and writes one byte to the serving loop's wake-up pipe; the
 serving loop calls :func:`apply`, so only its thread moves a slot through the
 transition table.
 
+``load_timeout_s`` holds whatever the read does: each load runs on a worker
+thread of its own, and the loader thread waits for it at most until the
+deadline. A load still running then (a read blocked on a hung NFS server, a
+device that never answers) fails that model with ``cause=timeout`` and the
+loader goes on with the next model; the stuck worker is abandoned (a daemon
+thread): if its read ever returns, it aborts its partial slab (or closes the
+sealed one) and posts nothing. While the read blocks, that worker keeps its
+partial slab and its open file.
+
 A load whose tensors are all byte ranges of the checkpoint (unquantized, no
 cast) runs without torch (:func:`weightcache.pipeline.fill`), so the first
 slab is ready before the seconds ``import torch`` takes are spent. When a
@@ -236,16 +245,7 @@ class Loader:
                     self._cancelled.discard(slot)
             if skip:
                 continue
-            # Planning and packing allocate a few objects per tensor and create no cycles; the cyclic
-            # GC's full passes over a heap that grows by 150k records made a 150k-tensor load 2x slower.
-            was = gc.isenabled()
-            gc.disable()
-            try:
-                result = self._load(slot)
-            finally:
-                if was:
-                    gc.enable()
-            self._post(result)
+            self._post(self._supervise(slot))
             with self._lock:
                 self._cancelled.discard(slot)
 
@@ -257,16 +257,60 @@ class Loader:
             threading.Thread(target=_warm_if_needed, args=(later,), name="weightcache-torch-lookahead",
                              daemon=True).start()
 
-    def _load(self, slot: Slot) -> Loaded | Failed:
-        p, st = slot.placement, self.settings
+    def _supervise(self, slot: Slot) -> Loaded | Failed:
+        """Runs one load on its own worker thread; past ``load_timeout_s`` fails it with ``cause=timeout``."""
+        job = _Job()
         started = time.monotonic()
         self._post(Started(slot, started))
+
+        def work() -> None:
+            result = self._load(slot, started, job)
+            with job.lock:
+                if not job.abandoned:
+                    job.result = result
+                    job.done.set()
+                    return
+            _discard(result)  # the loader gave up on it: nothing of it reaches the state
+
+        # Planning and packing allocate a few objects per tensor and create no cycles; the cyclic
+        # GC's full passes over a heap that grows by 150k records made a 150k-tensor load 2x slower.
+        # Off while this load runs, on again when it ends or is abandoned (never left off by a stuck read).
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            threading.Thread(target=work, name=f"weightcache-load-{slot.label}", daemon=True).start()
+            # A little past the deadline: a load that notices the timeout itself (in progress()) reports it.
+            job.done.wait(self.settings.timeout_s + 1.0)
+        finally:
+            if was:
+                gc.enable()
+        with job.lock:
+            if job.result is not None:
+                return job.result
+            job.abandoned = True
+        p = slot.placement
+        log.error("load abandoned model=%s rank=%d timeout_s=%g reason=read-did-not-return", p.model.name,
+                  p.tp_rank, self.settings.timeout_s,
+                  extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed", cause="timeout"))
+        return Failed(slot, self._timeout(slot, "the read did not return"), logged=True)
+
+    def _timeout(self, slot: Slot, what: str) -> ModelLoadFailed:
+        p, st = slot.placement, self.settings
+        return ModelLoadFailed(f"model {p.model.name}: load exceeded service.load_timeout_s = {st.timeout_s:g} s "
+                               f"({what}); raise it in {st.config_source}, or fix the storage it reads from",
+                               model=p.model.name, cause="timeout")
+
+    def _load(self, slot: Slot, started: float, job: "_Job") -> Loaded | Failed:
+        p, st = slot.placement, self.settings
         writable = None
         last_post = [0.0]
         stages: dict[str, float] = {}
         try:
             pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, st.device)
-            self._post(Planned(slot, pl.payload_bytes))
+            with job.lock:
+                if job.abandoned:
+                    raise self._timeout(slot, "planning did not return in time")
+                self._post(Planned(slot, pl.payload_bytes))
             self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
             t_plan = time.monotonic()
             writable = st.backend.allocate(pl.slab_size_bytes, p.label)
@@ -278,14 +322,13 @@ class Loader:
                 if self._is_cancelled(slot):
                     raise ModelLoadFailed(f"model {p.model.name}: load cancelled, a reload removed it",
                                           model=p.model.name, cause="cancelled")
-                if now - started > st.timeout_s:
-                    raise ModelLoadFailed(
-                        f"model {p.model.name}: load exceeded service.load_timeout_s = {st.timeout_s:g} s "
-                        f"({done}/{total} bytes read); raise it in {st.config_source}",
-                        model=p.model.name, cause="timeout")
+                if now - started > st.timeout_s or job.abandoned:
+                    raise self._timeout(slot, f"{done}/{total} bytes read")
                 if now - last_post[0] >= PROGRESS_PERIOD_S:
                     last_post[0] = now
-                    self._post(Progress(slot, done))
+                    with job.lock:
+                        if not job.abandoned:
+                            self._post(Progress(slot, done))
 
             filled = pipeline.fill(pl, writable, progress, st.options)
             t_filled = time.monotonic()
@@ -322,6 +365,26 @@ class Loader:
             except Exception as ae:  # noqa: BLE001 - best effort; the original error matters
                 log.warning("abort of partial slab failed model=%s error=%r", slot.placement.model.name, ae)
         return Failed(slot, e, logged)
+
+
+class _Job:
+    """One load between the loader thread and its worker: the result, or the loader's giving up."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.result: Loaded | Failed | None = None
+        self.abandoned = False
+
+
+def _discard(result: Loaded | Failed) -> None:
+    """Frees what an abandoned load produced (its partial slab was aborted already by :meth:`Loader._fail`)."""
+    if isinstance(result, Loaded):
+        try:
+            result.sealed.close()
+            result.manifest_file.close()
+        except Exception as e:  # noqa: BLE001 - best effort after a timeout
+            log.warning("close of an abandoned slab failed model=%s error=%r", result.slot.placement.model.name, e)
 
 
 def discard(result: Started | Planned | Progress | Loaded | Failed) -> None:

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any
@@ -36,9 +38,10 @@ from ..errors import ConfigError
 from ..journal import event
 from ..loader import LoaderOptions
 from ..memory import Backend
-from . import handlers, loads
+from . import access, handlers, loads
 from .fdstore import FdStore
-from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad
+from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
+from .limits import Limits
 from .loads import Loader, LoadSettings
 from .metrics import Counters
 from .state import IllegalTransition, Peer, ServiceState, SlotState
@@ -81,9 +84,11 @@ class Daemon:
         self.state.config_error = config_error
         self.counters = Counters([s.placement for s in self.state.slots], time.time())
         self.ctx = Context(self.state, backend.mem_info, load_config=load_config or self._no_config,
-                           service_config=config.service, counters=self.counters)
+                           service_config=config.service, counters=self.counters,
+                           policy=access.Policy(self.state.service_uid, config.service.operator_groups))
         self.transport = Transport(listener, self._on_message, self._on_close,
-                                   lambda c: self.state.peers.add(c.peer))
+                                   lambda c: self.state.peers.add(c.peer), Limits.from_config(config.service),
+                                   trusted_uids=frozenset({0, self.state.service_uid}))
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -91,6 +96,11 @@ class Daemon:
         self._stop = False
         self._reload_asked = False
         self._broken: IllegalTransition | None = None
+        #: Verifies done on their threads: (client, request, outcome, seconds, the slabs they read).
+        self._verified: queue.SimpleQueue = queue.SimpleQueue()
+        #: id(sealed slab) -> verifies reading it; the FreeSlab of one evicted meanwhile waits for the last.
+        self._reading: dict[int, int] = {}
+        self._close_later: dict[int, Any] = {}
         now = time.monotonic()
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
         for slot, got in stored.items():
@@ -133,7 +143,7 @@ class Daemon:
 
     def _effect(self, c: Client | None, eff: Any) -> None:
         {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse, CancelLoad: self._cancel_load,
-         Reconfigure: self._reconfigure}[type(eff)](c, eff)
+         Reconfigure: self._reconfigure, StartVerify: self._start_verify}[type(eff)](c, eff)
 
     def _cancel_load(self, c: Client | None, eff: CancelLoad) -> None:
         self.loader.cancel(eff.slot)
@@ -144,6 +154,10 @@ class Daemon:
             self.fdstore.remove(sid)
         self.fdstore.left.clear()
         self.config = eff.config
+        # The caps and the operator groups follow the file; connections over a lowered cap meet it at their
+        # next request.
+        self.transport.limits = Limits.from_config(eff.config.service)
+        self.ctx.policy = access.Policy(self.state.service_uid, eff.config.service.operator_groups)
         self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
         self.counters.track(eff.config.placements(self.gpu))  # label values of models the reload added
 
@@ -169,9 +183,49 @@ class Daemon:
     def _free_slab(self, c: Client | None, eff: FreeSlab) -> None:
         if eff.store_id is not None:
             self.fdstore.remove(eff.store_id)
+        if eff.sealed is not None and self._reading.get(id(eff.sealed)):
+            self._close_later[id(eff.sealed)] = eff  # a verify still reads the slab
+            return
         for f in (eff.sealed, eff.manifest_file):
             if f is not None:
                 f.close()
+
+    def _start_verify(self, c: Client, eff: StartVerify) -> None:
+        """Runs the hashing on a thread; the client's later requests wait (replies stay in order)."""
+        slabs = [it.sealed for it in eff.items if it.sealed is not None]
+        for sealed in slabs:
+            self._reading[id(sealed)] = self._reading.get(id(sealed), 0) + 1
+        self.transport.hold(c)
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            out = handlers.verify_reply(c.peer, eff)
+            self._verified.put((c, eff.request, out, time.perf_counter() - t0, slabs))
+            try:
+                os.write(self._wake_w, b"v")
+            except (BlockingIOError, InterruptedError):
+                pass
+
+        threading.Thread(target=work, name="weightcache-verify", daemon=True).start()
+
+    def _finish_verifies(self) -> None:
+        while True:
+            try:
+                c, request, out, seconds, slabs = self._verified.get_nowait()
+            except queue.Empty:
+                return
+            for sealed in slabs:
+                self._reading[id(sealed)] -= 1
+                if not self._reading[id(sealed)]:
+                    del self._reading[id(sealed)]
+                    later = self._close_later.pop(id(sealed), None)
+                    if later is not None:  # evicted while it was hashed
+                        for f in (later.sealed, later.manifest_file):
+                            if f is not None:
+                                f.close()
+            self.counters.answered(request, out.replies, seconds)
+            self._carry_out(c, out)
+            self.transport.release(c)
 
     def _refuse(self, c: Client, eff: Refuse) -> None:
         self.transport.violation(c, eff.error)
@@ -199,6 +253,7 @@ class Daemon:
                 self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes)
             elif isinstance(result, loads.Failed):
                 self.counters.load_settled(result.slot.placement, result.error.code)
+        self._finish_verifies()
 
     def _service_waiting(self) -> None:
         for c in list(self.transport.clients.values()):
@@ -248,7 +303,9 @@ class Daemon:
             try:
                 if self._reload_asked:
                     self._reload_from_signal()
-                self.ticker.tick(time.monotonic())
+                now = time.monotonic()
+                self.ticker.tick(now)
+                self.transport.expire(now)
                 waiting = any(c.peer.waiting for c in self.transport.clients.values())
                 self.transport.poll(0.2 if waiting else 0.5)
                 self._service_waiting()

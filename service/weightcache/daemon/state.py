@@ -32,8 +32,9 @@ from typing import Any, Callable
 
 from .. import protocol
 from ..config import Placement
-from ..errors import ConfigError, ModelNotFound, WeightcacheError
+from ..errors import ConfigError, ModelNotFound, RemoteProtocolError, WeightcacheError
 from ..manifest import Manifest
+from .limits import MAX_MODEL_BYTES
 
 
 class SlotState(enum.Enum):
@@ -268,13 +269,15 @@ class Peer:
     """One connection as the state sees it: who (``SO_PEERCRED``), its leases, its parked attaches.
 
     ``waiting`` holds ``(attach request, slot, deadline)`` with the deadline in
-    ``time.monotonic()`` seconds. ``rights`` is filled by
-    :mod:`weightcache.daemon.access` on first use.
+    ``time.monotonic()`` seconds. ``groups``: supplementary gids from
+    ``SO_PEERGROUPS``. ``rights`` is filled by :mod:`weightcache.daemon.access`
+    on first use.
     """
 
     pid: int
     uid: int
     gid: int
+    groups: tuple[int, ...] = ()
     leases: dict[int, Lease] = field(default_factory=dict)
     waiting: list[tuple[protocol.Attach, Slot, float]] = field(default_factory=list)
     rights: Any = None
@@ -338,9 +341,11 @@ class ServiceState:
                    dtype_matches: Callable[[Slot, str], bool] | None = None, retired: bool = False) -> list[Slot]:
         """Slots matching a model name or checkpoint path (and layout, when given).
 
-        A path matches the checkpoint's resolution when the slot was made
+        A path matches after ``os.path.normpath`` (linear in its length): the
+        configured path, or the checkpoint's resolution when the slot was made
         (:attr:`Slot.realpath`; a reload makes a new slot for a retargeted
-        symlink). RETIRED slots count only with ``retired``.
+        symlink). The service never resolves a client's string (the client
+        sends its own ``realpath``). RETIRED slots count only with ``retired``.
 
         ``dtype_matches(slot, dtype)`` decides whether a slot serves an engine asking
         for ``dtype`` (the caller's, since it may read headers: see
@@ -348,19 +353,25 @@ class ServiceState:
         dtype must equal ``dtype``.
 
         Raises:
+            RemoteProtocolError (`protocol_violation`): ``model`` is longer than
+                :data:`~weightcache.daemon.limits.MAX_MODEL_BYTES` (``PATH_MAX``).
             ModelNotFound (`model_not_found`): nothing matches; the message lists
                 what this GPU holds.
         """
-        if "\0" in model:  # os.path.realpath raises on NUL; no model or path can contain one
+        if len(model) > MAX_MODEL_BYTES or len(model.encode("utf-8", "surrogatepass")) > MAX_MODEL_BYTES:
+            raise RemoteProtocolError(f"model is {len(model.encode('utf-8', 'surrogatepass'))} bytes long; names "
+                                      f"and checkpoint paths are at most {MAX_MODEL_BYTES} bytes (PATH_MAX)",
+                                      field="model")
+        if "\0" in model:  # no model name or path can contain one
             raise ModelNotFound(f"GPU {self.gpu} has no model {model[:200]!r}: names and paths contain no NUL byte",
                                 model=model[:200], gpu=self.gpu)
-        real = os.path.realpath(model) if os.sep in model else None
+        norm = os.path.normpath(model) if os.sep in model else None
         out = []
         for s in self.slots:
             m = s.placement.model
             if s.state is SlotState.RETIRED and not retired:
                 continue
-            if m.name != model and (real is None or s.realpath != real):
+            if m.name != model and (norm is None or norm not in (s.realpath, os.path.normpath(m.path))):
                 continue
             if tp_size is not None and s.placement.tp_size != tp_size:
                 continue

@@ -4,12 +4,15 @@ Owns everything that touches a client socket: ``accept`` (and pausing it when
 the process runs out of fds), ``SO_PEERCRED``, reads with ``MSG_CMSG_CLOEXEC``
 through :mod:`weightcache.fdpass`, framing through
 :class:`weightcache.protocol.Connection`, each client's outbox of frames not
-yet written (with dup'ed fds), the cap on unread replies
-(:data:`MAX_OUTBOX_BYTES`), protocol violations and closing. It decides
-nothing about requests: each decoded message goes to the ``on_message``
-callback; a closed connection goes to ``on_close`` (which ends its leases).
-Per-connection caps (held fds, partial-frame idle time, connections per uid)
-belong here.
+yet written (with dup'ed fds), protocol violations and closing, and the
+caps of :class:`~weightcache.daemon.limits.Limits`: unread replies, queued
+bytes and held fds per connection (over them the next request is answered
+``resource_exhausted`` and reading pauses until the client reads), bytes of
+incomplete requests across all connections, connections per uid, and the
+idle time of an incomplete frame (over those: ``resource_exhausted``, then
+the connection is closed). It decides nothing about requests: each decoded
+message goes to the ``on_message`` callback; a closed connection goes to
+``on_close`` (which ends its leases).
 
 Fd ownership: fds received from a client are closed at once (requests carry
 none); fds queued with a reply are dups, closed once the kernel has them or
@@ -30,21 +33,25 @@ import os
 import selectors
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import protocol
-from ..errors import RemoteProtocolError, WeightcacheError
+from ..errors import RemoteProtocolError, ResourceExhausted, WeightcacheError
 from ..fdpass import recv_with_fds, send_some
 from ..journal import event
+from .limits import MAX_REQUEST_BYTES, Limits
 from .state import Peer
 
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 256 * 1024
-#: A client whose unread replies exceed this is dropped (its leases end).
-MAX_OUTBOX_BYTES = 64 * 1024 * 1024
 MAX_FDS_IN = protocol.MAX_FDS_PER_FRAME
+#: ``SO_PEERGROUPS`` (Linux >= 4.13, asm-generic/socket.h); Python 3.11's socket module lacks the name.
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+#: Room for the peer's supplementary groups (NGROUPS_MAX is 65536 gids of 4 bytes).
+_PEERGROUPS_BYTES = 65536 * 4
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -53,12 +60,46 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", raw)
 
 
+def peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """The peer's supplementary gids at ``connect()``, from ``SO_PEERGROUPS`` (what the kernel checked).
+
+    These are the groups the peer process really holds (``docker --group-add``,
+    Kubernetes ``supplementalGroups``, a group dropped with ``setgroups``),
+    not what ``/etc/group`` lists for its user name. Python's ``getsockopt``
+    takes at most 1024 bytes (256 groups); a peer with more is asked again
+    through libc with room for ``NGROUPS_MAX``.
+    """
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
+    except OSError as e:
+        if e.errno != errno.ERANGE:
+            raise
+        raw = _peergroups_libc(sock.fileno())
+    return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+
+
+def _peergroups_libc(fd: int) -> bytes:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(_PEERGROUPS_BYTES)
+    n = ctypes.c_uint32(_PEERGROUPS_BYTES)
+    if libc.getsockopt(fd, socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(n)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return buf.raw[: n.value]
+
+
 @dataclass(eq=False)
 class Client:
     """One accepted connection: socket, protocol state, the state's :class:`Peer`, and the outbox.
 
     ``outbox`` holds ``[memoryview of bytes not yet written, dup'ed fds to
-    attach to their first byte]`` per frame; ``outbox_bytes`` their total.
+    attach to their first byte]`` per frame; ``outbox_bytes`` and
+    ``outbox_fds`` their totals. ``paused``: reading stopped until the client
+    reads its replies (a cap of :class:`Limits` was reached).
+    ``partial_since``: ``time.monotonic()`` at which an incomplete request
+    frame started to wait, else None.
     """
 
     sock: socket.socket
@@ -67,6 +108,13 @@ class Client:
     closed: bool = False
     outbox: collections.deque = field(default_factory=collections.deque)
     outbox_bytes: int = 0
+    outbox_fds: int = 0
+    paused: bool = False
+    partial_since: float | None = None
+    #: This client's share of :attr:`Transport.buffered_bytes`.
+    counted_bytes: int = 0
+    #: Reading stopped while a request of it runs off the loop (``verify``): see :meth:`Transport.hold`.
+    held: bool = False
 
 
 class Transport:
@@ -77,10 +125,23 @@ class Transport:
         on_message (`callable`): ``(client, message) -> None`` for each request.
         on_close (`callable`): ``(client) -> None`` once per closed connection.
         on_open (`callable`): ``(client) -> None`` once per accepted connection.
+        limits (`Limits`, *optional*): the caps (default: :meth:`Limits.defaults`).
+        clock (`callable`, *optional*): monotonic seconds (``time.monotonic``).
+        trusted_uids (`frozenset[int]`, *optional*): uids exempt from
+            ``max_connections_per_uid`` (root and the service user, who may
+            do everything anyway); default: root and this process's uid.
     """
 
     def __init__(self, listener: socket.socket, on_message: Callable[[Client, protocol.Message], None],
-                 on_close: Callable[[Client], None], on_open: Callable[[Client], None]) -> None:
+                 on_close: Callable[[Client], None], on_open: Callable[[Client], None],
+                 limits: Limits | None = None, clock: Callable[[], float] = time.monotonic,
+                 trusted_uids: frozenset[int] | None = None) -> None:
+        self.limits = limits or Limits.defaults()
+        self.trusted_uids = frozenset({0, os.getuid()}) if trusted_uids is None else trusted_uids
+        self.clock = clock
+        #: Bytes of incomplete requests held across all connections.
+        self.buffered_bytes = 0
+        self._resume: list[Client] = []
         self.listener = listener
         listener.setblocking(False)
         self.on_open = on_open
@@ -102,8 +163,8 @@ class Transport:
         self._readers[fd] = callback
 
     def poll(self, timeout: float) -> None:
-        """Waits up to ``timeout`` seconds and serves what became ready."""
-        for key, events in self.sel.select(timeout):
+        """Waits up to ``timeout`` seconds (none while a resumed client waits) and serves what became ready."""
+        for key, events in self.sel.select(0 if self._resume else timeout):
             if key.data == "listen":
                 self._accept()
             elif key.data == "reader":
@@ -113,6 +174,16 @@ class Transport:
                     continue
                 if events & selectors.EVENT_READ:
                     self._recv(key.data)
+        while self._resume:  # clients whose replies were read: serve what they sent meanwhile
+            c = self._resume.pop()
+            if not c.closed:
+                self._process(c)
+
+    def expire(self, now: float) -> None:
+        """Closes connections whose incomplete request frame waited past ``partial_frame_timeout_s``."""
+        limit = self.limits.partial_frame_timeout_s
+        for c in [c for c in self.clients.values() if c.partial_since is not None and now - c.partial_since > limit]:
+            self.exhausted(c, "partial_frame_timeout_s", limit, round(now - c.partial_since, 3), close=True)
 
     def close_all(self, reason: str) -> None:
         """Drops every client (service stopping)."""
@@ -138,14 +209,21 @@ class Transport:
             sock.set_inheritable(False)
             try:
                 pid, uid, gid = peer_credentials(sock)
+                groups = peer_groups(sock)
             except OSError:
                 sock.close()
                 continue
             sock.setblocking(False)  # replies queue in the client's outbox; a slow reader blocks no one
-            c = Client(sock, protocol.Connection(protocol.SERVER), Peer(pid, uid, gid))
+            c = Client(sock, protocol.Connection(protocol.SERVER, MAX_REQUEST_BYTES),
+                       Peer(pid, uid, gid, groups=groups))
             self.clients[sock.fileno()] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
             self.on_open(c)
+            same_uid = 0 if uid in self.trusted_uids else sum(1 for o in self.clients.values() if o.peer.uid == uid)
+            if same_uid > self.limits.max_connections_per_uid:
+                self.exhausted(c, "max_connections_per_uid", self.limits.max_connections_per_uid, same_uid,
+                               close=True)
+                continue
             # A client writes its hello (and attach) right after connect: answer now rather than
             # one loop pass later (nothing is read if nothing arrived yet).
             self._recv(c)
@@ -170,16 +248,65 @@ class Transport:
             self.violation(c, RemoteProtocolError("requests carry no fds; fds sent to the service are refused"))
             return
         c.conn.receive(data)
-        while not c.closed:
+        self._process(c)
+
+    def _over_cap(self, c: Client) -> tuple[str, int, int] | None:
+        """The first per-connection cap ``c`` has reached: ``(limit, value, actual)``, else None."""
+        lim, waiting = self.limits, len(c.peer.waiting)
+        parked_fds = waiting * protocol.AttachReply.FD_COUNT  # what the parked attaches will hold when answered
+        for name, value, actual in (("max_unread_replies", lim.max_unread_replies, len(c.outbox) + waiting),
+                                    ("max_queued_bytes", lim.max_queued_bytes, c.outbox_bytes),
+                                    ("max_held_fds", lim.max_held_fds, c.outbox_fds + parked_fds)):
+            if actual >= value:
+                return name, value, actual
+        return None
+
+    def _process(self, c: Client) -> None:
+        """Serves the whole requests buffered for ``c`` until none is left or a cap pauses it."""
+        while not c.closed and not c.paused:
             try:
                 ev = c.conn.next_message()
             except RemoteProtocolError as e:
                 self.violation(c, e)
                 return
             if ev is protocol.NEED_DATA:
-                return
+                break
             msg, _ = ev  # no fds: _recv refused any before they reached the protocol
-            self.on_message(c, msg)
+            cap = self._over_cap(c)
+            if cap is None:
+                self.on_message(c, msg)
+            else:  # answered, not dropped: the client learns which request was refused and why
+                self.exhausted(c, *cap, close=False)
+        if c.closed:
+            return
+        self.buffered_bytes += c.conn.buffered_bytes - c.counted_bytes
+        c.counted_bytes = c.conn.buffered_bytes
+        incomplete = c.conn.buffered_bytes > 0 and not c.paused
+        if not incomplete:
+            c.partial_since = None
+        elif c.partial_since is None:
+            c.partial_since = self.clock()
+        if incomplete and self.buffered_bytes > self.limits.max_buffered_bytes:
+            self.exhausted(c, "max_buffered_bytes", self.limits.max_buffered_bytes, self.buffered_bytes, close=True)
+
+    def exhausted(self, c: Client, limit: str, value: float, actual: float, close: bool) -> None:
+        """Answers ``c`` with ``resource_exhausted`` naming ``limit``; pauses reading, or closes when ``close``."""
+        log.warning("rejected request peer_pid=%d peer_uid=%d code=resource_exhausted limit=%s value=%s actual=%s",
+                    c.peer.pid, c.peer.uid, limit, value, actual,
+                    extra=event("rejected", error_code="resource_exhausted", peer_uid=c.peer.uid, limit=limit))
+        err = protocol.Error.from_exc(ResourceExhausted(
+            f"{'connection closed' if close else 'request refused'}: service.{limit} = {value} reached "
+            f"(this client is at {actual}); read your replies, close idle connections, or ask the operator "
+            f"to raise service.{limit}", limit=limit, value=value, actual=actual))
+        if close:
+            if not c.outbox and not c.closed:  # best effort, and never in the middle of a half-sent frame
+                with contextlib.suppress(OSError):
+                    send_some(c.sock, protocol.encode(err))
+            self.drop(c, f"{limit} reached")
+            return
+        c.paused = True
+        self._want(c)
+        self.send(c, err)
 
     def violation(self, c: Client, e: RemoteProtocolError) -> None:
         """Answers a protocol violation with its error (best effort) and closes the connection."""
@@ -195,8 +322,9 @@ class Transport:
     def send(self, c: Client, msg: protocol.Message, fds: tuple[int, ...] | list[int] = ()) -> bool:
         """Queues ``msg`` (and dups of ``fds``) in the client's outbox and writes what the socket takes.
 
-        A client that does not read its replies only fills its own outbox; past
-        :data:`MAX_OUTBOX_BYTES` it is dropped. Returns False if the client was dropped.
+        A client that does not read its replies only fills its own outbox, which
+        the caps of :class:`Limits` bound (checked before each request). Returns
+        False if the client was dropped.
         """
         if c.closed:
             return False
@@ -205,13 +333,18 @@ class Transport:
         except WeightcacheError as e:
             self.drop(c, f"send failed: {e}")
             return False
-        c.outbox.append([memoryview(data), [os.dup(fd) for fd in fds]])
-        c.outbox_bytes += len(data)
-        if c.outbox_bytes > MAX_OUTBOX_BYTES:
-            log.warning("dropped client peer_pid=%d reason=not-reading-replies queued_bytes=%d", c.peer.pid,
-                        c.outbox_bytes, extra=event("rejected", size_bytes=c.outbox_bytes))
-            self.drop(c, "outbox full")
+        dups: list[int] = []
+        try:
+            for fd in fds:
+                dups.append(os.dup(fd))
+        except OSError as e:  # out of fds: this reply cannot be sent; the rest of the service goes on
+            for fd in dups:
+                os.close(fd)
+            self.drop(c, f"dup failed: {e.strerror}")
             return False
+        c.outbox.append([memoryview(data), dups])
+        c.outbox_bytes += len(data)
+        c.outbox_fds += len(dups)
         return self.flush(c)
 
     def flush(self, c: Client) -> bool:
@@ -227,18 +360,47 @@ class Transport:
                 return False
             for fd in fds:  # the kernel has its own references now
                 os.close(fd)
+            c.outbox_fds -= len(fds)
             c.outbox_bytes -= n
             if n < len(data):
                 c.outbox[0] = [data[n:], []]
                 break
             c.outbox.popleft()
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if c.outbox else 0)
+        if c.paused and not c.held and self._over_cap(c) is None:
+            c.paused = False
+            self._resume.append(c)  # served by poll(), never from inside a handler's send
+        self._want(c)
+        return True
+
+    def hold(self, c: Client) -> None:
+        """Stops serving ``c``'s requests until :meth:`release` (one of them runs off the loop)."""
+        c.held = c.paused = True
+        self._want(c)
+
+    def release(self, c: Client) -> None:
+        """Serves ``c`` again after :meth:`hold` (unless a cap still holds it)."""
+        if c.closed:
+            return
+        c.held = False
+        if self._over_cap(c) is None:
+            c.paused = False
+            self._resume.append(c)
+        self._want(c)
+
+    def _want(self, c: Client) -> None:
+        """Registers ``c`` for what it needs: reading unless paused, writing while its outbox holds frames."""
+        want = (0 if c.paused else selectors.EVENT_READ) | (selectors.EVENT_WRITE if c.outbox else 0)
         try:
+            if not want:
+                self.sel.unregister(c.sock)
+                return
+            if c.sock.fileno() not in self.sel.get_map():
+                self.sel.register(c.sock, want, c)
+                return
             if self.sel.get_key(c.sock).events != want:
                 self.sel.modify(c.sock, want, c)
         except (KeyError, ValueError):
             pass
-        return True
 
     def drop(self, c: Client, reason: str) -> None:
         """Closes a connection: its unsent frames and fds go, ``on_close`` ends its leases."""
@@ -251,7 +413,9 @@ class Transport:
             for fd in fds:
                 os.close(fd)
         c.outbox.clear()
-        c.outbox_bytes = 0
+        c.outbox_bytes = c.outbox_fds = 0
+        self.buffered_bytes -= c.counted_bytes
+        c.counted_bytes = 0
         self.on_close(c)
         try:
             self.sel.unregister(c.sock)

@@ -1,0 +1,98 @@
+"""The loader thread's timeout holds whatever the read does: a blocked read fails that model alone.
+
+The checkpoint read is made to block the way a hung NFS read does (the reading
+thread sleeps in a call that does not return) by replacing
+``pipeline.fill`` with one that waits on an event. The loader must post
+``Failed(cause=timeout)`` for that slot within ``load_timeout_s`` (plus its 1 s
+grace), load the next slot, and, once the stuck read returns, abort the
+partial slab and post nothing more.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from service_harness import write_checkpoint
+from weightcache.config import ModelConfig, Placement
+from weightcache.daemon import loads
+from weightcache.daemon.state import ServiceState, SlotState
+from weightcache.loader import LoaderOptions
+from weightcache.memory.host import HostBackend
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class CountingBackend(HostBackend):
+    """The host backend, counting the partial slabs it aborted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted = 0
+
+    def allocate(self, size_bytes, label):
+        w = super().allocate(size_bytes, label)
+        backend, abort = self, w.abort
+
+        def counted_abort():
+            backend.aborted += 1
+            abort()
+
+        w.abort = counted_abort
+        return w
+
+
+def test_blocked_read_fails_with_timeout_and_the_next_model_loads(tmp_path, monkeypatch):
+    ck = write_checkpoint(tmp_path / "ck", {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
+    models = [ModelConfig("stuck", str(ck)), ModelConfig("next", str(ck))]
+    backend = CountingBackend()
+    st = ServiceState(0, "host", backend.device_info(), [Placement(m, 1, 0, 0) for m in models])
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    loader = loads.Loader(loads.LoadSettings(backend, st.device, 0.5, LoaderOptions(threads=1), "test.toml"), w)
+    unblock = threading.Event()
+    real_fill = loads.pipeline.fill
+
+    def fill(plan, writable, *args, **kw):
+        if plan.model.name == "stuck":
+            unblock.wait()  # a read that does not return (no progress() call either)
+        return real_fill(plan, writable, *args, **kw)
+
+    monkeypatch.setattr(loads.pipeline, "fill", fill)
+    loader.start()
+    try:
+        for s in st.slots:
+            loader.submit(s)
+        t0 = time.monotonic()
+        seen: list = []
+        while not (seen and isinstance(seen[-1], loads.Loaded)):
+            assert time.monotonic() - t0 < 20, seen
+            for res in loader.results():
+                loads.apply(st, res)
+                seen.append(res)
+            time.sleep(0.01)
+        stuck, nxt = st.slots
+        assert stuck.state is SlotState.FAILED
+        assert (stuck.error.code, stuck.error.details["cause"]) == ("model_load_failed", "timeout")
+        assert nxt.state is SlotState.READY
+        assert [type(x).__name__ for x in seen if x.slot is stuck][-1] == "Failed"
+        # The stuck read returns: its partial slab is aborted and nothing more reaches the state.
+        unblock.set()
+        deadline = time.monotonic() + 10
+        while backend.aborted < 1:
+            assert time.monotonic() < deadline, "the abandoned load did not abort its slab"
+            time.sleep(0.01)
+        assert loader.results() == []
+        assert stuck.state is SlotState.FAILED
+    finally:
+        unblock.set()
+        loader.stop()
+        for s in st.slots:
+            if s.sealed is not None:
+                s.sealed.close()
+                s.manifest_file.close()
+        os.close(r)
+        os.close(w)

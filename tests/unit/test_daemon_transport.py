@@ -1,0 +1,120 @@
+"""The transport's caps in-process: a real listener and real client sockets, no service around it.
+
+What the integration attacks cannot see from outside: the byte accounting of
+incomplete requests returns to zero (a drift would end up closing every
+client), a paused connection resumes once its client reads, and the
+partial-frame timeout closes with ``resource_exhausted``.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+
+from service_harness import frame, read_reply
+from weightcache import protocol
+from weightcache.daemon.limits import Limits
+from weightcache.daemon.transport import Transport
+
+HELLO = {"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def transport(tmp_path):
+    path = str(tmp_path / "t.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    seen: list = []
+
+    def on_message(c, msg):
+        seen.append(msg)
+        tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []) if isinstance(msg, protocol.Hello)
+                else protocol.StatusReply({"pad": "x" * 4000}))
+
+    clock = Clock()
+    tr = Transport(listener, on_message, lambda c: None, lambda c: None,
+                   Limits.defaults(max_unread_replies=4, partial_frame_timeout_s=5.0), clock, trusted_uids=frozenset())
+    tr.start()
+    socks: list[socket.socket] = []
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        s.settimeout(5)
+        socks.append(s)
+        for _ in range(5):
+            tr.poll(0.01)
+        return s
+
+    yield tr, connect, seen, clock
+    for s in socks:
+        s.close()
+    tr.close_all("test over")
+    listener.close()
+
+
+def _pump(tr, n: int = 5) -> None:
+    for _ in range(n):
+        tr.poll(0.01)
+
+
+def test_incomplete_bytes_are_counted_and_given_back(transport):
+    tr, connect, seen, _ = transport
+    a, b = connect(), connect()
+    a.sendall(frame(HELLO) + struct.pack(">I", 1000) + b"x" * 300)
+    b.sendall(frame(HELLO)[:10])
+    _pump(tr)
+    assert tr.buffered_bytes == 304 + 10
+    a.sendall(b"}" * 700)  # completes a's frame (invalid JSON: a protocol violation closes a)
+    b.sendall(frame(HELLO)[10:])
+    _pump(tr)
+    assert tr.buffered_bytes == 0 and len(tr.clients) == 1
+    b.close()
+    _pump(tr)
+    assert tr.buffered_bytes == 0 and not tr.clients
+
+
+def test_a_client_that_does_not_read_is_paused_then_resumed(transport):
+    """Four unread replies: the fifth request is answered resource_exhausted and reading stops; the client
+    reads, the service serves the requests it sent meanwhile."""
+    tr, connect, seen, _ = transport
+    s = connect()
+    (c,) = tr.clients.values()
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the kernel takes few replies
+    s.sendall(frame(HELLO) + protocol.encode(protocol.Status()) * 40)
+    _pump(tr, 20)
+    assert c.paused and len(c.outbox) == 4 + 1  # the cap, then the error that says so
+    replies = []
+    while len(replies) < 41:
+        obj, _ = read_reply(s)
+        replies.append(obj)
+        _pump(tr, 2)
+    errors = [(r["code"], r["details"]["limit"]) for r in replies if r["type"] == "error"]
+    assert errors and set(errors) == {("resource_exhausted", "max_unread_replies")}
+    assert len(seen) + len(errors) == 41  # every request answered: served, or refused with the error
+    assert not c.paused
+
+
+def test_partial_frame_times_out_with_resource_exhausted(transport):
+    tr, connect, _, clock = transport
+    s = connect()
+    s.sendall(frame(HELLO) + struct.pack(">I", 100) + b"{")
+    _pump(tr)
+    read_reply(s)  # hello_reply
+    tr.expire(clock.t + 4.9)
+    assert len(tr.clients) == 1
+    tr.expire(clock.t + 5.1)
+    obj, _ = read_reply(s)
+    assert (obj["code"], obj["details"]["limit"]) == ("resource_exhausted", "partial_frame_timeout_s")
+    assert not tr.clients and tr.buffered_bytes == 0
