@@ -270,3 +270,23 @@ def test_a_manifest_over_the_limit_fails_the_load_by_name(svc, monkeypatch):
     assert (slot.error.code, slot.error.details["limit_bytes"]) == ("manifest_too_large", 100)
     err = _error(handlers.handle(ctx, Peer(1, os.getuid(), 0), protocol.Attach("m")))
     assert (err.code, err.details["cause"]) == ("model_load_failed", "manifest_too_large")
+
+
+def test_metrics_shows_the_endpoint_every_slab_with_holders_hidden(svc):
+    """The packaged metrics user counts every slab (restricted ones too) and sees no lease holder;
+    a plain client's metrics are filtered like its status; the endpoint is still no operator."""
+    ctx, st, load, *_ = svc
+    load(st.slots[0])
+    load(st.slots[1])
+    holder = Peer(2, 0, 0)  # root may attach the locked model
+    handlers.handle(ctx, holder, protocol.Attach("locked"))
+    endpoint = Peer(3, STRANGER + 3, STRANGER + 3)
+    endpoint.rights = access.Rights(STRANGER + 3, access.METRICS_USER, frozenset({STRANGER + 3}))
+    seen = protocol.ServiceStatus.from_json(
+        handlers.handle(ctx, endpoint, protocol.Metrics()).replies[0].msg.status)
+    assert [(s.model, [(x.pid, x.uid, x.gid) for x in s.leases]) for s in seen.slabs] == [
+        ("m", []), ("locked", [(-1, -1, -1)])]
+    plain = protocol.ServiceStatus.from_json(
+        handlers.handle(ctx, Peer(4, STRANGER, STRANGER), protocol.Metrics()).replies[0].msg.status)
+    assert [s.model for s in plain.slabs] == ["m"]
+    assert _error(handlers.handle(ctx, endpoint, protocol.Evict("m"))).code == "access_denied"

@@ -102,6 +102,20 @@ def is_operator(peer: Peer, policy: Policy) -> bool:
     return peer.uid in (0, policy.service_uid) or _in_groups(_rights(peer), policy.operator_groups)
 
 
+#: The packaged metrics endpoint's user (units/weightcache.sysusers): it may count every slab.
+METRICS_USER = "weightcache-metrics"
+
+
+def may_observe_all(peer: Peer, policy: Policy) -> bool:
+    """Whether ``metrics`` shows ``peer`` every slab: operators and :data:`METRICS_USER`.
+
+    The endpoint exports node-wide numbers for the fleet's Prometheus, restricted
+    models included; it is no operator (it may not evict, preload or verify) and
+    sees no lease holder's pid, uid or gid.
+    """
+    return is_operator(peer, policy) or _rights(peer).user == METRICS_USER
+
+
 def may_attach(peer: Peer, slot: Slot, policy: Policy) -> bool:
     """Whether ``peer`` is on ``slot``'s model's allow lists (or the model has none, or it is root/the service)."""
     m = slot.placement.model

@@ -405,9 +405,22 @@ def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
 
 
 def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
-    """``metrics``: the :func:`status` record as ``peer`` may see it and the service's counters (none: empty)."""
+    """``metrics``: the :func:`status` record and the service's counters (none: empty).
+
+    Operators and the metrics endpoint's user (:func:`access.may_observe_all`) see
+    every slab, the endpoint with every lease holder hidden; anyone else sees what
+    :func:`status` shows it.
+    """
     counters = ctx.counters.record() if ctx.counters is not None else protocol.ServiceCounters("", 0.0)
-    return _one(protocol.MetricsReply(status(ctx, peer).to_json(), counters.to_json()))
+    record = status(ctx, peer)
+    if not access.is_operator(peer, ctx.policy) and access.may_observe_all(peer, ctx.policy):
+        def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
+            return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID)
+
+        now = ctx.monotonic()
+        record = dataclasses.replace(record, slabs=tuple(
+            dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases)) for i in _visible(ctx, None, now)))
+    return _one(protocol.MetricsReply(record.to_json(), counters.to_json()))
 
 
 def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
