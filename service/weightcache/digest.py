@@ -1,22 +1,36 @@
 """Content digests of resident tensors (recorded at load, checked by ``verify``).
 
-Two algorithms, chosen by where the bytes live, named in the digest string:
+Three algorithms, named by the digest string's prefix (``verify`` dispatches
+on it, so a manifest may mix them):
 
-- ``xxh3_128:<hex>`` for host memory: XXH3 128-bit (the ``xxhash``
-  package; about 7 GB/s per core where BLAKE2b gives 0.4), several tensors at
-  once on a thread pool.
-- ``sum64:<hex>`` for GPU memory, computed on the GPU so digests cost no
-  device-to-host traffic: the bytes (zero-padded to a multiple of 8) as
+- ``xxh3_128:<hex>`` (32 hex digits) for host memory: XXH3 128-bit (the
+  ``xxhash`` package; about 7 GB/s per core where BLAKE2b gives 0.4), several
+  tensors at once on a thread pool.
+- ``xxh3c:<hex>`` (32 hex digits) for GPU memory filled without torch
+  (:func:`weightcache.loader.read_direct` on the cuda backend), taken from the
+  pinned staging buffers on their way to the GPU: the tensor's bytes cut in
+  chunks of :data:`CHUNK_BYTES` (1 MiB) counted from its first byte (the last
+  chunk may be shorter; a zero-byte tensor has no chunk); ``d_k`` = the
+  16-byte big-endian XXH3-128 digest (``xxhash.xxh3_128(chunk).digest()``) of
+  chunk ``k``; the digest is XXH3-128 of ``d_0 || d_1 || ...``. Chunks are
+  hashed by the reader threads in any order and assembled by index
+  (:class:`ChunkedXXH3`); ``xxhash`` releases the GIL, about 10 GB/s per
+  thread. ``verify`` copies the tensor to the host in blocks and hashes it the
+  same way.
+- ``sum64:<hex>`` (16 hex digits) for GPU memory written by the torch
+  pipeline (casts, quantization, column shards), computed on the GPU so
+  digests cost no device-to-host traffic: the bytes (zero-padded to a multiple of 8) as
   little-endian 64-bit words ``w_i``; ``sum_i (w_i XOR (i * K)) * (2i + 1)
   mod 2**64``, XOR the byte length. Every multiplier is odd, hence invertible
   mod 2**64, so changing any single word always changes the sum. It detects
   accidental changes (an engine writing through a read-write remap), not a
   forger; the socket's group is the trust boundary (DESIGN §4).
 
-The torch-free load (:func:`weightcache.loader.read_direct`) takes both
-without torch: XXH3 over the memfd mapping (:func:`xxh3_buffer`), and sum64
-from the pinned staging buffers on their way to the GPU, chunk by chunk
-(:class:`Sum64`; the sum is over words, so chunks add up in any order).
+The torch-free load (:func:`weightcache.loader.read_direct`) takes its
+digests without torch: XXH3 over the memfd mapping (:func:`xxh3_buffer`),
+``xxh3c`` from the pinned staging buffers. :class:`Sum64` sums ``sum64`` from
+host chunks in any order (the same value as on the GPU); ``matches_buffer``
+uses it for a ``sum64`` digest of host bytes.
 
 Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client.
 """
@@ -26,6 +40,10 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+#: Chunk size of the ``xxh3c`` digest, in bytes (part of the format: changing it needs a new prefix).
+CHUNK_BYTES = 1 << 20
+#: Host bytes per device-to-host copy when ``verify`` hashes an ``xxh3c`` tensor on the GPU.
+_VERIFY_BLOCK = 64 << 20
 _K = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio constant as a signed int64
 _CHUNK = 256 * 1024 * 1024
 _MASK = (1 << 64) - 1
@@ -61,6 +79,88 @@ def xxh3_buffer(buf) -> str:
     import xxhash
 
     return "xxh3_128:" + xxhash.xxh3_128(buf).hexdigest()
+
+
+class ChunkedXXH3:
+    """The ``xxh3c`` digest of one tensor, from chunks hashed by any thread in any order.
+
+    Each :meth:`add` hashes whole :data:`CHUNK_BYTES` chunks (XXH3-128, GIL
+    released) and files their digests by index; :meth:`hexdigest` hashes the
+    digests in index order. Thread-safe as long as no two calls cover the same
+    chunk (each chunk's slot is written once).
+
+    Args:
+        size_bytes (`int`): the tensor's length in bytes.
+
+    Example:
+        >>> c = ChunkedXXH3(CHUNK_BYTES + 3)
+        >>> c.add(b"abc", CHUNK_BYTES); c.add(bytes(CHUNK_BYTES), 0)
+        >>> c.hexdigest() == xxh3c_buffer(bytes(CHUNK_BYTES) + b"abc")
+        True
+    """
+
+    def __init__(self, size_bytes: int) -> None:
+        self.size_bytes = size_bytes
+        self._parts: list[bytes | None] = [None] * (-(-size_bytes // CHUNK_BYTES))
+
+    def add(self, buf, offset_bytes: int) -> None:
+        """Hashes the bytes ``buf`` (bytes-like) found at ``offset_bytes`` of the tensor.
+
+        Raises:
+            ValueError: ``offset_bytes`` is not a multiple of :data:`CHUNK_BYTES`,
+                or ``buf`` ends inside a chunk before the tensor's end, or past it.
+        """
+        import xxhash
+
+        mv = memoryview(buf).cast("B")
+        n = len(mv)
+        end = offset_bytes + n
+        if offset_bytes % CHUNK_BYTES or end > self.size_bytes or (end % CHUNK_BYTES and end != self.size_bytes):
+            mv.release()
+            raise ValueError(f"xxh3c: bytes {offset_bytes}..{end} of a {self.size_bytes}-byte tensor do not cover "
+                             f"whole {CHUNK_BYTES}-byte chunks; staging chunks must align to CHUNK_BYTES")
+        k = offset_bytes // CHUNK_BYTES
+        for lo in range(0, n, CHUNK_BYTES):
+            self._parts[k] = xxhash.xxh3_128(mv[lo : lo + CHUNK_BYTES]).digest()
+            k += 1
+        mv.release()
+
+    def hexdigest(self) -> str:
+        """``xxh3c:<32 hex digits>``.
+
+        Raises:
+            ValueError: a chunk was never added (the fill lost a piece).
+        """
+        import xxhash
+
+        missing = [k for k, d in enumerate(self._parts) if d is None]
+        if missing:
+            raise ValueError(f"xxh3c: {len(missing)} of {len(self._parts)} chunks of a {self.size_bytes}-byte tensor "
+                             f"were never hashed (first: chunk {missing[0]})")
+        return "xxh3c:" + xxhash.xxh3_128(b"".join(self._parts)).hexdigest()  # type: ignore[arg-type]
+
+
+def xxh3c_buffer(buf) -> str:
+    """``xxh3c:<hex>`` of a whole buffer's bytes in this thread (what :class:`ChunkedXXH3` assembles)."""
+    c = ChunkedXXH3(len(memoryview(buf).cast("B")))
+    c.add(buf, 0)
+    return c.hexdigest()
+
+
+def _xxh3c(t) -> str:
+    """``xxh3c`` of a 1-D ``uint8`` tensor on any device: copied to one host buffer block by block."""
+    import torch
+
+    n = t.numel()
+    c = ChunkedXXH3(n)
+    host = torch.empty(min(n, _VERIFY_BLOCK), dtype=torch.uint8, pin_memory=t.is_cuda and n > 0)
+    view = memoryview(host.numpy())
+    for lo in range(0, n, _VERIFY_BLOCK):
+        m = min(_VERIFY_BLOCK, n - lo)
+        host[:m].copy_(t[lo : lo + m])
+        c.add(view[:m], lo)
+    view.release()
+    return c.hexdigest()
 
 
 class Sum64:
@@ -197,14 +297,22 @@ def matches_buffer(buf, recorded: str) -> bool:
         return s.hexdigest() == recorded
     if algo == "xxh3_128":
         return xxh3_buffer(buf) == recorded
+    if algo == "xxh3c":
+        return xxh3c_buffer(buf) == recorded
     raise ValueError(f"unknown digest algorithm in {recorded!r}")
 
 
 def matches(t, recorded: str) -> bool:
-    """Whether ``t``'s bytes still have the digest ``recorded`` (any algorithm above)."""
+    """Whether ``t``'s bytes (1-D ``uint8``, host or CUDA) still have the digest ``recorded`` (any algorithm above).
+
+    Raises:
+        ValueError: ``recorded`` names no algorithm above.
+    """
     algo = recorded.split(":", 1)[0]
     if algo == "sum64":
         return _sum64(t) == recorded
     if algo == "xxh3_128":
         return _xxh3(t.cpu()) == recorded
+    if algo == "xxh3c":
+        return _xxh3c(t) == recorded
     raise ValueError(f"unknown digest algorithm in {recorded!r}")
