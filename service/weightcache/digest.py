@@ -121,6 +121,7 @@ class ChunkedXXH3:
                              f"whole {CHUNK_BYTES}-byte chunks; staging chunks must align to CHUNK_BYTES")
         k = offset_bytes // CHUNK_BYTES
         for lo in range(0, n, CHUNK_BYTES):
+            # The hasher object's update releases the GIL (the one-shot xxh3_128_digest does not).
             self._parts[k] = xxhash.xxh3_128(mv[lo : lo + CHUNK_BYTES]).digest()
             k += 1
         mv.release()
