@@ -28,16 +28,13 @@ on it, so a manifest may mix them):
 
 The torch-free load (:func:`weightcache.loader.read_direct`) takes its
 digests without torch: XXH3 over the memfd mapping (:func:`xxh3_buffer`),
-``xxh3c`` from the pinned staging buffers. :class:`Sum64` sums ``sum64`` from
-host chunks in any order (the same value as on the GPU); ``matches_buffer``
-uses it for a ``sum64`` digest of host bytes.
+``xxh3c`` from the pinned staging buffers (:class:`ChunkedXXH3`).
 
 Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client.
 """
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 #: Chunk size of the ``xxh3c`` digest, in bytes (part of the format: changing it needs a new prefix).
@@ -46,7 +43,6 @@ CHUNK_BYTES = 1 << 20
 _VERIFY_BLOCK = 64 << 20
 _K = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio constant as a signed int64
 _CHUNK = 256 * 1024 * 1024
-_MASK = (1 << 64) - 1
 
 
 def _xxh3(t) -> str:
@@ -164,99 +160,6 @@ def _xxh3c(t) -> str:
     return c.hexdigest()
 
 
-class Sum64:
-    """The ``sum64`` digest of one tensor, summed from its chunks in any order, without torch.
-
-    Each chunk adds ``sum_i (w_i XOR (i * K)) * (2i + 1) mod 2**64`` over its
-    words, ``i`` counted from the tensor's first byte; :meth:`hexdigest` XORs
-    the byte length, as :func:`digest` does on the GPU. Chunks must start at a
-    multiple of 8 bytes of the tensor; only the last may have a length that is
-    not (it is zero-padded, as on the GPU). Thread-safe.
-
-    Args:
-        size_bytes (`int`): the tensor's length in bytes.
-
-    Example:
-        >>> s = Sum64(16)
-        >>> s.add(b"\x01" * 8, 8); s.add(b"\x02" * 8, 0)
-        >>> s.hexdigest().startswith("sum64:")
-        True
-    """
-
-    def __init__(self, size_bytes: int) -> None:
-        self.size_bytes = size_bytes
-        self._acc = 0
-        self._lock = threading.Lock()
-
-    def add(self, buf, offset_bytes: int) -> None:
-        """Adds the chunk ``buf`` (bytes-like) found at ``offset_bytes`` of the tensor.
-
-        Raises:
-            ValueError: ``offset_bytes`` is not a multiple of 8.
-        """
-        if offset_bytes % 8:
-            raise ValueError(f"sum64 chunk at byte {offset_bytes}: chunks must start at a multiple of 8")
-        part = _sum64_words(buf, offset_bytes // 8)
-        with self._lock:
-            self._acc = (self._acc + part) & _MASK
-
-    def hexdigest(self) -> str:
-        """``sum64:<16 hex digits>``, equal to :func:`digest` of the whole tensor on the GPU."""
-        return f"sum64:{(self._acc ^ self.size_bytes) & _MASK:016x}"
-
-
-_STEP_WORDS = 1 << 17  # words per numpy pass: 1 MiB blocks, scratch reused per thread
-_scratch = threading.local()
-_bases: list = []
-
-
-def _sum64_bases():
-    """``(j * K, 2j + 1)`` for ``j < _STEP_WORDS`` as ``uint64`` arrays, built once."""
-    import numpy as np
-
-    if not _bases:
-        j = np.arange(_STEP_WORDS, dtype=np.uint64)
-        _bases.append((j * np.uint64(_K & _MASK), j * np.uint64(2) + np.uint64(1)))
-    return _bases[0]
-
-
-def _sum64_words(buf, first_word: int) -> int:
-    """``sum_i (w_i XOR (i * K)) * (2i + 1) mod 2**64`` over ``buf``'s little-endian words, ``i`` from ``first_word``.
-
-    numpy with wrap-around ``uint64`` arithmetic, in 1 MiB blocks through
-    per-thread scratch arrays (fresh temporaries would page-fault on every
-    chunk); a tail shorter than a word is zero-padded.
-    """
-    import numpy as np
-
-    mv = memoryview(buf).cast("B")
-    n = len(mv)
-    words = n // 8
-    base_k, base_odd = _sum64_bases()
-    a = getattr(_scratch, "a", None)
-    if a is None:
-        a = _scratch.a = np.empty(_STEP_WORDS, dtype=np.uint64)
-        _scratch.b = np.empty(_STEP_WORDS, dtype=np.uint64)
-    b = _scratch.b
-    acc = 0
-    for lo in range(0, words, _STEP_WORDS):
-        m = min(_STEP_WORDS, words - lo)
-        s = first_word + lo
-        w = np.frombuffer(mv, dtype="<u8", count=m, offset=lo * 8)
-        np.add(base_k[:m], np.uint64((s * _K) & _MASK), out=a[:m])  # (s + j) * K
-        np.bitwise_xor(a[:m], w, out=a[:m])
-        np.add(base_odd[:m], np.uint64((2 * s) & _MASK), out=b[:m])  # 2 (s + j) + 1
-        np.multiply(a[:m], b[:m], out=a[:m])
-        acc += int(a[:m].sum(dtype=np.uint64))  # the array sum wraps mod 2**64
-        del w
-    if n % 8:
-        tail = int.from_bytes(bytes(mv[words * 8 :]), "little")
-        i = first_word + words
-        acc += ((tail ^ (i * _K)) & _MASK) * (2 * i + 1)
-    mv.release()
-    return acc & _MASK
-
-
 def digest(t) -> str:
     """Digest of a 1-D ``uint8`` tensor's bytes (host: XXH3-128, CUDA: sum64)."""
     if t.device.type == "cuda":
@@ -290,17 +193,18 @@ def digests(slab, ranges: list[tuple[str, int, int]], threads: int = 8) -> dict[
 
 def matches_buffer(buf, recorded: str) -> bool:
     """Whether the bytes of ``buf`` (bytes-like, e.g. a host slab's mapping) still have the digest ``recorded``;
-    no torch."""
+    no torch.
+
+    Raises:
+        ValueError: ``recorded`` is not an ``xxh3_128`` or ``xxh3c`` digest.
+    """
     algo = recorded.split(":", 1)[0]
-    if algo == "sum64":
-        s = Sum64(len(memoryview(buf)))
-        s.add(buf, 0)
-        return s.hexdigest() == recorded
     if algo == "xxh3_128":
         return xxh3_buffer(buf) == recorded
     if algo == "xxh3c":
         return xxh3c_buffer(buf) == recorded
-    raise ValueError(f"unknown digest algorithm in {recorded!r}")
+    raise ValueError(f"digest {recorded!r}: host bytes are checked against xxh3_128 or xxh3c digests; "
+                     f"sum64 is recorded and checked on the GPU (matches)")
 
 
 def matches(t, recorded: str) -> bool:

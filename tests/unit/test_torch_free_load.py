@@ -98,32 +98,20 @@ def test_may_need_torch(tmp_path):
     assert pipeline.may_need_torch(ModelConfig(name="d", path=str(tmp_path / "absent"))) is False
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 4095, 8192, 3 * 8192 + 5, (1 << 21) + 3])
-def test_sum64_from_chunks_equals_the_gpu_formula(n):
-    """:class:`digest.Sum64` over chunks in any order equals ``digest._sum64`` (the GPU's code, run on CPU)."""
-    rng = random.Random(n)
-    data = bytes(rng.getrandbits(8) for _ in range(min(n, 4096))) * (n // 4096 + 1)
-    data = data[:n]
-    want = digest._sum64(torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else
-                         torch.empty(0, dtype=torch.uint8))
-    cuts = sorted({0, n, *(rng.randrange(n + 1) // 8 * 8 for _ in range(4))})
-    parts = list(zip(cuts, cuts[1:]))
-    rng.shuffle(parts)
-    s = digest.Sum64(n)
-    for a, b in parts:
-        s.add(memoryview(data)[a:b], a)
-    assert s.hexdigest() == want
-    changed = bytearray(data)
+@pytest.mark.parametrize("n", [0, 7, 8, 4097])
+def test_matches_dispatches_on_the_prefix(n):
+    """One buffer, its three digests: each matches, each misses a flipped byte; host bytes refuse sum64."""
+    data = bytearray(random.Random(n).randbytes(n))
+    t = torch.frombuffer(data, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    recorded = [digest._sum64(t), digest._xxh3(t), digest.xxh3c_buffer(data)]
+    assert [d.split(":")[0] for d in recorded] == ["sum64", "xxh3_128", "xxh3c"]
+    assert all(digest.matches(t, d) for d in recorded)
+    assert all(digest.matches_buffer(data, d) for d in recorded[1:])
+    with pytest.raises(ValueError, match="checked on the GPU"):
+        digest.matches_buffer(data, recorded[0])
     if n:
-        changed[n // 2] ^= 1
-        s2 = digest.Sum64(n)
-        s2.add(changed, 0)
-        assert s2.hexdigest() != want
-
-
-def test_sum64_refuses_a_chunk_off_a_word():
-    with pytest.raises(ValueError):
-        digest.Sum64(16).add(b"x" * 8, 4)
+        data[n // 2] ^= 0x10
+        assert not any(digest.matches(t, d) for d in recorded)
 
 
 def test_xxh3_buffer_equals_the_tensor_digest():
