@@ -83,7 +83,8 @@ class LoaderOptions:
     Attributes:
         threads (`int`): reader threads (config ``service.read_threads``).
         staging_bytes (`int`): pinned staging memory for CUDA slabs, in bytes
-            (config ``service.staging_bytes``); split in ``2 * threads`` buffers.
+            (config ``service.staging_bytes``); split in ``2 * threads`` buffers
+            (:func:`read_direct` rounds each to whole digest chunks, at least one).
         o_direct (`bool`): bypass the page cache.
     """
 
