@@ -89,7 +89,7 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
     # One byte changed through a read-write mapping of the exported fd (the service's own view is read-only).
     victim = max(stored, key=lambda r: r.size_bytes)
     rw = _map_fd(backend._device(0), sealed.fd, sealed.size_bytes, read_only=False)
-    at = victim.offset_bytes + victim.size_bytes // 2 + 1
+    at = victim.offset_bytes + victim.size_bytes - 1  # in its last xxh3c chunk, a partial one
     flip = rw.tensor()[at : at + 1]
     flip.bitwise_xor_(torch.ones(1, dtype=torch.uint8, device=flip.device))
     torch.cuda.synchronize()
