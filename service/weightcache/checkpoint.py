@@ -38,6 +38,7 @@ import pwd
 import re
 import stat
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,6 +289,26 @@ def _check_plain(fname: Any, index: Path) -> None:
         f"index {index} maps tensors to {str(fname)[:200]!r}, which is not a plain file name in the checkpoint "
         f"directory; weight_map values must be names like 'model-00001-of-00002.safetensors'",
         file=str(fname)[:200], index=str(index))
+
+
+def warm_validation() -> threading.Thread:
+    """Imports what the header check needs (numpy, for ``safe_open``) on a background thread; returns it started.
+
+    ``safe_open(framework="numpy")`` imports numpy on first use (0.1-0.2 s);
+    a service calls this as it starts, so that the import overlaps reading the
+    configuration and the CUDA driver's init (whose calls release the GIL)
+    instead of delaying the first plan. A failed import is left for the check
+    itself to report.
+    """
+    def run() -> None:
+        try:
+            import numpy  # noqa: F401
+        except ImportError:  # pragma: no cover - numpy is a dependency; the check reports it
+            pass
+
+    th = threading.Thread(target=run, name="weightcache-warm-numpy", daemon=True)
+    th.start()
+    return th
 
 
 def _validate_with_safetensors(path: Path) -> None:

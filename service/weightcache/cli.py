@@ -90,10 +90,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     (run by hand), it exits 78.
     """
     from . import notify
+    from .checkpoint import warm_validation
     from .daemon import Daemon
     from .journal import event, setup_logging
 
     setup_logging(args.gpu, logging.DEBUG if args.verbose else logging.INFO)
+    warm_validation()  # numpy for the first plan's header check, beside the config read and the driver's init
     stored = notify.listen_fds()
     config_error = None
     try:

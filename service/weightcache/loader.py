@@ -18,7 +18,8 @@ that also process tensors, and the client's disk fallback);
 :func:`read_direct` needs no torch at all and fills a backend's writable slab
 through its ``buffer`` (host memfd mapping) or its ``stager()`` (CUDA:
 cuda-bindings' pinned buffers, stream and events), taking the content
-digests on the way (:mod:`weightcache.digest`). A service's first load of an
+digests on the way (host: ``xxh3_128`` over the mapping; CUDA: ``xxh3c``
+from the staging buffers) (:mod:`weightcache.digest`). A service's first load of an
 unquantized checkpoint without a cast goes that way, so its first bytes are
 read before torch is imported.
 
@@ -82,7 +83,8 @@ class LoaderOptions:
     Attributes:
         threads (`int`): reader threads (config ``service.read_threads``).
         staging_bytes (`int`): pinned staging memory for CUDA slabs, in bytes
-            (config ``service.staging_bytes``); split in ``2 * threads`` buffers.
+            (config ``service.staging_bytes``); split in ``2 * threads`` buffers
+            (:func:`read_direct` rounds each to whole digest chunks, at least one).
         o_direct (`bool`): bypass the page cache.
     """
 
@@ -288,7 +290,7 @@ class DirectRead:
             digests, taken from the staging buffers on the way).
         digest_s (`float`): host: wall time of the digests after the read;
             CUDA: the share of ``read_s`` the digests took (thread-seconds spent
-            summing, divided by the number of threads).
+            hashing, divided by the number of threads).
         digests (`dict[str, str]`): tensor name -> digest (empty without digests).
     """
 
@@ -306,10 +308,12 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     mapping (through an anonymous staging buffer with ``O_DIRECT``); the
     XXH3 digests are taken from the mapping afterwards on the same number of
     threads. CUDA slab (it has ``stager()``): each thread reads into its two
-    pinned buffers and queues ``cuMemcpyHtoDAsync`` copies; the ``sum64``
-    digest of each chunk is summed from the pinned buffer while its copy runs.
-    The digests equal those :func:`weightcache.digest.digests` takes from the
-    filled slab.
+    pinned buffers and queues ``cuMemcpyHtoDAsync`` copies; the XXH3-128 of
+    each :data:`weightcache.digest.CHUNK_BYTES` chunk is taken from the pinned
+    buffer while its copy runs (staged pieces are cut at multiples of that
+    size from each tensor's start, and each staging buffer holds at least
+    one), giving the ``xxh3c`` digests (:class:`weightcache.digest.ChunkedXXH3`)
+    that ``verify`` recomputes from the slab.
 
     Args:
         tasks (`list[ReadTask]`): from :func:`direct_task`, one per tensor.
@@ -327,15 +331,17 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     """
     host = getattr(slab, "buffer", None)
     chunk = opts.chunk_bytes
+    if host is None:  # every staged piece covers whole xxh3c chunks of its tensor
+        chunk = max(digest.CHUNK_BYTES, chunk - chunk % digest.CHUNK_BYTES)
     work: queue.SimpleQueue = queue.SimpleQueue()
     for t in _split(tasks, chunk):
         work.put(t)
     starts = {t.tensor: t.slab_offset for t in tasks}
-    sums = {t.tensor: digest.Sum64(t.length) for t in tasks} if with_digests and host is None else {}
+    sums = {t.tensor: digest.ChunkedXXH3(t.length) for t in tasks} if with_digests and host is None else {}
     files = _Files(opts.o_direct)
     errors: list[BaseException] = []
     read_total = [0]
-    summing = [0.0]  # thread-seconds spent on sum64 (CUDA)
+    summing = [0.0]  # thread-seconds spent hashing (CUDA)
     lock = threading.Lock()
     size = chunk + 2 * DIRECT_ALIGN
 

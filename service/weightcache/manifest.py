@@ -86,7 +86,8 @@ class TensorRecord:
             of :data:`ALIGNMENT_BYTES`.
         size_bytes (`int`): length of the stored bytes.
         digest (`str`): content digest of the stored bytes recorded at load
-            (``xxh3_128:<hex>`` host, ``sum64:<hex>`` CUDA; see :mod:`weightcache.digest`).
+            (``xxh3_128:<hex>`` host, ``xxh3c:<hex>`` CUDA filled without torch,
+            ``sum64:<hex>`` CUDA written by torch; see :mod:`weightcache.digest`).
         layout (`dict`): processing metadata (``fused_parts``, ``logical_shape``,
             ``stored_shape``, ``scale_granularity``, ``kernel``, ``tp_dim``...).
         alias_of (`str | None`): for a tied weight, the record whose bytes it shares.

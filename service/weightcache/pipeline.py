@@ -331,7 +331,10 @@ def fill(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
     ``buffer``, a CUDA slab's ``stager()``), the reader fills it and takes
     the digests with no torch imported (:func:`weightcache.loader.read_direct`).
     Otherwise this is :func:`execute` on ``slab.tensor``. Both give the same
-    bytes and the same manifest.
+    bytes and the same manifest records; the digests agree on a host slab
+    (``xxh3_128``), while on a CUDA slab the torch-free fill records
+    ``xxh3c`` (hashed from the staging buffers) where :func:`execute` records
+    ``sum64`` (on the GPU); :func:`verify` checks either.
 
     Args:
         p (`Plan`): from :func:`plan`.
@@ -493,8 +496,9 @@ def verify(manifest: Manifest, slab) -> list[str]:
         slab (`torch.Tensor | SealedSlab`): the slab as 1-D ``uint8`` (host or
             CUDA), or a backend's sealed slab: a host one (it offers
             ``buffer``) is checked on its read-only mapping without torch
-            (:func:`weightcache.digest.matches_buffer`), a CUDA one on the GPU
-            through its ``tensor``.
+            (:func:`weightcache.digest.matches_buffer`), a CUDA one through
+            its ``tensor`` (``sum64`` on the GPU, ``xxh3c`` copied to the host
+            in blocks; :func:`weightcache.digest.matches`).
     """
     stored = [r for r in manifest.tensors if r.alias_of is None]
     buf = getattr(slab, "buffer", None)

@@ -2,9 +2,12 @@
 
 - In process: a bf16 checkpoint filled into a CUDA slab through
   :func:`weightcache.pipeline.fill` (cuda-bindings' pinned staging, stream
-  and events; ``sum64`` digests summed on the host) gives the bytes
-  safetensors reads from disk, the digests the GPU computes from the slab, and
-  the manifest the torch pipeline gives; so does the ``O_DIRECT`` path.
+  and events; ``xxh3c`` digests hashed on the host from the staging buffers)
+  gives the bytes safetensors reads from disk and the manifest records the
+  torch pipeline gives (which records ``sum64``); ``verify`` of the sealed
+  slab passes for both manifests, and after one byte of the slab is changed
+  through a read-write mapping of its fd it names exactly that tensor under
+  both digests; so does the ``O_DIRECT`` path.
 - A service on the cuda backend whose ``import torch`` fails (a
   ``sys.meta_path`` hook) loads the same checkpoint to ``ready`` and an
   engine attaches it on ``cuda:0`` byte for byte.
@@ -12,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -34,8 +38,9 @@ def _harness():
 
 def _bf16_checkpoint(dest: Path) -> Path:
     h = _harness()
-    tensors = {k: v.to(torch.bfloat16) for k, v in h.llama_tensors(seed=11, hidden=256, inter=512, vocab=320).items()}
-    cfg = {**h.llama_config(hidden=256, inter=512, vocab=320), "torch_dtype": "bfloat16"}
+    # inter=2304: the MLP weights are 1.125 MiB, so a staged piece and an xxh3c chunk split them.
+    tensors = {k: v.to(torch.bfloat16) for k, v in h.llama_tensors(seed=11, hidden=256, inter=2304, vocab=320).items()}
+    cfg = {**h.llama_config(hidden=256, inter=2304, vocab=320), "torch_dtype": "bfloat16"}
     return h.write_checkpoint(dest, tensors, cfg, files=2)
 
 
@@ -44,7 +49,7 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
     from weightcache import digest, loader, pipeline
     from weightcache.config import ModelConfig
     from weightcache.manifest import build_views
-    from weightcache.memory.cuda import CudaBackend
+    from weightcache.memory.cuda import CudaBackend, _map_fd
 
     ck = _bf16_checkpoint(tmp_path / "ck")
     if o_direct:
@@ -60,10 +65,12 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
     filled = pipeline.fill(p, w, options=opts)
     sealed = w.seal()
     assert filled.torch_free is True
-    stored = [(r.name, r.offset_bytes, r.size_bytes) for r in p.records if r.alias_of is None]
-    on_gpu = digest.digests(sealed.tensor, stored)
-    assert {r.name: r.digest for r in filled.manifest.tensors} == on_gpu
-    assert all(d.startswith("sum64:") for d in on_gpu.values())
+    stored = [r for r in filled.manifest.tensors if r.alias_of is None]
+    assert all(r.digest.startswith("xxh3c:") for r in stored)
+    for r in stored:  # the staged digests are those of the bytes on the GPU
+        assert r.digest == digest.xxh3c_buffer(sealed.tensor[r.offset_bytes : r.offset_bytes + r.size_bytes]
+                                               .cpu().numpy()), r.name
+    assert pipeline.verify(filled.manifest, sealed) == []
 
     ref = _harness().read_checkpoint(ck)
     views = build_views(sealed.tensor, filled.manifest)
@@ -73,8 +80,23 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
 
     w2 = backend.allocate(p.slab_size_bytes, "m-torch")
     want_manifest = pipeline.execute(p, w2.tensor, options=opts)
-    assert filled.manifest.tensors == want_manifest.tensors  # the same records and digests
+    assert [dataclasses.replace(r, digest="") for r in filled.manifest.tensors] == \
+        [dataclasses.replace(r, digest="") for r in want_manifest.tensors]  # the same records
+    assert all(r.digest.startswith("sum64:") for r in want_manifest.tensors if r.alias_of is None)
     w2.abort()
+    assert pipeline.verify(want_manifest, sealed) == []  # same bytes: the GPU's sum64 agrees too
+
+    # One byte changed through a read-write mapping of the exported fd (the service's own view is read-only).
+    victim = max(stored, key=lambda r: r.size_bytes)
+    rw = _map_fd(backend._device(0), sealed.fd, sealed.size_bytes, read_only=False)
+    at = victim.offset_bytes + victim.size_bytes - 1  # in its last xxh3c chunk, a partial one
+    flip = rw.tensor()[at : at + 1]
+    flip.bitwise_xor_(torch.ones(1, dtype=torch.uint8, device=flip.device))
+    torch.cuda.synchronize()
+    del flip
+    rw.release()
+    assert pipeline.verify(filled.manifest, sealed) == [victim.name]
+    assert pipeline.verify(want_manifest, sealed) == [victim.name]
     sealed.close()
 
 

@@ -98,32 +98,20 @@ def test_may_need_torch(tmp_path):
     assert pipeline.may_need_torch(ModelConfig(name="d", path=str(tmp_path / "absent"))) is False
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 4095, 8192, 3 * 8192 + 5, (1 << 21) + 3])
-def test_sum64_from_chunks_equals_the_gpu_formula(n):
-    """:class:`digest.Sum64` over chunks in any order equals ``digest._sum64`` (the GPU's code, run on CPU)."""
-    rng = random.Random(n)
-    data = bytes(rng.getrandbits(8) for _ in range(min(n, 4096))) * (n // 4096 + 1)
-    data = data[:n]
-    want = digest._sum64(torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else
-                         torch.empty(0, dtype=torch.uint8))
-    cuts = sorted({0, n, *(rng.randrange(n + 1) // 8 * 8 for _ in range(4))})
-    parts = list(zip(cuts, cuts[1:]))
-    rng.shuffle(parts)
-    s = digest.Sum64(n)
-    for a, b in parts:
-        s.add(memoryview(data)[a:b], a)
-    assert s.hexdigest() == want
-    changed = bytearray(data)
+@pytest.mark.parametrize("n", [0, 7, 8, 4097])
+def test_matches_dispatches_on_the_prefix(n):
+    """One buffer, its three digests: each matches, each misses a flipped byte; host bytes refuse sum64."""
+    data = bytearray(random.Random(n).randbytes(n))
+    t = torch.frombuffer(data, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    recorded = [digest._sum64(t), digest._xxh3(t), digest.xxh3c_buffer(data)]
+    assert [d.split(":")[0] for d in recorded] == ["sum64", "xxh3_128", "xxh3c"]
+    assert all(digest.matches(t, d) for d in recorded)
+    assert all(digest.matches_buffer(data, d) for d in recorded[1:])
+    with pytest.raises(ValueError, match="checked on the GPU"):
+        digest.matches_buffer(data, recorded[0])
     if n:
-        changed[n // 2] ^= 1
-        s2 = digest.Sum64(n)
-        s2.add(changed, 0)
-        assert s2.hexdigest() != want
-
-
-def test_sum64_refuses_a_chunk_off_a_word():
-    with pytest.raises(ValueError):
-        digest.Sum64(16).add(b"x" * 8, 4)
+        data[n // 2] ^= 0x10
+        assert not any(digest.matches(t, d) for d in recorded)
 
 
 def test_xxh3_buffer_equals_the_tensor_digest():
@@ -180,9 +168,12 @@ class _FakeCudaSlab:
 
 
 @pytest.mark.parametrize("o_direct", [False, True])
-def test_staged_fill_takes_sum64_digests_equal_to_the_gpu_formula(tmp_path, o_direct):
-    """The CUDA reader's logic (two buffers per thread, offsets, O_DIRECT alignment, sum64 from chunks)
-    against a stager that copies on host memory; chunks of 8 KiB split every tensor."""
+def test_staged_fill_takes_xxh3c_digests_that_verify_checks(tmp_path, monkeypatch, o_direct):
+    """The CUDA reader's logic (two buffers per thread, offsets, O_DIRECT alignment, xxh3c from the staged
+    chunks) against a stager that copies on host memory; 8 KiB digest chunks, so that 8 KiB staging pieces split
+    every large tensor. The recorded digests equal the whole-buffer reference, ``verify`` over the same bytes
+    passes, and a flipped byte fails exactly its tensor."""
+    monkeypatch.setattr(digest, "CHUNK_BYTES", 8192)
     ck = llama_checkpoint(tmp_path / "ck", seed=8, files=2, hidden=128, inter=256)
     if o_direct:
         try:
@@ -196,11 +187,77 @@ def test_staged_fill_takes_sum64_digests_equal_to_the_gpu_formula(tmp_path, o_di
     filled = pipeline.fill(p, slab, options=opts)
     assert filled.torch_free is True
     _, want = _execute(ck)
-    t = torch.frombuffer(slab.bytes, dtype=torch.uint8)
+    assert max(r.size_bytes for r in filled.manifest.tensors) > 4 * 8192  # some tensors span several pieces
     for r in filled.manifest.tensors:
-        assert slab.bytes[r.offset_bytes : r.offset_bytes + r.size_bytes] == want[r.offset_bytes :
-                                                                                   r.offset_bytes + r.size_bytes]
-        assert r.digest == digest._sum64(t[r.offset_bytes : r.offset_bytes + r.size_bytes]), r.name
+        part = bytes(slab.bytes[r.offset_bytes : r.offset_bytes + r.size_bytes])
+        assert part == want[r.offset_bytes : r.offset_bytes + r.size_bytes], r.name
+        assert r.digest == _xxh3c_reference(part, 8192), r.name
+
+    t = torch.frombuffer(slab.bytes, dtype=torch.uint8)
+    assert pipeline.verify(filled.manifest, t) == []
+    victim = max(filled.manifest.tensors, key=lambda r: r.size_bytes)
+    slab.bytes[victim.offset_bytes + victim.size_bytes - 1] ^= 0x01  # in the last, partial or full, chunk
+    assert pipeline.verify(filled.manifest, t) == [victim.name]
+    assert not digest.matches_buffer(memoryview(slab.bytes)[victim.offset_bytes : victim.offset_bytes
+                                                            + victim.size_bytes], victim.digest)
+
+
+def _xxh3c_reference(data: bytes, chunk: int) -> str:
+    """The ``xxh3c`` format written out from its definition, in one thread, over the whole buffer."""
+    import xxhash
+
+    parts = b"".join(xxhash.xxh3_128(data[i : i + chunk]).digest() for i in range(0, len(data), chunk))
+    return "xxh3c:" + xxhash.xxh3_128(parts).hexdigest()
+
+
+@pytest.mark.parametrize("n", [0, 1, 8191, 8192, 8193, 5 * 8192, 5 * 8192 + 17])
+def test_xxh3c_from_shuffled_chunks_on_threads_equals_the_whole_buffer(monkeypatch, n):
+    """Pieces covering whole chunks, added in shuffled order from 4 threads, give the one-thread reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(digest, "CHUNK_BYTES", 8192)
+    rng = random.Random(n)
+    data = rng.randbytes(n)
+    want = _xxh3c_reference(data, 8192)
+    assert digest.xxh3c_buffer(data) == want
+    assert digest.matches(torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else
+                          torch.empty(0, dtype=torch.uint8), want)
+    cuts = sorted({0, n, *(rng.randrange(n + 1) // 8192 * 8192 for _ in range(4))})
+    parts = list(zip(cuts, cuts[1:]))
+    rng.shuffle(parts)
+    c = digest.ChunkedXXH3(n)
+    with ThreadPoolExecutor(4) as ex:
+        list(ex.map(lambda ab: c.add(memoryview(data)[ab[0] : ab[1]], ab[0]), parts))
+    assert c.hexdigest() == want
+    if n:
+        changed = bytearray(data)
+        changed[rng.randrange(n)] ^= 0x80
+        assert digest.xxh3c_buffer(changed) != want
+        assert not digest.matches_buffer(changed, want)
+
+
+def test_xxh3c_default_chunk_on_a_large_buffer():
+    """The 1 MiB format itself: 2.5 chunks in two pieces, against the reference."""
+    data = os.urandom(5 * (1 << 19))
+    c = digest.ChunkedXXH3(len(data))
+    c.add(data[1 << 20 :], 1 << 20)
+    c.add(data[: 1 << 20], 0)
+    assert c.hexdigest() == _xxh3c_reference(data, 1 << 20) == digest.xxh3c_buffer(data)
+
+
+@pytest.mark.parametrize("offset,length", [(4096, 8192), (0, 4096), (8192, 16384)])
+def test_xxh3c_refuses_pieces_off_the_chunk_grid(monkeypatch, offset, length):
+    monkeypatch.setattr(digest, "CHUNK_BYTES", 8192)
+    with pytest.raises(ValueError, match="whole 8192-byte chunks"):
+        digest.ChunkedXXH3(20000).add(bytes(length), offset)
+
+
+def test_xxh3c_names_a_chunk_never_hashed(monkeypatch):
+    monkeypatch.setattr(digest, "CHUNK_BYTES", 8192)
+    c = digest.ChunkedXXH3(3 * 8192)
+    c.add(bytes(8192), 0)
+    with pytest.raises(ValueError, match="2 of 3 chunks"):
+        c.hexdigest()
 
 
 def test_verify_checks_a_sealed_host_slab_on_its_mapping(tmp_path):
