@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def _engine(cfg: dict, rounds: int, barrier, results) -> None:
     out = []
     for _ in range(rounds):
         acc.clear()
-        barrier.wait()
+        barrier.wait(timeout=300)  # an engine that died breaks the barrier instead of hanging the others
         c0, t0 = time.process_time(), time.perf_counter()
         w = attach(cfg["path"], **kw)
         t1, c1 = time.perf_counter(), time.process_time()
@@ -94,6 +95,8 @@ _SERVED = re.compile(r"request served type=attach peer_pid=\d+ duration_us=(\d+)
 def run_n(cfg: dict, n: int, samples: int, log_path: Path) -> dict:
     rounds = max(3, -(-samples // n))
     ctx = mp.get_context(cfg["start_method"])
+    if cfg["start_method"] == "forkserver":  # engines fork from a server that imported these, CUDA untouched
+        ctx.set_forkserver_preload(["torch", "weightcache.client"])
     barrier, results = ctx.Barrier(n), ctx.Queue()
     log_from = log_path.stat().st_size
     procs = [ctx.Process(target=_engine, args=(cfg, rounds, barrier, results)) for _ in range(n)]
@@ -101,7 +104,13 @@ def run_n(cfg: dict, n: int, samples: int, log_path: Path) -> dict:
         p.start()
     rows = []
     for _ in procs:
-        rows += results.get(timeout=1800)
+        try:
+            rows += results.get(timeout=600)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"bench_concurrency: N={n}: no result from an engine in 600 s (exit codes {dead})")
     for p in procs:
         p.join(60)
     with open(log_path, "rb") as f:
@@ -147,9 +156,13 @@ def main() -> int:
     ap.add_argument("--ns", default="1,8,32,64", help="engine counts, comma-separated")
     ap.add_argument("--samples", type=int, default=64, help="attaches per N at least (rounds = samples / N, >= 3)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--start-method", default="fork", choices=("fork", "spawn", "forkserver"),
-                    help="how engines start (fork: they share the parent's imported torch pages)")
+    ap.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
+                    help="how engines start (default: fork on cpu, sharing the parent's imported torch pages; "
+                         "forkserver on cuda, since a process that touched CUDA cannot fork a CUDA user)")
     args = ap.parse_args()
+    if args.start_method is None:
+        args.start_method = "forkserver" if args.device == "cuda" else "fork"
+
     import torch  # noqa: F401 - imported once here, inherited by the forked engines
 
     import weightcache.client  # noqa: F401
