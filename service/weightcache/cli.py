@@ -232,6 +232,14 @@ def _user(uid: int) -> str:
         return str(uid)
 
 
+def _holder(le: protocol.LeaseInfo) -> str:
+    """Who holds a lease, for humans: ``pid=4242 uid=1000 (alice)``, or ``held by another user`` when the
+    service hid the holder from this caller (:data:`~weightcache.protocol.HIDDEN_ID`)."""
+    if protocol.HIDDEN_ID in (le.pid, le.uid):
+        return "held by another user"
+    return f"pid={le.pid} uid={_user(le.uid)}"
+
+
 def _n(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
@@ -310,7 +318,7 @@ def _print_status(st: protocol.ServiceStatus, now: float) -> None:
                   f"quant={k.quant_scheme or 'none'} files={k.files} pipeline=v{k.pipeline_version}")
         for le in sl.leases:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(le.since))
-            print(f"      lease {le.lease_id}: pid={le.pid} uid={_user(le.uid)} mode={le.mode} "
+            print(f"      lease {le.lease_id}: {_holder(le)} mode={le.mode} "
                   f"since {since} ({_age(now - le.since)} ago)")
 
 
@@ -421,8 +429,8 @@ def _check_as(args: argparse.Namespace) -> int | None:
 def cmd_check_config(args: argparse.Namespace) -> int:
     """Validates the config and plans every slab from headers alone (no tensor is read),
     reading every file as the service user when run as root (see :func:`_check_as`)."""
-    from . import pipeline
-    from .config import config_path
+    from . import memory, pipeline
+    from .config import Placement, config_path
 
     rc = _check_as(args)
     if rc is not None:
@@ -434,6 +442,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"socket_dir={cfg.service.socket_dir} backend={cfg.service.backend}")
     if not cfg.models:
         print("no models configured")
+    warnings: list[str] = []
+    if cfg.models:
+        node, beyond = _gpus_beyond_the_node(cfg, memory.probe_cuda)
+        print(node)
+        warnings += beyond
+    planned: list[tuple[Placement, pipeline.Plan]] = []
     for gpu in cfg.gpus():
         placements = cfg.placements(gpu)
         total = 0
@@ -449,15 +463,74 @@ def cmd_check_config(args: argparse.Namespace) -> int:
                 lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  gpus=[{gpus}]  "
                              f"ERROR {e.code}  {p.model.path}")
                 continue
+            planned.append((p, pl))
             total += pl.slab_size_bytes
             lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  {'gpus=[' + gpus + ']':<12} "
                          f"{_human_bytes(pl.slab_size_bytes):>10}  {len(pl.records)} tensors  {p.model.path}")
         print(f"GPU {gpu}: {_n(len(placements), 'slab')}, {_human_bytes(total)} planned")
         for line in lines:
             print(line)
+    warnings += _same_slab_twice(planned)
+    for msg in warnings:
+        print(f"warning: {msg}", file=sys.stderr)
     for msg in problems:
         print(f"error: {msg}", file=sys.stderr)
     return EXIT_FAILED if problems else EXIT_OK
+
+
+def _gpus_beyond_the_node(cfg: Config, probe) -> tuple[str, list[str]]:
+    """Checks the configured GPU indices against the devices the CUDA driver reports.
+
+    Args:
+        cfg (`Config`): the configuration checked.
+        probe (`Callable[[], CudaProbe]`): :func:`weightcache.memory.probe_cuda` (never raises).
+
+    Returns:
+        `tuple[str, list[str]]`: a line saying how many GPUs the node has (or
+        why that is unknown, or not asked with ``backend = "host"``), and a
+        warning per configured index at or past that count, naming its models.
+        Warnings, not errors: the config may be written before the driver is
+        installed, or for another node.
+    """
+    if cfg.service.backend == "host":
+        return "GPUs on this node: not checked (backend = host: the GPU indices only number the instances)", []
+    p = probe()
+    if not p.usable:
+        return f"GPUs on this node: unknown, GPU indices not checked against them ({p.reason})", []
+    out = []
+    for gpu in cfg.gpus():
+        if gpu >= p.devices:
+            names = sorted({pl.model.name for pl in cfg.placements(gpu)})
+            out.append(f"GPU {gpu} ({'models' if len(names) > 1 else 'model'} {', '.join(names)}) is not on this "
+                       f"node: the CUDA driver reports {_n(p.devices, 'GPU')} (indices 0..{p.devices - 1}), so "
+                       f"weightcache@{gpu} would find no device; fix the layouts' gpus (see `nvidia-smi -L`), "
+                       f"unless the config is meant for another node")
+    return f"GPUs on this node: {p.devices} ({p.reason})", out
+
+
+def _same_slab_twice(planned: list[tuple[Placement, Any]]) -> list[str]:
+    """Warnings for models that plan the same slab on the same GPU: one checkpoint (through a symlink or
+    by the same path) with the same effective dtype, naming, kernel, TP size and rank.
+
+    Args:
+        planned (`list[tuple[Placement, pipeline.Plan]]`): every rank that planned, in config order.
+
+    Returns:
+        `list[str]`: one warning per later model, naming it and the first one; the cache keys are
+        compared without ``revision`` (the operator's label changes no byte).
+    """
+    first: dict[tuple[int, str], Placement] = {}
+    out = []
+    for p, pl in planned:
+        same = json.dumps({k: v for k, v in pl.key.items() if k != "revision"}, sort_keys=True, default=str)
+        a = first.setdefault((p.gpu, same), p)
+        if a is p:
+            continue
+        out.append(f"models {a.model.name} and {p.model.name} are the same slab on GPU {p.gpu} (tp={p.tp_size} "
+                   f"rank={p.tp_rank}): {a.model.path} and {p.model.path} are the same checkpoint files with the "
+                   f"same dtype, naming and kernel, so the service holds {_human_bytes(pl.slab_size_bytes)} "
+                   f"twice and an attach by path gets {a.model.name}; keep one of the two [models] tables")
+    return out
 
 
 def _leases_on(args: argparse.Namespace, gpu: int, model: str) -> list[str]:
@@ -473,7 +546,7 @@ def _leases_on(args: argparse.Namespace, gpu: int, model: str) -> list[str]:
     finally:
         s.close()
     now = time.time()
-    return [f"  {sl.label}: lease {le.lease_id} pid={le.pid} uid={_user(le.uid)} mode={le.mode} "
+    return [f"  {sl.label}: lease {le.lease_id} {_holder(le)} mode={le.mode} "
             f"for {_age(now - le.since)}"
             for sl in st.slabs if model in (sl.model, sl.path) for le in sl.leases]
 
@@ -824,7 +897,9 @@ def _run_checked(fn, args: argparse.Namespace) -> int:
     try:
         return fn(args)
     except ConfigError as e:
-        print(f"weightcache: {e.message}", file=sys.stderr)
+        line = e.details.get("line")
+        at = f" (line {line})" if line and f"line {line}" not in e.message else ""
+        print(f"weightcache: {e.message}{at}", file=sys.stderr)
         return EXIT_USAGE
     except DaemonUnavailable as e:
         print(f"weightcache: {e.message}", file=sys.stderr)

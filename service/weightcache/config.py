@@ -53,6 +53,8 @@ from .spec import DTYPE_NAMES, LoadRequest
 DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
 BACKENDS = ("auto", "cuda", "host")
 NAMINGS = ("hf", "vllm")
+#: Highest GPU index a layout may name: CUDA device ordinals of one node (``nvidia-smi`` numbering).
+MAX_GPU_INDEX = 1023
 
 _SERVICE_KEYS = {
     "backend": str,
@@ -311,8 +313,12 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         if tp < 1:
             raise _err(path, f"{lk}.tp", f"must be >= 1, got {tp}")
         gpus = lay.get("gpus", list(range(tp)))
-        if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
-            raise _err(path, f"{lk}.gpus", "must be a list of GPU indices (integers >= 0)")
+        if not isinstance(gpus, list) or not all(isinstance(g, int) and not isinstance(g, bool) for g in gpus):
+            raise _err(path, f"{lk}.gpus", f"must be a list of GPU indices (integers 0..{MAX_GPU_INDEX})")
+        out_of_range = [g for g in gpus if not 0 <= g <= MAX_GPU_INDEX]
+        if out_of_range:
+            raise _err(path, f"{lk}.gpus", f"GPU index {out_of_range[0]} is out of range: expected 0..{MAX_GPU_INDEX} "
+                                           f"(the node's CUDA device numbers, as `nvidia-smi -L` lists them)")
         if len(gpus) != tp:
             raise _err(path, f"{lk}.gpus", f"lists {len(gpus)} GPUs for tp = {tp}; give one GPU per rank")
         layouts.append(Layout(tp, tuple(gpus)))
@@ -453,7 +459,8 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     Raises:
         ConfigError (`config_invalid`): a file that is missing, unreadable,
             a directory or not UTF-8; invalid TOML; an unknown or mistyped key,
-            a number out of its range, a relative path, an impossible layout,
+            a number out of its range, a relative path, an impossible layout
+            (a GPU index outside 0..:data:`MAX_GPU_INDEX`),
             a ``[metrics]`` address that is not an IP address or a port outside 1..65535;
             the message names the file and the key
             (``/etc/weightcache/weightcache.toml: models.x.layouts[0].gpus: ...``).

@@ -364,13 +364,19 @@ class _Record:
         return _from_json(cls, d)
 
 
+#: pid, uid and gid of a :class:`LeaseInfo` whose holder the service hides from the caller (another uid's
+#: lease, shown to a non-operator): the lease is counted, its holder stays private.
+HIDDEN_ID = -1
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseInfo(_Record):
     """One lease in a ``status`` reply.
 
     Attributes:
         lease_id (`int`): the lease's id on its service.
-        pid, uid, gid (`int`): the holder, from ``SO_PEERCRED``.
+        pid, uid, gid (`int`): the holder, from ``SO_PEERCRED``; :data:`HIDDEN_ID`
+            when the service hides it from this caller.
         since (`float`): when it was granted, Unix time in seconds.
         mode (`str`): ``zero_copy`` or ``copy``.
     """

@@ -253,6 +253,107 @@ def test_check_config_names_file_and_key_of_a_bad_config(capsys, tmp_path, body,
     assert err.startswith(f"weightcache: {bad}: {key}")
 
 
+def test_check_config_warns_of_one_checkpoint_configured_twice(capsys, tmp_path):
+    """Through a symlink, and with ``dtype = "float32"`` on a float32 checkpoint (the same bytes as ``auto``),
+    two models plan the same slab on GPU 0: each later one is a warning naming it and the first, exit 0.
+    float16 (other bytes) and the link's rank on GPU 1 (no twin there) are not warned about."""
+    link = tmp_path / "minilm-link"
+    link.symlink_to(minilm_path())
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(f"""[service]
+backend = "host"
+
+[models.minilm]
+path = "{minilm_path()}"
+
+[models.alias]
+path = "{link}"
+layouts = [ {{ tp = 1, gpus = [0] }}, {{ tp = 1, gpus = [1] }} ]
+
+[models.explicit]
+path = "{minilm_path()}"
+dtype = "float32"
+
+[models.half]
+path = "{link}"
+dtype = "float16"
+""")
+    rc, out, err = cli(capsys, "check-config", "--config", str(cfg))
+    assert rc == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning: ")]
+    assert [re.match(r"warning: models (\S+) and (\S+) are the same slab on GPU (\d+) \(tp=1 rank=0\)", w).groups()
+            for w in warnings] == [("minilm", "alias", "0"), ("minilm", "explicit", "0")]
+    assert f"{minilm_path()} and {link} are the same checkpoint files" in warnings[0]
+    assert "an attach by path gets minilm" in warnings[0]
+    assert "error:" not in err and "GPU 0: 4 slabs" in out
+
+
+def _probe(usable: bool, devices: int, reason: str):
+    from weightcache.memory import CudaProbe
+
+    def probe():
+        probe.calls += 1
+        return CudaProbe(usable, devices, reason)
+
+    probe.calls = 0
+    return probe
+
+
+def test_check_config_warns_of_gpus_the_node_does_not_have(capsys, tmp_path, monkeypatch):
+    """A node whose driver reports 2 GPUs: indices 2 and 5 are warnings naming their models, exit 0."""
+    monkeypatch.setattr("weightcache.memory.probe_cuda", _probe(True, 2, "the CUDA driver reports 2 device(s)"))
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(f"""[models.minilm]
+path = "{minilm_path()}"
+layouts = [ {{ tp = 1, gpus = [0] }}, {{ tp = 1, gpus = [5] }} ]
+
+[models.other]
+path = "{minilm_path()}"
+dtype = "float16"
+layouts = [ {{ tp = 1, gpus = [1] }}, {{ tp = 1, gpus = [2] }} ]
+
+[models.third]
+path = "{minilm_path()}"
+dtype = "bfloat16"
+layouts = [ {{ tp = 1, gpus = [2] }} ]
+""")
+    rc, out, err = cli(capsys, "check-config", "--config", str(cfg))
+    assert rc == 0, err
+    assert "GPUs on this node: 2 (the CUDA driver reports 2 device(s))" in out
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning: ")]
+    assert [re.match(r"warning: GPU (\d+) \((.*?)\) is not on this node: the CUDA driver reports 2 GPUs "
+                     r"\(indices 0..1\)", w).groups() for w in warnings] == [
+        ("2", "models other, third"), ("5", "model minilm")]
+    assert "weightcache@5 would find no device" in warnings[1]
+
+
+@pytest.mark.parametrize("backend, seen", [
+    ("auto", "GPUs on this node: unknown, GPU indices not checked against them (cuda-bindings is not installed"),
+    ("host", "GPUs on this node: not checked (backend = host"),
+])
+def test_check_config_skips_the_gpu_count_it_cannot_know(capsys, tmp_path, monkeypatch, backend, seen):
+    """No driver (the count is unknown) or backend = host (indices only number instances): no warning,
+    exit 0; with host the driver is not even asked."""
+    probe = _probe(False, 0, "cuda-bindings is not installed (no module named 'cuda')")
+    monkeypatch.setattr("weightcache.memory.probe_cuda", probe)
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(f'[service]\nbackend = "{backend}"\n\n[models.minilm]\npath = "{minilm_path()}"\n'
+                   f'layouts = [ {{ tp = 1, gpus = [1023] }} ]\n')
+    rc, out, err = cli(capsys, "check-config", "--config", str(cfg))
+    assert rc == 0, err
+    assert seen in out and "warning:" not in err
+    assert probe.calls == (backend == "auto")
+
+
+def test_check_config_rejects_a_gpu_index_past_1023_naming_its_line(capsys, tmp_path):
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(f'[models.minilm]\npath = "{minilm_path()}"\nlayouts = [ {{ tp = 1, gpus = [99999999999999] }} ]\n')
+    rc, out, err = cli(capsys, "check-config", "--config", str(cfg))
+    assert rc == 2
+    assert err == (f"weightcache: {cfg}: models.minilm.layouts[0].gpus: GPU index 99999999999999 is out of range: "
+                   f"expected 0..1023 (the node's CUDA device numbers, as `nvidia-smi -L` lists them) (line 3)\n")
+
+
 # --- against the running services -------------------------------------------
 
 

@@ -171,6 +171,18 @@ def test_generator_survives_a_broken_config(tmp_path, text, encoding):
     assert _generate(tmp_path, main, sysfs) == ["weightcache@0.socket"]
 
 
+def test_generator_skips_gpu_indices_outside_the_configs_range(tmp_path):
+    """An index check-config rejects (above MAX_GPU_INDEX, negative) makes no unit; the valid ones still do,
+    the highest valid index included."""
+    from weightcache.config import MAX_GPU_INDEX
+
+    main = tmp_path / "weightcache.toml"
+    main.write_text(f'[models.a]\npath = "/srv/a"\nlayouts = [{{ tp = 3, gpus = [1, 99999999999999, -1] }}]\n'
+                    f'[models.b]\npath = "/srv/b"\nlayouts = [{{ tp = 1, gpus = [{MAX_GPU_INDEX}] }}]\n')
+    sysfs = _fake_pci(tmp_path / "sys", {"0000:17:00.0": ("0x10de", "0x030200")})
+    assert _generate(tmp_path, main, sysfs) == ["weightcache@1.socket", f"weightcache@{MAX_GPU_INDEX}.socket"]
+
+
 def test_generator_without_gpus_links_nothing(tmp_path):
     assert _generate(tmp_path, tmp_path / "missing.toml", tmp_path / "nosys") == []
 

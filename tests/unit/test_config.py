@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from as_user import as_nobody
-from weightcache.config import load_config
+from weightcache.config import MAX_GPU_INDEX, load_config
 from weightcache.errors import ConfigError
 
 
@@ -98,6 +98,24 @@ def test_errors_name_file_and_key(tmp_path, text, key):
     assert e.value.code == "config_invalid"
     assert e.value.details["key"] == key
     assert str(p) in e.value.message and key in e.value.message
+
+
+@pytest.mark.parametrize("bad", ["99999999999999", "1024", "-1"])
+def test_gpu_index_outside_0_to_1023_names_file_line_key_and_range(tmp_path, bad):
+    """The trial's ``gpus = [99999999999999]`` passed and made ``weightcache@99999999999999.socket``."""
+    p = _write(tmp_path, f'[models.a]\npath = "/x"\n\n[models.b]\npath = "/y"\n'
+                         f'layouts = [{{ tp = 1, gpus = [0] }}, {{ tp = 2, gpus = [1, {bad}] }}]\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.code == "config_invalid"
+    assert (e.value.details["file"], e.value.details["key"], e.value.details["line"]) == (
+        str(p), "models.b.layouts[1].gpus", 6)
+    assert f"GPU index {bad} is out of range: expected 0..{MAX_GPU_INDEX}" in e.value.message
+
+
+def test_highest_gpu_index_is_accepted(tmp_path):
+    p = _write(tmp_path, f'[models.a]\npath = "/x"\nlayouts = [{{ tp = 2, gpus = [0, {MAX_GPU_INDEX}] }}]\n')
+    assert load_config(p).gpus() == [0, 1023] and MAX_GPU_INDEX == 1023
 
 
 def test_malformed_toml_names_file(tmp_path):

@@ -224,6 +224,26 @@ def test_status_and_list_show_only_what_the_caller_may_attach(svc):
     assert [(s.model, len(s.leases)) for s in root.slabs] == [("m", 2), ("locked", 0)]
 
 
+def test_status_prints_a_hidden_holder_as_another_user(svc, capsys):
+    """``weightcache status`` of a non-operator: another uid's lease, whose holder the service hid
+    (:data:`~weightcache.protocol.HIDDEN_ID`), reads ``held by another user``, not ``pid=-1 uid=-1``; the
+    caller's own lease keeps its pid and uid."""
+    from weightcache import cli
+
+    ctx, st, load, *_ = svc
+    load(st.slots[0])
+    theirs = handlers.handle(ctx, Peer(2, STRANGER + 7, STRANGER + 7), protocol.Attach("m")).replies[0].msg.lease_id
+    me = Peer(1, STRANGER, STRANGER)
+    mine = handlers.handle(ctx, me, protocol.Attach("m")).replies[0].msg.lease_id
+    status = handlers.handle(ctx, me, protocol.Status()).replies[0].msg.typed()
+    assert protocol.HIDDEN_ID == handlers.HIDDEN_ID == -1
+    cli._print_status(status, now=1.7e9)
+    leases = [ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("lease ")]
+    assert sorted(ln.split(" since ")[0] for ln in leases) == sorted([
+        f"lease {theirs}: held by another user mode=zero_copy",
+        f"lease {mine}: pid=1 uid={STRANGER} mode=zero_copy"])
+
+
 def test_model_longer_than_path_max_is_refused_without_resolving(svc, monkeypatch):
     """A 1.2 MB path is a protocol_violation naming the field; os.path.realpath is never called on it."""
     ctx, *_ = svc

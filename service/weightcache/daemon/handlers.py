@@ -153,7 +153,7 @@ def on_hello(ctx: Context, peer: Peer, msg: protocol.Hello) -> Outcome:
 
 
 #: What ``status`` shows of another uid's lease to a non-operator: the lease, not who holds it.
-HIDDEN_ID = -1
+HIDDEN_ID = protocol.HIDDEN_ID
 
 
 def _visible(ctx: Context, peer: Peer | None, now: float) -> tuple[protocol.SlabInfo, ...]:
