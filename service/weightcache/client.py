@@ -62,6 +62,15 @@ def resolve_socket_dir(explicit: str | None = None) -> str:
     return explicit or os.environ.get("WEIGHTCACHE_SOCKET_DIR") or DEFAULT_SOCKET_DIR
 
 
+def listening_gpus(socket_dir: str) -> list[int]:
+    """The GPU indices of the ``<N>.sock`` sockets in ``socket_dir``, increasing ([] when it cannot be read)."""
+    try:
+        names = os.listdir(socket_dir)
+    except OSError:
+        return []
+    return sorted(int(n[:-5]) for n in names if n.endswith(".sock") and n[:-5].isdigit())
+
+
 def physical_gpu(index: int, visible: str | None) -> int:
     """The physical GPU index (the service instance) of in-process CUDA device ``index``.
 
