@@ -707,9 +707,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
             rc = max(rc, EXIT_UNAVAILABLE)
             continue
         if isinstance(e, ConfigError):
-            line = e.details.get("line")
-            print(f"GPU {gpu}: reload refused, still serving the previous configuration: {e.message}"
-                  f"{f' (line {line})' if line else ''}", file=sys.stderr)
+            print(f"GPU {gpu}: reload refused, still serving the previous configuration: {_config_error_text(e)}",
+                  file=sys.stderr)
             rc = max(rc, EXIT_USAGE)
             continue
         if e is not None:
@@ -881,14 +880,18 @@ def main(argv: list[str] | None = None) -> int:
     return _run_checked(args.fn, args)
 
 
+def _config_error_text(e: ConfigError) -> str:
+    """``e``'s message, with ``(line N)`` added when ``details["line"]`` is set and the message does not say it."""
+    line = e.details.get("line")
+    return f"{e.message} (line {line})" if line and f"line {line}" not in e.message else e.message
+
+
 def _run_checked(fn, args: argparse.Namespace) -> int:
     """Runs a command, mapping weightcache errors to the exit statuses of the module docstring."""
     try:
         return fn(args)
     except ConfigError as e:
-        line = e.details.get("line")
-        at = f" (line {line})" if line and f"line {line}" not in e.message else ""
-        print(f"weightcache: {e.message}{at}", file=sys.stderr)
+        print(f"weightcache: {_config_error_text(e)}", file=sys.stderr)
         return EXIT_USAGE
     except DaemonUnavailable as e:
         print(f"weightcache: {e.message}", file=sys.stderr)
