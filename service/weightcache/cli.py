@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from . import notify
     from .checkpoint import warm_validation
     from .daemon import Daemon
-    from .journal import event, setup_logging
+    from .journal import setup_logging
 
     setup_logging(args.gpu, logging.DEBUG if args.verbose else logging.INFO)
     warm_validation()  # numpy for the first plan's header check, beside the config read and the driver's init
@@ -103,18 +103,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         cfg, config_error = _config_kept(args, stored, e), e
         if cfg is None:
-            from .daemon.reload import config_rejected_event
-
-            log.critical("configuration rejected code=%s error=%s", e.code, e.message, extra=config_rejected_event(e))
-            notify.notify(f"STATUS=configuration rejected: {e.message}")
-            return EXIT_CONFIG
+            return _rejected(e)
     try:
         backend = _backend_for(cfg, args.backend, args.gpu)
     except ConfigError as e:
-        log.critical("configuration rejected code=%s error=%s", e.code, e.message,
-                     extra=event("config_rejected", error_code=e.code))
-        notify.notify(f"STATUS=configuration rejected: {e.message}")
-        return EXIT_CONFIG
+        return _rejected(e)
     except WeightcacheError as e:  # e.g. the CUDA driver not ready yet: worth a restart
         log.critical("start failed code=%s error=%s", e.code, e.message)
         notify.notify(f"STATUS=start failed: {e.message}")
@@ -130,6 +123,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 os.unlink(bound)
             except FileNotFoundError:
                 pass
+
+
+def _rejected(e: ConfigError) -> int:
+    """Logs (journal fields of :func:`~weightcache.daemon.reload.config_rejected_event`) and reports through
+    ``STATUS=`` a configuration ``serve`` cannot start with; returns :data:`EXIT_CONFIG`."""
+    from . import notify
+    from .daemon.reload import config_rejected_event
+
+    log.critical("configuration rejected code=%s error=%s", e.code, e.message, extra=config_rejected_event(e))
+    notify.notify(f"STATUS=configuration rejected: {e.message}")
+    return EXIT_CONFIG
 
 
 def _config_kept(args: argparse.Namespace, stored: dict[str, list[int]], e: ConfigError) -> Config | None:
