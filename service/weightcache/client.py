@@ -417,9 +417,9 @@ class AttachRequest:
     def socket_path(self) -> str:
         """The service's socket: ``<socket dir>/<gpu>.sock``, ``gpu`` defaulting to the physical index of ``device``."""
         gpu = self.gpu
-        if gpu is None:
-            gpu = (physical_gpu(int(self.device.split(":", 1)[1]), os.environ.get("CUDA_VISIBLE_DEVICES"))
-                   if self.device.startswith("cuda:") else 0)
+        if gpu is None:  # ``cuda`` is device 0 of the process, as local_backend() maps it
+            gpu = (physical_gpu(int(self.device.partition(":")[2] or 0), os.environ.get("CUDA_VISIBLE_DEVICES"))
+                   if self.device.startswith("cuda") else 0)
         return os.path.join(resolve_socket_dir(self.socket_dir), f"{gpu}.sock")
 
     def load_request(self, path: str, dtype: str | None = None, naming: str | None = None,
