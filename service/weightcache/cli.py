@@ -219,10 +219,12 @@ class _Unreachable:
         return {"gpu": self.gpu, "code": self.code, "message": self.message}
 
 
-def _collect(args: argparse.Namespace) -> tuple[list[protocol.ServiceStatus], list[_Unreachable]]:
-    """Status of every reachable instance, and the others as :class:`_Unreachable`."""
+def _collect(args: argparse.Namespace, where: str | None = None) -> tuple[list[protocol.ServiceStatus],
+                                                                        list[_Unreachable]]:
+    """Status of every reachable instance (sockets in ``where``, default :func:`_socket_dir`), and the others
+    as :class:`_Unreachable`."""
     out, errors = [], []
-    where = _socket_dir(args)
+    where = where or _socket_dir(args)
     for gpu, reply, e in _ask_each(args, where, _gpus(args, where), protocol.Status):
         if e is None:
             out.append(reply.typed())
@@ -655,9 +657,10 @@ def _wait(args: argparse.Namespace, model: str | None) -> int:
         progress = Progress("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
         progress.start()
     tasks: dict[str, Any] = {}
+    where = _socket_dir(args)  # once, not a config read per poll
     try:
         while True:
-            statuses, errors = _collect(args)
+            statuses, errors = _collect(args, where)
             if not statuses:
                 print(errors[0].message if errors else _no_sockets(args), file=sys.stderr)
                 return EXIT_UNAVAILABLE
