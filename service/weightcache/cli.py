@@ -22,10 +22,10 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from . import protocol
-from .client import Session, resolve_socket_dir
+from .client import Session, listening_gpus, resolve_socket_dir
 from .config import Config, load_config
 from .errors import ConfigError, DaemonUnavailable, LeaseBusy, WeightcacheError
 
@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from . import notify
     from .checkpoint import warm_validation
     from .daemon import Daemon
-    from .journal import event, setup_logging
+    from .journal import setup_logging
 
     setup_logging(args.gpu, logging.DEBUG if args.verbose else logging.INFO)
     warm_validation()  # numpy for the first plan's header check, beside the config read and the driver's init
@@ -103,18 +103,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         cfg, config_error = _config_kept(args, stored, e), e
         if cfg is None:
-            from .daemon.reload import config_rejected_event
-
-            log.critical("configuration rejected code=%s error=%s", e.code, e.message, extra=config_rejected_event(e))
-            notify.notify(f"STATUS=configuration rejected: {e.message}")
-            return EXIT_CONFIG
+            return _rejected(e)
     try:
         backend = _backend_for(cfg, args.backend, args.gpu)
     except ConfigError as e:
-        log.critical("configuration rejected code=%s error=%s", e.code, e.message,
-                     extra=event("config_rejected", error_code=e.code))
-        notify.notify(f"STATUS=configuration rejected: {e.message}")
-        return EXIT_CONFIG
+        return _rejected(e)
     except WeightcacheError as e:  # e.g. the CUDA driver not ready yet: worth a restart
         log.critical("start failed code=%s error=%s", e.code, e.message)
         notify.notify(f"STATUS=start failed: {e.message}")
@@ -130,6 +123,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 os.unlink(bound)
             except FileNotFoundError:
                 pass
+
+
+def _rejected(e: ConfigError) -> int:
+    """Logs (journal fields of :func:`~weightcache.daemon.reload.config_rejected_event`) and reports through
+    ``STATUS=`` a configuration ``serve`` cannot start with; returns :data:`EXIT_CONFIG`."""
+    from . import notify
+    from .daemon.reload import config_rejected_event
+
+    log.critical("configuration rejected code=%s error=%s", e.code, e.message, extra=config_rejected_event(e))
+    notify.notify(f"STATUS=configuration rejected: {e.message}")
+    return EXIT_CONFIG
 
 
 def _config_kept(args: argparse.Namespace, stored: dict[str, list[int]], e: ConfigError) -> Config | None:
@@ -161,21 +165,29 @@ def _socket_dir(args: argparse.Namespace) -> str:
         return resolve_socket_dir(None)
 
 
-def _session(args: argparse.Namespace, gpu: int) -> Session:
-    path = os.path.join(_socket_dir(args), f"{gpu}.sock")
-    return Session(path, timeout=args.timeout, client="weightcache-cli")
+def _gpus(args: argparse.Namespace, where: str) -> list[int]:
+    """GPU indices to ask: ``--gpu``, else every ``<N>.sock`` in socket directory ``where``."""
+    return [args.gpu] if args.gpu is not None else listening_gpus(where)
 
 
-def _gpus(args: argparse.Namespace) -> list[int]:
-    """GPU indices to ask: ``--gpu``, else every ``<N>.sock`` in the socket directory."""
-    if args.gpu is not None:
-        return [args.gpu]
-    d = _socket_dir(args)
-    try:
-        found = sorted(int(f[:-5]) for f in os.listdir(d) if f.endswith(".sock") and f[:-5].isdigit())
-    except FileNotFoundError:
-        found = []
-    return found
+def _ask_each(args: argparse.Namespace, where: str, gpus: list[int],
+              make) -> Iterator[tuple[int, Any, WeightcacheError | None]]:
+    """Sends ``make()`` to the instance of each of ``gpus`` (sockets in ``where``), one connection each.
+
+    Yields ``(gpu, reply, None)``, or ``(gpu, None, error)`` when connecting or
+    the request failed; the connection is closed before each yield.
+    """
+    for gpu in gpus:
+        try:
+            s = Session(os.path.join(where, f"{gpu}.sock"), timeout=args.timeout, client="weightcache-cli")
+            try:
+                reply = s.request(make())
+            finally:
+                s.close()
+        except WeightcacheError as e:
+            yield gpu, None, e
+            continue
+        yield gpu, reply, None
 
 
 def _no_sockets(args: argparse.Namespace) -> str:
@@ -207,21 +219,19 @@ class _Unreachable:
         return {"gpu": self.gpu, "code": self.code, "message": self.message}
 
 
-def _collect(args: argparse.Namespace) -> tuple[list[protocol.ServiceStatus], list[_Unreachable]]:
-    """Status of every reachable instance, and the others as :class:`_Unreachable`."""
+def _collect(args: argparse.Namespace, where: str | None = None) -> tuple[list[protocol.ServiceStatus],
+                                                                        list[_Unreachable]]:
+    """Status of every reachable instance (sockets in ``where``, default :func:`_socket_dir`), and the others
+    as :class:`_Unreachable`."""
     out, errors = [], []
-    for gpu in _gpus(args):
-        try:
-            s = _session(args, gpu)
-        except DaemonUnavailable as e:
+    where = where or _socket_dir(args)
+    for gpu, reply, e in _ask_each(args, where, _gpus(args, where), protocol.Status):
+        if e is None:
+            out.append(reply.typed())
+        elif isinstance(e, DaemonUnavailable):
             errors.append(_Unreachable(gpu, e.code, e.message))
-            continue
-        try:
-            out.append(s.request(protocol.Status()).typed())
-        except DaemonUnavailable as e:
-            errors.append(_Unreachable(gpu, e.code, e.message))
-        finally:
-            s.close()
+        else:
+            raise e
     return out, errors
 
 
@@ -535,16 +545,10 @@ def _same_slab_twice(planned: list[tuple[Placement, Any]]) -> list[str]:
 
 def _leases_on(args: argparse.Namespace, gpu: int, model: str) -> list[str]:
     """Lines naming who holds leases on ``model`` (for a refused evict)."""
-    try:
-        s = _session(args, gpu)
-    except DaemonUnavailable:
+    [(_, reply, e)] = _ask_each(args, _socket_dir(args), [gpu], protocol.Status)
+    if e is not None:
         return []
-    try:
-        st = s.request(protocol.Status()).typed()
-    except WeightcacheError:
-        return []
-    finally:
-        s.close()
+    st = reply.typed()
     now = time.time()
     return [f"  {sl.label}: lease {le.lease_id} {_holder(le)} mode={le.mode} "
             f"for {_age(now - le.since)}"
@@ -554,29 +558,25 @@ def _leases_on(args: argparse.Namespace, gpu: int, model: str) -> list[str]:
 def _per_gpu_request(args: argparse.Namespace, make) -> tuple[list[tuple[int, Any]], int]:
     """Sends ``make()`` to each instance; ``model_not_found`` is skipped unless ``--gpu`` was given."""
     results, rc = [], EXIT_OK
-    gpus = _gpus(args)
+    where = _socket_dir(args)
+    gpus = _gpus(args, where)
     if not gpus:
         print(_no_sockets(args), file=sys.stderr)
         return [], EXIT_UNAVAILABLE
-    for gpu in gpus:
-        try:
-            s = _session(args, gpu)
-        except DaemonUnavailable as e:
+    for gpu, reply, e in _ask_each(args, where, gpus, make):
+        if e is None:
+            results.append((gpu, reply))
+        elif isinstance(e, DaemonUnavailable):
             print(f"GPU {gpu}: {e.message}", file=sys.stderr)
             rc = EXIT_UNAVAILABLE
+        elif e.code == "model_not_found" and args.gpu is None:
             continue
-        try:
-            results.append((gpu, s.request(make())))
-        except WeightcacheError as e:
-            if e.code == "model_not_found" and args.gpu is None:
-                continue
+        else:
             print(f"GPU {gpu}: {e.code}: {e.message}", file=sys.stderr)
             if isinstance(e, LeaseBusy):
                 for line in _leases_on(args, gpu, e.details.get("model", "")):
                     print(line, file=sys.stderr)
             rc = EXIT_FAILED
-        finally:
-            s.close()
     if not results and rc == EXIT_OK:
         model = getattr(args, "model", None)
         print(f"model {model!r} is not configured on any GPU (see `weightcache list`)", file=sys.stderr)
@@ -657,9 +657,10 @@ def _wait(args: argparse.Namespace, model: str | None) -> int:
         progress = Progress("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
         progress.start()
     tasks: dict[str, Any] = {}
+    where = _socket_dir(args)  # once, not a config read per poll
     try:
         while True:
-            statuses, errors = _collect(args)
+            statuses, errors = _collect(args, where)
             if not statuses:
                 print(errors[0].message if errors else _no_sockets(args), file=sys.stderr)
                 return EXIT_UNAVAILABLE
@@ -701,29 +702,23 @@ def cmd_reload(args: argparse.Namespace) -> int:
     Exit status: 0 applied everywhere; 2 an instance refused the files (it keeps
     serving the previous configuration); 3 an instance did not answer; 1 another refusal.
     """
-    gpus = _gpus(args)
+    where = _socket_dir(args)
+    gpus = _gpus(args, where)
     if not gpus:
         print(_no_sockets(args), file=sys.stderr)
         return EXIT_UNAVAILABLE
     rc = EXIT_OK
-    for gpu in gpus:
-        try:
-            s = _session(args, gpu)
-            try:
-                r = s.request(protocol.Reload())
-            finally:
-                s.close()
-        except DaemonUnavailable as e:
+    for gpu, r, e in _ask_each(args, where, gpus, protocol.Reload):
+        if isinstance(e, DaemonUnavailable):
             print(f"GPU {gpu}: {e.message}", file=sys.stderr)
             rc = max(rc, EXIT_UNAVAILABLE)
             continue
-        except ConfigError as e:
-            line = e.details.get("line")
-            print(f"GPU {gpu}: reload refused, still serving the previous configuration: {e.message}"
-                  f"{f' (line {line})' if line else ''}", file=sys.stderr)
+        if isinstance(e, ConfigError):
+            print(f"GPU {gpu}: reload refused, still serving the previous configuration: {_config_error_text(e)}",
+                  file=sys.stderr)
             rc = max(rc, EXIT_USAGE)
             continue
-        except WeightcacheError as e:
+        if e is not None:
             print(f"GPU {gpu}: {e.code}: {e.message}", file=sys.stderr)
             rc = max(rc, EXIT_FAILED)
             continue
@@ -892,14 +887,18 @@ def main(argv: list[str] | None = None) -> int:
     return _run_checked(args.fn, args)
 
 
+def _config_error_text(e: ConfigError) -> str:
+    """``e``'s message, with ``(line N)`` added when ``details["line"]`` is set and the message does not say it."""
+    line = e.details.get("line")
+    return f"{e.message} (line {line})" if line and f"line {line}" not in e.message else e.message
+
+
 def _run_checked(fn, args: argparse.Namespace) -> int:
     """Runs a command, mapping weightcache errors to the exit statuses of the module docstring."""
     try:
         return fn(args)
     except ConfigError as e:
-        line = e.details.get("line")
-        at = f" (line {line})" if line and f"line {line}" not in e.message else ""
-        print(f"weightcache: {e.message}{at}", file=sys.stderr)
+        print(f"weightcache: {_config_error_text(e)}", file=sys.stderr)
         return EXIT_USAGE
     except DaemonUnavailable as e:
         print(f"weightcache: {e.message}", file=sys.stderr)

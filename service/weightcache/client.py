@@ -62,6 +62,15 @@ def resolve_socket_dir(explicit: str | None = None) -> str:
     return explicit or os.environ.get("WEIGHTCACHE_SOCKET_DIR") or DEFAULT_SOCKET_DIR
 
 
+def listening_gpus(socket_dir: str) -> list[int]:
+    """The GPU indices of the ``<N>.sock`` sockets in ``socket_dir``, increasing ([] when it cannot be read)."""
+    try:
+        names = os.listdir(socket_dir)
+    except OSError:
+        return []
+    return sorted(int(n[:-5]) for n in names if n.endswith(".sock") and n[:-5].isdigit())
+
+
 def physical_gpu(index: int, visible: str | None) -> int:
     """The physical GPU index (the service instance) of in-process CUDA device ``index``.
 
@@ -408,9 +417,9 @@ class AttachRequest:
     def socket_path(self) -> str:
         """The service's socket: ``<socket dir>/<gpu>.sock``, ``gpu`` defaulting to the physical index of ``device``."""
         gpu = self.gpu
-        if gpu is None:
-            gpu = (physical_gpu(int(self.device.split(":", 1)[1]), os.environ.get("CUDA_VISIBLE_DEVICES"))
-                   if self.device.startswith("cuda:") else 0)
+        if gpu is None:  # ``cuda`` is device 0 of the process, as local_backend() maps it
+            gpu = (physical_gpu(int(self.device.partition(":")[2] or 0), os.environ.get("CUDA_VISIBLE_DEVICES"))
+                   if self.device.startswith("cuda") else 0)
         return os.path.join(resolve_socket_dir(self.socket_dir), f"{gpu}.sock")
 
     def load_request(self, path: str, dtype: str | None = None, naming: str | None = None,

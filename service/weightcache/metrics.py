@@ -48,7 +48,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     InfoMetricFamily, Metric)
 
 from . import protocol
-from .client import Session
+from .client import Session, listening_gpus
 from .errors import WeightcacheError
 
 log = logging.getLogger(__name__)
@@ -154,14 +154,6 @@ def service_states(gpus: list[int], socket_dir: str) -> dict[int, str]:
             for g in gpus}
 
 
-def _sockets(socket_dir: str) -> set[int]:
-    try:
-        names = os.listdir(socket_dir)
-    except OSError:
-        return set()
-    return {int(n[:-5]) for n in names if n.endswith(".sock") and n[:-5].isdigit()}
-
-
 def collect(socket_dir: str, configured_gpus: list[int] | tuple[int, ...] = (), timeout: float = 5.0) -> list[Instance]:
     """Asks every running instance of the node for its metrics; never starts one.
 
@@ -173,7 +165,7 @@ def collect(socket_dir: str, configured_gpus: list[int] | tuple[int, ...] = (), 
     Returns:
         `list[Instance]`: one per GPU, by index.
     """
-    listening = _sockets(socket_dir)
+    listening = set(listening_gpus(socket_dir))
     gpus = sorted(listening | set(configured_gpus))
     states = service_states(gpus, socket_dir)
     out = []

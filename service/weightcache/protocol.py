@@ -364,6 +364,17 @@ class _Record:
         return _from_json(cls, d)
 
 
+class _SlabRecord(_Record):
+    """Base of the records about one slab (fields ``model``, ``tp_size``, ``tp_rank``)."""
+
+    __slots__ = ()
+
+    @property
+    def label(self) -> str:
+        """``<model> tp=<tp_size> rank=<tp_rank>``, as the CLI prints it."""
+        return f"{self.model} tp={self.tp_size} rank={self.tp_rank}"
+
+
 #: pid, uid and gid of a :class:`LeaseInfo` whose holder the service hides from the caller (another uid's
 #: lease, shown to a non-operator): the lease is counted, its holder stays private.
 HIDDEN_ID = -1
@@ -416,7 +427,7 @@ class ErrorInfo(_Record):
 
 
 @dataclass(frozen=True, slots=True)
-class SlabInfo(_Record):
+class SlabInfo(_SlabRecord):
     """One (model, layout, rank) in a ``status`` or ``list`` reply.
 
     Attributes:
@@ -451,11 +462,6 @@ class SlabInfo(_Record):
     error: ErrorInfo | None = None
     key: KeySummary | None = None
     leases: tuple[LeaseInfo, ...] = ()
-
-    @property
-    def label(self) -> str:
-        """``<model> tp=<tp_size> rank=<tp_rank>``, as the CLI prints it."""
-        return f"{self.model} tp={self.tp_size} rank={self.tp_rank}"
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object on the wire; ``error`` and ``key`` only when set."""
@@ -545,7 +551,7 @@ class ServiceStatus(_Record):
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyResult(_Record):
+class VerifyResult(_SlabRecord):
     """One slab in a ``verify`` reply.
 
     Attributes:
@@ -561,10 +567,6 @@ class VerifyResult(_Record):
     state: str
     mismatched: list
     tensors: int = 0
-
-    @property
-    def label(self) -> str:
-        return f"{self.model} tp={self.tp_size} rank={self.tp_rank}"
 
     def to_json(self) -> dict[str, Any]:
         d = {"model": self.model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "state": self.state}

@@ -30,7 +30,7 @@ def test_physical_gpu_unmappable_names_the_fix(index, visible):
 
 @pytest.mark.parametrize("visible, device, gpu, socket", [
     ("1", "cuda:0", None, "1.sock"), (None, "cuda:1", None, "1.sock"), ("3,2", "cuda:1", None, "2.sock"),
-    ("1", "cuda:0", 0, "0.sock"), ("1", "cpu", None, "0.sock")])
+    ("1", "cuda:0", 0, "0.sock"), ("1", "cpu", None, "0.sock"), ("3", "cuda", None, "3.sock")])
 def test_attach_asks_the_physical_instance(tmp_path, monkeypatch, visible, device, gpu, socket):
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
