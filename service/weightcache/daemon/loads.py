@@ -61,6 +61,7 @@ from ..journal import event
 from ..loader import LoaderOptions
 from ..manifest import Manifest, pack_file
 from ..memory.host import SealedFile
+from ..spec import DTYPE_NAMES
 from .state import ServiceState, Slot
 
 log = logging.getLogger(__name__)
@@ -82,13 +83,17 @@ class Started:
 
 @dataclass(frozen=True, slots=True)
 class Planned:
-    """The plan is made: ``total_bytes`` of payload will be written."""
+    """The plan is made: ``total_bytes`` of payload will be written; ``dtype_served`` says which dtype
+    names the slab serves (see :attr:`weightcache.daemon.state.Slot.dtype_served`)."""
 
     slot: Slot
     total_bytes: int
+    dtype_served: dict[str, bool] | None = None
 
     def apply(self, state: ServiceState) -> None:
         self.slot.total_bytes = self.total_bytes
+        if self.dtype_served is not None:
+            self.slot.dtype_served = dict(self.dtype_served)
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +315,7 @@ class Loader:
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")
-                self._post(Planned(slot, pl.payload_bytes))
+                self._post(Planned(slot, pl.payload_bytes, dtype_served(pl)))
             self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
             t_plan = time.monotonic()
             writable = st.backend.allocate(pl.slab_size_bytes, p.label)
@@ -365,6 +370,19 @@ class Loader:
             except Exception as ae:  # noqa: BLE001 - best effort; the original error matters
                 log.warning("abort of partial slab failed model=%s error=%r", slot.placement.model.name, ae)
         return Failed(slot, e, logged)
+
+
+def dtype_served(pl: pipeline.Plan) -> dict[str, bool]:
+    """For every dtype name (:data:`weightcache.spec.DTYPE_NAMES`), whether an engine asking for it gets this
+    plan's slab: the configured one, and any giving the same effective dtype
+    (:func:`weightcache.pipeline.effective_dtype`; the rule of :func:`weightcache.pipeline.dtype_matches`).
+
+    Reads no file (the plan's checkpoint holds the headers). Computed once per load on the loader thread,
+    so that matching an attach's dtype on the serving loop reads no header.
+    """
+    m, have = pl.model, pl.key["dtype"]
+    return {r: r == m.dtype or have == ("auto" if r == "auto" else pipeline.effective_dtype(
+        pl.checkpoint, pl.tp_size, pl.tp_rank, m.naming, r)) for r in DTYPE_NAMES}
 
 
 class _Job:

@@ -158,6 +158,10 @@ class Slot:
     adopted: bool = False
     #: ``os.path.realpath`` of the checkpoint path when the slot was made (attach by path matches it).
     realpath: str = ""
+    #: Dtype name an attach asks for -> whether this slab serves it (the configured one and those giving
+    #: the same bytes): every name from the loader's plan; before a plan, the answers the serving loop
+    #: worked out once (each read the checkpoint's headers).
+    dtype_served: dict[str, bool] = field(default_factory=dict)
     started_at: float = 0.0
     ready_at: float = 0.0
     leases: dict[int, Lease] = field(default_factory=dict)
