@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from daemon_helpers import Clock, close_slabs
 from service_harness import compare_bytes, read_checkpoint, write_checkpoint
 from weightcache import pipeline, protocol
 from weightcache.config import ModelConfig, Placement
@@ -30,14 +31,6 @@ TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.
 
 #: A uid and gid that is neither root, nor the service, nor on any allow list.
 STRANGER = 54321
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture
@@ -59,10 +52,7 @@ def svc(tmp_path):
             loads.apply(st, result)
 
     yield ctx, st, load, backend, ck, clock
-    for s in st.slots:
-        if s.sealed is not None:
-            s.sealed.close()
-            s.manifest_file.close()
+    close_slabs(st)
     os.close(r)
     os.close(w)
 
