@@ -128,7 +128,7 @@ class Loaded:
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
-        slot.loaded(self.manifest, self.sealed, self.manifest_file, time.monotonic())
+        slot.loaded(self.manifest, self.sealed, self.manifest_file)
         state.loads_done += 1
         st = self.stages_s
         read_s = st.get("read", dt)
