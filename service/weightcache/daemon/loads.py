@@ -375,14 +375,23 @@ class Loader:
 def dtype_served(pl: pipeline.Plan) -> dict[str, bool]:
     """For every dtype name (:data:`weightcache.spec.DTYPE_NAMES`), whether an engine asking for it gets this
     plan's slab: the configured one, and any giving the same effective dtype
-    (:func:`weightcache.pipeline.effective_dtype`; the rule of :func:`weightcache.pipeline.dtype_matches`).
+    (:func:`weightcache.pipeline.effective_dtype`), by the rule of :func:`weightcache.pipeline.dtype_matches`
+    (a name whose effective dtype cannot be worked out matches: the engine hears the slab's own answer).
 
     Reads no file (the plan's checkpoint holds the headers). Computed once per load on the loader thread,
     so that matching an attach's dtype on the serving loop reads no header.
     """
     m, have = pl.model, pl.key["dtype"]
-    return {r: r == m.dtype or have == ("auto" if r == "auto" else pipeline.effective_dtype(
-        pl.checkpoint, pl.tp_size, pl.tp_rank, m.naming, r)) for r in DTYPE_NAMES}
+
+    def serves(r: str) -> bool:
+        if r == m.dtype or r == "auto":
+            return r == m.dtype or have == "auto"
+        try:
+            return have == pipeline.effective_dtype(pl.checkpoint, pl.tp_size, pl.tp_rank, m.naming, r)
+        except WeightcacheError:
+            return True
+
+    return {r: serves(r) for r in DTYPE_NAMES}
 
 
 class _Job:
