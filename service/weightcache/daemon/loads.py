@@ -32,8 +32,10 @@ slot is skipped, or its load stops at the next progress report; whatever it
 still posts for a DROPPED slot the serving loop passes to :func:`discard`. It also writes the
 slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
 a manifest over the limit fails the load (``manifest_too_large``), so no
-slab is ever READY that an engine could not attach. A load that raises
-anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
+slab is ever READY that an engine could not attach. With the plan it posts
+which dtype names the slab serves (:func:`dtype_served`, from the headers the plan
+read), so that matching an attach's dtype on the serving loop reads no header. A
+load that raises anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
 ``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
 
