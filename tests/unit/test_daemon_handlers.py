@@ -13,8 +13,9 @@ import os
 import pytest
 import torch
 
+from daemon_helpers import Clock, close_slabs
 from service_harness import compare_bytes, read_checkpoint, write_checkpoint
-from weightcache import protocol
+from weightcache import pipeline, protocol
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import access, handlers, loads
 from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
@@ -23,20 +24,13 @@ from weightcache.loader import LoaderOptions
 from weightcache import manifest as manifest_module
 from weightcache.manifest import build_views, unpack_file
 from weightcache.memory.host import HostBackend
+from weightcache.spec import DTYPE_NAMES
 
 TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.arange(5, dtype=torch.int64)}
 
 
 #: A uid and gid that is neither root, nor the service, nor on any allow list.
 STRANGER = 54321
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture
@@ -58,10 +52,7 @@ def svc(tmp_path):
             loads.apply(st, result)
 
     yield ctx, st, load, backend, ck, clock
-    for s in st.slots:
-        if s.sealed is not None:
-            s.sealed.close()
-            s.manifest_file.close()
+    close_slabs(st)
     os.close(r)
     os.close(w)
 
@@ -126,6 +117,30 @@ def test_failed_load_answers_model_load_failed_with_cause(svc, tmp_path):
     assert st.slots[0].state is SlotState.FAILED
     err = _error(handlers.handle(ctx, Peer(1, os.getuid(), 0), protocol.Attach("m")))
     assert err.code == "model_load_failed" and err.details["cause"] == st.slots[0].error.code
+
+
+def test_attach_dtype_is_matched_from_the_plan_without_reading_headers(svc, monkeypatch):
+    """A planned slot answers which dtypes it serves from the loader's figures; an unplanned one reads the
+    headers once per dtype name, then answers from what it kept: no header read per attach."""
+    ctx, st, load, backend, ck, clock = svc
+    slot, locked = st.slots  # both configured auto on one checkpoint whose cast tensor is stored float32
+    peer = Peer(10, os.getuid(), os.getgid())
+    assert _error(handlers.handle(ctx, peer, protocol.Attach(str(ck), dtype="bfloat16"))).code == "model_not_found"
+    assert locked.dtype_served == {"bfloat16": False}  # worked out once, before any plan
+    load(slot)
+    expected = {r: pipeline.dtype_matches(slot.placement.model, 1, 0, r) for r in DTYPE_NAMES}
+    assert slot.dtype_served == expected == {"auto": True, "bfloat16": False, "float16": False, "float32": True}
+
+    def no_header(*a, **k):
+        raise AssertionError("the serving loop read a checkpoint header")
+
+    monkeypatch.setattr(pipeline, "Checkpoint", no_header)
+    for _ in range(2):
+        assert _error(handlers.handle(ctx, peer, protocol.Attach(str(ck), dtype="bfloat16"))).code == \
+            "model_not_found"
+    (reply,) = handlers.handle(ctx, peer, protocol.Attach("m", dtype="float32")).replies
+    assert isinstance(reply.msg, protocol.AttachReply)
+    compare_bytes(_views(backend, reply), read_checkpoint(ck))
 
 
 def test_access_denied_off_the_allow_list(svc):

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from daemon_helpers import close_slabs
 from service_harness import write_checkpoint
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import loads
@@ -90,9 +91,6 @@ def test_blocked_read_fails_with_timeout_and_the_next_model_loads(tmp_path, monk
     finally:
         unblock.set()
         loader.stop()
-        for s in st.slots:
-            if s.sealed is not None:
-                s.sealed.close()
-                s.manifest_file.close()
+        close_slabs(st)
         os.close(r)
         os.close(w)

@@ -52,7 +52,7 @@ def _ready(slot) -> Sealed:
     """Moves ``slot`` to READY with a stand-in slab (returned) and manifest file (``slot.manifest_file``)."""
     sealed = Sealed()
     slot.start(1.0)
-    slot.loaded(None, sealed, Sealed(), 2.0)
+    slot.loaded(None, sealed, Sealed())
     return sealed
 
 

@@ -73,7 +73,7 @@ def test_helpers_move_through_the_table_and_set_their_fields():
     slot.start(5.0)
     assert (slot.state, slot.started_at, slot.done_bytes, slot.total_bytes) == (S.LOADING, 5.0, 0, 0)
     slot.total_bytes = 100
-    slot.loaded("MANIFEST", "SEALED", "FILE", 9.0)  # state holds them opaquely
+    slot.loaded("MANIFEST", "SEALED", "FILE")  # state holds them opaquely
     assert (slot.state, slot.manifest, slot.sealed, slot.manifest_file, slot.done_bytes) == (
         S.READY, "MANIFEST", "SEALED", "FILE", 100)
     assert slot.evict() == ("SEALED", "FILE")
@@ -94,7 +94,7 @@ def test_service_state_counts_every_slots_moves_and_leases():
     a.fail(ModelNotFound("x"))
     assert st.transition_counts == {(S.PENDING, E.START, S.LOADING): 2, (S.LOADING, E.FAIL, S.FAILED): 1}
     assert not st.settled
-    b.loaded(None, None, None, 1.0)
+    b.loaded(None, None, None)
     assert st.settled and st.status_line(1.0) == "ready: 1/2 slabs resident; failed: a/tp1/rank0 (model_not_found)"
 
 

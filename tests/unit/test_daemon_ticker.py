@@ -28,7 +28,7 @@ def test_extend_while_loading_then_ready_once():
     a.start(0.0)
     a.fail(ModelNotFound("gone"))
     b.start(0.0)
-    b.loaded(None, None, None, 1.0)
+    b.loaded(None, None, None)
     st.loads_done = 2
     t.tick(200.0)
     line = "ready: 1/2 slabs resident; failed: a/tp1/rank0 (model_not_found)"

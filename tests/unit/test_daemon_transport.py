@@ -13,20 +13,13 @@ import struct
 
 import pytest
 
+from daemon_helpers import Clock
 from service_harness import frame, read_reply
 from weightcache import protocol
 from weightcache.daemon.limits import Limits
 from weightcache.daemon.transport import Transport
 
 HELLO = {"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture
@@ -42,7 +35,7 @@ def transport(tmp_path):
         tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []) if isinstance(msg, protocol.Hello)
                 else protocol.StatusReply({"pad": "x" * 4000}))
 
-    clock = Clock()
+    clock = Clock(1000.0)
     tr = Transport(listener, on_message, lambda c: None, lambda c: None,
                    Limits.defaults(max_unread_replies=4, partial_frame_timeout_s=5.0), clock, trusted_uids=frozenset())
     tr.start()

@@ -156,18 +156,21 @@ def on_hello(ctx: Context, peer: Peer, msg: protocol.Hello) -> Outcome:
 HIDDEN_ID = protocol.HIDDEN_ID
 
 
-def _visible(ctx: Context, peer: Peer | None, now: float) -> tuple[protocol.SlabInfo, ...]:
+def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = False) -> tuple[protocol.SlabInfo, ...]:
     """What ``peer`` may see: every slot for an operator (or ``None``: the service itself); else the slots
-    it may attach, where the leases of other uids keep their id, time and mode but show
-    :data:`HIDDEN_ID` as pid, uid and gid (lease counts stay right, holders stay private)."""
+    it may attach (every slot with ``every_slab``: the metrics endpoint's view), where the leases of other
+    uids (of every uid with ``every_slab``) keep their id, time and mode but show :data:`HIDDEN_ID` as pid,
+    uid and gid (lease counts stay right, holders stay private)."""
     if peer is None or access.is_operator(peer, ctx.policy):
         return tuple(s.info(now) for s in ctx.state.slots)
+    shown = ctx.state.slots if every_slab else [s for s in ctx.state.slots if access.may_attach(peer, s, ctx.policy)]
 
     def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
-        return x if x.uid == peer.uid else dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID)
+        if x.uid == peer.uid and not every_slab:
+            return x
+        return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID)
 
-    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases))
-                 for i in (s.info(now) for s in ctx.state.slots if access.may_attach(peer, s, ctx.policy)))
+    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases)) for i in (s.info(now) for s in shown))
 
 
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
@@ -175,17 +178,18 @@ def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
     return _one(protocol.ListReply([i.to_json() for i in _visible(ctx, peer, ctx.monotonic())]))
 
 
-def status(ctx: Context, peer: Peer | None = None) -> protocol.ServiceStatus:
+def status(ctx: Context, peer: Peer | None = None, every_slab: bool = False) -> protocol.ServiceStatus:
     """The service's :class:`~weightcache.protocol.ServiceStatus` now, as ``peer`` may see it.
 
     Operators (and ``peer=None``) see every slab; anyone else sees the models it
-    may attach, with the holders of other uids' leases hidden (:data:`HIDDEN_ID`).
+    may attach, with the holders of other uids' leases hidden (:data:`HIDDEN_ID`);
+    with ``every_slab`` a non-operator sees every slab, every holder hidden (``metrics``).
     """
     st, now = ctx.state, ctx.monotonic()
     free, total = ctx.mem_info()
     return protocol.ServiceStatus(
         gpu=st.gpu, pid=ctx.pid, backend=st.backend, device=protocol.DeviceInfo.from_json(st.device),
-        free_bytes=int(free), total_bytes=int(total), slabs=_visible(ctx, peer, now), clients=len(st.peers),
+        free_bytes=int(free), total_bytes=int(total), slabs=_visible(ctx, peer, now, every_slab), clients=len(st.peers),
         status_line=st.status_line(now),
         config_error=protocol.ErrorInfo(**st.config_error.to_wire()) if st.config_error is not None else None)
 
@@ -196,10 +200,18 @@ def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
 
 
 def _dtype_matches(slot: Slot, requested: str) -> bool:
-    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.pipeline.dtype_matches`)."""
-    p = slot.placement
-    return pipeline.dtype_matches(p.model, p.tp_size, p.tp_rank, requested,
-                                  slot.manifest.key if slot.manifest else None)
+    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.pipeline.dtype_matches`).
+
+    Answered from :attr:`Slot.dtype_served`: once a load of the slot is planned it holds every name and no
+    header is read here; before that, a name it lacks is worked out once (reading the checkpoint's headers
+    unless the slab's key or the configured dtype answers it) and kept.
+    """
+    served = slot.dtype_served.get(requested)
+    if served is None:
+        p = slot.placement
+        served = slot.dtype_served[requested] = pipeline.dtype_matches(
+            p.model, p.tp_size, p.tp_rank, requested, slot.manifest.key if slot.manifest else None)
+    return served
 
 
 def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
@@ -412,14 +424,7 @@ def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
     :func:`status` shows it.
     """
     counters = ctx.counters.record() if ctx.counters is not None else protocol.ServiceCounters("", 0.0)
-    record = status(ctx, peer)
-    if not access.is_operator(peer, ctx.policy) and access.may_observe_all(peer, ctx.policy):
-        def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
-            return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID)
-
-        now = ctx.monotonic()
-        record = dataclasses.replace(record, slabs=tuple(
-            dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases)) for i in _visible(ctx, None, now)))
+    record = status(ctx, peer, every_slab=access.may_observe_all(peer, ctx.policy))
     return _one(protocol.MetricsReply(record.to_json(), counters.to_json()))
 
 

@@ -32,8 +32,10 @@ slot is skipped, or its load stops at the next progress report; whatever it
 still posts for a DROPPED slot the serving loop passes to :func:`discard`. It also writes the
 slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
 a manifest over the limit fails the load (``manifest_too_large``), so no
-slab is ever READY that an engine could not attach. A load that raises
-anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
+slab is ever READY that an engine could not attach. With the plan it posts
+which dtype names the slab serves (:func:`dtype_served`, from the headers the plan
+read), so that matching an attach's dtype on the serving loop reads no header. A
+load that raises anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
 ``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
 
@@ -61,6 +63,7 @@ from ..journal import event
 from ..loader import LoaderOptions
 from ..manifest import Manifest, pack_file
 from ..memory.host import SealedFile
+from ..spec import DTYPE_NAMES
 from .state import ServiceState, Slot
 
 log = logging.getLogger(__name__)
@@ -82,13 +85,17 @@ class Started:
 
 @dataclass(frozen=True, slots=True)
 class Planned:
-    """The plan is made: ``total_bytes`` of payload will be written."""
+    """The plan is made: ``total_bytes`` of payload will be written; ``dtype_served`` says which dtype
+    names the slab serves (see :attr:`weightcache.daemon.state.Slot.dtype_served`)."""
 
     slot: Slot
     total_bytes: int
+    dtype_served: dict[str, bool] | None = None
 
     def apply(self, state: ServiceState) -> None:
         self.slot.total_bytes = self.total_bytes
+        if self.dtype_served is not None:
+            self.slot.dtype_served = dict(self.dtype_served)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +130,7 @@ class Loaded:
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
-        slot.loaded(self.manifest, self.sealed, self.manifest_file, time.monotonic())
+        slot.loaded(self.manifest, self.sealed, self.manifest_file)
         state.loads_done += 1
         st = self.stages_s
         read_s = st.get("read", dt)
@@ -310,7 +317,7 @@ class Loader:
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")
-                self._post(Planned(slot, pl.payload_bytes))
+                self._post(Planned(slot, pl.payload_bytes, dtype_served(pl)))
             self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
             t_plan = time.monotonic()
             writable = st.backend.allocate(pl.slab_size_bytes, p.label)
@@ -365,6 +372,28 @@ class Loader:
             except Exception as ae:  # noqa: BLE001 - best effort; the original error matters
                 log.warning("abort of partial slab failed model=%s error=%r", slot.placement.model.name, ae)
         return Failed(slot, e, logged)
+
+
+def dtype_served(pl: pipeline.Plan) -> dict[str, bool]:
+    """For every dtype name (:data:`weightcache.spec.DTYPE_NAMES`), whether an engine asking for it gets this
+    plan's slab: the configured one, and any giving the same effective dtype
+    (:func:`weightcache.pipeline.effective_dtype`), by the rule of :func:`weightcache.pipeline.dtype_matches`
+    (a name whose effective dtype cannot be worked out matches: the engine hears the slab's own answer).
+
+    Reads no file (the plan's checkpoint holds the headers). Computed once per load on the loader thread,
+    so that matching an attach's dtype on the serving loop reads no header.
+    """
+    m, have = pl.model, pl.key["dtype"]
+
+    def serves(r: str) -> bool:
+        if r == m.dtype or r == "auto":
+            return r == m.dtype or have == "auto"
+        try:
+            return have == pipeline.effective_dtype(pl.checkpoint, pl.tp_size, pl.tp_rank, m.naming, r)
+        except WeightcacheError:
+            return True
+
+    return {r: serves(r) for r in DTYPE_NAMES}
 
 
 class _Job:

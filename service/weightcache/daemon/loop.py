@@ -101,10 +101,9 @@ class Daemon:
         #: id(sealed slab) -> verifies reading it; the FreeSlab of one evicted meanwhile waits for the last.
         self._reading: dict[int, int] = {}
         self._close_later: dict[int, Any] = {}
-        now = time.monotonic()
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
         for slot, got in stored.items():
-            slot.adopt(got.manifest, got.sealed, got.manifest_file, now)
+            slot.adopt(got.manifest, got.sealed, got.manifest_file)
         if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
             self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 

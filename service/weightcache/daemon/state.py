@@ -141,7 +141,7 @@ class Slot:
 
     ``state`` changes only through :meth:`move` (see :data:`TRANSITIONS`).
     ``done_bytes``/``total_bytes`` are the load's progress in payload bytes;
-    ``started_at``/``ready_at`` are ``time.monotonic()`` seconds.
+    ``started_at`` is ``time.monotonic()`` seconds.
     """
 
     placement: Placement
@@ -158,8 +158,11 @@ class Slot:
     adopted: bool = False
     #: ``os.path.realpath`` of the checkpoint path when the slot was made (attach by path matches it).
     realpath: str = ""
+    #: Dtype name an attach asks for -> whether this slab serves it (the configured one and those giving
+    #: the same bytes): every name from the loader's plan; before a plan, the answers the serving loop
+    #: worked out once (each read the checkpoint's headers).
+    dtype_served: dict[str, bool] = field(default_factory=dict)
     started_at: float = 0.0
-    ready_at: float = 0.0
     leases: dict[int, Lease] = field(default_factory=dict)
     #: Counts of (source, event, target) moves, shared with the ServiceState (for metrics).
     counts: collections.Counter = field(default_factory=collections.Counter, repr=False)
@@ -198,10 +201,10 @@ class Slot:
         self.move(SlotEvent.START)
         self.error, self.done_bytes, self.started_at = None, 0, now
 
-    def loaded(self, manifest: Manifest, sealed: Any, manifest_file: Any, now: float) -> None:
+    def loaded(self, manifest: Manifest, sealed: Any, manifest_file: Any) -> None:
         """LOADING -> READY with the sealed slab, its manifest and its manifest file."""
         self.move(SlotEvent.LOADED)
-        self.manifest, self.sealed, self.manifest_file, self.ready_at = manifest, sealed, manifest_file, now
+        self.manifest, self.sealed, self.manifest_file = manifest, sealed, manifest_file
         self.done_bytes = self.total_bytes
 
     def fail(self, error: WeightcacheError) -> None:
@@ -209,11 +212,10 @@ class Slot:
         self.move(SlotEvent.FAIL)
         self.error = error
 
-    def adopt(self, manifest: Manifest, sealed: Any, manifest_file: Any, now: float) -> None:
+    def adopt(self, manifest: Manifest, sealed: Any, manifest_file: Any) -> None:
         """PENDING -> READY with a slab and its manifest file handed back by systemd's fd store."""
         self.move(SlotEvent.ADOPT)
         self.manifest, self.sealed, self.manifest_file, self.adopted = manifest, sealed, manifest_file, True
-        self.ready_at = now
         self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
     def evict(self) -> tuple[Any, Any]:
