@@ -405,24 +405,10 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     t_read = time.monotonic()
     out = {name: s.hexdigest() for name, s in sums.items()}
     if with_digests and host is not None:
-        out = _buffer_digests(host, [(t.tensor, t.slab_offset, t.length) for t in tasks], opts.threads)
+        out = digest.buffer_digests(host, [(t.tensor, t.slab_offset, t.length) for t in tasks], opts.threads)
     t_end = time.monotonic()
     digest_s = t_end - t_read if host is not None else summing[0] / max(1, opts.threads)
     log.debug("read direct ranges=%d size_bytes=%d read_ms=%.1f digest_ms=%.1f rate_gbps=%.2f", len(tasks),
               read_total[0], (t_read - t0) * 1e3, digest_s * 1e3, read_total[0] / max(t_read - t0, 1e-9) / 1e9)
     return DirectRead(read_total[0], t_read - t0, digest_s, out)
 
-
-def _buffer_digests(buf: memoryview, ranges: list[tuple[str, int, int]], threads: int) -> dict[str, str]:
-    """XXH3 digests of ``(name, offset_bytes, size_bytes)`` ranges of ``buf`` on ``threads`` threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(r: tuple[str, int, int]) -> str:
-        view = buf[r[1] : r[1] + r[2]]
-        try:
-            return digest.xxh3_buffer(view)
-        finally:
-            view.release()
-
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
-        return dict(zip([r[0] for r in ranges], ex.map(one, ranges)))
