@@ -14,7 +14,8 @@ checkpoint. With ``o_direct=True`` files are opened ``O_DIRECT`` (page cache
 bypassed) and each read covers the 4 KiB-aligned superset of its range.
 
 Two entry points: :func:`read_into_slab` writes into a torch tensor (loads
-that also process tensors, and the client's disk fallback);
+that also process tensors, and the client's disk fallback; a CPU tensor goes
+through :func:`read_direct`'s host loop);
 :func:`read_direct` needs no torch at all and fills a backend's writable slab
 through its ``buffer`` (host memfd mapping) or its ``stager()`` (CUDA:
 cuda-bindings' pinned buffers, stream and events), taking the content
@@ -36,6 +37,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 from . import digest
@@ -195,6 +197,9 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
                    progress: Callable[[int], None] | None = None) -> int:
     """Runs ``tasks`` on a thread pool, writing into ``slab``.
 
+    A CPU tensor is filled through its buffer by :func:`read_direct` (no
+    digests); a CUDA tensor through torch's pinned buffers and streams.
+
     Args:
         tasks (`list[ReadTask]`): from :func:`direct_task`.
         slab (`torch.Tensor`): writable 1-D ``uint8`` (CPU or CUDA).
@@ -211,6 +216,12 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
 
     if not tasks:
         return 0
+    if slab.device.type != "cuda":
+        view = memoryview(slab.numpy())
+        try:
+            return read_direct(tasks, SimpleNamespace(buffer=view), opts, progress, with_digests=False).bytes_read
+        finally:
+            view.release()
     chunk = opts.chunk_bytes
     work: queue.SimpleQueue = queue.SimpleQueue()
     for t in _split(tasks, chunk):
@@ -219,56 +230,38 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
     errors: list[BaseException] = []
     read_total = [0]
     lock = threading.Lock()
-    cuda = slab.device.type == "cuda"
-    staged = cuda or opts.o_direct
-    host_view = None if cuda else memoryview(slab.numpy())
 
     def worker() -> None:
-        bufs: list[Any] = []
         events: list[Any] = [None, None]
-        stream = None
         try:
-            if staged:
-                size = chunk + 2 * DIRECT_ALIGN
-                for _ in range(2):
-                    if cuda:
-                        bufs.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
-                    else:
-                        bufs.append(torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8))
-            if cuda:
-                stream = torch.cuda.Stream(device=slab.device)
+            size = chunk + 2 * DIRECT_ALIGN
+            bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            stream = torch.cuda.Stream(device=slab.device)
             i = 0
             for t in _drain(work, errors):
                 fd = files.fd(t.path)
-                if not staged:
-                    _pread_exact(fd, host_view[t.slab_offset : t.slab_offset + t.length], t.file_offset, t.length, t)
-                else:
-                    b = i % 2
-                    i += 1
-                    if events[b] is not None:
-                        events[b].synchronize()
-                    lo = t.file_offset - t.file_offset % DIRECT_ALIGN if opts.o_direct else t.file_offset
-                    delta = t.file_offset - lo
-                    need = delta + t.length
-                    span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN if opts.o_direct else need
-                    mv = memoryview(bufs[b].numpy())[:span]
-                    _pread_exact(fd, mv, lo, need, t)
-                    src = bufs[b][delta : delta + t.length]
-                    dst = slab[t.slab_offset : t.slab_offset + t.length]
-                    if cuda:
-                        with torch.cuda.stream(stream):
-                            dst.copy_(src, non_blocking=True)
-                            ev = torch.cuda.Event()
-                            ev.record(stream)
-                        events[b] = ev
-                    else:
-                        dst.copy_(src)
+                b = i % 2
+                i += 1
+                if events[b] is not None:
+                    events[b].synchronize()
+                lo = t.file_offset - t.file_offset % DIRECT_ALIGN if opts.o_direct else t.file_offset
+                delta = t.file_offset - lo
+                need = delta + t.length
+                span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN if opts.o_direct else need
+                mv = memoryview(bufs[b].numpy())[:span]
+                _pread_exact(fd, mv, lo, need, t)
+                src = bufs[b][delta : delta + t.length]
+                dst = slab[t.slab_offset : t.slab_offset + t.length]
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                events[b] = ev
                 with lock:
                     read_total[0] += t.length
                 if progress is not None:
                     progress(t.length)
-            if stream is not None:
-                stream.synchronize()
+            stream.synchronize()
         except BaseException as e:  # surfaced to the caller below
             errors.append(e)
 
