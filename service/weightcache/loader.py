@@ -101,15 +101,13 @@ class LoaderOptions:
         return max(c - 2 * DIRECT_ALIGN, DIRECT_ALIGN)
 
 
-def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint,
-                paths: dict[str, str] | None = None) -> ReadTask | None:
+def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> ReadTask | None:
     """The byte-range copy that produces ``spec``, or ``None`` when it needs processing.
 
     A spec qualifies when its op is a plain ``copy`` of one source without a
     dtype change, and the source slice is contiguous in the file (the whole
     tensor, or a slice along a dimension preceded only by size-1 dimensions).
-    ``paths`` (file name -> full path), when given, caches the path of each file
-    across calls.
+    The file's path is :meth:`Checkpoint.file_path` (resolved once per file).
     """
     if spec.op != "copy" or spec.op_args or len(spec.sources) != 1 or spec.alias_of is not None:
         return None
@@ -126,12 +124,7 @@ def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint,
         start, n = info.offset_bytes + src.start * row, (src.stop - src.start) * row
     if n != rec.size_bytes:
         return None
-    if paths is None:
-        return ReadTask(ck.file_path(info.file), start, n, rec.offset_bytes, spec.name)
-    path = paths.get(info.file)
-    if path is None:
-        path = paths[info.file] = ck.file_path(info.file)
-    return ReadTask(path, start, n, rec.offset_bytes, spec.name)
+    return ReadTask(ck.file_path(info.file), start, n, rec.offset_bytes, spec.name)
 
 
 def _split(tasks: list[ReadTask], chunk: int) -> list[ReadTask]:

@@ -316,11 +316,10 @@ def _counter(total: int, progress: Callable[[int, int], None] | None) -> tuple[C
 def _split_specs(p: Plan) -> tuple[list, list]:
     """The plan's stored tensors: ``(direct read tasks, [(spec, record)] that need processing)``."""
     tasks, computed = [], []
-    paths: dict[str, str] = {}
     for spec, rec in zip(p.specs, p.records):
         if spec.alias_of is not None:
             continue
-        task = direct_task(spec, rec, p.checkpoint, paths)
+        task = direct_task(spec, rec, p.checkpoint)
         if task is not None:
             tasks.append(task)
         else:
