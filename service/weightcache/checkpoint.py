@@ -187,8 +187,8 @@ def pread_exact(fd: int, buf: memoryview, offset: int, need: int, path: str, ten
         done += n
 
 
-def _read_raw_header(path: Path) -> tuple[bytes, int, int]:
-    """Returns (raw header bytes, data start offset, file size) of one file, without parsing.
+def _read_raw_header(path: Path) -> tuple[bytes, int, os.stat_result]:
+    """Returns (raw header bytes, data start offset, ``fstat`` before the read) of one file, without parsing.
 
     Raises:
         CheckpointNotFound (`checkpoint_not_found`): the file does not exist.
@@ -196,7 +196,8 @@ def _read_raw_header(path: Path) -> tuple[bytes, int, int]:
     """
     fd = open_file(path)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         head = os.pread(fd, 8, 0)
         if len(head) < 8:
             raise CheckpointCorrupt(
@@ -214,7 +215,7 @@ def _read_raw_header(path: Path) -> tuple[bytes, int, int]:
         raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
-    return raw, 8 + n, size
+    return raw, 8 + n, st
 
 
 def _parse_header(path: Path, raw: bytes, data_start: int, size: int) -> dict[str, Any]:
@@ -264,8 +265,8 @@ def _read_header(path: Path) -> tuple[bytes, dict[str, Any], int]:
         CheckpointCorrupt (`checkpoint_corrupt`): truncated or invalid header,
             or data offsets beyond the end of the file.
     """
-    raw, data_start, size = _read_raw_header(path)
-    return raw, _parse_header(path, raw, data_start, size), data_start
+    raw, data_start, st = _read_raw_header(path)
+    return raw, _parse_header(path, raw, data_start, st.st_size), data_start
 
 
 def _roots(directory: Path) -> tuple[str, ...]:
@@ -385,6 +386,7 @@ class Checkpoint:
         self._weight_map: dict[str, str] | None = None
         self._raw_headers: dict[str, bytes] | None = None
         self._layout: dict[str, tuple[int, int]] = {}
+        self._stats: dict[str, os.stat_result] = {}  # each file as its header was read (identity)
         self._tensors: dict[str, TensorInfo] | None = None
         self._metadata: dict[str, dict] = {}
         if validate:
@@ -488,9 +490,10 @@ class Checkpoint:
         if self._raw_headers is None:
             raw_headers = {}
             for fname in self.files:
-                raw, data_start, size = _read_raw_header(Path(self.file_path(fname)))
+                raw, data_start, st = _read_raw_header(Path(self.file_path(fname)))
                 raw_headers[fname] = raw
-                self._layout[fname] = (data_start, size)
+                self._layout[fname] = (data_start, st.st_size)
+                self._stats[fname] = st
             self._raw_headers = raw_headers
         return self._raw_headers
 
@@ -562,7 +565,9 @@ class Checkpoint:
         raw_headers = self.raw_headers
         files = {}
         for fname in self.files:
-            files[fname] = {**_stat_identity(os.stat(self.path / fname)),
+            # The fstat taken before the header was read: a rewrite after it moves ctime, so a later
+            # identity_diff sees it (a stat taken after the read could pair a new stat with an old header).
+            files[fname] = {**_stat_identity(self._stats[fname]),
                             "header_blake2b": _blake2b_128(raw_headers[fname])}
         return {
             "files": files,

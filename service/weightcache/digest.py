@@ -27,7 +27,7 @@ on it, so a manifest may mix them):
   forger; the socket's group is the trust boundary (DESIGN §4).
 
 The torch-free load (:func:`weightcache.loader.read_direct`) takes its
-digests without torch: XXH3 over the memfd mapping (:func:`xxh3_buffer`),
+digests without torch: XXH3 over the memfd mapping (:func:`buffer_digests`),
 ``xxh3c`` from the pinned staging buffers (:class:`ChunkedXXH3`).
 
 Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client.
@@ -46,11 +46,7 @@ _CHUNK = 256 * 1024 * 1024
 
 
 def _xxh3(t) -> str:
-    import xxhash
-
-    if t.numel() == 0:
-        return "xxh3_128:" + xxhash.xxh3_128(b"").hexdigest()
-    return "xxh3_128:" + xxhash.xxh3_128(memoryview(t.numpy())).hexdigest()
+    return xxh3_buffer(memoryview(t.numpy()))
 
 
 def _sum64(t) -> str:
@@ -170,18 +166,34 @@ def digest(t) -> str:
 def digests(slab, ranges: list[tuple[str, int, int]], threads: int = 8) -> dict[str, str]:
     """Digests of ``(name, offset_bytes, size_bytes)`` ranges of a 1-D ``uint8`` slab, in ``ranges`` order.
 
-    Host slabs are hashed through one memoryview of the whole slab, in a few
-    batches per thread (not one task per tensor: a rank of 150k tensors would
-    spend seconds in task bookkeeping).
+    CUDA slabs get ``sum64`` on the GPU; host slabs ``xxh3_128`` through one
+    memoryview of the whole slab (:func:`buffer_digests`).
     """
     if slab.device.type == "cuda":
         return {name: digest(slab[off : off + n]) for name, off, n in ranges}
-    import xxhash
-
     whole = memoryview(slab.numpy())
+    try:
+        return buffer_digests(whole, ranges, threads)
+    finally:
+        whole.release()
+
+
+def buffer_digests(buf, ranges: list[tuple[str, int, int]], threads: int = 8) -> dict[str, str]:
+    """``xxh3_128`` digests of ``(name, offset_bytes, size_bytes)`` ranges of ``buf`` (a ``memoryview`` of
+    a host slab), in ``ranges`` order; no torch.
+
+    The ranges are hashed in a few batches per thread (not one task per
+    tensor: a rank of 150k tensors would spend seconds in task bookkeeping).
+    """
+    def one(off: int, n: int) -> str:
+        view = buf[off : off + n]
+        try:
+            return xxh3_buffer(view)
+        finally:
+            view.release()  # the slab's mapping can close as soon as the digests are taken
 
     def run(batch: list[tuple[str, int, int]]) -> list[tuple[str, str]]:
-        return [(name, "xxh3_128:" + xxhash.xxh3_128(whole[off : off + n]).hexdigest()) for name, off, n in batch]
+        return [(name, one(off, n)) for name, off, n in batch]
 
     if threads <= 1 or len(ranges) < 2:
         return dict(run(ranges))

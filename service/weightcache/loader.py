@@ -14,7 +14,8 @@ checkpoint. With ``o_direct=True`` files are opened ``O_DIRECT`` (page cache
 bypassed) and each read covers the 4 KiB-aligned superset of its range.
 
 Two entry points: :func:`read_into_slab` writes into a torch tensor (loads
-that also process tensors, and the client's disk fallback);
+that also process tensors, and the client's disk fallback; a CPU tensor goes
+through :func:`read_direct`'s host loop);
 :func:`read_direct` needs no torch at all and fills a backend's writable slab
 through its ``buffer`` (host memfd mapping) or its ``stager()`` (CUDA:
 cuda-bindings' pinned buffers, stream and events), taking the content
@@ -36,6 +37,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 from . import digest
@@ -99,15 +101,13 @@ class LoaderOptions:
         return max(c - 2 * DIRECT_ALIGN, DIRECT_ALIGN)
 
 
-def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint,
-                paths: dict[str, str] | None = None) -> ReadTask | None:
+def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> ReadTask | None:
     """The byte-range copy that produces ``spec``, or ``None`` when it needs processing.
 
     A spec qualifies when its op is a plain ``copy`` of one source without a
     dtype change, and the source slice is contiguous in the file (the whole
     tensor, or a slice along a dimension preceded only by size-1 dimensions).
-    ``paths`` (file name -> full path), when given, caches the path of each file
-    across calls.
+    The file's path is :meth:`Checkpoint.file_path` (resolved once per file).
     """
     if spec.op != "copy" or spec.op_args or len(spec.sources) != 1 or spec.alias_of is not None:
         return None
@@ -124,12 +124,7 @@ def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint,
         start, n = info.offset_bytes + src.start * row, (src.stop - src.start) * row
     if n != rec.size_bytes:
         return None
-    if paths is None:
-        return ReadTask(ck.file_path(info.file), start, n, rec.offset_bytes, spec.name)
-    path = paths.get(info.file)
-    if path is None:
-        path = paths[info.file] = ck.file_path(info.file)
-    return ReadTask(path, start, n, rec.offset_bytes, spec.name)
+    return ReadTask(ck.file_path(info.file), start, n, rec.offset_bytes, spec.name)
 
 
 def _split(tasks: list[ReadTask], chunk: int) -> list[ReadTask]:
@@ -195,6 +190,9 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
                    progress: Callable[[int], None] | None = None) -> int:
     """Runs ``tasks`` on a thread pool, writing into ``slab``.
 
+    A CPU tensor is filled through its buffer by :func:`read_direct` (no
+    digests); a CUDA tensor through torch's pinned buffers and streams.
+
     Args:
         tasks (`list[ReadTask]`): from :func:`direct_task`.
         slab (`torch.Tensor`): writable 1-D ``uint8`` (CPU or CUDA).
@@ -211,6 +209,12 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
 
     if not tasks:
         return 0
+    if slab.device.type != "cuda":
+        view = memoryview(slab.numpy())
+        try:
+            return read_direct(tasks, SimpleNamespace(buffer=view), opts, progress, with_digests=False).bytes_read
+        finally:
+            view.release()
     chunk = opts.chunk_bytes
     work: queue.SimpleQueue = queue.SimpleQueue()
     for t in _split(tasks, chunk):
@@ -219,56 +223,38 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
     errors: list[BaseException] = []
     read_total = [0]
     lock = threading.Lock()
-    cuda = slab.device.type == "cuda"
-    staged = cuda or opts.o_direct
-    host_view = None if cuda else memoryview(slab.numpy())
 
     def worker() -> None:
-        bufs: list[Any] = []
         events: list[Any] = [None, None]
-        stream = None
         try:
-            if staged:
-                size = chunk + 2 * DIRECT_ALIGN
-                for _ in range(2):
-                    if cuda:
-                        bufs.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
-                    else:
-                        bufs.append(torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8))
-            if cuda:
-                stream = torch.cuda.Stream(device=slab.device)
+            size = chunk + 2 * DIRECT_ALIGN
+            bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            stream = torch.cuda.Stream(device=slab.device)
             i = 0
             for t in _drain(work, errors):
                 fd = files.fd(t.path)
-                if not staged:
-                    _pread_exact(fd, host_view[t.slab_offset : t.slab_offset + t.length], t.file_offset, t.length, t)
-                else:
-                    b = i % 2
-                    i += 1
-                    if events[b] is not None:
-                        events[b].synchronize()
-                    lo = t.file_offset - t.file_offset % DIRECT_ALIGN if opts.o_direct else t.file_offset
-                    delta = t.file_offset - lo
-                    need = delta + t.length
-                    span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN if opts.o_direct else need
-                    mv = memoryview(bufs[b].numpy())[:span]
-                    _pread_exact(fd, mv, lo, need, t)
-                    src = bufs[b][delta : delta + t.length]
-                    dst = slab[t.slab_offset : t.slab_offset + t.length]
-                    if cuda:
-                        with torch.cuda.stream(stream):
-                            dst.copy_(src, non_blocking=True)
-                            ev = torch.cuda.Event()
-                            ev.record(stream)
-                        events[b] = ev
-                    else:
-                        dst.copy_(src)
+                b = i % 2
+                i += 1
+                if events[b] is not None:
+                    events[b].synchronize()
+                lo = t.file_offset - t.file_offset % DIRECT_ALIGN if opts.o_direct else t.file_offset
+                delta = t.file_offset - lo
+                need = delta + t.length
+                span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN if opts.o_direct else need
+                mv = memoryview(bufs[b].numpy())[:span]
+                _pread_exact(fd, mv, lo, need, t)
+                src = bufs[b][delta : delta + t.length]
+                dst = slab[t.slab_offset : t.slab_offset + t.length]
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                events[b] = ev
                 with lock:
                     read_total[0] += t.length
                 if progress is not None:
                     progress(t.length)
-            if stream is not None:
-                stream.synchronize()
+            stream.synchronize()
         except BaseException as e:  # surfaced to the caller below
             errors.append(e)
 
@@ -405,24 +391,10 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     t_read = time.monotonic()
     out = {name: s.hexdigest() for name, s in sums.items()}
     if with_digests and host is not None:
-        out = _buffer_digests(host, [(t.tensor, t.slab_offset, t.length) for t in tasks], opts.threads)
+        out = digest.buffer_digests(host, [(t.tensor, t.slab_offset, t.length) for t in tasks], opts.threads)
     t_end = time.monotonic()
     digest_s = t_end - t_read if host is not None else summing[0] / max(1, opts.threads)
     log.debug("read direct ranges=%d size_bytes=%d read_ms=%.1f digest_ms=%.1f rate_gbps=%.2f", len(tasks),
               read_total[0], (t_read - t0) * 1e3, digest_s * 1e3, read_total[0] / max(t_read - t0, 1e-9) / 1e9)
     return DirectRead(read_total[0], t_read - t0, digest_s, out)
 
-
-def _buffer_digests(buf: memoryview, ranges: list[tuple[str, int, int]], threads: int) -> dict[str, str]:
-    """XXH3 digests of ``(name, offset_bytes, size_bytes)`` ranges of ``buf`` on ``threads`` threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(r: tuple[str, int, int]) -> str:
-        view = buf[r[1] : r[1] + r[2]]
-        try:
-            return digest.xxh3_buffer(view)
-        finally:
-            view.release()
-
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
-        return dict(zip([r[0] for r in ranges], ex.map(one, ranges)))

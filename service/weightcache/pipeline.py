@@ -92,27 +92,30 @@ class Plan:
 
 
 def cache_key(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
-              scheme: Any = quant.DETECT) -> dict[str, Any]:
+              scheme: Any = quant.DETECT, cast_specs: list[TensorSpec] | None = None) -> dict[str, Any]:
     """The cache key of DESIGN §5, as a nested JSON-able dict.
 
     Args:
         device (`dict`): ``{backend, gpu_uuid, compute_capability}`` of the slab's device.
         scheme (`quant.Scheme | None`, *optional*): the checkpoint's scheme if
             already detected (``None``: unquantized); detected here otherwise.
+        cast_specs (`list[TensorSpec]`, *optional*): this rank's
+            :func:`weightcache.sharding.shard_specs` with ``model.dtype``'s cast,
+            if already computed (see :func:`effective_dtype`).
     """
-    return {"checkpoint": ck.identity(), **key_fields(model, tp_size, tp_rank, ck, device, scheme)}
+    return {"checkpoint": ck.identity(), **key_fields(model, tp_size, tp_rank, ck, device, scheme, cast_specs)}
 
 
 def key_fields(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
-               scheme: Any = quant.DETECT) -> dict[str, Any]:
+               scheme: Any = quant.DETECT, cast_specs: list[TensorSpec] | None = None) -> dict[str, Any]:
     """Every field of :func:`cache_key` but ``checkpoint`` (reads ``config.json``, no safetensors header
-    unless the checkpoint is quantized)."""
+    unless the checkpoint is quantized or ``model.dtype`` is not ``auto``)."""
     if scheme is quant.DETECT:
         scheme = quant.detect(ck)
     return {
         "revision": model.revision,
         "architecture": (ck.config.get("architectures") or [ck.config.get("model_type", "")])[0],
-        "dtype": effective_dtype(ck, tp_size, tp_rank, model.naming, model.dtype),
+        "dtype": effective_dtype(ck, tp_size, tp_rank, model.naming, model.dtype, cast_specs),
         "naming": model.naming,
         "tp_size": tp_size,
         "tp_rank": tp_rank,
@@ -124,7 +127,8 @@ def key_fields(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, d
     }
 
 
-def effective_dtype(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: str) -> str:
+def effective_dtype(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: str,
+                    cast_specs: list[TensorSpec] | None = None) -> str:
     """The dtype the cache key carries: ``dtype``, or ``"auto"`` when casting to it changes nothing here.
 
     A configured dtype that every cast tensor of this rank is already stored in
@@ -139,6 +143,8 @@ def effective_dtype(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dty
         ck (`Checkpoint`): the checkpoint (its headers are read for an explicit dtype).
         tp_size, tp_rank (`int`), naming (`str`): the slab's layout, rank and naming.
         dtype (`str`): ``auto``, ``bfloat16``, ``float16`` or ``float32``.
+        cast_specs (`list[TensorSpec]`, *optional*): the rank's specs with
+            ``dtype``'s cast when the caller has them (:func:`plan` does).
 
     Returns:
         `str`: ``"auto"`` or ``dtype``.
@@ -149,7 +155,8 @@ def effective_dtype(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dty
     if dtype == "auto":
         return "auto"
     as_stored = sharding.shard_specs(ck, tp_size, tp_rank, naming, None)
-    cast = sharding.shard_specs(ck, tp_size, tp_rank, naming, DTYPE_NAMES[dtype])
+    cast = cast_specs if cast_specs is not None else sharding.shard_specs(ck, tp_size, tp_rank, naming,
+                                                                           DTYPE_NAMES[dtype])
     return "auto" if [s.dtype for s in as_stored] == [s.dtype for s in cast] else dtype
 
 
@@ -226,8 +233,8 @@ def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any],
     # Once, first: UnsupportedQuantization wins over sharding's shape errors, before any read.
     scheme = quant.detect(ck, model.kernel)
     target_dtype = DTYPE_NAMES[model.dtype]
-    specs = sharding.shard_specs(ck, tp_size, tp_rank, model.naming, target_dtype)
-    specs = quant.process_specs(ck, specs, model.kernel, scheme)
+    cast_specs = sharding.shard_specs(ck, tp_size, tp_rank, model.naming, target_dtype)
+    specs = quant.process_specs(ck, cast_specs, model.kernel, scheme)
     records, offset = [], 0
     by_name: dict[str, TensorRecord] = {}
     for s in specs:
@@ -249,7 +256,7 @@ def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any],
             records.append(TensorRecord(s.name, tgt.dtype, tgt.shape, tgt.stride, tgt.offset_bytes, tgt.size_bytes,
                                         layout=dict(s.layout), alias_of=s.alias_of))
     return Plan(model, tp_size, tp_rank, ck, specs, records, max(offset, ALIGNMENT_BYTES),
-                cache_key(model, tp_size, tp_rank, ck, device, scheme))
+                cache_key(model, tp_size, tp_rank, ck, device, scheme, cast_specs))
 
 
 @dataclass(frozen=True)
@@ -309,11 +316,10 @@ def _counter(total: int, progress: Callable[[int, int], None] | None) -> tuple[C
 def _split_specs(p: Plan) -> tuple[list, list]:
     """The plan's stored tensors: ``(direct read tasks, [(spec, record)] that need processing)``."""
     tasks, computed = [], []
-    paths: dict[str, str] = {}
     for spec, rec in zip(p.specs, p.records):
         if spec.alias_of is not None:
             continue
-        task = direct_task(spec, rec, p.checkpoint, paths)
+        task = direct_task(spec, rec, p.checkpoint)
         if task is not None:
             tasks.append(task)
         else:

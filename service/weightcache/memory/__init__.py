@@ -171,11 +171,6 @@ def _cu_name(err: object) -> str:
     return getattr(err, "name", None) or str(err)
 
 
-def cuda_available() -> bool:
-    """True when the CUDA driver (through ``cuda-bindings``) reports at least one device; see :func:`probe_cuda`."""
-    return probe_cuda().usable
-
-
 def select_backend(name: str, probe=probe_cuda) -> tuple[str, str]:
     """Resolves the configured ``[service] backend`` to ``host`` or ``cuda``, saying why.
 

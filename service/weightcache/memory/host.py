@@ -37,6 +37,25 @@ def _frombuffer(buf, writable: bool):
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
+class _MappedTensor:
+    """A 1-D ``uint8`` torch view of ``self._map``, built on first use (loads that need no torch import none).
+
+    ``_writable`` says whether the mapping is ``PROT_WRITE``; the view is None
+    once the mapping is gone.
+    """
+
+    _writable = False
+    _map: mmap.mmap | None
+    _tensor = None
+
+    @property
+    def tensor(self):
+        """1-D ``uint8`` tensor over the mapping (writable as the mapping is), built on first use (imports torch)."""
+        if self._tensor is None and self._map is not None:
+            self._tensor = _frombuffer(self._map, writable=self._writable)
+        return self._tensor
+
+
 def sealed_memfd(data: bytes, name: str) -> int:
     """A new memfd holding ``data``, sealed against every change (shrink, grow, write, further seals).
 
@@ -102,7 +121,7 @@ def _round(size_bytes: int) -> int:
     return max(PAGE, (size_bytes + PAGE - 1) // PAGE * PAGE)
 
 
-class HostWritableSlab:
+class HostWritableSlab(_MappedTensor):
     """A memfd being filled.
 
     Attributes:
@@ -112,6 +131,8 @@ class HostWritableSlab:
         tensor (`torch.Tensor`): the same bytes as a writable 1-D ``uint8`` CPU
             tensor, built on first use (importing torch then).
     """
+
+    _writable = True
 
     def __init__(self, size_bytes: int, label: str) -> None:
         self.size_bytes = _round(size_bytes)
@@ -131,19 +152,14 @@ class HostWritableSlab:
         self.buffer: memoryview | None = memoryview(self._map)
         self._tensor = None
 
-    @property
-    def tensor(self):
-        """Writable 1-D ``uint8`` tensor over the mapping, built on first use (imports torch)."""
-        if self._tensor is None and self.buffer is not None:
-            self._tensor = _frombuffer(self._map, writable=True)
-        return self._tensor
-
     def _unmap(self) -> None:
         self._tensor = None
         if self.buffer is not None:
             self.buffer.release()
             self.buffer = None
-        self._map.close()
+        if self._map is not None:
+            self._map.close()
+            self._map = None
 
     def seal(self) -> "HostSealedSlab":
         """Seals the memfd read-only for every process (see the module docstring); returns the owner's handle."""
@@ -170,7 +186,7 @@ class HostWritableSlab:
             self.fd = -1
 
 
-class HostSealedSlab:
+class HostSealedSlab(_MappedTensor):
     """A sealed memfd owned by the service, with a read-only view for digests."""
 
     def __init__(self, fd: int, size_bytes: int) -> None:
@@ -178,13 +194,6 @@ class HostSealedSlab:
         self.size_bytes = size_bytes
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
         self._tensor = None
-
-    @property
-    def tensor(self):
-        """Read-only 1-D ``uint8`` view, built on first use (adoption stays torch-free)."""
-        if self._tensor is None and self._map is not None:
-            self._tensor = _frombuffer(self._map, writable=False)
-        return self._tensor
 
     @property
     def buffer(self) -> memoryview | None:
