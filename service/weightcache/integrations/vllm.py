@@ -460,11 +460,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                 continue
             dst.data.copy_(tensor)
             filled.add(id(dst))
-        missing = sorted(n for n, p in model.named_parameters() if id(p) not in filled)
-        if missing:
-            raise ShapeMismatch(
-                f"vLLM parameters {missing[:5]} ({len(missing)} in all) got no tensor from the attachment; "
-                f"the service's layout does not cover this model", tensor=missing[0])
+        zc.check_all_shared(model, filled)
 
 
 def _refuse_reload(*args: Any, **kwargs: Any) -> None:

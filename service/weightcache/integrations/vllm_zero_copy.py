@@ -189,17 +189,20 @@ def share(model: nn.Module, w: Attachment, check_shapes: bool) -> set[int]:
 
 
 def check_all_shared(model: nn.Module, shared: set[int]) -> None:
-    """Every parameter of an unquantized model must be an attached tensor (the default loader's strict check).
+    """Every parameter must be one of ``shared`` (the default loader's strict check).
+
+    Zero-copy checks an unquantized model's parameters against the attached
+    tensors; copy mode (``naming = "vllm"``) against the parameters it filled.
 
     Raises:
         ShapeMismatch (`shape_mismatch`): parameters vLLM initialised itself
             (e.g. a norm of ones) that the checkpoint does not hold.
     """
-    missing = [n for n, p in model.named_parameters() if id(p) not in shared]
+    missing = private_tensors(model, shared)
     if missing:
         raise ShapeMismatch(
             f"vLLM parameters {missing[:5]} ({len(missing)} in all) got no tensor from the attachment; the "
-            f"checkpoint does not hold them", tensor=missing[0])
+            f"checkpoint does not hold them, or the service's layout does not cover this model", tensor=missing[0])
 
 
 def private_tensors(model: nn.Module, shared: set[int]) -> list[str]:
