@@ -268,6 +268,26 @@ def test_zero_copy_llama_shares_every_parameter(service, llama, reference):
     assert probe["memory_kb"]["RssShmem"] > default["memory_kb"]["RssShmem"], (default, probe)
 
 
+def daemon_attaches(service, model: str) -> int:
+    """Attaches the service answered with a lease for ``model`` since it started (its ``metrics`` counters)."""
+    from weightcache import protocol
+
+    counters = service.request(protocol.Metrics(), timeout=10.0).counters
+    return sum(a["count"] for a in counters["attaches"] if a["model"] == model and a["outcome"] == "daemon")
+
+
+def test_profiler_attachment_is_the_loads_one_attach_per_start(service, llama, reference):
+    # vLLM's GPU worker asks a fresh loader's get_external_weight_memory before the load (the
+    # runner does the same on CPU): the slab is attached once per engine start, not twice.
+    before = daemon_attaches(service, "llama")
+    result, out = run_engine(llama, load_format="weightcache", profile_first=True,
+                             extra={"socket_dir": service.socket_dir, "fallback": False})
+    assert tokens_of(result, out) == reference["tokens"]
+    assert result["external_weight_bytes"] == service.slab("llama")["resident_bytes"] > 0
+    attached_line(out, source="daemon", mode="zero_copy", private="0")
+    assert daemon_attaches(service, "llama") - before == 1
+
+
 def test_zero_copy_qwen2_tied_and_read_only(service, qwen2, qwen2_reference):
     result, out = run_engine(qwen2, load_format="weightcache", faults=True, probe=True, write_after=True,
                              extra={"socket_dir": service.socket_dir, "fallback": False})
