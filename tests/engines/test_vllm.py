@@ -126,11 +126,6 @@ def anonymous_kb(probe: dict) -> int:
     return probe["memory_kb"]["Anonymous"]
 
 
-def weight_bytes(path: Path) -> int:
-    """Bytes of a checkpoint's safetensors files (headers included)."""
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-
-
 # --- checkpoints and services ---------------------------------------------------------
 
 
@@ -264,7 +259,8 @@ def test_zero_copy_llama_shares_every_parameter(service, llama, reference):
     (default,) = reference["probe"]
     assert default["outside"], "the default loader's parameters should be its own memory"
     saved = (anonymous_kb(default) - anonymous_kb(probe)) * 1024
-    assert saved >= PRIVATE_SAVING * weight_bytes(llama), (saved, weight_bytes(llama), default, probe)
+    assert saved >= PRIVATE_SAVING * harness.checkpoint_bytes(llama), (saved, harness.checkpoint_bytes(llama),
+                                                                        default, probe)
     assert probe["memory_kb"]["RssShmem"] > default["memory_kb"]["RssShmem"], (default, probe)
 
 
