@@ -65,6 +65,7 @@ Forbidden imports: weightcache.daemon.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 import weakref
@@ -85,7 +86,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from .. import sharding
 from ..checkpoint import Checkpoint
-from ..client import Attachment, attach, physical_gpu  # noqa: F401  (physical_gpu: re-exported)
+from ..client import Attachment, attach, physical_gpu
 from ..errors import ConfigError, ShapeMismatch, WeightcacheError
 from . import vllm_zero_copy as zc
 
@@ -206,7 +207,7 @@ def checkpoint_form(name: str, tensor: torch.Tensor, layout: dict[str, Any],
         out = tensor[0, :n]
     want = ck_shapes.get(name)
     if want is not None and tuple(out.shape) != tuple(want):
-        if out.numel() == _numel(want):
+        if out.numel() == math.prod(want):
             out = out.reshape(want)
         else:
             raise ShapeMismatch(
@@ -214,13 +215,6 @@ def checkpoint_form(name: str, tensor: torch.Tensor, layout: dict[str, Any],
                 f"the service's manifest and the checkpoint disagree (restart the service or evict the model)",
                 tensor=name, expected=list(want), actual=list(out.shape))
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclasses.dataclass(frozen=True)
