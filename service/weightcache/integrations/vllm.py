@@ -299,7 +299,8 @@ class WeightcacheModelLoader(BaseModelLoader):
         target = self._target(vllm_config)
         rank = self._rank(model_config, target)
         t0 = time.monotonic()
-        config_json = Checkpoint(rank.path, validate=False).config
+        ck = Checkpoint(rank.path, validate=False)
+        config_json = ck.config
         if sharding.family_of(config_json) is None:
             _drop_profiled(rank)
             return self._refused(rank, f"architecture {config_json.get('architectures')} has no vLLM naming "
@@ -320,7 +321,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                 w = self._attach(rank, "vllm", self.options["fallback"])
             try:
                 self._log_fallback(rank, w)
-                diff = zc.canary(vllm_config, model_config, prefix, rank.path, w, target, plain_cpu)
+                diff = zc.canary(vllm_config, model_config, prefix, ck, w, target, plain_cpu)
                 if diff is not None:
                     undo()
                     self._handoff, w = w, None

@@ -283,7 +283,7 @@ class CanaryDiff:
     reason: str
 
 
-def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, path: str, w: Attachment,
+def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, ck: Checkpoint, w: Attachment,
            device: torch.device, plain_cpu: bool) -> CanaryDiff | None:
     """vLLM's own loading and processing of decoder layer 0, compared with the slab.
 
@@ -318,7 +318,6 @@ def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, path
             for leaf, t in list(module._parameters.items()):
                 if t is not None and t.is_meta:
                     module._parameters[leaf] = materialize_meta_tensor(t)
-    ck = Checkpoint(path, validate=False)
     names = [n for n in ck.tensors if n.startswith(layer + ".")]
     if not names:
         return CanaryDiff(layer, f"canary: the checkpoint has no tensor of {layer}")
