@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    LLAMA2_7B, LLAMA2_70B_TP8_RANK, emit, has_cuda, scaled, service_env, stats, versions, wait_ready,
+    LLAMA2_7B, LLAMA2_70B_TP8_RANK, emit, has_cuda, met, scaled, service_env, stats, versions, wait_ready,
     write_checkpoint, write_config,
 )
 
@@ -288,9 +288,9 @@ def main() -> int:
     md += ["", f"manifest file bytes: {r7['manifest_json_bytes']} / {r70['manifest_json_bytes']}; "
                f"70B-rank/7B p50 ratio: attach {ratio:.2f}, raw {raw_ratio:.2f}; service ready after {t_ready:.1f} s",
            "targets: p50 <= 1 ms (7B, attach end to end): "
-           f"{'met' if res['targets']['p50<=1ms(7B, attach)'] else 'MISSED'}; (7B, raw import+views): "
-           f"{'met' if res['targets']['p50<=1ms(7B, raw import+views)'] else 'MISSED'}; 700-tensor within 2x: attach "
-           f"{'met' if ratio <= 2 else 'MISSED'}, raw {'met' if raw_ratio <= 2 else 'MISSED'}"]
+           f"{met(res['targets']['p50<=1ms(7B, attach)'])}; (7B, raw import+views): "
+           f"{met(res['targets']['p50<=1ms(7B, raw import+views)'])}; 700-tensor within 2x: attach "
+           f"{met(ratio <= 2)}, raw {met(raw_ratio <= 2)}"]
     emit(f"attach_{args.device}", res, "\n".join(md))
     return 0
 

@@ -211,6 +211,16 @@ def stats(xs: list[float]) -> dict[str, float]:
             "min": s[0], "max": s[-1]}
 
 
+def spread(s: dict[str, float]) -> str:
+    """``median (min–max)`` of a :func:`stats` result, 3 decimals, for a results table."""
+    return f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f})"
+
+
+def met(ok: bool) -> str:
+    """A target's verdict for a results table: ``met`` or ``MISSED``."""
+    return "met" if ok else "MISSED"
+
+
 def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for service/client subprocesses: source tree first, no systemd variables."""
     env = {k: v for k, v in os.environ.items()

@@ -56,7 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    GB, LLAMA2_7B, emit, has_cuda, layers_for, scaled, service_env, stats, unix_listener, versions,
+    GB, LLAMA2_7B, emit, has_cuda, layers_for, met, scaled, service_env, spread, stats, unix_listener, versions,
     write_checkpoint, write_config,
 )
 
@@ -234,11 +234,11 @@ def main() -> int:
     for k in (*STAGES, "total"):
         s = med[k]
         name = {"total": "**total**", "digests": "digests (inside read)" if cuda else "digests"}.get(k, k)
-        md.append(f"| {name} | {s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f}) |")
+        md.append(f"| {name} | {spread(s)} |")
     md += ["", f"read rate over the read: {med['read_gbps']['median']:.1f} GB/s; filled without torch: "
                f"{'yes' if res['torch_free'] else 'NO'}; torch imported before READY: "
                f"{'YES' if res['torch_before_ready'] else 'no'}; target <= {target_s} s: "
-               f"{'met' if res['met'] else 'MISSED'}"]
+               f"{met(res['met'])}"]
     emit(f"first_start_{args.device}", res, "\n".join(md))
     return 0
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import GB, LLAMA2_7B, emit, has_cuda, scaled, stats, versions, warm_page_cache, write_checkpoint  # noqa: E402
+from bench_common import GB, LLAMA2_7B, emit, has_cuda, met, scaled, stats, versions, warm_page_cache, write_checkpoint  # noqa: E402
 
 
 def main() -> int:
@@ -184,8 +184,8 @@ def main() -> int:
                f"slab bytes beyond tensors {res['slab_overhead_bytes']}; peak RSS {rss_before / 2**20:.0f} MiB before "
                f"the first load, {rss_after_wc / 2**20:.0f} MiB after it; all {checked} tensors byte-equal to "
                "safetensors'.",
-           f"targets (cuda): >= 30 GB/s: {'met' if res['targets']['gbps>=30'] else 'MISSED'}; "
-           f">= 6x safetensors: {'met' if res['targets']['speedup>=6'] else 'MISSED'}"
+           f"targets (cuda): >= 30 GB/s: {met(res['targets']['gbps>=30'])}; "
+           f">= 6x safetensors: {met(res['targets']['speedup>=6'])}"
            + ("" if args.device == "cuda" else " (targets are for the H200; this is a CPU run)")]
     emit(f"load_{args.device}", res, "\n".join(md))
     return 0

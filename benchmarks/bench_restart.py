@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    GB, LLAMA2_7B, LlamaShape, emit, has_cuda, layers_for, scaled, service_env, stats, unix_listener, versions,
+    GB, LLAMA2_7B, LlamaShape, emit, has_cuda, layers_for, met, scaled, service_env, spread, stats, unix_listener, versions,
     write_checkpoint, write_config,
 )
 
@@ -220,13 +220,13 @@ def main() -> int:
     for r in rows:
         s = r["restart_to_ready_s"]
         md.append(f"| {r['payload_bytes'] / GB:.2f} GB | {r['tensors']} | {r['first_load_to_ready_s']:.2f} | "
-                  f"{s['median']:.3f} ({s['min']:.3f}–{s['max']:.3f}) | {'yes' if r['all_adopted'] else 'NO'} |")
+                  f"{spread(s)} | {'yes' if r['all_adopted'] else 'NO'} |")
     md += ["", f"floor of any start, in a fresh interpreter: import torch + weightcache.cli/daemon "
                f"{res['floor_import_s']['median']:.3f} s" + (f", CudaBackend + torch CUDA context "
                                                                f"{res['floor_device_setup_s']['median']:.3f} s"
                                                                if cuda else ""),
-           f"targets: <= 1 s: {'met' if ok else 'MISSED'}; flat in size (max <= 1.5x min + 50 ms): "
-           f"{'met' if flat else 'MISSED'}"]
+           f"targets: <= 1 s: {met(ok)}; flat in size (max <= 1.5x min + 50 ms): "
+           f"{met(flat)}"]
     emit(f"restart_{args.device}", res, "\n".join(md))
     return 0
 

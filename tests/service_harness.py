@@ -606,6 +606,11 @@ def big_checkpoint(size_bytes: int, tensors: int = 8, seed: int = 0, base: str =
     return d
 
 
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of a checkpoint directory's safetensors files (headers included)."""
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """Every tensor of a checkpoint directory as safetensors reads it from disk (private copies:
     ``load_file`` may map the file, and tests rewrite files in place)."""

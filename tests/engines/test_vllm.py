@@ -126,11 +126,6 @@ def anonymous_kb(probe: dict) -> int:
     return probe["memory_kb"]["Anonymous"]
 
 
-def weight_bytes(path: Path) -> int:
-    """Bytes of a checkpoint's safetensors files (headers included)."""
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-
-
 # --- checkpoints and services ---------------------------------------------------------
 
 
@@ -264,8 +259,29 @@ def test_zero_copy_llama_shares_every_parameter(service, llama, reference):
     (default,) = reference["probe"]
     assert default["outside"], "the default loader's parameters should be its own memory"
     saved = (anonymous_kb(default) - anonymous_kb(probe)) * 1024
-    assert saved >= PRIVATE_SAVING * weight_bytes(llama), (saved, weight_bytes(llama), default, probe)
+    assert saved >= PRIVATE_SAVING * harness.checkpoint_bytes(llama), (saved, harness.checkpoint_bytes(llama),
+                                                                        default, probe)
     assert probe["memory_kb"]["RssShmem"] > default["memory_kb"]["RssShmem"], (default, probe)
+
+
+def daemon_attaches(service, model: str) -> int:
+    """Attaches the service answered with a lease for ``model`` since it started (its ``metrics`` counters)."""
+    from weightcache import protocol
+
+    counters = service.request(protocol.Metrics(), timeout=10.0).counters
+    return sum(a["count"] for a in counters["attaches"] if a["model"] == model and a["outcome"] == "daemon")
+
+
+def test_profiler_attachment_is_the_loads_one_attach_per_start(service, llama, reference):
+    # vLLM's GPU worker asks a fresh loader's get_external_weight_memory before the load (the
+    # runner does the same on CPU): the slab is attached once per engine start, not twice.
+    before = daemon_attaches(service, "llama")
+    result, out = run_engine(llama, load_format="weightcache", profile_first=True,
+                             extra={"socket_dir": service.socket_dir, "fallback": False})
+    assert tokens_of(result, out) == reference["tokens"]
+    assert result["external_weight_bytes"] == service.slab("llama")["resident_bytes"] > 0
+    attached_line(out, source="daemon", mode="zero_copy", private="0")
+    assert daemon_attaches(service, "llama") - before == 1
 
 
 def test_zero_copy_qwen2_tied_and_read_only(service, qwen2, qwen2_reference):

@@ -33,6 +33,9 @@ Optional job keys:
   parameter in place (in-process engine only): with a zero-copy model the
   shared mapping is ``PROT_READ`` and the process dies of ``SIGSEGV``;
 - ``enable_lora``: ``LLM(enable_lora=True)``;
+- ``profile_first``: before the model load, a fresh loader's
+  ``get_external_weight_memory`` (as vLLM's GPU worker asks; the CPU worker
+  does not), reported as ``external_weight_bytes`` (in-process engine only);
 - ``inject``: ``"linear_n_contig"`` stands in for a vLLM whose processed
   layout differs from the service's: vLLM's unquantized linear processing
   (when the weights are not pre-processed) first makes the weight
@@ -151,13 +154,21 @@ def _inject_linear_n_contig() -> None:
     UnquantizedLinearMethod.process_weights_after_loading = process
 
 
-def _time_model_load(into: dict) -> None:
-    """Records ``load_s``, the seconds of the CPU model runner's ``get_model`` (loader included), in this process."""
+def _time_model_load(into: dict, profile_first: bool) -> None:
+    """Records ``load_s``, the seconds of the CPU model runner's ``get_model`` (loader included), in this process.
+
+    ``profile_first``: ask a fresh loader's ``get_external_weight_memory`` first, as vLLM's GPU worker
+    does, into ``external_weight_bytes``.
+    """
+    from vllm.model_executor.model_loader import get_model_loader
     from vllm.v1.worker import cpu_model_runner
 
     get_model = cpu_model_runner.get_model
 
     def timed(*args, **kwargs):
+        if profile_first:
+            config = kwargs["vllm_config"]
+            into["external_weight_bytes"] = get_model_loader(config.load_config).get_external_weight_memory(config)
         t = time.monotonic()
         try:
             return get_model(*args, **kwargs)
@@ -173,7 +184,7 @@ def main(argv: list[str]) -> int:
     if job.get("inject") == "linear_n_contig":
         _inject_linear_n_contig()
     timing: dict = {"load_s": None}
-    _time_model_load(timing)
+    _time_model_load(timing, bool(job.get("profile_first")))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -11,12 +11,11 @@ service never imports it (``weightcache.daemon.loads``).
 
 from __future__ import annotations
 
-import time
-
 from weightcache import protocol
 
 from service_harness import (
-    blocked_torch_env, compare_bytes, llama_checkpoint, read_checkpoint, start_service, torch_import_attempts,
+    blocked_torch_env, compare_bytes, llama_checkpoint, poll_until, read_checkpoint, start_service,
+    torch_import_attempts,
 )
 
 
@@ -32,10 +31,11 @@ def test_unquantized_host_load_needs_no_torch(tmp_path):
         assert slab["state"] == "ready", (slab, svc.log())
         attempts = torch_import_attempts(log)
         assert attempts == [], attempts[0]["stack"] if attempts else ""
+        expected = read_checkpoint(ck)
         with attach("m", socket_dir=svc.socket_dir, device="cpu") as w:
             assert w.source == "daemon"
-            n = compare_bytes(dict(w.tensors), read_checkpoint(ck))
-        assert n == sum(t.numel() * t.element_size() for t in read_checkpoint(ck).values())
+            n = compare_bytes(dict(w.tensors), expected)
+        assert n == sum(t.numel() * t.element_size() for t in expected.values())
         assert "torch_free=yes" in svc.log()
         verify = svc.request(protocol.Verify("m")).results[0]
         assert verify["mismatched"] == [] and verify["tensors"] == 21
@@ -69,9 +69,7 @@ def test_torch_is_imported_in_the_background_for_a_queued_model_that_needs_it(tm
     try:
         states = {s["model"]: s["state"] for s in svc.wait_settled()["slabs"]}
         assert states == {"plain": "ready", "cast": "failed"}, svc.log()
-        deadline = time.monotonic() + 30
-        while "weightcache-torch-import" not in (threads := [a["thread"] for a in torch_import_attempts(log)]):
-            assert time.monotonic() < deadline, threads
-            time.sleep(0.05)
+        poll_until(lambda: any(a["thread"] == "weightcache-torch-import" for a in torch_import_attempts(log)),
+                   "the look-ahead's import of torch on thread weightcache-torch-import", timeout=30, period_s=0.05)
     finally:
         svc.kill()

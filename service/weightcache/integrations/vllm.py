@@ -65,6 +65,7 @@ Forbidden imports: weightcache.daemon.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 import weakref
@@ -85,13 +86,18 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from .. import sharding
 from ..checkpoint import Checkpoint
-from ..client import Attachment, attach, physical_gpu  # noqa: F401  (physical_gpu: re-exported)
+from ..client import Attachment, attach, physical_gpu
 from ..errors import ConfigError, ShapeMismatch, WeightcacheError
 from . import vllm_zero_copy as zc
 
 # vLLM attaches its handler to the "vllm" logger only; a child of it shows in
 # vLLM's log with vLLM's format (getLogger(__name__) would be silent there).
 log = init_logger("vllm." + __name__)
+
+#: Attachments made by :meth:`WeightcacheModelLoader.get_external_weight_memory`, kept for the
+#: zero-copy load of the same rank in this process. vLLM asks each question of a fresh loader
+#: (``get_model_loader`` builds one per call), so the handoff cannot live on the loader.
+_PROFILED: dict["_Rank", Attachment] = {}
 
 #: The ``--load-format`` value.
 LOAD_FORMAT = "weightcache"
@@ -201,7 +207,7 @@ def checkpoint_form(name: str, tensor: torch.Tensor, layout: dict[str, Any],
         out = tensor[0, :n]
     want = ck_shapes.get(name)
     if want is not None and tuple(out.shape) != tuple(want):
-        if out.numel() == _numel(want):
+        if out.numel() == math.prod(want):
             out = out.reshape(want)
         else:
             raise ShapeMismatch(
@@ -209,13 +215,6 @@ def checkpoint_form(name: str, tensor: torch.Tensor, layout: dict[str, Any],
                 f"the service's manifest and the checkpoint disagree (restart the service or evict the model)",
                 tensor=name, expected=list(want), actual=list(out.shape))
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,21 +250,24 @@ class WeightcacheModelLoader(BaseModelLoader):
 
         vLLM's GPU worker asks before loading (a fresh loader, parallel state
         initialised) and takes the bytes out of the KV-cache budget's
-        accounting. The slab is attached and released again to read its
-        size. When the service cannot serve (the load will then read from
-        disk into vLLM's own memory) the answer is 0.
+        accounting. The slab is attached to read its size, and the
+        attachment is kept for this rank's zero-copy load in this process
+        (one attach per engine start; a repeated question replaces it). When
+        the service cannot serve (the load will then read from disk into
+        vLLM's own memory) the answer is 0.
         """
         if self.options["mode"] != "zero_copy":
             return 0
         rank = self._rank(vllm_config.model_config, self._target(vllm_config))
+        _drop_profiled(rank)
         try:
             w = self._attach(rank, "vllm", fallback=False)
         except WeightcacheError as e:
             log.info("weightcache external weight memory 0 checkpoint=%s tp_rank=%d reason=%s: %s",
                      rank.path, rank.tp_rank, e.code, e.message)
             return 0
-        with w:
-            return w.resident_bytes
+        _PROFILED[rank] = w
+        return w.resident_bytes
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         """Builds the model: zero-copy when possible (and asked for), else vLLM's usual way plus a copy.
@@ -297,8 +299,10 @@ class WeightcacheModelLoader(BaseModelLoader):
         target = self._target(vllm_config)
         rank = self._rank(model_config, target)
         t0 = time.monotonic()
-        config_json = Checkpoint(rank.path, validate=False).config
+        ck = Checkpoint(rank.path, validate=False)
+        config_json = ck.config
         if sharding.family_of(config_json) is None:
+            _drop_profiled(rank)
             return self._refused(rank, f"architecture {config_json.get('architectures')} has no vLLM naming "
                                  f"rules in weightcache (families: {', '.join(sharding.FAMILIES)})", ConfigError,
                                  key="mode")
@@ -310,11 +314,14 @@ class WeightcacheModelLoader(BaseModelLoader):
             reason = zc.quant_refusal(model)
             if reason is not None:
                 undo()
+                _drop_profiled(rank)
                 return self._refused(rank, reason, ConfigError, key="mode")
-            w: Attachment | None = self._attach(rank, "vllm", self.options["fallback"])
+            w: Attachment | None = _PROFILED.pop(rank, None)  # the profiler's attachment: not attached twice
+            if w is None:
+                w = self._attach(rank, "vllm", self.options["fallback"])
             try:
                 self._log_fallback(rank, w)
-                diff = zc.canary(vllm_config, model_config, prefix, rank.path, w, target, plain_cpu)
+                diff = zc.canary(vllm_config, model_config, prefix, ck, w, target, plain_cpu)
                 if diff is not None:
                     undo()
                     self._handoff, w = w, None
@@ -460,11 +467,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                 continue
             dst.data.copy_(tensor)
             filled.add(id(dst))
-        missing = sorted(n for n, p in model.named_parameters() if id(p) not in filled)
-        if missing:
-            raise ShapeMismatch(
-                f"vLLM parameters {missing[:5]} ({len(missing)} in all) got no tensor from the attachment; "
-                f"the service's layout does not cover this model", tensor=missing[0])
+        zc.check_all_shared(model, filled)
 
 
 def _refuse_reload(*args: Any, **kwargs: Any) -> None:
@@ -477,6 +480,13 @@ def _refuse_reload(*args: Any, **kwargs: Any) -> None:
         f"reload_weights: the weights of this model are the weightcache service's read-only memory "
         f"(load format {LOAD_FORMAT!r}, mode 'zero_copy') and cannot be written; start the engine with "
         f"mode 'copy' to reload weights in place", key="mode")
+
+
+def _drop_profiled(rank: _Rank) -> None:
+    """Closes the attachment :meth:`WeightcacheModelLoader.get_external_weight_memory` kept for ``rank``, if any."""
+    w = _PROFILED.pop(rank, None)
+    if w is not None:
+        w.close()
 
 
 def _keep_lease(model: nn.Module, w: Attachment) -> None:

@@ -189,17 +189,20 @@ def share(model: nn.Module, w: Attachment, check_shapes: bool) -> set[int]:
 
 
 def check_all_shared(model: nn.Module, shared: set[int]) -> None:
-    """Every parameter of an unquantized model must be an attached tensor (the default loader's strict check).
+    """Every parameter must be one of ``shared`` (the default loader's strict check).
+
+    Zero-copy checks an unquantized model's parameters against the attached
+    tensors; copy mode (``naming = "vllm"``) against the parameters it filled.
 
     Raises:
         ShapeMismatch (`shape_mismatch`): parameters vLLM initialised itself
             (e.g. a norm of ones) that the checkpoint does not hold.
     """
-    missing = [n for n, p in model.named_parameters() if id(p) not in shared]
+    missing = private_tensors(model, shared)
     if missing:
         raise ShapeMismatch(
             f"vLLM parameters {missing[:5]} ({len(missing)} in all) got no tensor from the attachment; the "
-            f"checkpoint does not hold them", tensor=missing[0])
+            f"checkpoint does not hold them, or the service's layout does not cover this model", tensor=missing[0])
 
 
 def private_tensors(model: nn.Module, shared: set[int]) -> list[str]:
@@ -280,7 +283,7 @@ class CanaryDiff:
     reason: str
 
 
-def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, path: str, w: Attachment,
+def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, ck: Checkpoint, w: Attachment,
            device: torch.device, plain_cpu: bool) -> CanaryDiff | None:
     """vLLM's own loading and processing of decoder layer 0, compared with the slab.
 
@@ -315,7 +318,6 @@ def canary(vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, path
             for leaf, t in list(module._parameters.items()):
                 if t is not None and t.is_meta:
                     module._parameters[leaf] = materialize_meta_tensor(t)
-    ck = Checkpoint(path, validate=False)
     names = [n for n in ck.tensors if n.startswith(layer + ".")]
     if not names:
         return CanaryDiff(layer, f"canary: the checkpoint has no tensor of {layer}")
