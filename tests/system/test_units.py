@@ -97,7 +97,10 @@ def test_socket_and_service_keys():
     for line in ("Type=notify", "Requires=weightcache@%i.socket", "After=weightcache@%i.socket",
                  "PartOf=weightcache.target", "RuntimeDirectory=weightcache/%i", "Restart=on-failure",
                  "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID", "DevicePolicy=closed", "User=weightcache",
-                 "IPAddressDeny=any"):
+                 "IPAddressDeny=any",
+                 # issue 26: no start limit (systemd 252 counts "systemctl restart", and a unit that hits the
+                 # limit drops its fd store); crashes are paced instead.
+                 "StartLimitIntervalSec=0s", "RestartSec=2s"):
         assert re.search(rf"^{re.escape(line)}$", svc, re.M), line
     assert re.search(r"^ExecStart=\S+ %i$", svc, re.M)
     assert re.search(r"^ExecReload=/usr/bin/weightcache reload --gpu %i --socket-dir /run/weightcache$", svc, re.M)
