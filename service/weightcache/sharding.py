@@ -41,6 +41,7 @@ from .checkpoint import Checkpoint, TensorInfo
 from .errors import ConfigError, ShapeMismatch, UnsupportedArchitecture
 from .sizes import round_up
 from .spec import SourceRef, TensorSpec
+from .wire import NAMINGS
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 #: multiple of this (``DEFAULT_VOCAB_PADDING_SIZE``), independent of tp_size.
 VOCAB_PADDING = 64
 
-NAMINGS = ("hf", "vllm")
 
 
 @dataclass(frozen=True)
