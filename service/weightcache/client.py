@@ -47,8 +47,8 @@ from .fdpass import recv_with_fds
 from .journal import event
 from .manifest import LayoutMap, Manifest, build_views
 from .manifest_file import ManifestFile, read_file
-from .sharding import NAMINGS
 from .spec import DTYPE_NAMES, LoadRequest, RankRequest
+from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +385,7 @@ class AttachRequest:
         model (`str`): checkpoint directory, or a model name from the service's config.
         tp_size, tp_rank (`int`): the layout and this engine's rank.
         device (`str`): ``cpu`` or ``cuda:N``.
-        mode (`str`): ``zero_copy`` or ``copy``.
+        mode (`AttachMode`): ``zero_copy`` or ``copy`` (a string is parsed into the member).
         fallback (`bool`): load from disk when the service cannot serve.
         timeout (`float`): seconds to wait for the service, a load in progress included.
         socket_dir (`str | None`): see :func:`resolve_socket_dir`.
@@ -402,18 +402,21 @@ class AttachRequest:
     tp_size: int = 1
     tp_rank: int = 0
     device: str = "cpu"
-    mode: str = "zero_copy"
+    mode: AttachMode = DEFAULT_MODE
     fallback: bool = True
     timeout: float = 30.0
     socket_dir: str | None = None
     gpu: int | None = None
-    dtype: str = "auto"
-    naming: str = "hf"
-    kernel: str = "cutlass"
+    dtype: str = DEFAULT_DTYPE
+    naming: str = DEFAULT_NAMING
+    kernel: str = DEFAULT_KERNEL
 
     def __post_init__(self) -> None:
-        if self.mode not in ("zero_copy", "copy"):
-            raise ValueError(f"mode must be 'zero_copy' or 'copy', got {self.mode!r}")
+        try:  # the engine's API raises ValueError (documented); the wire message parses the same enum
+            object.__setattr__(self, "mode", AttachMode(self.mode))
+        except ValueError:
+            raise ValueError(f"mode must be one of {', '.join(repr(m.value) for m in AttachMode)}, "
+                             f"got {self.mode!r}") from None
         # A pathlib.Path or a torch.device is as good as its string.
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
@@ -468,9 +471,9 @@ def _arg_problems(req: AttachRequest) -> Iterator[tuple[str, str]]:
         yield f"kernel {req.kernel!r} must be a string such as 'cutlass'", "kernel"
 
 
-def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", mode: str = "zero_copy",
+def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", mode: str = DEFAULT_MODE,
            fallback: bool = True, timeout: float = 30.0, socket_dir: str | None = None, gpu: int | None = None,
-           dtype: str = "auto", naming: str = "hf", kernel: str = "cutlass") -> Attachment:
+           dtype: str = DEFAULT_DTYPE, naming: str = DEFAULT_NAMING, kernel: str = DEFAULT_KERNEL) -> Attachment:
     """Attaches the weights of one tensor-parallel rank.
 
     Args:
@@ -656,8 +659,8 @@ def _expected_fields(req: AttachRequest, expected: dict[str, Any] | None, local_
     ck = Checkpoint(checkpoint_path, validate=False)
     rank = mf.request
     if rank is None:
-        rank = RankRequest(load_request(str(ck.path), key.get("dtype", "auto"), key.get("naming", "hf"),
-                                        key.get("kernel") or "cutlass", key.get("revision", "")),
+        rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE), key.get("naming", DEFAULT_NAMING),
+                                        key.get("kernel") or DEFAULT_KERNEL, key.get("revision", "")),
                            req.tp_size, req.tp_rank)
     else:  # the checkpoint as the service names it now (its path as the reply gives it)
         rank = RankRequest(dataclasses.replace(rank.model, path=str(ck.path)), rank.tp_size, rank.tp_rank)
@@ -721,7 +724,7 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: di
                                        f"({manifest.slab_size_bytes} bytes declared, {slab.size_bytes} mapped): {e}",
                                        socket=sock_path, slab_size_bytes=manifest.slab_size_bytes) from None
         layouts = LayoutMap(manifest)
-        if mode == "copy":
+        if mode is AttachMode.COPY:
             views = _copy_views(views)
             session.close()
             slab.close()

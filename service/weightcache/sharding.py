@@ -44,7 +44,9 @@ from .checkpoint import Checkpoint, TensorInfo
 from .errors import ConfigError, ShapeMismatch, UnsupportedArchitecture
 from .quant import registry
 from .quant.registry import SideTensor
+from .sizes import round_up
 from .spec import FUSED_PARTS, SourceRef, TensorSpec
+from .wire import NAMINGS
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,6 @@ log = logging.getLogger(__name__)
 #: multiple of this (``DEFAULT_VOCAB_PADDING_SIZE``), independent of tp_size.
 VOCAB_PADDING = 64
 
-NAMINGS = ("hf", "vllm")
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def family_of(config: dict[str, Any]) -> Family | None:
 
 def padded_vocab_size(vocab_size: int) -> int:
     """vLLM's ``pad_vocab_size``: ``vocab_size`` rounded up to :data:`VOCAB_PADDING`."""
-    return (vocab_size + VOCAB_PADDING - 1) // VOCAB_PADDING * VOCAB_PADDING
+    return round_up(vocab_size, VOCAB_PADDING)
 
 
 @dataclass(frozen=True)

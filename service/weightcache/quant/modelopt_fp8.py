@@ -43,6 +43,7 @@ from typing import Any, Mapping
 
 from ..checkpoint import Checkpoint
 from ..errors import UnsupportedQuantization
+from ..sizes import round_up
 from ..spec import SourceRef, TensorSpec
 from .capabilities import Capability
 from .quant_config import (  # noqa: F401 - re-exported: the names this module has always offered
@@ -117,7 +118,7 @@ def read_hf_quant_config(ck: Checkpoint) -> QuantConfig | None:
 
 
 def _ceil(n: int, m: int = ALIGN_ELEMENTS) -> int:
-    return (n + m - 1) // m * m
+    return round_up(n, m)
 
 
 def check_layers(ck: Checkpoint, qc: QuantConfig, cap: Capability) -> set[str]:

@@ -12,7 +12,6 @@ Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weight
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointCorrupt, UnsupportedQuantization
+from ..hashes import blake2b_hex
 from ..spec import FUSED_PARTS
 from . import capabilities, registry
 from .capabilities import Capability
@@ -53,7 +53,7 @@ class QuantConfig:
 
 def config_hash(cfg: dict) -> str:
     """blake2b-128 hex digest of ``cfg`` as sorted, compact JSON."""
-    return hashlib.blake2b(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+    return blake2b_hex(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode())
 
 
 def natural_key(name: str) -> list:
