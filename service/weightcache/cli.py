@@ -289,6 +289,10 @@ def _state_text(sl: protocol.SlabInfo) -> str:
         return "evicted (run `weightcache preload` to load again)"
     if state == "retired":
         return f"retired: removed from the config, freed when its {_n(len(sl.leases), 'lease')} end"
+    if state == "hosted":
+        return f"in the host tier ({_human_bytes(sl.host_bytes)}; the next attach promotes it)"
+    if state == "on_disk":
+        return "on disk (the next attach loads it)"
     return state
 
 
@@ -307,6 +311,10 @@ def _print_status(st: protocol.ServiceStatus, now: float) -> None:
     print(f"  resident {_human_bytes(resident)} in {slabs}; "
           f"{where} free {_human_bytes(st.free_bytes)} of {_human_bytes(st.total_bytes)}; "
           f"{_n(leases, 'lease')}")
+    if st.budget_bytes:
+        tier = f"; host tier {_human_bytes(st.host_used_bytes)} of {_human_bytes(st.host_tier_bytes)}" \
+            if st.host_tier_bytes else ""
+        print(f"  budget {_human_bytes(st.gpu_bytes)} of {_human_bytes(st.budget_bytes)} used{tier}")
     print(f"  {st.status_line}")
     if st.config_error is not None:
         d = st.config_error.details
@@ -604,10 +612,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    results, rc = _per_gpu_request(args, lambda: protocol.Evict(args.model, args.force))
+    results, rc = _per_gpu_request(args, lambda: protocol.Evict(args.model, args.force, args.to or ""))
     for gpu, reply in results:
         for label in reply.evicted:
-            print(f"GPU {gpu}: evicted {label}")
+            print(f"GPU {gpu}: {'moved ' + label + ' to ' + args.to if args.to else 'evicted ' + label}")
         if not reply.evicted:
             print(f"GPU {gpu}: nothing resident to evict for {args.model}")
     return rc
@@ -843,10 +851,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("model")
     sp.add_argument("--force", action="store_true", help="evict even while engines hold leases (they keep their "
                                                          "mappings; the memory is freed when they detach)")
+    sp.add_argument("--to", choices=("host", "disk"), default=None,
+                    help="move the unleased slabs to the host tier, or drop them to disk, instead of evicting: "
+                         "the next attach brings them back")
     client_opts(sp)
     sp.set_defaults(fn=cmd_evict)
 
-    sp = sub.add_parser("preload", help="(re)load a failed or evicted model and wait for it")
+    sp = sub.add_parser("preload", help="(re)load a failed, evicted, host-tier or on-disk model and wait for it")
     sp.add_argument("model")
     sp.add_argument("--no-wait", action="store_true", help="start the load and return at once")
     sp.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the load (default 3600)")
