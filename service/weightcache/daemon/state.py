@@ -2,11 +2,13 @@
 
 Owns:
 
-- :class:`SlotState` and :class:`SlotEvent`, and :data:`TRANSITIONS`, the
+- :class:`SlotEvent` and :data:`TRANSITIONS`, the
   literal table of every allowed move (as h11's ``_state.py`` and Dynamo GMS's
   ``fsm.py``). :meth:`Slot.move` is the only code that changes a slot's state;
   a move the table does not hold raises :class:`IllegalTransition` (a broken
   invariant of the service itself: the serving loop logs CRITICAL and exits).
+  The states are :class:`~weightcache.wire.SlotState` (one definition for the
+  service, the protocol's records, the CLI and the metrics), re-exported here.
 - :class:`Slot` (one (model, layout, rank) on this GPU and its slab),
   :class:`Lease`, :class:`Peer` (one connection's identity, leases and parked
   attaches, without its socket) and :class:`ServiceState` (all of them, the
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,22 +34,10 @@ from typing import Any, Callable
 from .. import protocol
 from ..config import Placement
 from ..errors import ConfigError, ModelNotFound, RemoteProtocolError, WeightcacheError
+from ..hashes import blake2b_hex
 from ..manifest import Manifest
+from ..wire import UNSETTLED, AttachMode, SlotState
 from .limits import MAX_MODEL_BYTES
-
-
-class SlotState(enum.Enum):
-    """Where one slot is in its life; the value is what ``status`` reports."""
-
-    PENDING = "pending"   # configured, waiting for the loader
-    LOADING = "loading"   # the loader plans, reads and fills its slab
-    READY = "ready"       # sealed slab resident, attachable
-    FAILED = "failed"     # the last load failed; ``error`` says why
-    EVICTED = "evicted"   # freed by ``evict``; ``preload`` loads it again
-    RETIRED = "retired"   # removed from the config by a reload, kept while leased, attachable by nobody new
-    DROPPED = "dropped"   # removed from the config: out of the service's list (a load under way is discarded)
-    HOSTED = "hosted"     # demoted to the host tier (memory budget, ``evict --to host``); an attach promotes it
-    ON_DISK = "on_disk"   # not resident, by the memory budget or ``evict --to disk``; an attach loads it
 
 
 class SlotEvent(enum.Enum):
@@ -113,8 +102,6 @@ TRANSITIONS: tuple[Transition, ...] = (
 
 _TABLE: dict[tuple[SlotState, SlotEvent], SlotState] = {(t.source, t.event): t.target for t in TRANSITIONS}
 
-#: States in which a load is still to come or under way (attaches may wait).
-UNSETTLED = frozenset({S.PENDING, S.LOADING})
 #: States in which an attach loads or promotes the slab on demand.
 ON_DEMAND = frozenset({S.HOSTED, S.ON_DISK})
 
@@ -149,7 +136,7 @@ class Lease:
     uid: int
     gid: int
     since: float
-    mode: str
+    mode: AttachMode
 
     def info(self) -> protocol.LeaseInfo:
         """The lease as the ``status`` reply carries it."""
@@ -206,7 +193,7 @@ class Slot:
         """The slot's name in systemd's fd store (``slab-<id>``, ``manifest-<id>``): 16 hex digits."""
         p = self.placement
         raw = f"{p.model.name}\0{p.tp_size}\0{p.tp_rank}\0{p.gpu}".encode()
-        return hashlib.blake2b(raw, digest_size=8).hexdigest()
+        return blake2b_hex(raw, digest_size=8)
 
     @property
     def label(self) -> str:
@@ -334,7 +321,7 @@ class Slot:
             key = protocol.KeySummary(k.get("architecture"), k.get("quant_scheme"), k.get("pipeline_version"),
                                       len(k.get("checkpoint", {}).get("files", {})))
         return protocol.SlabInfo(
-            model=p.model.name, path=p.model.path, tp_size=p.tp_size, tp_rank=p.tp_rank, state=self.state.value,
+            model=p.model.name, path=p.model.path, tp_size=p.tp_size, tp_rank=p.tp_rank, state=self.state,
             done_bytes=self.done_bytes, total_bytes=self.total_bytes,
             rate_bytes_per_s=round(self.rate_bytes_per_s(now)),
             resident_bytes=self.sealed.size_bytes if self.sealed is not None else 0,
@@ -401,7 +388,7 @@ class ServiceState:
         """A PENDING slot for ``placement`` (not yet in :attr:`slots`), its checkpoint path resolved now."""
         return Slot(placement, realpath=os.path.realpath(placement.model.path), counts=self.transition_counts)
 
-    def lease(self, peer: Peer, slot: Slot, mode: str, since: float) -> Lease:
+    def lease(self, peer: Peer, slot: Slot, mode: AttachMode, since: float) -> Lease:
         """Grants ``peer`` a new lease on READY ``slot``; ``since`` is Unix time in seconds."""
         lease = Lease(self._next_lease, slot, peer.pid, peer.uid, peer.gid, since, mode)
         self._next_lease += 1
