@@ -91,6 +91,8 @@ class FdStore:
         self.device = device
         #: Store ids :meth:`adopt` left in systemd's store unclaimed (``drop_unknown=False``).
         self.left: set[str] = set()
+        #: Store id -> the slab's entry kind this process put or adopted there (``slab`` or ``host``).
+        self._kinds: dict[str, str] = {}
 
     @property
     def enabled(self) -> bool:
@@ -103,7 +105,9 @@ class FdStore:
         if not self.enabled:
             return
         sid = slot.store_id
-        self.remove(sid)
+        if sid in self._kinds:  # a tier move: the slot's earlier entries go first
+            self.remove(sid)
+        self._kinds[sid] = kind
         notify.notify(f"FDSTORE=1\nFDNAME={kind}-{sid}", [sealed.fd])
         notify.notify(f"FDSTORE=1\nFDNAME=manifest-{sid}", [manifest_file.fd])
 
@@ -112,10 +116,13 @@ class FdStore:
         entries: a restart takes it back into the host tier."""
         self.put(slot, hosted, manifest_file, "host")
 
-    def remove(self, sid: str) -> None:
-        """Drops every entry of store id ``sid`` (``FDSTOREREMOVE=1``): slab, host copy, manifest."""
-        for kind in ("slab", "host", "manifest"):
-            notify.notify(f"FDSTOREREMOVE=1\nFDNAME={kind}-{sid}")
+    def remove(self, sid: str, kind: str | None = None) -> None:
+        """Drops both entries of store id ``sid`` (``FDSTOREREMOVE=1``): the slab's (``kind``: ``slab`` or
+        ``host``; by default what this process put or adopted there, else ``slab``) and the manifest's."""
+        kind = kind or self._kinds.get(sid, "slab")
+        self._kinds.pop(sid, None)
+        for name in (kind, "manifest"):
+            notify.notify(f"FDSTOREREMOVE=1\nFDNAME={name}-{sid}")
 
     def adopt(self, stored: dict[str, list[int]], slots: list[Slot], drop_unknown: bool = True) -> dict[Slot, Adopted]:
         """Takes back the stored slabs that still match their slot; drops and closes everything else.
@@ -152,8 +159,9 @@ class FdStore:
                 os.close(fd)
             if kept:
                 out[slot] = kept
+                self._kinds[sid] = "host" if kept.tier == "host" else "slab"
             elif slot is not None or drop_unknown:
-                self.remove(sid)
+                self.remove(sid, "host" if host_fds else "slab")
             else:
                 self.left.add(sid)
         return out
