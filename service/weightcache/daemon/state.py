@@ -315,6 +315,8 @@ class ServiceState:
         self.loads_done = 0  # loads settled (ready or failed) since start
         self.config_error: ConfigError | None = None
         self._next_lease = 1
+        #: uid -> leases its connections hold (``max_leases_per_uid``).
+        self.leases_by_uid: collections.Counter = collections.Counter()
 
     def new_slot(self, placement: Placement) -> Slot:
         """A PENDING slot for ``placement`` (not yet in :attr:`slots`), its checkpoint path resolved now."""
@@ -326,11 +328,15 @@ class ServiceState:
         self._next_lease += 1
         peer.leases[lease.lease_id] = lease
         slot.leases[lease.lease_id] = lease
+        self.leases_by_uid[peer.uid] += 1
         return lease
 
     def end_lease(self, peer: Peer, lease: Lease) -> None:
         """Ends one lease of ``peer`` (release, or the connection closed)."""
-        peer.leases.pop(lease.lease_id, None)
+        if peer.leases.pop(lease.lease_id, None) is not None:
+            self.leases_by_uid[peer.uid] -= 1
+            if self.leases_by_uid[peer.uid] <= 0:
+                del self.leases_by_uid[peer.uid]
         lease.slot.leases.pop(lease.lease_id, None)
 
     @property
