@@ -101,7 +101,8 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
     ok, expected = ok_ck
     blocked = _blocked_checkpoint(tmp_path / "blocked", seed=8)
     later = llama_checkpoint(tmp_path / "later", seed=9)
-    svc = daemon(make_config({"ok": ok, "blocked": blocked, "later": later}, load_timeout_s=120), nofile=1024)
+    svc = daemon(make_config({"ok": ok, "blocked": blocked, "later": later}, load_timeout_s=120,
+                             max_leases_per_connection=1 << 20), nofile=1024)  # the cap under test: unread replies
     _wait_state(svc, "ok", ("ready",))
     _wait_state(svc, "blocked", ("loading",))
     before = svc.snapshot()
@@ -148,7 +149,7 @@ def test_unread_replies_are_capped_per_connection(daemon, ok_ck):
     daemon_unavailable. Now: at most 64 unread replies per connection, then resource_exhausted and no more reads
     from it; `status` and a new attach keep working; fds come back when the attackers close."""
     ok, expected = ok_ck
-    svc = daemon(make_config({"ok": ok}), nofile=1024)
+    svc = daemon(make_config({"ok": ok}, max_leases_per_connection=1 << 20), nofile=1024)  # cap under test: unread
     svc.wait_settled()
     before = svc.snapshot()
     attackers = [raw_connect(svc.socket_path) for _ in range(3)]

@@ -41,7 +41,8 @@ from ..errors import (AccessDenied, ConfigError, InternalError, LeaseBusy, Model
                       RemoteProtocolError, ResourceExhausted, WeightcacheError)
 from ..journal import event
 from . import access, reload
-from .state import IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED, describe_config_error
+from .state import (IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED, describe_config_error,
+                    lease_holders)
 
 log = logging.getLogger(__name__)
 
@@ -165,12 +166,15 @@ def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = Fal
         return tuple(s.info(now) for s in ctx.state.slots)
     shown = ctx.state.slots if every_slab else [s for s in ctx.state.slots if access.may_attach(peer, s, ctx.policy)]
 
-    def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
-        if x.uid == peer.uid and not every_slab:
-            return x
-        return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID)
+    def hidden(uid: int) -> bool:
+        return every_slab or uid != peer.uid
 
-    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases)) for i in (s.info(now) for s in shown))
+    def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
+        return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID) if hidden(x.uid) else x
+
+    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases),
+                                     lease_holders=lease_holders(s.leases.values(), hidden))
+                 for s, i in ((s, s.info(now)) for s in shown))
 
 
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:

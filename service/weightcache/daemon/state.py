@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -251,7 +252,22 @@ class Slot:
             adopted=self.adopted, dtype=p.model.dtype, naming=p.model.naming,
             tensors=len(m.tensors) if m is not None else 0,
             error=protocol.ErrorInfo(**self.error.to_wire()) if self.error is not None else None,
-            key=key, leases=tuple(lease.info() for lease in self.leases.values()))
+            key=key, leases=tuple(lease.info() for lease in itertools.islice(self.leases.values(),
+                                                                               protocol.MAX_LEASES_SHOWN)),
+            lease_count=len(self.leases), lease_holders=lease_holders(self.leases.values()))
+
+
+def lease_holders(leases: Any, hide: Callable[[int], bool] = lambda uid: False) -> tuple[protocol.LeaseHolder, ...]:
+    """Leases counted per (uid, pid), the :data:`~weightcache.protocol.MAX_LEASE_HOLDERS_SHOWN` largest first.
+
+    Holders for which ``hide(uid)`` is true are summed into one entry with
+    :data:`~weightcache.protocol.HIDDEN_ID` as uid and pid. Linear in the leases.
+    """
+    counts: collections.Counter = collections.Counter()
+    for x in leases:
+        counts[(protocol.HIDDEN_ID, protocol.HIDDEN_ID) if hide(x.uid) else (x.uid, x.pid)] += 1
+    return tuple(protocol.LeaseHolder(uid, pid, n)
+                 for (uid, pid), n in counts.most_common(protocol.MAX_LEASE_HOLDERS_SHOWN))
 
 
 @dataclass(eq=False)
