@@ -105,6 +105,7 @@ DAEMON_ROOMS = {
                    "weightcache.daemon.handlers"},
     "loop.py": {"torch"},
     "__init__.py": {"torch"},
+    "bootstrap.py": {"torch", "weightcache.cli", "weightcache.client"},
 }
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import enum
 import itertools
-import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -36,6 +35,7 @@ from typing import Any, Callable
 from .. import protocol
 from ..config import Placement
 from ..errors import ConfigError, ModelNotFound, RemoteProtocolError, WeightcacheError
+from ..hashes import blake2b_hex
 from ..manifest import Manifest
 from ..wire import UNSETTLED, AttachMode, SlotState
 from .limits import MAX_MODEL_BYTES
@@ -161,7 +161,7 @@ class Slot:
         """The slot's name in systemd's fd store (``slab-<id>``, ``manifest-<id>``): 16 hex digits."""
         p = self.placement
         raw = f"{p.model.name}\0{p.tp_size}\0{p.tp_rank}\0{p.gpu}".encode()
-        return hashlib.blake2b(raw, digest_size=8).hexdigest()
+        return blake2b_hex(raw, digest_size=8)
 
     @property
     def label(self) -> str:
