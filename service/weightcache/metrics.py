@@ -32,7 +32,7 @@ config places a model on (a configured GPU without a socket shows
 ``weightcache_socket_listening 0``). An idle node answers with what it knows:
 socket and unit state, no slabs.
 
-Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline.
+Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline, weightcache.client.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     InfoMetricFamily, Metric)
 
 from . import protocol
-from .client import Session, listening_gpus
+from .session import Session, listening_gpus
 from .errors import WeightcacheError
 from .wire import SlotState
 
