@@ -235,7 +235,7 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
             fam.add("weightcache_slab_state", lab + (state.value,), int(sl.state is state))
         fam.add("weightcache_slab_resident_bytes", lab, sl.resident_bytes)
         fam.add("weightcache_slab_tensors", lab, sl.tensors)
-        fam.add("weightcache_slab_leases", lab, len(sl.leases))
+        fam.add("weightcache_slab_leases", lab, sl.lease_count)
         fam.add("weightcache_slab_adopted", lab, int(sl.adopted))
     for sc in co.slabs:
         lab = (g, sc.model, sc.tp_size, sc.tp_rank)
