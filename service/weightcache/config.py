@@ -72,6 +72,10 @@ _SERVICE_KEYS = {
     "partial_frame_timeout_s": (int, float),
     "memory_budget_bytes": int,
     "host_tier_bytes": int,
+    "max_fds_in_flight_per_uid": int,
+    "max_leases_per_connection": int,
+    "max_leases_per_uid": int,
+    "max_connections": int,
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -86,6 +90,10 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "partial_frame_timeout_s": (0, False, 3600.0, "seconds an incomplete request may wait"),
     "memory_budget_bytes": (1024 * 1024, True, 1 << 50, "bytes of slabs on the GPU"),
     "host_tier_bytes": (0, True, 1 << 50, "bytes of host RAM for demoted slabs"),
+    "max_fds_in_flight_per_uid": (2, True, 1 << 20, "fds sent to one uid and not yet read"),
+    "max_leases_per_connection": (1, True, 1 << 24, "leases per connection"),
+    "max_leases_per_uid": (1, True, 1 << 24, "leases per uid"),
+    "max_connections": (1, True, 1 << 20, "connections, all uids"),
 }
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
@@ -201,6 +209,10 @@ class ServiceConfig:
     max_buffered_bytes: int = 16 * 1024 * 1024
     max_connections_per_uid: int = 64
     partial_frame_timeout_s: float = 10.0
+    max_fds_in_flight_per_uid: int = 4096
+    max_leases_per_connection: int = 256
+    max_leases_per_uid: int = 4096
+    max_connections: int = 4096
     memory_budget_bytes: int | None = None
     host_tier_bytes: int = 0
 
