@@ -1,6 +1,6 @@
 """What every ``weightcache`` command shares: exit statuses, the socket directory, asking instances, formatting.
 
-Forbidden imports: torch, weightcache.daemon, weightcache.pipeline, weightcache.memory, weightcache.loader.
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .. import protocol
-from ..client import Session, listening_gpus, resolve_socket_dir
+from ..session import Session, listening_gpus, resolve_socket_dir
 from ..config import load_config
 from ..errors import ConfigError, DaemonUnavailable, LeaseBusy, WeightcacheError
 

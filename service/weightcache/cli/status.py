@@ -2,7 +2,7 @@
 
 Every :class:`~weightcache.wire.SlotState` has its rendering (:func:`state_text`).
 
-Forbidden imports: torch, weightcache.daemon, weightcache.pipeline, weightcache.memory, weightcache.loader.
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
 """
 
 from __future__ import annotations
@@ -42,16 +42,20 @@ def state_text(sl: protocol.SlabInfo) -> str:
         case SlotState.EVICTED:
             return "evicted (run `weightcache preload` to load again)"
         case SlotState.RETIRED:
-            return f"retired: removed from the config, freed when its {plural(len(sl.leases), 'lease')} end"
+            return f"retired: removed from the config, freed when its {plural(sl.lease_count, 'lease')} end"
         case SlotState.DROPPED:
             return "dropped: removed from the config"
+        case SlotState.HOSTED:
+            return f"hosted: in the host tier ({human_bytes(sl.host_bytes)}; the next attach promotes it)"
+        case SlotState.ON_DISK:
+            return "on_disk: not resident (the next attach loads it)"
     return sl.state.value  # pending, and ready or failed without more to say
 
 
 def print_status(st: protocol.ServiceStatus, now: float) -> None:
     dev = st.device
     resident = sum(sl.resident_bytes for sl in st.slabs)
-    leases = sum(len(sl.leases) for sl in st.slabs)
+    leases = sum(sl.lease_count for sl in st.slabs)
     where = "GPU" if st.backend == "cuda" else "host RAM"
     head = f"GPU {st.gpu}  backend={st.backend}"
     if dev.gpu_uuid:
@@ -63,6 +67,10 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
     print(f"  resident {human_bytes(resident)} in {slabs}; "
           f"{where} free {human_bytes(st.free_bytes)} of {human_bytes(st.total_bytes)}; "
           f"{plural(leases, 'lease')}")
+    if st.budget_bytes:
+        tier = (f"; host tier {human_bytes(st.host_used_bytes)} of {human_bytes(st.host_tier_bytes)}"
+                if st.host_tier_bytes else "")
+        print(f"  memory budget {human_bytes(st.gpu_bytes)} of {human_bytes(st.budget_bytes)} used{tier}")
     print(f"  {st.status_line}")
     if st.config_error is not None:
         d = st.config_error.details
@@ -86,6 +94,9 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(le.since))
             print(f"      lease {le.lease_id}: {lease_holder(le)} mode={le.mode} "
                   f"since {since} ({format_age(now - le.since)} ago)")
+        if sl.lease_count > len(sl.leases):  # the service lists the first leases and counts the rest by holder
+            print(f"      ... {sl.lease_count - len(sl.leases)} more; by holder: "
+                  + ", ".join(f"uid {h.uid} pid {h.pid}: {h.count}" for h in sl.lease_holders))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -123,7 +134,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         for gpu, sl in rows:
             state = sl.state.value + ("*" if sl.adopted else "")
             print(f"{gpu:<4} {sl.model:<24} {sl.tp_size:>3} {sl.tp_rank:>4} {state:<9} "
-                  f"{human_bytes(sl.resident_bytes):>10} {len(sl.leases):>6}  {sl.path}")
+                  f"{human_bytes(sl.resident_bytes):>10} {sl.lease_count:>6}  {sl.path}")
         if any(sl.adopted for _, sl in rows):
             print("* adopted from the fd store")
     if not args.json:
