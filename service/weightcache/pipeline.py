@@ -282,19 +282,14 @@ class Filled:
 
 
 def may_need_torch(model: LoadRequest) -> bool:
-    """Whether loading ``model`` may need torch: a dtype to cast to, or a quantized checkpoint.
+    """Whether loading ``model`` may need torch: a dtype to cast to.
 
-    Reads ``config.json`` and the safetensors headers, no tensor data. A
-    checkpoint that cannot be opened answers ``False`` (its load fails on its
-    own). ``True`` is a hint: a configured dtype the checkpoint is already
-    stored in needs no cast, and :func:`fill` finds that out.
+    Everything else, ModelOpt FP8 included, is placed by the reader
+    (:mod:`weightcache.placement`). ``True`` is a hint: a configured dtype the
+    checkpoint is already stored in needs no cast, and :func:`fill` finds that
+    out; a CUDA slab without NVRTC falls back to torch on its own.
     """
-    if model.dtype != "auto":
-        return True
-    try:
-        return quant.modelopt_fp8.read_config(Checkpoint(model.path, validate=False)) is not None
-    except WeightcacheError:
-        return False
+    return model.dtype != "auto"
 
 
 def _counter(total: int, progress: Callable[[int, int], None] | None) -> tuple[Callable[[int], None], list[int]]:

@@ -94,7 +94,7 @@ def test_may_need_torch(tmp_path):
     fp8 = F.write_fp8_per_tensor(tmp_path / "fp8")
     assert pipeline.may_need_torch(ModelConfig(name="a", path=str(plain))) is False
     assert pipeline.may_need_torch(ModelConfig(name="b", path=str(plain), dtype="bfloat16")) is True
-    assert pipeline.may_need_torch(ModelConfig(name="c", path=str(fp8))) is True
+    assert pipeline.may_need_torch(ModelConfig(name="c", path=str(fp8))) is False  # placed: weightcache.placement
     assert pipeline.may_need_torch(ModelConfig(name="d", path=str(tmp_path / "absent"))) is False
 
 
