@@ -28,6 +28,7 @@ from . import protocol
 from .client import Session, listening_gpus, resolve_socket_dir
 from .config import Config, load_config
 from .errors import ConfigError, DaemonUnavailable, LeaseBusy, WeightcacheError
+from .wire import UNSETTLED, SlotState
 
 log = logging.getLogger("weightcache")
 
@@ -278,18 +279,21 @@ def _progress(sl: protocol.SlabInfo) -> str:
 
 
 def _state_text(sl: protocol.SlabInfo) -> str:
-    state = sl.state
-    if state == "loading":
-        return f"loading {_progress(sl)}"
-    if state == "ready" and sl.adopted:
-        return "ready (adopted from fd store)"
-    if state == "failed" and sl.error is not None:
-        return f"failed: {sl.error.code}"
-    if state == "evicted":
-        return "evicted (run `weightcache preload` to load again)"
-    if state == "retired":
-        return f"retired: removed from the config, freed when its {_n(len(sl.leases), 'lease')} end"
-    return state
+    """The slab's state for humans: its :class:`~weightcache.wire.SlotState` value first, then what it means."""
+    match sl.state:
+        case SlotState.LOADING:
+            return f"loading {_progress(sl)}"
+        case SlotState.READY if sl.adopted:
+            return "ready (adopted from fd store)"
+        case SlotState.FAILED if sl.error is not None:
+            return f"failed: {sl.error.code}"
+        case SlotState.EVICTED:
+            return "evicted (run `weightcache preload` to load again)"
+        case SlotState.RETIRED:
+            return f"retired: removed from the config, freed when its {_n(len(sl.leases), 'lease')} end"
+        case SlotState.DROPPED:
+            return "dropped: removed from the config"
+    return sl.state.value  # pending, and ready or failed without more to say
 
 
 def _print_status(st: protocol.ServiceStatus, now: float) -> None:
@@ -334,7 +338,7 @@ def _print_status(st: protocol.ServiceStatus, now: float) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     statuses, errors = _collect(args)
-    failed = any(sl.state == "failed" for st in statuses for sl in st.slabs) or any(
+    failed = any(sl.state is SlotState.FAILED for st in statuses for sl in st.slabs) or any(
         st.config_error is not None for st in statuses)
     if args.json:
         print(json.dumps({"gpus": [st.to_json() for st in statuses], "unreachable": [e.to_json() for e in errors]},
@@ -365,7 +369,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     elif statuses:
         print(f"{'GPU':<4} {'MODEL':<24} {'TP':>3} {'RANK':>4} {'STATE':<9} {'RESIDENT':>10} {'LEASES':>6}  PATH")
         for gpu, sl in rows:
-            state = sl.state + ("*" if sl.adopted else "")
+            state = sl.state.value + ("*" if sl.adopted else "")
             print(f"{gpu:<4} {sl.model:<24} {sl.tp_size:>3} {sl.tp_rank:>4} {state:<9} "
                   f"{_human_bytes(sl.resident_bytes):>10} {len(sl.leases):>6}  {sl.path}")
         if any(sl.adopted for _, sl in rows):
@@ -589,7 +593,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for gpu, reply in results:
         for r in reply.typed():
             label = f"GPU {gpu} {r.label}"
-            if r.state != "ready":
+            if r.state is not SlotState.READY:
                 rc = rc or EXIT_FAILED
                 print(f"{label}: {r.state}, not resident: nothing to verify")
             elif r.mismatched:
@@ -637,7 +641,7 @@ class _Lines:
     def update(self, label: str, sl: protocol.SlabInfo) -> None:
         now = time.monotonic()
         prev = self.last.get(label)
-        if prev is not None and prev[0] == sl.state and (sl.state != "loading" or now - prev[1] < self.period_s):
+        if prev is not None and prev[0] == sl.state and (sl.state is not SlotState.LOADING or now - prev[1] < self.period_s):
             return
         self.last[label] = (sl.state, now)
         print(f"{label}: {_state_text(sl)}", flush=True)
@@ -675,7 +679,7 @@ def _wait(args: argparse.Namespace, model: str | None) -> int:
                     progress.update(tasks[label], completed=sl.done_bytes, total=total)
                 else:
                     lines.update(label, sl)
-            if not any(sl.state in ("pending", "loading") for _, sl in slabs):
+            if not any(sl.state in UNSETTLED for _, sl in slabs):
                 break
             if time.monotonic() > deadline:
                 print(f"timed out after {args.wait_timeout:.0f}s waiting for the loads", file=sys.stderr)
@@ -687,7 +691,7 @@ def _wait(args: argparse.Namespace, model: str | None) -> int:
     if model is not None and not slabs:
         print(f"model {model!r} is not configured on any GPU (see `weightcache list`)", file=sys.stderr)
         return EXIT_FAILED
-    failed = [(gpu, sl) for gpu, sl in slabs if sl.state == "failed"]
+    failed = [(gpu, sl) for gpu, sl in slabs if sl.state is SlotState.FAILED]
     for gpu, sl in failed:
         err = sl.error or protocol.ErrorInfo("unknown", "no error recorded")
         print(f"GPU {gpu} {sl.label} failed: {err.code}: {err.message}", file=sys.stderr)

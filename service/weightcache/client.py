@@ -45,8 +45,8 @@ from .errors import (
 from .fdpass import recv_with_fds
 from .journal import event
 from .manifest import MAX_MANIFEST_BYTES, LayoutMap, Manifest, build_views, unpack_file
-from .sharding import NAMINGS
 from .spec import DTYPE_NAMES, LoadRequest
+from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +376,7 @@ class AttachRequest:
         model (`str`): checkpoint directory, or a model name from the service's config.
         tp_size, tp_rank (`int`): the layout and this engine's rank.
         device (`str`): ``cpu`` or ``cuda:N``.
-        mode (`str`): ``zero_copy`` or ``copy``.
+        mode (`AttachMode`): ``zero_copy`` or ``copy`` (a string is parsed into the member).
         fallback (`bool`): load from disk when the service cannot serve.
         timeout (`float`): seconds to wait for the service, a load in progress included.
         socket_dir (`str | None`): see :func:`resolve_socket_dir`.
@@ -393,18 +393,21 @@ class AttachRequest:
     tp_size: int = 1
     tp_rank: int = 0
     device: str = "cpu"
-    mode: str = "zero_copy"
+    mode: AttachMode = DEFAULT_MODE
     fallback: bool = True
     timeout: float = 30.0
     socket_dir: str | None = None
     gpu: int | None = None
-    dtype: str = "auto"
-    naming: str = "hf"
-    kernel: str = "cutlass"
+    dtype: str = DEFAULT_DTYPE
+    naming: str = DEFAULT_NAMING
+    kernel: str = DEFAULT_KERNEL
 
     def __post_init__(self) -> None:
-        if self.mode not in ("zero_copy", "copy"):
-            raise ValueError(f"mode must be 'zero_copy' or 'copy', got {self.mode!r}")
+        try:  # the engine's API raises ValueError (documented); the wire message parses the same enum
+            object.__setattr__(self, "mode", AttachMode(self.mode))
+        except ValueError:
+            raise ValueError(f"mode must be one of {', '.join(repr(m.value) for m in AttachMode)}, "
+                             f"got {self.mode!r}") from None
         # A pathlib.Path or a torch.device is as good as its string.
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
@@ -455,9 +458,9 @@ def _arg_problems(req: AttachRequest) -> Iterator[tuple[str, str]]:
         yield f"kernel {req.kernel!r} must be a string such as 'cutlass'", "kernel"
 
 
-def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", mode: str = "zero_copy",
+def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", mode: str = DEFAULT_MODE,
            fallback: bool = True, timeout: float = 30.0, socket_dir: str | None = None, gpu: int | None = None,
-           dtype: str = "auto", naming: str = "hf", kernel: str = "cutlass") -> Attachment:
+           dtype: str = DEFAULT_DTYPE, naming: str = DEFAULT_NAMING, kernel: str = DEFAULT_KERNEL) -> Attachment:
     """Attaches the weights of one tensor-parallel rank.
 
     Args:
@@ -658,8 +661,8 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: di
                 expected["revision"] = key.get("revision", "")
             else:  # by name: the operator's choices, checked against the checkpoint as it is now
                 ck = Checkpoint(reply.checkpoint_path, validate=False)
-                mc = load_request(str(ck.path), key.get("dtype", "auto"), key.get("naming", "hf"),
-                                  key.get("kernel") or "cutlass", key.get("revision", ""))
+                mc = load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE), key.get("naming", DEFAULT_NAMING),
+                                  key.get("kernel") or DEFAULT_KERNEL, key.get("revision", ""))
                 expected = pipeline.key_fields(mc, tp_size, tp_rank, ck, backend.device_info())
             # A slab of another backend (host slab, cuda:N engine) differs in device.backend.
             try:
@@ -684,7 +687,7 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: di
                                        f"({manifest.slab_size_bytes} bytes declared, {slab.size_bytes} mapped): {e}",
                                        socket=sock_path, slab_size_bytes=manifest.slab_size_bytes) from None
         layouts = LayoutMap(manifest)
-        if mode == "copy":
+        if mode is AttachMode.COPY:
             views = _copy_views(views)
             session.close()
             slab.close()

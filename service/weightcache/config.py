@@ -49,10 +49,10 @@ else:  # pragma: no cover
 from .errors import ConfigError
 from .loader import default_threads
 from .spec import DTYPE_NAMES, LoadRequest
+from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, NAMINGS
 
 DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
 BACKENDS = ("auto", "cuda", "host")
-NAMINGS = ("hf", "vllm")
 #: Highest GPU index a layout may name: CUDA device ordinals of one node (``nvidia-smi`` numbering).
 MAX_GPU_INDEX = 1023
 
@@ -285,13 +285,13 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         raise _err(path, f"{k}.path", "missing: the checkpoint directory is required")
     _check_type(path, f"{k}.path", table["path"], str)
     _check_absolute(path, f"{k}.path", table["path"])
-    dtype = table.get("dtype", "auto")
+    dtype = table.get("dtype", DEFAULT_DTYPE)
     if dtype not in DTYPE_NAMES:
         raise _err(path, f"{k}.dtype", f"{dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
-    naming = table.get("naming", "hf")
+    naming = table.get("naming", DEFAULT_NAMING)
     if naming not in NAMINGS:
         raise _err(path, f"{k}.naming", f"{naming!r} is not one of {', '.join(NAMINGS)}")
-    kernel = table.get("kernel", "cutlass")
+    kernel = table.get("kernel", DEFAULT_KERNEL)
     _check_type(path, f"{k}.kernel", kernel, str)
     for lk in ("allow_users", "allow_groups"):
         v = table.get(lk, [])

@@ -50,6 +50,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from . import protocol
 from .client import Session, listening_gpus
 from .errors import WeightcacheError
+from .wire import SlotState
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,8 @@ log = logging.getLogger(__name__)
 UNIT_STATES = ("active", "reloading", "inactive", "failed", "activating", "deactivating", "unknown")
 #: States of a service that may be asked without starting it.
 ASKABLE = frozenset({"active", "reloading"})
-#: A slab's states (``weightcache.daemon.state.SlotState`` values).
-SLAB_STATES = ("pending", "loading", "ready", "failed", "evicted")
+#: A slab's states: every :class:`~weightcache.wire.SlotState` member, in its order (one series each).
+SLAB_STATES: tuple[SlotState, ...] = tuple(SlotState)
 
 SLAB_LABELS = ("gpu", "model", "tp_size", "tp_rank")
 
@@ -223,7 +224,7 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
     for sl in st.slabs:
         lab = (g, sl.model, sl.tp_size, sl.tp_rank)
         for state in SLAB_STATES:
-            fam.add("weightcache_slab_state", lab + (state,), int(sl.state == state))
+            fam.add("weightcache_slab_state", lab + (state.value,), int(sl.state is state))
         fam.add("weightcache_slab_resident_bytes", lab, sl.resident_bytes)
         fam.add("weightcache_slab_tensors", lab, sl.tensors)
         fam.add("weightcache_slab_leases", lab, len(sl.leases))

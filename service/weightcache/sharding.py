@@ -40,6 +40,7 @@ from typing import Any
 from .checkpoint import Checkpoint, TensorInfo
 from .errors import ConfigError, ShapeMismatch, UnsupportedArchitecture
 from .spec import SourceRef, TensorSpec
+from .wire import NAMINGS
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 #: multiple of this (``DEFAULT_VOCAB_PADDING_SIZE``), independent of tp_size.
 VOCAB_PADDING = 64
 
-NAMINGS = ("hf", "vllm")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING
+
 
 #: ``dtype`` names -> safetensors dtype code of the slab (``auto``: the checkpoint's own).
 DTYPE_NAMES = {"auto": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -43,9 +45,9 @@ class LoadRequest:
 
     name: str
     path: str
-    dtype: str = "auto"
-    naming: str = "hf"
-    kernel: str = "cutlass"
+    dtype: str = DEFAULT_DTYPE
+    naming: str = DEFAULT_NAMING
+    kernel: str = DEFAULT_KERNEL
     revision: str = ""
 
 

@@ -48,6 +48,8 @@ def _example(cls):
         t = str(f.type)
         vals[f.name] = {"int": 3, "str": "x", "bool": True, "dict": {"a": [1]}, "list": [1, "b"], "bytes": b"\x00pay\nload"}[
             t.split("|")[0].strip().split("[")[0]]
+    if cls is protocol.Attach:  # a field with a closed set of values (weightcache.wire.AttachMode)
+        vals["mode"] = "copy"
     return cls(**vals)
 
 

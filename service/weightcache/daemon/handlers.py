@@ -217,13 +217,12 @@ def _dtype_matches(slot: Slot, requested: str) -> bool:
 def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
     """``attach``: a lease and the slab's fd, or ``loading``, or parks the request while the slot loads.
 
+    ``msg.mode`` is an :class:`~weightcache.wire.AttachMode` (checked when the frame was decoded).
+
     Raises:
-        RemoteProtocolError (`protocol_violation`): unknown ``mode``.
         ModelNotFound (`model_not_found`), AccessDenied (`access_denied`),
         ModelLoadFailed (`model_load_failed`): see :func:`answer_attach`.
     """
-    if msg.mode not in ("zero_copy", "copy"):
-        raise RemoteProtocolError(f"attach: mode must be zero_copy or copy, got {msg.mode!r}", field="mode")
     st = ctx.state
     slot = st.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming, _dtype_matches)[0]
     access.check_attach(peer, slot, ctx.policy)

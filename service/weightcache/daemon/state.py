@@ -2,11 +2,13 @@
 
 Owns:
 
-- :class:`SlotState` and :class:`SlotEvent`, and :data:`TRANSITIONS`, the
+- :class:`SlotEvent` and :data:`TRANSITIONS`, the
   literal table of every allowed move (as h11's ``_state.py`` and Dynamo GMS's
   ``fsm.py``). :meth:`Slot.move` is the only code that changes a slot's state;
   a move the table does not hold raises :class:`IllegalTransition` (a broken
   invariant of the service itself: the serving loop logs CRITICAL and exits).
+  The states are :class:`~weightcache.wire.SlotState` (one definition for the
+  service, the protocol's records, the CLI and the metrics), re-exported here.
 - :class:`Slot` (one (model, layout, rank) on this GPU and its slab),
   :class:`Lease`, :class:`Peer` (one connection's identity, leases and parked
   attaches, without its socket) and :class:`ServiceState` (all of them, the
@@ -34,19 +36,8 @@ from .. import protocol
 from ..config import Placement
 from ..errors import ConfigError, ModelNotFound, RemoteProtocolError, WeightcacheError
 from ..manifest import Manifest
+from ..wire import UNSETTLED, AttachMode, SlotState
 from .limits import MAX_MODEL_BYTES
-
-
-class SlotState(enum.Enum):
-    """Where one slot is in its life; the value is what ``status`` reports."""
-
-    PENDING = "pending"   # configured, waiting for the loader
-    LOADING = "loading"   # the loader plans, reads and fills its slab
-    READY = "ready"       # sealed slab resident, attachable
-    FAILED = "failed"     # the last load failed; ``error`` says why
-    EVICTED = "evicted"   # freed by ``evict``; ``preload`` loads it again
-    RETIRED = "retired"   # removed from the config by a reload, kept while leased, attachable by nobody new
-    DROPPED = "dropped"   # removed from the config: out of the service's list (a load under way is discarded)
 
 
 class SlotEvent(enum.Enum):
@@ -94,9 +85,6 @@ TRANSITIONS: tuple[Transition, ...] = (
 
 _TABLE: dict[tuple[SlotState, SlotEvent], SlotState] = {(t.source, t.event): t.target for t in TRANSITIONS}
 
-#: States in which a load is still to come or under way (attaches may wait).
-UNSETTLED = frozenset({S.PENDING, S.LOADING})
-
 del S, E
 
 
@@ -128,7 +116,7 @@ class Lease:
     uid: int
     gid: int
     since: float
-    mode: str
+    mode: AttachMode
 
     def info(self) -> protocol.LeaseInfo:
         """The lease as the ``status`` reply carries it."""
@@ -256,7 +244,7 @@ class Slot:
             key = protocol.KeySummary(k.get("architecture"), k.get("quant_scheme"), k.get("pipeline_version"),
                                       len(k.get("checkpoint", {}).get("files", {})))
         return protocol.SlabInfo(
-            model=p.model.name, path=p.model.path, tp_size=p.tp_size, tp_rank=p.tp_rank, state=self.state.value,
+            model=p.model.name, path=p.model.path, tp_size=p.tp_size, tp_rank=p.tp_rank, state=self.state,
             done_bytes=self.done_bytes, total_bytes=self.total_bytes,
             rate_bytes_per_s=round(self.rate_bytes_per_s(now)),
             resident_bytes=self.sealed.size_bytes if self.sealed is not None else 0,
@@ -320,7 +308,7 @@ class ServiceState:
         """A PENDING slot for ``placement`` (not yet in :attr:`slots`), its checkpoint path resolved now."""
         return Slot(placement, realpath=os.path.realpath(placement.model.path), counts=self.transition_counts)
 
-    def lease(self, peer: Peer, slot: Slot, mode: str, since: float) -> Lease:
+    def lease(self, peer: Peer, slot: Slot, mode: AttachMode, since: float) -> Lease:
         """Grants ``peer`` a new lease on READY ``slot``; ``since`` is Unix time in seconds."""
         lease = Lease(self._next_lease, slot, peer.pid, peer.uid, peer.gid, since, mode)
         self._next_lease += 1

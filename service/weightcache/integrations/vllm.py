@@ -88,6 +88,7 @@ from .. import sharding
 from ..checkpoint import Checkpoint
 from ..client import Attachment, attach, physical_gpu
 from ..errors import ConfigError, ShapeMismatch, WeightcacheError
+from ..wire import DEFAULT_KERNEL, DEFAULT_MODE, AttachMode
 from . import vllm_zero_copy as zc
 
 # vLLM attaches its handler to the "vllm" logger only; a child of it shows in
@@ -102,17 +103,17 @@ _PROFILED: dict["_Rank", Attachment] = {}
 #: The ``--load-format`` value.
 LOAD_FORMAT = "weightcache"
 
-#: ``mode`` values.
-MODES = ("zero_copy", "copy")
+#: ``mode`` values (:class:`~weightcache.wire.AttachMode`).
+MODES = tuple(m.value for m in AttachMode)
 
 #: Extra config keys: name -> (accepted types, default).
 EXTRA_CONFIG: dict[str, tuple[tuple[type, ...], Any]] = {
     "socket_dir": ((str, type(None)), None),
     "fallback": ((bool,), True),
-    "mode": ((str,), "zero_copy"),
+    "mode": ((str,), DEFAULT_MODE.value),
     "timeout_s": ((int, float), 30.0),
     "gpu": ((int, type(None)), None),
-    "kernel": ((str,), "cutlass"),
+    "kernel": ((str,), DEFAULT_KERNEL),
 }
 
 

@@ -1,0 +1,46 @@
+"""The wire protocol, sans-I/O (in the manner of h11, split as Dynamo's memory service splits its own).
+
+Rooms:
+
+- :mod:`.messages`: one frozen, self-validating dataclass per request and
+  per reply (:data:`REQUESTS`, :data:`REPLIES`);
+- :mod:`.records`: the typed records inside replies (slab and service
+  status, verify results, metrics counters);
+- :mod:`.codec`: :func:`encode`/:func:`decode` of one frame, the limits, and
+  the connection's state table written out (:data:`TABLE`);
+- :mod:`.connection`: :class:`Connection`, one side of a connection
+  (buffering, fd matching by count, the state machine).
+
+The values both ends share (slab states, attach modes, namings, request
+defaults) live in :mod:`weightcache.wire` and are re-exported here.
+``from weightcache import protocol; protocol.X`` keeps working for every name
+the single module ``protocol.py`` had. See ``docs/protocol.md``.
+
+No I/O: it never opens or closes an fd; the I/O code in :mod:`weightcache.daemon`
+and :mod:`weightcache.client` owns them.
+
+Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
+weightcache.daemon, weightcache.pipeline.
+"""
+
+from ..wire import AttachMode, SlotState
+from .codec import (CLIENT, CLOSED, IN, MAX_FDS_PER_FRAME, MAX_FRAME_BYTES, OUT, PROTOCOL_VERSION, READY,
+                    REPLY_TYPES, REQUEST_TYPES, SERVER, START, TABLE, TRANSITIONS, Transition, decode, encode)
+from .connection import NEED_DATA, Connection
+from .messages import (INT_MAX, INT_MIN, REPLIES, REQUESTS, Attach, AttachReply, Error, Evict, EvictReply, Hello,
+                       HelloReply, List, ListReply, Loading, Message, Metrics, MetricsReply, Preload, PreloadReply,
+                       Release, ReleaseReply, Reload, ReloadReply, Status, StatusReply, Verify, VerifyReply)
+from .records import (HIDDEN_ID, AttachCount, AttachTimes, DeviceInfo, ErrorInfo, KeySummary, LeaseInfo, LoadCount,
+                      ServiceCounters, ServiceStatus, SlabCounters, SlabInfo, VerifyResult)
+
+__all__ = [
+    "CLIENT", "CLOSED", "IN", "MAX_FDS_PER_FRAME", "MAX_FRAME_BYTES", "OUT", "PROTOCOL_VERSION", "READY",
+    "REPLY_TYPES", "REQUEST_TYPES", "SERVER", "START", "TABLE", "TRANSITIONS", "Transition", "decode", "encode",
+    "NEED_DATA", "Connection",
+    "INT_MAX", "INT_MIN", "REPLIES", "REQUESTS", "Attach", "AttachReply", "Error", "Evict", "EvictReply", "Hello",
+    "HelloReply", "List", "ListReply", "Loading", "Message", "Metrics", "MetricsReply", "Preload", "PreloadReply",
+    "Release", "ReleaseReply", "Reload", "ReloadReply", "Status", "StatusReply", "Verify", "VerifyReply",
+    "HIDDEN_ID", "AttachCount", "AttachTimes", "DeviceInfo", "ErrorInfo", "KeySummary", "LeaseInfo", "LoadCount",
+    "ServiceCounters", "ServiceStatus", "SlabCounters", "SlabInfo", "VerifyResult",
+    "AttachMode", "SlotState",
+]

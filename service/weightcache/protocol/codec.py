@@ -1,0 +1,148 @@
+"""Frames and the connection's state table: encode/decode of one frame, and every allowed move, written out.
+
+Frames on a Unix stream socket: a 4-byte big-endian length ``N`` followed by
+``N`` bytes of one UTF-8 JSON object (no NaN, at most :data:`MAX_FRAME_BYTES`).
+The object's ``type`` is the snake_case name of a message class
+(:mod:`weightcache.protocol.messages`); its optional ``fd_count`` says how many
+file descriptors travel as ``SCM_RIGHTS`` with the frame (docs/protocol.md).
+
+:data:`TABLE` is the connection state machine as a literal table (as h11's
+``_state.py``): for each role, state and direction, the message types allowed
+and the state they lead to. :class:`~weightcache.protocol.connection.Connection`
+looks moves up in :data:`TRANSITIONS`, the same table keyed by message type.
+
+Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
+weightcache.daemon, weightcache.protocol.connection.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import LocalProtocolError, RemoteProtocolError
+from .messages import REPLIES, REQUESTS, Message, _check_field, _specs
+
+#: 3: the manifest travels as a sealed memfd beside the slab (2: inside the frame; 1: JSON lists).
+PROTOCOL_VERSION = 3
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+MAX_FDS_PER_FRAME = 8
+_LEN = struct.Struct(">I")
+
+# --- the connection state table ------------------------------------------------------
+
+#: Roles: which end of the connection this :class:`~weightcache.protocol.connection.Connection` is.
+CLIENT, SERVER = "client", "server"
+#: States: before ``hello``, after it, and after EOF or any protocol error.
+START, READY, CLOSED = "start", "ready", "closed"
+#: Directions: a message received (``in``) or sent (``out``).
+IN, OUT = "in", "out"
+
+#: Wire types of the requests after ``hello`` (a test checks them against :data:`~weightcache.protocol.messages.REQUESTS`).
+REQUEST_TYPES = ("list", "status", "attach", "release", "verify", "evict", "preload", "reload", "metrics")
+#: Wire types of the replies (a test checks them against :data:`~weightcache.protocol.messages.REPLIES`).
+REPLY_TYPES = ("hello_reply", "list_reply", "status_reply", "attach_reply", "loading", "release_reply",
+               "verify_reply", "evict_reply", "preload_reply", "reload_reply", "error", "metrics_reply")
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One row of :data:`TABLE`: in ``state``, role ``role`` may move ``types`` in ``direction``, to ``target``."""
+
+    role: str
+    state: str
+    direction: str
+    types: tuple[str, ...]
+    target: str
+
+
+#: Every allowed move; anything absent is a protocol violation (local when sending, remote when receiving)
+#: and moves the connection to CLOSED.
+TABLE: tuple[Transition, ...] = (
+    # the service: hello first, exactly once; a rejected hello is answered with an error
+    Transition(SERVER, START, IN, ("hello",), READY),
+    Transition(SERVER, START, OUT, ("error",), START),
+    Transition(SERVER, READY, IN, REQUEST_TYPES, READY),
+    Transition(SERVER, READY, OUT, REPLY_TYPES, READY),
+    # the client: the mirror image
+    Transition(CLIENT, START, OUT, ("hello",), READY),
+    Transition(CLIENT, START, IN, ("error",), START),
+    Transition(CLIENT, READY, OUT, REQUEST_TYPES, READY),
+    Transition(CLIENT, READY, IN, REPLY_TYPES, READY),
+)
+
+#: (our role, state, direction, message type) -> next state: :data:`TABLE` keyed by message type.
+TRANSITIONS: dict[tuple[str, str, str, str], str] = {
+    (t.role, t.state, t.direction, typ): t.target for t in TABLE for typ in t.types}
+
+# --- frames ---------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    """Serialises one message into a frame (length prefix + JSON).
+
+    Raises:
+        LocalProtocolError (`local_protocol_violation`): the frame exceeds
+            :data:`MAX_FRAME_BYTES`.
+    """
+    body = json.dumps(msg.to_json(), allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise LocalProtocolError(f"frame of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit",
+                                 size_bytes=len(body))
+    return _LEN.pack(len(body)) + body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode(body: bytes) -> tuple[Message, int]:
+    """Parses one frame body into ``(message, fd_count)``.
+
+    Raises:
+        RemoteProtocolError (`protocol_violation`): invalid UTF-8/JSON (a NUL
+            byte included), not an object, unknown ``type``, unknown or
+            mistyped fields, or a value the message refuses (``attach``'s ``mode``).
+    """
+    try:
+        obj = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        # Lone surrogates ("\ud800") parse but cannot be encoded again (e.g. echoed in an error).
+        # Valid UTF-8 cannot hold a surrogate, so one can only come from a \uD800-\uDFFF
+        # escape; re-encode (as costly as the parse) only when the body has one.
+        if _SURROGATE_ESCAPE.search(body):
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except (UnicodeError, ValueError) as e:
+        raise RemoteProtocolError(f"frame is not valid UTF-8 JSON: {e}") from None
+    except RecursionError:
+        raise RemoteProtocolError("frame is not valid UTF-8 JSON: nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise RemoteProtocolError(f"frame must be a JSON object, got {type(obj).__name__}")
+    tag = obj.pop("type", None)
+    fd_count = obj.pop("fd_count", 0)
+    if not isinstance(fd_count, int) or isinstance(fd_count, bool) or not 0 <= fd_count <= MAX_FDS_PER_FRAME:
+        raise RemoteProtocolError(f"fd_count must be an integer 0..{MAX_FDS_PER_FRAME}, got {fd_count!r}")
+    cls = Message.TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message type {tag!r}", type=str(tag)[:64])
+    specs = _specs(cls)
+    names = {name for name, _, _ in specs}
+    unknown = set(obj) - names
+    if unknown:
+        raise RemoteProtocolError(f"message {tag!r} has unknown field {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
+    if fd_count != cls.FD_COUNT:
+        raise RemoteProtocolError(f"message {tag!r} must carry {cls.FD_COUNT} fds, frame declares {fd_count}")
+    for spec in specs:
+        if spec[0] in obj:
+            _check_field(tag, spec, obj[spec[0]], RemoteProtocolError)
+    try:
+        return cls(**obj), fd_count
+    except TypeError as e:
+        raise RemoteProtocolError(f"message {tag!r} is missing a field: {e}") from None
+    except LocalProtocolError as e:  # the message's own check (e.g. attach's mode) refused the peer's value
+        raise RemoteProtocolError(e.message, **e.details) from None

@@ -1,0 +1,358 @@
+"""The wire messages: one frozen, slotted dataclass per request and per reply, each validating itself.
+
+A message's wire ``type`` is the snake_case name of its class (``AttachReply``
+-> ``attach_reply``); its fields are JSON values whose types the annotations
+give (``int`` fields hold signed 64-bit integers). A message checks its field
+types when built, and a field with a closed set of values (``Attach.mode``)
+is parsed into its :mod:`weightcache.wire` enum there, once: built here, a bad
+value raises :class:`~weightcache.errors.LocalProtocolError`; decoded from a
+peer's frame (:mod:`weightcache.protocol.codec`), the same check raises
+:class:`~weightcache.errors.RemoteProtocolError`. Replies that carry records
+(:mod:`weightcache.protocol.records`) give them typed through ``typed()``.
+
+Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
+weightcache.daemon, weightcache.protocol.codec, weightcache.protocol.connection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..errors import LocalProtocolError, WeightcacheError
+from ..wire import DEFAULT_MODE, AttachMode
+from .records import ServiceCounters, ServiceStatus, SlabInfo, VerifyResult
+
+#: Integers on the wire are signed 64-bit, so that any client language can hold them.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+_JSON_TYPES = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list, "float": (int, float)}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of every message. Subclasses are frozen, slotted dataclasses.
+
+    ``fd_count`` is a class-level constant for messages that carry fds.
+    """
+
+    FD_COUNT: ClassVar[int] = 0
+    TYPES: ClassVar[dict[str, type["Message"]]] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super(Message, cls).__init_subclass__(**kw)
+        Message.TYPES[_snake(cls.__name__)] = cls
+
+    @classmethod
+    def tag(cls) -> str:
+        """The wire ``type``: the class name in snake_case (``AttachReply`` -> ``attach_reply``)."""
+        tag = _TAGS.get(cls)
+        if tag is None:
+            tag = _TAGS[cls] = _snake(cls.__name__)
+        return tag
+
+    def to_json(self) -> dict[str, Any]:
+        """The message's JSON fields, with ``type`` (and ``fd_count``)."""
+        d = {name: getattr(self, name) for name, _, _ in _specs(type(self))}
+        d["type"] = self.tag()
+        if self.FD_COUNT:
+            d["fd_count"] = self.FD_COUNT
+        return d
+
+    def __post_init__(self) -> None:
+        tag = type(self).tag()
+        for spec in _specs(type(self)):
+            _check_field(tag, spec, getattr(self, spec[0]), LocalProtocolError)
+
+
+_SPECS: dict[type, tuple[tuple[str, str, bool], ...]] = {}
+_TAGS: dict[type, str] = {}
+
+
+def _specs(cls: type) -> tuple[tuple[str, str, bool], ...]:
+    """``(field name, JSON base type, optional)`` of each field of message class ``cls``, computed once."""
+    specs = _SPECS.get(cls)
+    if specs is None:
+        out = []
+        for f in dataclasses.fields(cls):
+            spec = str(f.type).replace(" ", "")
+            out.append((f.name, spec.removesuffix("|None").split("[")[0], spec.endswith("|None")))
+        specs = _SPECS[cls] = tuple(out)
+    return specs
+
+
+def _check_field(tag: str, spec: tuple[str, str, bool], value: Any, exc: type) -> None:
+    name, base, optional = spec
+    if value is None and optional:
+        return
+    want = _JSON_TYPES[base]
+    if isinstance(value, bool) and base != "bool":
+        raise exc(f"message {tag!r}: field {name!r} must be {base}, got a boolean", field=name)
+    if not isinstance(value, want):
+        raise exc(f"message {tag!r}: field {name!r} must be {base}, got {type(value).__name__}", field=name)
+    if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
+        raise exc(f"message {tag!r}: field {name!r} is outside the signed 64-bit range", field=name)
+
+
+# --- requests (client -> service) -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """First frame of a connection. ``client`` is a free-form identity string."""
+
+    protocol_version: int
+    client: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class List(Message):
+    """Asks for the models placed on this GPU."""
+
+
+@dataclass(frozen=True, slots=True)
+class Status(Message):
+    """Asks for the full status (states, progress, leases, memory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Attach(Message):
+    """Asks for one slab.
+
+    Attributes:
+        model: a model name from the config, or a checkpoint path.
+        tp_size, tp_rank: the layout and rank.
+        wait_ms: how long the service may hold the request while the model loads
+            (0: answer ``loading`` at once).
+        dtype, naming: when attaching by path, select among configured models.
+        mode (`AttachMode`): ``zero_copy`` or ``copy`` (recorded with the lease); a string is
+            parsed into the member.
+
+    Raises:
+        LocalProtocolError (`local_protocol_violation`): ``mode`` is not an
+            :class:`~weightcache.wire.AttachMode` (decoded from a frame:
+            RemoteProtocolError, `protocol_violation`).
+    """
+
+    model: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    wait_ms: int = 0
+    dtype: str | None = None
+    naming: str | None = None
+    mode: str = DEFAULT_MODE
+
+    def __post_init__(self) -> None:
+        Message.__post_init__(self)
+        if not isinstance(self.mode, AttachMode):
+            try:
+                object.__setattr__(self, "mode", AttachMode(self.mode))
+            except ValueError:
+                raise LocalProtocolError(f"attach: mode must be one of {', '.join(m.value for m in AttachMode)}, "
+                                         f"got {self.mode!r}", field="mode") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """Ends one lease (closing the connection ends all of them)."""
+
+    lease_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verify(Message):
+    """Recompute the content digests of a resident slab (all ranks if tp_size is None)."""
+
+    model: str
+    tp_size: int | None = None
+    tp_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Evict(Message):
+    """Free a model's slabs and fd-store entries; refused while leased unless ``force``."""
+
+    model: str
+    force: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Preload(Message):
+    """Start (or restart after failure/eviction) the load of a model's slabs on this GPU."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reload(Message):
+    """Re-read the configuration and apply it (``systemctl reload``, ``weightcache reload``; root or the service user)."""
+
+
+# --- replies (service -> client) --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReply(Message):
+    """Answer to ``hello``: the service's protocol version, GPU index and UUID, backend (``host`` | ``cuda``) and capabilities."""
+
+    protocol_version: int
+    gpu: int
+    gpu_uuid: str
+    backend: str
+    capabilities: list = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ListReply(Message):
+    """Answer to ``list``: one :class:`SlabInfo` object per (model, layout, rank) on this GPU."""
+
+    models: list
+
+    def slabs(self) -> tuple[SlabInfo, ...]:
+        """The typed records."""
+        return tuple(SlabInfo.from_json(m) for m in self.models)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply(Message):
+    """Answer to ``status``: a :class:`ServiceStatus` object (GPU, backend, memory, every slab, leases)."""
+
+    status: dict
+
+    def typed(self) -> ServiceStatus:
+        """The typed record."""
+        return ServiceStatus.from_json(self.status)
+
+
+@dataclass(frozen=True, slots=True)
+class AttachReply(Message):
+    """A lease on one slab; two fds travel with this frame: the slab, then its manifest file.
+
+    The manifest file is a sealed memfd holding the slab's packed manifest
+    (:func:`weightcache.manifest.pack_file`, docs/protocol.md), the same for
+    every attach of the slab; it travels beside the frame so that a manifest
+    of any tensor count fits (at most ``MAX_MANIFEST_BYTES`` of
+    :mod:`weightcache.manifest`, checked when the slab is loaded).
+
+    Attributes:
+        lease_id: ends with :class:`Release` or the connection.
+        checkpoint_path: the checkpoint directory the slab was loaded from.
+        backend: ``host`` or ``cuda``.
+        manifest_size_bytes: the manifest file's size in bytes.
+    """
+
+    FD_COUNT: ClassVar[int] = 2
+    lease_id: int
+    checkpoint_path: str
+    backend: str
+    manifest_size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Loading(Message):
+    """The model is still loading; progress in bytes."""
+
+    model: str
+    done_bytes: int
+    total_bytes: int
+    state: str = "loading"
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReply(Message):
+    """Answer to ``release``: the lease that ended."""
+
+    lease_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReply(Message):
+    """Answer to ``verify``: one :class:`VerifyResult` object per slab."""
+
+    results: list
+
+    def typed(self) -> tuple[VerifyResult, ...]:
+        """The typed records."""
+        return tuple(VerifyResult.from_json(r) for r in self.results)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictReply(Message):
+    """Answer to ``evict``: labels (``model/tpN/rankR``) of the slabs freed."""
+
+    evicted: list
+
+
+@dataclass(frozen=True, slots=True)
+class PreloadReply(Message):
+    """Answer to ``preload``: labels of the slabs whose load started."""
+
+    started: list
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadReply(Message):
+    """Answer to ``reload`` once the new configuration is applied; labels (``model/tpN/rankR``) of the slabs.
+
+    Attributes:
+        added: new or changed placements, now loading.
+        dropped: removed or changed placements whose slab was freed (or never loaded).
+        retired: removed or changed placements kept while leases hold them (freed at the last release).
+        kept: unchanged placements (slab and leases untouched; a failed one is loaded again).
+        restart_keys: changed ``[service]`` keys that take effect at the next restart only.
+        files: the configuration files read.
+    """
+
+    added: list
+    dropped: list
+    retired: list
+    kept: list
+    restart_keys: list = field(default_factory=list)
+    files: list = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A typed error: ``code`` (see docs/errors.md), ``message``, ``details``."""
+
+    code: str
+    message: str
+    details: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_exc(cls, e: WeightcacheError) -> "Error":
+        return cls(**e.to_wire())
+
+
+
+# --- metrics (protocol version 3; docs/protocol.md "metrics") ----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics(Message):
+    """Asks for the status and the service's counters (what ``weightcache metrics`` exports)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsReply(Message):
+    """Answer to ``metrics``: a :class:`ServiceStatus` object and a :class:`ServiceCounters` object."""
+
+    status: dict
+    counters: dict
+
+    def typed(self) -> tuple[ServiceStatus, ServiceCounters]:
+        """The typed records."""
+        return ServiceStatus.from_json(self.status), ServiceCounters.from_json(self.counters)
+
+
+#: Every request class, ``hello`` first (the order of their wire tags in the codec's state table).
+REQUESTS = (Hello, List, Status, Attach, Release, Verify, Evict, Preload, Reload, Metrics)
+#: Every reply class.
+REPLIES = (HelloReply, ListReply, StatusReply, AttachReply, Loading, ReleaseReply, VerifyReply, EvictReply,
+           PreloadReply, ReloadReply, Error, MetricsReply)
