@@ -356,7 +356,18 @@ def fill(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
         timings: dict[str, float] = {}
         manifest = execute(p, slab.tensor, progress, opts, timings=timings)
         return Filled(manifest, False, timings["read_s"], timings["digest_s"], p.payload_bytes)
-    return _fill_placed(p, placed, slab, opts, progress)
+    try:
+        return _fill_placed(p, placed, slab, opts, progress)
+    except Exception as e:
+        from .memory.kernels import KernelError
+
+        if not isinstance(e, KernelError):
+            raise
+        # NVRTC loaded but refused the program (an unknown GPU, a driver too old): the torch path rewrites every byte.
+        log.warning("GPU kernels unavailable, the torch pipeline fills checkpoint=%s error=%s", p.checkpoint.path, e)
+        timings: dict[str, float] = {}
+        manifest = execute(p, slab.tensor, progress, opts, timings=timings)
+        return Filled(manifest, False, timings["read_s"], timings["digest_s"], p.payload_bytes)
 
 
 def _placement(p: Plan, slab) -> placement.Placement | None:
