@@ -1,28 +1,30 @@
 """The parallel reader: checkpoint byte ranges straight to their slab offsets.
 
-Tensors whose slab bytes are a contiguous byte range of one checkpoint file
-(whole tensors, and row shards along dim 0 without a dtype change) never pass
-through Python objects: a pool of threads reads them with ``os.preadv``
+Every tensor whose slab bytes are checkpoint bytes (whole tensors, TP shards
+along any dimension, the parts of a fused tensor, FP8 rows at a padded pitch:
+:mod:`weightcache.placement`) is one or more :class:`ReadTask` s, contiguous
+or strided, that never pass through Python objects: a pool of threads reads
+them with ``os.preadv``
 
-- host slab: straight into the memfd mapping (no staging);
+- host slab: straight into the memfd mapping (no staging; strided rows read
+  as one span go through a per-thread buffer and a numpy strided copy);
 - CUDA slab: into a bounded ring of pinned host buffers (two per thread), each
-  copied with ``non_blocking=True`` on the thread's own CUDA stream to its
-  planned offset; a buffer is reused only after its copy's event completed.
+  copied asynchronously on the thread's own CUDA stream to its planned offset
+  (``cuMemcpyHtoDAsync``, ``cuMemcpy2DAsync`` for strided rows); a buffer is
+  reused only after its copy's event completed.
 
 Staging memory is ``threads * 2 * chunk_bytes`` and never the whole
 checkpoint. With ``o_direct=True`` files are opened ``O_DIRECT`` (page cache
 bypassed) and each read covers the 4 KiB-aligned superset of its range.
 
-Two entry points: :func:`read_into_slab` writes into a torch tensor (loads
-that also process tensors, and the client's disk fallback; a CPU tensor goes
-through :func:`read_direct`'s host loop);
-:func:`read_direct` needs no torch at all and fills a backend's writable slab
-through its ``buffer`` (host memfd mapping) or its ``stager()`` (CUDA:
-cuda-bindings' pinned buffers, stream and events), taking the content
-digests on the way (host: ``xxh3_128`` over the mapping; CUDA: ``xxh3c``
-from the staging buffers) (:mod:`weightcache.digest`). A service's first load of an
-unquantized checkpoint without a cast goes that way, so its first bytes are
-read before torch is imported.
+Two entry points: :func:`read_into_slab` writes into a torch tensor (the
+torch pipeline, kept as the reference, and the client's disk fallback; a CPU
+tensor goes through :func:`read_direct`'s host loop); :func:`read_direct`
+needs no torch at all and fills a backend's writable slab through its
+``buffer`` (host memfd mapping) or its ``stager()`` (CUDA: cuda-bindings'
+pinned buffers, stream and events), then takes the content digests where the
+bytes are (host: ``xxh3_128`` over the mapping; CUDA: ``sum64`` by a kernel
+on the GPU) (:func:`weightcache.digest.slab_digests`).
 
 Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client.
 """
@@ -315,11 +317,8 @@ class DirectRead:
 
     Attributes:
         bytes_read (`int`): bytes read from the checkpoint files.
-        read_s (`float`): wall time of the read (on CUDA it includes the
-            digests, taken from the staging buffers on the way).
-        digest_s (`float`): host: wall time of the digests after the read;
-            CUDA: the share of ``read_s`` the digests took (thread-seconds spent
-            hashing, divided by the number of threads).
+        read_s (`float`): wall time of the read.
+        digest_s (`float`): wall time of the digests after the read.
         digests (`dict[str, str]`): tensor name -> digest (empty without digests).
     """
 

@@ -266,11 +266,9 @@ class Filled:
     Attributes:
         manifest (`Manifest`): of the filled slab, digests included.
         torch_free (`bool`): the slab was filled without importing torch
-            (every tensor a byte range of a file, :func:`weightcache.loader.read_direct`).
+            (every tensor a placement, :mod:`weightcache.placement`).
         read_s (`float`): wall time reading (and processing) the tensors, seconds.
-        digest_s (`float`): wall time of the digests after the read, seconds
-            (CUDA's torch-free path takes them during the read: there, the
-            share of ``read_s`` they took).
+        digest_s (`float`): wall time of the digests after the read, seconds.
         bytes_read (`int`): payload bytes written.
     """
 
