@@ -44,7 +44,7 @@ over the ranks); ``--fp8 tensor|channel`` uses a Llama-3-8B-shaped ModelOpt
 FP8 checkpoint (``benchmarks/modelopt_fp8_checkpoint.py``) instead;
 ``--cold-attach`` has a fresh process attach rank 0 after each timed READY
 (``import weightcache``, ``import torch`` + CUDA init and the first
-``attach()`` timed apart).
+``attach()`` timed apart), then asks the service to ``verify`` the model.
 
 Usage: bench_first_start.py [--device cuda|cpu] [--size-gb G] [--reps N] [--read-threads N]
        [--activator systemd|holder] [--naming hf,vllm] [--tp N] [--fp8 none|tensor|channel]
@@ -229,9 +229,18 @@ t2 = time.perf_counter()
 w = weightcache.attach("m", tp_size=int(sys.argv[3]), tp_rank=0, device=device, naming=sys.argv[4],
                        socket_dir=sys.argv[1], fallback=False)
 t3 = time.perf_counter()
-print(json.dumps({"import_weightcache_s": t1 - t0, "import_torch_and_cuda_s": t2 - t1, "first_attach_s": t3 - t2,
-                  "tensors": len(w.tensors), "source": w.source, "heavy_modules_at_import": heavy}))
 w.close()
+import os
+from weightcache import protocol
+from weightcache.client import Session
+s = Session(os.path.join(sys.argv[1], "0.sock"))
+t4 = time.perf_counter()
+reply = s.request(protocol.Verify("m"), timeout=300)
+t5 = time.perf_counter()
+bad = sum(len(r.mismatched) for r in reply.typed())
+print(json.dumps({"import_weightcache_s": t1 - t0, "import_torch_and_cuda_s": t2 - t1, "first_attach_s": t3 - t2,
+                  "tensors": len(w.tensors), "source": w.source, "heavy_modules_at_import": heavy,
+                  "verify_s": t5 - t4, "verify_mismatched": bad}))
 """
 
 
@@ -331,13 +340,15 @@ def main() -> int:
         cold = [x["cold_attach"] for x in runs if "cold_attach" in x]
         if cold and all("error" not in c for c in cold):
             c = {k: stats([x[k] for x in cold]) for k in ("import_weightcache_s", "import_torch_and_cuda_s",
-                                                          "first_attach_s")}
+                                                          "first_attach_s", "verify_s")}
             r["cold_attach"] = {"stages_s": c, "runs": cold}
             md += ["", f"cold attach (fresh process, rank 0, {cold[0]['tensors']} tensors): `import weightcache` "
                        f"{c['import_weightcache_s']['median'] * 1e3:.1f} ms, `import torch` + CUDA init "
                        f"{c['import_torch_and_cuda_s']['median'] * 1e3:.0f} ms, first `attach()` "
                        f"{c['first_attach_s']['median'] * 1e3:.1f} ms; pipeline modules loaded by the import: "
-                       f"{cold[0]['heavy_modules_at_import'] or 'none'}"]
+                       f"{cold[0]['heavy_modules_at_import'] or 'none'}; `verify` of every rank (through the "
+                       f"socket, the service's digests recomputed): {c['verify_s']['median']:.3f} s, "
+                       f"{sum(x['verify_mismatched'] for x in cold)} mismatched"]
         elif cold:
             md += ["", f"cold attach failed: {cold[0]['error'][-300:]}"]
         md.append("")
