@@ -31,7 +31,6 @@ Forbidden imports: socket, weightcache.daemon, weightcache.client.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import pwd
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointCorrupt, CheckpointNotFound, CheckpointUnreadable
+from .hashes import blake2b_hex
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Same cap as the safetensors Rust core (100 MB header).
@@ -159,11 +159,6 @@ def _read_small(path: str) -> bytes | None:
         return None
     except PermissionError:
         raise unreadable(path) from None
-
-
-def _blake2b_128(data: bytes) -> str:
-    """Hex blake2b-128 of ``data``: the hash of every header and side file in the cache key."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def _stat_identity(st: os.stat_result) -> dict[str, int]:
@@ -568,7 +563,7 @@ class Checkpoint:
             # The fstat taken before the header was read: a rewrite after it moves ctime, so a later
             # identity_diff sees it (a stat taken after the read could pair a new stat with an old header).
             files[fname] = {**_stat_identity(self._stats[fname]),
-                            "header_blake2b": _blake2b_128(raw_headers[fname])}
+                            "header_blake2b": blake2b_hex(raw_headers[fname])}
         return {
             "files": files,
             "index": self._index_identity(),
@@ -578,8 +573,8 @@ class Checkpoint:
     def _side_file_hashes(self) -> dict[str, str]:
         """blake2b-128 of ``config.json`` and ``hf_quant_config.json`` (empty bytes when absent)."""
         return {
-            "config_json_blake2b": _blake2b_128(self.config_bytes),
-            "quant_config_blake2b": _blake2b_128(self._extra.get("hf_quant_config.json", b"")),
+            "config_json_blake2b": blake2b_hex(self.config_bytes),
+            "quant_config_blake2b": blake2b_hex(self._extra.get("hf_quant_config.json", b"")),
         }
 
     def _index_identity(self) -> dict[str, int] | None:

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from .sizes import ceil_div
+
 #: Chunk size of the ``xxh3c`` digest, in bytes (part of the format: changing it needs a new prefix).
 CHUNK_BYTES = 1 << 20
 #: Host bytes per device-to-host copy when ``verify`` hashes an ``xxh3c`` tensor on the GPU.
@@ -95,7 +97,7 @@ class ChunkedXXH3:
 
     def __init__(self, size_bytes: int) -> None:
         self.size_bytes = size_bytes
-        self._parts: list[bytes | None] = [None] * (-(-size_bytes // CHUNK_BYTES))
+        self._parts: list[bytes | None] = [None] * ceil_div(size_bytes, CHUNK_BYTES)
 
     def add(self, buf, offset_bytes: int) -> None:
         """Hashes the bytes ``buf`` (bytes-like) found at ``offset_bytes`` of the tensor.

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator
 from . import digest
 from .checkpoint import Checkpoint, open_file, pread_exact
 from .manifest import TensorRecord, itemsize
+from .sizes import round_up
 from .spec import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
                 lo = t.file_offset - t.file_offset % DIRECT_ALIGN if opts.o_direct else t.file_offset
                 delta = t.file_offset - lo
                 need = delta + t.length
-                span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN if opts.o_direct else need
+                span = round_up(need, DIRECT_ALIGN) if opts.o_direct else need
                 mv = memoryview(bufs[b].numpy())[:span]
                 _pread_exact(fd, mv, lo, need, t)
                 src = bufs[b][delta : delta + t.length]
@@ -385,7 +386,7 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
             return 0, t.length
         lo = t.file_offset - t.file_offset % DIRECT_ALIGN if opts.o_direct else t.file_offset
         need = t.file_offset - lo + t.file_span
-        span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN if opts.o_direct else need
+        span = round_up(need, DIRECT_ALIGN) if opts.o_direct else need
         _pread_exact(fd, stage[:span], lo, need, t)
         return t.file_offset - lo, t.src_pitch
 

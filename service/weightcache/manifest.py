@@ -20,6 +20,7 @@ from itertools import accumulate
 from typing import Any, Iterator
 
 from .errors import ManifestInvalid, ManifestTooLarge
+from .sizes import round_up
 
 # safetensors dtype code -> (torch dtype attribute name, item size in bytes).
 # Source: safetensors `Dtype` enum (safetensors/src/tensor.rs).
@@ -59,7 +60,7 @@ def torch_dtype(dtype: str):
 
 def align(n: int, alignment: int = ALIGNMENT_BYTES) -> int:
     """Rounds ``n`` bytes up to a multiple of ``alignment`` bytes."""
-    return (n + alignment - 1) // alignment * alignment
+    return round_up(n, alignment)
 
 
 def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ config places a model on (a configured GPU without a socket shows
 ``weightcache_socket_listening 0``). An idle node answers with what it knows:
 socket and unit state, no slabs.
 
-Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline.
+Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline, weightcache.client.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     InfoMetricFamily, Metric)
 
 from . import protocol
-from .client import Session, listening_gpus
+from .session import Session, listening_gpus
 from .errors import WeightcacheError
 from .wire import SlotState
 
@@ -69,7 +69,14 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                                      "1 when /run/weightcache/N.sock exists (weightcache@N.socket listens)"),
     "weightcache_service_state": ("gauge", ("gpu", "state"),
                                   "1 for the systemd ActiveState of weightcache@N.service (unknown: not asked)"),
-    "weightcache_instance_up": ("gauge", ("gpu",), "1 when the instance answered this scrape's metrics request"),
+    "weightcache_instance_up": ("gauge", ("gpu",),
+                                "1 when the instance's daemon answered this scrape's metrics request (it may still "
+                                "serve nothing: see weightcache_config_rejected); 0 when nothing answered or "
+                                "weightcache-hold did (runtime missing)"),
+    "weightcache_config_rejected": ("gauge", ("gpu",),
+                                    "1 while the instance serves without its configuration files (they did not load "
+                                    "at start or at the last reload; the journal's config_rejected event names the "
+                                    "file, line and key)"),
     "weightcache_build": ("info", ("gpu", "version", "protocol_version", "backend", "gpu_uuid",
                                    "compute_capability"), "The instance's weightcache version and device"),
     "weightcache_start_time_seconds": ("gauge", ("gpu",), "When the instance started, Unix time in seconds"),
@@ -216,6 +223,7 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
     fam.f["weightcache_build"].add_metric([g], {
         "version": co.version, "protocol_version": str(protocol.PROTOCOL_VERSION), "backend": st.backend,
         "gpu_uuid": st.device.gpu_uuid, "compute_capability": st.device.compute_capability})
+    fam.add("weightcache_config_rejected", (g,), int(st.config_error is not None))
     fam.add("weightcache_start_time_seconds", (g,), co.started_at)
     fam.add("weightcache_clients", (g,), st.clients)
     fam.add("weightcache_memory_slab_bytes", (g,), sum(sl.resident_bytes for sl in st.slabs))
@@ -227,7 +235,7 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
             fam.add("weightcache_slab_state", lab + (state.value,), int(sl.state is state))
         fam.add("weightcache_slab_resident_bytes", lab, sl.resident_bytes)
         fam.add("weightcache_slab_tensors", lab, sl.tensors)
-        fam.add("weightcache_slab_leases", lab, len(sl.leases))
+        fam.add("weightcache_slab_leases", lab, sl.lease_count)
         fam.add("weightcache_slab_adopted", lab, int(sl.adopted))
     for sc in co.slabs:
         lab = (g, sc.model, sc.tp_size, sc.tp_rank)

@@ -1,10 +1,24 @@
 """sd_notify(3) and sd_listen_fds(3) for the service.
 
-Uses systemd-python (``systemd.daemon``) when it is installed and a small
-pure-Python fallback otherwise (same wire format: one datagram of
-``KEY=VALUE`` lines to ``$NOTIFY_SOCKET``, a leading ``@`` meaning the
-abstract namespace, fds as ``SCM_RIGHTS``). Outside systemd
-(``$NOTIFY_SOCKET`` unset) every call is a no-op returning ``False``.
+``notify`` uses systemd-python (``systemd.daemon.notify(state, fds=...)``,
+libsystemd itself) whenever it is installed: the packages depend on it
+(``python3-systemd``; the ``systemd`` extra for pip). Without it, a
+pure-Python fallback sends the same datagram: ``KEY=VALUE`` lines to
+``$NOTIFY_SOCKET`` (a leading ``@`` meaning the abstract namespace), fds as
+``SCM_RIGHTS``.
+
+``listen_fds`` is written here, one path for every installation: it only
+reads three environment variables, the fallback would need it anyway, and
+systemd-python's ``listen_fds_with_names`` (235) fails with ``EINVAL`` on
+``LISTEN_FDS=0``.
+
+The PyPI ``sdnotify`` package is not used (and not a dependency): it cannot
+pass fds, which the fd store (``FDSTORE=1`` + ``FDNAME=``) needs, and it
+swallows send errors; using it for fd-less notifications only would be a
+second code path for the same datagram. Outside systemd (``$NOTIFY_SOCKET``
+unset) every call is a no-op returning ``False``.
+
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.protocol.
 """
 
 from __future__ import annotations
@@ -29,37 +43,44 @@ def notify(state: str, fds: list[int] | None = None) -> bool:
 
     Args:
         state (`str`): newline-separated ``KEY=VALUE`` assignments.
-        fds (`list[int]`, *optional*): fds to pass (with ``FDSTORE=1``).
+        fds (`list[int]`, *optional*): fds to pass (with ``FDSTORE=1`` and
+            ``FDNAME=``); the caller keeps them open and owns them.
 
     Returns:
-        `bool`: whether a notify socket existed and the datagram was sent.
+        `bool`: whether a notify socket existed and the datagram was sent. A
+        send error is logged as a warning (``notify failed``) and gives
+        ``False``: the service goes on without the manager's acknowledgement.
     """
     path = os.environ.get("NOTIFY_SOCKET")
     if not path:
         return False
-    if _sd_daemon is not None and not fds:
-        return bool(_sd_daemon.notify(state))
+    try:
+        if _sd_daemon is not None:
+            sent = _sd_daemon.notify(state, fds=list(fds)) if fds else _sd_daemon.notify(state)
+            return bool(sent)
+        _send(path, state, fds or [])
+    except OSError as e:
+        log.warning("notify failed state=%r error=%s", state.split("\n")[0], e)
+        return False
+    return True
+
+
+def _send(path: str, state: str, fds: list[int]) -> None:
+    """The fallback datagram (systemd-python missing)."""
     addr = "\0" + path[1:] if path.startswith("@") else path
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        try:
-            if fds:
-                # socket.send_fds() drops its address argument on Python 3.11: use sendmsg.
-                s.sendmsg([state.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], 0, addr)
-            else:
-                s.sendto(state.encode(), addr)
-        except OSError as e:
-            log.warning("notify failed state=%r error=%s", state.split("\n")[0], e)
-            return False
-    return True
+        # socket.send_fds() drops its address argument on Python 3.11: use sendmsg.
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        s.sendmsg([state.encode()], ancillary, 0, addr)
 
 
 def listen_fds() -> dict[str, list[int]]:
     """The fds systemd passed (``$LISTEN_FDS``), grouped by ``$LISTEN_FDNAMES``.
 
     Returns:
-        `dict[str, list[int]]`: name -> fds (unnamed fds under ``"unknown"``).
-        Empty when ``$LISTEN_PID`` is not this process. The variables are
-        unset afterwards so children do not inherit them.
+        `dict[str, list[int]]`: name -> fds (unnamed fds under ``"unknown"``),
+        each close-on-exec. Empty when ``$LISTEN_PID`` is not this process.
+        The variables are unset afterwards so children do not inherit them.
     """
     try:
         if int(os.environ.get("LISTEN_PID", "0")) != os.getpid():

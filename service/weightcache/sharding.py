@@ -39,6 +39,7 @@ from typing import Any
 
 from .checkpoint import Checkpoint, TensorInfo
 from .errors import ConfigError, ShapeMismatch, UnsupportedArchitecture
+from .sizes import round_up
 from .spec import SourceRef, TensorSpec
 from .wire import NAMINGS
 
@@ -116,7 +117,7 @@ def family_of(config: dict[str, Any]) -> Family | None:
 
 def padded_vocab_size(vocab_size: int) -> int:
     """vLLM's ``pad_vocab_size``: ``vocab_size`` rounded up to :data:`VOCAB_PADDING`."""
-    return (vocab_size + VOCAB_PADDING - 1) // VOCAB_PADDING * VOCAB_PADDING
+    return round_up(vocab_size, VOCAB_PADDING)
 
 
 @dataclass(frozen=True)

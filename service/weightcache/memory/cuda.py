@@ -56,6 +56,7 @@ import weakref
 from typing import Any, Iterator
 
 from ..errors import ConfigError, DeviceError, OutOfMemory
+from ..sizes import round_up
 
 try:  # cuda-bindings is an optional dependency (extra "cuda").
     from cuda.bindings import driver as cu
@@ -166,10 +167,6 @@ def gpu_uuid(index: int) -> str:
     _init_driver()
     dev = _check("cuDeviceGet", cu.cuDeviceGet(index), f"GPU index {index}")
     return _format_uuid(_uuid_bytes(_check("cuDeviceGetUuid", cu.cuDeviceGetUuid(dev))))
-
-
-def _round_up(n: int, granularity: int) -> int:
-    return max(granularity, (n + granularity - 1) // granularity * granularity)
 
 
 class _Device:
@@ -343,7 +340,7 @@ class _Mapping:
 
 def _map_fd(device: _Device, fd: int, size_bytes: int, read_only: bool) -> _Mapping:
     """Imports a POSIX fd handle and maps its first ``size_bytes``; ``fd`` stays open."""
-    size_bytes = _round_up(size_bytes, device.granularity)
+    size_bytes = max(device.granularity, round_up(size_bytes, device.granularity))
     with device.current():
         handle = _check(
             "cuMemImportFromShareableHandle",
@@ -495,7 +492,7 @@ class CudaWritableSlab:
 
     def __init__(self, device: _Device, size_bytes: int, label: str) -> None:
         self.label = label
-        self.size_bytes = _round_up(size_bytes, device.granularity)
+        self.size_bytes = max(device.granularity, round_up(size_bytes, device.granularity))
         self._device = device
         with device.current():
             ret = cu.cuMemCreate(self.size_bytes, device.prop, 0)

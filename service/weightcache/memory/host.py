@@ -15,6 +15,7 @@ import os
 import warnings
 
 from ..errors import OutOfMemory
+from ..sizes import round_up
 
 PAGE = mmap.PAGESIZE
 F_SEAL_SEAL = 0x0001
@@ -118,7 +119,7 @@ def host_memory_info() -> tuple[int, int]:
 
 
 def _round(size_bytes: int) -> int:
-    return max(PAGE, (size_bytes + PAGE - 1) // PAGE * PAGE)
+    return max(PAGE, round_up(size_bytes, PAGE))
 
 
 class HostWritableSlab(_MappedTensor):

@@ -34,7 +34,6 @@ weightcache.client.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -44,6 +43,8 @@ from typing import Any
 
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointCorrupt, UnsupportedQuantization
+from ..hashes import blake2b_hex
+from ..sizes import round_up
 from ..sharding import FUSED_PARTS  # fused projections and their parts, as vLLM's packed_modules_mapping
 from ..spec import SourceRef, TensorSpec
 from . import capabilities
@@ -92,7 +93,7 @@ class QuantConfig:
 
 def config_hash(cfg: dict) -> str:
     """blake2b-128 hex digest of ``cfg`` as sorted, compact JSON."""
-    return hashlib.blake2b(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+    return blake2b_hex(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode())
 
 
 def _natural_key(name: str) -> list:
@@ -260,7 +261,7 @@ def capability(ck: Checkpoint, qc: QuantConfig, kernel: str | None = None) -> Ca
 
 
 def _ceil(n: int, m: int = ALIGN_ELEMENTS) -> int:
-    return (n + m - 1) // m * m
+    return round_up(n, m)
 
 
 def check_layers(ck: Checkpoint, qc: QuantConfig, cap: Capability) -> set[str]:
