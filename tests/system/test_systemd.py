@@ -360,6 +360,42 @@ def test_two_instances_are_independent(box):
         held.close()
 
 
+def test_the_umbrella_reloads_every_instance_and_stop_waits_for_them(box, tmp_path):
+    """Issue 26: "systemctl reload weightcache" (the umbrella service, as postgresql.service is for clusters;
+    a target cannot be reloaded) applies the config in every running instance without a restart, and
+    "systemctl stop weightcache.target" returns only once no instance runs."""
+    c, conf = box, "/etc/weightcache/weightcache.toml"
+    units = ["weightcache@0.service", "weightcache@1.service"]
+    slow_stop = "/etc/systemd/system/weightcache@.service.d/60-slow-stop.conf"
+    c.run(["systemctl", "start", "weightcache.target", *units])
+    assert c.show("weightcache.service", "ActiveState") == {"ActiveState": "active"}  # pulled in by the target
+    pids = [c.show(u, "MainPID")["MainPID"] for u in units]
+    _tiny_checkpoint(c, tmp_path, "/srv/wc-tiny")
+    c.write(conf, _config(c.ckpt) + '\n[models.tiny]\npath = "/srv/wc-tiny"\n'
+                                   'layouts = [{ tp = 1, gpus = [0] }, { tp = 1, gpus = [1] }]\n')
+    try:
+        c.run(["systemctl", "reload", "weightcache.service"], timeout=120)
+        for gpu, (unit, pid) in enumerate(zip(units, pids)):
+            _wait_until(f"tiny loaded on GPU {gpu}",
+                        lambda: _slab_states(c, gpu) == {"minilm": "ready", "tiny": "ready"})
+            assert c.show(unit, "MainPID") == {"MainPID": pid}  # reloaded, not restarted
+            assert len(journal(c, unit, "reloaded", pid)) == 1
+        # An instance that only listens is not started by the reload.
+        assert c.show("weightcache@2.service", "ActiveState") == {"ActiveState": "inactive"}
+
+        # Each instance takes a second to stop: the target's stop waits for both.
+        c.write(slow_stop, "[Service]\nExecStopPost=/bin/sleep 1\n")
+        c.run(["systemctl", "daemon-reload"])
+        c.run(["systemctl", "stop", "weightcache.target"], timeout=120)
+        for unit in units + ["weightcache.service"]:
+            assert c.show(unit, "ActiveState") == {"ActiveState": "inactive"}, unit
+    finally:
+        c.run(["rm", "-f", slow_stop])
+        c.run(["systemctl", "daemon-reload"])
+        c.write(conf, _config(c.ckpt))
+        c.run(["rm", "-rf", "/srv/wc-tiny"])
+
+
 def test_only_the_clients_group_may_connect(box):
     c = box
     c.run(["systemctl", "start", "weightcache@0.socket"])

@@ -60,6 +60,7 @@ def test_verify_has_no_warnings(tmp_path):
     assert names == ["weightcache@0.service", "weightcache@0.socket"]
     r = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", *[f"./{n}" for n in names], "./weightcache.target",
+         "./weightcache.service",
          "./weightcache-metrics.socket", "./weightcache-metrics.service"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )
@@ -95,7 +96,8 @@ def test_socket_and_service_keys():
                  "WantedBy=weightcache.target"):
         assert re.search(rf"^{re.escape(line)}$", sock, re.M), line
     for line in ("Type=notify", "Requires=weightcache@%i.socket", "After=weightcache@%i.socket",
-                 "PartOf=weightcache.target", "RuntimeDirectory=weightcache/%i", "Restart=on-failure",
+                 "PartOf=weightcache.target weightcache.service", "ReloadPropagatedFrom=weightcache.service",
+                 "After=weightcache.target weightcache.service", "RuntimeDirectory=weightcache/%i", "Restart=on-failure",
                  "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID", "DevicePolicy=closed", "User=weightcache",
                  "IPAddressDeny=any",
                  # issue 26: no start limit (systemd 252 counts "systemctl restart", and a unit that hits the
