@@ -243,7 +243,7 @@ def test_status_prints_a_hidden_holder_as_another_user(svc, capsys):
     """``weightcache status`` of a non-operator: another uid's lease, whose holder the service hid
     (:data:`~weightcache.protocol.HIDDEN_ID`), reads ``held by another user``, not ``pid=-1 uid=-1``; the
     caller's own lease keeps its pid and uid."""
-    from weightcache import cli
+    from weightcache.cli.status import print_status
 
     ctx, st, load, *_ = svc
     load(st.slots[0])
@@ -252,7 +252,7 @@ def test_status_prints_a_hidden_holder_as_another_user(svc, capsys):
     mine = handlers.handle(ctx, me, protocol.Attach("m")).replies[0].msg.lease_id
     status = handlers.handle(ctx, me, protocol.Status()).replies[0].msg.typed()
     assert protocol.HIDDEN_ID == handlers.HIDDEN_ID == -1
-    cli._print_status(status, now=1.7e9)
+    print_status(status, now=1.7e9)
     leases = [ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("lease ")]
     assert sorted(ln.split(" since ")[0] for ln in leases) == sorted([
         f"lease {theirs}: held by another user mode=zero_copy",

@@ -103,6 +103,7 @@ DAEMON_ROOMS = {
                    "weightcache.daemon.loop"},
     "loop.py": {"torch"},
     "__init__.py": {"torch"},
+    "bootstrap.py": {"torch", "weightcache.cli", "weightcache.client"},
 }
 
 

@@ -50,7 +50,7 @@ def test_every_slot_state_has_its_metrics_series(monkeypatch):
 
 def test_every_slot_state_is_rendered_by_status():
     """``weightcache status`` prints each slab's state name first on its line."""
-    from weightcache.cli import _print_status as print_status
+    from weightcache.cli.status import print_status
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
