@@ -37,6 +37,7 @@ MESSAGE_IDS = {
     "fallback": "4b523c7d13ff4c70b6900ef60d96c209",
     "rejected": "d62fa5f1c03d4c50b2b8645956695356",
     "reloaded": "7a2112c2cf224a43bcec0e7cd261cd25",
+    "backend": "b8d4268cc41644dcbebfd2edd4c254b6",
 }
 
 

@@ -588,6 +588,10 @@ def test_a_config_typo_keeps_the_weights_and_systemctl_reload_recovers(box, tmp_
         assert s["StatusText"].startswith("ready: 1/1 slabs resident; configuration rejected, " + where), s
         pid = s["MainPID"]
         assert len(journal(c, unit, "adopted", pid)) == 1 and journal(c, unit, "loaded", pid, 0, 0) == []
+        # The backend line names where the backend came from: the kept slabs, not the (rejected) file.
+        (chosen,) = journal(c, unit, "backend", pid)
+        assert chosen["WEIGHTCACHE_BACKEND"] == "host" and "in the configuration" not in chosen["MESSAGE"], chosen
+        assert "kept in systemd's fd store" in chosen["WEIGHTCACHE_REASON"], chosen
         assert proc_io(c, pid)["rchar"] < c.ckpt_bytes / 2  # nothing read from the checkpoint
         assert good(client(c, "alice", 0))  # the bytes equal the checkpoint's
         st = _status_json(c, 0)
@@ -663,4 +667,8 @@ def test_a_typo_with_nothing_stored_keeps_the_socket_and_reload_loads(box):
     _wait_until("minilm loaded by the reload", lambda: _slab_states(c, 0) == {"minilm": "ready"})
     assert good(client(c, "alice", 0))
     assert _gauges(c, 0, "weightcache_instance_up", "weightcache_config_rejected") == [1.0, 0.0]
+    # The kept configuration had no backend of its own ("auto" chose host): the file's backend = "host"
+    # is what runs, so the reload asks for no restart.
+    (reloaded,) = journal(c, unit, "reloaded", s["MainPID"])
+    assert "restart_keys=-" in reloaded["MESSAGE"], reloaded["MESSAGE"]
     assert c.show(unit, "MainPID")["MainPID"] == s["MainPID"]

@@ -448,7 +448,8 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
                     e.details.get("file"), e.details.get("line"), e.details.get("key"), describe_config_error(e),
                     extra=reload.config_rejected_event(e))
         raise
-    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service)
+    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service,
+                    running_backend=st.backend)
     done = reload.apply(st, p, config)
     ctx.service_config = config.service
     log.info("reloaded files=%s added=%d dropped=%d retired=%d kept=%d restart_keys=%s", ",".join(config.files),
