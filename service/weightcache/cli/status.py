@@ -19,12 +19,16 @@ from .common import (EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, collect_status, for
 
 
 def progress_text(sl: protocol.SlabInfo) -> str:
-    """``1.2 GiB/12.6 GiB (9%) 2.10 GB/s, ~5s left`` for a loading slab."""
+    """``1.2 GiB/12.6 GiB (9%) 2.10 GB/s, ~5s left`` for a loading slab; ``planning (reading the checkpoint's
+    headers)`` while its size is not known yet (never ``0 B/0 B 0.00 GB/s``); no rate before one is measured."""
     done, total, rate = sl.done_bytes, sl.total_bytes, sl.rate_bytes_per_s
+    if not total:
+        return "planning (reading the checkpoint's headers)"
     text = f"{human_bytes(done)}/{human_bytes(total)}"
     if total:
         text += f" ({100.0 * done / total:.0f}%)"
-    text += f" {rate / 1e9:.2f} GB/s"
+    if rate > 0:
+        text += f" {rate / 1e9:.2f} GB/s"
     if rate > 0 and total > done:
         text += f", ~{format_age((total - done) / rate)} left"
     return text
