@@ -487,8 +487,11 @@ def test_evict_refused_while_leased_then_forced_then_preload(capsys, services):
     lines = out.splitlines()
     assert lines[0] == "GPU 0: loading minilm/tp1/rank0"
     for line in lines[1:]:
-        assert re.fullmatch(r"GPU 0 minilm tp=1 rank=0: (pending|ready|loading [\d.]+ \w*B/[\d.]+ \w*B "
-                            r"\(\d+%\) [\d.]+ GB/s(, ~\w+ left)?)", line), line
+        # No rate before one is measured, "planning" before the size is known (never "0 B/0 B 0.00 GB/s").
+        assert re.fullmatch(r"GPU 0 minilm tp=1 rank=0: (pending|ready|loading planning \(reading the checkpoint's "
+                            r"headers\)|loading [\d.]+ \w*B/[\d.]+ \w*B \(\d+%\)( [\d.]+ GB/s(, ~\w+ left)?)?)",
+                            line), line
+        assert "0 B/0 B" not in line and "0.00 GB/s" not in line, line
     assert lines[-1] == "GPU 0 minilm tp=1 rank=0: ready"
     rc, out, _ = cli(capsys, "preload", "minilm", *s)
     assert rc == 0 and out.splitlines()[0] == "GPU 0: minilm is already resident or loading"

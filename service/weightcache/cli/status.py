@@ -13,9 +13,10 @@ import sys
 import time
 
 from .. import protocol
+from ..client import listening_gpus
 from ..wire import SlotState
 from .common import (EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, collect_status, format_age, human_bytes, lease_holder,
-                     no_sockets, plural)
+                     no_sockets, plural, socket_dir_of)
 
 
 def progress_text(sl: protocol.SlabInfo) -> str:
@@ -93,12 +94,17 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from .unwired import gpus_without_instance, warnings
+
     statuses, errors = collect_status(args)
+    where = socket_dir_of(args)
+    listening = listening_gpus(where)
     failed = any(sl.state is SlotState.FAILED for st in statuses for sl in st.slabs) or any(
         st.config_error is not None for st in statuses)
     if args.json:
-        print(json.dumps({"gpus": [st.to_json() for st in statuses], "unreachable": [e.to_json() for e in errors]},
-                         indent=2))
+        unwired = gpus_without_instance(listening) if args.gpu is None else {}
+        print(json.dumps({"gpus": [st.to_json() for st in statuses], "unreachable": [e.to_json() for e in errors],
+                          "no_instance": [{"gpu": g, "models": m} for g, m in unwired.items()]}, indent=2))
     else:
         if not statuses and not errors:
             print(no_sockets(args), file=sys.stderr)
@@ -110,6 +116,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             if "Permission denied" not in e.message:  # that message names its own fix
                 print(f"      under systemd, why: systemctl status weightcache@{e.gpu}.socket weightcache@{e.gpu}"
                       f".service; journalctl -u weightcache@{e.gpu}")
+        for line in warnings(where, listening) if args.gpu is None else ():
+            print(line, file=sys.stderr)
     if not statuses:
         return EXIT_UNAVAILABLE
     if failed:
