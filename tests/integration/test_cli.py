@@ -558,7 +558,12 @@ def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path)
         mini = slab(json.loads(out), 0, "minilm")
         assert (rc, mini["state"], mini["adopted"]) == (0, "ready", True)
         rc, out, _ = cli(capsys, "status", "--socket-dir", str(run))
-        assert re.search(r"^  minilm tp=1 rank=0\s+ready \(adopted from fd store\)$", out, re.M)
+        assert re.search(r"^  minilm tp=1 rank=0\s+ready \(adopted from fd store; leases from before the restart "
+                         r"unknown\)$", out, re.M)
+        assert re.search(r"; 0 leases \(\+ unknown from before the restart\)$", out, re.M), out
+        # ... so evict without --force is refused (engines that attached before the restart may map it).
+        rc, _, err = cli(capsys, "evict", "minilm", "--socket-dir", str(run))
+        assert rc == 1 and "after the service restarted" in err, err
         rc, out, _ = cli(capsys, "list", "--socket-dir", str(run))
         assert out.splitlines()[1].split()[4] == "ready*" and "* adopted from the fd store" in out
         rc, out, err = cli(capsys, "verify", "minilm", "--socket-dir", str(run))

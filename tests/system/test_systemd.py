@@ -299,6 +299,10 @@ def test_fifteen_restarts_keep_the_same_slab(box):
     assert verify.returncode == 0, verify.stdout + verify.stderr  # the digests recorded at the first load match
     assert good(client(c, "alice", 0))
     assert c.run(["systemctl", "list-units", "--failed", "--plain", "--no-legend", "weightcache*"]).stdout == ""
+    # Engines that attached before a restart are unknown to the new process: evict needs --force.
+    evict = c.run([str(PYTHON), "-m", "weightcache", "evict", "minilm", "--gpu", "0"], check=False, timeout=60)
+    assert evict.returncode == 1 and "after the service restarted" in evict.stderr, evict.stdout + evict.stderr
+    assert c.show(unit, "NFileDescriptorStore") == {"NFileDescriptorStore": "2"}
 
 
 def test_stop_frees_the_store_and_the_next_start_loads_again(box):

@@ -41,7 +41,7 @@ def state_text(sl: protocol.SlabInfo) -> str:
         case SlotState.LOADING:
             return f"loading {progress_text(sl)}"
         case SlotState.READY if sl.adopted:
-            return "ready (adopted from fd store)"
+            return "ready (adopted from fd store; leases from before the restart unknown)"
         case SlotState.FAILED if sl.error is not None:
             return f"failed: {sl.error.code}"
         case SlotState.EVICTED:
@@ -67,7 +67,9 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
     slabs = plural(sum(sl.resident_bytes > 0 for sl in st.slabs), "slab")
     print(f"  resident {human_bytes(resident)} in {slabs}; "
           f"{where} free {human_bytes(st.free_bytes)} of {human_bytes(st.total_bytes)}; "
-          f"{plural(leases, 'lease')}")
+          f"{plural(leases, 'lease')}"
+          + (" (+ unknown from before the restart)" if any(sl.adopted and sl.state is SlotState.READY
+                                                           for sl in st.slabs) else ""))
     print(f"  {st.status_line}")
     if st.config_error is not None:
         d = st.config_error.details

@@ -387,6 +387,7 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     if leased and not msg.force:
         raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
                         f"use --force to evict anyway (engines keep their mappings)", model=msg.model)
+    _refuse_unknown_leases(slots, msg)
     evicted, effects = [], []
     for s in slots:
         if s.state is SlotState.RETIRED:  # removed by a reload, already out of the fd store
@@ -402,6 +403,24 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
                  msg.force, sealed.size_bytes,
                  extra=event("evicted", s.placement.model.name, s.placement.tp_rank, size_bytes=sealed.size_bytes))
     return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
+
+
+def _refuse_unknown_leases(slots: list[Slot], msg: protocol.Evict) -> None:
+    """Refuses an ``evict`` without ``force`` of slabs adopted from the fd store after a restart.
+
+    Leases live in the process that granted them: after a restart, engines that attached before it
+    still map the slab, and this process cannot know whether any does (issue 26). Their leases are
+    unknown, not zero, so ``evict`` treats them as held.
+
+    Raises:
+        LeaseBusy (`lease_busy`, details ``leases="unknown"``): an adopted READY slab and no ``force``.
+    """
+    adopted = [s for s in slots if s.adopted and s.state is SlotState.READY]
+    if adopted and not msg.force:
+        raise LeaseBusy(f"model {msg.model!r} was taken back from systemd's fd store after the service restarted: "
+                        f"engines that attached before the restart are unknown to this process and may still map "
+                        f"it; use --force to evict anyway (engines keep their mappings; the memory is freed when "
+                        f"the last one detaches)", model=msg.model, leases="unknown")
 
 
 def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
