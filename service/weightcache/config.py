@@ -65,6 +65,10 @@ _SERVICE_KEYS = {
     "max_buffered_bytes": int,
     "max_connections_per_uid": int,
     "partial_frame_timeout_s": (int, float),
+    "max_fds_in_flight_per_uid": int,
+    "max_leases_per_connection": int,
+    "max_leases_per_uid": int,
+    "max_connections": int,
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -77,6 +81,10 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "max_buffered_bytes": (64 * 1024, True, 1 << 34, "bytes of incomplete requests, all connections"),
     "max_connections_per_uid": (1, True, 65536, "connections per uid"),
     "partial_frame_timeout_s": (0, False, 3600.0, "seconds an incomplete request may wait"),
+    "max_fds_in_flight_per_uid": (2, True, 1 << 20, "fds sent to one uid and not yet read"),
+    "max_leases_per_connection": (1, True, 1 << 24, "leases per connection"),
+    "max_leases_per_uid": (1, True, 1 << 24, "leases per uid"),
+    "max_connections": (1, True, 1 << 20, "connections, all uids"),
 }
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
@@ -177,6 +185,10 @@ class ServiceConfig:
     max_buffered_bytes: int = 16 * 1024 * 1024
     max_connections_per_uid: int = 64
     partial_frame_timeout_s: float = 10.0
+    max_fds_in_flight_per_uid: int = 4096
+    max_leases_per_connection: int = 256
+    max_leases_per_uid: int = 4096
+    max_connections: int = 4096
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ config places a model on (a configured GPU without a socket shows
 ``weightcache_socket_listening 0``). An idle node answers with what it knows:
 socket and unit state, no slabs.
 
-Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline.
+Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline, weightcache.client.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     InfoMetricFamily, Metric)
 
 from . import protocol
-from .client import Session, listening_gpus
+from .session import Session, listening_gpus
 from .errors import WeightcacheError
 from .wire import SlotState
 
@@ -235,7 +235,7 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
             fam.add("weightcache_slab_state", lab + (state.value,), int(sl.state is state))
         fam.add("weightcache_slab_resident_bytes", lab, sl.resident_bytes)
         fam.add("weightcache_slab_tensors", lab, sl.tensors)
-        fam.add("weightcache_slab_leases", lab, len(sl.leases))
+        fam.add("weightcache_slab_leases", lab, sl.lease_count)
         fam.add("weightcache_slab_adopted", lab, int(sl.adopted))
     for sc in co.slabs:
         lab = (g, sc.model, sc.tp_size, sc.tp_rank)

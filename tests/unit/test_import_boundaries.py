@@ -101,6 +101,8 @@ DAEMON_ROOMS = {
                   "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
     "metrics.py": {"socket", "selectors", "threading", "torch", "prometheus_client", "weightcache.daemon.transport",
                    "weightcache.daemon.loop"},
+    "lograte.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
+                   "weightcache.daemon.handlers"},
     "loop.py": {"torch"},
     "__init__.py": {"torch"},
     "bootstrap.py": {"torch", "weightcache.cli", "weightcache.client"},

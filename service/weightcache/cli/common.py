@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .. import protocol
-from ..client import Session, listening_gpus, resolve_socket_dir
+from ..session import Session, listening_gpus, resolve_socket_dir
 from ..config import load_config
 from ..errors import ConfigError, DaemonUnavailable, LeaseBusy, WeightcacheError
 

@@ -47,7 +47,7 @@ def state_text(sl: protocol.SlabInfo) -> str:
         case SlotState.EVICTED:
             return "evicted (run `weightcache preload` to load again)"
         case SlotState.RETIRED:
-            return f"retired: removed from the config, freed when its {plural(len(sl.leases), 'lease')} end"
+            return f"retired: removed from the config, freed when its {plural(sl.lease_count, 'lease')} end"
         case SlotState.DROPPED:
             return "dropped: removed from the config"
     return sl.state.value  # pending, and ready or failed without more to say
@@ -56,7 +56,7 @@ def state_text(sl: protocol.SlabInfo) -> str:
 def print_status(st: protocol.ServiceStatus, now: float) -> None:
     dev = st.device
     resident = sum(sl.resident_bytes for sl in st.slabs)
-    leases = sum(len(sl.leases) for sl in st.slabs)
+    leases = sum(sl.lease_count for sl in st.slabs)
     where = "GPU" if st.backend == "cuda" else "host RAM"
     head = f"GPU {st.gpu}  backend={st.backend}"
     if dev.gpu_uuid:
@@ -93,6 +93,9 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(le.since))
             print(f"      lease {le.lease_id}: {lease_holder(le)} mode={le.mode} "
                   f"since {since} ({format_age(now - le.since)} ago)")
+        if sl.lease_count > len(sl.leases):  # the service lists the first leases and counts the rest by holder
+            print(f"      ... {sl.lease_count - len(sl.leases)} more; by holder: "
+                  + ", ".join(f"uid {h.uid} pid {h.pid}: {h.count}" for h in sl.lease_holders))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -137,7 +140,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         for gpu, sl in rows:
             state = sl.state.value + ("*" if sl.adopted else "")
             print(f"{gpu:<4} {sl.model:<24} {sl.tp_size:>3} {sl.tp_rank:>4} {state:<9} "
-                  f"{human_bytes(sl.resident_bytes):>10} {len(sl.leases):>6}  {sl.path}")
+                  f"{human_bytes(sl.resident_bytes):>10} {sl.lease_count:>6}  {sl.path}")
         if any(sl.adopted for _, sl in rows):
             print("* adopted from the fd store")
     if not args.json:

@@ -38,10 +38,11 @@ from typing import Any, Callable
 from .. import pipeline, protocol
 from ..config import Config, ServiceConfig
 from ..errors import (AccessDenied, ConfigError, InternalError, LeaseBusy, ModelLoadFailed, ModelNotFound,
-                      RemoteProtocolError, WeightcacheError)
+                      RemoteProtocolError, ResourceExhausted, WeightcacheError)
 from ..journal import event
 from . import access, reload
-from .state import IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED, describe_config_error
+from .state import (IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED, describe_config_error,
+                    lease_holders)
 
 log = logging.getLogger(__name__)
 
@@ -165,12 +166,15 @@ def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = Fal
         return tuple(s.info(now) for s in ctx.state.slots)
     shown = ctx.state.slots if every_slab else [s for s in ctx.state.slots if access.may_attach(peer, s, ctx.policy)]
 
-    def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
-        if x.uid == peer.uid and not every_slab:
-            return x
-        return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID)
+    def hidden(uid: int) -> bool:
+        return every_slab or uid != peer.uid
 
-    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases)) for i in (s.info(now) for s in shown))
+    def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
+        return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID) if hidden(x.uid) else x
+
+    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases),
+                                     lease_holders=lease_holders(s.leases.values(), hidden))
+                 for s, i in ((s, s.info(now)) for s in shown))
 
 
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
@@ -232,15 +236,33 @@ def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
     return answer_attach(ctx, peer, msg, slot)
 
 
+def _check_lease_caps(ctx: Context, peer: Peer) -> None:
+    """Raises ResourceExhausted (`resource_exhausted`) when ``peer`` holds ``max_leases_per_connection`` leases,
+    or its uid ``max_leases_per_uid`` (root and the service user are exempt from the latter)."""
+    svc, st = ctx.service_config, ctx.state
+    for limit, value, actual in (
+            ("max_leases_per_connection", svc.max_leases_per_connection, len(peer.leases)),
+            ("max_leases_per_uid", svc.max_leases_per_uid,
+             0 if peer.uid in (0, st.service_uid) else st.leases_by_uid.get(peer.uid, 0))):
+        if actual >= value:
+            raise ResourceExhausted(
+                f"attach refused: service.{limit} = {value} reached (this {'connection' if 'connection' in limit else 'uid'} "
+                f"holds {actual} leases); release the leases you do not use (an engine holds one per rank), or ask "
+                f"the operator to raise service.{limit}", limit=limit, value=value, actual=actual)
+
+
 def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) -> Outcome:
     """The answer to an attach for ``slot`` as it is now.
 
     Raises:
         ModelLoadFailed (`model_load_failed`): the slot failed to load (``cause``
             is the load error's code) or was evicted (``cause=evicted``).
+        ResourceExhausted (`resource_exhausted`): the connection or its uid holds
+            ``max_leases_per_connection`` / ``max_leases_per_uid`` leases.
     """
     p = slot.placement
     if slot.state is SlotState.READY:
+        _check_lease_caps(ctx, peer)
         lease = ctx.state.lease(peer, slot, msg.mode, ctx.wall())
         mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
@@ -264,6 +286,13 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     return _one(protocol.Loading(p.model.name, slot.done_bytes, slot.total_bytes, slot.state.value))
 
 
+def _answer_parked(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) -> Outcome:
+    """:func:`answer_attach` for an attach parked earlier: the allow lists are checked again (a reload may have
+    taken the peer off them while it waited)."""
+    access.check_attach(peer, slot, ctx.policy)
+    return answer_attach(ctx, peer, msg, slot)
+
+
 def service_waiting(ctx: Context, peer: Peer) -> Outcome:
     """Answers the parked attaches of ``peer`` whose slot settled or whose deadline passed."""
     now = ctx.monotonic()
@@ -272,7 +301,7 @@ def service_waiting(ctx: Context, peer: Peer) -> Outcome:
         if slot.state in UNSETTLED and now < deadline:
             still.append((msg, slot, deadline))
             continue
-        replies += _guarded(peer, msg, lambda m=msg, s=slot: answer_attach(ctx, peer, m, s)).replies
+        replies += _guarded(peer, msg, lambda m=msg, s=slot: _answer_parked(ctx, peer, m, s)).replies
     peer.waiting = still
     return Outcome(tuple(replies))
 

@@ -38,7 +38,7 @@ from ..errors import ConfigError
 from ..journal import event
 from ..loader import LoaderOptions
 from ..memory import Backend
-from . import access, handlers, loads
+from . import access, handlers, loads, lograte
 from .fdstore import FdStore
 from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
 from .limits import Limits
@@ -88,7 +88,7 @@ class Daemon:
                            policy=access.Policy(self.state.service_uid, config.service.operator_groups))
         self.transport = Transport(listener, self._on_message, self._on_close,
                                    lambda c: self.state.peers.add(c.peer), Limits.from_config(config.service),
-                                   trusted_uids=frozenset({0, self.state.service_uid}))
+                                   trusted_uids=frozenset({0, self.state.service_uid}), on_unsent=self._on_unsent)
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -229,6 +229,13 @@ class Daemon:
     def _refuse(self, c: Client, eff: Refuse) -> None:
         self.transport.violation(c, eff.error)
 
+    def _on_unsent(self, c: Client, msg: protocol.Message) -> None:
+        """An attach reply went out as an error without its fds: the lease it granted ends."""
+        lease = c.peer.leases.get(getattr(msg, "lease_id", -1)) if type(msg) is protocol.AttachReply else None
+        if lease is not None:
+            for eff in handlers.end_lease(self.state, c.peer, lease):
+                self._effect(None, eff)
+
     def _on_close(self, c: Client) -> None:
         for lease in list(c.peer.leases.values()):
             for eff in handlers.end_lease(self.state, c.peer, lease):
@@ -305,6 +312,7 @@ class Daemon:
                 now = time.monotonic()
                 self.ticker.tick(now)
                 self.transport.expire(now)
+                lograte.flush(now)
                 waiting = any(c.peer.waiting for c in self.transport.clients.values())
                 self.transport.poll(0.2 if waiting else 0.5)
                 self._service_waiting()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -251,7 +252,22 @@ class Slot:
             adopted=self.adopted, dtype=p.model.dtype, naming=p.model.naming,
             tensors=len(m.tensors) if m is not None else 0,
             error=protocol.ErrorInfo(**self.error.to_wire()) if self.error is not None else None,
-            key=key, leases=tuple(lease.info() for lease in self.leases.values()))
+            key=key, leases=tuple(lease.info() for lease in itertools.islice(self.leases.values(),
+                                                                               protocol.MAX_LEASES_SHOWN)),
+            lease_count=len(self.leases), lease_holders=lease_holders(self.leases.values()))
+
+
+def lease_holders(leases: Any, hide: Callable[[int], bool] = lambda uid: False) -> tuple[protocol.LeaseHolder, ...]:
+    """Leases counted per (uid, pid), the :data:`~weightcache.protocol.MAX_LEASE_HOLDERS_SHOWN` largest first.
+
+    Holders for which ``hide(uid)`` is true are summed into one entry with
+    :data:`~weightcache.protocol.HIDDEN_ID` as uid and pid. Linear in the leases.
+    """
+    counts: collections.Counter = collections.Counter()
+    for x in leases:
+        counts[(protocol.HIDDEN_ID, protocol.HIDDEN_ID) if hide(x.uid) else (x.uid, x.pid)] += 1
+    return tuple(protocol.LeaseHolder(uid, pid, n)
+                 for (uid, pid), n in counts.most_common(protocol.MAX_LEASE_HOLDERS_SHOWN))
 
 
 @dataclass(eq=False)
@@ -303,6 +319,8 @@ class ServiceState:
         self.loads_done = 0  # loads settled (ready or failed) since start
         self.config_error: ConfigError | None = None
         self._next_lease = 1
+        #: uid -> leases its connections hold (``max_leases_per_uid``).
+        self.leases_by_uid: collections.Counter = collections.Counter()
 
     def new_slot(self, placement: Placement) -> Slot:
         """A PENDING slot for ``placement`` (not yet in :attr:`slots`), its checkpoint path resolved now."""
@@ -314,11 +332,15 @@ class ServiceState:
         self._next_lease += 1
         peer.leases[lease.lease_id] = lease
         slot.leases[lease.lease_id] = lease
+        self.leases_by_uid[peer.uid] += 1
         return lease
 
     def end_lease(self, peer: Peer, lease: Lease) -> None:
         """Ends one lease of ``peer`` (release, or the connection closed)."""
-        peer.leases.pop(lease.lease_id, None)
+        if peer.leases.pop(lease.lease_id, None) is not None:
+            self.leases_by_uid[peer.uid] -= 1
+            if self.leases_by_uid[peer.uid] <= 0:
+                del self.leases_by_uid[peer.uid]
         lease.slot.leases.pop(lease.lease_id, None)
 
     @property

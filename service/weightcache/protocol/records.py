@@ -107,6 +107,27 @@ class LeaseInfo(_Record):
         _parse(self, "mode", AttachMode)
 
 
+#: Most leases a :class:`SlabInfo` lists one by one (the oldest); ``lease_count`` and ``lease_holders`` count all.
+MAX_LEASES_SHOWN = 32
+#: Most holders a :class:`SlabInfo` lists in ``lease_holders`` (the largest counts first).
+MAX_LEASE_HOLDERS_SHOWN = 32
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHolder(_Record):
+    """How many leases of one slab one process holds (``status`` summarises leases this way).
+
+    Attributes:
+        uid, pid (`int`): the holder, from ``SO_PEERCRED``; :data:`HIDDEN_ID` for the
+            holders the service hides from this caller (their leases summed in one entry).
+        count (`int`): its leases on this slab.
+    """
+
+    uid: int
+    pid: int
+    count: int
+
+
 @dataclass(frozen=True, slots=True)
 class KeySummary(_Record):
     """The part of a resident slab's cache key (DESIGN section 5) that ``status`` shows.
@@ -151,7 +172,11 @@ class SlabInfo(_SlabRecord):
         tensors (`int`): tensor records in the resident slab's manifest.
         error (`ErrorInfo | None`): why the last load failed.
         key (`KeySummary | None`): summary of the resident slab's cache key.
-        leases (`tuple[LeaseInfo]`): who holds it.
+        leases (`tuple[LeaseInfo]`): the first :data:`MAX_LEASES_SHOWN` leases (oldest first).
+        lease_count (`int`): every lease held on it (default: ``len(leases)``).
+        lease_holders (`tuple[LeaseHolder]`): leases per (uid, pid), the
+            :data:`MAX_LEASE_HOLDERS_SHOWN` largest; the reply's size does not grow
+            with the number of leases.
     """
 
     model: str
@@ -170,9 +195,13 @@ class SlabInfo(_SlabRecord):
     error: ErrorInfo | None = None
     key: KeySummary | None = None
     leases: tuple[LeaseInfo, ...] = ()
+    lease_count: int = -1
+    lease_holders: tuple[LeaseHolder, ...] = ()
 
     def __post_init__(self) -> None:
         _parse(self, "state", SlotState)
+        if self.lease_count < 0:  # not given: the leases listed are all there are
+            object.__setattr__(self, "lease_count", len(self.leases))
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object on the wire; ``error`` and ``key`` only when set."""
@@ -185,16 +214,21 @@ class SlabInfo(_SlabRecord):
         if self.key is not None:
             d["key"] = self.key.to_json()
         d["leases"] = [le.to_json() for le in self.leases]
+        d["lease_count"] = self.lease_count
+        d["lease_holders"] = [h.to_json() for h in self.lease_holders]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SlabInfo":
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
         err, key = d.get("error"), d.get("key")
-        return _from_json(cls, {k: v for k, v in d.items() if k not in ("error", "key", "leases")},
+        leases = tuple(LeaseInfo.from_json(le) for le in d.get("leases", ()))
+        return _from_json(cls, {k: v for k, v in d.items()
+                                if k not in ("error", "key", "leases", "lease_count", "lease_holders")},
                           error=ErrorInfo.from_json(err) if err is not None else None,
-                          key=KeySummary.from_json(key) if key is not None else None,
-                          leases=tuple(LeaseInfo.from_json(le) for le in d.get("leases", ())))
+                          key=KeySummary.from_json(key) if key is not None else None, leases=leases,
+                          lease_count=d.get("lease_count", -1),  # services before the summary listed every lease
+                          lease_holders=tuple(LeaseHolder.from_json(h) for h in d.get("lease_holders", ())))
 
 
 @dataclass(frozen=True, slots=True)
