@@ -179,8 +179,9 @@ def test_enabling_the_target_listens_on_every_configured_gpu(box):
     c.run(["systemctl", "enable", "--now", "weightcache.target"])
     try:
         # weightcache-generator linked one socket per GPU of the config into the target.
+        # ... and it pulls in the umbrella weightcache.service (systemctl reload weightcache).
         assert sorted(c.show("weightcache.target", "Wants")["Wants"].split()) == [
-            "weightcache@0.socket", "weightcache@1.socket"]
+            "weightcache.service", "weightcache@0.socket", "weightcache@1.socket"]
         for gpu in (0, 1):
             assert c.show(f"weightcache@{gpu}.socket", "ActiveState") == {"ActiveState": "active"}
             assert c.show(f"weightcache@{gpu}.service", "ActiveState") == {"ActiveState": "inactive"}

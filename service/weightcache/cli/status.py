@@ -13,7 +13,7 @@ import sys
 import time
 
 from .. import protocol
-from ..client import listening_gpus
+from ..session import listening_gpus
 from ..wire import SlotState
 from .common import (EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, collect_status, format_age, human_bytes, lease_holder,
                      no_sockets, plural, socket_dir_of)

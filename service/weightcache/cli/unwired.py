@@ -23,7 +23,7 @@ def gpus_without_instance(listening: list[int], config: str | None = None) -> di
 
     Returns:
         `dict[int, list[str]]`: empty when every configured GPU listens or the configuration does not load
-        (that error is reported elsewhere).
+        (that error is reported elsewhere); GPUs of ``[service] disabled_gpus`` are left out.
     """
     try:
         cfg = load_config(config)
@@ -31,6 +31,8 @@ def gpus_without_instance(listening: list[int], config: str | None = None) -> di
         return {}
     out: dict[int, list[str]] = {}
     for p in cfg.placements():
+        if p.gpu in cfg.service.disabled_gpus:  # switched off on purpose
+            continue
         if p.gpu not in listening and p.model.name not in out.setdefault(p.gpu, []):
             out[p.gpu].append(p.model.name)
     return dict(sorted(out.items()))
