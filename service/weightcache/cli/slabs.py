@@ -1,6 +1,6 @@
 """``weightcache verify``, ``weightcache evict`` and ``weightcache reload``: operator requests to every instance.
 
-Forbidden imports: torch, weightcache.daemon, weightcache.pipeline, weightcache.memory, weightcache.loader.
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
 """
 
 from __future__ import annotations

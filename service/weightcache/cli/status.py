@@ -2,7 +2,7 @@
 
 Every :class:`~weightcache.wire.SlotState` has its rendering (:func:`state_text`).
 
-Forbidden imports: torch, weightcache.daemon, weightcache.pipeline, weightcache.memory, weightcache.loader.
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ starts:
 - the exit status of a start that cannot go on (:data:`EXIT_CONFIG`, 78, stops
   the unit's restart loop through ``RestartPreventExitStatus=78``).
 
-Forbidden imports: torch, weightcache.cli, weightcache.client, weightcache.pipeline at module level,
-weightcache.memory at module level.
+Forbidden imports: torch, weightcache.cli, weightcache.client.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ and validate what they can when built: a slab's ``state`` is parsed into a
 Keys a record does not know are ignored (a newer service may add fields).
 
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
-weightcache.daemon, weightcache.protocol.codec, weightcache.protocol.connection.
+weightcache.daemon.
 """
 
 from __future__ import annotations
