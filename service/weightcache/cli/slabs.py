@@ -35,10 +35,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    results, rc = per_gpu_request(args, lambda: protocol.Evict(args.model, args.force))
+    results, rc = per_gpu_request(args, lambda: protocol.Evict(args.model, args.force, args.to or ""))
     for gpu, reply in results:
         for label in reply.evicted:
-            print(f"GPU {gpu}: evicted {label}")
+            print(f"GPU {gpu}: {'moved ' + label + ' to ' + args.to if args.to else 'evicted ' + label}")
         if not reply.evicted:
             print(f"GPU {gpu}: nothing resident to evict for {args.model}")
     return rc

@@ -50,6 +50,10 @@ def state_text(sl: protocol.SlabInfo) -> str:
             return f"retired: removed from the config, freed when its {plural(sl.lease_count, 'lease')} end"
         case SlotState.DROPPED:
             return "dropped: removed from the config"
+        case SlotState.HOSTED:
+            return f"hosted: in the host tier ({human_bytes(sl.host_bytes)}; the next attach promotes it)"
+        case SlotState.ON_DISK:
+            return "on_disk: not resident (the next attach loads it)"
     return sl.state.value  # pending, and ready or failed without more to say
 
 
@@ -70,6 +74,10 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
           f"{plural(leases, 'lease')}"
           + (" (+ unknown from before the restart)" if any(sl.adopted and sl.state is SlotState.READY
                                                            for sl in st.slabs) else ""))
+    if st.budget_bytes:
+        tier = (f"; host tier {human_bytes(st.host_used_bytes)} of {human_bytes(st.host_tier_bytes)}"
+                if st.host_tier_bytes else "")
+        print(f"  memory budget {human_bytes(st.gpu_bytes)} of {human_bytes(st.budget_bytes)} used{tier}")
     print(f"  {st.status_line}")
     if st.config_error is not None:
         d = st.config_error.details
