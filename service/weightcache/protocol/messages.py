@@ -188,10 +188,15 @@ class Verify(Message):
 
 @dataclass(frozen=True, slots=True)
 class Evict(Message):
-    """Free a model's slabs and fd-store entries; refused while leased unless ``force``."""
+    """Free a model's slabs and fd-store entries; refused while leased unless ``force``.
+
+    ``to``: ``""`` (evicted: out until ``preload``), ``host`` (demoted to the host tier) or ``disk``
+    (dropped; the next attach loads it again).
+    """
 
     model: str
     force: bool = False
+    to: str = ""
 
 
 @dataclass(frozen=True, slots=True)
