@@ -64,6 +64,7 @@ _SERVICE_KEYS = {
     "staging_bytes": int,
     "read_threads": int,
     "operator_groups": list,
+    "disabled_gpus": list,
     "max_unread_replies": int,
     "max_queued_bytes": int,
     "max_held_fds": int,
@@ -201,6 +202,9 @@ class ServiceConfig:
     read_threads: int = field(default_factory=default_threads)
     #: Groups whose members may evict, preload and verify (besides root and the service user).
     operator_groups: tuple[str, ...] = ()
+    #: GPUs whose instance weightcache.target does not start (the generator skips their sockets), as
+    #: postgresql's start.conf "manual": the per-instance off switch; "systemctl start" by hand still works.
+    disabled_gpus: tuple[int, ...] = ()
     #: Per-client caps (see weightcache.daemon.limits.Limits).
     max_unread_replies: int = 64
     max_queued_bytes: int = 16 * 1024 * 1024
@@ -609,6 +613,10 @@ def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], me
             if not all(isinstance(g, str) and g for g in value):
                 raise _err(str(f), "service.operator_groups", "must be a list of group names (non-empty strings)")
             value = tuple(value)
+        if key == "disabled_gpus":
+            if not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX for g in value):
+                raise _err(str(f), "service.disabled_gpus", f"must be a list of GPU indices 0..{MAX_GPU_INDEX}")
+            value = tuple(sorted(set(value)))
         service[key] = value
     if "metrics" in data:
         _parse_metrics(str(f), data["metrics"], metrics)

@@ -441,6 +441,7 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     if leased and not msg.force:
         raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
                         f"use --force to evict anyway (engines keep their mappings)", model=msg.model)
+    _refuse_unknown_leases(slots, msg)
     if msg.to:
         return _evict_to(ctx, slots, msg.to)
     evicted, effects = [], []
@@ -464,6 +465,24 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
                  msg.force, sealed.size_bytes,
                  extra=event("evicted", s.placement.model.name, s.placement.tp_rank, size_bytes=sealed.size_bytes))
     return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
+
+
+def _refuse_unknown_leases(slots: list[Slot], msg: protocol.Evict) -> None:
+    """Refuses an ``evict`` without ``force`` of slabs adopted from the fd store after a restart.
+
+    Leases live in the process that granted them: after a restart, engines that attached before it
+    still map the slab, and this process cannot know whether any does (issue 26). Their leases are
+    unknown, not zero, so ``evict`` treats them as held.
+
+    Raises:
+        LeaseBusy (`lease_busy`, details ``leases="unknown"``): an adopted READY slab and no ``force``.
+    """
+    adopted = [s for s in slots if s.adopted and s.state is SlotState.READY]
+    if adopted and not msg.force:
+        raise LeaseBusy(f"model {msg.model!r} was taken back from systemd's fd store after the service restarted: "
+                        f"engines that attached before the restart are unknown to this process and may still map "
+                        f"it; use --force to evict anyway (engines keep their mappings; the memory is freed when "
+                        f"the last one detaches)", model=msg.model, leases="unknown")
 
 
 def _evict_to(ctx: Context, slots: list[Slot], to: str) -> Outcome:
@@ -538,7 +557,8 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
                     e.details.get("file"), e.details.get("line"), e.details.get("key"), describe_config_error(e),
                     extra=reload.config_rejected_event(e))
         raise
-    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service)
+    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service,
+                    running_backend=st.backend)
     done = reload.apply(st, p, config)
     ctx.service_config = config.service
     ctx.tiers.budget_bytes = config.service.budget_bytes(int(ctx.mem_info()[1]))

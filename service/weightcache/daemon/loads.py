@@ -17,14 +17,15 @@ thread): if its read ever returns, it aborts its partial slab (or closes the
 sealed one) and posts nothing. While the read blocks, that worker keeps its
 partial slab and its open file.
 
-A load whose tensors are all byte ranges of the checkpoint (unquantized, no
-cast) runs without torch (:func:`weightcache.pipeline.fill`), so the first
-slab is ready before the seconds ``import torch`` takes are spent. When a
-model queued behind the current load may need torch (a dtype to cast to, a
-quantized checkpoint: :func:`weightcache.pipeline.may_need_torch`), torch is
-imported on a background thread (:func:`warm_torch`) while the current load
-reads. A service whose models need no torch does not import it until
-``verify`` is asked of a CUDA slab (a host slab is verified without torch).
+A load whose tensors are all placements of checkpoint byte ranges (any TP
+layout, either naming, ModelOpt FP8; everything but a dtype cast) runs
+without torch (:func:`weightcache.pipeline.fill`), so the first slab is
+ready before the seconds ``import torch`` takes are spent. When a model
+queued behind the current load may need torch (a dtype to cast to:
+:func:`weightcache.pipeline.may_need_torch`), torch is imported on a
+background thread (:func:`warm_torch`) while the current load reads. A
+service whose models need no torch does not import it (``verify`` of a host
+slab hashes its mapping, of a CUDA slab runs an NVRTC kernel).
 
 The loader reads only a slot's ``placement`` (immutable) and the set of
 slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
