@@ -119,7 +119,8 @@ class SchemeRules:
         """
         raise NotImplementedError
 
-    def process_specs(self, ck: "Checkpoint", specs: list["TensorSpec"], kernel: str, scheme: Any) -> list["TensorSpec"]:
+    def process_specs(self, ck: "Checkpoint", specs: list["TensorSpec"], kernel: str,
+                      scheme: Any) -> list["TensorSpec"]:
         """Rewrites the rank's sharded specs for ``kernel`` (headers only).
 
         Args:
