@@ -169,7 +169,12 @@ def make_room(need_bytes: int, budget_bytes: int, gpu: Sequence[Holding], host_t
             break
         (demote if tier.take(h) else drop).append(h.label)
         room += h.size_bytes
-    return Room(tuple(demote), tuple(drop), tuple(tier.dropped), max(0, need_bytes - room), free)
+    # A victim demoted above and displaced from the host tier by a higher-ranked one goes straight to disk.
+    displaced = set(tier.dropped) & set(demote)
+    demote = [lb for lb in demote if lb not in displaced]
+    drop = [h.label for h in sorted((h for h in gpu if h.label in displaced or h.label in drop), key=eviction_key)]
+    drop_host = [lb for lb in tier.dropped if lb not in displaced]
+    return Room(tuple(demote), tuple(drop), tuple(drop_host), max(0, need_bytes - room), free)
 
 
 def fit_host(host_tier_bytes: int, host: Sequence[Holding]) -> tuple[tuple[str, ...], int]:

@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import InsufficientMemory
+from ..errors import InsufficientMemory, WeightcacheError
 from ..journal import event
 from . import budget
 from .state import ON_DEMAND, ServiceState, Slot, SlotState
@@ -201,7 +201,12 @@ class Tiers:
         if slot.hosted is not None:
             copy = slot.hosted
         else:
-            copy = self.to_host(sealed, slot.label) if self.to_host is not None else sealed
+            try:
+                copy = self.to_host(sealed, slot.label) if self.to_host is not None else sealed
+            except WeightcacheError as e:  # no host RAM, no page-locking: the room is made all the same
+                log.warning("demotion failed model=%s rank=%d code=%s error=%s: dropped to disk instead",
+                            slot.placement.model.name, slot.placement.tp_rank, e.code, e.message)
+                return self.shelve(state, slot, f"{reason}; the copy to the host tier failed ({e.code})")
         slot.hosted = None
         slot.demote(copy)
         p = slot.placement
@@ -220,7 +225,7 @@ class Tiers:
                  p.tp_size, p.tp_rank, size, was, reason,
                  extra=event("shelved", p.model.name, p.tp_rank, size_bytes=size, reason=reason, tier_from=was))
         close = (sealed,) + (() if _same(hosted, sealed) else (hosted,)) + (manifest_file,)
-        return Moved(slot, slot.store_id, "disk", close)
+        return Moved(slot, slot.store_id, "disk", tuple(f for f in close if f is not None))
 
     @staticmethod
     def promoted(slot: Slot, duration_s: float) -> None:

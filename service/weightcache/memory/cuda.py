@@ -697,10 +697,12 @@ class CudaBackend:
     # --- the host tier (weightcache.memory.cuda_tier) ---
 
     def allocate_host(self, size_bytes: int, label: str) -> Any:
-        """A writable host slab for the host tier (``preload = "host"``); :meth:`seal_host` seals and pins it."""
+        """A writable host slab for the host tier (``preload = "host"``), ``size_bytes`` rounded up to the VMM
+        granularity (the size of the GPU slab its promotion makes); sealing it page-locks it."""
         from .host import HostWritableSlab
 
-        return _HostTierWritable(self, HostWritableSlab(size_bytes, label))
+        size = max(self.granularity, round_up(int(size_bytes), self.granularity))
+        return _HostTierWritable(self, HostWritableSlab(size, label))
 
     def adopt_host(self, fd: int, size_bytes: int) -> Any:
         """Takes ownership of a host-tier memfd from systemd's fd store and page-locks it for promotions."""
