@@ -49,7 +49,7 @@ import tomllib
 
 from .errors import ConfigError
 from .loader import default_threads
-from .spec import DTYPE_NAMES, LoadRequest
+from .spec import DTYPE_NAMES, LoadRequest, RankRequest
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, NAMINGS
 
 DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
@@ -64,6 +64,7 @@ _SERVICE_KEYS = {
     "staging_bytes": int,
     "read_threads": int,
     "operator_groups": list,
+    "disabled_gpus": list,
     "max_unread_replies": int,
     "max_queued_bytes": int,
     "max_held_fds": int,
@@ -145,12 +146,11 @@ class ModelConfig(LoadRequest):
 
 
 @dataclass(frozen=True)
-class Placement:
-    """One (model, layout, rank) placed on one GPU."""
+class Placement(RankRequest):
+    """One (model, layout, rank) placed on one GPU: a :class:`~weightcache.spec.RankRequest` of a configured
+    model, plus the GPU (the pipeline and the cache key take it as the rank request it is)."""
 
     model: ModelConfig
-    tp_size: int
-    tp_rank: int
     gpu: int
 
     @property
@@ -202,6 +202,9 @@ class ServiceConfig:
     read_threads: int = field(default_factory=default_threads)
     #: Groups whose members may evict, preload and verify (besides root and the service user).
     operator_groups: tuple[str, ...] = ()
+    #: GPUs whose instance weightcache.target does not start (the generator skips their sockets), as
+    #: postgresql's start.conf "manual": the per-instance off switch; "systemctl start" by hand still works.
+    disabled_gpus: tuple[int, ...] = ()
     #: Per-client caps (see weightcache.daemon.limits.Limits).
     max_unread_replies: int = 64
     max_queued_bytes: int = 16 * 1024 * 1024
@@ -610,6 +613,10 @@ def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], me
             if not all(isinstance(g, str) and g for g in value):
                 raise _err(str(f), "service.operator_groups", "must be a list of group names (non-empty strings)")
             value = tuple(value)
+        if key == "disabled_gpus":
+            if not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX for g in value):
+                raise _err(str(f), "service.disabled_gpus", f"must be a list of GPU indices 0..{MAX_GPU_INDEX}")
+            value = tuple(sorted(set(value)))
         service[key] = value
     if "metrics" in data:
         _parse_metrics(str(f), data["metrics"], metrics)

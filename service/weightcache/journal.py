@@ -40,6 +40,7 @@ MESSAGE_IDS = {
     "demoted": "4cefb35f14ad4756bb021c774a9ab0f3",
     "promoted": "2a41ba0667bd4a3fa0d127c5a7ffb003",
     "shelved": "9b93fa1d3b644b4cbf0b4b8438d3534b",
+    "backend": "b8d4268cc41644dcbebfd2edd4c254b6",
 }
 
 

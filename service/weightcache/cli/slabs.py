@@ -50,12 +50,16 @@ def cmd_reload(args: argparse.Namespace) -> int:
     Exit status: 0 applied everywhere; 2 an instance refused the files (it keeps
     serving the previous configuration); 3 an instance did not answer; 1 another refusal.
     """
+    from .unwired import warnings
+
     where = socket_dir_of(args)
     gpus = gpus_of(args, where)
     if not gpus:
         print(no_sockets(args), file=sys.stderr)
         return EXIT_UNAVAILABLE
     rc = EXIT_OK
+    for line in warnings(where, gpus) if args.gpu is None else ():
+        print(line, file=sys.stderr)
     for gpu, r, e in ask_each(args, where, gpus, protocol.Reload):
         if isinstance(e, DaemonUnavailable):
             print(f"GPU {gpu}: {e.message}", file=sys.stderr)

@@ -35,7 +35,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .. import pipeline, protocol
+from .. import identity, pipeline, protocol
 from ..config import Config, ServiceConfig
 from ..errors import (AccessDenied, ConfigError, InsufficientMemory, InternalError, LeaseBusy, ModelLoadFailed,
                       ModelNotFound, RemoteProtocolError, ResourceExhausted, WeightcacheError)
@@ -212,17 +212,17 @@ def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
 
 
 def _dtype_matches(slot: Slot, requested: str) -> bool:
-    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.pipeline.dtype_matches`).
+    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.identity.dtype_matches`).
 
-    Answered from :attr:`Slot.dtype_served`: once a load of the slot is planned it holds every name and no
-    header is read here; before that, a name it lacks is worked out once (reading the checkpoint's headers
-    unless the slab's key or the configured dtype answers it) and kept.
+    Answered from :attr:`Slot.dtype_served`: once a load of the slot is planned (or its slab adopted with a
+    manifest file that lists them) it holds every name and no header is read here; before that, a name it
+    lacks is worked out once (reading the checkpoint's headers unless the slab's key or the configured dtype
+    answers it) and kept.
     """
     served = slot.dtype_served.get(requested)
     if served is None:
-        p = slot.placement
-        served = slot.dtype_served[requested] = pipeline.dtype_matches(
-            p.model, p.tp_size, p.tp_rank, requested, slot.manifest.key if slot.manifest else None)
+        served = slot.dtype_served[requested] = identity.dtype_matches(
+            slot.placement, requested, slot.manifest.key if slot.manifest else None)
     return served
 
 
@@ -441,6 +441,7 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     if leased and not msg.force:
         raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
                         f"use --force to evict anyway (engines keep their mappings)", model=msg.model)
+    _refuse_unknown_leases(slots, msg)
     if msg.to:
         return _evict_to(ctx, slots, msg.to)
     evicted, effects = [], []
@@ -464,6 +465,24 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
                  msg.force, sealed.size_bytes,
                  extra=event("evicted", s.placement.model.name, s.placement.tp_rank, size_bytes=sealed.size_bytes))
     return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
+
+
+def _refuse_unknown_leases(slots: list[Slot], msg: protocol.Evict) -> None:
+    """Refuses an ``evict`` without ``force`` of slabs adopted from the fd store after a restart.
+
+    Leases live in the process that granted them: after a restart, engines that attached before it
+    still map the slab, and this process cannot know whether any does (issue 26). Their leases are
+    unknown, not zero, so ``evict`` treats them as held.
+
+    Raises:
+        LeaseBusy (`lease_busy`, details ``leases="unknown"``): an adopted READY slab and no ``force``.
+    """
+    adopted = [s for s in slots if s.adopted and s.state is SlotState.READY]
+    if adopted and not msg.force:
+        raise LeaseBusy(f"model {msg.model!r} was taken back from systemd's fd store after the service restarted: "
+                        f"engines that attached before the restart are unknown to this process and may still map "
+                        f"it; use --force to evict anyway (engines keep their mappings; the memory is freed when "
+                        f"the last one detaches)", model=msg.model, leases="unknown")
 
 
 def _evict_to(ctx: Context, slots: list[Slot], to: str) -> Outcome:
@@ -538,7 +557,8 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
                     e.details.get("file"), e.details.get("line"), e.details.get("key"), describe_config_error(e),
                     extra=reload.config_rejected_event(e))
         raise
-    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service)
+    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service,
+                    running_backend=st.backend)
     done = reload.apply(st, p, config)
     ctx.service_config = config.service
     ctx.tiers.budget_bytes = config.service.budget_bytes(int(ctx.mem_info()[1]))

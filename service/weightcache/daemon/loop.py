@@ -38,6 +38,7 @@ from ..errors import ConfigError
 from ..journal import event
 from ..loader import LoaderOptions
 from ..memory import Backend
+from ..spec import DTYPE_NAMES
 from . import access, handlers, loads, lograte, tiers
 from .fdstore import FdStore
 from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
@@ -110,6 +111,8 @@ class Daemon:
                 slot.stash(got.manifest, got.sealed, got.manifest_file)
             else:
                 slot.adopt(got.manifest, got.sealed, got.manifest_file)
+            if got.dtypes_served is not None:  # as its manifest file records them: no header read to match a dtype
+                slot.dtype_served = {r: r in got.dtypes_served for r in DTYPE_NAMES}
         if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
             self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 

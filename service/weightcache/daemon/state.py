@@ -452,7 +452,7 @@ class ServiceState:
 
         ``dtype_matches(slot, dtype)`` decides whether a slot serves an engine asking
         for ``dtype`` (the caller's, since it may read headers: see
-        :func:`weightcache.pipeline.dtype_matches`); without it the configured
+        :func:`weightcache.identity.dtype_matches`); without it the configured
         dtype must equal ``dtype``.
 
         Raises:
