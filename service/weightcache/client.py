@@ -485,8 +485,9 @@ def _expected_fields(req: AttachRequest, expected: dict[str, Any] | None, local_
     ck = Checkpoint(checkpoint_path, validate=False)
     rank = mf.request
     if rank is None:
-        rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE), key.get("naming", DEFAULT_NAMING),
-                                        key.get("kernel") or DEFAULT_KERNEL, key.get("revision", "")),
+        rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE),
+                                        key.get("naming", DEFAULT_NAMING), key.get("kernel") or DEFAULT_KERNEL,
+                                        key.get("revision", "")),
                            req.tp_size, req.tp_rank)
     else:  # the checkpoint as the service names it now (its path as the reply gives it)
         rank = RankRequest(dataclasses.replace(rank.model, path=str(ck.path)), rank.tp_size, rank.tp_rank)

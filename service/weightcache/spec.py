@@ -6,7 +6,8 @@ along ``cat_dim`` and then passed through a named processing ``op``.
 
 - ``sharding`` turns checkpoint tensors into per-rank specs (op ``copy``,
   fused names, tied aliases);
-- ``quant`` rewrites specs of quantized layers (ops such as ``fp8_fuse``);
+- ``quant`` rewrites specs of quantized layers (ops of the scheme registry, such as
+  ``modelopt_fp8_weight``);
 - ``pipeline`` assigns offsets, then executes each spec into the slab.
 
 Forbidden imports: torch at module level, socket, weightcache.daemon,

@@ -130,7 +130,8 @@ def lookup(method: str, algo: str, *, where: str, layer: str, kernel: str | None
     if kernel is not None and kernel not in cap.kernels:
         raise UnsupportedQuantization(
             f"{where}: layer {layer!r} ({cap.scheme}): kernel target {kernel!r} has no processing rule; "
-            f"supported kernel targets: {', '.join(cap.kernels)}. Set kernel = \"{cap.kernels[0]}\" in the model's config",
+            f"supported kernel targets: {', '.join(cap.kernels)}. "
+            f"Set kernel = \"{cap.kernels[0]}\" in the model's config",
             scheme=cap.scheme,
             layer=layer,
             file=where,

@@ -58,6 +58,7 @@ from .quant_config import (  # noqa: F401 - re-exported: the names this module h
     read_config,
 )
 from .fp8_layout import SCHEMES, Fp8ScaleLayout, Fp8WeightLayout, layout_of  # noqa: F401 - the layout records
+from . import modelopt_fp8_placement
 from .registry import SchemeRules, SideTensor
 
 log = logging.getLogger(__name__)
@@ -446,6 +447,8 @@ class ModelOptFp8(SchemeRules):
     capabilities = CAPABILITIES
     side_tensors = SIDE_TENSORS
     ops = OPS
+    placers = {OP_WEIGHT: modelopt_fp8_placement.place_weight, OP_WEIGHT_SCALE: modelopt_fp8_placement.place_scale,
+               OP_INPUT_SCALE: modelopt_fp8_placement.place_scale}
 
     def read_config(self, ck: Checkpoint) -> QuantConfig | None:
         """``hf_quant_config.json`` (:func:`read_hf_quant_config`)."""

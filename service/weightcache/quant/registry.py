@@ -10,7 +10,9 @@ owns, for its schemes:
   (:meth:`SchemeRules.read_config`, e.g. ModelOpt's ``hf_quant_config.json``);
 - its **layer checks** (:meth:`SchemeRules.check_layers`, headers only);
 - its **processing**: spec rewriting (:meth:`SchemeRules.process_specs`) and
-  the ops that run it (:attr:`SchemeRules.ops`);
+  the ops that run it (:attr:`SchemeRules.ops`), and for each op the
+  torch-free placement that gives the same bytes (:attr:`SchemeRules.placers`,
+  run by ``weightcache.placement``);
 - the **shard rule of its side tensors** (:attr:`SchemeRules.side_tensors`:
   scales and the like, which ``weightcache.sharding`` shards by this table);
 - the **inverse** of its processing (:meth:`SchemeRules.checkpoint_form`), which
@@ -89,12 +91,17 @@ class SchemeRules:
             cache key's ``quant_scheme``, the layout's ``scheme``).
         side_tensors (`tuple[SideTensor]`): its side tensors' shard rules.
         ops (`Mapping[str, Op]`): its processing ops, by the name a spec's ``op`` carries.
+        placers (`Mapping[str, Placer]`): for some of those ops, the torch-free
+            placement that writes the same bytes (``fn(spec, record, checkpoint)
+            -> weightcache.placement.Placement | None``); an op without one (or
+            a placer answering ``None``) runs on the torch pipeline.
     """
 
     family: str = ""
     capabilities: Mapping[tuple[str, str], Capability] = {}
     side_tensors: tuple[SideTensor, ...] = ()
     ops: Mapping[str, Op] = {}
+    placers: Mapping[str, Callable[..., Any]] = {}
 
     def read_config(self, ck: "Checkpoint") -> Any:
         """The scheme's own config file, when ``config.json`` has no ``quantization_config``.
@@ -112,7 +119,8 @@ class SchemeRules:
         """
         raise NotImplementedError
 
-    def process_specs(self, ck: "Checkpoint", specs: list["TensorSpec"], kernel: str, scheme: Any) -> list["TensorSpec"]:
+    def process_specs(self, ck: "Checkpoint", specs: list["TensorSpec"], kernel: str,
+                      scheme: Any) -> list["TensorSpec"]:
         """Rewrites the rank's sharded specs for ``kernel`` (headers only).
 
         Args:
@@ -201,6 +209,15 @@ def op(name: str) -> Op | None:
     """The registered processing op ``name``, or ``None``."""
     for r in _rules.values():
         fn = r.ops.get(name)
+        if fn is not None:
+            return fn
+    return None
+
+
+def placer(name: str) -> Callable[..., Any] | None:
+    """The registered torch-free placement of op ``name`` (see :attr:`SchemeRules.placers`), or ``None``."""
+    for r in _rules.values():
+        fn = r.placers.get(name)
         if fn is not None:
             return fn
     return None
