@@ -146,10 +146,13 @@ class Loaded:
         else:
             slot.loaded(self.manifest, self.sealed, self.manifest_file)
         if self.promoted_from is not None:
-            slot.hosted = None
-            size = self.sealed.size_bytes
-            log.info("promoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f gbps=%.2f copied=%s",
-                     p.model.name, p.tp_size, p.tp_rank, size, dt * 1e3, size / max(dt, 1e-9) / 1e9,
+            if self.promoted_from is self.sealed:  # the host backend: one memfd, nothing to keep
+                slot.hosted = None
+            size, st = self.sealed.size_bytes, self.stages_s
+            copy_s = st.get("copy", dt)
+            log.info("promoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f room_ms=%.0f copy_ms=%.0f "
+                     "copy_gbps=%.2f digest_ms=%.0f copied=%s", p.model.name, p.tp_size, p.tp_rank, size, dt * 1e3,
+                     st.get("room", 0) * 1e3, copy_s * 1e3, size / max(copy_s, 1e-9) / 1e9, st.get("digest", 0) * 1e3,
                      "no" if self.promoted_from is self.sealed else "yes",
                      extra=event("promoted", p.model.name, p.tp_rank, size_bytes=size, duration_ms=dt * 1e3))
             return
@@ -402,10 +405,15 @@ class Loader:
                 self._post(Planned(slot, total))
         self._room(slot, hosted.size_bytes, "gpu", started, job)
         t0 = time.monotonic()
-        sealed = st.backend.promote(hosted, p.label)
+        checked: dict[str, list[str]] = {}
+
+        def check_host_copy() -> None:  # while the copy runs: the host copy's bytes against the load's digests
+            checked["bad"] = promoted_mismatches(manifest, hosted, None, st.options.threads)
+
+        sealed = st.backend.promote(hosted, p.label, check_host_copy)
         t1 = time.monotonic()
         if sealed is not hosted:
-            bad = pipeline.verify(manifest, sealed)
+            bad = checked.get("bad", []) + promoted_mismatches(manifest, None, sealed, st.options.threads)
             if bad:
                 sealed.close()
                 raise ModelLoadFailed(f"model {p.model.name}: {len(bad)} tensors differ from their digests after "
@@ -496,6 +504,40 @@ def dtype_served(pl: pipeline.Plan) -> dict[str, bool]:
     plan's slab (:attr:`weightcache.pipeline.Plan.dtypes_served`, the rule of
     :func:`weightcache.identity.served_dtypes`), as :attr:`Slot.dtype_served` holds it. Reads no file."""
     return {r: r in pl.dtypes_served for r in DTYPE_NAMES}
+
+
+def promoted_mismatches(manifest: Manifest, hosted: Any, sealed: Any, threads: int) -> list[str]:
+    """Names of the tensors of a promotion whose bytes differ from the digests recorded at load.
+
+    With ``hosted`` (a host-tier slab with ``buffer``): the tensors with host digests (``xxh3_128``,
+    ``xxh3c``), hashed on ``threads`` threads without torch (run during the copy to the GPU). With
+    ``sealed`` (the GPU slab after the copy): the tensors with GPU digests (``sum64``, torch pipeline loads).
+    """
+    stored = [r for r in manifest.tensors if r.alias_of is None]
+    if sealed is not None:
+        gpu = [r for r in stored if r.digest.startswith("sum64:")]
+        if not gpu:
+            return []
+        from .. import digest
+
+        t = sealed.tensor
+        return [r.name for r in gpu if not digest.matches(t[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .. import digest
+
+    host = [r for r in stored if not r.digest.startswith("sum64:")]
+    buf = hosted.buffer
+
+    def bad(r: Any) -> str | None:
+        ok = digest.matches_buffer(buf[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)
+        return None if ok else r.name
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
+            return [n for n in ex.map(bad, host) if n is not None]
+    finally:
+        buf.release()
 
 
 class _Job:
