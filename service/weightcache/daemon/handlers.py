@@ -35,7 +35,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .. import pipeline, protocol
+from .. import identity, pipeline, protocol
 from ..config import Config, ServiceConfig
 from ..errors import (AccessDenied, ConfigError, InsufficientMemory, InternalError, LeaseBusy, ModelLoadFailed,
                       ModelNotFound, RemoteProtocolError, ResourceExhausted, WeightcacheError)
@@ -212,17 +212,17 @@ def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
 
 
 def _dtype_matches(slot: Slot, requested: str) -> bool:
-    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.pipeline.dtype_matches`).
+    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.identity.dtype_matches`).
 
-    Answered from :attr:`Slot.dtype_served`: once a load of the slot is planned it holds every name and no
-    header is read here; before that, a name it lacks is worked out once (reading the checkpoint's headers
-    unless the slab's key or the configured dtype answers it) and kept.
+    Answered from :attr:`Slot.dtype_served`: once a load of the slot is planned (or its slab adopted with a
+    manifest file that lists them) it holds every name and no header is read here; before that, a name it
+    lacks is worked out once (reading the checkpoint's headers unless the slab's key or the configured dtype
+    answers it) and kept.
     """
     served = slot.dtype_served.get(requested)
     if served is None:
-        p = slot.placement
-        served = slot.dtype_served[requested] = pipeline.dtype_matches(
-            p.model, p.tp_size, p.tp_rank, requested, slot.manifest.key if slot.manifest else None)
+        served = slot.dtype_served[requested] = identity.dtype_matches(
+            slot.placement, requested, slot.manifest.key if slot.manifest else None)
     return served
 
 
