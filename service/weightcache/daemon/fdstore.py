@@ -20,9 +20,10 @@ weightcache.daemon.handlers, weightcache.daemon.loads, weightcache.daemon.ticker
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import notify, pipeline
@@ -31,19 +32,38 @@ from ..config import Placement
 from ..errors import WeightcacheError
 from ..journal import event
 from ..manifest import MAX_MANIFEST_BYTES, Manifest, unpack_file
-from ..memory.host import SealedFile
+from ..memory.host import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE, SealedFile
+from ..spec import DTYPE_NAMES
 from .state import Slot
 
 log = logging.getLogger(__name__)
 
 
+#: Seals every memfd the service stores carries (weightcache.memory.host): nothing can write, grow or shrink it.
+REQUIRED_SEALS = F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE
+
+
+def _check_sealed(fd: int, what: str) -> None:
+    """Raises ValueError unless memfd ``fd`` carries :data:`REQUIRED_SEALS` (an entry some other process put in
+    the store, or a writable one, is never served)."""
+    try:
+        seals = fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError as e:
+        raise ValueError(f"stored {what} is not a sealed memfd ({e.strerror})") from None
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise ValueError(f"stored {what} lacks the service's seals (has {seals:#x}, needs {REQUIRED_SEALS:#x})")
+
+
 @dataclass(frozen=True, slots=True)
 class Adopted:
-    """A slab taken back from the store: its manifest, the backend's SealedSlab and its manifest file."""
+    """A slab taken back from the store: its manifest, the backend's SealedSlab and its manifest file, and
+    which dtype names it serves (:attr:`~weightcache.daemon.state.Slot.dtype_served`, worked out at adoption,
+    before the serving loop starts)."""
 
     manifest: Manifest
     sealed: Any
     manifest_file: SealedFile
+    dtype_served: dict = field(default_factory=dict)
 
 
 def stored_placements(stored: dict[str, list[int]], gpu: int) -> tuple[list[Placement], str | None]:
@@ -148,6 +168,9 @@ class FdStore:
         return out
 
     def _match(self, slot: Slot, slab_fd: int, manifest_fd: int) -> Adopted | None:
+        _check_sealed(manifest_fd, "manifest file")
+        if self.backend.name == "host":  # a cuda slab is a VMM handle, not a memfd
+            _check_sealed(slab_fd, "slab")
         size = os.fstat(manifest_fd).st_size
         if size > MAX_MANIFEST_BYTES:
             raise ValueError(f"stored manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}")
@@ -164,8 +187,9 @@ class FdStore:
             log.info("fd store slab dropped model=%s rank=%d reason=key-mismatch fields=%s",
                      p.model.name, p.tp_rank, ",".join(diff[:8]))
             return None
+        served = {r: pipeline.dtype_matches(p.model, p.tp_size, p.tp_rank, r, manifest.key) for r in DTYPE_NAMES}
         sealed = self.backend.adopt(slab_fd, int(fields["size_bytes"]))
         log.info("adopted slab from fd store model=%s tp_size=%d rank=%d size_bytes=%d",
                  p.model.name, p.tp_size, p.tp_rank, sealed.size_bytes,
                  extra=event("adopted", p.model.name, p.tp_rank, size_bytes=sealed.size_bytes))
-        return Adopted(manifest, sealed, SealedFile(manifest_fd, size))
+        return Adopted(manifest, sealed, SealedFile(manifest_fd, size), served)

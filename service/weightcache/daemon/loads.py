@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import pipeline
+from ..checkpoint import Checkpoint
 from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
 from ..loader import LoaderOptions
@@ -65,6 +66,9 @@ from ..manifest import Manifest, pack_file
 from ..memory.host import SealedFile
 from ..spec import DTYPE_NAMES
 from .state import ServiceState, Slot
+
+#: Owners whose symlinks on the way to a checkpoint directory the service follows: root and itself.
+TRUSTED_LINK_OWNERS = frozenset({0, os.getuid()})
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +317,10 @@ class Loader:
         last_post = [0.0]
         stages: dict[str, float] = {}
         try:
-            pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, st.device)
+            # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
+            # configuration was read, symlinks followed only when root or the service user owns them.
+            ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)
+            pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, st.device, checkpoint=ck)
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")

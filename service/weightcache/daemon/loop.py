@@ -104,6 +104,7 @@ class Daemon:
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
         for slot, got in stored.items():
             slot.adopt(got.manifest, got.sealed, got.manifest_file)
+            slot.dtype_served = dict(got.dtype_served)
         if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
             self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 
