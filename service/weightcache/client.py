@@ -14,7 +14,7 @@ The load pipeline (:mod:`weightcache.pipeline`, :mod:`weightcache.quant`,
 imported by the functions that use them, never when this module is imported:
 an engine that only attaches pays for what attaching needs (tests/unit/test_lazy_imports.py).
 
-Forbidden imports: weightcache.config, weightcache.daemon, selectors, weightcache.pipeline at module level,
+Forbidden imports: weightcache.config, weightcache.daemon, asyncio, weightcache.pipeline at module level,
 weightcache.quant at module level, weightcache.sharding at module level, weightcache.loader at module level,
 numpy at module level, torch at module level.
 """

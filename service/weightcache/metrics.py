@@ -60,6 +60,8 @@ UNIT_STATES = ("active", "reloading", "inactive", "failed", "activating", "deact
 ASKABLE = frozenset({"active", "reloading"})
 #: A slab's states: every :class:`~weightcache.wire.SlotState` member, in its order (one series each).
 SLAB_STATES: tuple[SlotState, ...] = tuple(SlotState)
+#: Where a slab is (``weightcache.daemon.budget.TIERS``).
+SLAB_TIERS = ("gpu", "host", "disk")
 
 SLAB_LABELS = ("gpu", "model", "tp_size", "tp_rank")
 
@@ -84,7 +86,13 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "weightcache_memory_slab_bytes": ("gauge", ("gpu",), "Device memory held by resident slabs, bytes"),
     "weightcache_memory_free_bytes": ("gauge", ("gpu",), "Free memory of the device (host RAM: host backend), bytes"),
     "weightcache_memory_total_bytes": ("gauge", ("gpu",), "Total memory of the device (host RAM: host backend), bytes"),
+    "weightcache_memory_budget_bytes": ("gauge", ("gpu",), "The memory budget in force (memory_budget_bytes), bytes"),
+    "weightcache_memory_budget_used_bytes": ("gauge", ("gpu",),
+                                             "Bytes of the budget taken: slabs on the GPU and loads granted room"),
+    "weightcache_host_tier_bytes": ("gauge", ("gpu",), "Size of the host tier (host_tier_bytes), bytes"),
+    "weightcache_host_tier_used_bytes": ("gauge", ("gpu",), "Bytes the host tier holds, bytes"),
     "weightcache_slab_state": ("gauge", SLAB_LABELS + ("state",), "1 for the slab's state"),
+    "weightcache_slab_tier": ("gauge", SLAB_LABELS + ("tier",), "1 for the slab's tier (gpu, host, disk)"),
     "weightcache_slab_resident_bytes": ("gauge", SLAB_LABELS, "Size of the slab's resident mapping, bytes"),
     "weightcache_slab_tensors": ("gauge", SLAB_LABELS, "Tensor records in the resident slab's manifest"),
     "weightcache_slab_leases": ("gauge", SLAB_LABELS, "Leases held on the slab (attached engines)"),
@@ -229,10 +237,16 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
     fam.add("weightcache_memory_slab_bytes", (g,), sum(sl.resident_bytes for sl in st.slabs))
     fam.add("weightcache_memory_free_bytes", (g,), st.free_bytes)
     fam.add("weightcache_memory_total_bytes", (g,), st.total_bytes)
+    fam.add("weightcache_memory_budget_bytes", (g,), st.budget_bytes)
+    fam.add("weightcache_memory_budget_used_bytes", (g,), st.gpu_bytes)
+    fam.add("weightcache_host_tier_bytes", (g,), st.host_tier_bytes)
+    fam.add("weightcache_host_tier_used_bytes", (g,), st.host_used_bytes)
     for sl in st.slabs:
         lab = (g, sl.model, sl.tp_size, sl.tp_rank)
         for state in SLAB_STATES:
             fam.add("weightcache_slab_state", lab + (state.value,), int(sl.state is state))
+        for tier in SLAB_TIERS:
+            fam.add("weightcache_slab_tier", lab + (tier,), int(sl.tier == tier))
         fam.add("weightcache_slab_resident_bytes", lab, sl.resident_bytes)
         fam.add("weightcache_slab_tensors", lab, sl.tensors)
         fam.add("weightcache_slab_leases", lab, sl.lease_count)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import digest, quant, sharding
+from . import digest, placement, quant, sharding
 from .checkpoint import Checkpoint
 from .errors import ShapeMismatch, WeightcacheError
 from .loader import LoaderOptions, direct_task, read_direct, read_into_slab
@@ -266,11 +266,9 @@ class Filled:
     Attributes:
         manifest (`Manifest`): of the filled slab, digests included.
         torch_free (`bool`): the slab was filled without importing torch
-            (every tensor a byte range of a file, :func:`weightcache.loader.read_direct`).
+            (every tensor a placement, :mod:`weightcache.placement`).
         read_s (`float`): wall time reading (and processing) the tensors, seconds.
-        digest_s (`float`): wall time of the digests after the read, seconds
-            (CUDA's torch-free path takes them during the read: there, the
-            share of ``read_s`` they took).
+        digest_s (`float`): wall time of the digests after the read, seconds.
         bytes_read (`int`): payload bytes written.
     """
 
@@ -282,19 +280,14 @@ class Filled:
 
 
 def may_need_torch(model: LoadRequest) -> bool:
-    """Whether loading ``model`` may need torch: a dtype to cast to, or a quantized checkpoint.
+    """Whether loading ``model`` may need torch: a dtype to cast to.
 
-    Reads ``config.json`` and the safetensors headers, no tensor data. A
-    checkpoint that cannot be opened answers ``False`` (its load fails on its
-    own). ``True`` is a hint: a configured dtype the checkpoint is already
-    stored in needs no cast, and :func:`fill` finds that out.
+    Everything else, ModelOpt FP8 included, is placed by the reader
+    (:mod:`weightcache.placement`). ``True`` is a hint: a configured dtype the
+    checkpoint is already stored in needs no cast, and :func:`fill` finds that
+    out; a CUDA slab without NVRTC falls back to torch on its own.
     """
-    if model.dtype != "auto":
-        return True
-    try:
-        return quant.modelopt_fp8.read_config(Checkpoint(model.path, validate=False)) is not None
-    except WeightcacheError:
-        return False
+    return model.dtype != "auto"
 
 
 def _counter(total: int, progress: Callable[[int, int], None] | None) -> tuple[Callable[[int], None], list[int]]:
@@ -329,18 +322,19 @@ def _split_specs(p: Plan) -> tuple[list, list]:
 
 def fill(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
          options: LoaderOptions | None = None) -> Filled:
-    """Fills a backend's writable slab with the tensors of ``p``; without torch when nothing needs processing.
+    """Fills a backend's writable slab with the tensors of ``p``; without torch unless a tensor needs a cast.
 
-    When every tensor is a byte range of a checkpoint file (an unquantized
-    checkpoint loaded without a dtype cast, sharded along contiguous
-    dimensions) and the slab offers torch-free access (a host memfd's
-    ``buffer``, a CUDA slab's ``stager()``), the reader fills it and takes
-    the digests with no torch imported (:func:`weightcache.loader.read_direct`).
-    Otherwise this is :func:`execute` on ``slab.tensor``. Both give the same
-    bytes and the same manifest records; the digests agree on a host slab
-    (``xxh3_128``), while on a CUDA slab the torch-free fill records
-    ``xxh3c`` (hashed from the staging buffers) where :func:`execute` records
-    ``sum64`` (on the GPU); :func:`verify` checks either.
+    Every tensor that is a placement of checkpoint byte ranges (whole
+    tensors, TP shards along any dimension, fused ``qkv_proj``/``gate_up_proj``,
+    vocab padding, ModelOpt FP8 weights padded to the kernel's multiples, their
+    fused scales and the requantisation of fused per-tensor parts) is filled
+    by the parallel reader (:mod:`weightcache.placement`,
+    :func:`weightcache.loader.read_direct`) when the slab offers torch-free
+    access (a host memfd's ``buffer``; a CUDA slab's ``stager()`` with its
+    NVRTC kernels, :mod:`weightcache.memory.kernels`). Otherwise (a dtype cast,
+    or no NVRTC) this is :func:`execute` on ``slab.tensor``. Both give the same
+    bytes and records; the digests are the backend's family either way
+    (host ``xxh3_128``, CUDA ``sum64``), which :func:`verify` checks.
 
     Args:
         p (`Plan`): from :func:`plan`.
@@ -355,13 +349,87 @@ def fill(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
         The errors of :func:`execute`.
     """
     opts = options or LoaderOptions()
-    tasks, computed = _split_specs(p)
-    if computed or (getattr(slab, "buffer", None) is None and not hasattr(slab, "stager")):
+    placed = _placement(p, slab)
+    if placed is None:
         timings: dict[str, float] = {}
         manifest = execute(p, slab.tensor, progress, opts, timings=timings)
         return Filled(manifest, False, timings["read_s"], timings["digest_s"], p.payload_bytes)
-    r = read_direct(tasks, slab, opts, _counter(p.payload_bytes, progress)[0])
-    return Filled(_manifest(p, r.digests), True, r.read_s, r.digest_s, r.bytes_read)
+    try:
+        return _fill_placed(p, placed, slab, opts, progress)
+    except Exception as e:
+        from .memory.kernels import KernelError
+
+        if not isinstance(e, KernelError):
+            raise
+        # NVRTC loaded but refused the program (an unknown GPU, a driver too old): the torch path rewrites every byte.
+        log.warning("GPU kernels unavailable, the torch pipeline fills checkpoint=%s error=%s", p.checkpoint.path, e)
+        timings: dict[str, float] = {}
+        manifest = execute(p, slab.tensor, progress, opts, timings=timings)
+        return Filled(manifest, False, timings["read_s"], timings["digest_s"], p.payload_bytes)
+
+
+def _placement(p: Plan, slab) -> placement.Placement | None:
+    """The plan's placement when ``slab`` can take it without torch, else ``None``."""
+    host = getattr(slab, "buffer", None) is not None
+    if not host and not hasattr(slab, "stager"):
+        return None
+    placed = placement.place_all(p.specs, p.records, p.checkpoint)
+    if placed is None:
+        return None
+    if not host and hasattr(slab, "prepare_kernels"):
+        from .memory import kernels
+
+        if not kernels.available():
+            log.warning("NVRTC unavailable, the torch pipeline fills checkpoint=%s", p.checkpoint.path)
+            return None
+        slab.prepare_kernels()  # compiles while the reads run
+    return placed
+
+
+def _fill_placed(p: Plan, placed: placement.Placement, slab, opts: LoaderOptions,
+                 progress: Callable[[int, int], None] | None) -> Filled:
+    """Zero fill, host-computed scales, the parallel read, in-place byte maps, then the digests."""
+    import numpy as np
+
+    advance, _ = _counter(p.payload_bytes, progress)
+    t0 = time.monotonic()
+    host = getattr(slab, "buffer", None)
+    values = placement.scalar_values(p.checkpoint, placed.scalars)
+    if placed.zeros:
+        if host is not None:
+            for off, n in placed.zeros:
+                host[off : off + n] = bytes(n)
+        else:
+            slab.zero(placed.zeros)
+        advance(sum(n for _, n in placed.zeros))
+    for off, fn in placed.small:
+        data = fn(values)
+        if host is not None:
+            host[off : off + len(data)] = data
+        else:
+            slab.write(off, data)
+        advance(len(data))
+    read_direct(placed.reads, slab, opts, advance, with_digests=False)
+    for spans, fn in placed.luts:
+        table = fn(values)
+        if table is None:
+            continue
+        if host is not None:
+            lut = np.frombuffer(table, np.uint8)
+            for off, n in spans:
+                a = np.ndarray((n,), np.uint8, host, off)
+                a[...] = lut[a]
+                del a
+        else:
+            slab.apply_lut(spans, table)
+    t_read = time.monotonic()
+    stored = [(r.name, r.offset_bytes, r.size_bytes) for r in p.records if r.alias_of is None]
+    sums = digest.slab_digests(slab, stored, opts.threads)
+    t_end = time.monotonic()
+    log.debug("placed checkpoint=%s reads=%d zeros=%d small=%d luts=%d read_ms=%.1f digest_ms=%.1f",
+              p.checkpoint.path, len(placed.reads), len(placed.zeros), len(placed.small), len(placed.luts),
+              (t_read - t0) * 1e3, (t_end - t_read) * 1e3)
+    return Filled(_manifest(p, sums), True, t_read - t0, t_end - t_read, p.payload_bytes)
 
 
 def _manifest(p: Plan, sums: dict[str, str]) -> Manifest:
@@ -503,8 +571,10 @@ def verify(manifest: Manifest, slab) -> list[str]:
             CUDA), or a backend's sealed slab: a host one (it offers
             ``buffer``) is checked on its read-only mapping without torch
             (:func:`weightcache.digest.matches_buffer`), a CUDA one through
-            its ``tensor`` (``sum64`` on the GPU, ``xxh3c`` copied to the host
-            in blocks; :func:`weightcache.digest.matches`).
+            its ``digests`` (``sum64`` by an NVRTC kernel, no host copy, no
+            torch) when every digest is ``sum64``, else through its ``tensor``
+            (``xxh3c`` of older manifests copied to the host in blocks;
+            :func:`weightcache.digest.matches`).
     """
     stored = [r for r in manifest.tensors if r.alias_of is None]
     buf = getattr(slab, "buffer", None)
@@ -514,6 +584,13 @@ def verify(manifest: Manifest, slab) -> list[str]:
                     if not digest.matches_buffer(buf[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]
         finally:
             buf.release()
+    if hasattr(slab, "digests") and stored and all(r.digest.startswith("sum64:") for r in stored):
+        # A CUDA sealed slab: sum64 by the NVRTC kernel through the read-only mapping, no host copy, no torch.
+        from .memory import kernels
+
+        if kernels.available():
+            now = slab.digests([(r.name, r.offset_bytes, r.size_bytes) for r in stored])
+            return [r.name for r in stored if now[r.name] != r.digest]
     if hasattr(slab, "tensor"):  # a CUDA sealed slab
         slab = slab.tensor
     return [r.name for r in stored

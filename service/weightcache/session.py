@@ -5,8 +5,8 @@ connection is the lease: closing it ends every lease taken on it). Used by
 :func:`weightcache.attach` and by the operator's tools (:mod:`weightcache.cli`,
 :mod:`weightcache.metrics`), which need nothing else of the client.
 
-Forbidden imports: torch, numpy, weightcache.config, weightcache.daemon, weightcache.pipeline,
-weightcache.quant, weightcache.sharding, weightcache.loader, weightcache.memory, selectors.
+Forbidden imports: torch, numpy, asyncio, weightcache.config, weightcache.daemon, weightcache.pipeline,
+weightcache.quant, weightcache.sharding, weightcache.loader, weightcache.memory.
 """
 
 from __future__ import annotations

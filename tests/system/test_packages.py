@@ -60,7 +60,8 @@ DEBOOTSTRAP_INCLUDE = "systemd,systemd-sysv,dbus,python3,python3-systemd,python3
 RUNTIME_PY = REPO / ".venv" / "bin" / "python"
 PKG_PYTHONPATH = "/usr/lib/weightcache/python"
 
-UNIT_FILES = ["weightcache@.socket", "weightcache@.service", "weightcache.target", "weightcache-metrics.socket",
+UNIT_FILES = ["weightcache@.socket", "weightcache@.service", "weightcache.target", "weightcache.service",
+              "weightcache-metrics.socket",
               "weightcache-metrics.service"]
 CATALOG = "/usr/lib/systemd/catalog/weightcache.catalog"
 

@@ -179,8 +179,9 @@ def test_enabling_the_target_listens_on_every_configured_gpu(box):
     c.run(["systemctl", "enable", "--now", "weightcache.target"])
     try:
         # weightcache-generator linked one socket per GPU of the config into the target.
+        # ... and it pulls in the umbrella weightcache.service (systemctl reload weightcache).
         assert sorted(c.show("weightcache.target", "Wants")["Wants"].split()) == [
-            "weightcache@0.socket", "weightcache@1.socket"]
+            "weightcache.service", "weightcache@0.socket", "weightcache@1.socket"]
         for gpu in (0, 1):
             assert c.show(f"weightcache@{gpu}.socket", "ActiveState") == {"ActiveState": "active"}
             assert c.show(f"weightcache@{gpu}.service", "ActiveState") == {"ActiveState": "inactive"}
@@ -299,6 +300,10 @@ def test_fifteen_restarts_keep_the_same_slab(box):
     assert verify.returncode == 0, verify.stdout + verify.stderr  # the digests recorded at the first load match
     assert good(client(c, "alice", 0))
     assert c.run(["systemctl", "list-units", "--failed", "--plain", "--no-legend", "weightcache*"]).stdout == ""
+    # Engines that attached before a restart are unknown to the new process: evict needs --force.
+    evict = c.run([str(PYTHON), "-m", "weightcache", "evict", "minilm", "--gpu", "0"], check=False, timeout=60)
+    assert evict.returncode == 1 and "after the service restarted" in evict.stderr, evict.stdout + evict.stderr
+    assert c.show(unit, "NFileDescriptorStore") == {"NFileDescriptorStore": "2"}
 
 
 def test_stop_frees_the_store_and_the_next_start_loads_again(box):
@@ -358,6 +363,42 @@ def test_two_instances_are_independent(box):
         assert held.attach(0)["code"] == "daemon_unavailable"
     finally:
         held.close()
+
+
+def test_the_umbrella_reloads_every_instance_and_stop_waits_for_them(box, tmp_path):
+    """Issue 26: "systemctl reload weightcache" (the umbrella service, as postgresql.service is for clusters;
+    a target cannot be reloaded) applies the config in every running instance without a restart, and
+    "systemctl stop weightcache.target" returns only once no instance runs."""
+    c, conf = box, "/etc/weightcache/weightcache.toml"
+    units = ["weightcache@0.service", "weightcache@1.service"]
+    slow_stop = "/etc/systemd/system/weightcache@.service.d/60-slow-stop.conf"
+    c.run(["systemctl", "start", "weightcache.target", *units])
+    assert c.show("weightcache.service", "ActiveState") == {"ActiveState": "active"}  # pulled in by the target
+    pids = [c.show(u, "MainPID")["MainPID"] for u in units]
+    _tiny_checkpoint(c, tmp_path, "/srv/wc-tiny")
+    c.write(conf, _config(c.ckpt) + '\n[models.tiny]\npath = "/srv/wc-tiny"\n'
+                                   'layouts = [{ tp = 1, gpus = [0] }, { tp = 1, gpus = [1] }]\n')
+    try:
+        c.run(["systemctl", "reload", "weightcache.service"], timeout=120)
+        for gpu, (unit, pid) in enumerate(zip(units, pids)):
+            _wait_until(f"tiny loaded on GPU {gpu}",
+                        lambda: _slab_states(c, gpu) == {"minilm": "ready", "tiny": "ready"})
+            assert c.show(unit, "MainPID") == {"MainPID": pid}  # reloaded, not restarted
+            assert len(journal(c, unit, "reloaded", pid)) == 1
+        # An instance that only listens is not started by the reload.
+        assert c.show("weightcache@2.service", "ActiveState") == {"ActiveState": "inactive"}
+
+        # Each instance takes a second to stop: the target's stop waits for both.
+        c.write(slow_stop, "[Service]\nExecStopPost=/bin/sleep 1\n")
+        c.run(["systemctl", "daemon-reload"])
+        c.run(["systemctl", "stop", "weightcache.target"], timeout=120)
+        for unit in units + ["weightcache.service"]:
+            assert c.show(unit, "ActiveState") == {"ActiveState": "inactive"}, unit
+    finally:
+        c.run(["rm", "-f", slow_stop])
+        c.run(["systemctl", "daemon-reload"])
+        c.write(conf, _config(c.ckpt))
+        c.run(["rm", "-rf", "/srv/wc-tiny"])
 
 
 def test_only_the_clients_group_may_connect(box):
@@ -552,6 +593,10 @@ def test_a_config_typo_keeps_the_weights_and_systemctl_reload_recovers(box, tmp_
         assert s["StatusText"].startswith("ready: 1/1 slabs resident; configuration rejected, " + where), s
         pid = s["MainPID"]
         assert len(journal(c, unit, "adopted", pid)) == 1 and journal(c, unit, "loaded", pid, 0, 0) == []
+        # The backend line names where the backend came from: the kept slabs, not the (rejected) file.
+        (chosen,) = journal(c, unit, "backend", pid)
+        assert chosen["WEIGHTCACHE_BACKEND"] == "host" and "in the configuration" not in chosen["MESSAGE"], chosen
+        assert "kept in systemd's fd store" in chosen["WEIGHTCACHE_REASON"], chosen
         assert proc_io(c, pid)["rchar"] < c.ckpt_bytes / 2  # nothing read from the checkpoint
         assert good(client(c, "alice", 0))  # the bytes equal the checkpoint's
         st = _status_json(c, 0)
@@ -627,4 +672,8 @@ def test_a_typo_with_nothing_stored_keeps_the_socket_and_reload_loads(box):
     _wait_until("minilm loaded by the reload", lambda: _slab_states(c, 0) == {"minilm": "ready"})
     assert good(client(c, "alice", 0))
     assert _gauges(c, 0, "weightcache_instance_up", "weightcache_config_rejected") == [1.0, 0.0]
+    # The kept configuration had no backend of its own ("auto" chose host): the file's backend = "host"
+    # is what runs, so the reload asks for no restart.
+    (reloaded,) = journal(c, unit, "reloaded", s["MainPID"])
+    assert "restart_keys=-" in reloaded["MESSAGE"], reloaded["MESSAGE"]
     assert c.show(unit, "MainPID")["MainPID"] == s["MainPID"]

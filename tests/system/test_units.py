@@ -60,6 +60,7 @@ def test_verify_has_no_warnings(tmp_path):
     assert names == ["weightcache@0.service", "weightcache@0.socket"]
     r = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", *[f"./{n}" for n in names], "./weightcache.target",
+         "./weightcache.service",
          "./weightcache-metrics.socket", "./weightcache-metrics.service"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )
@@ -95,7 +96,8 @@ def test_socket_and_service_keys():
                  "WantedBy=weightcache.target"):
         assert re.search(rf"^{re.escape(line)}$", sock, re.M), line
     for line in ("Type=notify", "Requires=weightcache@%i.socket", "After=weightcache@%i.socket",
-                 "PartOf=weightcache.target", "RuntimeDirectory=weightcache/%i", "Restart=on-failure",
+                 "PartOf=weightcache.target weightcache.service", "ReloadPropagatedFrom=weightcache.service",
+                 "After=weightcache.target weightcache.service", "RuntimeDirectory=weightcache/%i", "Restart=on-failure",
                  "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID", "DevicePolicy=closed", "User=weightcache",
                  "IPAddressDeny=any",
                  # issue 26: no start limit (systemd 252 counts "systemctl restart", and a unit that hits the
@@ -154,6 +156,35 @@ def test_generator_reads_gpus_from_config_and_dropins(tmp_path):
     # A PCI tree with one GPU must not matter when the config names GPUs.
     sysfs = _fake_pci(tmp_path / "sys", {"0000:17:00.0": ("0x10de", "0x030200")})
     assert _generate(tmp_path, main, sysfs) == ["weightcache@0.socket", "weightcache@2.socket"]
+
+
+def test_generator_skips_disabled_gpus_and_requires_the_checkpoint_mounts(tmp_path):
+    """Issue 26: [service] disabled_gpus is the per-instance off switch; RequiresMountsFor= names each
+    GPU's checkpoint directories (network storage is mounted first, unmounted last)."""
+    main = tmp_path / "etc" / "weightcache.toml"
+    main.parent.mkdir()
+    main.write_text(
+        '[service]\ndisabled_gpus = [1]\n'
+        '[models.a]\npath = "/mnt/nfs/a 100%"\nlayouts = [{ tp = 2, gpus = [0, 1] }]\n'
+        '[models.b]\npath = "/srv/b"\nlayouts = [{ tp = 1, gpus = [0] }, { tp = 1, gpus = [2] }]\n'
+    )
+    assert _generate(tmp_path, main, tmp_path / "no-sys") == ["weightcache@0.socket", "weightcache@2.socket"]
+    normal = tmp_path / "normal"
+    mounts = {g: (normal / f"weightcache@{g}.service.d" / "50-checkpoints.conf").read_text().splitlines()[-1]
+              for g in (0, 2)}
+    assert mounts == {0: 'RequiresMountsFor="/mnt/nfs/a 100%%" "/srv/b"', 2: 'RequiresMountsFor="/srv/b"'}
+    assert not (normal / "weightcache@1.service.d").exists()
+    # systemd reads the quoted, %-escaped paths back as they are in the config.
+    if shutil.which("systemd-analyze"):
+        unit = tmp_path / "weightcache@0.service"
+        unit.write_text("[Service]\nExecStart=/bin/true\n")
+        dropin = tmp_path / "weightcache@0.service.d"
+        dropin.mkdir()
+        (dropin / "50-checkpoints.conf").write_text((normal / "weightcache@0.service.d" / "50-checkpoints.conf")
+                                                   .read_text())
+        r = subprocess.run(["systemd-analyze", "verify", "--man=no", f"./{unit.name}"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and (r.stdout + r.stderr).strip() == "", r.stdout + r.stderr
 
 
 def test_generator_falls_back_to_pci_sysfs(tmp_path):

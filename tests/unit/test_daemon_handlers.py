@@ -186,6 +186,23 @@ def test_release_status_evict_preload(svc):
     assert st.slots[0].state is SlotState.PENDING
 
 
+def test_evict_of_an_adopted_slab_needs_force(svc):
+    """After a restart, leases of engines that attached before it are unknown: evict refuses without --force."""
+    ctx, st, load, *_ = svc
+    peer = Peer(10, os.getuid(), os.getgid())
+    load(st.slots[0])
+    st.slots[0].adopted = True  # as Slot.adopt leaves it (the fd-store path)
+    err = _error(handlers.handle(ctx, peer, protocol.Evict("m")))
+    assert err.code == "lease_busy" and err.details == {"model": "m", "leases": "unknown"}, err
+    assert "after the service restarted" in err.message and "--force" in err.message
+    assert st.slots[0].state is SlotState.READY
+    out = handlers.handle(ctx, peer, protocol.Evict("m", True))
+    assert out.replies[0].msg == protocol.EvictReply(["m/tp1/rank0"]) and st.slots[0].state is SlotState.EVICTED
+    for e in out.effects:
+        e.sealed.close()
+        e.manifest_file.close()
+
+
 def _verify(ctx, peer, model):
     """``verify`` as the loop carries it out: the handler's StartVerify, then verify_reply (on a thread there)."""
     out = handlers.handle(ctx, peer, protocol.Verify(model))

@@ -105,6 +105,10 @@ DAEMON_ROOMS = {
                    "weightcache.daemon.handlers"},
     "loop.py": {"torch"},
     "__init__.py": {"torch"},
+    "budget.py": {"socket", "threading", "torch", "weightcache.memory", "weightcache.protocol",
+                  "weightcache.daemon.state", "weightcache.daemon.handlers"},
+    "tiers.py": {"socket", "selectors", "threading", "torch", "weightcache.memory", "weightcache.daemon.transport",
+                 "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
     "bootstrap.py": {"torch", "weightcache.cli", "weightcache.client"},
 }
 

@@ -85,10 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("model")
     sp.add_argument("--force", action="store_true", help="evict even while engines hold leases (they keep their "
                                                          "mappings; the memory is freed when they detach)")
+    sp.add_argument("--to", choices=("host", "disk"), default=None,
+                    help="move the unleased slabs to the host tier, or drop them to disk, instead of evicting: "
+                         "the next attach brings them back")
     client_opts(sp)
     sp.set_defaults(fn="slabs:cmd_evict")
 
-    sp = sub.add_parser("preload", help="(re)load a failed or evicted model and wait for it")
+    sp = sub.add_parser("preload", help="(re)load a failed, evicted, host-tier or on-disk model and wait for it")
     sp.add_argument("model")
     sp.add_argument("--no-wait", action="store_true", help="start the load and return at once")
     sp.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds to wait for the load (default 3600)")

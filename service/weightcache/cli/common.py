@@ -1,6 +1,6 @@
 """What every ``weightcache`` command shares: exit statuses, the socket directory, asking instances, formatting.
 
-Forbidden imports: torch, weightcache.daemon, weightcache.pipeline, weightcache.memory, weightcache.loader.
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
 """
 
 from __future__ import annotations

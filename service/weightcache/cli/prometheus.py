@@ -1,6 +1,6 @@
 """``weightcache metrics`` and ``weightcache serve-metrics``: the node's metrics (:mod:`weightcache.metrics`).
 
-Forbidden imports: torch, weightcache.daemon, weightcache.pipeline, weightcache.memory, weightcache.loader.
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
 """
 
 from __future__ import annotations

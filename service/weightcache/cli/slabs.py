@@ -1,6 +1,6 @@
 """``weightcache verify``, ``weightcache evict`` and ``weightcache reload``: operator requests to every instance.
 
-Forbidden imports: torch, weightcache.daemon, weightcache.pipeline, weightcache.memory, weightcache.loader.
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    results, rc = per_gpu_request(args, lambda: protocol.Evict(args.model, args.force))
+    results, rc = per_gpu_request(args, lambda: protocol.Evict(args.model, args.force, args.to or ""))
     for gpu, reply in results:
         for label in reply.evicted:
-            print(f"GPU {gpu}: evicted {label}")
+            print(f"GPU {gpu}: {'moved ' + label + ' to ' + args.to if args.to else 'evicted ' + label}")
         if not reply.evicted:
             print(f"GPU {gpu}: nothing resident to evict for {args.model}")
     return rc
@@ -50,12 +50,16 @@ def cmd_reload(args: argparse.Namespace) -> int:
     Exit status: 0 applied everywhere; 2 an instance refused the files (it keeps
     serving the previous configuration); 3 an instance did not answer; 1 another refusal.
     """
+    from .unwired import warnings
+
     where = socket_dir_of(args)
     gpus = gpus_of(args, where)
     if not gpus:
         print(no_sockets(args), file=sys.stderr)
         return EXIT_UNAVAILABLE
     rc = EXIT_OK
+    for line in warnings(where, gpus) if args.gpu is None else ():
+        print(line, file=sys.stderr)
     for gpu, r, e in ask_each(args, where, gpus, protocol.Reload):
         if isinstance(e, DaemonUnavailable):
             print(f"GPU {gpu}: {e.message}", file=sys.stderr)

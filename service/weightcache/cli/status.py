@@ -2,7 +2,7 @@
 
 Every :class:`~weightcache.wire.SlotState` has its rendering (:func:`state_text`).
 
-Forbidden imports: torch, weightcache.daemon, weightcache.pipeline, weightcache.memory, weightcache.loader.
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
 """
 
 from __future__ import annotations
@@ -13,18 +13,23 @@ import sys
 import time
 
 from .. import protocol
+from ..session import listening_gpus
 from ..wire import SlotState
 from .common import (EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, collect_status, format_age, human_bytes, lease_holder,
-                     no_sockets, plural)
+                     no_sockets, plural, socket_dir_of)
 
 
 def progress_text(sl: protocol.SlabInfo) -> str:
-    """``1.2 GiB/12.6 GiB (9%) 2.10 GB/s, ~5s left`` for a loading slab."""
+    """``1.2 GiB/12.6 GiB (9%) 2.10 GB/s, ~5s left`` for a loading slab; ``planning (reading the checkpoint's
+    headers)`` while its size is not known yet (never ``0 B/0 B 0.00 GB/s``); no rate before one is measured."""
     done, total, rate = sl.done_bytes, sl.total_bytes, sl.rate_bytes_per_s
+    if not total:
+        return "planning (reading the checkpoint's headers)"
     text = f"{human_bytes(done)}/{human_bytes(total)}"
     if total:
         text += f" ({100.0 * done / total:.0f}%)"
-    text += f" {rate / 1e9:.2f} GB/s"
+    if rate > 0:
+        text += f" {rate / 1e9:.2f} GB/s"
     if rate > 0 and total > done:
         text += f", ~{format_age((total - done) / rate)} left"
     return text
@@ -36,7 +41,7 @@ def state_text(sl: protocol.SlabInfo) -> str:
         case SlotState.LOADING:
             return f"loading {progress_text(sl)}"
         case SlotState.READY if sl.adopted:
-            return "ready (adopted from fd store)"
+            return "ready (adopted from fd store; leases from before the restart unknown)"
         case SlotState.FAILED if sl.error is not None:
             return f"failed: {sl.error.code}"
         case SlotState.EVICTED:
@@ -45,6 +50,10 @@ def state_text(sl: protocol.SlabInfo) -> str:
             return f"retired: removed from the config, freed when its {plural(sl.lease_count, 'lease')} end"
         case SlotState.DROPPED:
             return "dropped: removed from the config"
+        case SlotState.HOSTED:
+            return f"hosted: in the host tier ({human_bytes(sl.host_bytes)}; the next attach promotes it)"
+        case SlotState.ON_DISK:
+            return "on_disk: not resident (the next attach loads it)"
     return sl.state.value  # pending, and ready or failed without more to say
 
 
@@ -62,7 +71,13 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
     slabs = plural(sum(sl.resident_bytes > 0 for sl in st.slabs), "slab")
     print(f"  resident {human_bytes(resident)} in {slabs}; "
           f"{where} free {human_bytes(st.free_bytes)} of {human_bytes(st.total_bytes)}; "
-          f"{plural(leases, 'lease')}")
+          f"{plural(leases, 'lease')}"
+          + (" (+ unknown from before the restart)" if any(sl.adopted and sl.state is SlotState.READY
+                                                           for sl in st.slabs) else ""))
+    if st.budget_bytes:
+        tier = (f"; host tier {human_bytes(st.host_used_bytes)} of {human_bytes(st.host_tier_bytes)}"
+                if st.host_tier_bytes else "")
+        print(f"  memory budget {human_bytes(st.gpu_bytes)} of {human_bytes(st.budget_bytes)} used{tier}")
     print(f"  {st.status_line}")
     if st.config_error is not None:
         d = st.config_error.details
@@ -92,12 +107,17 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from .unwired import gpus_without_instance, warnings
+
     statuses, errors = collect_status(args)
+    where = socket_dir_of(args)
+    listening = listening_gpus(where)
     failed = any(sl.state is SlotState.FAILED for st in statuses for sl in st.slabs) or any(
         st.config_error is not None for st in statuses)
     if args.json:
-        print(json.dumps({"gpus": [st.to_json() for st in statuses], "unreachable": [e.to_json() for e in errors]},
-                         indent=2))
+        unwired = gpus_without_instance(listening) if args.gpu is None else {}
+        print(json.dumps({"gpus": [st.to_json() for st in statuses], "unreachable": [e.to_json() for e in errors],
+                          "no_instance": [{"gpu": g, "models": m} for g, m in unwired.items()]}, indent=2))
     else:
         if not statuses and not errors:
             print(no_sockets(args), file=sys.stderr)
@@ -109,6 +129,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             if "Permission denied" not in e.message:  # that message names its own fix
                 print(f"      under systemd, why: systemctl status weightcache@{e.gpu}.socket weightcache@{e.gpu}"
                       f".service; journalctl -u weightcache@{e.gpu}")
+        for line in warnings(where, listening) if args.gpu is None else ():
+            print(line, file=sys.stderr)
     if not statuses:
         return EXIT_UNAVAILABLE
     if failed:

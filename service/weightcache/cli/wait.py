@@ -1,6 +1,6 @@
 """``weightcache wait`` and ``weightcache preload``: start loads and follow them to the end, with progress.
 
-Forbidden imports: torch, weightcache.daemon, weightcache.pipeline, weightcache.memory, weightcache.loader.
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
 """
 
 from __future__ import annotations

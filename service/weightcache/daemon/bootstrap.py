@@ -15,8 +15,7 @@ starts:
 - the exit status of a start that cannot go on (:data:`EXIT_CONFIG`, 78, stops
   the unit's restart loop through ``RestartPreventExitStatus=78``).
 
-Forbidden imports: torch, weightcache.cli, weightcache.client, weightcache.pipeline at module level,
-weightcache.memory at module level.
+Forbidden imports: torch, weightcache.cli, weightcache.client.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from .. import notify
 from ..config import Config, ServiceConfig, config_path, load_config
 from ..errors import ConfigError, WeightcacheError
+from ..journal import event
 
 log = logging.getLogger("weightcache")
 
@@ -59,8 +59,11 @@ class ServeOptions:
     verbose: bool = False
 
 
-def backend_for(cfg: Config, explicit: str | None, gpu: int):
+def backend_for(cfg: Config, explicit: str | None, gpu: int, kept: bool = False):
     """The slab backend for ``serve``: ``explicit`` (``--backend``), else the config's; ``auto`` asks the driver.
+
+    ``kept``: ``cfg`` is :func:`config_kept`'s (the files were rejected), whose backend is that of the
+    slabs in the fd store; the journal line says so instead of naming the configuration.
 
     Raises:
         ConfigError (`config_invalid`): ``cuda`` without a usable driver (see
@@ -69,7 +72,11 @@ def backend_for(cfg: Config, explicit: str | None, gpu: int):
     from ..memory import get_backend, select_backend
 
     name, reason = select_backend(explicit or cfg.service.backend)
-    log.info("backend selected backend=%s gpu=%d reason=%s", name, gpu, reason)
+    if kept and not explicit and cfg.service.backend != "auto":
+        reason = (f"backend = {name}: the backend of the slabs kept in systemd's fd store (the configuration "
+                  f"files were rejected)")
+    log.info("backend selected backend=%s gpu=%d reason=%s", name, gpu, reason,
+             extra=event("backend", backend=name, reason=reason))
     return get_backend(name, gpu)
 
 
@@ -125,7 +132,7 @@ def serve(opts: ServeOptions) -> int:
         if cfg is None:
             return rejected(e)
     try:
-        backend = backend_for(cfg, opts.backend, opts.gpu)
+        backend = backend_for(cfg, opts.backend, opts.gpu, kept=config_error is not None)
     except ConfigError as e:
         return rejected(e)
     except WeightcacheError as e:  # e.g. the CUDA driver not ready yet: worth a restart

@@ -64,6 +64,8 @@ class Adopted:
     sealed: Any
     manifest_file: SealedFile
     dtype_served: dict = field(default_factory=dict)
+    #: ``gpu`` (``slab-<id>``), or ``host``: a host-tier copy (``host-<id>``).
+    tier: str = "gpu"
 
 
 def stored_placements(stored: dict[str, list[int]], gpu: int) -> tuple[list[Placement], str | None]:
@@ -109,24 +111,38 @@ class FdStore:
         self.device = device
         #: Store ids :meth:`adopt` left in systemd's store unclaimed (``drop_unknown=False``).
         self.left: set[str] = set()
+        #: Store id -> the slab's entry kind this process put or adopted there (``slab`` or ``host``).
+        self._kinds: dict[str, str] = {}
 
     @property
     def enabled(self) -> bool:
         """True under systemd (``$NOTIFY_SOCKET`` set)."""
         return bool(os.environ.get("NOTIFY_SOCKET"))
 
-    def put(self, slot: Slot, sealed: Any, manifest_file: SealedFile) -> None:
-        """Stores a freshly sealed slab and its manifest file (``FDSTORE=1``); both stay open here too."""
+    def put(self, slot: Slot, sealed: Any, manifest_file: SealedFile, kind: str = "slab") -> None:
+        """Stores a freshly sealed slab (``kind`` ``slab``; ``host``: a host-tier copy) and its manifest file
+        (``FDSTORE=1``), replacing the slot's earlier entries; both stay open here too."""
         if not self.enabled:
             return
         sid = slot.store_id
-        notify.notify(f"FDSTORE=1\nFDNAME=slab-{sid}", [sealed.fd])
+        if sid in self._kinds:  # a tier move: the slot's earlier entries go first
+            self.remove(sid)
+        self._kinds[sid] = kind
+        notify.notify(f"FDSTORE=1\nFDNAME={kind}-{sid}", [sealed.fd])
         notify.notify(f"FDSTORE=1\nFDNAME=manifest-{sid}", [manifest_file.fd])
 
-    def remove(self, sid: str) -> None:
-        """Drops both entries of store id ``sid`` (``FDSTOREREMOVE=1``)."""
-        for kind in ("slab", "manifest"):
-            notify.notify(f"FDSTOREREMOVE=1\nFDNAME={kind}-{sid}")
+    def put_host(self, slot: Slot, hosted: Any, manifest_file: SealedFile) -> None:
+        """Stores the host tier's copy of a slab (``host-<id>``) and its manifest file, replacing the slab's
+        entries: a restart takes it back into the host tier."""
+        self.put(slot, hosted, manifest_file, "host")
+
+    def remove(self, sid: str, kind: str | None = None) -> None:
+        """Drops both entries of store id ``sid`` (``FDSTOREREMOVE=1``): the slab's (``kind``: ``slab`` or
+        ``host``; by default what this process put or adopted there, else ``slab``) and the manifest's."""
+        kind = kind or self._kinds.get(sid, "slab")
+        self._kinds.pop(sid, None)
+        for name in (kind, "manifest"):
+            notify.notify(f"FDSTOREREMOVE=1\nFDNAME={name}-{sid}")
 
     def adopt(self, stored: dict[str, list[int]], slots: list[Slot], drop_unknown: bool = True) -> dict[Slot, Adopted]:
         """Takes back the stored slabs that still match their slot; drops and closes everything else.
@@ -143,16 +159,18 @@ class FdStore:
             `dict`: slot -> :class:`Adopted` for each adopted slab (its fds now owned by the caller).
         """
         by_id = {s.store_id: s for s in slots}
-        ids = {n.split("-", 1)[1] for n in stored if n.startswith(("slab-", "manifest-"))}
+        ids = {n.split("-", 1)[1] for n in stored if n.startswith(("slab-", "manifest-", "host-"))}
         out: dict[Slot, Adopted] = {}
         for sid in sorted(ids):
-            slab_fds = stored.get(f"slab-{sid}", [])
+            host_fds = stored.get(f"host-{sid}", [])
+            tier = "host" if host_fds and not stored.get(f"slab-{sid}") else "gpu"
+            slab_fds = stored.get(f"slab-{sid}", []) + host_fds
             man_fds = stored.get(f"manifest-{sid}", [])
             slot = by_id.get(sid)
             kept = None
             if slot is not None and len(slab_fds) == 1 and len(man_fds) == 1:
                 try:
-                    kept = self._match(slot, slab_fds[0], man_fds[0])
+                    kept = self._match(slot, slab_fds[0], man_fds[0], tier)
                 except (WeightcacheError, ValueError, KeyError, TypeError, OSError) as e:
                     log.warning("fd store slab dropped id=%s reason=%s", sid, e)
             elif slot is None and drop_unknown:
@@ -161,15 +179,16 @@ class FdStore:
                 os.close(fd)
             if kept:
                 out[slot] = kept
+                self._kinds[sid] = "host" if kept.tier == "host" else "slab"
             elif slot is not None or drop_unknown:
-                self.remove(sid)
+                self.remove(sid, "host" if host_fds else "slab")
             else:
                 self.left.add(sid)
         return out
 
-    def _match(self, slot: Slot, slab_fd: int, manifest_fd: int) -> Adopted | None:
+    def _match(self, slot: Slot, slab_fd: int, manifest_fd: int, tier: str = "gpu") -> Adopted | None:
         _check_sealed(manifest_fd, "manifest file")
-        if self.backend.name == "host":  # a cuda slab is a VMM handle, not a memfd
+        if self.backend.name == "host" or tier == "host":  # a cuda slab is a VMM handle, not a memfd
             _check_sealed(slab_fd, "slab")
         size = os.fstat(manifest_fd).st_size
         if size > MAX_MANIFEST_BYTES:
@@ -188,8 +207,9 @@ class FdStore:
                      p.model.name, p.tp_rank, ",".join(diff[:8]))
             return None
         served = {r: pipeline.dtype_matches(p.model, p.tp_size, p.tp_rank, r, manifest.key) for r in DTYPE_NAMES}
-        sealed = self.backend.adopt(slab_fd, int(fields["size_bytes"]))
-        log.info("adopted slab from fd store model=%s tp_size=%d rank=%d size_bytes=%d",
-                 p.model.name, p.tp_size, p.tp_rank, sealed.size_bytes,
-                 extra=event("adopted", p.model.name, p.tp_rank, size_bytes=sealed.size_bytes))
-        return Adopted(manifest, sealed, SealedFile(manifest_fd, size), served)
+        adopt = self.backend.adopt_host if tier == "host" else self.backend.adopt
+        sealed = adopt(slab_fd, int(fields["size_bytes"]))
+        log.info("adopted slab from fd store model=%s tp_size=%d rank=%d size_bytes=%d tier=%s",
+                 p.model.name, p.tp_size, p.tp_rank, sealed.size_bytes, tier,
+                 extra=event("adopted", p.model.name, p.tp_rank, size_bytes=sealed.size_bytes, tier=tier))
+        return Adopted(manifest, sealed, SealedFile(manifest_fd, size), served, tier)

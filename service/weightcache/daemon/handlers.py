@@ -38,12 +38,12 @@ from typing import Any, Callable
 from .. import pipeline, protocol
 from ..spec import DTYPE_NAMES
 from ..config import Config, ServiceConfig
-from ..errors import (AccessDenied, ConfigError, InternalError, LeaseBusy, ModelLoadFailed, ModelNotFound,
-                      RemoteProtocolError, ResourceExhausted, WeightcacheError)
+from ..errors import (AccessDenied, ConfigError, InsufficientMemory, InternalError, LeaseBusy, ModelLoadFailed,
+                      ModelNotFound, RemoteProtocolError, ResourceExhausted, WeightcacheError)
 from ..journal import event
-from . import access, reload
-from .state import (IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED, describe_config_error,
-                    lease_holders)
+from . import access, reload, tiers
+from .state import (ON_DEMAND, IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED,
+                    describe_config_error, lease_holders)
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ class Context:
             state's ``service_uid``, no operator groups).
         counters (`Counters`, *optional*): the service's counters
             (:class:`weightcache.daemon.metrics.Counters`), for ``metrics``.
+        tiers (`tiers.Tiers`, *optional*): the memory budget and the host tier (default: from
+            ``service_config`` and ``mem_info``'s total, moves without a copy as on the host backend).
     """
 
     state: ServiceState
@@ -133,10 +135,14 @@ class Context:
     pid: int = field(default_factory=os.getpid)
     policy: access.Policy | None = None
     counters: Any = None
+    tiers: tiers.Tiers | None = None
 
     def __post_init__(self) -> None:
         if self.policy is None:  # no operator groups: root and the service user
             self.policy = access.Policy(self.state.service_uid)
+        if self.tiers is None:
+            self.tiers = tiers.Tiers(self.service_config.budget_bytes(int(self.mem_info()[1])),
+                                     self.service_config.host_tier_bytes)
 
 
 def _one(msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
@@ -196,7 +202,9 @@ def status(ctx: Context, peer: Peer | None = None, every_slab: bool = False) -> 
         gpu=st.gpu, pid=ctx.pid, backend=st.backend, device=protocol.DeviceInfo.from_json(st.device),
         free_bytes=int(free), total_bytes=int(total), slabs=_visible(ctx, peer, now, every_slab), clients=len(st.peers),
         status_line=st.status_line(now),
-        config_error=protocol.ErrorInfo(**st.config_error.to_wire()) if st.config_error is not None else None)
+        config_error=protocol.ErrorInfo(**st.config_error.to_wire()) if st.config_error is not None else None,
+        budget_bytes=ctx.tiers.budget_bytes, gpu_bytes=ctx.tiers.gpu_used(st),
+        host_tier_bytes=ctx.tiers.host_tier_bytes, host_used_bytes=ctx.tiers.host_used(st))
 
 
 def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
@@ -242,10 +250,16 @@ def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
     st = ctx.state
     slot = st.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming, _dtype_matches)[0]
     access.check_attach(peer, slot, ctx.policy)
+    effects: tuple[Any, ...] = ()
+    if tiers.demand(slot, ctx.monotonic()):  # in the host tier or on disk: promote or load it now
+        effects = (StartLoad(slot),)
+    elif slot.state in UNSETTLED:
+        slot.demand = True  # an engine waits for it: its load may make room
     if slot.state in UNSETTLED and msg.wait_ms > 0:
         peer.waiting.append((msg, slot, ctx.monotonic() + msg.wait_ms / 1e3))
-        return Outcome()
-    return answer_attach(ctx, peer, msg, slot)
+        return Outcome(effects=effects)
+    out = answer_attach(ctx, peer, msg, slot)
+    return Outcome(out.replies, out.effects + effects)
 
 
 def _check_lease_caps(ctx: Context, peer: Peer) -> None:
@@ -269,6 +283,7 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     Raises:
         ModelLoadFailed (`model_load_failed`): the slot failed to load (``cause``
             is the load error's code) or was evicted (``cause=evicted``).
+        InsufficientMemory (`insufficient_memory`): its load or promotion got no room in the memory budget.
         ResourceExhausted (`resource_exhausted`): the connection or its uid holds
             ``max_leases_per_connection`` / ``max_leases_per_uid`` leases.
     """
@@ -276,6 +291,7 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     if slot.state is SlotState.READY:
         _check_planned_dtype(ctx, msg, slot)
         _check_lease_caps(ctx, peer)
+        slot.last_used = ctx.monotonic()
         lease = ctx.state.lease(peer, slot, msg.mode, ctx.wall())
         mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
@@ -296,6 +312,8 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     if slot.state is SlotState.EVICTED:
         raise ModelLoadFailed(f"model {p.model.name} ({p.label}) was evicted; run `weightcache preload "
                               f"{p.model.name}` to load it again", model=p.model.name, cause="evicted")
+    if slot.state in ON_DEMAND and slot.refusal is not None:
+        raise slot.refusal
     return _one(protocol.Loading(p.model.name, slot.done_bytes, slot.total_bytes, slot.state.value))
 
 
@@ -336,6 +354,7 @@ def end_lease(state: ServiceState, peer: Peer, lease: Any) -> tuple[FreeSlab, ..
     """Ends ``lease`` (release or connection closed) and logs it; returns the effects (the last lease
     of a RETIRED slot frees its slab)."""
     state.end_lease(peer, lease)
+    lease.slot.last_used = time.monotonic()
     p = lease.slot.placement
     log.info("released model=%s rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_rank, peer.pid, lease.lease_id,
              extra=event("released", p.model.name, p.tp_rank, duration_ms=(time.time() - lease.since) * 1e3,
@@ -424,16 +443,31 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
         AccessDenied (`access_denied`): see :func:`_operator_slots`.
         LeaseBusy (`lease_busy`): leases are held and ``force`` is not set.
     """
+    if msg.to not in ("", "host", "disk"):
+        raise RemoteProtocolError(f"evict: to must be host or disk (or empty), got {msg.to!r}", field="to")
     slots = _operator_slots(ctx, peer, "evict", msg.model, retired=True)
     leased = [s for s in slots if s.leases]
+    if leased and msg.to:
+        raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
+                        f"evict --to {msg.to} moves only unleased slabs (plain evict --force frees it anyway)",
+                        model=msg.model)
     if leased and not msg.force:
         raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
                         f"use --force to evict anyway (engines keep their mappings)", model=msg.model)
+    _refuse_unknown_leases(slots, msg)
+    if msg.to:
+        return _evict_to(ctx, slots, msg.to)
     evicted, effects = [], []
     for s in slots:
         if s.state is SlotState.RETIRED:  # removed by a reload, already out of the fd store
             effects.append(FreeSlab(None, *reload.release_retired(ctx.state, s, force=True)))
             evicted.append(s.label)
+            continue
+        if s.state in ON_DEMAND:  # the host tier's copy, or nothing, goes; out until preload
+            sealed, manifest_file = s.evict()
+            if sealed is not None:
+                effects.append(FreeSlab(s.store_id, sealed, manifest_file))
+                evicted.append(s.label)
             continue
         if s.state is not SlotState.READY:
             continue
@@ -446,11 +480,57 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
 
 
+def _refuse_unknown_leases(slots: list[Slot], msg: protocol.Evict) -> None:
+    """Refuses an ``evict`` without ``force`` of slabs adopted from the fd store after a restart.
+
+    Leases live in the process that granted them: after a restart, engines that attached before it
+    still map the slab, and this process cannot know whether any does (issue 26). Their leases are
+    unknown, not zero, so ``evict`` treats them as held.
+
+    Raises:
+        LeaseBusy (`lease_busy`, details ``leases="unknown"``): an adopted READY slab and no ``force``.
+    """
+    adopted = [s for s in slots if s.adopted and s.state is SlotState.READY]
+    if adopted and not msg.force:
+        raise LeaseBusy(f"model {msg.model!r} was taken back from systemd's fd store after the service restarted: "
+                        f"engines that attached before the restart are unknown to this process and may still map "
+                        f"it; use --force to evict anyway (engines keep their mappings; the memory is freed when "
+                        f"the last one detaches)", model=msg.model, leases="unknown")
+
+
+def _evict_to(ctx: Context, slots: list[Slot], to: str) -> Outcome:
+    """``evict --to host|disk``: moves the unleased READY (and, to disk, HOSTED) slots of a model.
+
+    Raises:
+        InsufficientMemory (`insufficient_memory`): ``--to host`` and the host tier has no room for them
+            (``[service] host_tier_bytes``); nothing moved.
+    """
+    st, t = ctx.state, ctx.tiers
+    moving = [s for s in slots if s.state is SlotState.READY or (to == "disk" and s.state is SlotState.HOSTED)]
+    if to == "host":
+        need = sum(s.gpu_bytes for s in moving)
+        if t.host_used(st) + need > t.host_tier_bytes:
+            raise InsufficientMemory(
+                f"evict --to host: the host tier has {t.host_tier_bytes - t.host_used(st)} bytes free of "
+                f"host_tier_bytes = {t.host_tier_bytes}, {need} needed for {', '.join(s.label for s in moving)}; "
+                f"raise host_tier_bytes or evict --to disk", model=moving[0].placement.model.name if moving else "",
+                need_bytes=need, budget_bytes=t.host_tier_bytes, free_bytes=t.host_tier_bytes - t.host_used(st),
+                resident=[], leases=[])
+        moves = [t.demote(st, s, "evict --to host") for s in moving]
+    else:
+        moves = [t.shelve(st, s, "evict --to disk") for s in moving]
+    return Outcome((Reply(protocol.EvictReply([s.label for s in moving])),), tuple(moves))
+
+
 def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
-    """``preload``: queues every FAILED or EVICTED slot of a model for loading again (operators only)."""
+    """``preload``: queues every FAILED or EVICTED slot of a model for loading again, and loads or promotes
+    every one in the host tier or on disk, making room in the budget as an attach does (operators only)."""
     started, effects = [], []
     for s in _operator_slots(ctx, peer, "preload", msg.model):
-        if s.state in (SlotState.FAILED, SlotState.EVICTED):
+        if tiers.demand(s, ctx.monotonic()):
+            effects.append(StartLoad(s))
+            started.append(s.label)
+        elif s.state in (SlotState.FAILED, SlotState.EVICTED):
             s.requeue()
             effects.append(StartLoad(s))
             started.append(s.label)
@@ -490,15 +570,20 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
                     e.details.get("file"), e.details.get("line"), e.details.get("key"), describe_config_error(e),
                     extra=reload.config_rejected_event(e))
         raise
-    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service)
+    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service,
+                    running_backend=st.backend)
     done = reload.apply(st, p, config)
     ctx.service_config = config.service
+    ctx.tiers.budget_bytes = config.service.budget_bytes(int(ctx.mem_info()[1]))
+    ctx.tiers.host_tier_bytes = config.service.host_tier_bytes
+    moved = ctx.tiers.enforce(st, "reload: memory_budget_bytes or host_tier_bytes lowered")
+    load = [s for s in done.load if tiers.start_placement(s)]
     log.info("reloaded files=%s added=%d dropped=%d retired=%d kept=%d restart_keys=%s", ",".join(config.files),
              len(done.added), len(done.dropped), len(done.retired), len(done.kept), ",".join(p.restart_keys) or "-",
              extra=event("reloaded", added=len(done.added), dropped=len(done.dropped), retired=len(done.retired),
                          kept=len(done.kept)))
-    effects = ([CancelLoad(s) for s in done.cancel] + [FreeSlab(*f) for f in done.free]
-               + [StartLoad(s) for s in done.load] + [Reconfigure(config)])
+    effects = ([CancelLoad(s) for s in done.cancel] + [FreeSlab(*f) for f in done.free] + moved
+               + [StartLoad(s) for s in load] + [Reconfigure(config)])
     return Outcome((Reply(protocol.ReloadReply(list(done.added), list(done.dropped), list(done.retired),
                                                list(done.kept), list(p.restart_keys), list(config.files))),),
                    tuple(effects))

@@ -17,14 +17,15 @@ thread): if its read ever returns, it aborts its partial slab (or closes the
 sealed one) and posts nothing. While the read blocks, that worker keeps its
 partial slab and its open file.
 
-A load whose tensors are all byte ranges of the checkpoint (unquantized, no
-cast) runs without torch (:func:`weightcache.pipeline.fill`), so the first
-slab is ready before the seconds ``import torch`` takes are spent. When a
-model queued behind the current load may need torch (a dtype to cast to, a
-quantized checkpoint: :func:`weightcache.pipeline.may_need_torch`), torch is
-imported on a background thread (:func:`warm_torch`) while the current load
-reads. A service whose models need no torch does not import it until
-``verify`` is asked of a CUDA slab (a host slab is verified without torch).
+A load whose tensors are all placements of checkpoint byte ranges (any TP
+layout, either naming, ModelOpt FP8; everything but a dtype cast) runs
+without torch (:func:`weightcache.pipeline.fill`), so the first slab is
+ready before the seconds ``import torch`` takes are spent. When a model
+queued behind the current load may need torch (a dtype to cast to:
+:func:`weightcache.pipeline.may_need_torch`), torch is imported on a
+background thread (:func:`warm_torch`) while the current load reads. A
+service whose models need no torch does not import it (``verify`` of a host
+slab hashes its mapping, of a CUDA slab runs an NVRTC kernel).
 
 The loader reads only a slot's ``placement`` (immutable) and the set of
 slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
@@ -131,11 +132,28 @@ class Loaded:
     duration_s: float
     stages_s: dict[str, float] = field(default_factory=dict)
     torch_free: bool = False
+    #: ``gpu``, or ``host``: the slab was loaded into the host tier (``preload = "host"``).
+    tier: str = "gpu"
+    #: The host-tier copy a promotion read (None: a load from disk); the serving loop closes it unless it is
+    #: ``sealed`` itself (the host backend promotes without a copy).
+    promoted_from: Any = None
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
-        slot.loaded(self.manifest, self.sealed, self.manifest_file)
         state.loads_done += 1
+        slot.last_used = time.monotonic()
+        if self.tier == "host":
+            slot.stash(self.manifest, self.sealed, self.manifest_file)
+        else:
+            slot.loaded(self.manifest, self.sealed, self.manifest_file)
+        if self.promoted_from is not None:
+            slot.hosted = None
+            size = self.sealed.size_bytes
+            log.info("promoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f gbps=%.2f copied=%s",
+                     p.model.name, p.tp_size, p.tp_rank, size, dt * 1e3, size / max(dt, 1e-9) / 1e9,
+                     "no" if self.promoted_from is self.sealed else "yes",
+                     extra=event("promoted", p.model.name, p.tp_rank, size_bytes=size, duration_ms=dt * 1e3))
+            return
         st = self.stages_s
         read_s = st.get("read", dt)
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f read_ms=%.0f "
@@ -165,6 +183,49 @@ class Failed:
                       extra=event("load_failed", p.model.name, p.tp_rank, error_code=e.code))
 
 
+class NeedRoom:
+    """The loader asks for ``size_bytes`` of the ``tier`` (``gpu``: the memory budget; ``host``: the host tier)
+    for ``slot`` (LOADING) before it allocates, and waits for the serving loop's :meth:`answer`
+    (:meth:`weightcache.daemon.tiers.Tiers.admit`). Applying it changes nothing: the serving loop answers it.
+    """
+
+    __slots__ = ("slot", "size_bytes", "tier", "refusal", "_done")
+
+    def __init__(self, slot: Slot, size_bytes: int, tier: str) -> None:
+        self.slot, self.size_bytes, self.tier = slot, size_bytes, tier
+        self.refusal: WeightcacheError | None = None
+        self._done = threading.Event()
+
+    def answer(self, refusal: WeightcacheError | None) -> None:
+        """Grants the room (``None``) or refuses it with ``refusal`` (``insufficient_memory``); wakes the loader."""
+        self.refusal = refusal
+        self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Waits for :meth:`answer` at most ``timeout_s`` seconds; False when none came."""
+        return self._done.wait(max(0.0, timeout_s))
+
+    def apply(self, state: ServiceState) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The load stopped because its room was refused (the serving loop already moved ``slot`` back)."""
+
+    slot: Slot
+    error: WeightcacheError
+
+    def apply(self, state: ServiceState) -> None:
+        pass
+
+
+class _NoRoom(Exception):
+    def __init__(self, error: WeightcacheError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSettings:
     """What every load needs from the service.
@@ -175,6 +236,8 @@ class LoadSettings:
         timeout_s (`float`): ``service.load_timeout_s``.
         options (`LoaderOptions`): read threads and staging bytes.
         config_source (`str`): the config file, named in the timeout error.
+        ask_room (`bool`): post a :class:`NeedRoom` before each allocation and wait for the serving loop's
+            answer (the memory budget); False (in-process tests) allocates without asking.
     """
 
     backend: Any
@@ -182,6 +245,7 @@ class LoadSettings:
     timeout_s: float
     options: LoaderOptions
     config_source: str
+    ask_room: bool = False
 
 
 class Loader:
@@ -311,12 +375,57 @@ class Loader:
                                f"({what}); raise it in {st.config_source}, or fix the storage it reads from",
                                model=p.model.name, cause="timeout")
 
-    def _load(self, slot: Slot, started: float, job: "_Job") -> Loaded | Failed:
+    def _room(self, slot: Slot, size_bytes: int, tier: str, started: float, job: "_Job") -> None:
+        """Asks the serving loop for ``size_bytes`` of ``tier`` and waits for the answer (within the load's timeout).
+
+        Raises:
+            _NoRoom: refused (``insufficient_memory``); ModelLoadFailed (``cause=timeout``): no answer in time.
+        """
+        if not self.settings.ask_room:
+            return
+        req = NeedRoom(slot, size_bytes, tier)
+        with job.lock:
+            if job.abandoned:
+                raise self._timeout(slot, "planning did not return in time")
+            self._post(req)
+        if not req.wait(self.settings.timeout_s - (time.monotonic() - started)):
+            raise self._timeout(slot, "waiting for room in the memory budget")
+        if req.refusal is not None:
+            raise _NoRoom(req.refusal)
+
+    def _promote(self, slot: Slot, started: float, job: "_Job") -> Loaded:
+        """Host tier -> GPU: room in the budget, the backend's copy, the digests (when copied) checked."""
+        p, st = slot.placement, self.settings
+        hosted, manifest, manifest_file = slot.hosted, slot.manifest, slot.manifest_file
+        total = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
+        with job.lock:
+            if not job.abandoned:
+                self._post(Planned(slot, total))
+        self._room(slot, hosted.size_bytes, "gpu", started, job)
+        t0 = time.monotonic()
+        sealed = st.backend.promote(hosted, p.label)
+        t1 = time.monotonic()
+        if sealed is not hosted:
+            bad = pipeline.verify(manifest, sealed)
+            if bad:
+                sealed.close()
+                raise ModelLoadFailed(f"model {p.model.name}: {len(bad)} tensors differ from their digests after "
+                                      f"the promotion from the host tier (first: {bad[0]}); the host copy is kept, "
+                                      f"`weightcache evict --to disk {p.model.name}` drops it", model=p.model.name,
+                                      cause="digest_mismatch", tensors=bad[:16])
+        end = time.monotonic()
+        return Loaded(slot, manifest, sealed, manifest_file, end - started,
+                      {"room": t0 - started, "copy": t1 - t0, "digest": end - t1}, True, promoted_from=hosted)
+
+    def _load(self, slot: Slot, started: float, job: "_Job") -> Loaded | Failed | Refused:
         p, st = slot.placement, self.settings
         writable = None
         last_post = [0.0]
         stages: dict[str, float] = {}
+        tier = slot.target
         try:
+            if slot.hosted is not None:
+                return self._promote(slot, started, job)
             # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
             # configuration was read, symlinks followed only when root or the service user owns them.
             ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)
@@ -326,8 +435,10 @@ class Loader:
                     raise self._timeout(slot, "planning did not return in time")
                 self._post(Planned(slot, pl.payload_bytes, dtype_served(pl)))
             self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
+            self._room(slot, pl.slab_size_bytes, tier, started, job)
             t_plan = time.monotonic()
-            writable = st.backend.allocate(pl.slab_size_bytes, p.label)
+            allocate = st.backend.allocate_host if tier == "host" else st.backend.allocate
+            writable = allocate(pl.slab_size_bytes, p.label)
             t_alloc = time.monotonic()
             stages.update(plan=t_plan - started, allocate=t_alloc - t_plan)
 
@@ -359,7 +470,9 @@ class Loader:
             writable = None
             end = time.monotonic()
             stages.update(read=filled.read_s, digest=filled.digest_s, seal=end - t_filled)
-            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free)
+            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free, tier)
+        except _NoRoom as e:
+            return Refused(slot, e.error)
         except WeightcacheError as e:
             return self._fail(slot, e, writable)
         except MemoryError as e:
@@ -423,9 +536,18 @@ def _discard(result: Loaded | Failed) -> None:
             log.warning("close of an abandoned slab failed model=%s error=%r", result.slot.placement.model.name, e)
 
 
-def discard(result: Started | Planned | Progress | Loaded | Failed) -> None:
-    """Drops a result for a slot a reload removed (DROPPED): a sealed slab and its manifest file are
-    closed, nothing else happens."""
+def discard(result: Started | Planned | Progress | Loaded | Failed | NeedRoom | Refused) -> None:
+    """Drops a result for a slot a reload removed (DROPPED): a sealed slab, the host copy a promotion read
+    and the manifest file are closed; a request for room is refused; nothing else happens."""
+    if isinstance(result, NeedRoom):
+        result.answer(ModelLoadFailed(f"model {result.slot.placement.model.name}: a reload removed it",
+                                      model=result.slot.placement.model.name, cause="cancelled"))
+        return
+    slot = result.slot
+    if isinstance(result, (Loaded, Failed, Refused)) and slot.hosted is not None:  # a promotion's host copy
+        slot.hosted.close()
+        slot.manifest_file.close()
+        slot.hosted = slot.manifest_file = None
     if isinstance(result, Loaded):
         result.sealed.close()
         result.manifest_file.close()

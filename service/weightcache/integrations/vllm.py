@@ -257,7 +257,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         the service cannot serve (the load will then read from disk into
         vLLM's own memory) the answer is 0.
         """
-        if self.options["mode"] != "zero_copy":
+        if self.options["mode"] != AttachMode.ZERO_COPY:
             return 0
         rank = self._rank(vllm_config.model_config, self._target(vllm_config))
         _drop_profiled(rank)
@@ -283,7 +283,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             DaemonUnavailable, CacheKeyMismatch, ModelLoading, ... : from
                 :func:`weightcache.attach` when ``fallback`` is false.
         """
-        if self.options["mode"] == "zero_copy":
+        if self.options["mode"] == AttachMode.ZERO_COPY:
             model = self._load_zero_copy(vllm_config, model_config, prefix)
             if model is not None:
                 return model
@@ -339,7 +339,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                 raise
         _keep_lease(model, w)
         private = zc.private_tensors(model, shared)
-        self._log_attached(rank, w, "zero_copy", t0, private=len(private))
+        self._log_attached(rank, w, AttachMode.ZERO_COPY.value, t0, private=len(private))
         if private:
             log.info("weightcache private copies tensors=%s", private)
         return model.eval()
@@ -392,7 +392,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             else:
                 loaded = model.load_weights(self._weights(rank.path, w))
                 self._track(model, model_config, loaded)
-            self._log_attached(rank, w, "copy", t0)
+            self._log_attached(rank, w, AttachMode.COPY.value, t0)
         finally:
             # copy mode: every byte now lives in vLLM's parameters; end the lease.
             w.close()
@@ -419,7 +419,7 @@ class WeightcacheModelLoader(BaseModelLoader):
 
     def _attach(self, rank: _Rank, naming: str, fallback: bool) -> Attachment:
         o = self.options
-        return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode="zero_copy",
+        return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode=AttachMode.ZERO_COPY,
                       fallback=fallback, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
                       dtype=rank.dtype, naming=naming, kernel=o["kernel"])
 
