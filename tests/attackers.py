@@ -149,8 +149,11 @@ _read_side_file = _ck.Checkpoint.read_side_file
 def read_side_file(self, name):
     gate = _gates.get(str(self.path))
     if gate and name == "config.json":
-        with open(gate, "rb") as f:  # blocks until the test writes and closes the FIFO
-            f.read()
+        fd = os.open(gate, os.O_RDWR)  # opens at once (Linux); the read blocks until the test writes a byte
+        try:
+            os.read(fd, 1)
+        finally:
+            os.close(fd)
     return _read_side_file(self, name)
 
 
@@ -187,4 +190,23 @@ def release_read(ck, timeout: float = 30.0) -> None:
         except OSError as e:  # ENXIO: the loader has not opened it yet
             assert e.errno == errno.ENXIO and time.monotonic() < deadline, e
             time.sleep(0.01)
-    os.close(fd)
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+
+
+def wait_read_hung(pid: int, ck, timeout: float = 60.0) -> int:
+    """Waits until service ``pid`` is blocked in the hung read of ``ck`` (:func:`hung_read_env`); returns how
+    many fds it holds under ``ck`` then (its directory fd and the gate), released when the read returns."""
+    gate = str(ck.parent / (ck.name + ".gate"))
+    deadline = time.monotonic() + timeout
+    while True:
+        links = []
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+        if gate in links:
+            return sum(1 for x in links if x == gate or x == str(ck) or x.startswith(str(ck) + "/"))
+        assert time.monotonic() < deadline, "the service did not start the hung read"
+        time.sleep(0.02)

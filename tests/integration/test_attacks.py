@@ -36,7 +36,7 @@ torch = pytest.importorskip("torch")
 from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, make_config,  # noqa: E402
                              proc_fds, proc_rss_bytes, raw_connect, read_checkpoint, read_reply, record_figures)
 from attackers import (NOBODY, back_to_baseline, fork_as, flood, hung_read_env, ok_attach,  # noqa: E402
-                       open_socket_to_all, reap, release_read, replies, result, send_quietly)
+                       open_socket_to_all, reap, release_read, replies, result, send_quietly, wait_read_hung)
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.client import Session  # noqa: E402
 from weightcache.errors import DaemonUnavailable, WeightcacheError  # noqa: E402
@@ -81,6 +81,7 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
                  env=hung_read_env(tmp_path, blocked))
     _wait_state(svc, "ok", ("ready",))
     _wait_state(svc, "blocked", ("loading",))
+    hung_fds = wait_read_hung(svc.pid, blocked)  # its directory fd and the hung read's FIFO, until released
     before = svc.snapshot()
     attackers = [raw_connect(svc.socket_path) for _ in range(3)]
     burst = frame(HELLO) + frame({"type": "attach", "model": "later", "wait_ms": 120_000}) * 2000
@@ -107,8 +108,7 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
         codes.append(len(errors))
         s.close()
     # blocked and later are resident now: each holds what ok's slab holds (the slab, its mapping, its manifest)
-    # at `before`, the blocked load held its checkpoint's directory fd and the hung read's FIFO
-    back_to_baseline(svc, before, extra_memfds=2 * before["fds"]["memfd"], extra_files=-2)
+    back_to_baseline(svc, before, extra_memfds=2 * before["fds"]["memfd"], extra_files=-hung_fds)
     record_figures("attack.parked_attaches", "3 connections park 2,000 attaches each on a loading model, never read",
                    "service up (RLIMIT_NOFILE=1024); per connection 64 attaches parked, the 65th answered "
                    "resource_exhausted (max_unread_replies) at once, the 64 get their fds when the load ends; a "
