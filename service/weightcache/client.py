@@ -2,7 +2,7 @@
 
 ``attach()`` asks the GPU's service for the slab, checks the cache key of the
 reply against the checkpoint as it is now (its ``config.json`` and ``stat()``
-of its files: never a tensor byte, see :func:`pipeline.check_key`), imports
+of its files: never a tensor byte, see :func:`identity.check_key`), imports
 the received fd read-only and builds tensor views from the manifest. With
 ``fallback=True`` a missing service, a model not ready in time,
 a different key or a refusal makes it load from disk through the very same
@@ -49,8 +49,9 @@ from .errors import (
     WeightcacheError,
 )
 from .journal import event
-from .manifest import MAX_MANIFEST_BYTES, LayoutMap, Manifest, build_views, unpack_file
-from .spec import DTYPE_NAMES, LoadRequest
+from .manifest import LayoutMap, Manifest, build_views
+from .manifest_file import ManifestFile, read_file
+from .spec import DTYPE_NAMES, LoadRequest, RankRequest
 from .session import DEFAULT_SOCKET_DIR, Session, listening_gpus, resolve_socket_dir  # noqa: F401 (re-exported)
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
 
@@ -107,17 +108,24 @@ def load_request(path: str, dtype: str, naming: str, kernel: str, revision: str 
                        naming=naming, kernel=kernel, revision=revision)
 
 
-def load_from_disk(model: LoadRequest, tp_size: int, tp_rank: int, device: str) -> tuple[Manifest, Any]:
+def load_from_disk(rank: RankRequest, device: str) -> tuple[Manifest, Any]:
     """Runs the shared pipeline into private memory on ``device``.
+
+    Args:
+        rank (`RankRequest`): what to load, and the rank.
+        device (`str`): ``cpu`` or ``cuda:N``.
 
     Returns:
         ``(manifest, slab)``: the slab is a private 1-D ``uint8`` tensor.
+
+    Raises:
+        The errors of :func:`weightcache.pipeline.plan` and :func:`weightcache.pipeline.execute`.
     """
     import torch
 
     from . import pipeline  # the disk fallback's pipeline, imported when it runs
 
-    pl = pipeline.plan(model, tp_size, tp_rank, device_info(device))
+    pl = pipeline.plan(rank, device_info(device))
     slab = torch.empty(pl.slab_size_bytes, dtype=torch.uint8, device=device)
     manifest = pipeline.execute(pl, slab, with_digests=False)
     return manifest, slab
@@ -223,6 +231,10 @@ class AttachRequest:
                      kernel: str | None = None, revision: str = "") -> LoadRequest:
         """What the pipeline needs for checkpoint ``path``: this request's choices unless overridden."""
         return load_request(path, dtype or self.dtype, naming or self.naming, kernel or self.kernel, revision)
+
+    def rank_request(self, path: str) -> RankRequest:
+        """This engine's :class:`~weightcache.spec.RankRequest` for checkpoint ``path``."""
+        return RankRequest(self.load_request(path), self.tp_size, self.tp_rank)
 
 
 def _is_int(v: Any) -> bool:
@@ -367,18 +379,20 @@ def _attach(req: AttachRequest) -> Attachment:
         unavailable = e  # raised (or fallen back from) once the local checks have run
     local_ck = expected = None
     if is_path:
-        from . import pipeline, quant  # the key fields and the scheme of a checkpoint attached by path
+        from . import identity, quant  # the key fields and the scheme of a checkpoint attached by path
 
         try:
             # No safetensors validation, not even a header read for an unquantized checkpoint: the
-            # service validated at load, the key check is stat() (pipeline.check_key), and the
+            # service validated at load, the key check is stat() (identity.check_key), and the
             # disk fallback's own plan() opens the checkpoint with validation.
             local_ck = Checkpoint(model, validate=False)
             # Configuration errors are not cache misses: they raise whatever the service holds.
             scheme = quant.detect(local_ck, req.kernel)
             if session is not None:
-                expected = pipeline.key_fields(req.load_request(str(local_ck.path)), tp_size,
-                                               tp_rank, local_ck, local_backend(device).device_info(), scheme)
+                # The dtype is the service's to answer (the manifest file lists the dtypes the slab serves):
+                # no header is read for it here, unless an older service does not say (see _expected_fields).
+                expected = identity.key_fields(req.rank_request(str(local_ck.path)), local_ck,
+                                               local_backend(device).device_info(), scheme, dtype="auto")
         except BaseException:
             if session is not None:
                 session.close()
@@ -400,7 +414,7 @@ def _attach(req: AttachRequest) -> Attachment:
     reason = f"{unavailable.code}: {unavailable.message}"
     log.warning("fallback to disk checkpoint=%s tp_size=%d tp_rank=%d reason=%s", model, tp_size, tp_rank, reason,
                 extra=event("fallback", model, tp_rank))
-    manifest, slab = load_from_disk(req.load_request(str(local_ck.path)), tp_size, tp_rank, device)
+    manifest, slab = load_from_disk(req.rank_request(str(local_ck.path)), device)
     views = build_views(slab, manifest)
     return Attachment(views, LayoutMap(manifest), manifest, "disk", reason,
                       0, _slab=slab)  # private memory inside torch's own allocator
@@ -442,24 +456,55 @@ def read_manifest_file(fd: int, size_bytes: int) -> Manifest:
         ManifestInvalid (`manifest_invalid`): the file's size differs from the
             announced one or exceeds ``MAX_MANIFEST_BYTES``, or its content is invalid.
     """
-    size = os.fstat(fd).st_size
-    if size != size_bytes or size > MAX_MANIFEST_BYTES:
-        raise ManifestInvalid(f"manifest file holds {size} bytes, the reply announced {size_bytes} "
-                              f"(limit {MAX_MANIFEST_BYTES})", section="file", size_bytes=size)
-    return unpack_file(os.pread(fd, size, 0))[1]
+    return read_file(fd, size_bytes).manifest
+
+
+def _expected_fields(req: AttachRequest, expected: dict[str, Any] | None, local_ck: Checkpoint | None,
+                     mf: ManifestFile, checkpoint_path: str, device: dict[str, Any]) -> tuple[dict, Checkpoint]:
+    """The key fields this engine expects of the slab, and the checkpoint to check its identity against.
+
+    By path (``expected`` computed before the reply): the engine's own request;
+    the ``revision`` is the operator's label, which an engine cannot know, and
+    the dtype is the key's when the manifest file says the slab serves the
+    engine's dtype (else it is worked out here from the headers). By name: the
+    operator's rank request as the manifest file carries it (an older service's
+    file without one: its key's choices), checked against the checkpoint as it is now.
+    """
+    from . import identity
+
+    key = mf.manifest.key
+    if expected is not None:
+        expected["revision"] = key.get("revision", "")
+        served = mf.dtypes_served
+        rank = req.rank_request(str(local_ck.path))
+        if served is not None and req.dtype in served:
+            expected["dtype"] = key.get("dtype")
+        else:
+            expected["dtype"] = identity.effective_dtype(req.dtype, identity.rank_cast_dtypes(rank, local_ck))
+        return expected, local_ck
+    ck = Checkpoint(checkpoint_path, validate=False)
+    rank = mf.request
+    if rank is None:
+        rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE),
+                                        key.get("naming", DEFAULT_NAMING), key.get("kernel") or DEFAULT_KERNEL,
+                                        key.get("revision", "")),
+                           req.tp_size, req.tp_rank)
+    else:  # the checkpoint as the service names it now (its path as the reply gives it)
+        rank = RankRequest(dataclasses.replace(rank.model, path=str(ck.path)), rank.tp_size, rank.tp_rank)
+    return identity.key_fields(rank, ck, device), ck
 
 
 def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: dict[str, Any] | None,
                    session: Session, deadline: float) -> Attachment:
     """Reads the replies to the pipelined ``hello`` + ``attach`` and maps the slab.
 
-    ``expected`` is :func:`pipeline.key_fields` computed from ``local_ck`` (by
-    path); by name it is computed here from the operator's choices in the
-    reply's key. The checkpoint's identity is checked by ``stat()``
+    ``expected`` is :func:`identity.key_fields` computed from ``local_ck`` (by
+    path); by name it is computed here from the operator's rank request the
+    manifest file carries (:func:`_expected_fields`). The checkpoint's identity is checked by ``stat()``
     (:meth:`Checkpoint.identity_diff`).
     Closes ``session`` on any error.
     """
-    from . import pipeline  # the cache key check
+    from . import identity  # the cache key check
 
     sock_path, model, tp_size, tp_rank, device, mode = session.path, req.model, req.tp_size, req.tp_rank, \
         req.device, req.mode
@@ -474,7 +519,8 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: di
         fd, manifest_fd = session.last_fds
         try:
             try:
-                manifest = read_manifest_file(manifest_fd, reply.manifest_size_bytes)
+                mf = read_file(manifest_fd, reply.manifest_size_bytes)
+                manifest = mf.manifest
             except ManifestInvalid as e:
                 raise ManifestInvalid(f"attach_reply from {sock_path} has an invalid manifest: {e.message}",
                                       socket=sock_path, **e.details) from None
@@ -482,18 +528,11 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: di
                 os.close(manifest_fd)
             key = manifest.key
             backend = local_backend(device)
-            if expected is not None:  # by path: what this engine asked for
-                ck = local_ck
-                # The revision is the operator's label in the config, which an engine cannot know.
-                expected["revision"] = key.get("revision", "")
-            else:  # by name: the operator's choices, checked against the checkpoint as it is now
-                ck = Checkpoint(reply.checkpoint_path, validate=False)
-                mc = load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE), key.get("naming", DEFAULT_NAMING),
-                                  key.get("kernel") or DEFAULT_KERNEL, key.get("revision", ""))
-                expected = pipeline.key_fields(mc, tp_size, tp_rank, ck, backend.device_info())
             # A slab of another backend (host slab, cuda:N engine) differs in device.backend.
             try:
-                diff = pipeline.check_key(expected, ck, key)
+                expected, ck = _expected_fields(req, expected, local_ck, mf, reply.checkpoint_path,
+                                                backend.device_info())
+                diff = identity.check_key(expected, ck, key)
             except (KeyError, TypeError, AttributeError) as e:
                 raise RemoteProtocolError(f"attach_reply from {sock_path} has a malformed cache key: {e!r}") from None
             if diff:

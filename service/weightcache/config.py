@@ -51,7 +51,7 @@ import tomllib
 
 from .errors import ConfigError
 from .loader import default_threads
-from .spec import DTYPE_NAMES, LoadRequest
+from .spec import DTYPE_NAMES, LoadRequest, RankRequest
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, NAMINGS
 
 DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
@@ -148,12 +148,11 @@ class ModelConfig(LoadRequest):
 
 
 @dataclass(frozen=True)
-class Placement:
-    """One (model, layout, rank) placed on one GPU."""
+class Placement(RankRequest):
+    """One (model, layout, rank) placed on one GPU: a :class:`~weightcache.spec.RankRequest` of a configured
+    model, plus the GPU (the pipeline and the cache key take it as the rank request it is)."""
 
     model: ModelConfig
-    tp_size: int
-    tp_rank: int
     gpu: int
 
     @property

@@ -2,10 +2,10 @@
 
 ::
 
-    plan(model, layout, rank)  headers only: specs, offsets, slab size, cache key
+    plan(rank)                 headers only: specs, offsets, slab size, cache key, dtypes served
       -> read                  checkpoint byte ranges (os.preadv)
       -> shard                 slices of the rank (sharding.shard_specs)
-      -> process               quantized layers (quant.OPS), dtype casts
+      -> process               quantized layers (the scheme registry's ops), dtype casts
       -> pack                  bytes written at their planned offsets in the slab
       -> seal                  backend makes the slab read-only   (caller)
       -> publish               manifest + fd                        (caller)
@@ -24,24 +24,25 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
-from . import digest, placement, quant, sharding
+from . import digest, identity, placement, quant, sharding
 from .checkpoint import Checkpoint
-from .errors import ShapeMismatch, WeightcacheError
+from .errors import ShapeMismatch
 from .loader import LoaderOptions, direct_task, read_direct, read_into_slab
 from .manifest import ALIGNMENT_BYTES, Manifest, TensorRecord, align, contiguous_stride, itemsize, torch_dtype
-from .spec import DTYPE_NAMES, LoadRequest, SourceRef, TensorSpec
+from .spec import DTYPE_NAMES, LoadRequest, RankRequest, SourceRef, TensorSpec
 
 log = logging.getLogger(__name__)
 
-#: Bumped whenever the bytes produced for the same inputs change.
-PIPELINE_VERSION = 1
+#: Bumped whenever the bytes produced for the same inputs change (defined with the cache key it is part of).
+PIPELINE_VERSION = identity.PIPELINE_VERSION
 
 #: Processing ops: name -> fn(spec, parts, fetch) -> tensor of spec.stored_shape
 #: and spec.dtype. ``parts`` are the spec's sources, already sliced;
 #: ``fetch(name)`` returns any other whole checkpoint tensor (e.g. a scale).
-Op = Callable[[TensorSpec, list, Callable[[str], Any]], Any]
+Op = quant.registry.Op
 
 
 def _op_copy(spec: TensorSpec, parts: list, fetch) -> Any:
@@ -60,8 +61,28 @@ def _op_copy(spec: TensorSpec, parts: list, fetch) -> Any:
     return t
 
 
-OPS: dict[str, Op] = {"copy": _op_copy}
-OPS.update(quant.OPS)
+class _Ops(Mapping):
+    """``name -> op``: the pipeline's own ``copy``, then every registered quantization scheme's
+    (:func:`weightcache.quant.op`), looked up when asked (a scheme registered later is found)."""
+
+    def __init__(self, own: dict[str, Op]) -> None:
+        self._own = own
+
+    def __getitem__(self, name: str) -> Op:
+        fn = self._own.get(name) or quant.op(name)
+        if fn is None:
+            raise KeyError(f"processing op {name!r} is neither the pipeline's nor a registered quantization scheme's")
+        return fn
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._own, *(n for r in quant.registry.families() for n in r.ops)])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+#: Processing ops by name (``TensorSpec.op``): ``copy`` and the registered schemes' ops.
+OPS: Mapping[str, Op] = _Ops({"copy": _op_copy})
 
 
 @dataclass
@@ -69,159 +90,51 @@ class Plan:
     """Everything decided before the first byte is read.
 
     Attributes:
-        model (`LoadRequest`), tp_size (`int`), tp_rank (`int`): what is loaded.
+        rank (`RankRequest`): what is loaded, and the rank.
         checkpoint (`Checkpoint`): opened from headers.
         specs (`list[TensorSpec]`): output tensors, in slab order.
         records (`list[TensorRecord]`): their records, offsets assigned, no digests yet.
         slab_size_bytes (`int`): bytes needed (before backend rounding).
-        key (`dict`): the cache key (DESIGN §5).
+        key (`dict`): the cache key (DESIGN §5), derived once (:func:`weightcache.identity.cache_key`).
+        dtypes_served (`frozenset[str]`): the dtype names an engine may ask
+            for and get this slab (:func:`weightcache.identity.served_dtypes`).
     """
 
-    model: LoadRequest
-    tp_size: int
-    tp_rank: int
+    rank: RankRequest
     checkpoint: Checkpoint
     specs: list[TensorSpec]
     records: list[TensorRecord]
     slab_size_bytes: int
     key: dict[str, Any]
+    dtypes_served: frozenset[str]
+
+    @property
+    def model(self) -> LoadRequest:
+        """``rank.model``."""
+        return self.rank.model
+
+    @property
+    def tp_size(self) -> int:
+        """``rank.tp_size``."""
+        return self.rank.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        """``rank.tp_rank``."""
+        return self.rank.tp_rank
 
     @property
     def payload_bytes(self) -> int:
         return sum(r.size_bytes for r in self.records if r.alias_of is None)
 
 
-def cache_key(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
-              scheme: Any = quant.DETECT, cast_specs: list[TensorSpec] | None = None) -> dict[str, Any]:
-    """The cache key of DESIGN §5, as a nested JSON-able dict.
-
-    Args:
-        device (`dict`): ``{backend, gpu_uuid, compute_capability}`` of the slab's device.
-        scheme (`quant.Scheme | None`, *optional*): the checkpoint's scheme if
-            already detected (``None``: unquantized); detected here otherwise.
-        cast_specs (`list[TensorSpec]`, *optional*): this rank's
-            :func:`weightcache.sharding.shard_specs` with ``model.dtype``'s cast,
-            if already computed (see :func:`effective_dtype`).
-    """
-    return {"checkpoint": ck.identity(), **key_fields(model, tp_size, tp_rank, ck, device, scheme, cast_specs)}
-
-
-def key_fields(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
-               scheme: Any = quant.DETECT, cast_specs: list[TensorSpec] | None = None) -> dict[str, Any]:
-    """Every field of :func:`cache_key` but ``checkpoint`` (reads ``config.json``, no safetensors header
-    unless the checkpoint is quantized or ``model.dtype`` is not ``auto``)."""
-    if scheme is quant.DETECT:
-        scheme = quant.detect(ck)
-    return {
-        "revision": model.revision,
-        "architecture": (ck.config.get("architectures") or [ck.config.get("model_type", "")])[0],
-        "dtype": effective_dtype(ck, tp_size, tp_rank, model.naming, model.dtype, cast_specs),
-        "naming": model.naming,
-        "tp_size": tp_size,
-        "tp_rank": tp_rank,
-        "quant_scheme": scheme.name if scheme else "",
-        "quant_config_blake2b": scheme.config_hash if scheme else "",
-        "kernel": model.kernel if scheme else "",
-        "pipeline_version": PIPELINE_VERSION,
-        "device": dict(device),
-    }
-
-
-def effective_dtype(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: str,
-                    cast_specs: list[TensorSpec] | None = None) -> str:
-    """The dtype the cache key carries: ``dtype``, or ``"auto"`` when casting to it changes nothing here.
-
-    A configured dtype that every cast tensor of this rank is already stored in
-    gives the same bytes as ``auto`` (as stored), so both are one key: an
-    engine attaching with ``dtype="auto"`` gets the slab configured
-    ``dtype = "float32"`` for a float32 checkpoint, and the reverse. ``auto``
-    itself needs no header; an explicit dtype compares the rank's tensor specs
-    with and without the cast (:func:`weightcache.sharding.shard_specs`,
-    headers only).
-
-    Args:
-        ck (`Checkpoint`): the checkpoint (its headers are read for an explicit dtype).
-        tp_size, tp_rank (`int`), naming (`str`): the slab's layout, rank and naming.
-        dtype (`str`): ``auto``, ``bfloat16``, ``float16`` or ``float32``.
-        cast_specs (`list[TensorSpec]`, *optional*): the rank's specs with
-            ``dtype``'s cast when the caller has them (:func:`plan` does).
-
-    Returns:
-        `str`: ``"auto"`` or ``dtype``.
-
-    Raises:
-        The errors of :func:`weightcache.sharding.shard_specs` (which :func:`plan` raises first).
-    """
-    if dtype == "auto":
-        return "auto"
-    as_stored = sharding.shard_specs(ck, tp_size, tp_rank, naming, None)
-    cast = cast_specs if cast_specs is not None else sharding.shard_specs(ck, tp_size, tp_rank, naming,
-                                                                           DTYPE_NAMES[dtype])
-    return "auto" if [s.dtype for s in as_stored] == [s.dtype for s in cast] else dtype
-
-
-def dtype_matches(model: LoadRequest, tp_size: int, tp_rank: int, requested: str,
-                  key: dict[str, Any] | None = None) -> bool:
-    """Whether a slab configured with ``model.dtype`` serves an engine asking for ``requested``.
-
-    True when both name the same dtype or give the same bytes (see
-    :func:`effective_dtype`). ``key`` is the slab's cache key when it is
-    loaded (its ``dtype`` is already effective); otherwise the checkpoint's
-    headers are read. A checkpoint that cannot be read matches, so that the
-    engine hears the slab's own error rather than ``model_not_found``.
-    """
-    if requested == model.dtype:
-        return True
-    if requested not in DTYPE_NAMES:
-        return False
-    try:
-        ck = None if requested == "auto" and key is not None else Checkpoint(model.path, validate=False)
-        have = key["dtype"] if key is not None else effective_dtype(ck, tp_size, tp_rank, model.naming, model.dtype)
-        want = "auto" if requested == "auto" else effective_dtype(ck, tp_size, tp_rank, model.naming, requested)
-    except WeightcacheError:
-        return True
-    return have == want
-
-
-def check_key(fields: dict[str, Any], ck: Checkpoint, key: dict[str, Any]) -> list[str]:
-    """Fields in which a service's cache ``key`` differs from this engine's view.
-
-    Args:
-        fields (`dict`): :func:`key_fields` computed here.
-        ck (`Checkpoint`): the checkpoint as it is now; its identity is checked
-            with :meth:`Checkpoint.identity_diff` (``stat()`` only).
-        key (`dict`): the key from the service's manifest.
-
-    Returns:
-        `list[str]`: dotted field paths, empty on a match.
-    """
-    diff = diff_keys(fields, {k: v for k, v in key.items() if k != "checkpoint"})
-    return diff + ["checkpoint." + d for d in ck.identity_diff(key.get("checkpoint") or {})]
-
-
-def diff_keys(expected: Any, actual: Any, prefix: str = "") -> list[str]:
-    """Dotted paths of the fields that differ between two cache keys.
-
-    Example:
-        >>> diff_keys({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 3}})
-        ['b.c']
-    """
-    if expected == actual:  # the usual case, compared in C
-        return []
-    if isinstance(expected, dict) and isinstance(actual, dict):
-        out = []
-        for k in sorted(set(expected) | set(actual), key=str):
-            p = f"{prefix}.{k}" if prefix else str(k)
-            if k not in expected or k not in actual:
-                out.append(p)
-            else:
-                out.extend(diff_keys(expected[k], actual[k], p))
-        return out
-    return [] if expected == actual else [prefix or "<key>"]
-
-
-def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any], checkpoint: Checkpoint | None = None) -> Plan:
+def plan(rank: RankRequest, device: dict[str, Any], checkpoint: Checkpoint | None = None) -> Plan:
     """Plans one slab from the checkpoint's headers alone.
+
+    Args:
+        rank (`RankRequest`): what to load (a :class:`weightcache.config.Placement` is one).
+        device (`dict`): ``{backend, gpu_uuid, compute_capability}`` of the slab's device (cache key).
+        checkpoint (`Checkpoint`, *optional*): ``rank.model.path`` already opened.
 
     Raises:
         CheckpointNotFound, CheckpointCorrupt: from opening the checkpoint.
@@ -229,12 +142,16 @@ def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any],
         UnsupportedArchitecture (`unsupported_architecture`): TP > 1 without rules.
         ShapeMismatch (`shape_mismatch`): a tensor disagrees with ``config.json``.
     """
+    model = rank.model
     ck = checkpoint or Checkpoint(model.path)
     # Once, first: UnsupportedQuantization wins over sharding's shape errors, before any read.
     scheme = quant.detect(ck, model.kernel)
-    target_dtype = DTYPE_NAMES[model.dtype]
-    cast_specs = sharding.shard_specs(ck, tp_size, tp_rank, model.naming, target_dtype)
+    cast_specs = sharding.shard_specs(ck, rank.tp_size, rank.tp_rank, model.naming, DTYPE_NAMES[model.dtype])
     specs = quant.process_specs(ck, cast_specs, model.kernel, scheme)
+    # The slab's identity, once: the dtypes it serves and the key's (effective) dtype.
+    cast_from = identity.rank_cast_dtypes(rank, ck)
+    served = identity.served_dtypes(model.dtype, cast_from)
+    key = identity.cache_key(rank, ck, device, scheme, identity.effective_dtype(model.dtype, cast_from))
     records, offset = [], 0
     by_name: dict[str, TensorRecord] = {}
     for s in specs:
@@ -255,8 +172,7 @@ def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any],
             tgt = by_name[s.alias_of]
             records.append(TensorRecord(s.name, tgt.dtype, tgt.shape, tgt.stride, tgt.offset_bytes, tgt.size_bytes,
                                         layout=dict(s.layout), alias_of=s.alias_of))
-    return Plan(model, tp_size, tp_rank, ck, specs, records, max(offset, ALIGNMENT_BYTES),
-                cache_key(model, tp_size, tp_rank, ck, device, scheme, cast_specs))
+    return Plan(rank, ck, specs, records, max(offset, ALIGNMENT_BYTES), key, served)
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import quant
 from .checkpoint import Checkpoint
 from .loader import ReadTask
 from .manifest import TensorRecord, itemsize
-from .quant import modelopt_fp8
 from .spec import SourceRef, TensorSpec
 
 #: ``fn(values) -> bytes``: ``values(name)`` is a checkpoint tensor as a 1-D ``float32`` numpy array.
@@ -70,7 +70,7 @@ class Placement:
         self.scalars |= other.scalars
 
 
-def _source_task(ck: Checkpoint, ref: SourceRef, slab_offset: int, dst_pitch: int | None,
+def source_task(ck: Checkpoint, ref: SourceRef, slab_offset: int, dst_pitch: int | None,
                  tensor: str) -> tuple[ReadTask, int, int] | None:
     """The read of one source slice to ``slab_offset``: ``(task, rows, row_bytes)``.
 
@@ -114,7 +114,7 @@ def _place_copy(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> Placemen
         info = ck.tensors.get(ref.name)
         if info is None or info.dtype != spec.dtype:
             return None  # a cast: computed (torch path)
-        got = _source_task(ck, ref, off, None, spec.name)
+        got = source_task(ck, ref, off, None, spec.name)
         if got is None:
             return None
         task, _, _ = got
@@ -130,87 +130,8 @@ def _place_copy(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> Placemen
     return out
 
 
-def _f32_bytes(values) -> bytes:
-    import numpy as np
-
-    return np.asarray(values, dtype=np.float32).tobytes()
-
-
-def _place_fp8_weight(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> Placement | None:
-    a = spec.op_args
-    n, k = a["n"], a["k"]
-    n_pad, k_pad = spec.stored_shape
-    out = Placement()
-    if k_pad != k:
-        out.zeros.append((rec.offset_bytes, rec.size_bytes))
-    elif n_pad != n:
-        out.zeros.append((rec.offset_bytes + n * k_pad, (n_pad - n) * k_pad))
-    row0 = 0
-    parts: list[tuple[int, int]] = []  # (first row, rows) of each part
-    for ref in spec.sources:
-        info = ck.tensors.get(ref.name)
-        if info is None or info.dtype != "F8_E4M3":
-            return None
-        got = _source_task(ck, ref, rec.offset_bytes + row0 * k_pad, k_pad, spec.name)
-        if got is None:
-            return None
-        task, rows, row = got
-        if row != k:
-            return None
-        out.reads.append(task)
-        parts.append((row0, rows))
-        row0 += rows
-    if row0 != n:
-        return None
-    if a["granularity"] == "tensor" and len(spec.sources) > 1:
-        names = list(a["weight_scales"])
-        out.scalars.update(names)
-        for (first, rows), mine in zip(parts, names):
-            base = rec.offset_bytes + first * k_pad
-            spans = ([(base, rows * k_pad)] if k_pad == k else
-                     [(base + r * k_pad, k) for r in range(rows)])
-            out.luts.append((spans, _requant(mine, names)))
-    return out
-
-
-def _requant(mine: str, names: list[str]) -> Callable:
-    def table(values) -> bytes | None:
-        from .quant import fp8_codes
-
-        scales = [float(values(x)[0]) for x in names]
-        s, smax = float(values(mine)[0]), max(scales)
-        return None if s == smax else fp8_codes.requant_table(s, smax)
-
-    return table
-
-
-def _place_fp8_scale(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> Placement | None:
-    names = [r.name for r in spec.sources]
-    if any(n not in ck.tensors for n in names):
-        return None
-    out = Placement(scalars=set(names))
-    if spec.op in (modelopt_fp8.OP_INPUT_SCALE,) or spec.op_args.get("granularity") == "tensor":
-        out.small.append((rec.offset_bytes, lambda values: _f32_bytes(max(float(values(x)[0]) for x in names))))
-        return out
-    refs = list(spec.sources)
-    n, n_pad = spec.op_args["n"], spec.op_args["n_padded"]
-
-    def channels(values) -> bytes:
-        import numpy as np
-
-        flat = np.concatenate([values(r.name)[r.start : r.stop] if r.dim == 0 else values(r.name) for r in refs])
-        return np.concatenate([flat, np.full(n_pad - n, modelopt_fp8.SCALE_PAD_VALUE, np.float32)]).tobytes()
-
-    out.small.append((rec.offset_bytes, channels))
-    return out
-
-
-PLACERS: dict[str, Callable[[TensorSpec, TensorRecord, Checkpoint], Placement | None]] = {
-    "copy": _place_copy,
-    modelopt_fp8.OP_WEIGHT: _place_fp8_weight,
-    modelopt_fp8.OP_WEIGHT_SCALE: _place_fp8_scale,
-    modelopt_fp8.OP_INPUT_SCALE: _place_fp8_scale,
-}
+#: Placements of the pipeline's own ops; schemes register theirs (``quant.registry.SchemeRules.placers``).
+PLACERS: dict[str, Callable[[TensorSpec, TensorRecord, Checkpoint], Placement | None]] = {"copy": _place_copy}
 
 
 def place(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> Placement | None:
@@ -220,7 +141,7 @@ def place(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> Placement | No
         spec (`TensorSpec`), rec (`TensorRecord`): from :func:`weightcache.pipeline.plan` (not an alias).
         ck (`Checkpoint`): the plan's checkpoint (headers).
     """
-    fn = PLACERS.get(spec.op)
+    fn = PLACERS.get(spec.op) or quant.registry.placer(spec.op)
     return None if fn is None else fn(spec, rec, ck)
 
 

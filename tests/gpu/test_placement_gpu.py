@@ -58,6 +58,7 @@ def _cases(tmp_path: Path):
 def test_cuda_placements_equal_the_torch_pipeline_on_the_gpu(tmp_path, o_direct):
     from weightcache import loader, pipeline
     from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
     from weightcache.memory.cuda import CudaBackend, _map_fd
 
     backend = CudaBackend(0)
@@ -69,7 +70,8 @@ def test_cuda_placements_equal_the_torch_pipeline_on_the_gpu(tmp_path, o_direct)
                 pytest.skip(f"{tmp_path} does not support O_DIRECT")
         for naming, tp in (("vllm", 1), ("vllm", 2), ("hf", 2)):
             for rank in range(tp):
-                p = pipeline.plan(ModelConfig(name="m", path=str(ck), naming=naming), tp, rank, backend.device_info())
+                p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck), naming=naming), tp, rank),
+                                  backend.device_info())
                 opts = loader.LoaderOptions(threads=3, staging_bytes=1 << 20, o_direct=o_direct)
                 w = backend.allocate(p.slab_size_bytes, "m")
                 filled = pipeline.fill(p, w, options=opts)

@@ -46,6 +46,7 @@ def _bf16_checkpoint(dest: Path) -> Path:
 def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
     from weightcache import digest, loader, pipeline
     from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
     from weightcache.manifest import build_views
     from weightcache.memory.cuda import CudaBackend, _map_fd
 
@@ -56,7 +57,7 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
         except OSError:
             pytest.skip(f"{tmp_path} does not support O_DIRECT")
     backend = CudaBackend(0)
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck)), 1, 0, backend.device_info())
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck)), 1, 0), backend.device_info())
     opts = loader.LoaderOptions(threads=3, staging_bytes=2 << 20, o_direct=o_direct)
 
     w = backend.allocate(p.slab_size_bytes, "m")

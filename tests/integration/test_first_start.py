@@ -90,6 +90,7 @@ def test_vllm_layouts_and_modelopt_fp8_load_without_torch(tmp_path):
     from weightcache import pipeline
     from weightcache.client import attach
     from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
     from weightcache.manifest import build_views
 
     cks = {"llama": llama_checkpoint(tmp_path / "ck", seed=3, files=2), "fp8": F.write_fp8_per_tensor(tmp_path / "f8")}
@@ -106,7 +107,7 @@ def test_vllm_layouts_and_modelopt_fp8_load_without_torch(tmp_path):
         assert len(loaded) == 4 and all("torch_free=yes" in line for line in loaded), loaded
         for name, ck in cks.items():
             for rank in range(2):
-                p = pipeline.plan(ModelConfig(name=name, path=str(ck), naming="vllm"), 2, rank,
+                p = pipeline.plan(RankRequest(ModelConfig(name=name, path=str(ck), naming="vllm"), 2, rank),
                                   {"backend": "host", "gpu_uuid": "", "compute_capability": ""})
                 slab = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
                 want = build_views(slab, pipeline.execute(p, slab))

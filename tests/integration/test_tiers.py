@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 from service_harness import (compare_bytes, make_config, poll_until, read_checkpoint, service_env,  # noqa: E402
                              write_checkpoint)
 from weightcache import attach, protocol  # noqa: E402
-from weightcache.errors import InsufficientMemory  # noqa: E402
+from weightcache.errors import InsufficientMemory, LeaseBusy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -199,3 +199,38 @@ def test_reload_lowering_the_budget_demotes_only_unleased_slabs(daemon, tmp_path
     finally:
         a.close()
     assert "over memory budget" in svc.log()
+
+
+def test_preload_host_then_attach_promotes_and_evict_to_moves_by_hand(daemon, tmp_path):
+    cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
+    svc = daemon(make_config({"a": cks["a"], "b": {"path": cks["b"], "preload": "host"}},
+                             memory_budget_bytes=SLAB + SLAB // 2, host_tier_bytes=2 * SLAB))
+    svc.wait_settled()
+    assert _tiers(svc) == {"a": "ready/gpu", "b": "hosted/host"}
+    b = _attach(svc, "b")  # promoted from the host tier; a demoted there
+    try:
+        assert _tiers(svc) == {"a": "hosted/host", "b": "ready/gpu"}
+        compare_bytes(b.tensors, read_checkpoint(cks["b"]))
+        with pytest.raises(LeaseBusy):  # a leased slab is not moved by hand either
+            svc.request(protocol.Evict("b", to="host"))
+    finally:
+        b.close()
+    _unleased(svc, "b")
+    env = service_env()
+    for args, want in ((["b", "--to", "disk"], {"a": "hosted/host", "b": "on_disk/disk"}),
+                       (["a", "--to", "disk"], {"a": "on_disk/disk", "b": "on_disk/disk"})):
+        out = subprocess.run([sys.executable, "-m", "weightcache", "evict", *args, "--socket-dir", svc.socket_dir],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0 and f"moved {args[0]}/tp1/rank0 to disk" in out.stdout, out.stdout + out.stderr
+        assert _tiers(svc) == want
+    out = subprocess.run([sys.executable, "-m", "weightcache", "preload", "a", "--socket-dir", svc.socket_dir],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}
+    svc.request(protocol.Evict("a", to="host"))
+    assert _tiers(svc) == {"a": "hosted/host", "b": "on_disk/disk"}
+    a = _attach(svc, "a")
+    try:
+        compare_bytes(a.tensors, read_checkpoint(cks["a"]))
+    finally:
+        a.close()

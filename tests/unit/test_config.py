@@ -253,3 +253,11 @@ def test_preload_host_with_a_host_tier_from_a_drop_in(tmp_path):
     p = _write(tmp_path, '[models.a]\npath = "/x"\npreload = "host"\n')
     _write(tmp_path, '[service]\nhost_tier_bytes = 1048576\n', "conf.d/10-tier.toml")
     assert load_config(p).models["a"].preload == "host"
+
+
+def test_the_tiers_example_loads():
+    cfg = load_config(Path(__file__).parents[2] / "examples" / "weightcache-tiers.toml")
+    assert cfg.service.memory_budget_bytes == 95_000_000_000 and cfg.service.host_tier_bytes == 64_000_000_000
+    m = cfg.models
+    assert (m["chat"].pin, m["coder"].priority, m["lastweek"].preload, m["archive"].preload) == (
+        True, 10, "host", "disk")

@@ -45,6 +45,9 @@ CASES = [
     ("a pinned host-tier slab stays", 6, 12,
      [H("a", 6, priority=3, last_used=1.0), H("b", 6, priority=3, last_used=2.0)], 6, [H("h", 6, pinned=True)],
      ((), ("a",), (), 0)),
+    ("a victim displaced from the host tier by a later, higher-ranked one goes to disk", 0, 6,
+     [H("a", 6, last_used=1.0), H("b", 6, last_used=2.0), H("c", 6, leases=1)], 6, [],
+     (("b",), ("a",), (), 0)),
     ("need 0 under a lowered budget: back under it", 0, 8,
      [H("a", 6, last_used=1.0), H("b", 6, last_used=2.0)], 0, [], ((), ("a",), (), 0)),
     ("need 0, leased slabs over a lowered budget: they stay, short named", 0, 4,
@@ -78,3 +81,15 @@ def test_eviction_key_orders_priority_then_lru_then_label():
 ])
 def test_fit_host(size, host, expected):
     assert fit_host(size, host) == expected
+
+
+def test_a_victim_whose_bytes_the_host_tier_kept_is_demoted_without_more_room():
+    # a was promoted earlier and its host copy kept (ranked lowest in the host tier); the tier is full with it.
+    gpu = [H("a", 6, last_used=1.0, host_copy=True), H("b", 6, last_used=2.0)]
+    host = [H("a", 6, priority=-10**9)]
+    r = make_room(6, 12, gpu, 6, host)
+    assert (r.demote, r.drop, r.drop_host, r.short_bytes) == (("a",), (), (), 0)
+    # b has no copy: demoting it needs room, and a's kept copy (ranked lowest) makes it.
+    gpu = [H("a", 6, last_used=3.0, host_copy=True), H("b", 6, last_used=2.0)]
+    r = make_room(6, 12, gpu, 6, host)
+    assert (r.demote, r.drop, r.drop_host, r.short_bytes) == (("b",), (), ("a",), 0)

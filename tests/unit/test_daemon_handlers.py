@@ -15,14 +15,15 @@ import torch
 
 from daemon_helpers import Clock, close_slabs
 from service_harness import compare_bytes, read_checkpoint, write_checkpoint
-from weightcache import pipeline, protocol
+from weightcache import identity, protocol
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import access, handlers, loads
 from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
 from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent, SlotState
 from weightcache.loader import LoaderOptions
-from weightcache import manifest as manifest_module
-from weightcache.manifest import build_views, unpack_file
+from weightcache import manifest_file as manifest_module
+from weightcache.manifest import build_views
+from weightcache.manifest_file import unpack_file
 from weightcache.memory.host import HostBackend
 from weightcache.spec import DTYPE_NAMES
 
@@ -70,7 +71,7 @@ def _views(backend, reply):
     placement = Placement.from_json(fields.pop("placement"))  # what a service with a broken config serves it as
     assert (placement.model.path, placement.tp_size, placement.tp_rank) == (reply.msg.checkpoint_path, 1, 0)
     assert fields == {"format": "weightcache-manifest-1", "backend": "host", "size_bytes": os.fstat(slab_fd).st_size,
-                      "checkpoint_path": reply.msg.checkpoint_path}
+                      "checkpoint_path": reply.msg.checkpoint_path, "dtypes_served": ["auto", "float32"]}
     imported = backend.import_fd(slab_fd, manifest.slab_size_bytes)
     return build_views(imported.tensor, manifest)
 
@@ -130,16 +131,16 @@ def test_attach_dtype_is_matched_from_the_plan_without_reading_headers(svc, monk
     def no_header(*a, **k):
         raise AssertionError("the serving loop read a checkpoint header")
 
-    monkeypatch.setattr(pipeline, "Checkpoint", no_header)
+    monkeypatch.setattr(identity, "Checkpoint", no_header)
     (reply,) = handlers.handle(ctx, peer, protocol.Attach("m", dtype="bfloat16")).replies
     assert isinstance(reply.msg, protocol.Loading) and reply.msg.state == "pending"  # not planned yet
     assert handlers.handle(ctx, peer, protocol.Attach("m", dtype="bfloat16", wait_ms=60_000)).replies == ()
     assert locked.dtype_served == {} and len(peer.waiting) == 1
     monkeypatch.undo()
     load(slot)
-    expected = {r: pipeline.dtype_matches(slot.placement.model, 1, 0, r) for r in DTYPE_NAMES}
+    expected = {r: identity.dtype_matches(slot.placement, r) for r in DTYPE_NAMES}
     assert slot.dtype_served == expected == {"auto": True, "bfloat16": False, "float16": False, "float32": True}
-    monkeypatch.setattr(pipeline, "Checkpoint", no_header)
+    monkeypatch.setattr(identity, "Checkpoint", no_header)
     (parked,) = handlers.service_waiting(ctx, peer).replies
     assert (parked.msg.code, parked.msg.details["dtype"]) == ("model_not_found", "bfloat16")
     for _ in range(2):  # by name: by path, the unplanned ``locked`` (same checkpoint) would match provisionally

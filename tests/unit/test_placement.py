@@ -27,6 +27,7 @@ from tiny_models import tiny_llama, tiny_qwen2  # noqa: E402,F401  (fixtures)
 
 from weightcache import loader, pipeline, placement  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
+from weightcache.spec import RankRequest  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
 from weightcache.quant import fp8_codes, modelopt_fp8  # noqa: E402
 
@@ -35,7 +36,7 @@ DEVICE = {"backend": "host", "gpu_uuid": "", "compute_capability": ""}
 
 def _both(ck: Path, naming: str, tp: int, rank: int, **opts):
     """(filled, slab bytes) of the torch-free fill and (manifest, slab bytes) of the torch pipeline."""
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck), naming=naming), tp, rank, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck), naming=naming), tp, rank), DEVICE)
     w = get_backend("host").allocate(p.slab_size_bytes, "m")
     filled = pipeline.fill(p, w, options=loader.LoaderOptions(**opts))
     sealed = w.seal()
@@ -77,7 +78,7 @@ def test_row_parallel_shards_read_per_row_or_as_spans(tiny_llama, monkeypatch, s
     """o_proj/down_proj at TP 4 are strided rows: read row by row (span_max 0) or as spans (1000), in pieces of a
     few rows (4 KiB staging buffers)."""
     monkeypatch.setattr(loader, "SPAN_MAX_AMPLIFICATION", span_max)
-    p = pipeline.plan(ModelConfig(name="m", path=str(tiny_llama), naming="vllm"), 4, 3, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(tiny_llama), naming="vllm"), 4, 3), DEVICE)
     placed = placement.place_all(p.specs, p.records, p.checkpoint)
     strided = [t for t in placed.reads if t.rows > 1]
     assert {t.tensor.rsplit(".", 2)[-2] for t in strided} == {"o_proj", "down_proj"}
@@ -148,7 +149,8 @@ def test_decode_encode_round_trip_every_code():
 
 
 def test_a_cast_has_no_placement(tiny_llama):
-    p = pipeline.plan(ModelConfig(name="m", path=str(tiny_llama), naming="vllm", dtype="bfloat16"), 2, 0, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(tiny_llama), naming="vllm", dtype="bfloat16"), 2, 0),
+                      DEVICE)
     assert placement.place_all(p.specs, p.records, p.checkpoint) is None
 
 
@@ -157,9 +159,9 @@ def test_placement_imports_no_torch(tiny_qwen2):
     code = (
         "import sys\n"
         "from weightcache import pipeline, loader\n"
-        "from weightcache.spec import LoadRequest\n"
+        "from weightcache.spec import LoadRequest, RankRequest\n"
         "from weightcache.memory import host\n"
-        f"p = pipeline.plan(LoadRequest('m', {str(tiny_qwen2)!r}, naming='vllm'), 2, 1, "
+        f"p = pipeline.plan(RankRequest(LoadRequest('m', {str(tiny_qwen2)!r}, naming='vllm'), 2, 1), "
         "{'backend': 'host', 'gpu_uuid': '', 'compute_capability': ''})\n"
         "w = host.HostBackend().allocate(p.slab_size_bytes, 'm')\n"
         "f = pipeline.fill(p, w, options=loader.LoaderOptions(threads=2))\n"

@@ -23,6 +23,7 @@ from service_harness import llama_checkpoint, read_checkpoint  # noqa: E402
 
 from weightcache import digest, loader, pipeline  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
+from weightcache.spec import RankRequest  # noqa: E402
 from weightcache.manifest import build_views  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
 
@@ -31,7 +32,7 @@ DEVICE = {"backend": "host", "gpu_uuid": "", "compute_capability": ""}
 
 def _fill(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0, **opts) -> tuple[pipeline.Filled, bytes]:
     """Fills a real host slab through :func:`pipeline.fill`; returns what it did and the slab's bytes."""
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck), dtype=dtype), tp, rank, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck), dtype=dtype), tp, rank), DEVICE)
     w = get_backend("host").allocate(p.slab_size_bytes, "m")
     filled = pipeline.fill(p, w, options=loader.LoaderOptions(**opts))
     sealed = w.seal()
@@ -45,7 +46,7 @@ def _fill(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0, **opts) -> 
 
 def _execute(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0, naming: str = "hf"):
     """The torch pipeline into a plain CPU tensor."""
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck), dtype=dtype, naming=naming), tp, rank, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck), dtype=dtype, naming=naming), tp, rank), DEVICE)
     slab = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
     return pipeline.execute(p, slab), bytes(slab.numpy())
 
@@ -219,7 +220,7 @@ def test_staged_fill_places_every_layout_and_verify_checks(tmp_path, o_direct, k
             os.close(os.open(next(ck.glob("*.safetensors")), os.O_RDONLY | os.O_DIRECT))
         except OSError:
             pytest.skip(f"{tmp_path} does not support O_DIRECT")
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck), naming=naming), tp, rank, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck), naming=naming), tp, rank), DEVICE)
     slab = _FakeCudaSlab(p.slab_size_bytes)
     opts = loader.LoaderOptions(threads=3, staging_bytes=6 * 16384, o_direct=o_direct)
     assert opts.chunk_bytes == 8192
@@ -303,7 +304,7 @@ def test_verify_checks_a_sealed_host_slab_on_its_mapping(tmp_path):
     import dataclasses
 
     ck = llama_checkpoint(tmp_path / "ck", seed=9, files=1)
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck)), 1, 0, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck)), 1, 0), DEVICE)
     w = get_backend("host").allocate(p.slab_size_bytes, "m")
     man = pipeline.fill(p, w).manifest
     sealed = w.seal()

@@ -105,7 +105,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             gpus = ",".join(str(g) for g in next(lay.gpus for lay in p.model.layouts if lay.tp == p.tp_size
                                                  and lay.gpus[p.tp_rank] == gpu))
             try:
-                pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, host)
+                pl = pipeline.plan(p, host)
             except WeightcacheError as e:
                 problems.append(f"model {p.model.name} tp={p.tp_size} rank={p.tp_rank} (GPU {gpu}, defined in "
                                 f"{p.model.source}): {e.code}: {e.message}")

@@ -43,6 +43,9 @@ class Holding:
         priority (`int`): ``priority`` of its model (higher stays longer).
         last_used (`float`): ``time.monotonic()`` seconds of its last attach or release (or load).
         busy (`bool`): a load or promotion into this slab is under way (never moved).
+        host_copy (`bool`): (a GPU holding) the host tier already holds its bytes, kept after its promotion:
+            demoting it takes no more host-tier room (that copy, listed in the host tier under the same
+            label, becomes the demoted slab).
     """
 
     label: str
@@ -52,6 +55,7 @@ class Holding:
     priority: int = 0
     last_used: float = 0.0
     busy: bool = False
+    host_copy: bool = False
 
     @property
     def movable(self) -> bool:
@@ -106,6 +110,10 @@ class _HostTier:
 
     def take(self, victim: Holding) -> bool:
         """Makes room for ``victim`` by dropping movable holdings ranking below it; False (nothing dropped) if it can't."""
+        kept = next((h for h in self.held if victim.host_copy and h.label == victim.label), None)
+        if kept is not None:  # its copy is there already: it becomes the demoted slab, ranked as the victim
+            self.held[self.held.index(kept)] = victim
+            return True
         if victim.size_bytes > self.capacity:
             return False
         free = self.capacity - self.used
@@ -161,7 +169,12 @@ def make_room(need_bytes: int, budget_bytes: int, gpu: Sequence[Holding], host_t
             break
         (demote if tier.take(h) else drop).append(h.label)
         room += h.size_bytes
-    return Room(tuple(demote), tuple(drop), tuple(tier.dropped), max(0, need_bytes - room), free)
+    # A victim demoted above and displaced from the host tier by a higher-ranked one goes straight to disk.
+    displaced = set(tier.dropped) & set(demote)
+    demote = [lb for lb in demote if lb not in displaced]
+    drop = [h.label for h in sorted((h for h in gpu if h.label in displaced or h.label in drop), key=eviction_key)]
+    drop_host = [lb for lb in tier.dropped if lb not in displaced]
+    return Room(tuple(demote), tuple(drop), tuple(drop_host), max(0, need_bytes - room), free)
 
 
 def fit_host(host_tier_bytes: int, host: Sequence[Holding]) -> tuple[tuple[str, ...], int]:

@@ -3,8 +3,8 @@
 Owns the names (``FDNAME=slab-<id>`` and ``FDNAME=manifest-<id>``, ``<id>``
 being :attr:`~weightcache.daemon.state.Slot.store_id`). Beside each slab the
 store keeps the slab's manifest file, the very sealed memfd every attach sends
-(:func:`weightcache.manifest.pack_file`; its JSON carries ``backend``,
-``size_bytes``, ``checkpoint_path`` and the slot's ``placement``,
+(:mod:`weightcache.manifest_file`; its JSON carries ``backend``,
+``size_bytes``, ``checkpoint_path``, ``dtypes_served`` and the slot's ``placement``,
 :meth:`~weightcache.config.Placement.to_json`, so that a service whose config
 no longer loads can serve the slab as it was configured: :func:`stored_placements`). At start a stored slab is adopted
 only when its manifest's cache key equals the key computed now from the config
@@ -23,17 +23,17 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .. import notify, pipeline
+from .. import identity, notify
 from ..checkpoint import Checkpoint
 from ..config import Placement
 from ..errors import WeightcacheError
 from ..journal import event
-from ..manifest import MAX_MANIFEST_BYTES, Manifest, unpack_file
+from ..manifest import Manifest
+from ..manifest_file import read_file
 from ..memory.host import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE, SealedFile
-from ..spec import DTYPE_NAMES
 from .state import Slot
 
 log = logging.getLogger(__name__)
@@ -57,15 +57,15 @@ def _check_sealed(fd: int, what: str) -> None:
 @dataclass(frozen=True, slots=True)
 class Adopted:
     """A slab taken back from the store: its manifest, the backend's SealedSlab and its manifest file, and
-    which dtype names it serves (:attr:`~weightcache.daemon.state.Slot.dtype_served`, worked out at adoption,
-    before the serving loop starts)."""
+    the dtype names it serves as its manifest file records them (``None`` from an older release)."""
 
     manifest: Manifest
     sealed: Any
     manifest_file: SealedFile
-    dtype_served: dict = field(default_factory=dict)
     #: ``gpu`` (``slab-<id>``), or ``host``: a host-tier copy (``host-<id>``).
     tier: str = "gpu"
+    #: The dtype names it serves, as its manifest file records them (``None``: a file of an older release).
+    dtypes_served: frozenset[str] | None = None
 
 
 def stored_placements(stored: dict[str, list[int]], gpu: int) -> tuple[list[Placement], str | None]:
@@ -82,10 +82,7 @@ def stored_placements(stored: dict[str, list[int]], gpu: int) -> tuple[list[Plac
         if not name.startswith("manifest-") or len(fds) != 1:
             continue
         try:
-            size = os.fstat(fds[0]).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise ValueError(f"stored manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}")
-            fields, _ = unpack_file(os.pread(fds[0], size, 0))
+            fields = read_file(fds[0]).fields
             if fields.get("placement") is None:
                 continue
             p = Placement.from_json(fields["placement"])
@@ -190,26 +187,23 @@ class FdStore:
         _check_sealed(manifest_fd, "manifest file")
         if self.backend.name == "host" or tier == "host":  # a cuda slab is a VMM handle, not a memfd
             _check_sealed(slab_fd, "slab")
-        size = os.fstat(manifest_fd).st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise ValueError(f"stored manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}")
-        fields, manifest = unpack_file(os.pread(manifest_fd, size, 0))
+        mf = read_file(manifest_fd)
+        manifest = mf.manifest
         p = slot.placement
         # The key alone (headers and stat(), no validation, no planning): a match means
         # the slab was planned and filled from exactly this checkpoint and config.
         ck = Checkpoint(p.model.path, validate=False)
-        current = pipeline.cache_key(p.model, p.tp_size, p.tp_rank, ck, self.device)
-        diff = pipeline.diff_keys(current, manifest.key)
-        if fields.get("backend") != self.backend.name:
+        current = identity.cache_key(p, ck, self.device)
+        diff = identity.diff_keys(current, manifest.key)
+        if mf.backend != self.backend.name:
             diff.append("device.backend")
         if diff:
             log.info("fd store slab dropped model=%s rank=%d reason=key-mismatch fields=%s",
                      p.model.name, p.tp_rank, ",".join(diff[:8]))
             return None
-        served = {r: pipeline.dtype_matches(p.model, p.tp_size, p.tp_rank, r, manifest.key) for r in DTYPE_NAMES}
         adopt = self.backend.adopt_host if tier == "host" else self.backend.adopt
-        sealed = adopt(slab_fd, int(fields["size_bytes"]))
+        sealed = adopt(slab_fd, int(mf.fields["size_bytes"]))
         log.info("adopted slab from fd store model=%s tp_size=%d rank=%d size_bytes=%d tier=%s",
                  p.model.name, p.tp_size, p.tp_rank, sealed.size_bytes, tier,
                  extra=event("adopted", p.model.name, p.tp_rank, size_bytes=sealed.size_bytes, tier=tier))
-        return Adopted(manifest, sealed, SealedFile(manifest_fd, size), served, tier)
+        return Adopted(manifest, sealed, SealedFile(manifest_fd, mf.size_bytes), tier, mf.dtypes_served)

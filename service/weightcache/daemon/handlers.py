@@ -213,7 +213,7 @@ def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
 
 
 def _dtype_matches(slot: Slot, requested: str) -> bool:
-    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.pipeline.dtype_matches`).
+    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.identity.dtype_matches`).
 
     Answered from :attr:`Slot.dtype_served` alone: no file is opened, stat-ed or read on the serving loop.
     Once a load of the slot is planned (or its slab adopted) it holds every name. Before that a name is

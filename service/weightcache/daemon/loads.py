@@ -31,11 +31,13 @@ The loader reads only a slot's ``placement`` (immutable) and the set of
 slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
 slot is skipped, or its load stops at the next progress report; whatever it
 still posts for a DROPPED slot the serving loop passes to :func:`discard`. It also writes the
-slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
+slab's manifest file (:func:`weightcache.manifest_file.pack_file`, a sealed memfd):
 a manifest over the limit fails the load (``manifest_too_large``), so no
 slab is ever READY that an engine could not attach. With the plan it posts
-which dtype names the slab serves (:func:`dtype_served`, from the headers the plan
-read), so that matching an attach's dtype on the serving loop reads no header. A
+which dtype names the slab serves (:func:`dtype_served`: the plan's
+``dtypes_served``, worked out once from the headers it read), so that matching an
+attach's dtype on the serving loop reads no header; the manifest file records
+them too (``dtypes_served``). A
 load that raises anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
 ``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
@@ -63,7 +65,8 @@ from ..checkpoint import Checkpoint
 from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
 from ..loader import LoaderOptions
-from ..manifest import Manifest, pack_file
+from ..manifest import Manifest
+from ..manifest_file import pack_file
 from ..memory.host import SealedFile
 from ..spec import DTYPE_NAMES
 from .state import ServiceState, Slot
@@ -147,10 +150,13 @@ class Loaded:
         else:
             slot.loaded(self.manifest, self.sealed, self.manifest_file)
         if self.promoted_from is not None:
-            slot.hosted = None
-            size = self.sealed.size_bytes
-            log.info("promoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f gbps=%.2f copied=%s",
-                     p.model.name, p.tp_size, p.tp_rank, size, dt * 1e3, size / max(dt, 1e-9) / 1e9,
+            if self.promoted_from is self.sealed:  # the host backend: one memfd, nothing to keep
+                slot.hosted = None
+            size, st = self.sealed.size_bytes, self.stages_s
+            copy_s = st.get("copy", dt)
+            log.info("promoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f room_ms=%.0f copy_ms=%.0f "
+                     "copy_gbps=%.2f digest_ms=%.0f copied=%s", p.model.name, p.tp_size, p.tp_rank, size, dt * 1e3,
+                     st.get("room", 0) * 1e3, copy_s * 1e3, size / max(copy_s, 1e-9) / 1e9, st.get("digest", 0) * 1e3,
                      "no" if self.promoted_from is self.sealed else "yes",
                      extra=event("promoted", p.model.name, p.tp_rank, size_bytes=size, duration_ms=dt * 1e3))
             return
@@ -403,10 +409,15 @@ class Loader:
                 self._post(Planned(slot, total))
         self._room(slot, hosted.size_bytes, "gpu", started, job)
         t0 = time.monotonic()
-        sealed = st.backend.promote(hosted, p.label)
+        checked: dict[str, list[str]] = {}
+
+        def check_host_copy() -> None:  # while the copy runs: the host copy's bytes against the load's digests
+            checked["bad"] = promoted_mismatches(manifest, hosted, None, st.options.threads)
+
+        sealed = st.backend.promote(hosted, p.label, check_host_copy)
         t1 = time.monotonic()
         if sealed is not hosted:
-            bad = pipeline.verify(manifest, sealed)
+            bad = checked.get("bad", []) + promoted_mismatches(manifest, None, sealed, st.options.threads)
             if bad:
                 sealed.close()
                 raise ModelLoadFailed(f"model {p.model.name}: {len(bad)} tensors differ from their digests after "
@@ -429,7 +440,7 @@ class Loader:
             # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
             # configuration was read, symlinks followed only when root or the service user owns them.
             ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)
-            pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, st.device, checkpoint=ck)
+            pl = pipeline.plan(p, st.device, checkpoint=ck)
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")
@@ -460,7 +471,8 @@ class Loader:
             manifest = filled.manifest
             # Here, not at the first attach: a manifest no engine could read fails the load, by name.
             raw = pack_file(manifest, backend=st.backend.name, size_bytes=writable.size_bytes,
-                            checkpoint_path=p.model.path, placement=p.to_json())
+                            checkpoint_path=p.model.path, placement=p.to_json(),
+                            dtypes_served=sorted(pl.dtypes_served))
             manifest_file = SealedFile.create(raw, f"weightcache-manifest:{p.label}")
             try:
                 sealed = writable.seal()
@@ -496,24 +508,43 @@ class Loader:
 
 def dtype_served(pl: pipeline.Plan) -> dict[str, bool]:
     """For every dtype name (:data:`weightcache.spec.DTYPE_NAMES`), whether an engine asking for it gets this
-    plan's slab: the configured one, and any giving the same effective dtype
-    (:func:`weightcache.pipeline.effective_dtype`), by the rule of :func:`weightcache.pipeline.dtype_matches`
-    (a name whose effective dtype cannot be worked out matches: the engine hears the slab's own answer).
+    plan's slab (:attr:`weightcache.pipeline.Plan.dtypes_served`, the rule of
+    :func:`weightcache.identity.served_dtypes`), as :attr:`Slot.dtype_served` holds it. Reads no file."""
+    return {r: r in pl.dtypes_served for r in DTYPE_NAMES}
 
-    Reads no file (the plan's checkpoint holds the headers). Computed once per load on the loader thread,
-    so that matching an attach's dtype on the serving loop reads no header.
+
+def promoted_mismatches(manifest: Manifest, hosted: Any, sealed: Any, threads: int) -> list[str]:
+    """Names of the tensors of a promotion whose bytes differ from the digests recorded at load.
+
+    With ``hosted`` (a host-tier slab with ``buffer``): the tensors with host digests (``xxh3_128``,
+    ``xxh3c``), hashed on ``threads`` threads without torch (run during the copy to the GPU). With
+    ``sealed`` (the GPU slab after the copy): the tensors with GPU digests (``sum64``, torch pipeline loads).
     """
-    m, have = pl.model, pl.key["dtype"]
+    stored = [r for r in manifest.tensors if r.alias_of is None]
+    if sealed is not None:
+        gpu = [r for r in stored if r.digest.startswith("sum64:")]
+        if not gpu:
+            return []
+        from .. import digest
 
-    def serves(r: str) -> bool:
-        if r == m.dtype or r == "auto":
-            return r == m.dtype or have == "auto"
-        try:
-            return have == pipeline.effective_dtype(pl.checkpoint, pl.tp_size, pl.tp_rank, m.naming, r)
-        except WeightcacheError:
-            return True
+        t = sealed.tensor
+        return [r.name for r in gpu if not digest.matches(t[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]
+    from concurrent.futures import ThreadPoolExecutor
 
-    return {r: serves(r) for r in DTYPE_NAMES}
+    from .. import digest
+
+    host = [r for r in stored if not r.digest.startswith("sum64:")]
+    buf = hosted.buffer
+
+    def bad(r: Any) -> str | None:
+        ok = digest.matches_buffer(buf[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)
+        return None if ok else r.name
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
+            return [n for n in ex.map(bad, host) if n is not None]
+    finally:
+        buf.release()
 
 
 class _Job:

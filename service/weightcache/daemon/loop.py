@@ -38,6 +38,7 @@ from ..errors import ConfigError
 from ..journal import event
 from ..loader import LoaderOptions
 from ..memory import Backend
+from ..spec import DTYPE_NAMES
 from . import access, handlers, loads, lograte, tiers
 from .fdstore import FdStore
 from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
@@ -110,7 +111,8 @@ class Daemon:
                 slot.stash(got.manifest, got.sealed, got.manifest_file)
             else:
                 slot.adopt(got.manifest, got.sealed, got.manifest_file)
-            slot.dtype_served = dict(got.dtype_served)
+            if got.dtypes_served is not None:  # as its manifest file records them: no header read to match a dtype
+                slot.dtype_served = {r: r in got.dtypes_served for r in DTYPE_NAMES}
         if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
             self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 
@@ -166,10 +168,7 @@ class Daemon:
         moves are carried out before the loader allocates, so the GPU never holds more than the budget."""
         slot = req.slot
         if req.tier == "host":
-            refusal = None
-            if not self.tiers.admit_host(self.state, slot, req.size_bytes):
-                refusal = self.tiers.refusal(self.state, slot, req.size_bytes,
-                                             tiers.budget.Room(short_bytes=req.size_bytes))
+            refusal = self.tiers.admit_host(self.state, slot, req.size_bytes)
         else:
             moves, refusal = self.tiers.admit(self.state, slot, req.size_bytes, evict=slot.demand)
             for m in moves:
@@ -296,8 +295,6 @@ class Daemon:
                 put = self.fdstore.put_host if result.tier == "host" else self.fdstore.put
                 put(result.slot, result.sealed, result.manifest_file)
             loads.apply(self.state, result)
-            if isinstance(result, loads.Loaded) and result.promoted_from not in (None, result.sealed):
-                self._free_slab(None, FreeSlab(None, result.promoted_from, None))
             if isinstance(result, loads.Loaded):
                 self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes)
             elif isinstance(result, loads.Failed):

@@ -174,7 +174,9 @@ class Slot:
     started_at: float = 0.0
     leases: dict[int, Lease] = field(default_factory=dict)
     #: The host tier's copy (a host SealedSlab: ``fd``, ``size_bytes``) while HOSTED, and while a promotion
-    #: from it is PENDING or LOADING; ``manifest``/``manifest_file`` stay with it.
+    #: from it is PENDING or LOADING; ``manifest``/``manifest_file`` stay with it. While READY, a copy kept
+    #: after a promotion on the ``cuda`` backend (the slab is immutable, so the next demotion copies nothing);
+    #: the host tier drops such copies first.
     hosted: Any = None
     #: Bytes of the budget granted to the load or promotion under way (LOADING); 0 otherwise.
     reserved_bytes: int = 0
@@ -241,9 +243,16 @@ class Slot:
         self.manifest, self.sealed, self.manifest_file, self.adopted = manifest, sealed, manifest_file, True
         self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
+    def drop_host_copy(self) -> None:
+        """Closes the host-tier copy a READY (or RETIRED) slot kept after its promotion, if any."""
+        if self.sealed is not None and self.hosted is not None:
+            self.hosted.close()
+            self.hosted = None
+
     def evict(self) -> tuple[Any, Any]:
         """READY | HOSTED | ON_DISK -> EVICTED; returns (SealedSlab or host copy, manifest file) for the caller
         to close (leases stay until released)."""
+        self.drop_host_copy()
         self.move(SlotEvent.EVICT)
         out = (self.sealed if self.sealed is not None else self.hosted, self.manifest_file)
         self.sealed, self.hosted, self.manifest, self.manifest_file, self.adopted = None, None, None, None, False
@@ -257,10 +266,12 @@ class Slot:
     def retire(self) -> None:
         """READY -> RETIRED: removed from the config while leased; the slab stays until the last release."""
         self.move(SlotEvent.RETIRE)
+        self.drop_host_copy()
 
     def drop(self) -> tuple[Any, Any]:
         """-> DROPPED (see :data:`TRANSITIONS`); returns (SealedSlab, manifest file), None when absent, to close."""
         promoting = self.state in (SlotState.PENDING, SlotState.LOADING) and self.hosted is not None
+        self.drop_host_copy()
         self.move(SlotEvent.DROP)
         self.reserved_bytes = 0
         if promoting:  # the loader may read the host copy: its discarded result closes it (loads.discard)
@@ -441,7 +452,7 @@ class ServiceState:
 
         ``dtype_matches(slot, dtype)`` decides whether a slot serves an engine asking
         for ``dtype`` (the caller's, since it may read headers: see
-        :func:`weightcache.pipeline.dtype_matches`); without it the configured
+        :func:`weightcache.identity.dtype_matches`); without it the configured
         dtype must equal ``dtype``.
 
         Raises:

@@ -26,12 +26,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import InsufficientMemory
+from ..errors import InsufficientMemory, WeightcacheError
 from ..journal import event
 from . import budget
 from .state import ON_DEMAND, ServiceState, Slot, SlotState
 
 log = logging.getLogger(__name__)
+
+#: Rank of a host copy a READY slab kept after its promotion: below every configured ``priority``, so the
+#: host tier drops such copies (the GPU holds the same bytes) before any demoted slab.
+_KEPT_COPY_PRIORITY = -(10**9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +78,29 @@ class Tiers:
 
     @staticmethod
     def host_used(state: ServiceState) -> int:
-        """Bytes the host tier holds (copies of HOSTED slots and of promotions under way)."""
+        """Bytes the host tier holds (copies of HOSTED slots, of promotions under way, and kept after one)."""
         return sum(s.hosted.size_bytes for s in state.slots if s.hosted is not None)
 
     @staticmethod
     def _holding(s: Slot, size: int) -> budget.Holding:
         m = s.placement.model
+        if s.hosted is not None and s.sealed is not None:  # a copy kept after a promotion: dropped first
+            return budget.Holding(s.label, size, priority=_KEPT_COPY_PRIORITY, last_used=s.last_used)
         return budget.Holding(s.label, size, len(s.leases), m.pin, m.priority, s.last_used,
                               busy=s.state in (SlotState.PENDING, SlotState.LOADING))
 
+    @staticmethod
+    def _gpu_holding(s: Slot) -> budget.Holding:
+        m = s.placement.model
+        if s.state is SlotState.RETIRED:
+            return budget.Holding(s.label, s.gpu_bytes, busy=True)
+        return budget.Holding(s.label, s.gpu_bytes, len(s.leases), m.pin, m.priority, s.last_used,
+                              busy=s.state in (SlotState.PENDING, SlotState.LOADING),
+                              host_copy=s.hosted is not None and s.sealed is not None)
+
     def holdings(self, state: ServiceState) -> tuple[list[budget.Holding], list[budget.Holding]]:
         """(GPU tier, host tier) as the policy weighs them; RETIRED slabs count but never move."""
-        gpu = [self._holding(s, s.gpu_bytes) if s.state is not SlotState.RETIRED
-               else budget.Holding(s.label, s.gpu_bytes, busy=True) for s in state.slots if s.gpu_bytes]
+        gpu = [self._gpu_holding(s) for s in state.slots if s.gpu_bytes]
         host = [self._holding(s, s.hosted.size_bytes) for s in state.slots if s.hosted is not None]
         return gpu, host
 
@@ -111,9 +125,17 @@ class Tiers:
         slot.reserved_bytes = need_bytes
         return moves, None
 
-    def admit_host(self, state: ServiceState, slot: Slot, need_bytes: int) -> bool:
-        """Whether a load into the host tier (``preload = "host"``) of ``need_bytes`` fits the tier's free room."""
-        return self.host_used(state) + need_bytes <= self.host_tier_bytes
+    def admit_host(self, state: ServiceState, slot: Slot, need_bytes: int) -> InsufficientMemory | None:
+        """A load into the host tier (``preload = "host"``) of ``need_bytes``: None when it fits the tier's free
+        room (nothing is moved for it), else the refusal naming ``host_tier_bytes``."""
+        used = self.host_used(state)
+        if used + need_bytes <= self.host_tier_bytes:
+            return None
+        return InsufficientMemory(
+            f"GPU {state.gpu}: no room for {slot.label} ({need_bytes / 1e9:.2f} GB) in host_tier_bytes = "
+            f"{self.host_tier_bytes} ({(self.host_tier_bytes - used) / 1e9:.2f} GB free); it waits on disk and the "
+            f"first attach loads it", model=slot.placement.model.name, need_bytes=need_bytes,
+            budget_bytes=self.host_tier_bytes, free_bytes=self.host_tier_bytes - used, resident=[], leases=[])
 
     def enforce(self, state: ServiceState, reason: str) -> list[Moved]:
         """Brings the GPU back under the budget and the host tier under its size (a reload lowered them):
@@ -127,7 +149,7 @@ class Tiers:
                         self.budget_bytes, room.short_bytes, reason)
         drop, over = budget.fit_host(self.host_tier_bytes, self.holdings(state)[1])
         by_label = {s.label: s for s in state.slots}
-        moves += [self.shelve(state, by_label[lb], reason) for lb in drop]
+        moves += [self.shelve(state, by_label[lb], reason) for lb in drop if not self._drop_kept(by_label[lb])]
         if over:
             log.warning("over host tier host_tier_bytes=%d over_bytes=%d reason=%s: the rest is pinned",
                         self.host_tier_bytes, over, reason)
@@ -136,7 +158,7 @@ class Tiers:
     def carry_out(self, state: ServiceState, room: budget.Room, reason: str) -> list[Moved]:
         """Moves the slots ``room`` names (host-tier drops first, then demotions, then drops)."""
         by_label = {s.label: s for s in state.slots}
-        moves = [self.shelve(state, by_label[lb], reason) for lb in room.drop_host]
+        moves = [self.shelve(state, by_label[lb], reason) for lb in room.drop_host if not self._drop_kept(by_label[lb])]
         moves += [self.demote(state, by_label[lb], reason) for lb in room.demote]
         moves += [self.shelve(state, by_label[lb], reason) for lb in room.drop]
         return moves
@@ -161,10 +183,31 @@ class Tiers:
 
     # --- single moves ---------------------------------------------------------
 
+    @staticmethod
+    def _drop_kept(slot: Slot) -> bool:
+        """Drops the host copy a READY slot kept after its promotion; False when ``slot`` holds none."""
+        if slot.sealed is None or slot.hosted is None:
+            return False
+        size = slot.hosted.size_bytes
+        slot.drop_host_copy()
+        log.info("host tier copy dropped model=%s rank=%d size_bytes=%d reason=room in the host tier",
+                 slot.placement.model.name, slot.placement.tp_rank, size)
+        return True
+
     def demote(self, state: ServiceState, slot: Slot, reason: str) -> Moved:
-        """READY -> HOSTED: copies the slab to the host tier (the ``host`` backend moves it without a copy)."""
+        """READY -> HOSTED: copies the slab to the host tier (none when it kept its copy from a promotion;
+        the ``host`` backend moves it without a copy)."""
         sealed = slot.sealed
-        copy = self.to_host(sealed, slot.label) if self.to_host is not None else sealed
+        if slot.hosted is not None:
+            copy = slot.hosted
+        else:
+            try:
+                copy = self.to_host(sealed, slot.label) if self.to_host is not None else sealed
+            except WeightcacheError as e:  # no host RAM, no page-locking: the room is made all the same
+                log.warning("demotion failed model=%s rank=%d code=%s error=%s: dropped to disk instead",
+                            slot.placement.model.name, slot.placement.tp_rank, e.code, e.message)
+                return self.shelve(state, slot, f"{reason}; the copy to the host tier failed ({e.code})")
+        slot.hosted = None
         slot.demote(copy)
         p = slot.placement
         log.info("demoted model=%s tp_size=%d rank=%d size_bytes=%d to=host reason=%s", p.model.name, p.tp_size,
@@ -182,7 +225,7 @@ class Tiers:
                  p.tp_size, p.tp_rank, size, was, reason,
                  extra=event("shelved", p.model.name, p.tp_rank, size_bytes=size, reason=reason, tier_from=was))
         close = (sealed,) + (() if _same(hosted, sealed) else (hosted,)) + (manifest_file,)
-        return Moved(slot, slot.store_id, "disk", close)
+        return Moved(slot, slot.store_id, "disk", tuple(f for f in close if f is not None))
 
     @staticmethod
     def promoted(slot: Slot, duration_s: float) -> None:
@@ -202,6 +245,7 @@ def demand(slot: Slot, now: float) -> bool:
         return False
     slot.refusal = None
     slot.demand = True
+    slot.target = "gpu"
     slot.last_used = now
     slot.requeue()
     return True

@@ -793,6 +793,35 @@ class CudaBackend:
         mapping = _map_fd(self._device(self.gpu), fd, size_bytes, read_only=True)
         return CudaSealedSlab(fd, mapping.size_bytes, mapping, owner_read_only=True)
 
+    # --- the host tier (weightcache.memory.cuda_tier) ---
+
+    def allocate_host(self, size_bytes: int, label: str) -> Any:
+        """A writable host slab for the host tier (``preload = "host"``), ``size_bytes`` rounded up to the VMM
+        granularity (the size of the GPU slab its promotion makes); sealing it page-locks it."""
+        from .host import HostWritableSlab
+
+        size = max(self.granularity, round_up(int(size_bytes), self.granularity))
+        return _HostTierWritable(self, HostWritableSlab(size, label))
+
+    def adopt_host(self, fd: int, size_bytes: int) -> Any:
+        """Takes ownership of a host-tier memfd from systemd's fd store and page-locks it for promotions."""
+        from . import cuda_tier
+
+        return cuda_tier.adopt(self._device(self.gpu), fd, size_bytes)
+
+    def demote(self, sealed: "CudaSealedSlab", label: str) -> Any:
+        """Copies a sealed GPU slab into a new host-tier slab (:func:`weightcache.memory.cuda_tier.demote`)."""
+        from . import cuda_tier
+
+        return cuda_tier.demote(self._device(self.gpu), sealed, label)
+
+    def promote(self, hosted: Any, label: str, while_copying: Any = None) -> "CudaSealedSlab":
+        """Copies a host-tier slab into a new sealed GPU slab at link speed
+        (:func:`weightcache.memory.cuda_tier.promote`); ``while_copying()`` runs during the copy."""
+        from . import cuda_tier
+
+        return cuda_tier.promote(self._device(self.gpu), self, hosted, label, while_copying)
+
     def import_fd(self, fd: int, size_bytes: int, device: Any = None) -> CudaImportedSlab:
         """Maps a received fd read-only; does not take ownership of ``fd``.
 
@@ -842,3 +871,23 @@ class CudaBackend:
         )
         self._info = {"backend": "cuda", "gpu_uuid": gpu_uuid(self.gpu), "compute_capability": f"{major}.{minor}"}
         return dict(self._info)
+
+
+class _HostTierWritable:
+    """A host slab filled for the host tier on a CUDA node: a :class:`~weightcache.memory.host.HostWritableSlab`
+    whose :meth:`seal` also page-locks it (:func:`weightcache.memory.cuda_tier.seal_host`)."""
+
+    def __init__(self, backend: CudaBackend, writable: Any) -> None:
+        self._backend, self._w = backend, writable
+        self.size_bytes = writable.size_bytes
+
+    def __getattr__(self, name: str) -> Any:  # buffer, tensor, fd: as the host slab's
+        return getattr(self._w, name)
+
+    def seal(self) -> Any:
+        from . import cuda_tier
+
+        return cuda_tier.seal_host(self._backend._device(self._backend.gpu), self._w)
+
+    def abort(self) -> None:
+        self._w.abort()

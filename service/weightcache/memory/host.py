@@ -267,8 +267,9 @@ class HostBackend:
         """GPU -> host tier: on this backend both are host RAM, so ``sealed`` itself (no copy)."""
         return sealed
 
-    def promote(self, hosted: HostSealedSlab, label: str) -> HostSealedSlab:
-        """Host tier -> GPU: on this backend both are host RAM, so ``hosted`` itself (no copy)."""
+    def promote(self, hosted: HostSealedSlab, label: str, while_copying=None) -> HostSealedSlab:
+        """Host tier -> GPU: on this backend both are host RAM, so ``hosted`` itself (no copy; ``while_copying``
+        is not called: there is nothing to check)."""
         return hosted
 
     def import_fd(self, fd: int, size_bytes: int, device: str = "cpu") -> HostImportedSlab:

@@ -252,7 +252,7 @@ class AttachReply(Message):
     """A lease on one slab; two fds travel with this frame: the slab, then its manifest file.
 
     The manifest file is a sealed memfd holding the slab's packed manifest
-    (:func:`weightcache.manifest.pack_file`, docs/protocol.md), the same for
+    (:func:`weightcache.manifest_file.pack_file`, docs/protocol.md), the same for
     every attach of the slab; it travels beside the frame so that a manifest
     of any tensor count fits (at most ``MAX_MANIFEST_BYTES`` of
     :mod:`weightcache.manifest`, checked when the slab is loaded).
