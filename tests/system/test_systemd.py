@@ -528,6 +528,11 @@ def test_unreadable_checkpoint_is_a_named_permission_error(box, tmp_path):
         assert "user weightcache" in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert c.run([str(PYTHON), "-m", "weightcache", "check-config", "--as-user", "root"],
                      check=False, timeout=120).returncode == 0
+        # Not as root: it says whose permissions it checks with (issue 26), and fails on the file only root reads.
+        r = c.run(_as_user("alice", str(PYTHON), "-m", "weightcache", "check-config"), check=False, timeout=120,
+                  env={"HOME": "/tmp"})
+        assert r.returncode == 1 and r.stdout.startswith("checking as user alice (uid "), r.stdout + r.stderr
+        assert "not as weightcache, the service's user" in r.stdout, r.stdout
     finally:
         c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt))
         c.run(["rm", "-rf", "/srv/wc-private"])
