@@ -63,6 +63,7 @@ class Placement:
     scalars: set[str] = field(default_factory=set)
 
     def extend(self, other: "Placement") -> None:
+        """Adds ``other``'s pieces to this placement (one placement per plan)."""
         self.reads += other.reads
         self.zeros += other.zeros
         self.small += other.small
