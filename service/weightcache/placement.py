@@ -20,6 +20,10 @@ written at the padded pitch over zeros. :func:`place` turns one
   CUDA slab (the FP8 requantisation of a fused part whose per-tensor scale is
   not the fused maximum: :func:`weightcache.quant.fp8_codes.requant_table`).
 
+Op ``copy`` is placed here (:data:`PLACERS`); a quantization scheme's ops by
+its registry entry (``quant.registry.SchemeRules.placers``; ModelOpt FP8:
+:mod:`weightcache.quant.modelopt_fp8_placement`).
+
 A spec that needs anything else (a dtype cast) has no placement (``None``):
 the pipeline then runs the torch path (:func:`weightcache.pipeline.execute`),
 which stays the reference the tests compare every placement with.
