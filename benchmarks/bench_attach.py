@@ -58,7 +58,8 @@ def _engine(cfg: dict, items_q, result_q) -> None:
 
     from weightcache import attach, protocol
     from weightcache.client import Session
-    from weightcache.manifest import build_views, unpack_file
+    from weightcache.manifest import build_views
+    from weightcache.manifest_file import unpack_file
     from weightcache.memory import get_backend
 
     dev = cfg["device"]

@@ -79,11 +79,11 @@ def _measure(ck: str, socket_dir: str, device: str, iters: int, warmup: int) -> 
         (client.Session, "__init__", "connect"),
         (client.Session, "send", "send hello + attach"),
         (client.Checkpoint, "__init__", "local Checkpoint: config.json (overlaps the service)"),
-        (client.pipeline, "key_fields", "local key fields (overlaps the service)"),
+        (client.identity, "key_fields", "local key fields (overlaps the service)"),
         (client, "recv_with_fds", "recvmsg: waiting for the service + reading the reply"),
         (client.protocol.Connection, "next_message", "frame decode (JSON)"),
         (client.Manifest, "from_wire", "Manifest.from_wire (packed columns)"),
-        (client.pipeline, "check_key", "key check: fields + stat() of the files"),
+        (client.identity, "check_key", "key check: fields + stat() of the files"),
         (type(backend), "import_fd", "fd import + map + set access + tensor wrap"),
         (client, "build_views", "build_views (runs + unbind)"),
     ]

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVICE_DIR = ROOT / "service"
+#: The service tree the benchmarks run (``BENCH_SERVICE_DIR``: another commit's ``service/``, for a before/after
+#: in one run).
+SERVICE_DIR = Path(os.environ.get("BENCH_SERVICE_DIR") or ROOT / "service")
 if str(SERVICE_DIR) not in sys.path:
     sys.path.insert(0, str(SERVICE_DIR))
 
@@ -232,15 +234,15 @@ def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def write_config(path: Path, models: dict[str, dict[str, Any]], backend: str, **service: Any) -> Path:
-    """A weightcache TOML with ``models`` ({name: {path, naming, ...}}) all at TP 1 on GPU 0."""
+def write_config(path: Path, models: dict[str, dict[str, Any]], backend: str, tp: int = 1, **service: Any) -> Path:
+    """A weightcache TOML with ``models`` ({name: {path, naming, ...}}), every rank of TP ``tp`` on GPU 0."""
     lines = ["[service]", f'backend = "{backend}"']
     lines += [f"{k} = {json.dumps(v)}" for k, v in service.items()]
     for name, m in models.items():
         lines.append(f'\n[models."{name}"]')
         for k, v in m.items():
             lines.append(f"{k} = {json.dumps(str(v) if isinstance(v, Path) else v)}")
-        lines.append("layouts = [{ tp = 1, gpus = [0] }]")
+        lines.append(f"layouts = [{{ tp = {tp}, gpus = {[0] * tp} }}]")
     Path(path).write_text("\n".join(lines) + "\n")
     return Path(path)
 

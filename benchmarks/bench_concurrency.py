@@ -56,7 +56,7 @@ def _instrument(acc: dict[str, float], device: str) -> None:
     backend = client.local_backend(device)
     patch_timers([(client.Session, "__init__", "connect"), (client.Session, "send", "send"),
                   (client.Session, "replies", "reply wait"), (client, "read_manifest_file", "manifest file"),
-                  (client.pipeline, "check_key", "key check"), (type(backend), "import_fd", "import + map"),
+                  (client.identity, "check_key", "key check"), (type(backend), "import_fd", "import + map"),
                   (client, "build_views", "views")], acc)
 
 

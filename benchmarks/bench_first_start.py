@@ -36,8 +36,19 @@ as the size asks (HF naming, TP 1, 4 GB shards), written once and read once
 before the timed starts so that it is in the page cache; one warm-up start
 is not counted.
 
+``--naming hf,vllm`` starts the same checkpoint under each naming in turn
+(the vLLM layout: fused ``qkv_proj``/``gate_up_proj``, vocab padding) and
+reports the ratio to ``hf``; ``--tp N`` serves every rank of TP ``N`` from
+the one service on GPU 0 (READY once all are loaded; stages and bytes summed
+over the ranks); ``--fp8 tensor|channel`` uses a Llama-3-8B-shaped ModelOpt
+FP8 checkpoint (``benchmarks/modelopt_fp8_checkpoint.py``) instead;
+``--cold-attach`` has a fresh process attach rank 0 after each timed READY
+(``import weightcache``, ``import torch`` + CUDA init and the first
+``attach()`` timed apart), then asks the service to ``verify`` the model.
+
 Usage: bench_first_start.py [--device cuda|cpu] [--size-gb G] [--reps N] [--read-threads N]
-       [--activator systemd|holder] [--dir DIR] [--remove]
+       [--activator systemd|holder] [--naming hf,vllm] [--tp N] [--fp8 none|tensor|channel]
+       [--cold-attach] [--dir DIR] [--remove]
 """
 
 from __future__ import annotations
@@ -56,8 +67,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    GB, LLAMA2_7B, emit, has_cuda, layers_for, met, scaled, service_env, spread, stats, unix_listener, versions,
-    write_checkpoint, write_config,
+    GB, LLAMA2_7B, LlamaShape, emit, has_cuda, layers_for, met, scaled, service_env, spread, stats, unix_listener,
+    versions, warm_page_cache, write_checkpoint, write_config,
 )
 
 #: Runs in the service process: notes times to $WC_BENCH_TRACE (JSON lines), then runs the CLI in-process.
@@ -114,8 +125,12 @@ def _recv_ready(nsock: socket.socket, proc: subprocess.Popen, timeout_s: float, 
             return time.time()
 
 
-def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: float) -> dict:
-    """Starts a fresh service, waits for READY=1, stops it; returns the stage times in seconds."""
+def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: float,
+              cold_attach: dict | None = None) -> dict:
+    """Starts a fresh service, waits for READY=1, stops it; returns the stage times in seconds.
+
+    With ``cold_attach`` (``{device, tp, naming}``), a fresh process attaches rank 0 before the service stops.
+    """
     sock_path, notify_path = str(work / "0.sock"), str(work / "notify.sock")
     trace, log_path = work / "trace.jsonl", work / "service.log"
     for p in (sock_path, notify_path, trace):
@@ -125,7 +140,7 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
     env = service_env({"NOTIFY_SOCKET": notify_path, "WC_BENCH_TRACE": str(trace)})
     serve = [sys.executable, "-c", WRAPPER, "serve", "--gpu", "0", "--config", str(cfg), "--backend", backend]
     log = open(log_path, "wb")
-    listener = client = None
+    listener = client = proc = None
     try:
         if activator == "systemd":
             cmd = ["systemd-socket-activate", "-l", sock_path, "--fdname=listen"]
@@ -150,9 +165,12 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
             proc = subprocess.Popen(serve, env=env, pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=log)
         t_ready = _recv_ready(nsock, proc, timeout_s, log_path)
-        proc.terminate()
-        proc.wait(60)
+        if cold_attach is not None:
+            attached = _cold_attach(work, **cold_attach)
     finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
         log.close()
         nsock.close()
         for s in (client, listener):
@@ -160,86 +178,191 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
                 s.close()
     ev: dict[str, dict] = {}
     torch_imports = []
+    loads = []
     for line in trace.read_text().splitlines():
         e = json.loads(line)
         if e["event"] == "torch_import":
             torch_imports.append(e)
+        elif e["event"] == "loaded":
+            loads.append(e)
         else:
             ev.setdefault(e["event"], e)
-    loaded = {k: float(v) / 1e3 for k, v in re.findall(r"(\w+)_ms=([\d.]+)", ev["loaded"]["msg"])}
-    gbps = float(re.search(r"read_gbps=([\d.]+)", ev["loaded"]["msg"]).group(1))
-    size = int(re.search(r"size_bytes=(\d+)", ev["loaded"]["msg"]).group(1))
-    t_load_start = ev["loaded"]["t"] - loaded["duration"]
+    # One "loaded" line per rank (every rank of the layout is on GPU 0): stages summed, bytes summed.
+    per = [{k: float(v) / 1e3 for k, v in re.findall(r"(\w+)_ms=([\d.]+)", e["msg"])} for e in loads]
+    size = sum(int(re.search(r"size_bytes=(\d+)", e["msg"]).group(1)) for e in loads)
+    t_load_start = min(e["t"] - d["duration"] for e, d in zip(loads, per))
+    t_loaded = max(e["t"] for e in loads)
+    total = {k: sum(d[k] for d in per) for k in ("plan", "allocate", "read", "digest", "seal")}
     out = {
         "interpreter": ev["interpreter"]["t"] - t0,
         "imports": ev["imports"]["t"] - ev["interpreter"]["t"],
         "config": ev["backend selected"]["t"] - ev["imports"]["t"],
         "setup": t_load_start - ev["backend selected"]["t"],
-        "plan": loaded["plan"], "allocate": loaded["allocate"], "read": loaded["read"],
-        "digests": loaded["digest"], "seal": loaded["seal"],
-        "ready": t_ready - ev["loaded"]["t"],
+        "plan": total["plan"], "allocate": total["allocate"], "read": total["read"],
+        "digests": total["digest"], "seal": total["seal"],
+        "ready": t_ready - t_loaded,
         "total": t_ready - t0,
-        "read_gbps": gbps, "payload_bytes": size,
-        "torch_free": "torch_free=yes" in ev["loaded"]["msg"],
+        "read_gbps": size / max(total["read"], 1e-9) / 1e9, "payload_bytes": size, "ranks": len(loads),
+        "torch_free": all("torch_free=yes" in e["msg"] for e in loads),
         "torch_before_ready": any(e["t"] < t_ready for e in torch_imports),
     }
+    if cold_attach is not None:
+        out["cold_attach"] = attached
     return out
+
+
+#: A fresh engine process's first attach: ``import weightcache``, then ``import torch`` and CUDA's
+#: initialisation (the engine has them anyway), then the first ``attach()``, each timed apart.
+COLD_ATTACH = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import weightcache
+t1 = time.perf_counter()
+heavy = [m for m in ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader")
+         if m in sys.modules]
+import torch
+device = sys.argv[2]
+if device.startswith("cuda"):
+    torch.cuda.init()
+    torch.empty(1, device=device)
+t2 = time.perf_counter()
+w = weightcache.attach("m", tp_size=int(sys.argv[3]), tp_rank=0, device=device, naming=sys.argv[4],
+                       socket_dir=sys.argv[1], fallback=False)
+t3 = time.perf_counter()
+w.close()
+import os
+from weightcache import protocol
+from weightcache.client import Session
+s = Session(os.path.join(sys.argv[1], "0.sock"))
+t4 = time.perf_counter()
+reply = s.request(protocol.Verify("m"), timeout=300)
+t5 = time.perf_counter()
+bad = sum(len(r.mismatched) for r in reply.typed())
+print(json.dumps({"import_weightcache_s": t1 - t0, "import_torch_and_cuda_s": t2 - t1, "first_attach_s": t3 - t2,
+                  "tensors": len(w.tensors), "source": w.source, "heavy_modules_at_import": heavy,
+                  "verify_s": t5 - t4, "verify_mismatched": bad}))
+"""
+
+
+def _cold_attach(work: Path, device: str, tp: int, naming: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", COLD_ATTACH, str(work), device, str(tp), naming],
+                       env=service_env(), capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        return {"error": r.stderr[-1500:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _checkpoint(args: argparse.Namespace, gb: float) -> tuple[Path, str]:
+    """Writes (or reuses) the benchmark's checkpoint and reads it into the page cache; returns it and its kind."""
+    if args.fp8 != "none":
+        from modelopt_fp8_checkpoint import LLAMA3_8B, PER_CHANNEL, PER_TENSOR, write_modelopt_fp8
+
+        algo = PER_TENSOR if args.fp8 == "tensor" else PER_CHANNEL
+        layers = max(1, round(LLAMA3_8B.layers * gb / 9.1))  # 9.1 GB at Llama-3-8B's 32 layers
+        shape = LlamaShape(**{**LLAMA3_8B.__dict__, "layers": layers})
+        ck = write_modelopt_fp8(Path(args.dir) / f"first-start-fp8-{args.fp8}-{layers}l", shape, algo)
+        kind = f"ModelOpt {algo} Llama-3-8B-shaped ({layers} layers)"
+    else:
+        base = LLAMA2_7B if gb >= 2 else scaled(LLAMA2_7B, 4)
+        ck = write_checkpoint(Path(args.dir) / f"first-start-{gb:g}gb", layers_for(int(gb * GB), base), "random")
+        kind = "bf16 Llama-2-7B-shaped"
+    warm_page_cache(ck)
+    return ck, kind
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if has_cuda() else "cpu")
-    ap.add_argument("--size-gb", type=float, default=None, help="checkpoint size; default 15 (cuda) or 0.5 (cpu)")
+    ap.add_argument("--size-gb", type=float, default=None, help="checkpoint size; default 15 (cuda) or 0.5 (cpu); "
+                    "with --fp8 the layers of Llama-3-8B that give about this size (9.1 GB: all 32)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--read-threads", type=int, default=None, help="service.read_threads (default: the service's)")
     ap.add_argument("--activator", choices=("systemd", "holder"),
                     default="systemd" if shutil.which("systemd-socket-activate") else "holder")
+    ap.add_argument("--naming", default="hf", help="comma-separated namings to start in turn: hf, vllm (default hf)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size; every rank on GPU 0 (default 1)")
+    ap.add_argument("--fp8", choices=("none", "tensor", "channel"), default="none",
+                    help="a ModelOpt FP8 checkpoint (per-tensor or per-channel scales) instead of bf16")
+    ap.add_argument("--cold-attach", action="store_true",
+                    help="after each timed READY, a fresh process attaches rank 0 (imports timed apart)")
     ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR", "/tmp/weightcache-bench"))
     ap.add_argument("--remove", action="store_true", help="delete the checkpoint afterwards (default: keep, reused)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     gb = args.size_gb if args.size_gb is not None else (15.0 if cuda else 0.5)
     backend = "cuda" if cuda else "host"
-    base = LLAMA2_7B if gb >= 2 else scaled(LLAMA2_7B, 4)
+    namings = [n.strip() for n in args.naming.split(",") if n.strip()]
     t_write = time.monotonic()
-    ck = write_checkpoint(Path(args.dir) / f"first-start-{gb:g}gb", layers_for(int(gb * GB), base), "random")
-    for f in sorted(ck.glob("*.safetensors")):  # into the page cache
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(bytearray(64 << 20)):
-                pass
+    ck, kind = _checkpoint(args, gb)
     t_write = time.monotonic() - t_write
-    work = Path(tempfile.mkdtemp(prefix="wc-first-"))
     service = {} if args.read_threads is None else {"read_threads": args.read_threads}
-    cfg = write_config(work / "weightcache.toml", {"m": {"path": ck, "naming": "hf"}}, backend, **service)
+    results = {}
     try:
-        one_start(work, cfg, backend, args.activator, 600)  # warm-up: page cache, bytecode cache
-        runs = [one_start(work, cfg, backend, args.activator, 600) for _ in range(args.reps)]
+        for naming in namings:
+            work = Path(tempfile.mkdtemp(prefix="wc-first-"))
+            cfg = write_config(work / "weightcache.toml", {"m": {"path": ck, "naming": naming}}, backend, tp=args.tp,
+                               **service)
+            attach = ({"device": "cuda:0" if cuda else "cpu", "tp": args.tp, "naming": naming}
+                      if args.cold_attach else None)
+            try:
+                one_start(work, cfg, backend, args.activator, 600)  # warm-up: page cache, bytecode cache
+                results[naming] = [one_start(work, cfg, backend, args.activator, 600, attach)
+                                   for _ in range(args.reps)]
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
         if args.remove:
             shutil.rmtree(ck, ignore_errors=True)
-    med = {k: stats([r[k] for r in runs]) for k in (*STAGES, "total", "read_gbps")}
-    target_s = 1.5
+    target_s = 1.5 if args.fp8 == "none" else 2.0
     res = {"versions": versions(), "device": args.device, "backend": backend, "activator": args.activator,
-           "size_gb": gb, "payload_bytes": runs[0]["payload_bytes"], "reps": args.reps,
+           "checkpoint": kind, "size_gb": gb, "tp": args.tp, "reps": args.reps,
            "read_threads": args.read_threads or "default", "cpus": len(os.sched_getaffinity(0)),
-           "checkpoint_write_and_warm_s": t_write, "runs": runs, "stages_s": med,
-           "torch_free": all(r["torch_free"] for r in runs),
-           "torch_before_ready": any(r["torch_before_ready"] for r in runs),
-           "target_s": target_s, "met": med["total"]["median"] <= target_s}
-    md = [f"### First start to READY under socket activation ({backend} backend, {args.activator} activator; "
-          f"{runs[0]['payload_bytes'] / GB:.2f} GB bf16 in page cache, {res['cpus']} CPUs, read_threads "
-          f"{res['read_threads']}; median of {args.reps} fresh processes, (min–max))", "",
-          "| stage | seconds |", "|---|---|"]
-    for k in (*STAGES, "total"):
-        s = med[k]
-        name = {"total": "**total**", "digests": "digests (inside read)" if cuda else "digests"}.get(k, k)
-        md.append(f"| {name} | {spread(s)} |")
-    md += ["", f"read rate over the read: {med['read_gbps']['median']:.1f} GB/s; filled without torch: "
-               f"{'yes' if res['torch_free'] else 'NO'}; torch imported before READY: "
-               f"{'YES' if res['torch_before_ready'] else 'no'}; target <= {target_s} s: "
-               f"{met(res['met'])}"]
-    emit(f"first_start_{args.device}", res, "\n".join(md))
+           "checkpoint_write_and_warm_s": t_write, "target_s": target_s, "namings": {}}
+    md = []
+    for naming, runs in results.items():
+        med = {k: stats([r[k] for r in runs]) for k in (*STAGES, "total", "read_gbps")}
+        r = {"payload_bytes": runs[0]["payload_bytes"], "ranks": runs[0]["ranks"], "runs": runs, "stages_s": med,
+             "torch_free": all(x["torch_free"] for x in runs),
+             "torch_before_ready": any(x["torch_before_ready"] for x in runs),
+             "met": med["total"]["median"] <= target_s}
+        res["namings"][naming] = r
+        md += [f"### First start to READY under socket activation: {kind}, naming = \"{naming}\", TP {args.tp} "
+               f"({r['ranks']} rank(s) on GPU 0; {backend} backend, {args.activator} activator; "
+               f"{r['payload_bytes'] / GB:.2f} GB in page cache, {res['cpus']} CPUs, read_threads "
+               f"{res['read_threads']}; median of {args.reps} fresh processes, (min–max))", "",
+               "| stage | seconds |", "|---|---|"]
+        for k in (*STAGES, "total"):
+            name = {"total": "**total**", "digests": "digests (GPU kernel)" if cuda else "digests"}.get(k, k)
+            md.append(f"| {name} | {spread(med[k])} |")
+        md += ["", f"read rate over the read (ranks summed): {med['read_gbps']['median']:.1f} GB/s; filled without "
+                   f"torch: {'yes' if r['torch_free'] else 'NO'}; torch imported before READY: "
+                   f"{'YES' if r['torch_before_ready'] else 'no'}; target <= {target_s} s: {met(r['met'])}"]
+        cold = [x["cold_attach"] for x in runs if "cold_attach" in x]
+        if cold and all("error" not in c for c in cold):
+            c = {k: stats([x[k] for x in cold]) for k in ("import_weightcache_s", "import_torch_and_cuda_s",
+                                                          "first_attach_s", "verify_s")}
+            r["cold_attach"] = {"stages_s": c, "runs": cold}
+            md += ["", f"cold attach (fresh process, rank 0, {cold[0]['tensors']} tensors): `import weightcache` "
+                       f"{c['import_weightcache_s']['median'] * 1e3:.1f} ms, `import torch` + CUDA init "
+                       f"{c['import_torch_and_cuda_s']['median'] * 1e3:.0f} ms, first `attach()` "
+                       f"{c['first_attach_s']['median'] * 1e3:.1f} ms; pipeline modules loaded by the import: "
+                       f"{cold[0]['heavy_modules_at_import'] or 'none'}; `verify` of every rank (through the "
+                       f"socket, the service's digests recomputed): {c['verify_s']['median']:.3f} s, "
+                       f"{sum(x['verify_mismatched'] for x in cold)} mismatched"]
+        elif cold:
+            md += ["", f"cold attach failed: {cold[0]['error'][-300:]}"]
+        md.append("")
+    if "hf" in results and len(results) > 1:
+        hf = res["namings"]["hf"]["stages_s"]["total"]["median"]
+        for naming in results:
+            if naming != "hf":
+                ratio = res["namings"][naming]["stages_s"]["total"]["median"] / hf
+                res["namings"][naming]["vs_hf"] = ratio
+                md.append(f"naming = \"{naming}\" / naming = \"hf\" (first start, medians): {ratio:.2f}x "
+                          f"(target <= 1.10x: {met(ratio <= 1.10)})")
+    tag = "_".join(namings) + (f"_tp{args.tp}" if args.tp > 1 else "") + ("" if args.fp8 == "none" else
+                                                                          f"_fp8{args.fp8}")
+    emit(f"first_start_{args.device}_{tag}", res, "\n".join(md))
     return 0
 
 

@@ -52,6 +52,7 @@ def main() -> int:
 
     from weightcache import pipeline
     from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
     from weightcache.loader import LoaderOptions
     from weightcache.manifest import build_views
     from weightcache.memory import get_backend
@@ -75,7 +76,7 @@ def main() -> int:
 
     def wc_load(o: LoaderOptions, digests: bool, keep: bool = False):
         t0 = time.perf_counter()
-        p = pipeline.plan(model, 1, 0, backend.device_info())
+        p = pipeline.plan(RankRequest(model, 1, 0), backend.device_info())
         t_plan = time.perf_counter()
         slab = backend.allocate(p.slab_size_bytes, "bench")
         t_alloc = time.perf_counter()

@@ -301,6 +301,7 @@ def check_four_loads(path: Path, algo: str, tp: int, naming: str, device: str, s
     from weightcache import attach, protocol
     from weightcache.client import load_from_disk
     from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
     from weightcache.manifest import build_views
 
     dev_type = torch.device(device).type
@@ -309,7 +310,7 @@ def check_four_loads(path: Path, algo: str, tp: int, naming: str, device: str, s
     keep = []
     try:
         for rank in range(tp):
-            man, slab = load_from_disk(ModelConfig("m", str(path), naming=naming), tp, rank, device)
+            man, slab = load_from_disk(RankRequest(ModelConfig("m", str(path), naming=naming), tp, rank), device)
             loads["ordinary"].append((build_views(slab, man), {r.name: r.layout for r in man.tensors}))
             fb = attach(str(path), tp_rank=rank, socket_dir="/nonexistent-wc", fallback=True, **kw)
             assert fb.source == "disk" and fb.fallback_reason.startswith("daemon_unavailable")

@@ -180,10 +180,11 @@ class ServiceProcess:
 
     def __init__(self, workdir: Path, config: dict[str, Any] | Path, gpu: int = 0, backend: str | None = None,
                  env: dict[str, str] | None = None, nofile: int | None = None,
-                 socket_dir: Path | None = None) -> None:
+                 socket_dir: Path | None = None, run_as: int | None = None) -> None:
         """``config``: a config dict (written to ``workdir/weightcache.toml``) or the path of a TOML
         file used as it is. ``backend``: ``--backend`` (``None``: the config's, else ``host``; ``""``:
-        no ``--backend`` flag, the service picks). ``env``: extra environment (``NOTIFY_SOCKET``...)."""
+        no ``--backend`` flag, the service picks). ``env``: extra environment (``NOTIFY_SOCKET``...).
+        ``run_as``: run the service as this uid (:func:`as_service_user`)."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.gpu = gpu
@@ -199,6 +200,8 @@ class ServiceProcess:
         self.log_path = self.workdir / "service.log"
         self.extra_env = env or {}
         self.nofile = nofile
+        #: uid (and gid) the service runs as, None: the test's own; see :func:`as_service_user`.
+        self.run_as = run_as
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -216,8 +219,8 @@ class ServiceProcess:
         backend = ["--backend", self.backend] if self.backend else []
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "weightcache", "serve", "--gpu", str(self.gpu), "--config",
-                 str(self.config_path), "--listen", self.socket_path, *backend],
+                [*as_service_user(self.run_as, self.socket_dir), sys.executable, "-m", "weightcache", "serve",
+                 "--gpu", str(self.gpu), "--config", str(self.config_path), "--listen", self.socket_path, *backend],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(self.extra_env), cwd=self.workdir,
                 preexec_fn=None if self.nofile is None else self._limit_fds,
             )
@@ -407,8 +410,26 @@ class FdStoreStandIn:
         self.sock.close()
 
 
+def as_service_user(uid: int | None, socket_dir: str) -> list[str]:
+    """``setpriv`` arguments that run the service as ``uid`` (gid the same, no groups), as the unit's ``User=``.
+
+    The service keeps one capability, ``CAP_DAC_READ_SEARCH``, only to read the
+    test's interpreter and checkpoints under /root and pytest's 0700 temporary
+    directories; it has neither ``CAP_SYS_ADMIN`` nor ``CAP_SYS_RESOURCE``, so the
+    kernel's per-user limits (fds in flight, ``RLIMIT_NOFILE``) apply to it as
+    to the packaged ``weightcache`` user. ``socket_dir`` is given to ``uid``. An
+    empty list when ``uid`` is None.
+    """
+    if uid is None:
+        return []
+    os.chown(socket_dir, uid, uid)
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all,+dac_read_search",
+            "--ambient-caps=+dac_read_search", "--bounding-set=-all,+dac_read_search", "--"]
+
+
 def start_service(workdir: Path, models_or_config: dict[str, Any], backend: str = "host", gpu: int = 0,
-                  env: dict[str, str] | None = None, nofile: int | None = None, **service: Any) -> ServiceProcess:
+                  env: dict[str, str] | None = None, nofile: int | None = None, run_as: int | None = None,
+                  **service: Any) -> ServiceProcess:
     """Writes a config and starts a service; returns once it answers ``status``.
 
     Args:
@@ -419,11 +440,12 @@ def start_service(workdir: Path, models_or_config: dict[str, Any], backend: str 
         backend (`str`): ``host`` or ``cuda``.
         env (`dict`, *optional*): extra environment variables.
         nofile (`int`, *optional*): the service's ``RLIMIT_NOFILE`` (soft and hard).
+        run_as (`int`, *optional*): run the service as this uid (:func:`as_service_user`).
         **service: more ``[service]`` keys.
     """
     cfg = (models_or_config if "models" in models_or_config
            else make_config(models_or_config, backend=backend, gpu=gpu, **service))
-    return ServiceProcess(workdir, cfg, gpu, backend, env, nofile).start()
+    return ServiceProcess(workdir, cfg, gpu, backend, env, nofile, run_as=run_as).start()
 
 
 def _factory(base: Path) -> Iterator[Callable[..., ServiceProcess]]:

@@ -134,12 +134,13 @@ def load_rank(path: Path, tp_size: int, tp_rank: int, naming: str, dtype: str = 
     """
     from weightcache import pipeline
     from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
     from weightcache.manifest import build_views
     from weightcache.memory import get_backend
 
     backend = get_backend(backend, gpu)
     model = ModelConfig(name=Path(path).name, path=str(path), dtype=dtype, naming=naming)
-    p = pipeline.plan(model, tp_size, tp_rank, backend.device_info())
+    p = pipeline.plan(RankRequest(model, tp_size, tp_rank), backend.device_info())
     ws = backend.allocate(p.slab_size_bytes, f"{model.name}-tp{tp_size}-r{tp_rank}")
     try:
         manifest = pipeline.execute(p, ws.tensor)

@@ -2,34 +2,41 @@
 
 ``attach()`` asks the GPU's service for the slab, checks the cache key of the
 reply against the checkpoint as it is now (its ``config.json`` and ``stat()``
-of its files: never a tensor byte, see :func:`pipeline.check_key`), imports
+of its files: never a tensor byte, see :func:`identity.check_key`), imports
 the received fd read-only and builds tensor views from the manifest. With
 ``fallback=True`` a missing service, a model not ready in time,
 a different key or a refusal makes it load from disk through the very same
 pipeline (:mod:`weightcache.pipeline`), so the tensors are bit-identical; the
 reason is logged and kept in :attr:`Attachment.fallback_reason`.
 
-Forbidden imports: weightcache.config, weightcache.daemon, selectors.
+The load pipeline (:mod:`weightcache.pipeline`, :mod:`weightcache.quant`,
+:mod:`weightcache.sharding`, :mod:`weightcache.loader`), numpy and torch are
+imported by the functions that use them, never when this module is imported:
+an engine that only attaches pays for what attaching needs (tests/unit/test_lazy_imports.py).
+
+Forbidden imports: weightcache.config, weightcache.daemon, asyncio, weightcache.pipeline at module level,
+weightcache.quant at module level, weightcache.sharding at module level, weightcache.loader at module level,
+numpy at module level, torch at module level.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
-import grp
 import math
 import os
-import pwd
 import re
-import socket
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from . import pipeline, protocol, quant
+from . import protocol
 from .checkpoint import Checkpoint
+from .device import device_info, local_backend, physical_gpu  # noqa: F401 (physical_gpu re-exported)
 from .errors import (
     CacheKeyMismatch,
     ConfigError,
@@ -40,258 +47,15 @@ from .errors import (
     RemoteProtocolError,
     UnsupportedQuantization,
     WeightcacheError,
-    from_wire,
 )
-from .fdpass import recv_with_fds
 from .journal import event
-from .manifest import MAX_MANIFEST_BYTES, LayoutMap, Manifest, build_views, unpack_file
-from .spec import DTYPE_NAMES, LoadRequest
+from .manifest import LayoutMap, Manifest, build_views
+from .manifest_file import ManifestFile, read_file
+from .spec import DTYPE_NAMES, LoadRequest, RankRequest
+from .session import DEFAULT_SOCKET_DIR, Session, listening_gpus, resolve_socket_dir  # noqa: F401 (re-exported)
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SOCKET_DIR = "/run/weightcache"
-#: First read of a reply, in bytes; the rest of a larger frame is read with one exact-size recv.
-#: Below glibc's 128 KiB mmap threshold: a 1 MiB recvmsg buffer costs ~40 µs per read in
-#: mmap/munmap and page faults, more than reading a 66 KB manifest frame in two reads.
-_RECV = 64 * 1024
-
-
-def resolve_socket_dir(explicit: str | None = None) -> str:
-    """``explicit``, else ``$WEIGHTCACHE_SOCKET_DIR``, else ``/run/weightcache``."""
-    return explicit or os.environ.get("WEIGHTCACHE_SOCKET_DIR") or DEFAULT_SOCKET_DIR
-
-
-def listening_gpus(socket_dir: str) -> list[int]:
-    """The GPU indices of the ``<N>.sock`` sockets in ``socket_dir``, increasing ([] when it cannot be read)."""
-    try:
-        names = os.listdir(socket_dir)
-    except OSError:
-        return []
-    return sorted(int(n[:-5]) for n in names if n.endswith(".sock") and n[:-5].isdigit())
-
-
-def physical_gpu(index: int, visible: str | None) -> int:
-    """The physical GPU index (the service instance) of in-process CUDA device ``index``.
-
-    Instances are numbered as ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` counts GPUs with
-    nothing hidden; set that order in the engine too, so that the entries of
-    ``CUDA_VISIBLE_DEVICES`` mean the same GPUs.
-
-    Args:
-        index (`int`): the torch device index.
-        visible (`str`, *optional*): ``$CUDA_VISIBLE_DEVICES``.
-
-    Raises:
-        ConfigError (`config_invalid`): ``CUDA_VISIBLE_DEVICES`` names devices
-            by UUID or MIG id; pass ``gpu`` to :func:`attach` (vLLM: set ``gpu`` in
-            the extra config) instead.
-
-    Example:
-        >>> physical_gpu(1, "4,5")
-        5
-    """
-    if not visible:
-        return index
-    entries = [e.strip() for e in visible.split(",") if e.strip()]
-    if index >= len(entries) or not entries[index].isdigit():
-        raise ConfigError(
-            f"cannot map CUDA device {index} to a weightcache instance through CUDA_VISIBLE_DEVICES={visible!r}; "
-            f"pass gpu= to attach() (vLLM: set \"gpu\" in --model-loader-extra-config)", key="gpu")
-    return int(entries[index])
-
-
-_BACKENDS: dict[str, Any] = {}
-
-
-def local_backend(device: str):
-    """The backend that maps slabs onto ``device`` (``cpu``: host memfd; ``cuda:N``: VMM on GPU N).
-
-    One per device string for the life of the process: a CUDA backend retains
-    the GPU's primary context and queries its granularity and UUID once, not
-    on every attach.
-    """
-    backend = _BACKENDS.get(device)
-    if backend is None:
-        from .memory import get_backend
-
-        if device.startswith("cuda"):
-            backend = get_backend("cuda", int(device.split(":", 1)[1]) if ":" in device else 0)
-        else:
-            backend = get_backend("host")
-        _BACKENDS[device] = backend
-    return backend
-
-
-def device_info(device: str) -> dict[str, Any]:
-    """Cache-key device fields for a torch device string (``cpu``, ``cuda:1``)."""
-    return local_backend(device).device_info()
-
-
-#: Pause between ``connect`` attempts while the service's backlog is full (seconds, first and largest).
-_BACKLOG_PAUSE_S = (0.001, 0.05)
-
-
-def _connect(sock: socket.socket, path: str, deadline: float) -> None:
-    """``connect``, waiting while the listen backlog is full (``EAGAIN``) until ``deadline`` (monotonic s).
-
-    A full backlog means the service is busy (starting, or many engines
-    connecting at once), not absent: the kernel answers ``EAGAIN`` at once on
-    a Unix socket instead of waiting, so this waits for it, backing off from
-    1 ms to 50 ms. It is part of connecting within the caller's timeout, not a
-    retry of a request; the first wait is logged as a WARNING, each attempt at
-    DEBUG, and the number of waits once connected.
-    """
-    pause, waits = _BACKLOG_PAUSE_S[0], 0
-    while True:
-        try:
-            sock.connect(path)
-            if waits:
-                log.info("connected after a full backlog socket=%s waits=%d", path, waits)
-            return
-        except BlockingIOError:
-            if time.monotonic() + pause > deadline:
-                raise socket.timeout(f"the service's listen backlog stayed full for {waits} attempts") from None
-            if not waits:
-                log.warning("service backlog full, waiting socket=%s", path)
-            waits += 1
-            log.debug("connect again after a full backlog socket=%s attempt=%d pause_ms=%.0f", path, waits,
-                      pause * 1e3)
-            time.sleep(pause)
-            pause = min(pause * 2, _BACKLOG_PAUSE_S[1])
-
-
-def _denied_text(path: str, e: OSError) -> str:
-    """Why connecting to ``path`` gave ``EACCES``: who we are, the socket's group, and the fix."""
-    uid = os.geteuid()
-    try:
-        user = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        user = str(uid)
-    try:
-        gid = os.stat(path).st_gid
-        group = grp.getgrgid(gid).gr_name
-    except (OSError, KeyError):  # the directory is not searchable either, or the gid has no name
-        group = "weightcache-clients"
-    return (f"no weightcache service at {path}: {e.strerror}: user {user} (uid {uid}) may not connect; the socket "
-            f"admits root and group {group}: add the user to it (usermod -aG {group} {user}, then log in again) "
-            f"or run the engine with that group")
-
-
-class Session:
-    """A blocking client connection to one service socket (one per attach).
-
-    The connection is the lease: closing it ends every lease taken on it.
-
-    Args:
-        path (`str`): the service's socket, e.g. ``/run/weightcache/0.sock``.
-        timeout (`float`): seconds for connecting and for each reply.
-
-    Raises:
-        DaemonUnavailable (`daemon_unavailable`): nothing listens, connection
-            refused, or no reply in time.
-    """
-
-    def __init__(self, path: str, timeout: float = 30.0, client: str = "", hello: bool = True) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.sock.settimeout(timeout)
-        try:
-            _connect(self.sock, path, time.monotonic() + timeout)
-        except PermissionError as e:
-            self.sock.close()
-            raise DaemonUnavailable(_denied_text(path, e), socket=path) from None
-        except (FileNotFoundError, ConnectionRefusedError, socket.timeout, OSError) as e:
-            self.sock.close()
-            raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None
-        self.conn = protocol.Connection(protocol.CLIENT)
-        self.client = client or f"pid={os.getpid()}"
-        self.hello = self.request(self.hello_message()) if hello else None
-
-    def hello_message(self) -> protocol.Hello:
-        return protocol.Hello(protocol.PROTOCOL_VERSION, self.client)
-
-    def pipeline(self, msgs: list[protocol.Message], timeout: float | None = None) -> list[Any]:
-        """Sends ``msgs`` in one write, then reads one reply each, in order.
-
-        Saves a round trip per message (``hello`` + ``attach`` in one go). The
-        fds of the last reply are in ``self.last_fds``.
-
-        Raises:
-            DaemonUnavailable: the service closed the connection or timed out.
-            WeightcacheError: the first typed error among the replies.
-        """
-        self.send(msgs)
-        return self.replies(len(msgs), timeout)
-
-    def send(self, msgs: list[protocol.Message]) -> None:
-        """Writes ``msgs`` in one write without waiting for replies (see :meth:`replies`).
-
-        Raises:
-            DaemonUnavailable: the service went away.
-        """
-        data = b"".join(self.conn.send(m)[0] for m in msgs)
-        try:
-            self.sock.sendall(data)
-        except OSError as e:
-            raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}", socket=self.path) from None
-
-    def replies(self, count: int, timeout: float | None = None) -> list[Any]:
-        """Reads ``count`` replies to what :meth:`send` wrote (fds of the last one in ``self.last_fds``).
-
-        Raises:
-            DaemonUnavailable: the service closed the connection or timed out.
-            WeightcacheError: the first typed error among the replies.
-        """
-        if timeout is not None:
-            self.sock.settimeout(max(0.001, timeout))
-        replies = []
-        for _ in range(count):
-            reply, fds = self._read_message()
-            if isinstance(reply, protocol.Error):
-                for fd in fds:
-                    os.close(fd)
-                raise from_wire(reply.code, reply.message, reply.details)
-            self.last_fds = fds
-            replies.append(reply)
-        return replies
-
-    def request(self, msg: protocol.Message, timeout: float | None = None) -> Any:
-        """Sends ``msg`` and returns the reply message (fds in ``self.last_fds``).
-
-        Raises:
-            DaemonUnavailable: the service closed the connection or timed out.
-            WeightcacheError: the typed error the service replied with.
-        """
-        return self.pipeline([msg], timeout)[0]
-
-    def _read_message(self) -> tuple[protocol.Message, list[int]]:
-        while True:
-            try:
-                ev = self.conn.next_message()
-            except RemoteProtocolError:
-                for fd in self.conn.take_all_fds():
-                    os.close(fd)
-                raise
-            if ev is not protocol.NEED_DATA:
-                return ev
-            try:
-                data, fds = recv_with_fds(self.sock, self.conn.bytes_wanted(_RECV), protocol.MAX_FDS_PER_FRAME)
-            except socket.timeout:
-                raise DaemonUnavailable(f"weightcache service at {self.path} did not answer in time",
-                                        socket=self.path) from None
-            except OSError as e:
-                raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}",
-                                        socket=self.path) from None
-            if not data and not fds:
-                raise DaemonUnavailable(f"weightcache service at {self.path} closed the connection",
-                                        socket=self.path)
-            self.conn.receive(data, fds)
-
-    def close(self) -> None:
-        for fd in self.conn.take_all_fds():
-            os.close(fd)
-        self.sock.close()
 
 
 @dataclass
@@ -344,15 +108,24 @@ def load_request(path: str, dtype: str, naming: str, kernel: str, revision: str 
                        naming=naming, kernel=kernel, revision=revision)
 
 
-def load_from_disk(model: LoadRequest, tp_size: int, tp_rank: int, device: str) -> tuple[Manifest, Any]:
+def load_from_disk(rank: RankRequest, device: str) -> tuple[Manifest, Any]:
     """Runs the shared pipeline into private memory on ``device``.
+
+    Args:
+        rank (`RankRequest`): what to load, and the rank.
+        device (`str`): ``cpu`` or ``cuda:N``.
 
     Returns:
         ``(manifest, slab)``: the slab is a private 1-D ``uint8`` tensor.
+
+    Raises:
+        The errors of :func:`weightcache.pipeline.plan` and :func:`weightcache.pipeline.execute`.
     """
     import torch
 
-    pl = pipeline.plan(model, tp_size, tp_rank, device_info(device))
+    from . import pipeline  # the disk fallback's pipeline, imported when it runs
+
+    pl = pipeline.plan(rank, device_info(device))
     slab = torch.empty(pl.slab_size_bytes, dtype=torch.uint8, device=device)
     manifest = pipeline.execute(pl, slab, with_digests=False)
     return manifest, slab
@@ -369,8 +142,32 @@ def _copy_views(views: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class AttachOptions:
+    """How to attach: the keyword options of :func:`attach`, grouped (see there for each field).
+
+    Build one per engine and pass it to every rank's :func:`attach` as
+    ``options=``; keywords given beside it override its fields. Validated
+    when :func:`attach` runs, with the request (:class:`AttachRequest`).
+
+    Example:
+        >>> opts = AttachOptions(device="cuda:0", fallback=False, timeout=60.0)
+        >>> w = attach("/srv/models/Qwen2.5-7B-Instruct", tp_size=2, tp_rank=0, options=opts)
+    """
+
+    device: str = "cpu"
+    mode: AttachMode = DEFAULT_MODE
+    fallback: bool = True
+    timeout: float = 30.0
+    socket_dir: str | None = None
+    gpu: int | None = None
+    dtype: str = DEFAULT_DTYPE
+    naming: str = DEFAULT_NAMING
+    kernel: str = DEFAULT_KERNEL
+
+
+@dataclass(frozen=True)
 class AttachRequest:
-    """The options of one :func:`attach`, validated once (see :func:`attach` for each field).
+    """One :func:`attach`: the model and rank with its :class:`AttachOptions`, validated once (see :func:`attach`).
 
     Attributes:
         model (`str`): checkpoint directory, or a model name from the service's config.
@@ -390,17 +187,22 @@ class AttachRequest:
     """
 
     model: str
-    tp_size: int = 1
-    tp_rank: int = 0
-    device: str = "cpu"
-    mode: AttachMode = DEFAULT_MODE
-    fallback: bool = True
-    timeout: float = 30.0
-    socket_dir: str | None = None
-    gpu: int | None = None
-    dtype: str = DEFAULT_DTYPE
-    naming: str = DEFAULT_NAMING
-    kernel: str = DEFAULT_KERNEL
+    tp_size: int
+    tp_rank: int
+    device: str
+    mode: AttachMode
+    fallback: bool
+    timeout: float
+    socket_dir: str | None
+    gpu: int | None
+    dtype: str
+    naming: str
+    kernel: str
+
+    @classmethod
+    def of(cls, model: str, tp_size: int, tp_rank: int, options: AttachOptions) -> AttachRequest:
+        """The request for ``model``'s rank ``tp_rank`` of ``tp_size`` with ``options``."""
+        return cls(model, tp_size, tp_rank, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
 
     def __post_init__(self) -> None:
         try:  # the engine's API raises ValueError (documented); the wire message parses the same enum
@@ -430,6 +232,10 @@ class AttachRequest:
         """What the pipeline needs for checkpoint ``path``: this request's choices unless overridden."""
         return load_request(path, dtype or self.dtype, naming or self.naming, kernel or self.kernel, revision)
 
+    def rank_request(self, path: str) -> RankRequest:
+        """This engine's :class:`~weightcache.spec.RankRequest` for checkpoint ``path``."""
+        return RankRequest(self.load_request(path), self.tp_size, self.tp_rank)
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -458,16 +264,20 @@ def _arg_problems(req: AttachRequest) -> Iterator[tuple[str, str]]:
         yield f"kernel {req.kernel!r} must be a string such as 'cutlass'", "kernel"
 
 
-def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", mode: str = DEFAULT_MODE,
-           fallback: bool = True, timeout: float = 30.0, socket_dir: str | None = None, gpu: int | None = None,
-           dtype: str = DEFAULT_DTYPE, naming: str = DEFAULT_NAMING, kernel: str = DEFAULT_KERNEL) -> Attachment:
+def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOptions | None = None,
+           **keywords: Any) -> Attachment:
     """Attaches the weights of one tensor-parallel rank.
+
+    The options after ``tp_rank`` are keywords, the fields of
+    :class:`AttachOptions`: give them one by one (``device="cuda:0"``), or as
+    one ``options=`` record, or both (the keywords override the record's fields).
 
     Args:
         model (`str`): checkpoint directory (recommended), or a model name
             from the service's config.
         tp_size (`int`, *optional*, defaults to 1), tp_rank (`int`, *optional*,
             defaults to 0): the layout and this engine's rank.
+        options (`AttachOptions`, *optional*): the keyword options below, grouped.
         device (`str`, *optional*, defaults to ``"cpu"``): ``"cpu"`` (host
             backend) or ``"cuda:N"``.
         mode (`str`, *optional*, defaults to ``"zero_copy"``): ``"zero_copy"``
@@ -501,6 +311,8 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
         ManifestInvalid (`manifest_invalid`), ManifestSlabMismatch
             (`manifest_slab_mismatch`): the service's manifest cannot be used (``fallback=False``).
         ValueError: ``mode`` is neither ``zero_copy`` nor ``copy``.
+        TypeError: a keyword that is not a field of :class:`AttachOptions`.
+        ModuleNotFoundError: torch is not installed in this interpreter (the message names the runtime to use).
         UnsupportedQuantization (`unsupported_quantization`): always, whatever ``fallback`` says.
         CheckpointNotFound, CheckpointCorrupt: the disk load failed.
 
@@ -511,10 +323,33 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu", 
         >>> w.source, w.fallback_reason
         ('daemon', None)
     """
-    req = AttachRequest(model, tp_size, tp_rank, device, mode, fallback, timeout, socket_dir, gpu, dtype, naming,
-                        kernel)
+    try:
+        opts = dataclasses.replace(options or _DEFAULT_OPTIONS, **keywords)
+    except TypeError:
+        unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(AttachOptions)})
+        raise TypeError(f"attach() got unexpected keyword arguments {unknown}; the options are "
+                        f"{[f.name for f in dataclasses.fields(AttachOptions)]}") from None
+    req = AttachRequest.of(model, tp_size, tp_rank, opts)
+    _require_torch()
     with _gc_paused():
         return _attach(req)
+
+
+_DEFAULT_OPTIONS = AttachOptions()
+
+#: What to say when torch is missing: the interpreter an engine (or a check) should run under.
+RUNTIME_HINT = ("run it with the interpreter of the torch runtime (weightcache-setup-runtime creates "
+                "/opt/weightcache/venv; WEIGHTCACHE_PYTHON in /etc/default/weightcache names it), or install torch "
+                "into this one")
+
+
+def _require_torch() -> None:
+    """Raises ModuleNotFoundError naming the runtime when torch cannot be imported (attach builds torch views)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise ModuleNotFoundError(f"weightcache.attach() needs torch, which {sys.executable} cannot import "
+                                  f"({e}); {RUNTIME_HINT}", name="torch") from None
 
 
 def _attach(req: AttachRequest) -> Attachment:
@@ -544,16 +379,20 @@ def _attach(req: AttachRequest) -> Attachment:
         unavailable = e  # raised (or fallen back from) once the local checks have run
     local_ck = expected = None
     if is_path:
+        from . import identity, quant  # the key fields and the scheme of a checkpoint attached by path
+
         try:
             # No safetensors validation, not even a header read for an unquantized checkpoint: the
-            # service validated at load, the key check is stat() (pipeline.check_key), and the
+            # service validated at load, the key check is stat() (identity.check_key), and the
             # disk fallback's own plan() opens the checkpoint with validation.
             local_ck = Checkpoint(model, validate=False)
             # Configuration errors are not cache misses: they raise whatever the service holds.
             scheme = quant.detect(local_ck, req.kernel)
             if session is not None:
-                expected = pipeline.key_fields(req.load_request(str(local_ck.path)), tp_size,
-                                               tp_rank, local_ck, local_backend(device).device_info(), scheme)
+                # The dtype is the service's to answer (the manifest file lists the dtypes the slab serves):
+                # no header is read for it here, unless an older service does not say (see _expected_fields).
+                expected = identity.key_fields(req.rank_request(str(local_ck.path)), local_ck,
+                                               local_backend(device).device_info(), scheme, dtype="auto")
         except BaseException:
             if session is not None:
                 session.close()
@@ -575,7 +414,7 @@ def _attach(req: AttachRequest) -> Attachment:
     reason = f"{unavailable.code}: {unavailable.message}"
     log.warning("fallback to disk checkpoint=%s tp_size=%d tp_rank=%d reason=%s", model, tp_size, tp_rank, reason,
                 extra=event("fallback", model, tp_rank))
-    manifest, slab = load_from_disk(req.load_request(str(local_ck.path)), tp_size, tp_rank, device)
+    manifest, slab = load_from_disk(req.rank_request(str(local_ck.path)), device)
     views = build_views(slab, manifest)
     return Attachment(views, LayoutMap(manifest), manifest, "disk", reason,
                       0, _slab=slab)  # private memory inside torch's own allocator
@@ -617,23 +456,56 @@ def read_manifest_file(fd: int, size_bytes: int) -> Manifest:
         ManifestInvalid (`manifest_invalid`): the file's size differs from the
             announced one or exceeds ``MAX_MANIFEST_BYTES``, or its content is invalid.
     """
-    size = os.fstat(fd).st_size
-    if size != size_bytes or size > MAX_MANIFEST_BYTES:
-        raise ManifestInvalid(f"manifest file holds {size} bytes, the reply announced {size_bytes} "
-                              f"(limit {MAX_MANIFEST_BYTES})", section="file", size_bytes=size)
-    return unpack_file(os.pread(fd, size, 0))[1]
+    return read_file(fd, size_bytes).manifest
+
+
+def _expected_fields(req: AttachRequest, expected: dict[str, Any] | None, local_ck: Checkpoint | None,
+                     mf: ManifestFile, checkpoint_path: str, device: dict[str, Any]) -> tuple[dict, Checkpoint]:
+    """The key fields this engine expects of the slab, and the checkpoint to check its identity against.
+
+    By path (``expected`` computed before the reply): the engine's own request;
+    the ``revision`` is the operator's label, which an engine cannot know, and
+    the dtype is the key's when the manifest file says the slab serves the
+    engine's dtype (else it is worked out here from the headers). By name: the
+    operator's rank request as the manifest file carries it (an older service's
+    file without one: its key's choices), checked against the checkpoint as it is now.
+    """
+    from . import identity
+
+    key = mf.manifest.key
+    if expected is not None:
+        expected["revision"] = key.get("revision", "")
+        served = mf.dtypes_served
+        rank = req.rank_request(str(local_ck.path))
+        if served is not None and req.dtype in served:
+            expected["dtype"] = key.get("dtype")
+        else:
+            expected["dtype"] = identity.effective_dtype(req.dtype, identity.rank_cast_dtypes(rank, local_ck))
+        return expected, local_ck
+    ck = Checkpoint(checkpoint_path, validate=False)
+    rank = mf.request
+    if rank is None:
+        rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE),
+                                        key.get("naming", DEFAULT_NAMING), key.get("kernel") or DEFAULT_KERNEL,
+                                        key.get("revision", "")),
+                           req.tp_size, req.tp_rank)
+    else:  # the checkpoint as the service names it now (its path as the reply gives it)
+        rank = RankRequest(dataclasses.replace(rank.model, path=str(ck.path)), rank.tp_size, rank.tp_rank)
+    return identity.key_fields(rank, ck, device), ck
 
 
 def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: dict[str, Any] | None,
                    session: Session, deadline: float) -> Attachment:
     """Reads the replies to the pipelined ``hello`` + ``attach`` and maps the slab.
 
-    ``expected`` is :func:`pipeline.key_fields` computed from ``local_ck`` (by
-    path); by name it is computed here from the operator's choices in the
-    reply's key. The checkpoint's identity is checked by ``stat()``
+    ``expected`` is :func:`identity.key_fields` computed from ``local_ck`` (by
+    path); by name it is computed here from the operator's rank request the
+    manifest file carries (:func:`_expected_fields`). The checkpoint's identity is checked by ``stat()``
     (:meth:`Checkpoint.identity_diff`).
     Closes ``session`` on any error.
     """
+    from . import identity  # the cache key check
+
     sock_path, model, tp_size, tp_rank, device, mode = session.path, req.model, req.tp_size, req.tp_rank, \
         req.device, req.mode
     try:
@@ -647,7 +519,8 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: di
         fd, manifest_fd = session.last_fds
         try:
             try:
-                manifest = read_manifest_file(manifest_fd, reply.manifest_size_bytes)
+                mf = read_file(manifest_fd, reply.manifest_size_bytes)
+                manifest = mf.manifest
             except ManifestInvalid as e:
                 raise ManifestInvalid(f"attach_reply from {sock_path} has an invalid manifest: {e.message}",
                                       socket=sock_path, **e.details) from None
@@ -655,18 +528,11 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: di
                 os.close(manifest_fd)
             key = manifest.key
             backend = local_backend(device)
-            if expected is not None:  # by path: what this engine asked for
-                ck = local_ck
-                # The revision is the operator's label in the config, which an engine cannot know.
-                expected["revision"] = key.get("revision", "")
-            else:  # by name: the operator's choices, checked against the checkpoint as it is now
-                ck = Checkpoint(reply.checkpoint_path, validate=False)
-                mc = load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE), key.get("naming", DEFAULT_NAMING),
-                                  key.get("kernel") or DEFAULT_KERNEL, key.get("revision", ""))
-                expected = pipeline.key_fields(mc, tp_size, tp_rank, ck, backend.device_info())
             # A slab of another backend (host slab, cuda:N engine) differs in device.backend.
             try:
-                diff = pipeline.check_key(expected, ck, key)
+                expected, ck = _expected_fields(req, expected, local_ck, mf, reply.checkpoint_path,
+                                                backend.device_info())
+                diff = identity.check_key(expected, ck, key)
             except (KeyError, TypeError, AttributeError) as e:
                 raise RemoteProtocolError(f"attach_reply from {sock_path} has a malformed cache key: {e!r}") from None
             if diff:

@@ -13,6 +13,8 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     backend = "auto"            # auto | cuda | host
     socket_dir = "/run/weightcache"
     load_timeout_s = 3600       # per model
+    memory_budget_bytes = 120000000000  # slabs on this GPU at most (default: device memory less a reserve)
+    host_tier_bytes = 0         # host RAM for demoted slabs (0: none; demoted slabs go back to disk)
 
     [metrics]                   # weightcache-metrics.socket (the generator reads it)
     address = "127.0.0.1"       # an IP address; loopback by default
@@ -26,6 +28,9 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     allow_users = []            # SO_PEERCRED allow list (empty: the socket's group decides)
     allow_groups = []
     layouts = [ { tp = 1, gpus = [0] }, { tp = 2, gpus = [2, 3] } ]
+    pin = false                 # true: never demoted or evicted by the budget
+    priority = 0                # higher stays on the GPU longer (and loads first at start)
+    preload = "gpu"             # gpu | host (into the host tier) | disk (loaded at the first attach)
 
 Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
 """
@@ -44,7 +49,7 @@ import tomllib
 
 from .errors import ConfigError
 from .loader import default_threads
-from .spec import DTYPE_NAMES, LoadRequest
+from .spec import DTYPE_NAMES, LoadRequest, RankRequest
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, NAMINGS
 
 DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
@@ -59,12 +64,19 @@ _SERVICE_KEYS = {
     "staging_bytes": int,
     "read_threads": int,
     "operator_groups": list,
+    "disabled_gpus": list,
     "max_unread_replies": int,
     "max_queued_bytes": int,
     "max_held_fds": int,
     "max_buffered_bytes": int,
     "max_connections_per_uid": int,
     "partial_frame_timeout_s": (int, float),
+    "memory_budget_bytes": int,
+    "host_tier_bytes": int,
+    "max_fds_in_flight_per_uid": int,
+    "max_leases_per_connection": int,
+    "max_leases_per_uid": int,
+    "max_connections": int,
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -77,12 +89,24 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "max_buffered_bytes": (64 * 1024, True, 1 << 34, "bytes of incomplete requests, all connections"),
     "max_connections_per_uid": (1, True, 65536, "connections per uid"),
     "partial_frame_timeout_s": (0, False, 3600.0, "seconds an incomplete request may wait"),
+    "memory_budget_bytes": (1024 * 1024, True, 1 << 50, "bytes of slabs on the GPU"),
+    "host_tier_bytes": (0, True, 1 << 50, "bytes of host RAM for demoted slabs"),
+    "max_fds_in_flight_per_uid": (2, True, 1 << 20, "fds sent to one uid and not yet read"),
+    "max_leases_per_connection": (1, True, 1 << 24, "leases per connection"),
+    "max_leases_per_uid": (1, True, 1 << 24, "leases per uid"),
+    "max_connections": (1, True, 1 << 20, "connections, all uids"),
 }
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
+    "pin", "priority", "preload",
 }
+#: Where a model's slabs go at start (``[models.X] preload``): the GPU as the budget allows, the host tier, or
+#: nowhere (the first attach loads them).
+PRELOADS = ("gpu", "host", "disk")
+#: Range of ``[models.X] priority``.
+PRIORITY_RANGE = (-1000, 1000)
 
 
 @dataclass(frozen=True)
@@ -107,21 +131,26 @@ class ModelConfig(LoadRequest):
         allow_users / allow_groups (`tuple[str]`): ``SO_PEERCRED`` allow lists.
         layouts (`tuple[Layout]`): where the ranks sit.
         source (`str`): the file that defined the model (for error messages).
+        pin (`bool`): never demoted or evicted by the memory budget.
+        priority (`int`): :data:`PRIORITY_RANGE`; higher stays on the GPU longer and loads first at start.
+        preload (`str`): :data:`PRELOADS`; where the slabs go at start.
     """
 
     allow_users: tuple[str, ...] = ()
     allow_groups: tuple[str, ...] = ()
     layouts: tuple[Layout, ...] = (Layout(1, (0,)),)
     source: str = ""
+    pin: bool = False
+    priority: int = 0
+    preload: str = "gpu"
 
 
 @dataclass(frozen=True)
-class Placement:
-    """One (model, layout, rank) placed on one GPU."""
+class Placement(RankRequest):
+    """One (model, layout, rank) placed on one GPU: a :class:`~weightcache.spec.RankRequest` of a configured
+    model, plus the GPU (the pipeline and the cache key take it as the rank request it is)."""
 
     model: ModelConfig
-    tp_size: int
-    tp_rank: int
     gpu: int
 
     @property
@@ -133,7 +162,8 @@ class Placement:
         m = self.model
         model = {"name": m.name, "path": m.path, "dtype": m.dtype, "naming": m.naming, "kernel": m.kernel,
                  "revision": m.revision, "allow_users": list(m.allow_users), "allow_groups": list(m.allow_groups),
-                 "layouts": [[lay.tp, list(lay.gpus)] for lay in m.layouts], "source": m.source}
+                 "layouts": [[lay.tp, list(lay.gpus)] for lay in m.layouts], "source": m.source,
+                 "pin": m.pin, "priority": m.priority, "preload": m.preload}
         return {"model": model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "gpu": self.gpu}
 
     @classmethod
@@ -160,8 +190,10 @@ class ServiceConfig:
     memory of the CUDA loader, bytes), ``read_threads`` (loader threads;
     by default the CPUs the service may run on, 4 to 32:
     :func:`weightcache.loader.default_threads`), ``operator_groups`` (who may
-    evict, preload and verify) and the per-client caps (``max_*``,
-    ``partial_frame_timeout_s``: docs/configuration.md).
+    evict, preload and verify), the per-client caps (``max_*``,
+    ``partial_frame_timeout_s``: docs/configuration.md), ``memory_budget_bytes``
+    (bytes of slabs on the GPU; None: :func:`default_budget_bytes` of the device)
+    and ``host_tier_bytes`` (host RAM for demoted slabs, bytes; 0: no host tier).
     """
     backend: str = "auto"
     socket_dir: str = "/run/weightcache"
@@ -170,6 +202,9 @@ class ServiceConfig:
     read_threads: int = field(default_factory=default_threads)
     #: Groups whose members may evict, preload and verify (besides root and the service user).
     operator_groups: tuple[str, ...] = ()
+    #: GPUs whose instance weightcache.target does not start (the generator skips their sockets), as
+    #: postgresql's start.conf "manual": the per-instance off switch; "systemctl start" by hand still works.
+    disabled_gpus: tuple[int, ...] = ()
     #: Per-client caps (see weightcache.daemon.limits.Limits).
     max_unread_replies: int = 64
     max_queued_bytes: int = 16 * 1024 * 1024
@@ -177,6 +212,35 @@ class ServiceConfig:
     max_buffered_bytes: int = 16 * 1024 * 1024
     max_connections_per_uid: int = 64
     partial_frame_timeout_s: float = 10.0
+    max_fds_in_flight_per_uid: int = 4096
+    max_leases_per_connection: int = 256
+    max_leases_per_uid: int = 4096
+    max_connections: int = 4096
+    memory_budget_bytes: int | None = None
+    host_tier_bytes: int = 0
+
+    def budget_bytes(self, total_bytes: int) -> int:
+        """The memory budget in bytes: ``memory_budget_bytes``, else :func:`default_budget_bytes` of ``total_bytes``."""
+        return self.memory_budget_bytes if self.memory_budget_bytes is not None else default_budget_bytes(total_bytes)
+
+
+#: The default budget leaves this share of the device's memory (and at least :data:`BUDGET_RESERVE_MIN_BYTES`,
+#: at most half) to what is not a slab: the CUDA contexts, engines' activations and KV caches.
+BUDGET_RESERVE_FRACTION = 0.10
+BUDGET_RESERVE_MIN_BYTES = 4 << 30
+
+
+def default_budget_bytes(total_bytes: int) -> int:
+    """``[service] memory_budget_bytes`` when unset: the device's memory (GPU memory on the ``cuda``
+    backend, ``MemTotal`` of host RAM on the ``host`` backend) less a reserve of 10 %, at least 4 GiB and
+    at most half of it.
+
+    Example:
+        >>> default_budget_bytes(150_000_000_000)
+        135000000000
+    """
+    reserve = min(max(int(total_bytes * BUDGET_RESERVE_FRACTION), BUDGET_RESERVE_MIN_BYTES), total_bytes // 2)
+    return max(0, total_bytes - reserve)
 
 
 @dataclass(frozen=True)
@@ -293,6 +357,16 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         v = table.get(lk, [])
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise _err(path, f"{k}.{lk}", "must be a list of strings")
+    pin = table.get("pin", False)
+    _check_type(path, f"{k}.pin", pin, bool)
+    priority = table.get("priority", 0)
+    _check_type(path, f"{k}.priority", priority, int)
+    lo, hi = PRIORITY_RANGE
+    if not lo <= priority <= hi:
+        raise _err(path, f"{k}.priority", f"{priority} is out of range: expected {lo}..{hi} (higher stays longer)")
+    preload = table.get("preload", "gpu")
+    if preload not in PRELOADS:
+        raise _err(path, f"{k}.preload", f"{preload!r} is not one of {', '.join(PRELOADS)}")
     raw_layouts = table.get("layouts", [{"tp": 1, "gpus": [0]}])
     if not isinstance(raw_layouts, list) or not raw_layouts:
         raise _err(path, f"{k}.layouts", "must be a non-empty list of {tp = N, gpus = [...]} tables")
@@ -331,6 +405,9 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         layouts=tuple(layouts),
         revision=str(table.get("revision", "")),
         source=path,
+        pin=pin,
+        priority=priority,
+        preload=preload,
     )
 
 
@@ -475,8 +552,21 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
             if e.details.get("line") is None and e.details.get("key"):
                 e.details["line"] = _locate(text, e.details["key"])
             raise
+    _check_host_preloads(service, models, {str(f): text for f, _, text in parsed})
     return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files),
                   metrics=MetricsConfig(**metrics))
+
+
+def _check_host_preloads(service: dict[str, Any], models: dict[str, ModelConfig], texts: dict[str, str]) -> None:
+    """``preload = "host"`` needs a host tier: ``config_invalid`` naming the model's file, line and key otherwise."""
+    if service.get("host_tier_bytes", 0) > 0:
+        return
+    for m in models.values():
+        if m.preload == "host":
+            key = f"models.{m.name}.preload"
+            raise ConfigError(f"{m.source}: {key}: \"host\" needs a host tier, but [service] host_tier_bytes is 0; "
+                              f"set host_tier_bytes (bytes of host RAM for demoted slabs) or preload = \"gpu\"",
+                              file=m.source, key=key, line=_locate(texts.get(m.source, ""), key))
 
 
 def _locate(text: str, key: str) -> int | None:
@@ -523,6 +613,10 @@ def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], me
             if not all(isinstance(g, str) and g for g in value):
                 raise _err(str(f), "service.operator_groups", "must be a list of group names (non-empty strings)")
             value = tuple(value)
+        if key == "disabled_gpus":
+            if not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX for g in value):
+                raise _err(str(f), "service.disabled_gpus", f"must be a list of GPU indices 0..{MAX_GPU_INDEX}")
+            value = tuple(sorted(set(value)))
         service[key] = value
     if "metrics" in data:
         _parse_metrics(str(f), data["metrics"], metrics)

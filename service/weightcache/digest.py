@@ -6,9 +6,10 @@ on it, so a manifest may mix them):
 - ``xxh3_128:<hex>`` (32 hex digits) for host memory: XXH3 128-bit (the
   ``xxhash`` package; about 7 GB/s per core where BLAKE2b gives 0.4), several
   tensors at once on a thread pool.
-- ``xxh3c:<hex>`` (32 hex digits) for GPU memory filled without torch
-  (:func:`weightcache.loader.read_direct` on the cuda backend), taken from the
-  pinned staging buffers on their way to the GPU: the tensor's bytes cut in
+- ``xxh3c:<hex>`` (32 hex digits): what torch-free CUDA fills recorded
+  before they took ``sum64`` on the GPU (slabs adopted from the fd store may
+  still carry it; ``verify`` checks it), once taken from the pinned staging
+  buffers on their way to the GPU: the tensor's bytes cut in
   chunks of :data:`CHUNK_BYTES` (1 MiB) counted from its first byte (the last
   chunk may be shorter; a zero-byte tensor has no chunk); ``d_k`` = the
   16-byte big-endian XXH3-128 digest (``xxhash.xxh3_128(chunk).digest()``) of
@@ -17,18 +18,19 @@ on it, so a manifest may mix them):
   (:class:`ChunkedXXH3`); ``xxhash`` releases the GIL, about 10 GB/s per
   thread. ``verify`` copies the tensor to the host in blocks and hashes it the
   same way.
-- ``sum64:<hex>`` (16 hex digits) for GPU memory written by the torch
-  pipeline (casts, quantization, column shards), computed on the GPU so
-  digests cost no device-to-host traffic: the bytes (zero-padded to a multiple of 8) as
+- ``sum64:<hex>`` (16 hex digits) for GPU memory, computed on the GPU so
+  digests cost no device-to-host traffic (torch's element-wise ops in the
+  torch pipeline; an NVRTC kernel, :mod:`weightcache.memory.kernels`, for
+  torch-free fills and ``verify``): the bytes (zero-padded to a multiple of 8) as
   little-endian 64-bit words ``w_i``; ``sum_i (w_i XOR (i * K)) * (2i + 1)
   mod 2**64``, XOR the byte length. Every multiplier is odd, hence invertible
   mod 2**64, so changing any single word always changes the sum. It detects
   accidental changes (an engine writing through a read-write remap), not a
   forger; the socket's group is the trust boundary (DESIGN §4).
 
-The torch-free load (:func:`weightcache.loader.read_direct`) takes its
-digests without torch: XXH3 over the memfd mapping (:func:`buffer_digests`),
-``xxh3c`` from the pinned staging buffers (:class:`ChunkedXXH3`).
+One family per backend: host slabs ``xxh3_128``, CUDA slabs ``sum64``. The
+torch-free load takes its digests without torch (:func:`slab_digests`): XXH3
+over the memfd mapping, ``sum64`` by a kernel over the VMM mapping.
 
 Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client.
 """
@@ -203,6 +205,26 @@ def buffer_digests(buf, ranges: list[tuple[str, int, int]], threads: int = 8) ->
     with ThreadPoolExecutor(max_workers=threads) as ex:
         done = dict(pair for part in ex.map(run, [ranges[i::k] for i in range(k)]) for pair in part)
     return {name: done[name] for name, _, _ in ranges}
+
+
+def slab_digests(slab, ranges: list[tuple[str, int, int]], threads: int = 8) -> dict[str, str]:
+    """Digests of ``(name, offset_bytes, size_bytes)`` ranges of a backend's slab, where its bytes are; no torch.
+
+    A host slab (it offers ``buffer``, a ``memoryview`` of the memfd mapping)
+    gets ``xxh3_128`` (:func:`buffer_digests`); a CUDA slab (it offers
+    ``digests``) gets ``sum64`` from an NVRTC kernel on its GPU
+    (:func:`weightcache.memory.kernels.sum64`): the same values
+    :func:`digest` gives for the same bytes, without a device-to-host copy.
+
+    Raises:
+        TypeError: ``slab`` offers neither.
+    """
+    buf = getattr(slab, "buffer", None)
+    if buf is not None:
+        return buffer_digests(buf, ranges, threads)
+    if hasattr(slab, "digests"):
+        return slab.digests(ranges)
+    raise TypeError(f"{type(slab).__name__} offers neither a host buffer nor GPU digests")
 
 
 def matches_buffer(buf, recorded: str) -> bool:

@@ -133,6 +133,19 @@ class OutOfMemory(WeightcacheError):
     retryable = True
 
 
+class InsufficientMemory(WeightcacheError):
+    """The memory budget (``[service] memory_budget_bytes``) has no room for a slab, and none can be made:
+    what holds the budget is leased, pinned or loading. Nothing resident was moved.
+
+    ``details``: ``model``, ``need_bytes``, ``budget_bytes``, ``free_bytes``, ``resident`` (list of
+    ``{"slab", "size_bytes", "leases", "pinned"}``) and ``leases`` (list of ``{"slab", "lease_id", "pid", "uid"}``).
+    Retryable once an engine releases a lease.
+    """
+
+    code = "insufficient_memory"
+    retryable = True
+
+
 class DeviceError(WeightcacheError):
     """A CUDA driver call failed (names the call and the CUresult)."""
 

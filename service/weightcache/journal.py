@@ -37,6 +37,10 @@ MESSAGE_IDS = {
     "fallback": "4b523c7d13ff4c70b6900ef60d96c209",
     "rejected": "d62fa5f1c03d4c50b2b8645956695356",
     "reloaded": "7a2112c2cf224a43bcec0e7cd261cd25",
+    "demoted": "4cefb35f14ad4756bb021c774a9ab0f3",
+    "promoted": "2a41ba0667bd4a3fa0d127c5a7ffb003",
+    "shelved": "9b93fa1d3b644b4cbf0b4b8438d3534b",
+    "backend": "b8d4268cc41644dcbebfd2edd4c254b6",
 }
 
 

@@ -1,28 +1,30 @@
 """The parallel reader: checkpoint byte ranges straight to their slab offsets.
 
-Tensors whose slab bytes are a contiguous byte range of one checkpoint file
-(whole tensors, and row shards along dim 0 without a dtype change) never pass
-through Python objects: a pool of threads reads them with ``os.preadv``
+Every tensor whose slab bytes are checkpoint bytes (whole tensors, TP shards
+along any dimension, the parts of a fused tensor, FP8 rows at a padded pitch:
+:mod:`weightcache.placement`) is one or more :class:`ReadTask` s, contiguous
+or strided, that never pass through Python objects: a pool of threads reads
+them with ``os.preadv``
 
-- host slab: straight into the memfd mapping (no staging);
+- host slab: straight into the memfd mapping (no staging; strided rows read
+  as one span go through a per-thread buffer and a numpy strided copy);
 - CUDA slab: into a bounded ring of pinned host buffers (two per thread), each
-  copied with ``non_blocking=True`` on the thread's own CUDA stream to its
-  planned offset; a buffer is reused only after its copy's event completed.
+  copied asynchronously on the thread's own CUDA stream to its planned offset
+  (``cuMemcpyHtoDAsync``, ``cuMemcpy2DAsync`` for strided rows); a buffer is
+  reused only after its copy's event completed.
 
 Staging memory is ``threads * 2 * chunk_bytes`` and never the whole
 checkpoint. With ``o_direct=True`` files are opened ``O_DIRECT`` (page cache
 bypassed) and each read covers the 4 KiB-aligned superset of its range.
 
-Two entry points: :func:`read_into_slab` writes into a torch tensor (loads
-that also process tensors, and the client's disk fallback; a CPU tensor goes
-through :func:`read_direct`'s host loop);
-:func:`read_direct` needs no torch at all and fills a backend's writable slab
-through its ``buffer`` (host memfd mapping) or its ``stager()`` (CUDA:
-cuda-bindings' pinned buffers, stream and events), taking the content
-digests on the way (host: ``xxh3_128`` over the mapping; CUDA: ``xxh3c``
-from the staging buffers) (:mod:`weightcache.digest`). A service's first load of an
-unquantized checkpoint without a cast goes that way, so its first bytes are
-read before torch is imported.
+Two entry points: :func:`read_into_slab` writes into a torch tensor (the
+torch pipeline, kept as the reference, and the client's disk fallback; a CPU
+tensor goes through :func:`read_direct`'s host loop); :func:`read_direct`
+needs no torch at all and fills a backend's writable slab through its
+``buffer`` (host memfd mapping) or its ``stager()`` (CUDA: cuda-bindings'
+pinned buffers, stream and events), then takes the content digests where the
+bytes are (host: ``xxh3_128`` over the mapping; CUDA: ``sum64`` by a kernel
+on the GPU) (:func:`weightcache.digest.slab_digests`).
 
 Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client.
 """
@@ -70,13 +72,33 @@ def default_threads() -> int:
 
 @dataclass(frozen=True)
 class ReadTask:
-    """``length`` bytes at ``file_offset`` of ``path`` go to ``slab_offset``."""
+    """``length`` bytes at ``file_offset`` of ``path`` go to ``slab_offset``; ``rows`` times when strided.
+
+    A strided task places ``rows`` rows of ``length`` bytes: row ``i`` is read
+    at ``file_offset + i * src_pitch`` and written at ``slab_offset + i *
+    dst_pitch`` (a row-parallel shard: ``src_pitch`` is the checkpoint row,
+    ``length`` the rank's part of it; an FP8 weight whose rows are padded:
+    ``dst_pitch`` is the padded row). ``rows == 1`` is one contiguous range.
+    """
 
     path: str
     file_offset: int
     length: int
     slab_offset: int
     tensor: str
+    rows: int = 1
+    src_pitch: int = 0
+    dst_pitch: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the task writes into the slab."""
+        return self.length * self.rows
+
+    @property
+    def file_span(self) -> int:
+        """Bytes from the first row's start to the last row's end in the file."""
+        return self.length if self.rows == 1 else (self.rows - 1) * self.src_pitch + self.length
 
 
 @dataclass
@@ -128,14 +150,37 @@ def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> ReadTask
     return ReadTask(ck.file_path(info.file), start, n, rec.offset_bytes, spec.name)
 
 
-def _split(tasks: list[ReadTask], chunk: int) -> list[ReadTask]:
+#: A strided task reads each row alone (``pread`` per row) when its rows are
+#: more than this many times apart in the file (row-parallel shards at TP > 2);
+#: closer rows are read as one span, the bytes between them discarded.
+SPAN_MAX_AMPLIFICATION = 2
+
+
+def per_row(t: ReadTask, o_direct: bool) -> bool:
+    """Whether the strided task ``t`` is read row by row rather than as one span of the file."""
+    return t.rows > 1 and not o_direct and t.src_pitch > SPAN_MAX_AMPLIFICATION * t.length
+
+
+def _split(tasks: list[ReadTask], chunk: int, o_direct: bool = False) -> list[ReadTask]:
     out = []
     for t in tasks:
-        for off in range(0, t.length, chunk):
-            n = min(chunk, t.length - off)
-            out.append(ReadTask(t.path, t.file_offset + off, n, t.slab_offset + off, t.tensor))
+        if t.rows == 1:
+            for off in range(0, t.length, chunk):
+                n = min(chunk, t.length - off)
+                out.append(ReadTask(t.path, t.file_offset + off, n, t.slab_offset + off, t.tensor))
+            continue
+        # Whole rows per piece: the staged bytes (packed rows, or the file span) fit one buffer.
+        step = t.length if per_row(t, o_direct) else t.src_pitch
+        g = max(1, (chunk - t.length) // step + 1) if chunk >= t.length else 1
+        if t.length > chunk:
+            raise ValueError(f"tensor {t.tensor!r}: a row of {t.length} bytes does not fit a {chunk}-byte staging "
+                             f"buffer; raise service.staging_bytes")
+        for r0 in range(0, t.rows, g):
+            n = min(g, t.rows - r0)
+            out.append(ReadTask(t.path, t.file_offset + r0 * t.src_pitch, t.length, t.slab_offset + r0 * t.dst_pitch,
+                                t.tensor, n, t.src_pitch, t.dst_pitch))
     # Largest first keeps the threads busy to the end.
-    out.sort(key=lambda t: -t.length)
+    out.sort(key=lambda t: -t.nbytes)
     return out
 
 
@@ -273,11 +318,8 @@ class DirectRead:
 
     Attributes:
         bytes_read (`int`): bytes read from the checkpoint files.
-        read_s (`float`): wall time of the read (on CUDA it includes the
-            digests, taken from the staging buffers on the way).
-        digest_s (`float`): host: wall time of the digests after the read;
-            CUDA: the share of ``read_s`` the digests took (thread-seconds spent
-            hashing, divided by the number of threads).
+        read_s (`float`): wall time of the read.
+        digest_s (`float`): wall time of the digests after the read.
         digests (`dict[str, str]`): tensor name -> digest (empty without digests).
     """
 
@@ -288,26 +330,31 @@ class DirectRead:
 
 
 def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Callable[[int], None] | None = None,
-                with_digests: bool = True) -> DirectRead:
-    """Runs ``tasks`` into a backend's writable slab without importing torch; takes each tensor's digest.
+                with_digests: bool = True, ranges: list[tuple[str, int, int]] | None = None) -> DirectRead:
+    """Runs ``tasks`` into a backend's writable slab without importing torch; then takes the digests.
 
     Host slab (it has a ``buffer``): each thread ``preadv``s straight into the
-    mapping (through an anonymous staging buffer with ``O_DIRECT``); the
-    XXH3 digests are taken from the mapping afterwards on the same number of
-    threads. CUDA slab (it has ``stager()``): each thread reads into its two
-    pinned buffers and queues ``cuMemcpyHtoDAsync`` copies; the XXH3-128 of
-    each :data:`weightcache.digest.CHUNK_BYTES` chunk is taken from the pinned
-    buffer while its copy runs (staged pieces are cut at multiples of that
-    size from each tensor's start, and each staging buffer holds at least
-    one), giving the ``xxh3c`` digests (:class:`weightcache.digest.ChunkedXXH3`)
-    that ``verify`` recomputes from the slab.
+    mapping (through an anonymous staging buffer with ``O_DIRECT``, or for a
+    strided task read as one span); the XXH3 digests are taken from the
+    mapping afterwards on the same number of threads
+    (:func:`weightcache.digest.buffer_digests`). CUDA slab (it has
+    ``stager()``): each thread reads into its two pinned buffers and queues
+    ``cuMemcpyHtoDAsync`` (``cuMemcpy2DAsync`` for strided tasks) copies; the
+    ``sum64`` digests are then taken on the GPU by the slab's ``digests``
+    (an NVRTC kernel, :mod:`weightcache.memory.kernels`): no byte comes back to the host.
+
+    Strided tasks (``rows > 1``) are read as one span of the file when their
+    rows are close (:data:`SPAN_MAX_AMPLIFICATION`, or always with
+    ``O_DIRECT``), else row by row (one ``pread`` per row).
 
     Args:
-        tasks (`list[ReadTask]`): from :func:`direct_task`, one per tensor.
+        tasks (`list[ReadTask]`): byte ranges (several per tensor for fused or strided placements).
         slab (`HostWritableSlab | CudaWritableSlab`): the slab being filled.
         opts (`LoaderOptions`): threads, staging memory, O_DIRECT.
-        progress (`callable`, *optional*): called with the bytes of each finished chunk.
+        progress (`callable`, *optional*): called with the bytes of each finished piece.
         with_digests (`bool`, *optional*, defaults to `True`): take digests.
+        ranges (`list[tuple[str, int, int]]`, *optional*): ``(name, offset_bytes,
+            size_bytes)`` to digest; defaults to one per task.
 
     Returns:
         `DirectRead`.
@@ -316,33 +363,32 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
         CheckpointCorrupt (`checkpoint_corrupt`): a file ended early.
         CudaDriverError (`device_error`): a staging allocation or copy failed.
     """
+    import numpy as np
+
     host = getattr(slab, "buffer", None)
     chunk = opts.chunk_bytes
-    if host is None:  # every staged piece covers whole xxh3c chunks of its tensor
-        chunk = max(digest.CHUNK_BYTES, chunk - chunk % digest.CHUNK_BYTES)
     work: queue.SimpleQueue = queue.SimpleQueue()
-    for t in _split(tasks, chunk):
+    for t in _split(tasks, chunk, opts.o_direct):
         work.put(t)
-    starts = {t.tensor: t.slab_offset for t in tasks}
-    sums = {t.tensor: digest.ChunkedXXH3(t.length) for t in tasks} if with_digests and host is None else {}
     files = _Files(opts.o_direct)
     errors: list[BaseException] = []
     read_total = [0]
-    summing = [0.0]  # thread-seconds spent hashing (CUDA)
     lock = threading.Lock()
     size = chunk + 2 * DIRECT_ALIGN
 
-    def one(t: ReadTask, stage: memoryview | None) -> memoryview | None:
-        """Reads ``t``; returns the staged bytes (None when read in place)."""
+    def staged(t: ReadTask, stage: memoryview) -> tuple[int, int]:
+        """Reads ``t`` into ``stage``; returns ``(offset of the first row in stage, pitch of rows in stage)``."""
         fd = files.fd(t.path)
-        if stage is None:
-            _pread_exact(fd, host[t.slab_offset : t.slab_offset + t.length], t.file_offset, t.length, t)
-            return None
+        if per_row(t, opts.o_direct):
+            for r in range(t.rows):
+                lo = r * t.length
+                _pread_exact(fd, stage[lo : lo + t.length], t.file_offset + r * t.src_pitch, t.length, t)
+            return 0, t.length
         lo = t.file_offset - t.file_offset % DIRECT_ALIGN if opts.o_direct else t.file_offset
-        need = t.file_offset - lo + t.length
+        need = t.file_offset - lo + t.file_span
         span = round_up(need, DIRECT_ALIGN) if opts.o_direct else need
         _pread_exact(fd, stage[:span], lo, need, t)
-        return stage[t.file_offset - lo : need]
+        return t.file_offset - lo, t.src_pitch
 
     def done(n: int) -> None:
         with lock:
@@ -351,14 +397,26 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
             progress(n)
 
     def host_worker() -> None:
-        stage = memoryview(mmap.mmap(-1, size)) if opts.o_direct else None
+        stage: memoryview | None = None
         try:
             for t in _drain(work, errors):
-                got = one(t, stage)
-                if got is not None:
-                    host[t.slab_offset : t.slab_offset + t.length] = got
-                    got.release()
-                done(t.length)
+                if not opts.o_direct and (t.rows == 1 or per_row(t, False)):
+                    fd = files.fd(t.path)
+                    for r in range(t.rows):  # straight into the mapping
+                        dst = t.slab_offset + r * t.dst_pitch
+                        _pread_exact(fd, host[dst : dst + t.length], t.file_offset + r * t.src_pitch, t.length, t)
+                else:
+                    if stage is None:
+                        stage = memoryview(mmap.mmap(-1, size))
+                    first, pitch = staged(t, stage)
+                    if t.rows == 1:
+                        host[t.slab_offset : t.slab_offset + t.length] = stage[first : first + t.length]
+                    else:
+                        src = np.ndarray((t.rows, t.length), np.uint8, stage, first, (pitch, 1))
+                        dst = np.ndarray((t.rows, t.length), np.uint8, host, t.slab_offset, (t.dst_pitch, 1))
+                        dst[...] = src
+                        del src, dst
+                done(t.nbytes)
         except BaseException as e:  # surfaced to the caller below
             errors.append(e)
         finally:
@@ -373,29 +431,25 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
                     b = i % 2
                     i += 1
                     st.wait(b)
-                    buf = st.buffer(b)
-                    got = one(t, buf)  # buf[delta : delta + t.length]
-                    st.copy(b, t.file_offset % DIRECT_ALIGN if opts.o_direct else 0, t.length, t.slab_offset)
-                    if sums:
-                        d0 = time.monotonic()
-                        sums[t.tensor].add(got, t.slab_offset - starts[t.tensor])
-                        dt = time.monotonic() - d0
-                        with lock:
-                            summing[0] += dt
-                    got.release()
-                    done(t.length)
+                    first, pitch = staged(t, st.buffer(b))
+                    if t.rows == 1:
+                        st.copy(b, first, t.length, t.slab_offset)
+                    else:
+                        st.copy2d(b, first, pitch, t.length, t.rows, t.slab_offset, t.dst_pitch)
+                    done(t.nbytes)
         except BaseException as e:  # surfaced to the caller below
             errors.append(e)
 
     t0 = time.monotonic()
     _run_threads(cuda_worker if host is None else host_worker, opts.threads, files, errors)
     t_read = time.monotonic()
-    out = {name: s.hexdigest() for name, s in sums.items()}
-    if with_digests and host is not None:
-        out = digest.buffer_digests(host, [(t.tensor, t.slab_offset, t.length) for t in tasks], opts.threads)
+    out: dict[str, str] = {}
+    if with_digests:
+        if ranges is None:
+            ranges = [(t.tensor, t.slab_offset, t.length) for t in tasks]
+        out = digest.slab_digests(slab, ranges, opts.threads)
     t_end = time.monotonic()
-    digest_s = t_end - t_read if host is not None else summing[0] / max(1, opts.threads)
     log.debug("read direct ranges=%d size_bytes=%d read_ms=%.1f digest_ms=%.1f rate_gbps=%.2f", len(tasks),
-              read_total[0], (t_read - t0) * 1e3, digest_s * 1e3, read_total[0] / max(t_read - t0, 1e-9) / 1e9)
-    return DirectRead(read_total[0], t_read - t0, digest_s, out)
-
+              read_total[0], (t_read - t0) * 1e3, (t_end - t_read) * 1e3,
+              read_total[0] / max(t_read - t0, 1e-9) / 1e9)
+    return DirectRead(read_total[0], t_read - t0, t_end - t_read, out)

@@ -4,7 +4,8 @@ A *manifest* describes one slab: which tensor lives at which byte offset, with
 which dtype, engine-facing shape and stride, and the layout metadata of any
 processing (fused parts, FP8 transposed view, padding). Its packed form
 (:meth:`Manifest.to_wire`: a JSON header and binary columns) travels on the
-wire and into systemd's fd store.
+wire and into systemd's fd store, inside the manifest file
+(:mod:`weightcache.manifest_file`).
 
 Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Iterator
 
-from .errors import ManifestInvalid, ManifestTooLarge
+from .errors import ManifestInvalid
 from .sizes import round_up
 
 # safetensors dtype code -> (torch dtype attribute name, item size in bytes).
@@ -217,58 +218,6 @@ _new = object.__new__
 
 #: ``tensors.format`` of the packed manifest (:meth:`Manifest.to_wire`).
 PACKED_FORMAT = "packed-1"
-#: ``format`` of a manifest file (:func:`pack_file`).
-FILE_FORMAT = "weightcache-manifest-1"
-#: The largest manifest file a service publishes and a client reads (a 150k-tensor rank is about 25 MB).
-MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-
-
-def pack_file(manifest: Manifest, **fields: Any) -> bytes:
-    """The manifest file that travels beside a slab (a sealed memfd) and into systemd's fd store.
-
-    Layout: one UTF-8 JSON object ``{"format": FILE_FORMAT, **fields,
-    "manifest": <packed header>}``, one NUL byte, then the packed payload
-    (:meth:`Manifest.to_wire`). ``fields`` are the publisher's own (the service
-    writes ``backend``, ``size_bytes`` and ``checkpoint_path``).
-
-    Raises:
-        ManifestTooLarge (`manifest_too_large`): the file would exceed
-            :data:`MAX_MANIFEST_BYTES`.
-    """
-    header, payload = manifest.to_wire()
-    head = json.dumps({"format": FILE_FORMAT, **fields, "manifest": header}, allow_nan=False,
-                      separators=(",", ":"), ensure_ascii=False).encode()
-    size = len(head) + 1 + len(payload)
-    if size > MAX_MANIFEST_BYTES:
-        raise ManifestTooLarge(
-            f"manifest of model {manifest.model!r} rank {manifest.tp_rank} is {size} bytes "
-            f"({len(manifest.tensors)} tensors), over the {MAX_MANIFEST_BYTES}-byte limit of a manifest file; "
-            f"split the model over more ranks", model=manifest.model, size_bytes=size,
-            limit_bytes=MAX_MANIFEST_BYTES, tensors=len(manifest.tensors))
-    return b"".join((head, b"\x00", payload))
-
-
-def unpack_file(raw: bytes) -> tuple[dict[str, Any], Manifest]:
-    """Parses :func:`pack_file` output into ``(fields, manifest)`` (``fields`` without ``manifest``).
-
-    Raises:
-        ManifestInvalid (`manifest_invalid`): another format, no NUL separator,
-            invalid JSON, or an invalid packed manifest.
-    """
-    nul = raw.find(b"\x00")
-    if nul < 0:
-        raise ManifestInvalid(f"manifest file of {len(raw)} bytes has no NUL after its JSON", section="file")
-    try:
-        obj = json.loads(raw[:nul].decode("utf-8"))
-    except ValueError as e:
-        raise ManifestInvalid(f"manifest file's JSON is invalid: {e}", section="file") from None
-    if not isinstance(obj, dict) or obj.get("format") != FILE_FORMAT:
-        got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
-        raise ManifestInvalid(f"manifest file has format {got!r}, expected {FILE_FORMAT!r}", section="file")
-    header = obj.pop("manifest", None)
-    return obj, Manifest.from_wire(header, memoryview(raw)[nul + 1:])
-
-
 def _runs(ts: list[TensorRecord]) -> list[list[int]]:
     """Partitions the non-alias records into runs (see :meth:`Manifest.to_wire`), in index order."""
     groups: dict[tuple, list[int]] = {}

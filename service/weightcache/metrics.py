@@ -32,7 +32,7 @@ config places a model on (a configured GPU without a socket shows
 ``weightcache_socket_listening 0``). An idle node answers with what it knows:
 socket and unit state, no slabs.
 
-Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline.
+Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline, weightcache.client.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     InfoMetricFamily, Metric)
 
 from . import protocol
-from .client import Session, listening_gpus
+from .session import Session, listening_gpus
 from .errors import WeightcacheError
 from .wire import SlotState
 
@@ -60,6 +60,8 @@ UNIT_STATES = ("active", "reloading", "inactive", "failed", "activating", "deact
 ASKABLE = frozenset({"active", "reloading"})
 #: A slab's states: every :class:`~weightcache.wire.SlotState` member, in its order (one series each).
 SLAB_STATES: tuple[SlotState, ...] = tuple(SlotState)
+#: Where a slab is (``weightcache.daemon.budget.TIERS``).
+SLAB_TIERS = ("gpu", "host", "disk")
 
 SLAB_LABELS = ("gpu", "model", "tp_size", "tp_rank")
 
@@ -69,7 +71,14 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                                      "1 when /run/weightcache/N.sock exists (weightcache@N.socket listens)"),
     "weightcache_service_state": ("gauge", ("gpu", "state"),
                                   "1 for the systemd ActiveState of weightcache@N.service (unknown: not asked)"),
-    "weightcache_instance_up": ("gauge", ("gpu",), "1 when the instance answered this scrape's metrics request"),
+    "weightcache_instance_up": ("gauge", ("gpu",),
+                                "1 when the instance's daemon answered this scrape's metrics request (it may still "
+                                "serve nothing: see weightcache_config_rejected); 0 when nothing answered or "
+                                "weightcache-hold did (runtime missing)"),
+    "weightcache_config_rejected": ("gauge", ("gpu",),
+                                    "1 while the instance serves without its configuration files (they did not load "
+                                    "at start or at the last reload; the journal's config_rejected event names the "
+                                    "file, line and key)"),
     "weightcache_build": ("info", ("gpu", "version", "protocol_version", "backend", "gpu_uuid",
                                    "compute_capability"), "The instance's weightcache version and device"),
     "weightcache_start_time_seconds": ("gauge", ("gpu",), "When the instance started, Unix time in seconds"),
@@ -77,7 +86,13 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "weightcache_memory_slab_bytes": ("gauge", ("gpu",), "Device memory held by resident slabs, bytes"),
     "weightcache_memory_free_bytes": ("gauge", ("gpu",), "Free memory of the device (host RAM: host backend), bytes"),
     "weightcache_memory_total_bytes": ("gauge", ("gpu",), "Total memory of the device (host RAM: host backend), bytes"),
+    "weightcache_memory_budget_bytes": ("gauge", ("gpu",), "The memory budget in force (memory_budget_bytes), bytes"),
+    "weightcache_memory_budget_used_bytes": ("gauge", ("gpu",),
+                                             "Bytes of the budget taken: slabs on the GPU and loads granted room"),
+    "weightcache_host_tier_bytes": ("gauge", ("gpu",), "Size of the host tier (host_tier_bytes), bytes"),
+    "weightcache_host_tier_used_bytes": ("gauge", ("gpu",), "Bytes the host tier holds, bytes"),
     "weightcache_slab_state": ("gauge", SLAB_LABELS + ("state",), "1 for the slab's state"),
+    "weightcache_slab_tier": ("gauge", SLAB_LABELS + ("tier",), "1 for the slab's tier (gpu, host, disk)"),
     "weightcache_slab_resident_bytes": ("gauge", SLAB_LABELS, "Size of the slab's resident mapping, bytes"),
     "weightcache_slab_tensors": ("gauge", SLAB_LABELS, "Tensor records in the resident slab's manifest"),
     "weightcache_slab_leases": ("gauge", SLAB_LABELS, "Leases held on the slab (attached engines)"),
@@ -216,18 +231,25 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
     fam.f["weightcache_build"].add_metric([g], {
         "version": co.version, "protocol_version": str(protocol.PROTOCOL_VERSION), "backend": st.backend,
         "gpu_uuid": st.device.gpu_uuid, "compute_capability": st.device.compute_capability})
+    fam.add("weightcache_config_rejected", (g,), int(st.config_error is not None))
     fam.add("weightcache_start_time_seconds", (g,), co.started_at)
     fam.add("weightcache_clients", (g,), st.clients)
     fam.add("weightcache_memory_slab_bytes", (g,), sum(sl.resident_bytes for sl in st.slabs))
     fam.add("weightcache_memory_free_bytes", (g,), st.free_bytes)
     fam.add("weightcache_memory_total_bytes", (g,), st.total_bytes)
+    fam.add("weightcache_memory_budget_bytes", (g,), st.budget_bytes)
+    fam.add("weightcache_memory_budget_used_bytes", (g,), st.gpu_bytes)
+    fam.add("weightcache_host_tier_bytes", (g,), st.host_tier_bytes)
+    fam.add("weightcache_host_tier_used_bytes", (g,), st.host_used_bytes)
     for sl in st.slabs:
         lab = (g, sl.model, sl.tp_size, sl.tp_rank)
         for state in SLAB_STATES:
             fam.add("weightcache_slab_state", lab + (state.value,), int(sl.state is state))
+        for tier in SLAB_TIERS:
+            fam.add("weightcache_slab_tier", lab + (tier,), int(sl.tier == tier))
         fam.add("weightcache_slab_resident_bytes", lab, sl.resident_bytes)
         fam.add("weightcache_slab_tensors", lab, sl.tensors)
-        fam.add("weightcache_slab_leases", lab, len(sl.leases))
+        fam.add("weightcache_slab_leases", lab, sl.lease_count)
         fam.add("weightcache_slab_adopted", lab, int(sl.adopted))
     for sc in co.slabs:
         lab = (g, sc.model, sc.tp_size, sc.tp_rank)

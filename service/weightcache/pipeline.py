@@ -2,10 +2,10 @@
 
 ::
 
-    plan(model, layout, rank)  headers only: specs, offsets, slab size, cache key
+    plan(rank)                 headers only: specs, offsets, slab size, cache key, dtypes served
       -> read                  checkpoint byte ranges (os.preadv)
       -> shard                 slices of the rank (sharding.shard_specs)
-      -> process               quantized layers (quant.OPS), dtype casts
+      -> process               quantized layers (the scheme registry's ops), dtype casts
       -> pack                  bytes written at their planned offsets in the slab
       -> seal                  backend makes the slab read-only   (caller)
       -> publish               manifest + fd                        (caller)
@@ -24,24 +24,25 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
-from . import digest, quant, sharding
+from . import digest, identity, placement, quant, sharding
 from .checkpoint import Checkpoint
-from .errors import ShapeMismatch, WeightcacheError
+from .errors import ShapeMismatch
 from .loader import LoaderOptions, direct_task, read_direct, read_into_slab
 from .manifest import ALIGNMENT_BYTES, Manifest, TensorRecord, align, contiguous_stride, itemsize, torch_dtype
-from .spec import DTYPE_NAMES, LoadRequest, SourceRef, TensorSpec
+from .spec import DTYPE_NAMES, LoadRequest, RankRequest, SourceRef, TensorSpec
 
 log = logging.getLogger(__name__)
 
-#: Bumped whenever the bytes produced for the same inputs change.
-PIPELINE_VERSION = 1
+#: Bumped whenever the bytes produced for the same inputs change (defined with the cache key it is part of).
+PIPELINE_VERSION = identity.PIPELINE_VERSION
 
 #: Processing ops: name -> fn(spec, parts, fetch) -> tensor of spec.stored_shape
 #: and spec.dtype. ``parts`` are the spec's sources, already sliced;
 #: ``fetch(name)`` returns any other whole checkpoint tensor (e.g. a scale).
-Op = Callable[[TensorSpec, list, Callable[[str], Any]], Any]
+Op = quant.registry.Op
 
 
 def _op_copy(spec: TensorSpec, parts: list, fetch) -> Any:
@@ -60,8 +61,28 @@ def _op_copy(spec: TensorSpec, parts: list, fetch) -> Any:
     return t
 
 
-OPS: dict[str, Op] = {"copy": _op_copy}
-OPS.update(quant.OPS)
+class _Ops(Mapping):
+    """``name -> op``: the pipeline's own ``copy``, then every registered quantization scheme's
+    (:func:`weightcache.quant.op`), looked up when asked (a scheme registered later is found)."""
+
+    def __init__(self, own: dict[str, Op]) -> None:
+        self._own = own
+
+    def __getitem__(self, name: str) -> Op:
+        fn = self._own.get(name) or quant.op(name)
+        if fn is None:
+            raise KeyError(f"processing op {name!r} is neither the pipeline's nor a registered quantization scheme's")
+        return fn
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._own, *(n for r in quant.registry.families() for n in r.ops)])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
+#: Processing ops by name (``TensorSpec.op``): ``copy`` and the registered schemes' ops.
+OPS: Mapping[str, Op] = _Ops({"copy": _op_copy})
 
 
 @dataclass
@@ -69,159 +90,51 @@ class Plan:
     """Everything decided before the first byte is read.
 
     Attributes:
-        model (`LoadRequest`), tp_size (`int`), tp_rank (`int`): what is loaded.
+        rank (`RankRequest`): what is loaded, and the rank.
         checkpoint (`Checkpoint`): opened from headers.
         specs (`list[TensorSpec]`): output tensors, in slab order.
         records (`list[TensorRecord]`): their records, offsets assigned, no digests yet.
         slab_size_bytes (`int`): bytes needed (before backend rounding).
-        key (`dict`): the cache key (DESIGN §5).
+        key (`dict`): the cache key (DESIGN §5), derived once (:func:`weightcache.identity.cache_key`).
+        dtypes_served (`frozenset[str]`): the dtype names an engine may ask
+            for and get this slab (:func:`weightcache.identity.served_dtypes`).
     """
 
-    model: LoadRequest
-    tp_size: int
-    tp_rank: int
+    rank: RankRequest
     checkpoint: Checkpoint
     specs: list[TensorSpec]
     records: list[TensorRecord]
     slab_size_bytes: int
     key: dict[str, Any]
+    dtypes_served: frozenset[str]
+
+    @property
+    def model(self) -> LoadRequest:
+        """``rank.model``."""
+        return self.rank.model
+
+    @property
+    def tp_size(self) -> int:
+        """``rank.tp_size``."""
+        return self.rank.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        """``rank.tp_rank``."""
+        return self.rank.tp_rank
 
     @property
     def payload_bytes(self) -> int:
         return sum(r.size_bytes for r in self.records if r.alias_of is None)
 
 
-def cache_key(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
-              scheme: Any = quant.DETECT, cast_specs: list[TensorSpec] | None = None) -> dict[str, Any]:
-    """The cache key of DESIGN §5, as a nested JSON-able dict.
-
-    Args:
-        device (`dict`): ``{backend, gpu_uuid, compute_capability}`` of the slab's device.
-        scheme (`quant.Scheme | None`, *optional*): the checkpoint's scheme if
-            already detected (``None``: unquantized); detected here otherwise.
-        cast_specs (`list[TensorSpec]`, *optional*): this rank's
-            :func:`weightcache.sharding.shard_specs` with ``model.dtype``'s cast,
-            if already computed (see :func:`effective_dtype`).
-    """
-    return {"checkpoint": ck.identity(), **key_fields(model, tp_size, tp_rank, ck, device, scheme, cast_specs)}
-
-
-def key_fields(model: LoadRequest, tp_size: int, tp_rank: int, ck: Checkpoint, device: dict[str, Any],
-               scheme: Any = quant.DETECT, cast_specs: list[TensorSpec] | None = None) -> dict[str, Any]:
-    """Every field of :func:`cache_key` but ``checkpoint`` (reads ``config.json``, no safetensors header
-    unless the checkpoint is quantized or ``model.dtype`` is not ``auto``)."""
-    if scheme is quant.DETECT:
-        scheme = quant.detect(ck)
-    return {
-        "revision": model.revision,
-        "architecture": (ck.config.get("architectures") or [ck.config.get("model_type", "")])[0],
-        "dtype": effective_dtype(ck, tp_size, tp_rank, model.naming, model.dtype, cast_specs),
-        "naming": model.naming,
-        "tp_size": tp_size,
-        "tp_rank": tp_rank,
-        "quant_scheme": scheme.name if scheme else "",
-        "quant_config_blake2b": scheme.config_hash if scheme else "",
-        "kernel": model.kernel if scheme else "",
-        "pipeline_version": PIPELINE_VERSION,
-        "device": dict(device),
-    }
-
-
-def effective_dtype(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: str,
-                    cast_specs: list[TensorSpec] | None = None) -> str:
-    """The dtype the cache key carries: ``dtype``, or ``"auto"`` when casting to it changes nothing here.
-
-    A configured dtype that every cast tensor of this rank is already stored in
-    gives the same bytes as ``auto`` (as stored), so both are one key: an
-    engine attaching with ``dtype="auto"`` gets the slab configured
-    ``dtype = "float32"`` for a float32 checkpoint, and the reverse. ``auto``
-    itself needs no header; an explicit dtype compares the rank's tensor specs
-    with and without the cast (:func:`weightcache.sharding.shard_specs`,
-    headers only).
-
-    Args:
-        ck (`Checkpoint`): the checkpoint (its headers are read for an explicit dtype).
-        tp_size, tp_rank (`int`), naming (`str`): the slab's layout, rank and naming.
-        dtype (`str`): ``auto``, ``bfloat16``, ``float16`` or ``float32``.
-        cast_specs (`list[TensorSpec]`, *optional*): the rank's specs with
-            ``dtype``'s cast when the caller has them (:func:`plan` does).
-
-    Returns:
-        `str`: ``"auto"`` or ``dtype``.
-
-    Raises:
-        The errors of :func:`weightcache.sharding.shard_specs` (which :func:`plan` raises first).
-    """
-    if dtype == "auto":
-        return "auto"
-    as_stored = sharding.shard_specs(ck, tp_size, tp_rank, naming, None)
-    cast = cast_specs if cast_specs is not None else sharding.shard_specs(ck, tp_size, tp_rank, naming,
-                                                                           DTYPE_NAMES[dtype])
-    return "auto" if [s.dtype for s in as_stored] == [s.dtype for s in cast] else dtype
-
-
-def dtype_matches(model: LoadRequest, tp_size: int, tp_rank: int, requested: str,
-                  key: dict[str, Any] | None = None) -> bool:
-    """Whether a slab configured with ``model.dtype`` serves an engine asking for ``requested``.
-
-    True when both name the same dtype or give the same bytes (see
-    :func:`effective_dtype`). ``key`` is the slab's cache key when it is
-    loaded (its ``dtype`` is already effective); otherwise the checkpoint's
-    headers are read. A checkpoint that cannot be read matches, so that the
-    engine hears the slab's own error rather than ``model_not_found``.
-    """
-    if requested == model.dtype:
-        return True
-    if requested not in DTYPE_NAMES:
-        return False
-    try:
-        ck = None if requested == "auto" and key is not None else Checkpoint(model.path, validate=False)
-        have = key["dtype"] if key is not None else effective_dtype(ck, tp_size, tp_rank, model.naming, model.dtype)
-        want = "auto" if requested == "auto" else effective_dtype(ck, tp_size, tp_rank, model.naming, requested)
-    except WeightcacheError:
-        return True
-    return have == want
-
-
-def check_key(fields: dict[str, Any], ck: Checkpoint, key: dict[str, Any]) -> list[str]:
-    """Fields in which a service's cache ``key`` differs from this engine's view.
-
-    Args:
-        fields (`dict`): :func:`key_fields` computed here.
-        ck (`Checkpoint`): the checkpoint as it is now; its identity is checked
-            with :meth:`Checkpoint.identity_diff` (``stat()`` only).
-        key (`dict`): the key from the service's manifest.
-
-    Returns:
-        `list[str]`: dotted field paths, empty on a match.
-    """
-    diff = diff_keys(fields, {k: v for k, v in key.items() if k != "checkpoint"})
-    return diff + ["checkpoint." + d for d in ck.identity_diff(key.get("checkpoint") or {})]
-
-
-def diff_keys(expected: Any, actual: Any, prefix: str = "") -> list[str]:
-    """Dotted paths of the fields that differ between two cache keys.
-
-    Example:
-        >>> diff_keys({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 3}})
-        ['b.c']
-    """
-    if expected == actual:  # the usual case, compared in C
-        return []
-    if isinstance(expected, dict) and isinstance(actual, dict):
-        out = []
-        for k in sorted(set(expected) | set(actual), key=str):
-            p = f"{prefix}.{k}" if prefix else str(k)
-            if k not in expected or k not in actual:
-                out.append(p)
-            else:
-                out.extend(diff_keys(expected[k], actual[k], p))
-        return out
-    return [] if expected == actual else [prefix or "<key>"]
-
-
-def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any], checkpoint: Checkpoint | None = None) -> Plan:
+def plan(rank: RankRequest, device: dict[str, Any], checkpoint: Checkpoint | None = None) -> Plan:
     """Plans one slab from the checkpoint's headers alone.
+
+    Args:
+        rank (`RankRequest`): what to load (a :class:`weightcache.config.Placement` is one).
+        device (`dict`): ``{backend, gpu_uuid, compute_capability}`` of the slab's device (cache key).
+        checkpoint (`Checkpoint`, *optional*): ``rank.model.path`` already opened.
 
     Raises:
         CheckpointNotFound, CheckpointCorrupt: from opening the checkpoint.
@@ -229,12 +142,16 @@ def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any],
         UnsupportedArchitecture (`unsupported_architecture`): TP > 1 without rules.
         ShapeMismatch (`shape_mismatch`): a tensor disagrees with ``config.json``.
     """
+    model = rank.model
     ck = checkpoint or Checkpoint(model.path)
     # Once, first: UnsupportedQuantization wins over sharding's shape errors, before any read.
     scheme = quant.detect(ck, model.kernel)
-    target_dtype = DTYPE_NAMES[model.dtype]
-    cast_specs = sharding.shard_specs(ck, tp_size, tp_rank, model.naming, target_dtype)
+    cast_specs = sharding.shard_specs(ck, rank.tp_size, rank.tp_rank, model.naming, DTYPE_NAMES[model.dtype])
     specs = quant.process_specs(ck, cast_specs, model.kernel, scheme)
+    # The slab's identity, once: the dtypes it serves and the key's (effective) dtype.
+    cast_from = identity.rank_cast_dtypes(rank, ck)
+    served = identity.served_dtypes(model.dtype, cast_from)
+    key = identity.cache_key(rank, ck, device, scheme, identity.effective_dtype(model.dtype, cast_from))
     records, offset = [], 0
     by_name: dict[str, TensorRecord] = {}
     for s in specs:
@@ -255,8 +172,7 @@ def plan(model: LoadRequest, tp_size: int, tp_rank: int, device: dict[str, Any],
             tgt = by_name[s.alias_of]
             records.append(TensorRecord(s.name, tgt.dtype, tgt.shape, tgt.stride, tgt.offset_bytes, tgt.size_bytes,
                                         layout=dict(s.layout), alias_of=s.alias_of))
-    return Plan(model, tp_size, tp_rank, ck, specs, records, max(offset, ALIGNMENT_BYTES),
-                cache_key(model, tp_size, tp_rank, ck, device, scheme, cast_specs))
+    return Plan(rank, ck, specs, records, max(offset, ALIGNMENT_BYTES), key, served)
 
 
 @dataclass(frozen=True)
@@ -266,11 +182,9 @@ class Filled:
     Attributes:
         manifest (`Manifest`): of the filled slab, digests included.
         torch_free (`bool`): the slab was filled without importing torch
-            (every tensor a byte range of a file, :func:`weightcache.loader.read_direct`).
+            (every tensor a placement, :mod:`weightcache.placement`).
         read_s (`float`): wall time reading (and processing) the tensors, seconds.
-        digest_s (`float`): wall time of the digests after the read, seconds
-            (CUDA's torch-free path takes them during the read: there, the
-            share of ``read_s`` they took).
+        digest_s (`float`): wall time of the digests after the read, seconds.
         bytes_read (`int`): payload bytes written.
     """
 
@@ -282,19 +196,14 @@ class Filled:
 
 
 def may_need_torch(model: LoadRequest) -> bool:
-    """Whether loading ``model`` may need torch: a dtype to cast to, or a quantized checkpoint.
+    """Whether loading ``model`` may need torch: a dtype to cast to.
 
-    Reads ``config.json`` and the safetensors headers, no tensor data. A
-    checkpoint that cannot be opened answers ``False`` (its load fails on its
-    own). ``True`` is a hint: a configured dtype the checkpoint is already
-    stored in needs no cast, and :func:`fill` finds that out.
+    Everything else, ModelOpt FP8 included, is placed by the reader
+    (:mod:`weightcache.placement`). ``True`` is a hint: a configured dtype the
+    checkpoint is already stored in needs no cast, and :func:`fill` finds that
+    out; a CUDA slab without NVRTC falls back to torch on its own.
     """
-    if model.dtype != "auto":
-        return True
-    try:
-        return quant.modelopt_fp8.read_config(Checkpoint(model.path, validate=False)) is not None
-    except WeightcacheError:
-        return False
+    return model.dtype != "auto"
 
 
 def _counter(total: int, progress: Callable[[int, int], None] | None) -> tuple[Callable[[int], None], list[int]]:
@@ -329,18 +238,19 @@ def _split_specs(p: Plan) -> tuple[list, list]:
 
 def fill(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
          options: LoaderOptions | None = None) -> Filled:
-    """Fills a backend's writable slab with the tensors of ``p``; without torch when nothing needs processing.
+    """Fills a backend's writable slab with the tensors of ``p``; without torch unless a tensor needs a cast.
 
-    When every tensor is a byte range of a checkpoint file (an unquantized
-    checkpoint loaded without a dtype cast, sharded along contiguous
-    dimensions) and the slab offers torch-free access (a host memfd's
-    ``buffer``, a CUDA slab's ``stager()``), the reader fills it and takes
-    the digests with no torch imported (:func:`weightcache.loader.read_direct`).
-    Otherwise this is :func:`execute` on ``slab.tensor``. Both give the same
-    bytes and the same manifest records; the digests agree on a host slab
-    (``xxh3_128``), while on a CUDA slab the torch-free fill records
-    ``xxh3c`` (hashed from the staging buffers) where :func:`execute` records
-    ``sum64`` (on the GPU); :func:`verify` checks either.
+    Every tensor that is a placement of checkpoint byte ranges (whole
+    tensors, TP shards along any dimension, fused ``qkv_proj``/``gate_up_proj``,
+    vocab padding, ModelOpt FP8 weights padded to the kernel's multiples, their
+    fused scales and the requantisation of fused per-tensor parts) is filled
+    by the parallel reader (:mod:`weightcache.placement`,
+    :func:`weightcache.loader.read_direct`) when the slab offers torch-free
+    access (a host memfd's ``buffer``; a CUDA slab's ``stager()`` with its
+    NVRTC kernels, :mod:`weightcache.memory.kernels`). Otherwise (a dtype cast,
+    or no NVRTC) this is :func:`execute` on ``slab.tensor``. Both give the same
+    bytes and records; the digests are the backend's family either way
+    (host ``xxh3_128``, CUDA ``sum64``), which :func:`verify` checks.
 
     Args:
         p (`Plan`): from :func:`plan`.
@@ -355,13 +265,87 @@ def fill(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
         The errors of :func:`execute`.
     """
     opts = options or LoaderOptions()
-    tasks, computed = _split_specs(p)
-    if computed or (getattr(slab, "buffer", None) is None and not hasattr(slab, "stager")):
+    placed = _placement(p, slab)
+    if placed is None:
         timings: dict[str, float] = {}
         manifest = execute(p, slab.tensor, progress, opts, timings=timings)
         return Filled(manifest, False, timings["read_s"], timings["digest_s"], p.payload_bytes)
-    r = read_direct(tasks, slab, opts, _counter(p.payload_bytes, progress)[0])
-    return Filled(_manifest(p, r.digests), True, r.read_s, r.digest_s, r.bytes_read)
+    try:
+        return _fill_placed(p, placed, slab, opts, progress)
+    except Exception as e:
+        from .memory.kernels import KernelError
+
+        if not isinstance(e, KernelError):
+            raise
+        # NVRTC loaded but refused the program (an unknown GPU, a driver too old): the torch path rewrites every byte.
+        log.warning("GPU kernels unavailable, the torch pipeline fills checkpoint=%s error=%s", p.checkpoint.path, e)
+        timings: dict[str, float] = {}
+        manifest = execute(p, slab.tensor, progress, opts, timings=timings)
+        return Filled(manifest, False, timings["read_s"], timings["digest_s"], p.payload_bytes)
+
+
+def _placement(p: Plan, slab) -> placement.Placement | None:
+    """The plan's placement when ``slab`` can take it without torch, else ``None``."""
+    host = getattr(slab, "buffer", None) is not None
+    if not host and not hasattr(slab, "stager"):
+        return None
+    placed = placement.place_all(p.specs, p.records, p.checkpoint)
+    if placed is None:
+        return None
+    if not host and hasattr(slab, "prepare_kernels"):
+        from .memory import kernels
+
+        if not kernels.available():
+            log.warning("NVRTC unavailable, the torch pipeline fills checkpoint=%s", p.checkpoint.path)
+            return None
+        slab.prepare_kernels()  # compiles while the reads run
+    return placed
+
+
+def _fill_placed(p: Plan, placed: placement.Placement, slab, opts: LoaderOptions,
+                 progress: Callable[[int, int], None] | None) -> Filled:
+    """Zero fill, host-computed scales, the parallel read, in-place byte maps, then the digests."""
+    import numpy as np
+
+    advance, _ = _counter(p.payload_bytes, progress)
+    t0 = time.monotonic()
+    host = getattr(slab, "buffer", None)
+    values = placement.scalar_values(p.checkpoint, placed.scalars)
+    if placed.zeros:
+        if host is not None:
+            for off, n in placed.zeros:
+                host[off : off + n] = bytes(n)
+        else:
+            slab.zero(placed.zeros)
+        advance(sum(n for _, n in placed.zeros))
+    for off, fn in placed.small:
+        data = fn(values)
+        if host is not None:
+            host[off : off + len(data)] = data
+        else:
+            slab.write(off, data)
+        advance(len(data))
+    read_direct(placed.reads, slab, opts, advance, with_digests=False)
+    for spans, fn in placed.luts:
+        table = fn(values)
+        if table is None:
+            continue
+        if host is not None:
+            lut = np.frombuffer(table, np.uint8)
+            for off, n in spans:
+                a = np.ndarray((n,), np.uint8, host, off)
+                a[...] = lut[a]
+                del a
+        else:
+            slab.apply_lut(spans, table)
+    t_read = time.monotonic()
+    stored = [(r.name, r.offset_bytes, r.size_bytes) for r in p.records if r.alias_of is None]
+    sums = digest.slab_digests(slab, stored, opts.threads)
+    t_end = time.monotonic()
+    log.debug("placed checkpoint=%s reads=%d zeros=%d small=%d luts=%d read_ms=%.1f digest_ms=%.1f",
+              p.checkpoint.path, len(placed.reads), len(placed.zeros), len(placed.small), len(placed.luts),
+              (t_read - t0) * 1e3, (t_end - t_read) * 1e3)
+    return Filled(_manifest(p, sums), True, t_read - t0, t_end - t_read, p.payload_bytes)
 
 
 def _manifest(p: Plan, sums: dict[str, str]) -> Manifest:
@@ -503,8 +487,10 @@ def verify(manifest: Manifest, slab) -> list[str]:
             CUDA), or a backend's sealed slab: a host one (it offers
             ``buffer``) is checked on its read-only mapping without torch
             (:func:`weightcache.digest.matches_buffer`), a CUDA one through
-            its ``tensor`` (``sum64`` on the GPU, ``xxh3c`` copied to the host
-            in blocks; :func:`weightcache.digest.matches`).
+            its ``digests`` (``sum64`` by an NVRTC kernel, no host copy, no
+            torch) when every digest is ``sum64``, else through its ``tensor``
+            (``xxh3c`` of older manifests copied to the host in blocks;
+            :func:`weightcache.digest.matches`).
     """
     stored = [r for r in manifest.tensors if r.alias_of is None]
     buf = getattr(slab, "buffer", None)
@@ -514,6 +500,13 @@ def verify(manifest: Manifest, slab) -> list[str]:
                     if not digest.matches_buffer(buf[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]
         finally:
             buf.release()
+    if hasattr(slab, "digests") and stored and all(r.digest.startswith("sum64:") for r in stored):
+        # A CUDA sealed slab: sum64 by the NVRTC kernel through the read-only mapping, no host copy, no torch.
+        from .memory import kernels
+
+        if kernels.available():
+            now = slab.digests([(r.name, r.offset_bytes, r.size_bytes) for r in stored])
+            return [r.name for r in stored if now[r.name] != r.digest]
     if hasattr(slab, "tensor"):  # a CUDA sealed slab
         slab = slab.tensor
     return [r.name for r in stored

@@ -21,6 +21,9 @@ Rules follow vLLM's parallel layers (``vllm/model_executor/layers/linear.py``,
   zeros. No padding at ``tp_size = 1`` with ``naming = "hf"`` (the checkpoint's
   own shape);
 - 1-D weights (norms) and 0-d scales replicated;
+- side tensors of quantized linears (scales) follow the rule their scheme
+  family registers (:class:`weightcache.quant.registry.SideTensor`): a scalar
+  is replicated, a per-output-row tensor is split like the module's bias;
 - tied embeddings: ``lm_head.weight`` is an alias of the embedding (no bytes).
 
 See ``docs/sharding.md``. ``tp_size = 1`` with ``naming = "hf"`` works for
@@ -39,8 +42,10 @@ from typing import Any
 
 from .checkpoint import Checkpoint, TensorInfo
 from .errors import ConfigError, ShapeMismatch, UnsupportedArchitecture
+from .quant import registry
+from .quant.registry import SideTensor
 from .sizes import round_up
-from .spec import SourceRef, TensorSpec
+from .spec import FUSED_PARTS, SourceRef, TensorSpec
 from .wire import NAMINGS
 
 log = logging.getLogger(__name__)
@@ -79,16 +84,42 @@ FAMILIES: dict[str, Family] = {
 }
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_LINEAR_RE = re.compile(
-    r"^(?P<prefix>(?:.+\.)?)(?P<module>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    r"\.(?P<param>weight|bias|weight_scale|input_scale|k_scale|v_scale)$"
-)
-_VOCAB_RE = re.compile(r"^(?:.+\.)?(?:embed_tokens|lm_head)\.(?:weight|weight_scale)$")
-#: vLLM fused modules: name -> parts, in concatenation order (the one table; quant reads it too).
-FUSED_PARTS: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
-                                           "gate_up_proj": ("gate_proj", "up_proj")}
 _PART_OF = {p: fused for fused, parts in FUSED_PARTS.items() for p in parts}
-_SCALES = ("weight_scale", "input_scale", "k_scale", "v_scale")
+
+
+@dataclass(frozen=True)
+class _Patterns:
+    """The name patterns of one registry version: linear params and vocab params, side tensors by param."""
+
+    linear: re.Pattern
+    vocab: re.Pattern
+    side: dict[str, SideTensor]
+
+
+_patterns_cache: list[tuple[int, _Patterns]] = []
+
+
+def _patterns() -> _Patterns:
+    """The patterns for the registered side tensors (rebuilt when the scheme registry changes)."""
+    version = registry.version()
+    if _patterns_cache and _patterns_cache[0][0] == version:
+        return _patterns_cache[0][1]
+    side = registry.side_tensors()
+    params = "|".join(["weight", "bias", *(re.escape(p) for p in side)])
+    vocab = "|".join(["weight", *(re.escape(p) for p, s in side.items() if s.shard == "output")])
+    pats = _Patterns(
+        re.compile(r"^(?P<prefix>(?:.+\.)?)(?P<module>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+                   rf"\.(?P<param>{params})$"),
+        re.compile(rf"^(?:.+\.)?(?:embed_tokens|lm_head)\.(?:{vocab})$"),
+        side,
+    )
+    _patterns_cache[:] = [(version, pats)]
+    return pats
+
+
+#: The dtype argument with which :func:`cast_dtypes` asks :func:`shard_specs` which tensors follow a
+#: configured dtype: such a tensor's dtype comes back as this prefix plus its stored dtype.
+_PROBE = "probe:"
 
 
 def _target_dtype(stored: str, target: str | None) -> str:
@@ -96,7 +127,7 @@ def _target_dtype(stored: str, target: str | None) -> str:
     # FP8 keep theirs (FP8 is handled by weightcache.quant).
     if target is None or stored not in ("F16", "BF16", "F32", "F64"):
         return stored
-    return target
+    return _PROBE + stored if target == _PROBE else target
 
 
 def _arch(config: dict[str, Any]) -> str:
@@ -310,7 +341,8 @@ class _Rules:
         return {"tp_dim": dim, "tp_size": self.tp, "tp_rank": self.rank, "logical_shape": list(info.shape),
                 "shard_start": start, "shard_size": size, **extra}
 
-    def linear(self, info: TensorInfo, module: str, param: str) -> _Piece:
+    def linear(self, info: TensorInfo, module: str, param: str, side: SideTensor | None = None) -> _Piece:
+        """The rank's piece of ``module.param``: the weight, the bias, or a side tensor with rule ``side``."""
         rows, cols = self.out_rows(module), self.in_cols(module)
         d = self.d
         why = (f"hidden_size={d.hidden}, num_attention_heads={d.heads}, num_key_value_heads={d.kv_heads}, "
@@ -328,11 +360,11 @@ class _Rules:
         numel = 1
         for s in shape:
             numel *= s
-        if param in ("input_scale", "k_scale", "v_scale") or (param == "weight_scale" and numel == 1):
+        if side is not None and (side.shard == "scalar" or numel == 1):
             if numel != 1:
                 raise self._bad(info, "a single element (0-d or [1])", "per-tensor scale")
             return _Piece(info.name, info, None, layout={"tp_dim": None})
-        # bias [rows], or per-channel weight_scale [rows] / [rows, 1]
+        # bias [rows], or a per-output-row side tensor (per-channel weight_scale) [rows] / [rows, 1]
         if shape not in ((rows,), (rows, 1)) or (param == "bias" and len(shape) != 1):
             raise self._bad(info, [rows], why)
         if not column:
@@ -368,14 +400,15 @@ class _Rules:
         )
 
 
-def _spec(p: _Piece, dtype: str | None, name: str | None = None) -> TensorSpec:
+def _spec(p: _Piece, dtype: str | None, side: dict[str, SideTensor], name: str | None = None) -> TensorSpec:
     param = p.name.rsplit(".", 1)[-1]
-    out_dtype = p.info.dtype if param in _SCALES else _target_dtype(p.info.dtype, dtype)
+    out_dtype = p.info.dtype if param in side else _target_dtype(p.info.dtype, dtype)
     op_args = {"pad_rows": p.pad} if p.pad else {}
     return TensorSpec(name or p.name, out_dtype, p.shape, (p.source,), op_args=op_args, layout=dict(p.layout))
 
 
-def _fused_spec(ck: Checkpoint, name: str, pieces: list[tuple[str, _Piece]], dtype: str | None) -> TensorSpec:
+def _fused_spec(ck: Checkpoint, name: str, pieces: list[tuple[str, _Piece]], dtype: str | None,
+                side: dict[str, SideTensor]) -> TensorSpec:
     """vLLM fused parameter: the parts' rank slices concatenated on dim 0 (0-d parts become [1])."""
     dtypes = {p.info.dtype for _, p in pieces}
     if len(dtypes) != 1:
@@ -402,7 +435,7 @@ def _fused_spec(ck: Checkpoint, name: str, pieces: list[tuple[str, _Piece]], dty
         offset += shape[0]
     first = pieces[0][1]
     param = name.rsplit(".", 1)[-1]
-    out_dtype = first.info.dtype if param in _SCALES else _target_dtype(first.info.dtype, dtype)
+    out_dtype = first.info.dtype if param in side else _target_dtype(first.info.dtype, dtype)
     sharded = any(p.tp_dim is not None for _, p in pieces)
     layout: dict[str, Any] = {"fused_parts": parts, "tp_dim": 0 if sharded else None}
     if sharded:
@@ -431,9 +464,10 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
 
     With ``naming = "vllm"``, q|k|v and gate|up slices are concatenated on
     dim 0 into ``qkv_proj`` and ``gate_up_proj`` (``weight``, ``bias``,
-    ``weight_scale``, ``input_scale``; 0-d scales become one element each), and
-    ``k_proj.k_scale``/``v_proj.v_scale`` are renamed ``attn.k_scale``/``attn.v_scale``
-    as vLLM's ``maybe_remap_kv_scale_name`` does. Each spec's ``layout``
+    and the side tensors their scheme registers as fused, such as ``weight_scale``
+    and ``input_scale``; 0-d scales become one element each), and side tensors
+    with a vLLM name (``k_proj.k_scale``/``v_proj.v_scale``) are renamed
+    (``attn.k_scale``/``attn.v_scale``, as vLLM's ``maybe_remap_kv_scale_name``). Each spec's ``layout``
     records how to put the shards back together (``docs/sharding.md``).
 
     Args:
@@ -441,8 +475,8 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
         tp_size (`int`), tp_rank (`int`): layout and rank, ``0 <= tp_rank < tp_size``.
         naming (`str`): ``hf`` or ``vllm``.
         dtype (`str | None`): safetensors code floating-point tensors are cast
-            to, or ``None`` to keep the stored dtype. FP8 tensors and scales
-            (``*_scale``) keep theirs.
+            to, or ``None`` to keep the stored dtype. FP8 tensors and the
+            registered side tensors (scales) keep theirs.
 
     Returns:
         `list[TensorSpec]`, sorted by name; tied ``lm_head.weight`` as an
@@ -465,6 +499,7 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
             for name, info in sorted(ck.tensors.items())
         ]
     check_supported(ck.config, tp_size, naming, where=str(ck.path))
+    pats = _patterns()
     rules = _Rules(ck, _Dims.of(ck.config, str(ck.path)), tp_size, tp_rank, pad_vocab=tp_size > 1 or naming == "vllm")
 
     embed = next((n for n in sorted(ck.tensors) if n.endswith("embed_tokens.weight")), None)
@@ -475,24 +510,26 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
         if tied and name == "lm_head.weight":
             log.debug("tied lm_head aliased checkpoint=%s tensor=%s", ck.path, name)
             continue  # tied: the checkpoint's copy is ignored, lm_head aliases the embedding
-        m = _LINEAR_RE.match(name)
+        m = pats.linear.match(name)
         if m:
             prefix, module, param = m["prefix"], m["module"], m["param"]
-            piece = rules.linear(info, module, param)
-            if naming == "vllm" and module in _PART_OF and param not in ("k_scale", "v_scale"):
+            side = pats.side.get(param)
+            piece = rules.linear(info, module, param, side)
+            if naming == "vllm" and module in _PART_OF and (side is None or (side.fuse and not side.vllm_name)):
                 groups.setdefault((prefix, _PART_OF[module], param), {})[module] = piece
                 continue
             out = name
-            if naming == "vllm" and param in ("k_scale", "v_scale"):
-                out = f"{prefix}attn.{param}"  # vLLM: self_attn.k_proj.k_scale -> self_attn.attn.k_scale
-            spec = _spec(piece, dtype, out)
+            if naming == "vllm" and side is not None and side.vllm_name:
+                # vLLM: self_attn.k_proj.k_scale -> self_attn.attn.k_scale (maybe_remap_kv_scale_name)
+                out = prefix + side.vllm_name.format(param=param)
+            spec = _spec(piece, dtype, pats.side, out)
             if out != name:
                 spec.layout["source"] = name
             specs[out] = spec
-        elif _VOCAB_RE.match(name):
-            specs[name] = _spec(rules.vocab(info), dtype)
+        elif pats.vocab.match(name):
+            specs[name] = _spec(rules.vocab(info), dtype, pats.side)
         else:
-            specs[name] = _spec(rules.other(info), dtype)
+            specs[name] = _spec(rules.other(info), dtype, pats.side)
     for (prefix, fused, param), got in groups.items():
         missing = [p for p in FUSED_PARTS[fused] if p not in got]
         if missing:
@@ -502,7 +539,7 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
                 tensor=f"{prefix}{missing[0]}.{param}",
             )
         out = f"{prefix}{fused}.{param}"
-        specs[out] = _fused_spec(ck, out, [(p, got[p]) for p in FUSED_PARTS[fused]], dtype)
+        specs[out] = _fused_spec(ck, out, [(p, got[p]) for p in FUSED_PARTS[fused]], dtype, pats.side)
     if tied:
         target = specs[embed]
         specs["lm_head.weight"] = TensorSpec(
@@ -510,3 +547,22 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
             layout={"tied_to": embed, **target.layout},
         )
     return [specs[n] for n in sorted(specs)]
+
+
+def cast_dtypes(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str) -> frozenset[str]:
+    """The stored dtypes of the rank's tensors that a configured ``dtype`` would cast (headers only).
+
+    Casting to a dtype changes nothing on this rank exactly when every one of
+    them already is that dtype (an empty set: no cast changes anything), the
+    rule of :func:`weightcache.identity.effective_dtype`. One :func:`shard_specs`
+    run, whatever the number of dtypes asked about.
+
+    Raises:
+        The errors of :func:`shard_specs`.
+
+    Example:
+        >>> cast_dtypes(Checkpoint("/srv/models/llama-f32"), 2, 0, "vllm")  # doctest: +SKIP
+        frozenset({'F32'})
+    """
+    specs = shard_specs(ck, tp_size, tp_rank, naming, _PROBE)
+    return frozenset(s.dtype[len(_PROBE):] for s in specs if s.dtype.startswith(_PROBE))

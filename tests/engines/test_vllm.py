@@ -549,11 +549,12 @@ def test_checkpoint_form_undoes_the_fp8_kernel_layout(fp8: Path):
 
     from weightcache.client import load_from_disk
     from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
     from weightcache.integrations.vllm import checkpoint_form
     from weightcache.manifest import build_views
 
     mc = ModelConfig(name="fp8pc", path=str(fp8), dtype="auto", naming="hf", kernel="cutlass")
-    manifest, slab = load_from_disk(mc, 1, 0, "cpu")
+    manifest, slab = load_from_disk(RankRequest(mc, 1, 0), "cpu")
     views = build_views(slab, manifest)
     layouts = {r.name: r.layout for r in manifest.tensors}
     disk = load_file(str(fp8 / "model.safetensors"))

@@ -58,12 +58,13 @@ def test_gpu_processing_gives_the_cpu_bytes(fp8_cuda_service, algo, tp, naming):
     """Sharding, fusion and FP8 requantization on the GPU produce the CPU pipeline's bytes."""
     from weightcache.client import load_from_disk
     from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
 
     cks, _ = fp8_cuda_service
     for rank in range(tp):
         mc = ModelConfig("m", str(cks[algo]), naming=naming)
-        man_g, slab_g = load_from_disk(mc, tp, rank, "cuda:0")
-        man_c, slab_c = load_from_disk(mc, tp, rank, "cpu")
+        man_g, slab_g = load_from_disk(RankRequest(mc, tp, rank), "cuda:0")
+        man_c, slab_c = load_from_disk(RankRequest(mc, tp, rank), "cpu")
         assert [r.name for r in man_g.tensors] == [r.name for r in man_c.tensors]
         for rg, rc in zip(man_g.tensors, man_c.tensors):
             assert (rg.offset_bytes, rg.size_bytes) == (rc.offset_bytes, rc.size_bytes)

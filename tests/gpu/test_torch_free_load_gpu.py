@@ -2,12 +2,11 @@
 
 - In process: a bf16 checkpoint filled into a CUDA slab through
   :func:`weightcache.pipeline.fill` (cuda-bindings' pinned staging, stream
-  and events; ``xxh3c`` digests hashed on the host from the staging buffers)
-  gives the bytes safetensors reads from disk and the manifest records the
-  torch pipeline gives (which records ``sum64``); ``verify`` of the sealed
-  slab passes for both manifests, and after one byte of the slab is changed
-  through a read-write mapping of its fd it names exactly that tensor under
-  both digests; so does the ``O_DIRECT`` path.
+  and events; ``sum64`` digests by the NVRTC kernel) gives the bytes
+  safetensors reads from disk and the manifest the torch pipeline gives,
+  digests included; ``verify`` of the sealed slab passes, and after one byte
+  of the slab is changed through a read-write mapping of its fd it names
+  exactly that tensor; so does the ``O_DIRECT`` path.
 - A service on the cuda backend whose ``import torch`` fails (a
   ``sys.meta_path`` hook) loads the same checkpoint to ``ready`` and an
   engine attaches it on ``cuda:0`` byte for byte.
@@ -15,7 +14,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import sys
@@ -48,6 +46,7 @@ def _bf16_checkpoint(dest: Path) -> Path:
 def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
     from weightcache import digest, loader, pipeline
     from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
     from weightcache.manifest import build_views
     from weightcache.memory.cuda import CudaBackend, _map_fd
 
@@ -58,7 +57,7 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
         except OSError:
             pytest.skip(f"{tmp_path} does not support O_DIRECT")
     backend = CudaBackend(0)
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck)), 1, 0, backend.device_info())
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck)), 1, 0), backend.device_info())
     opts = loader.LoaderOptions(threads=3, staging_bytes=2 << 20, o_direct=o_direct)
 
     w = backend.allocate(p.slab_size_bytes, "m")
@@ -66,10 +65,9 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
     sealed = w.seal()
     assert filled.torch_free is True
     stored = [r for r in filled.manifest.tensors if r.alias_of is None]
-    assert all(r.digest.startswith("xxh3c:") for r in stored)
-    for r in stored:  # the staged digests are those of the bytes on the GPU
-        assert r.digest == digest.xxh3c_buffer(sealed.tensor[r.offset_bytes : r.offset_bytes + r.size_bytes]
-                                               .cpu().numpy()), r.name
+    assert all(r.digest.startswith("sum64:") for r in stored)
+    for r in stored:  # the kernel's digests are torch's sum64 of the bytes on the GPU
+        assert r.digest == digest.digest(sealed.tensor[r.offset_bytes : r.offset_bytes + r.size_bytes]), r.name
     assert pipeline.verify(filled.manifest, sealed) == []
 
     ref = _harness().read_checkpoint(ck)
@@ -80,8 +78,7 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
 
     w2 = backend.allocate(p.slab_size_bytes, "m-torch")
     want_manifest = pipeline.execute(p, w2.tensor, options=opts)
-    assert [dataclasses.replace(r, digest="") for r in filled.manifest.tensors] == \
-        [dataclasses.replace(r, digest="") for r in want_manifest.tensors]  # the same records
+    assert filled.manifest.tensors == want_manifest.tensors  # the same records, digests included
     assert all(r.digest.startswith("sum64:") for r in want_manifest.tensors if r.alias_of is None)
     w2.abort()
     assert pipeline.verify(want_manifest, sealed) == []  # same bytes: the GPU's sum64 agrees too
@@ -89,7 +86,7 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
     # One byte changed through a read-write mapping of the exported fd (the service's own view is read-only).
     victim = max(stored, key=lambda r: r.size_bytes)
     rw = _map_fd(backend._device(0), sealed.fd, sealed.size_bytes, read_only=False)
-    at = victim.offset_bytes + victim.size_bytes - 1  # in its last xxh3c chunk, a partial one
+    at = victim.offset_bytes + victim.size_bytes - 1  # its last byte (the kernel's tail word)
     flip = rw.tensor()[at : at + 1]
     flip.bitwise_xor_(torch.ones(1, dtype=torch.uint8, device=flip.device))
     torch.cuda.synchronize()

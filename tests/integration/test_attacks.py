@@ -12,10 +12,8 @@ in count, and asserts what the threat model in docs/reliability.md promises:
 - once the attacker is gone, the service's fds (``/proc/PID/fd``, by kind) and
   RSS return to their baseline.
 
-Attackers that must not share the test's uid (the per-uid connection cap,
-the allow lists) run in a forked child that drops to ``nobody`` (and to
-chosen supplementary groups): the interpreter lives under /root, which other
-users cannot execute, so the child is a fork of this process.
+Attackers that must not share the test's uid run in a forked child that
+drops to ``nobody`` (tests/attackers.py).
 """
 
 from __future__ import annotations
@@ -38,6 +36,8 @@ torch = pytest.importorskip("torch")
 
 from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, llama_config, make_config,  # noqa: E402
                              proc_fds, proc_rss_bytes, raw_connect, read_checkpoint, read_reply, record_figures)
+from attackers import (NOBODY, back_to_baseline, fork_as, flood, ok_attach, open_socket_to_all, reap,  # noqa: E402
+                       replies, result, send_quietly)
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.client import Session  # noqa: E402
 from weightcache.errors import DaemonUnavailable, WeightcacheError  # noqa: E402
@@ -45,116 +45,6 @@ from weightcache.errors import DaemonUnavailable, WeightcacheError  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 MiB = 1 << 20
-NOBODY = 65534
-RSS_SLACK_BYTES = 16 * MiB
-
-
-def _ok_attach(svc, expected: dict) -> int:
-    """A well-behaved engine: attaches ``ok`` within one second, bytes equal the checkpoint's."""
-    with attach("ok", socket_dir=svc.socket_dir, fallback=False, timeout=1.0) as w:
-        assert w.source == "daemon"
-        return compare_bytes(w.tensors, expected)
-
-
-def _flood(s: socket.socket, data: bytes, limit_bytes: int) -> int:
-    """Writes ``data`` repeatedly without blocking until the socket refuses more (or ``limit_bytes``)."""
-    s.setblocking(False)
-    sent = 0
-    view = memoryview(data)
-    while sent < limit_bytes:
-        try:
-            n = s.send(view[sent % len(data):])
-        except BlockingIOError:
-            break
-        except (BrokenPipeError, ConnectionResetError):
-            break
-        sent += n
-    return sent
-
-
-def _send_quietly(s: socket.socket, data: bytes) -> None:
-    """``sendall``; the service may close the connection first (that is the point)."""
-    with contextlib.suppress(OSError):
-        s.sendall(data)
-
-
-def _replies(s: socket.socket, timeout: float = 5.0) -> list[dict]:
-    """Every reply readable on ``s`` until EOF or ``timeout`` of silence; closes the fds that came with them."""
-    s.settimeout(timeout)
-    out = []
-    while True:
-        try:
-            obj, fds = read_reply(s)
-        except (socket.timeout, TimeoutError):
-            return out
-        for fd in fds:
-            os.close(fd)
-        if obj is None:
-            return out
-        obj["fd_count"] = len(fds)
-        out.append(obj)
-
-
-def _open_socket_to_all(svc) -> None:
-    """Lets other uids reach the test's socket (the unit's SocketGroup does this on a node)."""
-    for d in (os.path.dirname(svc.socket_dir), svc.socket_dir):
-        os.chmod(d, 0o755)
-    os.chmod(svc.socket_path, 0o666)
-
-
-def _fork_as(uid: int, gid: int, groups: list[int], fn, *args) -> tuple[int, int]:
-    """Runs ``fn(*args)`` in a forked child with these ids; returns ``(pid, read end)`` of its JSON result pipe.
-
-    The child writes ``fn``'s JSON result, then waits for stdin-less SIGTERM/SIGKILL from :func:`_reap`.
-    """
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: no return from here
-        try:
-            os.close(r)
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-            out = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - report anything to the parent
-            out = {"crash": repr(e)}
-        os.write(w, (json.dumps(out, default=str) + "\n").encode())
-        os.close(w)
-        time.sleep(3600)  # keep its sockets open until the parent kills it
-        os._exit(0)
-    os.close(w)
-    return pid, r
-
-
-def _result(r: int, timeout: float = 60.0) -> dict:
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while not buf.endswith(b"\n"):
-        assert time.monotonic() < deadline, "forked attacker did not report"
-        chunk = os.read(r, 65536)
-        if not chunk:
-            break
-        buf += chunk
-    return json.loads(buf)
-
-
-def _reap(pid: int, r: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    os.close(r)
-
-
-def _back_to_baseline(svc, before: dict, extra_memfds: int = 0) -> dict:
-    """Asserts fds by kind equal ``before`` (plus ``extra_memfds`` for slabs loaded meanwhile) and RSS within slack."""
-    after = svc.snapshot()
-    want = dict(before["fds"])
-    if extra_memfds:
-        want["memfd"] = want.get("memfd", 0) + extra_memfds
-    assert dict(after["fds"]) == want, (dict(after["fds"]), want)
-    assert after["rss_bytes"] - before["rss_bytes"] < RSS_SLACK_BYTES, (after["rss_bytes"], before["rss_bytes"])
-    assert after["leases"] == 0
-    return after
 
 
 @pytest.fixture
@@ -211,7 +101,8 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
     ok, expected = ok_ck
     blocked = _blocked_checkpoint(tmp_path / "blocked", seed=8)
     later = llama_checkpoint(tmp_path / "later", seed=9)
-    svc = daemon(make_config({"ok": ok, "blocked": blocked, "later": later}, load_timeout_s=120), nofile=1024)
+    svc = daemon(make_config({"ok": ok, "blocked": blocked, "later": later}, load_timeout_s=120,
+                             max_leases_per_connection=1 << 20), nofile=1024)  # the cap under test: unread replies
     _wait_state(svc, "ok", ("ready",))
     _wait_state(svc, "blocked", ("loading",))
     before = svc.snapshot()
@@ -219,17 +110,17 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
     burst = frame(HELLO) + frame({"type": "attach", "model": "later", "wait_ms": 120_000}) * 2000
     for s in attackers:
         s.sendall(burst[:len(frame(HELLO))])
-        _flood(s, burst[len(frame(HELLO)):], len(burst))
-    compared = _ok_attach(svc, expected)  # while 3 connections hold their parked attaches
+        flood(s, burst[len(frame(HELLO)):], len(burst))
+    compared = ok_attach(svc, expected)  # while 3 connections hold their parked attaches
     _unblock(blocked)
     _wait_state(svc, "later", ("ready",))
-    compared += _ok_attach(svc, expected)
+    compared += ok_attach(svc, expected)
     assert svc.alive()
     during = proc_fds(svc.pid)
     assert sum(during.values()) < sum(before["fds"].values()) + 3 * 64 * 2 + 16, during
     codes = []
     for s in attackers:
-        got = _replies(s, timeout=2.0)
+        got = replies(s, timeout=2.0)
         attached = [o for o in got if o["type"] == "attach_reply"]
         errors = [(o["code"], o["details"]["limit"]) for o in got if o["type"] == "error"]
         # hello_reply, then the 65th attach refused while 64 wait for the load, then the 64 parked replies
@@ -240,7 +131,7 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
         codes.append(len(errors))
         s.close()
     # blocked and later are resident now: each holds what ok's slab holds (the slab, its mapping, its manifest)
-    _back_to_baseline(svc, before, extra_memfds=2 * before["fds"]["memfd"])
+    back_to_baseline(svc, before, extra_memfds=2 * before["fds"]["memfd"])
     record_figures("attack.parked_attaches", "3 connections park 2,000 attaches each on a loading model, never read",
                    "service up (RLIMIT_NOFILE=1024); per connection 64 attaches parked, the 65th answered "
                    "resource_exhausted (max_unread_replies) at once, the 64 get their fds when the load ends; a "
@@ -258,7 +149,7 @@ def test_unread_replies_are_capped_per_connection(daemon, ok_ck):
     daemon_unavailable. Now: at most 64 unread replies per connection, then resource_exhausted and no more reads
     from it; `status` and a new attach keep working; fds come back when the attackers close."""
     ok, expected = ok_ck
-    svc = daemon(make_config({"ok": ok}), nofile=1024)
+    svc = daemon(make_config({"ok": ok}, max_leases_per_connection=1 << 20), nofile=1024)  # cap under test: unread
     svc.wait_settled()
     before = svc.snapshot()
     attackers = [raw_connect(svc.socket_path) for _ in range(3)]
@@ -266,19 +157,19 @@ def test_unread_replies_are_capped_per_connection(daemon, ok_ck):
     sent = 0
     for s in attackers:
         s.sendall(frame(HELLO))
-        sent += _flood(s, one * 10_000, len(one) * 10_000) // len(one)
-    compared = _ok_attach(svc, expected)
+        sent += flood(s, one * 10_000, len(one) * 10_000) // len(one)
+    compared = ok_attach(svc, expected)
     assert svc.status()["slabs"][0]["state"] == "ready"  # `weightcache status` still answers
     held = sum(proc_fds(svc.pid).values()) - sum(before["fds"].values())
     assert held <= 3 * (128 + 1) + 4, held  # max_held_fds per connection, and its socket
     for s in attackers:
-        got = _replies(s, timeout=1.0)
+        got = replies(s, timeout=1.0)
         errors = [(o["code"], o["details"].get("limit")) for o in got if o["type"] == "error"]
         assert errors[:1] == [("resource_exhausted", "max_unread_replies")], errors[:3]
         assert sum(o["type"] == "attach_reply" for o in got) >= 64
         s.close()
-    compared += _ok_attach(svc, expected)
-    _back_to_baseline(svc, before)
+    compared += ok_attach(svc, expected)
+    back_to_baseline(svc, before)
     record_figures("attack.unread_replies", "3 connections pipeline attaches on a ready model, never read",
                    "service up (RLIMIT_NOFILE=1024); each attacker gets resource_exhausted (max_unread_replies) after "
                    "its unread replies; status and a new attach within 1 s work during; fds and RSS back",
@@ -301,9 +192,9 @@ def test_huge_model_string_is_refused_at_once(daemon, ok_ck):
     assert read_reply(huge)[0]["type"] == "hello_reply"
     # Whole frame on the wire first (the old service read all of it, then resolved it for 53 s); the new one
     # refuses it at the length prefix and closes, so the write may end early with EPIPE.
-    _send_quietly(huge, frame({"type": "attach", "model": "/" + "a/" * 600_000}))
-    compared = _ok_attach(svc, expected)
-    (err,) = _replies(huge, timeout=5.0)
+    send_quietly(huge, frame({"type": "attach", "model": "/" + "a/" * 600_000}))
+    compared = ok_attach(svc, expected)
+    (err,) = replies(huge, timeout=5.0)
     assert err["code"] == "protocol_violation" and err["details"]["size_bytes"] > 64 * 1024
     huge.close()
     long_path = "/" + "x/../" * 1000  # under 64 KiB, over PATH_MAX
@@ -312,8 +203,8 @@ def test_huge_model_string_is_refused_at_once(daemon, ok_ck):
         s.request(protocol.Attach(long_path))
     assert (e.value.code, e.value.details["field"]) == ("protocol_violation", "model")
     s.close()
-    compared += _ok_attach(svc, expected)
-    _back_to_baseline(svc, before)
+    compared += ok_attach(svc, expected)
+    back_to_baseline(svc, before)
     record_figures("attack.huge_model_string", "a 1.2 MB model path, and a 5 KB one",
                    "1.2 MB: protocol_violation at the length prefix (frame > 64 KiB), never resolved; 5 KB: "
                    "protocol_violation field=model (PATH_MAX); a well-behaved attach within 1 s meanwhile; "
@@ -334,11 +225,11 @@ def _partial_frames(path: str, conns: int, declared: int, sent: int) -> dict:
         socks.append(s)
     time.sleep(0.5)  # let the service accept them all (and refuse the ones over the cap)
     for s in socks:
-        _send_quietly(s, frame(HELLO) + struct.pack(">I", declared) + b"x" * (sent - 4))
+        send_quietly(s, frame(HELLO) + struct.pack(">I", declared) + b"x" * (sent - 4))
     for s in socks:  # each connection's fate: an error code (then EOF) or still open after the timeout
         got = []
         with contextlib.suppress(OSError):
-            got = _replies(s, timeout=6.0)
+            got = replies(s, timeout=6.0)
         errs = [(o["code"], o.get("details", {}).get("limit")) for o in got if o["type"] == "error"]
         outcomes.append(errs[0] if errs else ["open", None])
     return {"outcomes": outcomes}
@@ -354,16 +245,16 @@ def test_partial_frames_are_capped_and_timed_out(daemon, ok_ck):
     svc = daemon(make_config({"ok": ok}, max_connections_per_uid=32, max_buffered_bytes=1 * MiB,
                              partial_frame_timeout_s=2))
     svc.wait_settled()
-    _open_socket_to_all(svc)
+    open_socket_to_all(svc)
     before = svc.snapshot()
-    pid, r = _fork_as(NOBODY, NOBODY, [], _partial_frames, svc.socket_path, 40, 60_000, 50_000)
+    pid, r = fork_as(NOBODY, NOBODY, [], _partial_frames, svc.socket_path, 40, 60_000, 50_000)
     try:
-        compared = _ok_attach(svc, expected)  # the test's own uid is not capped by nobody's connections
+        compared = ok_attach(svc, expected)  # the test's own uid is not capped by nobody's connections
         peak_rss = proc_rss_bytes(svc.pid)
-        res = _result(r)
+        res = result(r)
         assert "crash" not in res, res
     finally:
-        _reap(pid, r)
+        reap(pid, r)
     counts: dict = {}
     for code, limit in res["outcomes"]:
         counts[limit] = counts.get(limit, 0) + 1
@@ -374,11 +265,11 @@ def test_partial_frames_are_capped_and_timed_out(daemon, ok_ck):
     assert counts["partial_frame_timeout_s"] >= 1
     big = raw_connect(svc.socket_path)
     big.sendall(frame(HELLO) + struct.pack(">I", 16 * MiB))
-    got = _replies(big, timeout=5.0)
+    got = replies(big, timeout=5.0)
     assert [o["code"] for o in got if o["type"] == "error"] == ["protocol_violation"]
     big.close()
-    compared += _ok_attach(svc, expected)
-    _back_to_baseline(svc, before)
+    compared += ok_attach(svc, expected)
+    back_to_baseline(svc, before)
     record_figures("attack.partial_frames", "40 connections of one uid each hold a half-sent request frame",
                    "8 refused at connect (max_connections_per_uid=32), some closed at max_buffered_bytes=1 MiB, "
                    "the rest after partial_frame_timeout_s=2, each with resource_exhausted naming the cap; a 16 MiB "
@@ -434,20 +325,20 @@ def test_allow_lists_gate_every_request_and_groups_come_from_the_peer(daemon, tm
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
     svc = daemon(make_config({"ok": ok, "secret": {"path": secret, "allow_groups": ["4242"]}}))
     svc.wait_settled()
-    _open_socket_to_all(svc)
+    open_socket_to_all(svc)
     before = svc.snapshot()
     with attach("secret", socket_dir=svc.socket_dir, fallback=False, timeout=10):  # root's lease, to be hidden
-        pid, r = _fork_as(NOBODY, NOBODY, [], _as_engine, svc.socket_path, svc.socket_dir)
+        pid, r = fork_as(NOBODY, NOBODY, [], _as_engine, svc.socket_path, svc.socket_dir)
         try:
-            denied = _result(r)
+            denied = result(r)
         finally:
-            _reap(pid, r)
-        pid, r = _fork_as(NOBODY, NOBODY, [4242], _as_engine, svc.socket_path, svc.socket_dir)
+            reap(pid, r)
+        pid, r = fork_as(NOBODY, NOBODY, [4242], _as_engine, svc.socket_path, svc.socket_dir)
         try:
-            grouped = _result(r)
+            grouped = result(r)
         finally:
-            _reap(pid, r)
-        compared = _ok_attach(svc, expected)
+            reap(pid, r)
+        compared = ok_attach(svc, expected)
     assert "crash" not in denied and "crash" not in grouped, (denied, grouped)
     assert {k: denied[k] for k in ("evict", "preload", "verify", "evict_open", "attach")} == {
         "evict": "access_denied", "preload": "access_denied", "verify": "access_denied",
@@ -458,7 +349,7 @@ def test_allow_lists_gate_every_request_and_groups_come_from_the_peer(daemon, tm
     assert grouped["status_models"] == ["ok", "secret"] and grouped["status_lease_uids"] == [-1]  # root's, hidden
     assert grouped["evict"] == "access_denied"  # on the allow list, but not an operator
     assert {s["model"]: s["state"] for s in svc.status()["slabs"]} == {"ok": "ready", "secret": "ready"}
-    _back_to_baseline(svc, before)
+    back_to_baseline(svc, before)
     shutil.rmtree(shared)
     record_figures("attack.authority", "a socket-group member off a model's allow list; groups from SO_PEERGROUPS",
                    "evict --force/preload/verify -> access_denied (not on the list; not an operator); status and "
@@ -502,7 +393,7 @@ def test_checkpoint_files_cannot_escape_the_directory(daemon, tmp_path, ok_ck):
         assert not any(x in json.dumps(slabs[name]["error"]) for x in leaked), slabs[name]["error"]
     with attach("secret", socket_dir=svc.socket_dir, fallback=False, timeout=5) as w:
         compared = compare_bytes(w.tensors, read_checkpoint(secret))
-    compared += _ok_attach(svc, expected)
+    compared += ok_attach(svc, expected)
     record_figures("attack.path_traversal", "index entries and shard symlinks that lead out of the checkpoint",
                    "../ and absolute index entries, a symlink to a root-only model's shard and to /etc/passwd: "
                    "checkpoint_corrupt before any read, no byte or size of the target in the error; the "
@@ -534,7 +425,7 @@ def test_blocked_read_fails_with_timeout_and_the_others_go_on(daemon, tmp_path, 
     assert st["after"]["state"] == "ready" and st["ok"]["state"] == "ready"
     with attach("after", socket_dir=svc.socket_dir, fallback=False, timeout=5) as w:
         compared = compare_bytes(w.tensors, read_checkpoint(after))
-    compared += _ok_attach(svc, expected)
+    compared += ok_attach(svc, expected)
     record_figures("attack.stuck_loads", "a FIFO shard, and a side file whose read never returns",
                    "FIFO shard: checkpoint_corrupt at plan time; blocked read: model_load_failed cause=timeout "
                    "after load_timeout_s=10; the model after it loads and serves identical bytes",
@@ -600,13 +491,13 @@ def test_peer_groups_beyond_python_getsockopt_buffer(tmp_path):
         c.connect(path)
         return {"connected": True}
 
-    pid, r = _fork_as(NOBODY, NOBODY, groups, connect)
+    pid, r = fork_as(NOBODY, NOBODY, groups, connect)
     try:
-        assert _result(r) == {"connected": True}
+        assert result(r) == {"connected": True}
         conn, _ = srv.accept()
         assert sorted(peer_groups(conn)) == groups
         conn.close()
     finally:
-        _reap(pid, r)
+        reap(pid, r)
         srv.close()
         shutil.rmtree(d)

@@ -23,10 +23,11 @@ from safetensors.torch import load_file, save_file
 
 from as_user import as_nobody
 from service_harness import ServiceProcess, make_config, poll_until, service_env
-from weightcache import attach, errors, pipeline
+from weightcache import attach, errors, identity, sharding
 from weightcache.checkpoint import Checkpoint
 from weightcache.config import ModelConfig
 from weightcache.memory import probe_cuda
+from weightcache.spec import RankRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -224,14 +225,14 @@ def test_effective_dtype_of_a_mixed_checkpoint(tmp_path):
                "ids": torch.arange(2)}, str(ck / "model.safetensors"))
     (ck / "config.json").write_text("{}")
     c = Checkpoint(ck)
-    assert pipeline.effective_dtype(c, 1, 0, "hf", "auto") == "auto"
-    assert pipeline.effective_dtype(c, 1, 0, "hf", "float32") == "float32"
-    assert pipeline.effective_dtype(c, 1, 0, "hf", "bfloat16") == "bfloat16"
+    assert identity.effective_dtype("auto", sharding.cast_dtypes(c, 1, 0, "hf")) == "auto"
+    assert identity.effective_dtype("float32", sharding.cast_dtypes(c, 1, 0, "hf")) == "float32"
+    assert identity.effective_dtype("bfloat16", sharding.cast_dtypes(c, 1, 0, "hf")) == "bfloat16"
     m = ModelConfig("mixed", str(ck), dtype="float32")
-    assert not pipeline.dtype_matches(m, 1, 0, "auto")
+    assert not identity.dtype_matches(RankRequest(m, 1, 0), "auto")
     save_file({"a": torch.zeros(2, 2, dtype=torch.float32), "ids": torch.arange(2)}, str(ck / "model.safetensors"))
-    assert pipeline.dtype_matches(m, 1, 0, "auto")
-    assert pipeline.effective_dtype(Checkpoint(ck), 1, 0, "hf", "float32") == "auto"
+    assert identity.dtype_matches(RankRequest(m, 1, 0), "auto")
+    assert identity.effective_dtype("float32", sharding.cast_dtypes(Checkpoint(ck), 1, 0, "hf")) == "auto"
 
 
 # --- the command line without the runtime -----------------------------------

@@ -73,3 +73,48 @@ def test_torch_is_imported_in_the_background_for_a_queued_model_that_needs_it(tm
                    "the look-ahead's import of torch on thread weightcache-torch-import", timeout=30, period_s=0.05)
     finally:
         svc.kill()
+
+
+def test_vllm_layouts_and_modelopt_fp8_load_without_torch(tmp_path):
+    """naming = "vllm" at TP 2 (fused qkv/gate_up, strided row-parallel shards, vocab padding) of a Llama and of
+    a ModelOpt FP8 checkpoint (per-tensor scales that differ between fused parts) reach ``ready`` with torch
+    unimportable, log ``torch_free=yes`` for every rank, and serve the bytes of the torch pipeline."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import fp8_fixtures as F
+
+    from weightcache import pipeline
+    from weightcache.client import attach
+    from weightcache.config import ModelConfig
+    from weightcache.spec import RankRequest
+    from weightcache.manifest import build_views
+
+    cks = {"llama": llama_checkpoint(tmp_path / "ck", seed=3, files=2), "fp8": F.write_fp8_per_tensor(tmp_path / "f8")}
+    env, log = blocked_torch_env(tmp_path)
+    models = {name: {"path": ck, "naming": "vllm", "layouts": [{"tp": 2, "gpus": [0, 0]}]} for name, ck in cks.items()}
+    svc = start_service(tmp_path / "s", models, backend="host", env=env)
+    try:
+        slabs = svc.wait_settled()["slabs"]
+        assert sorted((s["model"], s["state"]) for s in slabs) == [("fp8", "ready")] * 2 + [("llama", "ready")] * 2, \
+            svc.log()
+        attempts = torch_import_attempts(log)
+        assert attempts == [], attempts[0]["stack"] if attempts else ""
+        loaded = [line for line in svc.log().splitlines() if "torch_free=" in line]
+        assert len(loaded) == 4 and all("torch_free=yes" in line for line in loaded), loaded
+        for name, ck in cks.items():
+            for rank in range(2):
+                p = pipeline.plan(RankRequest(ModelConfig(name=name, path=str(ck), naming="vllm"), 2, rank),
+                                  {"backend": "host", "gpu_uuid": "", "compute_capability": ""})
+                slab = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
+                want = build_views(slab, pipeline.execute(p, slab))
+                with attach(name, tp_size=2, tp_rank=rank, naming="vllm", socket_dir=svc.socket_dir,
+                            device="cpu", fallback=False) as w:
+                    assert w.source == "daemon"
+                    assert compare_bytes(dict(w.tensors), want) == sum(r.size_bytes for r in p.records
+                                                                       if r.alias_of is None)
+    finally:
+        svc.kill()

@@ -24,6 +24,7 @@ from weightcache.checkpoint import Checkpoint
 from weightcache.client import load_request
 from weightcache.manifest import Manifest
 from weightcache.memory import get_backend
+from weightcache.spec import RankRequest
 
 
 def _minilm() -> Path:
@@ -71,7 +72,8 @@ def _serve_once(path: str, header: dict, payload: bytes, slab_bytes: int) -> thr
 
 def _packed(break_it=None) -> tuple[dict, bytes, int]:
     ck = _minilm()
-    pl = pipeline.plan(load_request(str(ck), "auto", "hf", "cutlass"), 1, 0, get_backend("host").device_info())
+    pl = pipeline.plan(RankRequest(load_request(str(ck), "auto", "hf", "cutlass"), 1, 0),
+                       get_backend("host").device_info())
     header, payload = Manifest("minilm", 1, 0, pl.key, pl.slab_size_bytes, tuple(pl.records)).to_wire()
     if break_it is not None:
         header, payload = break_it(header, payload)

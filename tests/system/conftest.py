@@ -34,5 +34,5 @@ def container():
 def clean_container(container):
     yield container
     # Stop only what the tests start: weightcache units (stop also drops their fd stores).
-    container.run("systemctl stop 'weightcache@*.service' 'weightcache@*.socket' weightcache.target; "
+    container.run("systemctl stop 'weightcache@*.service' 'weightcache@*.socket' weightcache.target weightcache.service; "
                   "systemctl reset-failed 'weightcache*'", check=False)

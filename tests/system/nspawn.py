@@ -311,7 +311,8 @@ def install_weightcache(c: Container, python: Path | None = None) -> None:
     tree's launcher. ``/etc/default/weightcache`` names the tree's venv.
     """
     python = python or REPO / ".venv" / "bin" / "python"
-    for f in ("weightcache@.socket", "weightcache@.service", "weightcache.target", "weightcache-metrics.socket",
+    for f in ("weightcache@.socket", "weightcache@.service", "weightcache.target", "weightcache.service",
+              "weightcache-metrics.socket",
               "weightcache-metrics.service"):
         c.copy(UNITS / f, f"/etc/systemd/system/{f}", 0o644)
     c.copy(UNITS / "weightcache-generator", "/etc/systemd/system-generators/weightcache-generator", 0o755)

@@ -6,7 +6,9 @@
 - the generator: GPUs from a config (with a conf.d drop-in) and from a fake
   PCI sysfs tree;
 - the launcher: a missing or incomplete runtime gives exit status 78 and a
-  status text (received on a test-owned ``$NOTIFY_SOCKET``) that names the fix.
+  status text (received on a test-owned ``$NOTIFY_SOCKET``) that names the fix;
+  with a socket from systemd it holds the socket instead (weightcache-hold) and
+  execs the daemon under the same PID once the runtime is there.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def test_verify_has_no_warnings(tmp_path):
     assert names == ["weightcache@0.service", "weightcache@0.socket"]
     r = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", *[f"./{n}" for n in names], "./weightcache.target",
+         "./weightcache.service",
          "./weightcache-metrics.socket", "./weightcache-metrics.service"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )
@@ -93,9 +96,13 @@ def test_socket_and_service_keys():
                  "WantedBy=weightcache.target"):
         assert re.search(rf"^{re.escape(line)}$", sock, re.M), line
     for line in ("Type=notify", "Requires=weightcache@%i.socket", "After=weightcache@%i.socket",
-                 "PartOf=weightcache.target", "RuntimeDirectory=weightcache/%i", "Restart=on-failure",
+                 "PartOf=weightcache.target weightcache.service", "ReloadPropagatedFrom=weightcache.service",
+                 "After=weightcache.target weightcache.service", "RuntimeDirectory=weightcache/%i", "Restart=on-failure",
                  "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID", "DevicePolicy=closed", "User=weightcache",
-                 "IPAddressDeny=any"):
+                 "IPAddressDeny=any",
+                 # issue 26: no start limit (systemd 252 counts "systemctl restart", and a unit that hits the
+                 # limit drops its fd store); crashes are paced instead.
+                 "StartLimitIntervalSec=0s", "RestartSec=2s"):
         assert re.search(rf"^{re.escape(line)}$", svc, re.M), line
     assert re.search(r"^ExecStart=\S+ %i$", svc, re.M)
     assert re.search(r"^ExecReload=/usr/bin/weightcache reload --gpu %i --socket-dir /run/weightcache$", svc, re.M)
@@ -149,6 +156,35 @@ def test_generator_reads_gpus_from_config_and_dropins(tmp_path):
     # A PCI tree with one GPU must not matter when the config names GPUs.
     sysfs = _fake_pci(tmp_path / "sys", {"0000:17:00.0": ("0x10de", "0x030200")})
     assert _generate(tmp_path, main, sysfs) == ["weightcache@0.socket", "weightcache@2.socket"]
+
+
+def test_generator_skips_disabled_gpus_and_requires_the_checkpoint_mounts(tmp_path):
+    """Issue 26: [service] disabled_gpus is the per-instance off switch; RequiresMountsFor= names each
+    GPU's checkpoint directories (network storage is mounted first, unmounted last)."""
+    main = tmp_path / "etc" / "weightcache.toml"
+    main.parent.mkdir()
+    main.write_text(
+        '[service]\ndisabled_gpus = [1]\n'
+        '[models.a]\npath = "/mnt/nfs/a 100%"\nlayouts = [{ tp = 2, gpus = [0, 1] }]\n'
+        '[models.b]\npath = "/srv/b"\nlayouts = [{ tp = 1, gpus = [0] }, { tp = 1, gpus = [2] }]\n'
+    )
+    assert _generate(tmp_path, main, tmp_path / "no-sys") == ["weightcache@0.socket", "weightcache@2.socket"]
+    normal = tmp_path / "normal"
+    mounts = {g: (normal / f"weightcache@{g}.service.d" / "50-checkpoints.conf").read_text().splitlines()[-1]
+              for g in (0, 2)}
+    assert mounts == {0: 'RequiresMountsFor="/mnt/nfs/a 100%%" "/srv/b"', 2: 'RequiresMountsFor="/srv/b"'}
+    assert not (normal / "weightcache@1.service.d").exists()
+    # systemd reads the quoted, %-escaped paths back as they are in the config.
+    if shutil.which("systemd-analyze"):
+        unit = tmp_path / "weightcache@0.service"
+        unit.write_text("[Service]\nExecStart=/bin/true\n")
+        dropin = tmp_path / "weightcache@0.service.d"
+        dropin.mkdir()
+        (dropin / "50-checkpoints.conf").write_text((normal / "weightcache@0.service.d" / "50-checkpoints.conf")
+                                                   .read_text())
+        r = subprocess.run(["systemd-analyze", "verify", "--man=no", f"./{unit.name}"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and (r.stdout + r.stderr).strip() == "", r.stdout + r.stderr
 
 
 def test_generator_falls_back_to_pci_sysfs(tmp_path):
@@ -252,3 +288,56 @@ def test_launcher_rejects_a_bad_instance_name(tmp_path):
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 78
     assert "bad instance name 'gpu0'" in r.stderr
+
+
+def test_launcher_without_a_runtime_holds_the_socket_until_it_is_installed(tmp_path):
+    """Under the unit (a socket from systemd), a missing runtime does not fail the unit: weightcache-hold
+    reports ready with the reason, answers engines daemon_unavailable, keeps the fds and, once the runtime
+    is there, execs the launcher (and so the daemon) under the same PID with the same socket."""
+    import json
+    import struct
+
+    runtime, served = tmp_path / "venv" / "bin" / "python", tmp_path / "served"
+    addr = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        notify.bind(addr)
+        listener.bind(str(tmp_path / "0.sock"))
+        listener.listen(8)
+        env = {"PATH": "/usr/bin:/bin", "NOTIFY_SOCKET": addr, "WEIGHTCACHE_PYTHON": str(runtime),
+               "LISTEN_FDS": "1", "LISTEN_FDNAMES": "listen"}
+        # sd_listen_fds(3): the fd at 3 and LISTEN_PID naming the process itself.
+        proc = subprocess.Popen(["/bin/sh", "-c", 'LISTEN_PID=$$ exec "$0" "$@"', UNITS / "weightcache-launch", "0"],
+                                env=env, pass_fds=(3,), stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: os.dup2(listener.fileno(), 3))
+        try:
+            notify.settimeout(30)
+            first = notify.recv(4096).decode()
+            assert first.startswith("READY=1\nSTATUS=runtime missing: "), first
+            assert str(runtime) in first and "weightcache-setup-runtime" in first, first
+
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as engine:
+                engine.settimeout(30)
+                engine.connect(str(tmp_path / "0.sock"))
+                hello = json.dumps({"type": "hello", "protocol_version": 3, "client": "test"}).encode()
+                engine.sendall(struct.pack(">I", len(hello)) + hello)
+                (n,) = struct.unpack(">I", engine.recv(4, socket.MSG_WAITALL))
+                reply = json.loads(engine.recv(n, socket.MSG_WAITALL))
+            assert reply["type"] == "error" and reply["code"] == "daemon_unavailable", reply
+            assert reply["message"].startswith("weightcache@0: runtime missing: "), reply
+
+            # The runtime appears: a stand-in that finds torch and weightcache and, as the daemon, records
+            # its PID and what it inherited.
+            runtime.parent.mkdir(parents=True)
+            runtime.write_text('#!/bin/sh\n[ "$1" = -c ] && exit 0\n'
+                               f'echo "$$ $LISTEN_PID $LISTEN_FDS $(readlink /proc/$$/fd/3) $*" > {served}\n')
+            runtime.chmod(0o755)
+            assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        inode = os.fstat(listener.fileno()).st_ino
+    pid, listen_pid, listen_fds, fd3, *argv = served.read_text().split()
+    assert (pid, listen_pid, listen_fds) == (str(proc.pid),) * 2 + ("1",)
+    assert fd3 == f"socket:[{inode}]" and argv == ["-m", "weightcache", "serve", "--gpu", "0"]

@@ -205,3 +205,59 @@ def test_range_error_writes_bounds_as_integers(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(p)
     assert e.value.message.endswith("expected at least 2097152 and at most 1099511627776")
+
+
+def test_budget_host_tier_pin_priority_preload(tmp_path):
+    p = _write(tmp_path, '[service]\nmemory_budget_bytes = 1048576\nhost_tier_bytes = 0\n'
+                         '[models.a]\npath = "/m/a"\npin = true\npriority = -1000\npreload = "disk"\n'
+                         '[models.b]\npath = "/m/b"\n')
+    cfg = load_config(p)
+    assert (cfg.service.memory_budget_bytes, cfg.service.host_tier_bytes) == (1048576, 0)
+    a, b = cfg.models["a"], cfg.models["b"]
+    assert (a.pin, a.priority, a.preload) == (True, -1000, "disk")
+    assert (b.pin, b.priority, b.preload) == (False, 0, "gpu")  # the defaults
+    assert cfg.service.budget_bytes(10 << 40) == 1048576
+    p.write_text('[models.a]\npath = "/m/a"\npin = true\npriority = 3\n')
+    pl = load_config(p).placements()[0]
+    from weightcache.config import Placement
+    assert Placement.from_json(pl.to_json()) == pl  # the fd store's copy keeps them
+
+
+def test_default_budget_is_device_memory_less_a_reserve():
+    from weightcache.config import ServiceConfig, default_budget_bytes
+    assert default_budget_bytes(150_000_000_000) == 135_000_000_000  # 10 %
+    assert default_budget_bytes(16 << 30) == 12 << 30  # at least 4 GiB
+    assert default_budget_bytes(6 << 30) == 3 << 30  # at most half
+    assert ServiceConfig().budget_bytes(150_000_000_000) == 135_000_000_000
+
+
+@pytest.mark.parametrize("text,key,line", [
+    ('[service]\nbackend = "host"\nmemory_budget_bytes = 1000\n', "service.memory_budget_bytes", 3),
+    ('[service]\nmemory_budget_bytes = "10G"\n', "service.memory_budget_bytes", 2),
+    ('[service]\nhost_tier_bytes = -1\n', "service.host_tier_bytes", 2),
+    ('[models.a]\npath = "/x"\npin = "yes"\n', "models.a.pin", 3),
+    ('[models.a]\npath = "/x"\npriority = 1001\n', "models.a.priority", 3),
+    ('[models.a]\npath = "/x"\npriority = true\n', "models.a.priority", 3),
+    ('[models.a]\npath = "/x"\npreload = "ram"\n', "models.a.preload", 3),
+    ('[service]\nhost_tier_bytes = 0\n[models.a]\npath = "/x"\n\npreload = "host"\n', "models.a.preload", 6),
+])
+def test_tier_keys_are_validated_naming_file_line_key(tmp_path, text, key, line):
+    p = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.code == "config_invalid"
+    assert (e.value.details["file"], e.value.details["key"], e.value.details["line"]) == (str(p), key, line)
+
+
+def test_preload_host_with_a_host_tier_from_a_drop_in(tmp_path):
+    p = _write(tmp_path, '[models.a]\npath = "/x"\npreload = "host"\n')
+    _write(tmp_path, '[service]\nhost_tier_bytes = 1048576\n', "conf.d/10-tier.toml")
+    assert load_config(p).models["a"].preload == "host"
+
+
+def test_the_tiers_example_loads():
+    cfg = load_config(Path(__file__).parents[2] / "examples" / "weightcache-tiers.toml")
+    assert cfg.service.memory_budget_bytes == 95_000_000_000 and cfg.service.host_tier_bytes == 64_000_000_000
+    m = cfg.models
+    assert (m["chat"].pin, m["coder"].priority, m["lastweek"].preload, m["archive"].preload) == (
+        True, 10, "host", "disk")

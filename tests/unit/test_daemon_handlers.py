@@ -15,14 +15,15 @@ import torch
 
 from daemon_helpers import Clock, close_slabs
 from service_harness import compare_bytes, read_checkpoint, write_checkpoint
-from weightcache import pipeline, protocol
+from weightcache import identity, protocol
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import access, handlers, loads
 from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
 from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent, SlotState
 from weightcache.loader import LoaderOptions
-from weightcache import manifest as manifest_module
-from weightcache.manifest import build_views, unpack_file
+from weightcache import manifest_file as manifest_module
+from weightcache.manifest import build_views
+from weightcache.manifest_file import unpack_file
 from weightcache.memory.host import HostBackend
 from weightcache.spec import DTYPE_NAMES
 
@@ -70,7 +71,7 @@ def _views(backend, reply):
     placement = Placement.from_json(fields.pop("placement"))  # what a service with a broken config serves it as
     assert (placement.model.path, placement.tp_size, placement.tp_rank) == (reply.msg.checkpoint_path, 1, 0)
     assert fields == {"format": "weightcache-manifest-1", "backend": "host", "size_bytes": os.fstat(slab_fd).st_size,
-                      "checkpoint_path": reply.msg.checkpoint_path}
+                      "checkpoint_path": reply.msg.checkpoint_path, "dtypes_served": ["auto", "float32"]}
     imported = backend.import_fd(slab_fd, manifest.slab_size_bytes)
     return build_views(imported.tensor, manifest)
 
@@ -128,13 +129,13 @@ def test_attach_dtype_is_matched_from_the_plan_without_reading_headers(svc, monk
     assert _error(handlers.handle(ctx, peer, protocol.Attach(str(ck), dtype="bfloat16"))).code == "model_not_found"
     assert locked.dtype_served == {"bfloat16": False}  # worked out once, before any plan
     load(slot)
-    expected = {r: pipeline.dtype_matches(slot.placement.model, 1, 0, r) for r in DTYPE_NAMES}
+    expected = {r: identity.dtype_matches(slot.placement, r) for r in DTYPE_NAMES}
     assert slot.dtype_served == expected == {"auto": True, "bfloat16": False, "float16": False, "float32": True}
 
     def no_header(*a, **k):
         raise AssertionError("the serving loop read a checkpoint header")
 
-    monkeypatch.setattr(pipeline, "Checkpoint", no_header)
+    monkeypatch.setattr(identity, "Checkpoint", no_header)
     for _ in range(2):
         assert _error(handlers.handle(ctx, peer, protocol.Attach(str(ck), dtype="bfloat16"))).code == \
             "model_not_found"
@@ -178,6 +179,23 @@ def test_release_status_evict_preload(svc):
     out = handlers.handle(ctx, peer, protocol.Preload("m"))
     assert out.replies[0].msg == protocol.PreloadReply(["m/tp1/rank0"]) and out.effects == (StartLoad(st.slots[0]),)
     assert st.slots[0].state is SlotState.PENDING
+
+
+def test_evict_of_an_adopted_slab_needs_force(svc):
+    """After a restart, leases of engines that attached before it are unknown: evict refuses without --force."""
+    ctx, st, load, *_ = svc
+    peer = Peer(10, os.getuid(), os.getgid())
+    load(st.slots[0])
+    st.slots[0].adopted = True  # as Slot.adopt leaves it (the fd-store path)
+    err = _error(handlers.handle(ctx, peer, protocol.Evict("m")))
+    assert err.code == "lease_busy" and err.details == {"model": "m", "leases": "unknown"}, err
+    assert "after the service restarted" in err.message and "--force" in err.message
+    assert st.slots[0].state is SlotState.READY
+    out = handlers.handle(ctx, peer, protocol.Evict("m", True))
+    assert out.replies[0].msg == protocol.EvictReply(["m/tp1/rank0"]) and st.slots[0].state is SlotState.EVICTED
+    for e in out.effects:
+        e.sealed.close()
+        e.manifest_file.close()
 
 
 def _verify(ctx, peer, model):
@@ -243,7 +261,7 @@ def test_status_prints_a_hidden_holder_as_another_user(svc, capsys):
     """``weightcache status`` of a non-operator: another uid's lease, whose holder the service hid
     (:data:`~weightcache.protocol.HIDDEN_ID`), reads ``held by another user``, not ``pid=-1 uid=-1``; the
     caller's own lease keeps its pid and uid."""
-    from weightcache import cli
+    from weightcache.cli.status import print_status
 
     ctx, st, load, *_ = svc
     load(st.slots[0])
@@ -252,7 +270,7 @@ def test_status_prints_a_hidden_holder_as_another_user(svc, capsys):
     mine = handlers.handle(ctx, me, protocol.Attach("m")).replies[0].msg.lease_id
     status = handlers.handle(ctx, me, protocol.Status()).replies[0].msg.typed()
     assert protocol.HIDDEN_ID == handlers.HIDDEN_ID == -1
-    cli._print_status(status, now=1.7e9)
+    print_status(status, now=1.7e9)
     leases = [ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("lease ")]
     assert sorted(ln.split(" since ")[0] for ln in leases) == sorted([
         f"lease {theirs}: held by another user mode=zero_copy",

@@ -121,6 +121,15 @@ def test_service_keys_that_need_a_restart(paths):
     assert p.restart_keys == ("backend", "socket_dir")
 
 
+def test_a_backend_the_running_one_satisfies_needs_no_restart():
+    """Issue 26: after a start with rejected files the old backend is that of the kept slabs ("host"); the
+    fixed file saying "auto" or "host" changes nothing and must not ask for a restart; "cuda" does."""
+    kept = ServiceConfig(backend="host")
+    for new, keys in (("auto", ()), ("host", ()), ("cuda", ("backend",))):
+        p = reload.plan([], [], kept, ServiceConfig(backend=new), running_backend="host")
+        assert p.restart_keys == keys, new
+
+
 # -- applying it ------------------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from weightcache.errors import UnsupportedQuantization  # noqa: E402
 from weightcache.manifest import build_views  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
 from weightcache.quant import modelopt_fp8  # noqa: E402
-from weightcache.spec import SourceRef, TensorSpec  # noqa: E402
+from weightcache.spec import RankRequest, SourceRef, TensorSpec  # noqa: E402
 
 ALGOS = [F.PER_TENSOR, F.PER_CHANNEL]
 PROMPTS = [[1, 5, 9, 33], [7, 7, 100, 2, 64]]
@@ -67,7 +67,7 @@ def _load(path: Path, tp: int, naming: str, backend: str | None, kernel: str = "
     m = ModelConfig("m", str(path), naming=naming, kernel=kernel, dtype=dtype)
     out = []
     for rank in range(tp):
-        p = pipeline.plan(m, tp, rank, DEVICE)
+        p = pipeline.plan(RankRequest(m, tp, rank), DEVICE)
         if backend is None:
             buf = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
             man = pipeline.execute(p, buf)
@@ -159,7 +159,7 @@ def test_unsupported_modelopt_algos_rejected_at_plan(ckpts, tmp_path, no_reads, 
     F.set_quant_config(path, {"producer": {"name": "modelopt"},
                               "quantization": {"quant_algo": algo, "exclude_modules": ["lm_head"]}})
     for call in (lambda: quant.detect(Checkpoint(path)),
-                 lambda: pipeline.plan(ModelConfig("m", str(path)), 1, 0, DEVICE)):
+                 lambda: pipeline.plan(RankRequest(ModelConfig("m", str(path)), 1, 0), DEVICE)):
         with pytest.raises(UnsupportedQuantization) as e:
             call()
         assert e.value.code == "unsupported_quantization"
@@ -177,7 +177,7 @@ def test_other_quant_methods_rejected(ckpts, tmp_path, no_reads, qc, what):
     path = _fresh(ckpts, tmp_path, F.PER_CHANNEL)
     F.set_quant_config(path, None, qc)
     with pytest.raises(UnsupportedQuantization) as e:
-        pipeline.plan(ModelConfig("m", str(path)), 1, 0, DEVICE)
+        pipeline.plan(RankRequest(ModelConfig("m", str(path)), 1, 0), DEVICE)
     assert e.value.code == "unsupported_quantization"
     assert what in e.value.details["scheme"]
 
@@ -185,7 +185,7 @@ def test_other_quant_methods_rejected(ckpts, tmp_path, no_reads, qc, what):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_kernel_other_than_cutlass_rejected(ckpts, no_reads, algo):
     with pytest.raises(UnsupportedQuantization) as e:
-        pipeline.plan(ModelConfig("m", str(ckpts[algo]), kernel="machete"), 1, 0, DEVICE)
+        pipeline.plan(RankRequest(ModelConfig("m", str(ckpts[algo]), kernel="machete"), 1, 0), DEVICE)
     assert e.value.code == "unsupported_quantization"
     assert e.value.details["kernel"] == "machete"
     assert e.value.details["layer"] == "model.layers.0.mlp.down_proj"
@@ -218,7 +218,7 @@ def test_excluded_layer_stored_as_fp8_rejected(ckpts, tmp_path, no_reads):
     qc = dict(cfg["quantization_config"], ignore=["lm_head", "model.layers.1.self_attn.o_proj"])
     F.set_quant_config(path, None, qc)
     with pytest.raises(UnsupportedQuantization) as e:
-        pipeline.plan(ModelConfig("m", str(path)), 1, 0, DEVICE)
+        pipeline.plan(RankRequest(ModelConfig("m", str(path)), 1, 0), DEVICE)
     assert e.value.details["layer"] == "model.layers.1.self_attn.o_proj"
 
 
@@ -428,7 +428,7 @@ def test_fused_layers_two_imports_of_one_slab(ckpts, algo):
     from reference_engine import fp8_linear
 
     m = ModelConfig("m", str(ckpts[algo]), naming="vllm")
-    p = pipeline.plan(m, 2, 0, DEVICE)
+    p = pipeline.plan(RankRequest(m, 2, 0), DEVICE)
     be = get_backend("host")
     ws = be.allocate(p.slab_size_bytes, "test")
     man = pipeline.execute(p, ws.tensor)
@@ -467,7 +467,7 @@ def _cuda_load(path: Path, tp: int, naming: str):
     out = []
     m = ModelConfig("m", str(path), naming=naming)
     for rank in range(tp):
-        p = pipeline.plan(m, tp, rank, DEVICE)
+        p = pipeline.plan(RankRequest(m, tp, rank), DEVICE)
         try:
             be = get_backend("cuda", 0)
         except Exception:  # noqa: BLE001 - cuda-bindings missing: plain buffer

@@ -101,8 +101,15 @@ DAEMON_ROOMS = {
                   "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
     "metrics.py": {"socket", "selectors", "threading", "torch", "prometheus_client", "weightcache.daemon.transport",
                    "weightcache.daemon.loop"},
+    "lograte.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
+                   "weightcache.daemon.handlers"},
     "loop.py": {"torch"},
     "__init__.py": {"torch"},
+    "budget.py": {"socket", "threading", "torch", "weightcache.memory", "weightcache.protocol",
+                  "weightcache.daemon.state", "weightcache.daemon.handlers"},
+    "tiers.py": {"socket", "selectors", "threading", "torch", "weightcache.memory", "weightcache.daemon.transport",
+                 "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
+    "bootstrap.py": {"torch", "weightcache.cli", "weightcache.client"},
 }
 
 

@@ -152,7 +152,7 @@ def _exposed(name: str) -> bool:
 def test_alert_rules_and_dashboard_use_exposed_names():
     rules = (REPO / "examples" / "prometheus" / "weightcache-alerts.yml").read_text()
     exprs = re.findall(r"expr: \|?\n?((?:.+\n)+?)\s+(?:for|labels):", rules)
-    assert len(exprs) == 3, exprs
+    assert len(exprs) == 6, exprs
     dashboard = json.loads((REPO / "examples" / "grafana" / "weightcache-dashboard.json").read_text())
     targets = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(targets) >= 6
@@ -165,7 +165,8 @@ def test_alert_rules_and_dashboard_use_exposed_names():
 def test_every_event_has_a_random_id_and_a_catalog_entry():
     catalog = (REPO / "units" / "weightcache.catalog").read_text()
     assert set(MESSAGE_IDS) == {"serving", "ready", "config_rejected", "loaded", "load_failed", "attached",
-                                "released", "evicted", "adopted", "verify", "fallback", "rejected", "reloaded"}
+                                "released", "evicted", "adopted", "verify", "fallback", "rejected", "reloaded",
+                                "demoted", "promoted", "shelved", "backend"}
     assert len(set(MESSAGE_IDS.values())) == len(MESSAGE_IDS)
     for kind, mid in MESSAGE_IDS.items():
         assert re.fullmatch(r"[0-9a-f]{32}", mid) and mid[12] == "4" and mid[16] in "89ab", kind  # a uuid4
@@ -199,4 +200,4 @@ def test_promtool_accepts_the_alert_rules():
         pytest.skip("promtool is not installed (Debian package prometheus, in the Makefile's APT_PKGS)")
     r = subprocess.run([promtool, "check", "rules", str(REPO / "examples" / "prometheus" / "weightcache-alerts.yml")],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "SUCCESS: 3 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "SUCCESS: 6 rules found" in r.stdout, r.stdout + r.stderr

@@ -48,8 +48,10 @@ def _example(cls):
         t = str(f.type)
         vals[f.name] = {"int": 3, "str": "x", "bool": True, "dict": {"a": [1]}, "list": [1, "b"], "bytes": b"\x00pay\nload"}[
             t.split("|")[0].strip().split("[")[0]]
-    if cls is protocol.Attach:  # a field with a closed set of values (weightcache.wire.AttachMode)
+    if cls is protocol.Attach:  # fields with a closed set of values (weightcache.wire)
         vals["mode"] = "copy"
+    if cls is protocol.Loading:
+        vals["state"] = "pending"
     return cls(**vals)
 
 

@@ -23,6 +23,7 @@ from service_harness import llama_checkpoint, read_checkpoint  # noqa: E402
 
 from weightcache import digest, loader, pipeline  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
+from weightcache.spec import RankRequest  # noqa: E402
 from weightcache.manifest import build_views  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
 
@@ -31,7 +32,7 @@ DEVICE = {"backend": "host", "gpu_uuid": "", "compute_capability": ""}
 
 def _fill(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0, **opts) -> tuple[pipeline.Filled, bytes]:
     """Fills a real host slab through :func:`pipeline.fill`; returns what it did and the slab's bytes."""
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck), dtype=dtype), tp, rank, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck), dtype=dtype), tp, rank), DEVICE)
     w = get_backend("host").allocate(p.slab_size_bytes, "m")
     filled = pipeline.fill(p, w, options=loader.LoaderOptions(**opts))
     sealed = w.seal()
@@ -43,9 +44,9 @@ def _fill(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0, **opts) -> 
         sealed.close()
 
 
-def _execute(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0):
+def _execute(ck: Path, dtype: str = "auto", tp: int = 1, rank: int = 0, naming: str = "hf"):
     """The torch pipeline into a plain CPU tensor."""
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck), dtype=dtype), tp, rank, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck), dtype=dtype, naming=naming), tp, rank), DEVICE)
     slab = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
     return pipeline.execute(p, slab), bytes(slab.numpy())
 
@@ -55,8 +56,8 @@ def test_torch_free_fill_equals_the_torch_pipeline(tmp_path, tp, rank):
     ck = llama_checkpoint(tmp_path / "ck", seed=5, files=2)
     filled, got = _fill(ck, tp=tp, rank=rank, threads=3, staging_bytes=2 << 20)
     want_manifest, want = _execute(ck, tp=tp, rank=rank)
-    # TP 2 shards o_proj/down_proj along dim 1: not one byte range of the file, so torch slices them.
-    assert filled.torch_free is (tp == 1)
+    # TP 2 shards o_proj/down_proj along dim 1: strided rows of the file, placed by the reader too.
+    assert filled.torch_free is True
     assert got == want
     assert filled.manifest.tensors == want_manifest.tensors  # digests included
     assert all(r.digest.startswith("xxh3_128:") for r in filled.manifest.tensors)
@@ -94,7 +95,7 @@ def test_may_need_torch(tmp_path):
     fp8 = F.write_fp8_per_tensor(tmp_path / "fp8")
     assert pipeline.may_need_torch(ModelConfig(name="a", path=str(plain))) is False
     assert pipeline.may_need_torch(ModelConfig(name="b", path=str(plain), dtype="bfloat16")) is True
-    assert pipeline.may_need_torch(ModelConfig(name="c", path=str(fp8))) is True
+    assert pipeline.may_need_torch(ModelConfig(name="c", path=str(fp8))) is False  # placed: weightcache.placement
     assert pipeline.may_need_torch(ModelConfig(name="d", path=str(tmp_path / "absent"))) is False
 
 
@@ -144,13 +145,28 @@ class _FakeStager:
 
     def wait(self, i: int) -> None:
         if self.pending[i] is not None:
-            src, n, dst = self.pending[i]
-            self.slab[dst : dst + n] = self.bufs[i][src : src + n]
+            self._land(i)
             self.pending[i] = None
 
     def copy(self, i: int, src_offset: int, length: int, slab_offset: int) -> None:
         assert src_offset + length <= self.buffer_bytes and slab_offset + length <= len(self.slab)
         self.pending[i] = (src_offset, length, slab_offset)
+
+    def copy2d(self, i: int, src_offset: int, src_pitch: int, width: int, rows: int, slab_offset: int,
+               dst_pitch: int) -> None:
+        assert src_offset + (rows - 1) * src_pitch + width <= self.buffer_bytes
+        assert slab_offset + (rows - 1) * dst_pitch + width <= len(self.slab)
+        self.pending[i] = ("2d", src_offset, src_pitch, width, rows, slab_offset, dst_pitch)
+
+    def _land(self, i: int) -> None:
+        job = self.pending[i]
+        if job[0] == "2d":
+            _, src, sp, w, rows, dst, dp = job
+            for r in range(rows):
+                self.slab[dst + r * dp : dst + r * dp + w] = self.bufs[i][src + r * sp : src + r * sp + w]
+        else:
+            src, n, dst = job
+            self.slab[dst : dst + n] = self.bufs[i][src : src + n]
 
     def __exit__(self, *exc) -> None:
         self.wait(0)
@@ -158,48 +174,72 @@ class _FakeStager:
 
 
 class _FakeCudaSlab:
-    """A writable slab offering only ``stager()``, as :class:`~weightcache.memory.cuda.CudaWritableSlab` does."""
+    """A writable slab offering what :class:`~weightcache.memory.cuda.CudaWritableSlab` offers a torch-free fill
+    (``stager()``, ``zero``, ``write``, ``apply_lut``, ``digests``) over host memory; its digests are torch's
+    ``sum64`` over the bytes (what the GPU kernel computes, compared on the GPU in tests/gpu)."""
 
     def __init__(self, size_bytes: int) -> None:
-        self.bytes = bytearray(size_bytes)
+        self.bytes = bytearray(os.urandom(size_bytes))  # device memory is not zeroed: padding must be written
 
     def stager(self, buffer_bytes: int) -> _FakeStager:
         return _FakeStager(self.bytes, buffer_bytes)
 
+    def zero(self, ranges) -> None:
+        for off, n in ranges:
+            self.bytes[off : off + n] = bytes(n)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.bytes[offset : offset + len(data)] = data
+
+    def apply_lut(self, ranges, table: bytes) -> None:
+        for off, n in ranges:
+            self.bytes[off : off + n] = bytes(self.bytes[off : off + n]).translate(table)
+
+    def digests(self, ranges) -> dict:
+        return {name: digest._sum64(torch.frombuffer(self.bytes, dtype=torch.uint8)[off : off + n])
+                for name, off, n in ranges}
+
 
 @pytest.mark.parametrize("o_direct", [False, True])
-def test_staged_fill_takes_xxh3c_digests_that_verify_checks(tmp_path, monkeypatch, o_direct):
-    """The CUDA reader's logic (two buffers per thread, offsets, O_DIRECT alignment, xxh3c from the staged
-    chunks) against a stager that copies on host memory; 8 KiB digest chunks, so that 8 KiB staging pieces split
-    every large tensor. The recorded digests equal the whole-buffer reference, ``verify`` over the same bytes
-    passes, and a flipped byte fails exactly its tensor."""
-    monkeypatch.setattr(digest, "CHUNK_BYTES", 8192)
-    ck = llama_checkpoint(tmp_path / "ck", seed=8, files=2, hidden=128, inter=256)
+@pytest.mark.parametrize("kind,naming,tp,rank", [("llama", "hf", 1, 0), ("llama", "vllm", 2, 1),
+                                                 ("fp8_tensor", "vllm", 2, 0), ("fp8_channel", "vllm", 1, 0)])
+def test_staged_fill_places_every_layout_and_verify_checks(tmp_path, o_direct, kind, naming, tp, rank):
+    """The CUDA reader's logic (two buffers per thread, offsets, O_DIRECT alignment, strided rows as 2-D copies,
+    zero fill, host-computed scales, in-place tables) against a stager that copies on host memory into a slab of
+    random bytes, with 8 KiB staging pieces that split every large tensor: the bytes equal the torch pipeline's,
+    the digests are ``sum64`` of each tensor, ``verify`` over the same bytes passes, and a flipped byte fails
+    exactly its tensor."""
+    if kind == "llama":
+        ck = llama_checkpoint(tmp_path / "ck", seed=8, files=2, hidden=128, inter=256)
+    elif kind == "fp8_tensor":
+        ck = F.write_fp8_per_tensor(tmp_path / "ck")
+    else:
+        ck = F.write_fp8_per_channel(tmp_path / "ck")
     if o_direct:
         try:
             os.close(os.open(next(ck.glob("*.safetensors")), os.O_RDONLY | os.O_DIRECT))
         except OSError:
             pytest.skip(f"{tmp_path} does not support O_DIRECT")
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck)), 1, 0, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck), naming=naming), tp, rank), DEVICE)
     slab = _FakeCudaSlab(p.slab_size_bytes)
     opts = loader.LoaderOptions(threads=3, staging_bytes=6 * 16384, o_direct=o_direct)
     assert opts.chunk_bytes == 8192
     filled = pipeline.fill(p, slab, options=opts)
     assert filled.torch_free is True
-    _, want = _execute(ck)
-    assert max(r.size_bytes for r in filled.manifest.tensors) > 4 * 8192  # some tensors span several pieces
+    _, want = _execute(ck, tp=tp, rank=rank, naming=naming)
+    if kind == "llama":
+        assert max(r.size_bytes for r in filled.manifest.tensors) > 4 * 8192  # some tensors span several pieces
     for r in filled.manifest.tensors:
         part = bytes(slab.bytes[r.offset_bytes : r.offset_bytes + r.size_bytes])
         assert part == want[r.offset_bytes : r.offset_bytes + r.size_bytes], r.name
-        assert r.digest == _xxh3c_reference(part, 8192), r.name
+        assert r.digest == digest._sum64(torch.frombuffer(bytearray(part), dtype=torch.uint8) if part
+                                         else torch.empty(0, dtype=torch.uint8)), r.name
 
     t = torch.frombuffer(slab.bytes, dtype=torch.uint8)
     assert pipeline.verify(filled.manifest, t) == []
     victim = max(filled.manifest.tensors, key=lambda r: r.size_bytes)
-    slab.bytes[victim.offset_bytes + victim.size_bytes - 1] ^= 0x01  # in the last, partial or full, chunk
+    slab.bytes[victim.offset_bytes + victim.size_bytes - 1] ^= 0x01
     assert pipeline.verify(filled.manifest, t) == [victim.name]
-    assert not digest.matches_buffer(memoryview(slab.bytes)[victim.offset_bytes : victim.offset_bytes
-                                                            + victim.size_bytes], victim.digest)
 
 
 def _xxh3c_reference(data: bytes, chunk: int) -> str:
@@ -264,7 +304,7 @@ def test_verify_checks_a_sealed_host_slab_on_its_mapping(tmp_path):
     import dataclasses
 
     ck = llama_checkpoint(tmp_path / "ck", seed=9, files=1)
-    p = pipeline.plan(ModelConfig(name="m", path=str(ck)), 1, 0, DEVICE)
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck)), 1, 0), DEVICE)
     w = get_backend("host").allocate(p.slab_size_bytes, "m")
     man = pipeline.fill(p, w).manifest
     sealed = w.seal()

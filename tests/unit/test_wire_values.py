@@ -50,7 +50,7 @@ def test_every_slot_state_has_its_metrics_series(monkeypatch):
 
 def test_every_slot_state_is_rendered_by_status():
     """``weightcache status`` prints each slab's state name first on its line."""
-    from weightcache.cli import _print_status as print_status
+    from weightcache.cli.status import print_status
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -113,3 +113,11 @@ def test_one_definition_of_namings_and_request_defaults():
     req = spec.LoadRequest("m", "/m")
     assert (req.dtype, req.naming, req.kernel) == (wire.DEFAULT_DTYPE, wire.DEFAULT_NAMING, wire.DEFAULT_KERNEL)
     assert protocol.SlotState is wire.SlotState
+
+
+def test_loading_reply_state_is_a_member():
+    assert protocol.Loading("m", 1, 2, "pending").state is SlotState.PENDING
+    assert protocol.Loading("m", 1, 2).state is SlotState.LOADING
+    with pytest.raises(RemoteProtocolError) as e:
+        protocol.decode(b'{"type":"loading","model":"m","done_bytes":1,"total_bytes":2,"state":"warming"}')
+    assert (e.value.code, e.value.details["field"]) == ("protocol_violation", "state")

@@ -3,8 +3,8 @@
 Owns the names (``FDNAME=slab-<id>`` and ``FDNAME=manifest-<id>``, ``<id>``
 being :attr:`~weightcache.daemon.state.Slot.store_id`). Beside each slab the
 store keeps the slab's manifest file, the very sealed memfd every attach sends
-(:func:`weightcache.manifest.pack_file`; its JSON carries ``backend``,
-``size_bytes``, ``checkpoint_path`` and the slot's ``placement``,
+(:mod:`weightcache.manifest_file`; its JSON carries ``backend``,
+``size_bytes``, ``checkpoint_path``, ``dtypes_served`` and the slot's ``placement``,
 :meth:`~weightcache.config.Placement.to_json`, so that a service whose config
 no longer loads can serve the slab as it was configured: :func:`stored_placements`). At start a stored slab is adopted
 only when its manifest's cache key equals the key computed now from the config
@@ -25,12 +25,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .. import notify, pipeline
+from .. import identity, notify
 from ..checkpoint import Checkpoint
 from ..config import Placement
 from ..errors import WeightcacheError
 from ..journal import event
-from ..manifest import MAX_MANIFEST_BYTES, Manifest, unpack_file
+from ..manifest import Manifest
+from ..manifest_file import read_file
 from ..memory.host import SealedFile
 from .state import Slot
 
@@ -39,11 +40,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Adopted:
-    """A slab taken back from the store: its manifest, the backend's SealedSlab and its manifest file."""
+    """A slab taken back from the store: its manifest, the backend's SealedSlab and its manifest file, and
+    the dtype names it serves as its manifest file records them (``None`` from an older release)."""
 
     manifest: Manifest
     sealed: Any
     manifest_file: SealedFile
+    #: ``gpu`` (``slab-<id>``), or ``host``: a host-tier copy (``host-<id>``).
+    tier: str = "gpu"
+    #: The dtype names it serves, as its manifest file records them (``None``: a file of an older release).
+    dtypes_served: frozenset[str] | None = None
 
 
 def stored_placements(stored: dict[str, list[int]], gpu: int) -> tuple[list[Placement], str | None]:
@@ -60,10 +66,7 @@ def stored_placements(stored: dict[str, list[int]], gpu: int) -> tuple[list[Plac
         if not name.startswith("manifest-") or len(fds) != 1:
             continue
         try:
-            size = os.fstat(fds[0]).st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise ValueError(f"stored manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}")
-            fields, _ = unpack_file(os.pread(fds[0], size, 0))
+            fields = read_file(fds[0]).fields
             if fields.get("placement") is None:
                 continue
             p = Placement.from_json(fields["placement"])
@@ -89,24 +92,38 @@ class FdStore:
         self.device = device
         #: Store ids :meth:`adopt` left in systemd's store unclaimed (``drop_unknown=False``).
         self.left: set[str] = set()
+        #: Store id -> the slab's entry kind this process put or adopted there (``slab`` or ``host``).
+        self._kinds: dict[str, str] = {}
 
     @property
     def enabled(self) -> bool:
         """True under systemd (``$NOTIFY_SOCKET`` set)."""
         return bool(os.environ.get("NOTIFY_SOCKET"))
 
-    def put(self, slot: Slot, sealed: Any, manifest_file: SealedFile) -> None:
-        """Stores a freshly sealed slab and its manifest file (``FDSTORE=1``); both stay open here too."""
+    def put(self, slot: Slot, sealed: Any, manifest_file: SealedFile, kind: str = "slab") -> None:
+        """Stores a freshly sealed slab (``kind`` ``slab``; ``host``: a host-tier copy) and its manifest file
+        (``FDSTORE=1``), replacing the slot's earlier entries; both stay open here too."""
         if not self.enabled:
             return
         sid = slot.store_id
-        notify.notify(f"FDSTORE=1\nFDNAME=slab-{sid}", [sealed.fd])
+        if sid in self._kinds:  # a tier move: the slot's earlier entries go first
+            self.remove(sid)
+        self._kinds[sid] = kind
+        notify.notify(f"FDSTORE=1\nFDNAME={kind}-{sid}", [sealed.fd])
         notify.notify(f"FDSTORE=1\nFDNAME=manifest-{sid}", [manifest_file.fd])
 
-    def remove(self, sid: str) -> None:
-        """Drops both entries of store id ``sid`` (``FDSTOREREMOVE=1``)."""
-        for kind in ("slab", "manifest"):
-            notify.notify(f"FDSTOREREMOVE=1\nFDNAME={kind}-{sid}")
+    def put_host(self, slot: Slot, hosted: Any, manifest_file: SealedFile) -> None:
+        """Stores the host tier's copy of a slab (``host-<id>``) and its manifest file, replacing the slab's
+        entries: a restart takes it back into the host tier."""
+        self.put(slot, hosted, manifest_file, "host")
+
+    def remove(self, sid: str, kind: str | None = None) -> None:
+        """Drops both entries of store id ``sid`` (``FDSTOREREMOVE=1``): the slab's (``kind``: ``slab`` or
+        ``host``; by default what this process put or adopted there, else ``slab``) and the manifest's."""
+        kind = kind or self._kinds.get(sid, "slab")
+        self._kinds.pop(sid, None)
+        for name in (kind, "manifest"):
+            notify.notify(f"FDSTOREREMOVE=1\nFDNAME={name}-{sid}")
 
     def adopt(self, stored: dict[str, list[int]], slots: list[Slot], drop_unknown: bool = True) -> dict[Slot, Adopted]:
         """Takes back the stored slabs that still match their slot; drops and closes everything else.
@@ -123,16 +140,18 @@ class FdStore:
             `dict`: slot -> :class:`Adopted` for each adopted slab (its fds now owned by the caller).
         """
         by_id = {s.store_id: s for s in slots}
-        ids = {n.split("-", 1)[1] for n in stored if n.startswith(("slab-", "manifest-"))}
+        ids = {n.split("-", 1)[1] for n in stored if n.startswith(("slab-", "manifest-", "host-"))}
         out: dict[Slot, Adopted] = {}
         for sid in sorted(ids):
-            slab_fds = stored.get(f"slab-{sid}", [])
+            host_fds = stored.get(f"host-{sid}", [])
+            tier = "host" if host_fds and not stored.get(f"slab-{sid}") else "gpu"
+            slab_fds = stored.get(f"slab-{sid}", []) + host_fds
             man_fds = stored.get(f"manifest-{sid}", [])
             slot = by_id.get(sid)
             kept = None
             if slot is not None and len(slab_fds) == 1 and len(man_fds) == 1:
                 try:
-                    kept = self._match(slot, slab_fds[0], man_fds[0])
+                    kept = self._match(slot, slab_fds[0], man_fds[0], tier)
                 except (WeightcacheError, ValueError, KeyError, TypeError, OSError) as e:
                     log.warning("fd store slab dropped id=%s reason=%s", sid, e)
             elif slot is None and drop_unknown:
@@ -141,31 +160,31 @@ class FdStore:
                 os.close(fd)
             if kept:
                 out[slot] = kept
+                self._kinds[sid] = "host" if kept.tier == "host" else "slab"
             elif slot is not None or drop_unknown:
-                self.remove(sid)
+                self.remove(sid, "host" if host_fds else "slab")
             else:
                 self.left.add(sid)
         return out
 
-    def _match(self, slot: Slot, slab_fd: int, manifest_fd: int) -> Adopted | None:
-        size = os.fstat(manifest_fd).st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise ValueError(f"stored manifest of {size} bytes exceeds {MAX_MANIFEST_BYTES}")
-        fields, manifest = unpack_file(os.pread(manifest_fd, size, 0))
+    def _match(self, slot: Slot, slab_fd: int, manifest_fd: int, tier: str = "gpu") -> Adopted | None:
+        mf = read_file(manifest_fd)
+        manifest = mf.manifest
         p = slot.placement
         # The key alone (headers and stat(), no validation, no planning): a match means
         # the slab was planned and filled from exactly this checkpoint and config.
         ck = Checkpoint(p.model.path, validate=False)
-        current = pipeline.cache_key(p.model, p.tp_size, p.tp_rank, ck, self.device)
-        diff = pipeline.diff_keys(current, manifest.key)
-        if fields.get("backend") != self.backend.name:
+        current = identity.cache_key(p, ck, self.device)
+        diff = identity.diff_keys(current, manifest.key)
+        if mf.backend != self.backend.name:
             diff.append("device.backend")
         if diff:
             log.info("fd store slab dropped model=%s rank=%d reason=key-mismatch fields=%s",
                      p.model.name, p.tp_rank, ",".join(diff[:8]))
             return None
-        sealed = self.backend.adopt(slab_fd, int(fields["size_bytes"]))
-        log.info("adopted slab from fd store model=%s tp_size=%d rank=%d size_bytes=%d",
-                 p.model.name, p.tp_size, p.tp_rank, sealed.size_bytes,
-                 extra=event("adopted", p.model.name, p.tp_rank, size_bytes=sealed.size_bytes))
-        return Adopted(manifest, sealed, SealedFile(manifest_fd, size))
+        adopt = self.backend.adopt_host if tier == "host" else self.backend.adopt
+        sealed = adopt(slab_fd, int(mf.fields["size_bytes"]))
+        log.info("adopted slab from fd store model=%s tp_size=%d rank=%d size_bytes=%d tier=%s",
+                 p.model.name, p.tp_size, p.tp_rank, sealed.size_bytes, tier,
+                 extra=event("adopted", p.model.name, p.tp_rank, size_bytes=sealed.size_bytes, tier=tier))
+        return Adopted(manifest, sealed, SealedFile(manifest_fd, mf.size_bytes), tier, mf.dtypes_served)

@@ -35,13 +35,14 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .. import pipeline, protocol
+from .. import identity, pipeline, protocol
 from ..config import Config, ServiceConfig
-from ..errors import (AccessDenied, ConfigError, InternalError, LeaseBusy, ModelLoadFailed, ModelNotFound,
-                      RemoteProtocolError, WeightcacheError)
+from ..errors import (AccessDenied, ConfigError, InsufficientMemory, InternalError, LeaseBusy, ModelLoadFailed,
+                      ModelNotFound, RemoteProtocolError, ResourceExhausted, WeightcacheError)
 from ..journal import event
-from . import access, reload
-from .state import IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED, describe_config_error
+from . import access, reload, tiers
+from .state import (ON_DEMAND, IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED,
+                    describe_config_error, lease_holders)
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,8 @@ class Context:
             state's ``service_uid``, no operator groups).
         counters (`Counters`, *optional*): the service's counters
             (:class:`weightcache.daemon.metrics.Counters`), for ``metrics``.
+        tiers (`tiers.Tiers`, *optional*): the memory budget and the host tier (default: from
+            ``service_config`` and ``mem_info``'s total, moves without a copy as on the host backend).
     """
 
     state: ServiceState
@@ -131,10 +134,14 @@ class Context:
     pid: int = field(default_factory=os.getpid)
     policy: access.Policy | None = None
     counters: Any = None
+    tiers: tiers.Tiers | None = None
 
     def __post_init__(self) -> None:
         if self.policy is None:  # no operator groups: root and the service user
             self.policy = access.Policy(self.state.service_uid)
+        if self.tiers is None:
+            self.tiers = tiers.Tiers(self.service_config.budget_bytes(int(self.mem_info()[1])),
+                                     self.service_config.host_tier_bytes)
 
 
 def _one(msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
@@ -165,12 +172,15 @@ def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = Fal
         return tuple(s.info(now) for s in ctx.state.slots)
     shown = ctx.state.slots if every_slab else [s for s in ctx.state.slots if access.may_attach(peer, s, ctx.policy)]
 
-    def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
-        if x.uid == peer.uid and not every_slab:
-            return x
-        return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID)
+    def hidden(uid: int) -> bool:
+        return every_slab or uid != peer.uid
 
-    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases)) for i in (s.info(now) for s in shown))
+    def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
+        return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID) if hidden(x.uid) else x
+
+    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases),
+                                     lease_holders=lease_holders(s.leases.values(), hidden))
+                 for s, i in ((s, s.info(now)) for s in shown))
 
 
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
@@ -191,7 +201,9 @@ def status(ctx: Context, peer: Peer | None = None, every_slab: bool = False) -> 
         gpu=st.gpu, pid=ctx.pid, backend=st.backend, device=protocol.DeviceInfo.from_json(st.device),
         free_bytes=int(free), total_bytes=int(total), slabs=_visible(ctx, peer, now, every_slab), clients=len(st.peers),
         status_line=st.status_line(now),
-        config_error=protocol.ErrorInfo(**st.config_error.to_wire()) if st.config_error is not None else None)
+        config_error=protocol.ErrorInfo(**st.config_error.to_wire()) if st.config_error is not None else None,
+        budget_bytes=ctx.tiers.budget_bytes, gpu_bytes=ctx.tiers.gpu_used(st),
+        host_tier_bytes=ctx.tiers.host_tier_bytes, host_used_bytes=ctx.tiers.host_used(st))
 
 
 def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
@@ -200,17 +212,17 @@ def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
 
 
 def _dtype_matches(slot: Slot, requested: str) -> bool:
-    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.pipeline.dtype_matches`).
+    """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.identity.dtype_matches`).
 
-    Answered from :attr:`Slot.dtype_served`: once a load of the slot is planned it holds every name and no
-    header is read here; before that, a name it lacks is worked out once (reading the checkpoint's headers
-    unless the slab's key or the configured dtype answers it) and kept.
+    Answered from :attr:`Slot.dtype_served`: once a load of the slot is planned (or its slab adopted with a
+    manifest file that lists them) it holds every name and no header is read here; before that, a name it
+    lacks is worked out once (reading the checkpoint's headers unless the slab's key or the configured dtype
+    answers it) and kept.
     """
     served = slot.dtype_served.get(requested)
     if served is None:
-        p = slot.placement
-        served = slot.dtype_served[requested] = pipeline.dtype_matches(
-            p.model, p.tp_size, p.tp_rank, requested, slot.manifest.key if slot.manifest else None)
+        served = slot.dtype_served[requested] = identity.dtype_matches(
+            slot.placement, requested, slot.manifest.key if slot.manifest else None)
     return served
 
 
@@ -226,10 +238,31 @@ def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
     st = ctx.state
     slot = st.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming, _dtype_matches)[0]
     access.check_attach(peer, slot, ctx.policy)
+    effects: tuple[Any, ...] = ()
+    if tiers.demand(slot, ctx.monotonic()):  # in the host tier or on disk: promote or load it now
+        effects = (StartLoad(slot),)
+    elif slot.state in UNSETTLED:
+        slot.demand = True  # an engine waits for it: its load may make room
     if slot.state in UNSETTLED and msg.wait_ms > 0:
         peer.waiting.append((msg, slot, ctx.monotonic() + msg.wait_ms / 1e3))
-        return Outcome()
-    return answer_attach(ctx, peer, msg, slot)
+        return Outcome(effects=effects)
+    out = answer_attach(ctx, peer, msg, slot)
+    return Outcome(out.replies, out.effects + effects)
+
+
+def _check_lease_caps(ctx: Context, peer: Peer) -> None:
+    """Raises ResourceExhausted (`resource_exhausted`) when ``peer`` holds ``max_leases_per_connection`` leases,
+    or its uid ``max_leases_per_uid`` (root and the service user are exempt from the latter)."""
+    svc, st = ctx.service_config, ctx.state
+    for limit, value, actual in (
+            ("max_leases_per_connection", svc.max_leases_per_connection, len(peer.leases)),
+            ("max_leases_per_uid", svc.max_leases_per_uid,
+             0 if peer.uid in (0, st.service_uid) else st.leases_by_uid.get(peer.uid, 0))):
+        if actual >= value:
+            raise ResourceExhausted(
+                f"attach refused: service.{limit} = {value} reached (this {'connection' if 'connection' in limit else 'uid'} "
+                f"holds {actual} leases); release the leases you do not use (an engine holds one per rank), or ask "
+                f"the operator to raise service.{limit}", limit=limit, value=value, actual=actual)
 
 
 def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) -> Outcome:
@@ -238,9 +271,14 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     Raises:
         ModelLoadFailed (`model_load_failed`): the slot failed to load (``cause``
             is the load error's code) or was evicted (``cause=evicted``).
+        InsufficientMemory (`insufficient_memory`): its load or promotion got no room in the memory budget.
+        ResourceExhausted (`resource_exhausted`): the connection or its uid holds
+            ``max_leases_per_connection`` / ``max_leases_per_uid`` leases.
     """
     p = slot.placement
     if slot.state is SlotState.READY:
+        _check_lease_caps(ctx, peer)
+        slot.last_used = ctx.monotonic()
         lease = ctx.state.lease(peer, slot, msg.mode, ctx.wall())
         mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
@@ -261,7 +299,16 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     if slot.state is SlotState.EVICTED:
         raise ModelLoadFailed(f"model {p.model.name} ({p.label}) was evicted; run `weightcache preload "
                               f"{p.model.name}` to load it again", model=p.model.name, cause="evicted")
+    if slot.state in ON_DEMAND and slot.refusal is not None:
+        raise slot.refusal
     return _one(protocol.Loading(p.model.name, slot.done_bytes, slot.total_bytes, slot.state.value))
+
+
+def _answer_parked(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) -> Outcome:
+    """:func:`answer_attach` for an attach parked earlier: the allow lists are checked again (a reload may have
+    taken the peer off them while it waited)."""
+    access.check_attach(peer, slot, ctx.policy)
+    return answer_attach(ctx, peer, msg, slot)
 
 
 def service_waiting(ctx: Context, peer: Peer) -> Outcome:
@@ -272,7 +319,7 @@ def service_waiting(ctx: Context, peer: Peer) -> Outcome:
         if slot.state in UNSETTLED and now < deadline:
             still.append((msg, slot, deadline))
             continue
-        replies += _guarded(peer, msg, lambda m=msg, s=slot: answer_attach(ctx, peer, m, s)).replies
+        replies += _guarded(peer, msg, lambda m=msg, s=slot: _answer_parked(ctx, peer, m, s)).replies
     peer.waiting = still
     return Outcome(tuple(replies))
 
@@ -294,6 +341,7 @@ def end_lease(state: ServiceState, peer: Peer, lease: Any) -> tuple[FreeSlab, ..
     """Ends ``lease`` (release or connection closed) and logs it; returns the effects (the last lease
     of a RETIRED slot frees its slab)."""
     state.end_lease(peer, lease)
+    lease.slot.last_used = time.monotonic()
     p = lease.slot.placement
     log.info("released model=%s rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_rank, peer.pid, lease.lease_id,
              extra=event("released", p.model.name, p.tp_rank, duration_ms=(time.time() - lease.since) * 1e3,
@@ -382,16 +430,31 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
         AccessDenied (`access_denied`): see :func:`_operator_slots`.
         LeaseBusy (`lease_busy`): leases are held and ``force`` is not set.
     """
+    if msg.to not in ("", "host", "disk"):
+        raise RemoteProtocolError(f"evict: to must be host or disk (or empty), got {msg.to!r}", field="to")
     slots = _operator_slots(ctx, peer, "evict", msg.model, retired=True)
     leased = [s for s in slots if s.leases]
+    if leased and msg.to:
+        raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
+                        f"evict --to {msg.to} moves only unleased slabs (plain evict --force frees it anyway)",
+                        model=msg.model)
     if leased and not msg.force:
         raise LeaseBusy(f"model {msg.model!r} has {sum(len(s.leases) for s in leased)} active leases; "
                         f"use --force to evict anyway (engines keep their mappings)", model=msg.model)
+    _refuse_unknown_leases(slots, msg)
+    if msg.to:
+        return _evict_to(ctx, slots, msg.to)
     evicted, effects = [], []
     for s in slots:
         if s.state is SlotState.RETIRED:  # removed by a reload, already out of the fd store
             effects.append(FreeSlab(None, *reload.release_retired(ctx.state, s, force=True)))
             evicted.append(s.label)
+            continue
+        if s.state in ON_DEMAND:  # the host tier's copy, or nothing, goes; out until preload
+            sealed, manifest_file = s.evict()
+            if sealed is not None:
+                effects.append(FreeSlab(s.store_id, sealed, manifest_file))
+                evicted.append(s.label)
             continue
         if s.state is not SlotState.READY:
             continue
@@ -404,11 +467,57 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
     return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
 
 
+def _refuse_unknown_leases(slots: list[Slot], msg: protocol.Evict) -> None:
+    """Refuses an ``evict`` without ``force`` of slabs adopted from the fd store after a restart.
+
+    Leases live in the process that granted them: after a restart, engines that attached before it
+    still map the slab, and this process cannot know whether any does (issue 26). Their leases are
+    unknown, not zero, so ``evict`` treats them as held.
+
+    Raises:
+        LeaseBusy (`lease_busy`, details ``leases="unknown"``): an adopted READY slab and no ``force``.
+    """
+    adopted = [s for s in slots if s.adopted and s.state is SlotState.READY]
+    if adopted and not msg.force:
+        raise LeaseBusy(f"model {msg.model!r} was taken back from systemd's fd store after the service restarted: "
+                        f"engines that attached before the restart are unknown to this process and may still map "
+                        f"it; use --force to evict anyway (engines keep their mappings; the memory is freed when "
+                        f"the last one detaches)", model=msg.model, leases="unknown")
+
+
+def _evict_to(ctx: Context, slots: list[Slot], to: str) -> Outcome:
+    """``evict --to host|disk``: moves the unleased READY (and, to disk, HOSTED) slots of a model.
+
+    Raises:
+        InsufficientMemory (`insufficient_memory`): ``--to host`` and the host tier has no room for them
+            (``[service] host_tier_bytes``); nothing moved.
+    """
+    st, t = ctx.state, ctx.tiers
+    moving = [s for s in slots if s.state is SlotState.READY or (to == "disk" and s.state is SlotState.HOSTED)]
+    if to == "host":
+        need = sum(s.gpu_bytes for s in moving)
+        if t.host_used(st) + need > t.host_tier_bytes:
+            raise InsufficientMemory(
+                f"evict --to host: the host tier has {t.host_tier_bytes - t.host_used(st)} bytes free of "
+                f"host_tier_bytes = {t.host_tier_bytes}, {need} needed for {', '.join(s.label for s in moving)}; "
+                f"raise host_tier_bytes or evict --to disk", model=moving[0].placement.model.name if moving else "",
+                need_bytes=need, budget_bytes=t.host_tier_bytes, free_bytes=t.host_tier_bytes - t.host_used(st),
+                resident=[], leases=[])
+        moves = [t.demote(st, s, "evict --to host") for s in moving]
+    else:
+        moves = [t.shelve(st, s, "evict --to disk") for s in moving]
+    return Outcome((Reply(protocol.EvictReply([s.label for s in moving])),), tuple(moves))
+
+
 def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
-    """``preload``: queues every FAILED or EVICTED slot of a model for loading again (operators only)."""
+    """``preload``: queues every FAILED or EVICTED slot of a model for loading again, and loads or promotes
+    every one in the host tier or on disk, making room in the budget as an attach does (operators only)."""
     started, effects = [], []
     for s in _operator_slots(ctx, peer, "preload", msg.model):
-        if s.state in (SlotState.FAILED, SlotState.EVICTED):
+        if tiers.demand(s, ctx.monotonic()):
+            effects.append(StartLoad(s))
+            started.append(s.label)
+        elif s.state in (SlotState.FAILED, SlotState.EVICTED):
             s.requeue()
             effects.append(StartLoad(s))
             started.append(s.label)
@@ -448,15 +557,20 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
                     e.details.get("file"), e.details.get("line"), e.details.get("key"), describe_config_error(e),
                     extra=reload.config_rejected_event(e))
         raise
-    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service)
+    p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service,
+                    running_backend=st.backend)
     done = reload.apply(st, p, config)
     ctx.service_config = config.service
+    ctx.tiers.budget_bytes = config.service.budget_bytes(int(ctx.mem_info()[1]))
+    ctx.tiers.host_tier_bytes = config.service.host_tier_bytes
+    moved = ctx.tiers.enforce(st, "reload: memory_budget_bytes or host_tier_bytes lowered")
+    load = [s for s in done.load if tiers.start_placement(s)]
     log.info("reloaded files=%s added=%d dropped=%d retired=%d kept=%d restart_keys=%s", ",".join(config.files),
              len(done.added), len(done.dropped), len(done.retired), len(done.kept), ",".join(p.restart_keys) or "-",
              extra=event("reloaded", added=len(done.added), dropped=len(done.dropped), retired=len(done.retired),
                          kept=len(done.kept)))
-    effects = ([CancelLoad(s) for s in done.cancel] + [FreeSlab(*f) for f in done.free]
-               + [StartLoad(s) for s in done.load] + [Reconfigure(config)])
+    effects = ([CancelLoad(s) for s in done.cancel] + [FreeSlab(*f) for f in done.free] + moved
+               + [StartLoad(s) for s in load] + [Reconfigure(config)])
     return Outcome((Reply(protocol.ReloadReply(list(done.added), list(done.dropped), list(done.retired),
                                                list(done.kept), list(p.restart_keys), list(config.files))),),
                    tuple(effects))

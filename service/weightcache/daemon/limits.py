@@ -56,6 +56,21 @@ class Limits:
         partial_frame_timeout_s (`float`): seconds an incomplete request frame
             may wait for its remaining bytes before the connection is closed
             with ``resource_exhausted``.
+        max_fds_in_flight_per_uid (`int`): fds the service has sent (or queued)
+            to the connections of one uid that the uid has not read yet (the
+            kernel charges fds in flight to the *sender*, the service's user,
+            and refuses every ``SCM_RIGHTS`` send past its ``RLIMIT_NOFILE``).
+            An attach reply that would go past it is answered
+            ``resource_exhausted`` instead, without fds and without a lease.
+            Root and the service user are exempt.
+        max_leases_per_connection (`int`): leases one connection holds; the
+            next attach gets ``resource_exhausted``.
+        max_leases_per_uid (`int`): leases all connections of one uid hold
+            (root and the service user are exempt); the next attach gets
+            ``resource_exhausted``.
+        max_connections (`int`): open connections of all uids together (root and
+            the service user are exempt): one more is answered
+            ``resource_exhausted`` and closed.
     """
 
     max_unread_replies: int
@@ -64,6 +79,10 @@ class Limits:
     max_buffered_bytes: int
     max_connections_per_uid: int
     partial_frame_timeout_s: float
+    max_fds_in_flight_per_uid: int
+    max_leases_per_connection: int
+    max_leases_per_uid: int
+    max_connections: int
 
     @classmethod
     def from_config(cls, service: Any) -> "Limits":

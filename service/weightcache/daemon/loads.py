@@ -17,24 +17,27 @@ thread): if its read ever returns, it aborts its partial slab (or closes the
 sealed one) and posts nothing. While the read blocks, that worker keeps its
 partial slab and its open file.
 
-A load whose tensors are all byte ranges of the checkpoint (unquantized, no
-cast) runs without torch (:func:`weightcache.pipeline.fill`), so the first
-slab is ready before the seconds ``import torch`` takes are spent. When a
-model queued behind the current load may need torch (a dtype to cast to, a
-quantized checkpoint: :func:`weightcache.pipeline.may_need_torch`), torch is
-imported on a background thread (:func:`warm_torch`) while the current load
-reads. A service whose models need no torch does not import it until
-``verify`` is asked of a CUDA slab (a host slab is verified without torch).
+A load whose tensors are all placements of checkpoint byte ranges (any TP
+layout, either naming, ModelOpt FP8; everything but a dtype cast) runs
+without torch (:func:`weightcache.pipeline.fill`), so the first slab is
+ready before the seconds ``import torch`` takes are spent. When a model
+queued behind the current load may need torch (a dtype to cast to:
+:func:`weightcache.pipeline.may_need_torch`), torch is imported on a
+background thread (:func:`warm_torch`) while the current load reads. A
+service whose models need no torch does not import it (``verify`` of a host
+slab hashes its mapping, of a CUDA slab runs an NVRTC kernel).
 
 The loader reads only a slot's ``placement`` (immutable) and the set of
 slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
 slot is skipped, or its load stops at the next progress report; whatever it
 still posts for a DROPPED slot the serving loop passes to :func:`discard`. It also writes the
-slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
+slab's manifest file (:func:`weightcache.manifest_file.pack_file`, a sealed memfd):
 a manifest over the limit fails the load (``manifest_too_large``), so no
 slab is ever READY that an engine could not attach. With the plan it posts
-which dtype names the slab serves (:func:`dtype_served`, from the headers the plan
-read), so that matching an attach's dtype on the serving loop reads no header. A
+which dtype names the slab serves (:func:`dtype_served`: the plan's
+``dtypes_served``, worked out once from the headers it read), so that matching an
+attach's dtype on the serving loop reads no header; the manifest file records
+them too (``dtypes_served``). A
 load that raises anything fails that model alone: a :class:`~weightcache.errors.WeightcacheError`
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
 ``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
@@ -61,7 +64,8 @@ from .. import pipeline
 from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
 from ..loader import LoaderOptions
-from ..manifest import Manifest, pack_file
+from ..manifest import Manifest
+from ..manifest_file import pack_file
 from ..memory.host import SealedFile
 from ..spec import DTYPE_NAMES
 from .state import ServiceState, Slot
@@ -127,11 +131,31 @@ class Loaded:
     duration_s: float
     stages_s: dict[str, float] = field(default_factory=dict)
     torch_free: bool = False
+    #: ``gpu``, or ``host``: the slab was loaded into the host tier (``preload = "host"``).
+    tier: str = "gpu"
+    #: The host-tier copy a promotion read (None: a load from disk); the serving loop closes it unless it is
+    #: ``sealed`` itself (the host backend promotes without a copy).
+    promoted_from: Any = None
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
-        slot.loaded(self.manifest, self.sealed, self.manifest_file)
         state.loads_done += 1
+        slot.last_used = time.monotonic()
+        if self.tier == "host":
+            slot.stash(self.manifest, self.sealed, self.manifest_file)
+        else:
+            slot.loaded(self.manifest, self.sealed, self.manifest_file)
+        if self.promoted_from is not None:
+            if self.promoted_from is self.sealed:  # the host backend: one memfd, nothing to keep
+                slot.hosted = None
+            size, st = self.sealed.size_bytes, self.stages_s
+            copy_s = st.get("copy", dt)
+            log.info("promoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f room_ms=%.0f copy_ms=%.0f "
+                     "copy_gbps=%.2f digest_ms=%.0f copied=%s", p.model.name, p.tp_size, p.tp_rank, size, dt * 1e3,
+                     st.get("room", 0) * 1e3, copy_s * 1e3, size / max(copy_s, 1e-9) / 1e9, st.get("digest", 0) * 1e3,
+                     "no" if self.promoted_from is self.sealed else "yes",
+                     extra=event("promoted", p.model.name, p.tp_rank, size_bytes=size, duration_ms=dt * 1e3))
+            return
         st = self.stages_s
         read_s = st.get("read", dt)
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f read_ms=%.0f "
@@ -161,6 +185,49 @@ class Failed:
                       extra=event("load_failed", p.model.name, p.tp_rank, error_code=e.code))
 
 
+class NeedRoom:
+    """The loader asks for ``size_bytes`` of the ``tier`` (``gpu``: the memory budget; ``host``: the host tier)
+    for ``slot`` (LOADING) before it allocates, and waits for the serving loop's :meth:`answer`
+    (:meth:`weightcache.daemon.tiers.Tiers.admit`). Applying it changes nothing: the serving loop answers it.
+    """
+
+    __slots__ = ("slot", "size_bytes", "tier", "refusal", "_done")
+
+    def __init__(self, slot: Slot, size_bytes: int, tier: str) -> None:
+        self.slot, self.size_bytes, self.tier = slot, size_bytes, tier
+        self.refusal: WeightcacheError | None = None
+        self._done = threading.Event()
+
+    def answer(self, refusal: WeightcacheError | None) -> None:
+        """Grants the room (``None``) or refuses it with ``refusal`` (``insufficient_memory``); wakes the loader."""
+        self.refusal = refusal
+        self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Waits for :meth:`answer` at most ``timeout_s`` seconds; False when none came."""
+        return self._done.wait(max(0.0, timeout_s))
+
+    def apply(self, state: ServiceState) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The load stopped because its room was refused (the serving loop already moved ``slot`` back)."""
+
+    slot: Slot
+    error: WeightcacheError
+
+    def apply(self, state: ServiceState) -> None:
+        pass
+
+
+class _NoRoom(Exception):
+    def __init__(self, error: WeightcacheError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSettings:
     """What every load needs from the service.
@@ -171,6 +238,8 @@ class LoadSettings:
         timeout_s (`float`): ``service.load_timeout_s``.
         options (`LoaderOptions`): read threads and staging bytes.
         config_source (`str`): the config file, named in the timeout error.
+        ask_room (`bool`): post a :class:`NeedRoom` before each allocation and wait for the serving loop's
+            answer (the memory budget); False (in-process tests) allocates without asking.
     """
 
     backend: Any
@@ -178,6 +247,7 @@ class LoadSettings:
     timeout_s: float
     options: LoaderOptions
     config_source: str
+    ask_room: bool = False
 
 
 class Loader:
@@ -307,20 +377,72 @@ class Loader:
                                f"({what}); raise it in {st.config_source}, or fix the storage it reads from",
                                model=p.model.name, cause="timeout")
 
-    def _load(self, slot: Slot, started: float, job: "_Job") -> Loaded | Failed:
+    def _room(self, slot: Slot, size_bytes: int, tier: str, started: float, job: "_Job") -> None:
+        """Asks the serving loop for ``size_bytes`` of ``tier`` and waits for the answer (within the load's timeout).
+
+        Raises:
+            _NoRoom: refused (``insufficient_memory``); ModelLoadFailed (``cause=timeout``): no answer in time.
+        """
+        if not self.settings.ask_room:
+            return
+        req = NeedRoom(slot, size_bytes, tier)
+        with job.lock:
+            if job.abandoned:
+                raise self._timeout(slot, "planning did not return in time")
+            self._post(req)
+        if not req.wait(self.settings.timeout_s - (time.monotonic() - started)):
+            raise self._timeout(slot, "waiting for room in the memory budget")
+        if req.refusal is not None:
+            raise _NoRoom(req.refusal)
+
+    def _promote(self, slot: Slot, started: float, job: "_Job") -> Loaded:
+        """Host tier -> GPU: room in the budget, the backend's copy, the digests (when copied) checked."""
+        p, st = slot.placement, self.settings
+        hosted, manifest, manifest_file = slot.hosted, slot.manifest, slot.manifest_file
+        total = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
+        with job.lock:
+            if not job.abandoned:
+                self._post(Planned(slot, total))
+        self._room(slot, hosted.size_bytes, "gpu", started, job)
+        t0 = time.monotonic()
+        checked: dict[str, list[str]] = {}
+
+        def check_host_copy() -> None:  # while the copy runs: the host copy's bytes against the load's digests
+            checked["bad"] = promoted_mismatches(manifest, hosted, None, st.options.threads)
+
+        sealed = st.backend.promote(hosted, p.label, check_host_copy)
+        t1 = time.monotonic()
+        if sealed is not hosted:
+            bad = checked.get("bad", []) + promoted_mismatches(manifest, None, sealed, st.options.threads)
+            if bad:
+                sealed.close()
+                raise ModelLoadFailed(f"model {p.model.name}: {len(bad)} tensors differ from their digests after "
+                                      f"the promotion from the host tier (first: {bad[0]}); the host copy is kept, "
+                                      f"`weightcache evict --to disk {p.model.name}` drops it", model=p.model.name,
+                                      cause="digest_mismatch", tensors=bad[:16])
+        end = time.monotonic()
+        return Loaded(slot, manifest, sealed, manifest_file, end - started,
+                      {"room": t0 - started, "copy": t1 - t0, "digest": end - t1}, True, promoted_from=hosted)
+
+    def _load(self, slot: Slot, started: float, job: "_Job") -> Loaded | Failed | Refused:
         p, st = slot.placement, self.settings
         writable = None
         last_post = [0.0]
         stages: dict[str, float] = {}
+        tier = slot.target
         try:
-            pl = pipeline.plan(p.model, p.tp_size, p.tp_rank, st.device)
+            if slot.hosted is not None:
+                return self._promote(slot, started, job)
+            pl = pipeline.plan(p, st.device)
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")
                 self._post(Planned(slot, pl.payload_bytes, dtype_served(pl)))
             self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
+            self._room(slot, pl.slab_size_bytes, tier, started, job)
             t_plan = time.monotonic()
-            writable = st.backend.allocate(pl.slab_size_bytes, p.label)
+            allocate = st.backend.allocate_host if tier == "host" else st.backend.allocate
+            writable = allocate(pl.slab_size_bytes, p.label)
             t_alloc = time.monotonic()
             stages.update(plan=t_plan - started, allocate=t_alloc - t_plan)
 
@@ -342,7 +464,8 @@ class Loader:
             manifest = filled.manifest
             # Here, not at the first attach: a manifest no engine could read fails the load, by name.
             raw = pack_file(manifest, backend=st.backend.name, size_bytes=writable.size_bytes,
-                            checkpoint_path=p.model.path, placement=p.to_json())
+                            checkpoint_path=p.model.path, placement=p.to_json(),
+                            dtypes_served=sorted(pl.dtypes_served))
             manifest_file = SealedFile.create(raw, f"weightcache-manifest:{p.label}")
             try:
                 sealed = writable.seal()
@@ -352,7 +475,9 @@ class Loader:
             writable = None
             end = time.monotonic()
             stages.update(read=filled.read_s, digest=filled.digest_s, seal=end - t_filled)
-            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free)
+            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free, tier)
+        except _NoRoom as e:
+            return Refused(slot, e.error)
         except WeightcacheError as e:
             return self._fail(slot, e, writable)
         except MemoryError as e:
@@ -376,24 +501,43 @@ class Loader:
 
 def dtype_served(pl: pipeline.Plan) -> dict[str, bool]:
     """For every dtype name (:data:`weightcache.spec.DTYPE_NAMES`), whether an engine asking for it gets this
-    plan's slab: the configured one, and any giving the same effective dtype
-    (:func:`weightcache.pipeline.effective_dtype`), by the rule of :func:`weightcache.pipeline.dtype_matches`
-    (a name whose effective dtype cannot be worked out matches: the engine hears the slab's own answer).
+    plan's slab (:attr:`weightcache.pipeline.Plan.dtypes_served`, the rule of
+    :func:`weightcache.identity.served_dtypes`), as :attr:`Slot.dtype_served` holds it. Reads no file."""
+    return {r: r in pl.dtypes_served for r in DTYPE_NAMES}
 
-    Reads no file (the plan's checkpoint holds the headers). Computed once per load on the loader thread,
-    so that matching an attach's dtype on the serving loop reads no header.
+
+def promoted_mismatches(manifest: Manifest, hosted: Any, sealed: Any, threads: int) -> list[str]:
+    """Names of the tensors of a promotion whose bytes differ from the digests recorded at load.
+
+    With ``hosted`` (a host-tier slab with ``buffer``): the tensors with host digests (``xxh3_128``,
+    ``xxh3c``), hashed on ``threads`` threads without torch (run during the copy to the GPU). With
+    ``sealed`` (the GPU slab after the copy): the tensors with GPU digests (``sum64``, torch pipeline loads).
     """
-    m, have = pl.model, pl.key["dtype"]
+    stored = [r for r in manifest.tensors if r.alias_of is None]
+    if sealed is not None:
+        gpu = [r for r in stored if r.digest.startswith("sum64:")]
+        if not gpu:
+            return []
+        from .. import digest
 
-    def serves(r: str) -> bool:
-        if r == m.dtype or r == "auto":
-            return r == m.dtype or have == "auto"
-        try:
-            return have == pipeline.effective_dtype(pl.checkpoint, pl.tp_size, pl.tp_rank, m.naming, r)
-        except WeightcacheError:
-            return True
+        t = sealed.tensor
+        return [r.name for r in gpu if not digest.matches(t[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)]
+    from concurrent.futures import ThreadPoolExecutor
 
-    return {r: serves(r) for r in DTYPE_NAMES}
+    from .. import digest
+
+    host = [r for r in stored if not r.digest.startswith("sum64:")]
+    buf = hosted.buffer
+
+    def bad(r: Any) -> str | None:
+        ok = digest.matches_buffer(buf[r.offset_bytes : r.offset_bytes + r.size_bytes], r.digest)
+        return None if ok else r.name
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as ex:
+            return [n for n in ex.map(bad, host) if n is not None]
+    finally:
+        buf.release()
 
 
 class _Job:
@@ -416,9 +560,18 @@ def _discard(result: Loaded | Failed) -> None:
             log.warning("close of an abandoned slab failed model=%s error=%r", result.slot.placement.model.name, e)
 
 
-def discard(result: Started | Planned | Progress | Loaded | Failed) -> None:
-    """Drops a result for a slot a reload removed (DROPPED): a sealed slab and its manifest file are
-    closed, nothing else happens."""
+def discard(result: Started | Planned | Progress | Loaded | Failed | NeedRoom | Refused) -> None:
+    """Drops a result for a slot a reload removed (DROPPED): a sealed slab, the host copy a promotion read
+    and the manifest file are closed; a request for room is refused; nothing else happens."""
+    if isinstance(result, NeedRoom):
+        result.answer(ModelLoadFailed(f"model {result.slot.placement.model.name}: a reload removed it",
+                                      model=result.slot.placement.model.name, cause="cancelled"))
+        return
+    slot = result.slot
+    if isinstance(result, (Loaded, Failed, Refused)) and slot.hosted is not None:  # a promotion's host copy
+        slot.hosted.close()
+        slot.manifest_file.close()
+        slot.hosted = slot.manifest_file = None
     if isinstance(result, Loaded):
         result.sealed.close()
         result.manifest_file.close()

@@ -38,7 +38,8 @@ from ..errors import ConfigError
 from ..journal import event
 from ..loader import LoaderOptions
 from ..memory import Backend
-from . import access, handlers, loads
+from ..spec import DTYPE_NAMES
+from . import access, handlers, loads, lograte, tiers
 from .fdstore import FdStore
 from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
 from .limits import Limits
@@ -83,12 +84,15 @@ class Daemon:
         self.state = ServiceState(gpu, backend.name, device, config.placements(gpu), source)
         self.state.config_error = config_error
         self.counters = Counters([s.placement for s in self.state.slots], time.time())
+        self.tiers = tiers.Tiers(config.service.budget_bytes(int(backend.mem_info()[1])),
+                                 config.service.host_tier_bytes, backend.demote)
         self.ctx = Context(self.state, backend.mem_info, load_config=load_config or self._no_config,
                            service_config=config.service, counters=self.counters,
-                           policy=access.Policy(self.state.service_uid, config.service.operator_groups))
+                           policy=access.Policy(self.state.service_uid, config.service.operator_groups),
+                           tiers=self.tiers)
         self.transport = Transport(listener, self._on_message, self._on_close,
                                    lambda c: self.state.peers.add(c.peer), Limits.from_config(config.service),
-                                   trusted_uids=frozenset({0, self.state.service_uid}))
+                                   trusted_uids=frozenset({0, self.state.service_uid}), on_unsent=self._on_unsent)
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -103,7 +107,12 @@ class Daemon:
         self._close_later: dict[int, Any] = {}
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
         for slot, got in stored.items():
-            slot.adopt(got.manifest, got.sealed, got.manifest_file)
+            if got.tier == "host":
+                slot.stash(got.manifest, got.sealed, got.manifest_file)
+            else:
+                slot.adopt(got.manifest, got.sealed, got.manifest_file)
+            if got.dtypes_served is not None:  # as its manifest file records them: no header read to match a dtype
+                slot.dtype_served = {r: r in got.dtypes_served for r in DTYPE_NAMES}
         if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
             self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 
@@ -142,7 +151,32 @@ class Daemon:
 
     def _effect(self, c: Client | None, eff: Any) -> None:
         {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse, CancelLoad: self._cancel_load,
-         Reconfigure: self._reconfigure, StartVerify: self._start_verify}[type(eff)](c, eff)
+         Reconfigure: self._reconfigure, StartVerify: self._start_verify, tiers.Moved: self._moved}[type(eff)](c, eff)
+
+    def _moved(self, c: Client | None, eff: tiers.Moved) -> None:
+        """A slab changed tier: the fd store follows it (host tier, or nothing), then what it left is closed."""
+        if eff.tier == "host":
+            self.fdstore.put_host(eff.slot, eff.slot.hosted, eff.slot.manifest_file)
+        else:
+            self.fdstore.remove(eff.store_id)
+        for f in eff.close:
+            if f is not None:
+                self._free_slab(c, FreeSlab(None, f, None))
+
+    def _admit(self, req: loads.NeedRoom) -> None:
+        """Answers the loader's request for room (:class:`~weightcache.daemon.loads.NeedRoom`): the budget's
+        moves are carried out before the loader allocates, so the GPU never holds more than the budget."""
+        slot = req.slot
+        if req.tier == "host":
+            refusal = self.tiers.admit_host(self.state, slot, req.size_bytes)
+        else:
+            moves, refusal = self.tiers.admit(self.state, slot, req.size_bytes, evict=slot.demand)
+            for m in moves:
+                self._moved(None, m)
+        if refusal is not None:
+            tiers.refuse(slot, refusal, "no room in the host tier" if req.tier == "host" else
+                         "no room in the memory budget" + ("" if slot.demand else " at start: waits for an attach"))
+        req.answer(refusal)
 
     def _cancel_load(self, c: Client | None, eff: CancelLoad) -> None:
         self.loader.cancel(eff.slot)
@@ -164,7 +198,7 @@ class Daemon:
         svc = cfg.service
         return LoadSettings(self.backend, self.state.device, svc.load_timeout_s,
                             LoaderOptions(threads=svc.read_threads, staging_bytes=svc.staging_bytes),
-                            cfg.files[0] if cfg.files else "the config")
+                            cfg.files[0] if cfg.files else "the config", ask_room=True)
 
     def _reload_from_signal(self) -> None:
         """SIGHUP: the same reload as a request from the service's own user (no reply to send)."""
@@ -229,6 +263,13 @@ class Daemon:
     def _refuse(self, c: Client, eff: Refuse) -> None:
         self.transport.violation(c, eff.error)
 
+    def _on_unsent(self, c: Client, msg: protocol.Message) -> None:
+        """An attach reply went out as an error without its fds: the lease it granted ends."""
+        lease = c.peer.leases.get(getattr(msg, "lease_id", -1)) if type(msg) is protocol.AttachReply else None
+        if lease is not None:
+            for eff in handlers.end_lease(self.state, c.peer, lease):
+                self._effect(None, eff)
+
     def _on_close(self, c: Client) -> None:
         for lease in list(c.peer.leases.values()):
             for eff in handlers.end_lease(self.state, c.peer, lease):
@@ -245,8 +286,14 @@ class Daemon:
             if result.slot.state is SlotState.DROPPED:  # a reload removed it while it loaded
                 loads.discard(result)
                 continue
+            if isinstance(result, loads.NeedRoom):
+                self._admit(result)
+                continue
+            if isinstance(result, loads.Refused):  # _admit moved the slot back already
+                continue
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
-                self.fdstore.put(result.slot, result.sealed, result.manifest_file)
+                put = self.fdstore.put_host if result.tier == "host" else self.fdstore.put
+                put(result.slot, result.sealed, result.manifest_file)
             loads.apply(self.state, result)
             if isinstance(result, loads.Loaded):
                 self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes)
@@ -293,8 +340,8 @@ class Daemon:
         self.transport.start()
         self.transport.add_reader(self._wake_r, self._drain_loader)
         self.loader.start()
-        for s in self.state.slots:
-            if s.state is SlotState.PENDING:
+        for s in tiers.start_order(self.state.slots):
+            if s.state is SlotState.PENDING and tiers.start_placement(s):
                 self.loader.submit(s)
         log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
                  extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))
@@ -305,6 +352,7 @@ class Daemon:
                 now = time.monotonic()
                 self.ticker.tick(now)
                 self.transport.expire(now)
+                lograte.flush(now)
                 waiting = any(c.peer.waiting for c in self.transport.clients.values())
                 self.transport.poll(0.2 if waiting else 0.5)
                 self._service_waiting()

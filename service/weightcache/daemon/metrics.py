@@ -28,6 +28,7 @@ from typing import Any, Iterable
 
 from .. import __version__, protocol
 from ..config import Placement
+from ..wire import SlotState
 
 #: Upper bounds of the attach service-time buckets, seconds (an attach is sub-millisecond
 #: to milliseconds; one that waited for a load takes up to its ``wait_ms``).
@@ -128,7 +129,7 @@ class Counters:
         """Counts the slabs a ``verify`` reply checked and those with a mismatch."""
         for r in reply.typed():
             slab = self._slabs.get((r.model, r.tp_size, r.tp_rank))
-            if slab is None or r.state != "ready":
+            if slab is None or r.state is not SlotState.READY:
                 continue
             slab.verify_runs += 1
             slab.verify_failures += bool(r.mismatched)

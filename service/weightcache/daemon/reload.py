@@ -94,7 +94,7 @@ class ReloadPlan:
 
 
 def plan(slots: list[Slot], placements: list[Placement], old: ServiceConfig, new: ServiceConfig,
-         realpath: Callable[[str], str] = os.path.realpath) -> ReloadPlan:
+         realpath: Callable[[str], str] = os.path.realpath, running_backend: str | None = None) -> ReloadPlan:
     """The :class:`ReloadPlan` taking ``slots`` to ``placements``; changes nothing.
 
     Args:
@@ -102,6 +102,10 @@ def plan(slots: list[Slot], placements: list[Placement], old: ServiceConfig, new
         placements (`list[Placement]`): the new config's placements on this GPU.
         old, new (`ServiceConfig`): ``[service]`` before and after.
         realpath (`callable`): resolves a checkpoint path now (``os.path.realpath``).
+        running_backend (`str`, *optional*): ``host`` or ``cuda``, the backend in use. When given, a changed
+            ``backend`` is a restart key only if the new value names another one (``auto`` accepts either):
+            after a start with rejected files the old value is that of the slabs the fd store kept, not
+            what any file said, and a fixed file saying ``auto`` or the same backend changes nothing.
     """
     current = {identity(s.placement): s for s in slots if s.state is not SlotState.RETIRED}
     keep, add, kept_ids = [], [], set()
@@ -115,7 +119,9 @@ def plan(slots: list[Slot], placements: list[Placement], old: ServiceConfig, new
     gone = [s for k, s in current.items() if k not in kept_ids]
     retire = tuple(s for s in gone if s.state is SlotState.READY and s.leases)
     drop = tuple(s for s in gone if s not in retire)
-    changed = tuple(k for k in RESTART_KEYS if getattr(old, k) != getattr(new, k))
+    changed = tuple(k for k in RESTART_KEYS if getattr(old, k) != getattr(new, k)
+                    and not (k == "backend" and running_backend is not None
+                             and new.backend in ("auto", running_backend)))
     return ReloadPlan(tuple(keep), tuple(add), drop, retire, changed)
 
 

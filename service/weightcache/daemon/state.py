@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -51,6 +52,9 @@ class SlotEvent(enum.Enum):
     REQUEUE = "requeue"      # ``preload`` after a failure or an eviction
     RETIRE = "retire"        # a reload removed or changed it while leases hold its slab
     DROP = "drop"            # a reload removed or changed it (no lease), or its last lease ended while retired
+    DEMOTE = "demote"        # the budget (or ``evict --to host``) moved the slab to the host tier
+    SHELVE = "shelve"        # the budget (or ``evict --to disk``) dropped the slab: it waits on disk
+    STASH = "stash"          # the load went to (or, refused room, stayed in) the host tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +85,26 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.EVICTED, E.DROP, S.DROPPED),
     Transition(S.READY, E.RETIRE, S.RETIRED),
     Transition(S.RETIRED, E.DROP, S.DROPPED),
+    # tiers (weightcache.daemon.tiers): the memory budget, demand loads, ``evict --to``
+    Transition(S.READY, E.DEMOTE, S.HOSTED),
+    Transition(S.READY, E.SHELVE, S.ON_DISK),
+    Transition(S.HOSTED, E.SHELVE, S.ON_DISK),
+    Transition(S.PENDING, E.SHELVE, S.ON_DISK),    # preload = "disk" at start
+    Transition(S.LOADING, E.SHELVE, S.ON_DISK),    # no room for it: it waits on disk
+    Transition(S.PENDING, E.STASH, S.HOSTED),      # adopted into the host tier from the fd store
+    Transition(S.LOADING, E.STASH, S.HOSTED),      # loaded into the host tier, or a promotion refused room
+    Transition(S.HOSTED, E.REQUEUE, S.PENDING),    # an attach or ``preload`` promotes it
+    Transition(S.ON_DISK, E.REQUEUE, S.PENDING),   # an attach or ``preload`` loads it
+    Transition(S.HOSTED, E.EVICT, S.EVICTED),
+    Transition(S.ON_DISK, E.EVICT, S.EVICTED),
+    Transition(S.HOSTED, E.DROP, S.DROPPED),
+    Transition(S.ON_DISK, E.DROP, S.DROPPED),
 )
 
 _TABLE: dict[tuple[SlotState, SlotEvent], SlotState] = {(t.source, t.event): t.target for t in TRANSITIONS}
+
+#: States in which an attach loads or promotes the slab on demand.
+ON_DEMAND = frozenset({S.HOSTED, S.ON_DISK})
 
 del S, E
 
@@ -152,6 +173,21 @@ class Slot:
     dtype_served: dict[str, bool] = field(default_factory=dict)
     started_at: float = 0.0
     leases: dict[int, Lease] = field(default_factory=dict)
+    #: The host tier's copy (a host SealedSlab: ``fd``, ``size_bytes``) while HOSTED, and while a promotion
+    #: from it is PENDING or LOADING; ``manifest``/``manifest_file`` stay with it. While READY, a copy kept
+    #: after a promotion on the ``cuda`` backend (the slab is immutable, so the next demotion copies nothing);
+    #: the host tier drops such copies first.
+    hosted: Any = None
+    #: Bytes of the budget granted to the load or promotion under way (LOADING); 0 otherwise.
+    reserved_bytes: int = 0
+    #: ``time.monotonic()`` s of the last attach, release or load: the budget's LRU order.
+    last_used: float = 0.0
+    #: Why the last demand load or promotion got no room (``insufficient_memory``); cleared by the next one.
+    refusal: WeightcacheError | None = None
+    #: The queued load was asked for (an attach, ``preload``): the budget may demote others to make room.
+    demand: bool = False
+    #: Where the queued load goes: ``gpu``, or ``host`` (``preload = "host"`` at start).
+    target: str = "gpu"
     #: Counts of (source, event, target) moves, shared with the ServiceState (for metrics).
     counts: collections.Counter = field(default_factory=collections.Counter, repr=False)
 
@@ -194,11 +230,12 @@ class Slot:
         self.move(SlotEvent.LOADED)
         self.manifest, self.sealed, self.manifest_file = manifest, sealed, manifest_file
         self.done_bytes = self.total_bytes
+        self.reserved_bytes = 0
 
     def fail(self, error: WeightcacheError) -> None:
         """LOADING -> FAILED with the error clients will get."""
         self.move(SlotEvent.FAIL)
-        self.error = error
+        self.error, self.reserved_bytes = error, 0
 
     def adopt(self, manifest: Manifest, sealed: Any, manifest_file: Any) -> None:
         """PENDING -> READY with a slab and its manifest file handed back by systemd's fd store."""
@@ -206,11 +243,19 @@ class Slot:
         self.manifest, self.sealed, self.manifest_file, self.adopted = manifest, sealed, manifest_file, True
         self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
+    def drop_host_copy(self) -> None:
+        """Closes the host-tier copy a READY (or RETIRED) slot kept after its promotion, if any."""
+        if self.sealed is not None and self.hosted is not None:
+            self.hosted.close()
+            self.hosted = None
+
     def evict(self) -> tuple[Any, Any]:
-        """READY -> EVICTED; returns (SealedSlab, manifest file) for the caller to close (leases stay until released)."""
+        """READY | HOSTED | ON_DISK -> EVICTED; returns (SealedSlab or host copy, manifest file) for the caller
+        to close (leases stay until released)."""
+        self.drop_host_copy()
         self.move(SlotEvent.EVICT)
-        out = (self.sealed, self.manifest_file)
-        self.sealed, self.manifest, self.manifest_file, self.adopted = None, None, None, False
+        out = (self.sealed if self.sealed is not None else self.hosted, self.manifest_file)
+        self.sealed, self.hosted, self.manifest, self.manifest_file, self.adopted = None, None, None, None, False
         return out
 
     def requeue(self) -> None:
@@ -221,13 +266,57 @@ class Slot:
     def retire(self) -> None:
         """READY -> RETIRED: removed from the config while leased; the slab stays until the last release."""
         self.move(SlotEvent.RETIRE)
+        self.drop_host_copy()
 
     def drop(self) -> tuple[Any, Any]:
         """-> DROPPED (see :data:`TRANSITIONS`); returns (SealedSlab, manifest file), None when absent, to close."""
+        promoting = self.state in (SlotState.PENDING, SlotState.LOADING) and self.hosted is not None
+        self.drop_host_copy()
         self.move(SlotEvent.DROP)
-        out = (self.sealed, self.manifest_file)
-        self.sealed, self.manifest, self.manifest_file, self.adopted = None, None, None, False
+        self.reserved_bytes = 0
+        if promoting:  # the loader may read the host copy: its discarded result closes it (loads.discard)
+            return None, None
+        out = (self.sealed if self.sealed is not None else self.hosted, self.manifest_file)
+        self.sealed, self.hosted, self.manifest, self.manifest_file, self.adopted = None, None, None, None, False
         return out
+
+    @property
+    def tier(self) -> str:
+        """``gpu`` (slab on the GPU, or a load into it granted room), ``host`` (the host tier holds it) or
+        ``disk`` (not resident)."""
+        if self.state in (SlotState.READY, SlotState.RETIRED) or self.reserved_bytes:
+            return "gpu"
+        return "host" if self.hosted is not None else "disk"
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Bytes of the memory budget this slot takes: its slab while READY or RETIRED, its grant while LOADING."""
+        if self.state in (SlotState.READY, SlotState.RETIRED) and self.sealed is not None:
+            return self.sealed.size_bytes
+        return self.reserved_bytes
+
+    def demote(self, hosted: Any) -> Any:
+        """READY -> HOSTED with ``hosted``, the host tier's copy; returns the GPU SealedSlab for the caller to
+        close (the manifest and its file stay)."""
+        self.move(SlotEvent.DEMOTE)
+        out, self.sealed, self.hosted, self.adopted = self.sealed, None, hosted, False
+        return out
+
+    def shelve(self) -> tuple[Any, Any, Any]:
+        """READY | HOSTED | PENDING | LOADING -> ON_DISK; returns (SealedSlab, host copy, manifest file), None
+        when absent, for the caller to close."""
+        self.move(SlotEvent.SHELVE)
+        out = (self.sealed, self.hosted, self.manifest_file)
+        self.sealed, self.hosted, self.manifest, self.manifest_file, self.adopted = None, None, None, None, False
+        self.reserved_bytes = 0
+        return out
+
+    def stash(self, manifest: Any, hosted: Any, manifest_file: Any) -> None:
+        """PENDING | LOADING -> HOSTED with a host-tier slab and its manifest (a load into the host tier, an
+        adoption, a promotion that got no room)."""
+        self.move(SlotEvent.STASH)
+        self.manifest, self.hosted, self.manifest_file, self.reserved_bytes = manifest, hosted, manifest_file, 0
+        self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
     def rate_bytes_per_s(self, now: float) -> float:
         """Load rate so far, bytes per second (0 unless LOADING)."""
@@ -248,10 +337,28 @@ class Slot:
             done_bytes=self.done_bytes, total_bytes=self.total_bytes,
             rate_bytes_per_s=round(self.rate_bytes_per_s(now)),
             resident_bytes=self.sealed.size_bytes if self.sealed is not None else 0,
+            tier=self.tier, host_bytes=self.hosted.size_bytes if self.hosted is not None else 0,
+            pin=p.model.pin, priority=p.model.priority,
             adopted=self.adopted, dtype=p.model.dtype, naming=p.model.naming,
             tensors=len(m.tensors) if m is not None else 0,
-            error=protocol.ErrorInfo(**self.error.to_wire()) if self.error is not None else None,
-            key=key, leases=tuple(lease.info() for lease in self.leases.values()))
+            error=(protocol.ErrorInfo(**(self.error or self.refusal).to_wire())
+                   if (self.error or self.refusal) is not None else None),
+            key=key, leases=tuple(lease.info() for lease in itertools.islice(self.leases.values(),
+                                                                               protocol.MAX_LEASES_SHOWN)),
+            lease_count=len(self.leases), lease_holders=lease_holders(self.leases.values()))
+
+
+def lease_holders(leases: Any, hide: Callable[[int], bool] = lambda uid: False) -> tuple[protocol.LeaseHolder, ...]:
+    """Leases counted per (uid, pid), the :data:`~weightcache.protocol.MAX_LEASE_HOLDERS_SHOWN` largest first.
+
+    Holders for which ``hide(uid)`` is true are summed into one entry with
+    :data:`~weightcache.protocol.HIDDEN_ID` as uid and pid. Linear in the leases.
+    """
+    counts: collections.Counter = collections.Counter()
+    for x in leases:
+        counts[(protocol.HIDDEN_ID, protocol.HIDDEN_ID) if hide(x.uid) else (x.uid, x.pid)] += 1
+    return tuple(protocol.LeaseHolder(uid, pid, n)
+                 for (uid, pid), n in counts.most_common(protocol.MAX_LEASE_HOLDERS_SHOWN))
 
 
 @dataclass(eq=False)
@@ -303,6 +410,8 @@ class ServiceState:
         self.loads_done = 0  # loads settled (ready or failed) since start
         self.config_error: ConfigError | None = None
         self._next_lease = 1
+        #: uid -> leases its connections hold (``max_leases_per_uid``).
+        self.leases_by_uid: collections.Counter = collections.Counter()
 
     def new_slot(self, placement: Placement) -> Slot:
         """A PENDING slot for ``placement`` (not yet in :attr:`slots`), its checkpoint path resolved now."""
@@ -314,11 +423,15 @@ class ServiceState:
         self._next_lease += 1
         peer.leases[lease.lease_id] = lease
         slot.leases[lease.lease_id] = lease
+        self.leases_by_uid[peer.uid] += 1
         return lease
 
     def end_lease(self, peer: Peer, lease: Lease) -> None:
         """Ends one lease of ``peer`` (release, or the connection closed)."""
-        peer.leases.pop(lease.lease_id, None)
+        if peer.leases.pop(lease.lease_id, None) is not None:
+            self.leases_by_uid[peer.uid] -= 1
+            if self.leases_by_uid[peer.uid] <= 0:
+                del self.leases_by_uid[peer.uid]
         lease.slot.leases.pop(lease.lease_id, None)
 
     @property
@@ -339,7 +452,7 @@ class ServiceState:
 
         ``dtype_matches(slot, dtype)`` decides whether a slot serves an engine asking
         for ``dtype`` (the caller's, since it may read headers: see
-        :func:`weightcache.pipeline.dtype_matches`); without it the configured
+        :func:`weightcache.identity.dtype_matches`); without it the configured
         dtype must equal ``dtype``.
 
         Raises:
@@ -406,6 +519,10 @@ class ServiceState:
             return (f"loading {cur.label}: {pct:.0f}% ({cur.done_bytes / 1e6:.0f}/{cur.total_bytes / 1e6:.0f} MB, "
                     f"{cur.rate_bytes_per_s(now) / 1e9:.2f} GB/s); {ready}/{len(configured)} ready")
         line = f"ready: {ready}/{len(configured)} slabs resident"
+        hosted = sum(s.state is SlotState.HOSTED for s in configured)
+        on_disk = sum(s.state is SlotState.ON_DISK for s in configured)
+        if hosted or on_disk:
+            line += f"; in the host tier: {hosted}, on disk: {on_disk} (an attach brings them back)"
         if failed:
             line += f"; failed: {', '.join(s.label + ' (' + (s.error.code if s.error else '?') + ')' for s in failed)}"
         return line

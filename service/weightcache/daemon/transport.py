@@ -10,13 +10,29 @@ bytes and held fds per connection (over them the next request is answered
 ``resource_exhausted`` and reading pauses until the client reads), bytes of
 incomplete requests across all connections, connections per uid, and the
 idle time of an incomplete frame (over those: ``resource_exhausted``, then
-the connection is closed). It decides nothing about requests: each decoded
-message goes to the ``on_message`` callback; a closed connection goes to
-``on_close`` (which ends its leases).
+the connection is closed), connections of all uids together
+(``max_connections``), and the fds in flight per uid
+(``max_fds_in_flight_per_uid``, below). It decides nothing about requests:
+each decoded message goes to the ``on_message`` callback; a closed connection
+goes to ``on_close`` (which ends its leases).
 
 Fd ownership: fds received from a client are closed at once (requests carry
 none); fds queued with a reply are dups, closed once the kernel has them or
 when the client is dropped.
+
+Fds in flight: an fd sent with ``SCM_RIGHTS`` sits in the peer's receive queue
+until the peer reads it, and the kernel charges it to the *sender's* user
+(the service's) and refuses every further ``SCM_RIGHTS`` send of that user
+(``ETOOMANYREFS``) once they pass its ``RLIMIT_NOFILE``. So the transport
+counts, per client uid, the fds it queued or sent and the peer may not have
+read: a connection's count drops to zero when ``SIOCOUTQ`` says the peer has
+read every byte sent (checked only when the uid is at its cap). A reply whose
+fds would take the uid past ``max_fds_in_flight_per_uid`` goes out as
+``resource_exhausted`` without fds (``on_unsent`` undoes its lease); a send
+that fails all the same (``ETOOMANYREFS``, ``ENOMEM``...) is answered the same
+way, logged at WARNING with the peer, and never closes anyone else's
+connection. A dropped connection whose peer has not read its fds yet is kept
+(shut down, but still counted) until the peer reads or closes them.
 
 Forbidden imports: threading, torch, weightcache.pipeline, weightcache.memory,
 weightcache.daemon.handlers, weightcache.daemon.loads, weightcache.daemon.fdstore,
@@ -28,11 +44,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import selectors
 import socket
 import struct
+import termios
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,6 +60,7 @@ from ..errors import RemoteProtocolError, ResourceExhausted, WeightcacheError
 from ..fdpass import recv_with_fds, send_some
 from ..journal import event
 from .limits import MAX_REQUEST_BYTES, Limits
+from .lograte import warn_peer
 from .state import Peer
 
 log = logging.getLogger(__name__)
@@ -115,6 +134,14 @@ class Client:
     counted_bytes: int = 0
     #: Reading stopped while a request of it runs off the loop (``verify``): see :meth:`Transport.hold`.
     held: bool = False
+    #: Fds handed to the kernel on this connection since the peer was last seen to have read everything.
+    inflight_fds: int = 0
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """``SIOCOUTQ`` of a Unix stream socket: memory of what was sent and the peer has not read (0: all read)."""
+    raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    return struct.unpack("i", raw)[0]
 
 
 class Transport:
@@ -128,15 +155,25 @@ class Transport:
         limits (`Limits`, *optional*): the caps (default: :meth:`Limits.defaults`).
         clock (`callable`, *optional*): monotonic seconds (``time.monotonic``).
         trusted_uids (`frozenset[int]`, *optional*): uids exempt from
-            ``max_connections_per_uid`` (root and the service user, who may
+            ``max_connections_per_uid``, ``max_connections`` and
+            ``max_fds_in_flight_per_uid`` (root and the service user, who may
             do everything anyway); default: root and this process's uid.
+        on_unsent (`callable`, *optional*): ``(client, message) -> None`` for a
+            reply whose fds were not sent (it went out as ``resource_exhausted``):
+            the caller ends the lease it granted.
     """
 
     def __init__(self, listener: socket.socket, on_message: Callable[[Client, protocol.Message], None],
                  on_close: Callable[[Client], None], on_open: Callable[[Client], None],
                  limits: Limits | None = None, clock: Callable[[], float] = time.monotonic,
-                 trusted_uids: frozenset[int] | None = None) -> None:
+                 trusted_uids: frozenset[int] | None = None,
+                 on_unsent: Callable[[Client, protocol.Message], None] | None = None) -> None:
         self.limits = limits or Limits.defaults()
+        self.on_unsent = on_unsent
+        #: uid -> fds queued or sent to its connections that the peer may not have read.
+        self.fds_in_flight: collections.Counter = collections.Counter()
+        #: Dropped connections whose peer still has fds of ours to read (counted in fds_in_flight).
+        self.lingering: list[Client] = []
         self.trusted_uids = frozenset({0, os.getuid()}) if trusted_uids is None else trusted_uids
         self.clock = clock
         #: Bytes of incomplete requests held across all connections.
@@ -184,6 +221,44 @@ class Transport:
         limit = self.limits.partial_frame_timeout_s
         for c in [c for c in self.clients.values() if c.partial_since is not None and now - c.partial_since > limit]:
             self.exhausted(c, "partial_frame_timeout_s", limit, round(now - c.partial_since, 3), close=True)
+        if self.lingering:
+            self._settle_lingering()
+
+    def _forget(self, uid: int, n: int) -> None:
+        self.fds_in_flight[uid] -= n
+        if self.fds_in_flight[uid] <= 0:
+            del self.fds_in_flight[uid]
+
+    def _settle_lingering(self) -> None:
+        """Closes the dropped connections whose peer has read (or closed) what they carried."""
+        keep = []
+        for c in self.lingering:
+            try:
+                done = unread_bytes(c.sock) == 0
+            except OSError:
+                done = True
+            if done:
+                self._forget(c.peer.uid, c.inflight_fds)
+                c.inflight_fds = 0
+                c.sock.close()
+            else:
+                keep.append(c)
+        self.lingering = keep
+
+    def _refresh_in_flight(self, uid: int) -> int:
+        """Forgets the fds that ``uid``'s peers have read (``SIOCOUTQ`` 0); returns what it still has in flight."""
+        for c in self.clients.values():
+            if c.peer.uid == uid and c.inflight_fds:
+                try:
+                    read_all = unread_bytes(c.sock) == 0
+                except OSError:
+                    continue
+                if read_all:
+                    self._forget(uid, c.inflight_fds)
+                    c.inflight_fds = 0
+        if self.lingering:
+            self._settle_lingering()
+        return self.fds_in_flight.get(uid, 0)
 
     def close_all(self, reason: str) -> None:
         """Drops every client (service stopping)."""
@@ -219,7 +294,12 @@ class Transport:
             self.clients[sock.fileno()] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
             self.on_open(c)
-            same_uid = 0 if uid in self.trusted_uids else sum(1 for o in self.clients.values() if o.peer.uid == uid)
+            trusted = uid in self.trusted_uids
+            if not trusted and len(self.clients) + len(self.lingering) > self.limits.max_connections:
+                self.exhausted(c, "max_connections", self.limits.max_connections,
+                               len(self.clients) + len(self.lingering), close=True)
+                continue
+            same_uid = 0 if trusted else sum(1 for o in self.clients.values() if o.peer.uid == uid)
             if same_uid > self.limits.max_connections_per_uid:
                 self.exhausted(c, "max_connections_per_uid", self.limits.max_connections_per_uid, same_uid,
                                close=True)
@@ -291,9 +371,10 @@ class Transport:
 
     def exhausted(self, c: Client, limit: str, value: float, actual: float, close: bool) -> None:
         """Answers ``c`` with ``resource_exhausted`` naming ``limit``; pauses reading, or closes when ``close``."""
-        log.warning("rejected request peer_pid=%d peer_uid=%d code=resource_exhausted limit=%s value=%s actual=%s",
-                    c.peer.pid, c.peer.uid, limit, value, actual,
-                    extra=event("rejected", error_code="resource_exhausted", peer_uid=c.peer.uid, limit=limit))
+        warn_peer(log, c.peer.pid, c.peer.uid,
+                  "rejected request peer_pid=%d peer_uid=%d code=resource_exhausted limit=%s value=%s actual=%s",
+                  c.peer.pid, c.peer.uid, limit, value, actual,
+                  extra=event("rejected", error_code="resource_exhausted", peer_uid=c.peer.uid, limit=limit))
         err = protocol.Error.from_exc(ResourceExhausted(
             f"{'connection closed' if close else 'request refused'}: service.{limit} = {value} reached "
             f"(this client is at {actual}); read your replies, close idle connections, or ask the operator "
@@ -310,8 +391,8 @@ class Transport:
 
     def violation(self, c: Client, e: RemoteProtocolError) -> None:
         """Answers a protocol violation with its error (best effort) and closes the connection."""
-        log.warning("rejected frame peer_pid=%d code=%s error=%s", c.peer.pid, e.code, e.message,
-                    extra=event("rejected", error_code=e.code))
+        warn_peer(log, c.peer.pid, c.peer.uid, "rejected frame peer_pid=%d peer_uid=%d code=%s error=%s",
+                  c.peer.pid, c.peer.uid, e.code, e.message, extra=event("rejected", error_code=e.code))
         for fd in c.conn.take_all_fds():
             os.close(fd)
         if not c.outbox and not c.closed:  # best effort, and never in the middle of a half-sent frame
@@ -328,11 +409,23 @@ class Transport:
         """
         if c.closed:
             return False
+        if fds and c.peer.uid not in self.trusted_uids:
+            cap, uid = self.limits.max_fds_in_flight_per_uid, c.peer.uid
+            if self.fds_in_flight.get(uid, 0) + len(fds) > cap and self._refresh_in_flight(uid) + len(fds) > cap:
+                return self._without_fds(c, msg, ResourceExhausted(
+                    f"reply withheld: service.max_fds_in_flight_per_uid = {cap} reached (uid {uid} has "
+                    f"{self.fds_in_flight.get(uid, 0)} fds sent and not yet read); read your replies and close "
+                    f"the fds you do not use, or ask the operator to raise service.max_fds_in_flight_per_uid",
+                    limit="max_fds_in_flight_per_uid", value=cap, actual=self.fds_in_flight.get(uid, 0)))
         try:
             data, fds = c.conn.send(msg, fds)
-        except WeightcacheError as e:
-            self.drop(c, f"send failed: {e}")
-            return False
+        except WeightcacheError as e:  # a reply over the frame cap: the client learns why, the service goes on
+            warn_peer(log, c.peer.pid, c.peer.uid, "reply not sent peer_pid=%d peer_uid=%d type=%s error=%s",
+                      c.peer.pid, c.peer.uid, msg.tag(), e.message,
+                      extra=event("rejected", error_code=e.code, peer_uid=c.peer.uid))
+            if fds and self.on_unsent is not None:
+                self.on_unsent(c, msg)
+            return self._queue(c, protocol.Error.from_exc(e))
         dups: list[int] = []
         try:
             for fd in fds:
@@ -342,28 +435,61 @@ class Transport:
                 os.close(fd)
             self.drop(c, f"dup failed: {e.strerror}")
             return False
-        c.outbox.append([memoryview(data), dups])
+        c.outbox.append([memoryview(data), dups, msg])
         c.outbox_bytes += len(data)
         c.outbox_fds += len(dups)
+        if dups:
+            self.fds_in_flight[c.peer.uid] += len(dups)
         return self.flush(c)
+
+    def _queue(self, c: Client, msg: protocol.Message) -> bool:
+        """Queues a reply without fds (an error) and writes what the socket takes."""
+        try:
+            data, _ = c.conn.send(msg, ())
+        except WeightcacheError as e:
+            self.drop(c, f"send failed: {e}")
+            return False
+        c.outbox.append([memoryview(data), [], msg])
+        c.outbox_bytes += len(data)
+        return self.flush(c)
+
+    def _without_fds(self, c: Client, msg: protocol.Message, err: WeightcacheError) -> bool:
+        """Sends ``err`` instead of ``msg`` (whose fds cannot go); ``on_unsent`` undoes what ``msg`` granted."""
+        warn_peer(log, c.peer.pid, c.peer.uid,
+                  "reply withheld peer_pid=%d peer_uid=%d type=%s code=%s limit=%s", c.peer.pid, c.peer.uid,
+                  msg.tag(), err.code, err.details.get("limit"),
+                  extra=event("rejected", error_code=err.code, peer_uid=c.peer.uid, limit=err.details.get("limit")))
+        if self.on_unsent is not None:
+            self.on_unsent(c, msg)
+        return self._queue(c, protocol.Error.from_exc(err))
 
     def flush(self, c: Client) -> bool:
         """Writes queued frames until the socket would block; returns False if the client was dropped."""
         while c.outbox:
-            data, fds = c.outbox[0]
+            data, fds, msg = c.outbox[0]
             try:
                 n = send_some(c.sock, data, fds)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
+                if fds and e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                    # ETOOMANYREFS (the service's user has too many fds in flight), ENOMEM, ENOBUFS: nothing of
+                    # this frame went out; answer it without fds, keep the connection.
+                    self._unsend(c, msg, fds, e)
+                    continue
+                if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                    warn_peer(log, c.peer.pid, c.peer.uid, "send failed peer_pid=%d peer_uid=%d error=%s",
+                              c.peer.pid, c.peer.uid, e.strerror or e,
+                              extra=event("rejected", error_code="send_failed", peer_uid=c.peer.uid))
                 self.drop(c, f"send failed: {e}")
                 return False
             for fd in fds:  # the kernel has its own references now
                 os.close(fd)
             c.outbox_fds -= len(fds)
+            c.inflight_fds += len(fds)
             c.outbox_bytes -= n
             if n < len(data):
-                c.outbox[0] = [data[n:], []]
+                c.outbox[0] = [data[n:], [], None]
                 break
             c.outbox.popleft()
         if c.paused and not c.held and self._over_cap(c) is None:
@@ -371,6 +497,30 @@ class Transport:
             self._resume.append(c)  # served by poll(), never from inside a handler's send
         self._want(c)
         return True
+
+    def _unsend(self, c: Client, msg: protocol.Message | None, fds: list[int], e: OSError) -> None:
+        """Replaces the head frame (whose ``sendmsg`` failed with ``e`` before any byte went) by an error."""
+        warn_peer(log, c.peer.pid, c.peer.uid,
+                  "send failed peer_pid=%d peer_uid=%d fds=%d error=%s fds_in_flight_uid=%d; answered "
+                  "resource_exhausted instead", c.peer.pid, c.peer.uid, len(fds), e.strerror or e,
+                  self.fds_in_flight.get(c.peer.uid, 0),
+                  extra=event("rejected", error_code="resource_exhausted", peer_uid=c.peer.uid,
+                              limit="kernel_fds_in_flight"))
+        data, _, _ = c.outbox.popleft()
+        for fd in fds:
+            os.close(fd)
+        c.outbox_fds -= len(fds)
+        c.outbox_bytes -= len(data)
+        self._forget(c.peer.uid, len(fds))
+        if msg is not None and self.on_unsent is not None:
+            self.on_unsent(c, msg)
+        err = protocol.Error.from_exc(ResourceExhausted(
+            f"reply withheld: the kernel refused to pass its fds ({e.strerror or e}): the service's user has too "
+            f"many fds in flight (sent to clients that have not read them); retry once they are read",
+            limit="kernel_fds_in_flight", value=0, actual=self.fds_in_flight.get(c.peer.uid, 0)))
+        raw, _ = c.conn.send(err, ())
+        c.outbox.appendleft([memoryview(raw), [], err])
+        c.outbox_bytes += len(raw)
 
     def hold(self, c: Client) -> None:
         """Stops serving ``c``'s requests until :meth:`release` (one of them runs off the loop)."""
@@ -409,9 +559,11 @@ class Transport:
         c.closed = True
         for fd in c.conn.take_all_fds():
             os.close(fd)
-        for _, fds in c.outbox:
+        for _, fds, _ in c.outbox:
             for fd in fds:
                 os.close(fd)
+        if c.outbox_fds:
+            self._forget(c.peer.uid, c.outbox_fds)
         c.outbox.clear()
         c.outbox_bytes = c.outbox_fds = 0
         self.buffered_bytes -= c.counted_bytes
@@ -422,7 +574,21 @@ class Transport:
         except (KeyError, ValueError):
             pass
         self.clients.pop(c.sock.fileno(), None)
-        c.sock.close()
+        lingers = False
+        if c.inflight_fds:  # the peer may still hold our fds unread: keep counting them until it reads or closes
+            try:
+                lingers = unread_bytes(c.sock) > 0
+            except OSError:
+                lingers = False
+        if lingers:
+            with contextlib.suppress(OSError):
+                c.sock.shutdown(socket.SHUT_RDWR)
+            self.lingering.append(c)
+        else:
+            if c.inflight_fds:
+                self._forget(c.peer.uid, c.inflight_fds)
+            c.inflight_fds = 0
+            c.sock.close()
         if self._accept_paused and not self.stopping:
             self._accept_paused = False
             self.sel.register(self.listener, selectors.EVENT_READ, "listen")

@@ -34,7 +34,8 @@ The loader asks the service for vLLM's own model dtype (``--dtype``, e.g.
   ``naming = "hf"`` and go through ``model.load_weights``, exactly like
   vLLM's default loader; tensors the service stored in a kernel layout
   (ModelOpt FP8: transposed, padded) are given back in checkpoint form (a
-  view, then a private copy), as the ``layouts`` metadata describes.
+  view, then a private copy) by the scheme that processed them
+  (:func:`checkpoint_form`).
 
 Extra config keys (anything else is an error):
 
@@ -84,7 +85,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from .. import sharding
+from .. import quant, sharding
 from ..checkpoint import Checkpoint
 from ..client import Attachment, attach, physical_gpu
 from ..errors import ConfigError, ShapeMismatch, WeightcacheError
@@ -182,13 +183,13 @@ def checkpoint_form(name: str, tensor: torch.Tensor, layout: dict[str, Any],
     """Gives a processed tensor back in the form its checkpoint stores (a view, no copy).
 
     vLLM's ``load_weights`` expects checkpoint tensors and re-processes them
-    itself. For ModelOpt FP8 (``layout["view"] == "transpose"``) the service
-    stores ``F8_E4M3`` ``[N_pad, K_pad]`` exposed as the ``[K_pad, N_pad]``
-    view; the checkpoint form is its transpose cut to ``logical_shape``
-    ``[N, K]``. A per-channel ``weight_scale`` (``layout["role"] ==
-    "weight_scale"``) is ``F32`` ``[1, N_pad]``; its checkpoint form is the
-    first ``logical_output_width`` values, reshaped to the checkpoint's shape
-    (``[N]`` or ``[N, 1]``). Anything else is returned as is.
+    itself. The scheme that processed the tensor undoes its processing
+    (:func:`weightcache.quant.checkpoint_form`, dispatched on
+    ``layout["scheme"]`` through the scheme registry; ModelOpt FP8: the
+    transposed, padded ``[K_pad, N_pad]`` view becomes ``[N, K]``, a
+    per-channel ``[1, N_pad]`` scale its first ``N`` values), then the result
+    takes the checkpoint's shape (``[N]`` or ``[N, 1]``) when only the shape
+    differs. A tensor of no scheme is returned as is.
 
     Args:
         name (`str`): tensor name (checkpoint naming).
@@ -198,14 +199,9 @@ def checkpoint_form(name: str, tensor: torch.Tensor, layout: dict[str, Any],
 
     Raises:
         ShapeMismatch (`shape_mismatch`): the result differs from the checkpoint's shape.
+        ManifestInvalid (`manifest_invalid`): a malformed layout of a registered scheme.
     """
-    out = tensor
-    if layout.get("view") == "transpose":
-        n, k = layout["logical_shape"]
-        out = tensor.t()[:n, :k]
-    elif layout.get("role") == "weight_scale" and tensor.dim() == 2:
-        n = int(layout["logical_output_width"])
-        out = tensor[0, :n]
+    out = quant.checkpoint_form(tensor, layout)
     want = ck_shapes.get(name)
     if want is not None and tuple(out.shape) != tuple(want):
         if out.numel() == math.prod(want):
@@ -257,7 +253,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         the service cannot serve (the load will then read from disk into
         vLLM's own memory) the answer is 0.
         """
-        if self.options["mode"] != "zero_copy":
+        if self.options["mode"] != AttachMode.ZERO_COPY:
             return 0
         rank = self._rank(vllm_config.model_config, self._target(vllm_config))
         _drop_profiled(rank)
@@ -283,7 +279,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             DaemonUnavailable, CacheKeyMismatch, ModelLoading, ... : from
                 :func:`weightcache.attach` when ``fallback`` is false.
         """
-        if self.options["mode"] == "zero_copy":
+        if self.options["mode"] == AttachMode.ZERO_COPY:
             model = self._load_zero_copy(vllm_config, model_config, prefix)
             if model is not None:
                 return model
@@ -339,7 +335,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                 raise
         _keep_lease(model, w)
         private = zc.private_tensors(model, shared)
-        self._log_attached(rank, w, "zero_copy", t0, private=len(private))
+        self._log_attached(rank, w, AttachMode.ZERO_COPY.value, t0, private=len(private))
         if private:
             log.info("weightcache private copies tensors=%s", private)
         return model.eval()
@@ -392,7 +388,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             else:
                 loaded = model.load_weights(self._weights(rank.path, w))
                 self._track(model, model_config, loaded)
-            self._log_attached(rank, w, "copy", t0)
+            self._log_attached(rank, w, AttachMode.COPY.value, t0)
         finally:
             # copy mode: every byte now lives in vLLM's parameters; end the lease.
             w.close()
@@ -419,7 +415,7 @@ class WeightcacheModelLoader(BaseModelLoader):
 
     def _attach(self, rank: _Rank, naming: str, fallback: bool) -> Attachment:
         o = self.options
-        return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode="zero_copy",
+        return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode=AttachMode.ZERO_COPY,
                       fallback=fallback, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
                       dtype=rank.dtype, naming=naming, kernel=o["kernel"])
 
@@ -437,7 +433,7 @@ class WeightcacheModelLoader(BaseModelLoader):
 
     def _weights(self, path: str, w: Attachment) -> Iterator[tuple[str, torch.Tensor]]:
         ck_shapes: dict[str, tuple[int, ...]] = {}
-        if any(lay.get("view") or lay.get("role") for lay in w.layouts.values()):
+        if any(lay.get("scheme") for lay in w.layouts.values()):  # a scheme processed some tensor
             ck_shapes = {n: tuple(i.shape) for n, i in Checkpoint(path).tensors.items()}
         for name, tensor in w.tensors.items():
             # A private copy per tensor: a model's load_weights may write into

@@ -90,6 +90,32 @@ class Backend(Protocol):
     def mem_info(self) -> tuple[int, int]:
         """Returns ``(free_bytes, total_bytes)`` of the memory slabs come from (GPU, or host RAM)."""
 
+    def allocate_host(self, size_bytes: int, label: str) -> WritableSlab:
+        """A writable slab in the host tier (host RAM; pinned once sealed on ``cuda``), filled like a slab.
+
+        Raises:
+            OutOfMemory (`out_of_memory`): host RAM has no room.
+        """
+
+    def adopt_host(self, fd: int, size_bytes: int) -> SealedSlab:
+        """Takes ownership of a host-tier memfd from systemd's fd store."""
+
+    def demote(self, sealed: SealedSlab, label: str) -> SealedSlab:
+        """Copies a sealed slab GPU -> host tier (a sealed memfd); the caller closes ``sealed`` unless the
+        answer is ``sealed`` itself (the ``host`` backend, where both tiers are host RAM).
+
+        Raises:
+            OutOfMemory (`out_of_memory`): host RAM has no room.
+        """
+
+    def promote(self, hosted: SealedSlab, label: str) -> SealedSlab:
+        """Copies a host-tier slab -> a new sealed GPU slab (through pinned memory at link speed); ``hosted``
+        stays the caller's (the ``host`` backend answers ``hosted`` itself).
+
+        Raises:
+            OutOfMemory (`out_of_memory`): the device has no room.
+        """
+
     def device_info(self) -> dict:
         """Key fields of the slab's device (DESIGN section 5): ``backend``, ``gpu_uuid``, ``compute_capability``."""
 

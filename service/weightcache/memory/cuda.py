@@ -427,6 +427,34 @@ class CudaStager:
         _check("cuEventRecord", cu.cuEventRecord(self._events[i], self._stream))
         self._recorded[i] = True
 
+    def copy2d(self, i: int, src_offset: int, src_pitch: int, width: int, rows: int, slab_offset: int,
+               dst_pitch: int) -> None:
+        """Queues ``rows`` rows of ``width`` bytes from buffer ``i`` (rows ``src_pitch`` apart, from ``src_offset``)
+        to the slab (rows ``dst_pitch`` apart, from ``slab_offset``): one ``cuMemcpy2DAsync``.
+
+        Raises:
+            ValueError: the rows reach outside the buffer or the slab.
+        """
+        src_end = src_offset + (rows - 1) * src_pitch + width
+        dst_end = slab_offset + (rows - 1) * dst_pitch + width
+        if min(src_offset, slab_offset, width, rows - 1) < 0 or src_end > self.buffer_bytes \
+                or dst_end > self._slab_bytes or src_pitch < width or dst_pitch < width:
+            raise ValueError(f"staged 2-D copy of {rows} rows of {width} bytes (pitches {src_pitch}/{dst_pitch}) "
+                             f"from buffer offset {src_offset} to slab offset {slab_offset}: outside the buffer "
+                             f"({self.buffer_bytes}) or slab ({self._slab_bytes})")
+        c = cu.CUDA_MEMCPY2D()
+        c.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_HOST
+        c.srcHost = self._host[i] + src_offset
+        c.srcPitch = src_pitch
+        c.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        c.dstDevice = self._slab_ptr + slab_offset
+        c.dstPitch = dst_pitch
+        c.WidthInBytes = width
+        c.Height = rows
+        _check("cuMemcpy2DAsync", cu.cuMemcpy2DAsync(c, self._stream))
+        _check("cuEventRecord", cu.cuEventRecord(self._events[i], self._stream))
+        self._recorded[i] = True
+
     def __exit__(self, *exc: Any) -> None:
         try:
             if self._stream is not None:
@@ -507,6 +535,52 @@ class CudaWritableSlab:
             raise RuntimeError(f"slab {self.label!r} was already sealed or aborted")
         return CudaStager(self._device, self.ptr, self.size_bytes, buffer_bytes)
 
+    def _range(self, offset: int, size: int) -> int:
+        if self._mapping is None:
+            raise RuntimeError(f"slab {self.label!r} was already sealed or aborted")
+        if offset < 0 or size < 0 or offset + size > self.size_bytes:
+            raise ValueError(f"range {offset}+{size} is outside slab {self.label!r} ({self.size_bytes} bytes)")
+        return self.ptr + offset
+
+    def prepare_kernels(self) -> None:
+        """Starts compiling the slab's GPU kernels in the background (:func:`weightcache.memory.kernels.prepare`)."""
+        from . import kernels
+
+        kernels.prepare(self._device)
+
+    def zero(self, ranges: list[tuple[int, int]]) -> None:
+        """Sets each ``(offset_bytes, size_bytes)`` range to zero (``cuMemsetD8``, synchronous)."""
+        with self._device.current():
+            for off, n in ranges:
+                if n:
+                    _check("cuMemsetD8", cu.cuMemsetD8(self._range(off, n), 0, n), f"slab {self.label!r}")
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copies host bytes ``data`` to ``offset`` (``cuMemcpyHtoD``, synchronous; for small computed tensors)."""
+        if not data:
+            return
+        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        with self._device.current():
+            _check("cuMemcpyHtoD", cu.cuMemcpyHtoD(self._range(offset, len(data)), ctypes.addressof(buf), len(data)),
+                   f"slab {self.label!r}")
+
+    def apply_lut(self, ranges: list[tuple[int, int]], table: bytes) -> None:
+        """Replaces every byte ``b`` of the ``(offset_bytes, size_bytes)`` ranges by ``table[b]`` on the GPU.
+
+        Raises:
+            KernelError: NVRTC is missing (:mod:`weightcache.memory.kernels`).
+        """
+        from . import kernels
+
+        kernels.lut8(self._device, [(self._range(o, n), n) for o, n in ranges], table)
+
+    def digests(self, ranges: list[tuple[str, int, int]]) -> dict[str, str]:
+        """``sum64`` digests of ``(name, offset_bytes, size_bytes)`` ranges, computed on the GPU (no host copy).
+
+        Waits for every queued write first (``cuCtxSynchronize``).
+        """
+        return _digests(self._device, self.ptr, self.size_bytes, ranges, self.label)
+
     def seal(self) -> "CudaSealedSlab":
         """Waits for all queued writes, exports the fd, makes the owner's view read-only.
 
@@ -579,6 +653,18 @@ class CudaSealedSlab:
         """Whether this slab still holds its mapping (False after :meth:`close`)."""
         return self._mapping is not None and self._mapping.mapped
 
+    def digests(self, ranges: list[tuple[str, int, int]]) -> dict[str, str]:
+        """``sum64`` digests of ``(name, offset_bytes, size_bytes)`` ranges on the GPU, through the read-only
+        mapping; no torch, no host copy (``verify``).
+
+        Raises:
+            RuntimeError: the slab was closed.
+            KernelError: NVRTC is missing.
+        """
+        if self._mapping is None:
+            raise RuntimeError("sealed slab was closed")
+        return _digests(self._mapping.device, self._mapping.ptr, self.size_bytes, ranges, "sealed slab")
+
     def close(self) -> None:
         """Closes the fd and drops the owner's mapping (unmapped once no view is alive)."""
         self._tensor = None
@@ -586,6 +672,19 @@ class CudaSealedSlab:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _digests(device: _Device, ptr: int, size_bytes: int, ranges: list[tuple[str, int, int]],
+             label: str) -> dict[str, str]:
+    from . import kernels
+
+    for name, off, n in ranges:
+        if off < 0 or n < 0 or off + n > size_bytes:
+            raise ValueError(f"tensor {name!r}: range {off}+{n} is outside {label} ({size_bytes} bytes)")
+    with device.current():
+        _check("cuCtxSynchronize", cu.cuCtxSynchronize(), f"a write into {label} failed")
+    sums = kernels.sum64(device, [(ptr + off, n) for _, off, n in ranges])
+    return {name: d for (name, _, _), d in zip(ranges, sums)}
 
 
 class CudaImportedSlab:
@@ -694,6 +793,35 @@ class CudaBackend:
         mapping = _map_fd(self._device(self.gpu), fd, size_bytes, read_only=True)
         return CudaSealedSlab(fd, mapping.size_bytes, mapping, owner_read_only=True)
 
+    # --- the host tier (weightcache.memory.cuda_tier) ---
+
+    def allocate_host(self, size_bytes: int, label: str) -> Any:
+        """A writable host slab for the host tier (``preload = "host"``), ``size_bytes`` rounded up to the VMM
+        granularity (the size of the GPU slab its promotion makes); sealing it page-locks it."""
+        from .host import HostWritableSlab
+
+        size = max(self.granularity, round_up(int(size_bytes), self.granularity))
+        return _HostTierWritable(self, HostWritableSlab(size, label))
+
+    def adopt_host(self, fd: int, size_bytes: int) -> Any:
+        """Takes ownership of a host-tier memfd from systemd's fd store and page-locks it for promotions."""
+        from . import cuda_tier
+
+        return cuda_tier.adopt(self._device(self.gpu), fd, size_bytes)
+
+    def demote(self, sealed: "CudaSealedSlab", label: str) -> Any:
+        """Copies a sealed GPU slab into a new host-tier slab (:func:`weightcache.memory.cuda_tier.demote`)."""
+        from . import cuda_tier
+
+        return cuda_tier.demote(self._device(self.gpu), sealed, label)
+
+    def promote(self, hosted: Any, label: str, while_copying: Any = None) -> "CudaSealedSlab":
+        """Copies a host-tier slab into a new sealed GPU slab at link speed
+        (:func:`weightcache.memory.cuda_tier.promote`); ``while_copying()`` runs during the copy."""
+        from . import cuda_tier
+
+        return cuda_tier.promote(self._device(self.gpu), self, hosted, label, while_copying)
+
     def import_fd(self, fd: int, size_bytes: int, device: Any = None) -> CudaImportedSlab:
         """Maps a received fd read-only; does not take ownership of ``fd``.
 
@@ -743,3 +871,23 @@ class CudaBackend:
         )
         self._info = {"backend": "cuda", "gpu_uuid": gpu_uuid(self.gpu), "compute_capability": f"{major}.{minor}"}
         return dict(self._info)
+
+
+class _HostTierWritable:
+    """A host slab filled for the host tier on a CUDA node: a :class:`~weightcache.memory.host.HostWritableSlab`
+    whose :meth:`seal` also page-locks it (:func:`weightcache.memory.cuda_tier.seal_host`)."""
+
+    def __init__(self, backend: CudaBackend, writable: Any) -> None:
+        self._backend, self._w = backend, writable
+        self.size_bytes = writable.size_bytes
+
+    def __getattr__(self, name: str) -> Any:  # buffer, tensor, fd: as the host slab's
+        return getattr(self._w, name)
+
+    def seal(self) -> Any:
+        from . import cuda_tier
+
+        return cuda_tier.seal_host(self._backend._device(self._backend.gpu), self._w)
+
+    def abort(self) -> None:
+        self._w.abort()

@@ -253,6 +253,25 @@ class HostBackend:
         """Takes ownership of a sealed memfd handed back by systemd's fd store."""
         return HostSealedSlab(fd, size_bytes)
 
+    # --- the host tier: on this backend the same memory as the slabs, so no move copies a byte ---
+
+    def allocate_host(self, size_bytes: int, label: str) -> HostWritableSlab:
+        """A writable slab for the host tier (``preload = "host"``): here the same as :meth:`allocate`."""
+        return HostWritableSlab(size_bytes, label)
+
+    def adopt_host(self, fd: int, size_bytes: int) -> HostSealedSlab:
+        """Takes ownership of a host-tier memfd handed back by systemd's fd store."""
+        return HostSealedSlab(fd, size_bytes)
+
+    def demote(self, sealed: HostSealedSlab, label: str) -> HostSealedSlab:
+        """GPU -> host tier: on this backend both are host RAM, so ``sealed`` itself (no copy)."""
+        return sealed
+
+    def promote(self, hosted: HostSealedSlab, label: str, while_copying=None) -> HostSealedSlab:
+        """Host tier -> GPU: on this backend both are host RAM, so ``hosted`` itself (no copy; ``while_copying``
+        is not called: there is nothing to check)."""
+        return hosted
+
     def import_fd(self, fd: int, size_bytes: int, device: str = "cpu") -> HostImportedSlab:
         """Maps a received memfd ``PROT_READ``; the caller keeps (and closes) ``fd``."""
         return HostImportedSlab(fd, size_bytes)

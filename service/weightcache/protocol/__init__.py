@@ -32,6 +32,7 @@ from .messages import (INT_MAX, INT_MIN, REPLIES, REQUESTS, Attach, AttachReply,
                        Release, ReleaseReply, Reload, ReloadReply, Status, StatusReply, Verify, VerifyReply)
 from .records import (HIDDEN_ID, AttachCount, AttachTimes, DeviceInfo, ErrorInfo, KeySummary, LeaseInfo, LoadCount,
                       ServiceCounters, ServiceStatus, SlabCounters, SlabInfo, VerifyResult)
+from .records import MAX_LEASE_HOLDERS_SHOWN, MAX_LEASES_SHOWN, LeaseHolder
 
 __all__ = [
     "CLIENT", "CLOSED", "IN", "MAX_FDS_PER_FRAME", "MAX_FRAME_BYTES", "OUT", "PROTOCOL_VERSION", "READY",
@@ -42,5 +43,6 @@ __all__ = [
     "Release", "ReleaseReply", "Reload", "ReloadReply", "Status", "StatusReply", "Verify", "VerifyReply",
     "HIDDEN_ID", "AttachCount", "AttachTimes", "DeviceInfo", "ErrorInfo", "KeySummary", "LeaseInfo", "LoadCount",
     "ServiceCounters", "ServiceStatus", "SlabCounters", "SlabInfo", "VerifyResult",
+    "MAX_LEASE_HOLDERS_SHOWN", "MAX_LEASES_SHOWN", "LeaseHolder",
     "AttachMode", "SlotState",
 ]

@@ -11,8 +11,10 @@ file descriptors travel as ``SCM_RIGHTS`` with the frame (docs/protocol.md).
 and the state they lead to. :class:`~weightcache.protocol.connection.Connection`
 looks moves up in :data:`TRANSITIONS`, the same table keyed by message type.
 
+Within the package, imports go one way: records <- messages <- codec <- connection.
+
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
-weightcache.daemon, weightcache.protocol.connection.
+weightcache.daemon.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ peer's frame (:mod:`weightcache.protocol.codec`), the same check raises
 (:mod:`weightcache.protocol.records`) give them typed through ``typed()``.
 
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
-weightcache.daemon, weightcache.protocol.codec, weightcache.protocol.connection.
+weightcache.daemon.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..errors import LocalProtocolError, WeightcacheError
-from ..wire import DEFAULT_MODE, AttachMode
+from ..wire import DEFAULT_MODE, AttachMode, SlotState
 from .records import ServiceCounters, ServiceStatus, SlabInfo, VerifyResult
 
 #: Integers on the wire are signed 64-bit, so that any client language can hold them.
@@ -100,6 +100,23 @@ def _check_field(tag: str, spec: tuple[str, str, bool], value: Any, exc: type) -
         raise exc(f"message {tag!r}: field {name!r} is outside the signed 64-bit range", field=name)
 
 
+def _parse(msg: Message, name: str, enum: type) -> None:
+    """Replaces field ``name`` of frozen message ``msg`` (a string, type-checked) by its member of StrEnum ``enum``.
+
+    Raises:
+        LocalProtocolError (`local_protocol_violation`): the value is not one of the enum's
+            (:func:`~weightcache.protocol.codec.decode` turns it into RemoteProtocolError).
+    """
+    value = getattr(msg, name)
+    if isinstance(value, enum):
+        return
+    try:
+        object.__setattr__(msg, name, enum(value))
+    except ValueError:
+        raise LocalProtocolError(f"message {msg.tag()!r}: {name} must be one of "
+                                 f"{', '.join(m.value for m in enum)}, got {value!r}", field=name) from None
+
+
 # --- requests (client -> service) -------------------------------------------
 
 
@@ -150,12 +167,7 @@ class Attach(Message):
 
     def __post_init__(self) -> None:
         Message.__post_init__(self)
-        if not isinstance(self.mode, AttachMode):
-            try:
-                object.__setattr__(self, "mode", AttachMode(self.mode))
-            except ValueError:
-                raise LocalProtocolError(f"attach: mode must be one of {', '.join(m.value for m in AttachMode)}, "
-                                         f"got {self.mode!r}", field="mode") from None
+        _parse(self, "mode", AttachMode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,10 +188,15 @@ class Verify(Message):
 
 @dataclass(frozen=True, slots=True)
 class Evict(Message):
-    """Free a model's slabs and fd-store entries; refused while leased unless ``force``."""
+    """Free a model's slabs and fd-store entries; refused while leased unless ``force``.
+
+    ``to``: ``""`` (evicted: out until ``preload``), ``host`` (demoted to the host tier) or ``disk``
+    (dropped; the next attach loads it again).
+    """
 
     model: str
     force: bool = False
+    to: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +252,7 @@ class AttachReply(Message):
     """A lease on one slab; two fds travel with this frame: the slab, then its manifest file.
 
     The manifest file is a sealed memfd holding the slab's packed manifest
-    (:func:`weightcache.manifest.pack_file`, docs/protocol.md), the same for
+    (:func:`weightcache.manifest_file.pack_file`, docs/protocol.md), the same for
     every attach of the slab; it travels beside the frame so that a manifest
     of any tensor count fits (at most ``MAX_MANIFEST_BYTES`` of
     :mod:`weightcache.manifest`, checked when the slab is loaded).
@@ -256,12 +273,16 @@ class AttachReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class Loading(Message):
-    """The model is still loading; progress in bytes."""
+    """The model is still loading; progress in bytes; ``state`` (`SlotState`): ``pending`` or ``loading``."""
 
     model: str
     done_bytes: int
     total_bytes: int
-    state: str = "loading"
+    state: str = SlotState.LOADING
+
+    def __post_init__(self) -> None:
+        Message.__post_init__(self)
+        _parse(self, "state", SlotState)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ and validate what they can when built: a slab's ``state`` is parsed into a
 Keys a record does not know are ignored (a newer service may add fields).
 
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
-weightcache.daemon, weightcache.protocol.codec, weightcache.protocol.connection.
+weightcache.daemon.
 """
 
 from __future__ import annotations
@@ -107,6 +107,27 @@ class LeaseInfo(_Record):
         _parse(self, "mode", AttachMode)
 
 
+#: Most leases a :class:`SlabInfo` lists one by one (the oldest); ``lease_count`` and ``lease_holders`` count all.
+MAX_LEASES_SHOWN = 32
+#: Most holders a :class:`SlabInfo` lists in ``lease_holders`` (the largest counts first).
+MAX_LEASE_HOLDERS_SHOWN = 32
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHolder(_Record):
+    """How many leases of one slab one process holds (``status`` summarises leases this way).
+
+    Attributes:
+        uid, pid (`int`): the holder, from ``SO_PEERCRED``; :data:`HIDDEN_ID` for the
+            holders the service hides from this caller (their leases summed in one entry).
+        count (`int`): its leases on this slab.
+    """
+
+    uid: int
+    pid: int
+    count: int
+
+
 @dataclass(frozen=True, slots=True)
 class KeySummary(_Record):
     """The part of a resident slab's cache key (DESIGN section 5) that ``status`` shows.
@@ -151,7 +172,15 @@ class SlabInfo(_SlabRecord):
         tensors (`int`): tensor records in the resident slab's manifest.
         error (`ErrorInfo | None`): why the last load failed.
         key (`KeySummary | None`): summary of the resident slab's cache key.
-        leases (`tuple[LeaseInfo]`): who holds it.
+        leases (`tuple[LeaseInfo]`): the first :data:`MAX_LEASES_SHOWN` leases (oldest first).
+        lease_count (`int`): every lease held on it (default: ``len(leases)``).
+        lease_holders (`tuple[LeaseHolder]`): leases per (uid, pid), the
+            :data:`MAX_LEASE_HOLDERS_SHOWN` largest; the reply's size does not grow
+            with the number of leases.
+        tier (`str`): ``gpu`` (on the GPU, or a load into it under way), ``host`` (in the host tier, promoted
+            by the next attach) or ``disk`` (not resident; the next attach loads it).
+        host_bytes (`int`): bytes of its host-tier copy (0 when none).
+        pin (`bool`), priority (`int`): the model's ``pin`` and ``priority`` (the budget's order).
     """
 
     model: str
@@ -170,31 +199,44 @@ class SlabInfo(_SlabRecord):
     error: ErrorInfo | None = None
     key: KeySummary | None = None
     leases: tuple[LeaseInfo, ...] = ()
+    lease_count: int = -1
+    lease_holders: tuple[LeaseHolder, ...] = ()
+    tier: str = "gpu"
+    host_bytes: int = 0
+    pin: bool = False
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _parse(self, "state", SlotState)
+        if self.lease_count < 0:  # not given: the leases listed are all there are
+            object.__setattr__(self, "lease_count", len(self.leases))
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object on the wire; ``error`` and ``key`` only when set."""
         d: dict[str, Any] = {f: getattr(self, f) for f in (
             "model", "path", "tp_size", "tp_rank", "done_bytes", "total_bytes", "rate_bytes_per_s",
-            "resident_bytes", "adopted", "dtype", "naming", "tensors")}
+            "resident_bytes", "adopted", "dtype", "naming", "tensors", "tier", "host_bytes", "pin", "priority")}
         d["state"] = self.state.value
         if self.error is not None:
             d["error"] = self.error.to_json()
         if self.key is not None:
             d["key"] = self.key.to_json()
         d["leases"] = [le.to_json() for le in self.leases]
+        d["lease_count"] = self.lease_count
+        d["lease_holders"] = [h.to_json() for h in self.lease_holders]
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "SlabInfo":
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
         err, key = d.get("error"), d.get("key")
-        return _from_json(cls, {k: v for k, v in d.items() if k not in ("error", "key", "leases")},
+        leases = tuple(LeaseInfo.from_json(le) for le in d.get("leases", ()))
+        return _from_json(cls, {k: v for k, v in d.items()
+                                if k not in ("error", "key", "leases", "lease_count", "lease_holders")},
                           error=ErrorInfo.from_json(err) if err is not None else None,
-                          key=KeySummary.from_json(key) if key is not None else None,
-                          leases=tuple(LeaseInfo.from_json(le) for le in d.get("leases", ())))
+                          key=KeySummary.from_json(key) if key is not None else None, leases=leases,
+                          lease_count=d.get("lease_count", -1),  # services before the summary listed every lease
+                          lease_holders=tuple(LeaseHolder.from_json(h) for h in d.get("lease_holders", ())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +270,9 @@ class ServiceStatus(_Record):
             (``config_invalid``, ``details``: ``file``, ``key``, ``line``) while it
             serves the one before (or the slabs kept in the fd store); None when
             the files on disk are the ones applied.
+        budget_bytes (`int`): ``memory_budget_bytes`` in force (bytes).
+        gpu_bytes (`int`): bytes of the budget taken (slabs on the GPU and loads granted room).
+        host_tier_bytes, host_used_bytes (`int`): the host tier's size and the bytes it holds.
     """
 
     gpu: int
@@ -240,11 +285,18 @@ class ServiceStatus(_Record):
     clients: int
     status_line: str
     config_error: ErrorInfo | None = None
+    budget_bytes: int = 0
+    gpu_bytes: int = 0
+    host_tier_bytes: int = 0
+    host_used_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object on the wire (memory as ``{"free_bytes", "total_bytes"}``; ``config_error`` when set)."""
+        """The JSON object on the wire (memory as ``{"free_bytes", "total_bytes", "budget_bytes", "gpu_bytes",
+        "host_tier_bytes", "host_used_bytes"}``; ``config_error`` when set)."""
         d = {"gpu": self.gpu, "pid": self.pid, "backend": self.backend, "device": self.device.to_json(),
-             "memory": {"free_bytes": self.free_bytes, "total_bytes": self.total_bytes},
+             "memory": {"free_bytes": self.free_bytes, "total_bytes": self.total_bytes,
+                        "budget_bytes": self.budget_bytes, "gpu_bytes": self.gpu_bytes,
+                        "host_tier_bytes": self.host_tier_bytes, "host_used_bytes": self.host_used_bytes},
              "slabs": [s.to_json() for s in self.slabs], "clients": self.clients,
              "status_line": self.status_line}
         if self.config_error is not None:
@@ -257,7 +309,9 @@ class ServiceStatus(_Record):
         mem, err = d.get("memory") or {}, d.get("config_error")
         return _from_json(cls, {k: v for k, v in d.items() if k not in ("memory", "slabs", "device", "config_error")},
                           device=DeviceInfo.from_json(d.get("device") or {}), free_bytes=mem.get("free_bytes", 0),
-                          total_bytes=mem.get("total_bytes", 0),
+                          total_bytes=mem.get("total_bytes", 0), budget_bytes=mem.get("budget_bytes", 0),
+                          gpu_bytes=mem.get("gpu_bytes", 0), host_tier_bytes=mem.get("host_tier_bytes", 0),
+                          host_used_bytes=mem.get("host_used_bytes", 0),
                           slabs=tuple(SlabInfo.from_json(s) for s in d.get("slabs", ())),
                           config_error=ErrorInfo.from_json(err) if err is not None else None)
 

@@ -1,34 +1,40 @@
 """Pre-processing of quantized checkpoints into the layout their kernel consumes.
 
-:func:`detect` reads the scheme from ``config.json``'s ``quantization_config``
-or ``hf_quant_config.json`` and checks it against the capability table
-(:mod:`weightcache.quant.capabilities`); :func:`process_specs` rewrites the
-sharded specs of quantized layers; :data:`OPS` holds the processing ops the
-pipeline runs. Unquantized checkpoints pass through unchanged. Both functions
-read headers and JSON only, so an unsupported scheme or kernel target is
-rejected at plan time, before any weight byte is read.
+Every scheme is a family in the scheme registry (:mod:`weightcache.quant.registry`):
+:func:`detect` reads the checkpoint's quantization config
+(:func:`weightcache.quant.quant_config.read_config`), finds its capability row
+(:mod:`weightcache.quant.capabilities`) and the family that owns it, and runs
+that family's layer checks; :func:`process_specs` hands the sharded specs to
+the family; :func:`op` finds a processing op the pipeline runs;
+:func:`checkpoint_form` is the inverse engine integrations call. Unquantized
+checkpoints pass through unchanged. Detection and spec rewriting read headers
+and JSON only, so an unsupported scheme or kernel target is rejected at plan
+time, before any weight byte is read.
 
-Schemes: ModelOpt ``FP8`` (``modelopt_fp8``) and ``FP8_PER_CHANNEL_PER_TOKEN``
-(``modelopt_fp8_per_channel``), kernel target ``cutlass``
-(:mod:`weightcache.quant.modelopt_fp8`; rules in ``docs/quantization.md``).
+Registered here: ModelOpt ``FP8`` (``modelopt_fp8``) and
+``FP8_PER_CHANNEL_PER_TOKEN`` (``modelopt_fp8_per_channel``), kernel target
+``cutlass`` (:mod:`weightcache.quant.modelopt_fp8`; rules in ``docs/quantization.md``).
 
-Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client.
+Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client,
+weightcache.sharding, weightcache.pipeline.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from ..checkpoint import Checkpoint
 from ..spec import TensorSpec
-from . import capabilities, modelopt_fp8
+from . import capabilities, modelopt_fp8, registry
 from .capabilities import Capability
+from .quant_config import QuantConfig, capability, config_hash, read_config
+from .registry import SchemeRules, SideTensor
 
-__all__ = ["Scheme", "detect", "process_specs", "OPS", "capabilities"]
+__all__ = ["Scheme", "SchemeRules", "SideTensor", "QuantConfig", "detect", "process_specs", "op",
+           "checkpoint_form", "read_config", "capabilities", "registry"]
 
-#: Processing ops: name -> fn(spec, parts, fetch) -> tensor (see weightcache.pipeline).
-OPS: dict = dict(modelopt_fp8.OPS)
+registry.register(modelopt_fp8.RULES)
 
 
 @dataclass(frozen=True)
@@ -36,16 +42,18 @@ class Scheme:
     """A detected quantization scheme.
 
     Attributes:
-        name (`str`): ``modelopt_fp8`` or ``modelopt_fp8_per_channel``.
+        name (`str`): the capability's scheme name (``modelopt_fp8``,
+            ``modelopt_fp8_per_channel``; cache key ``quant_scheme``).
         config (`dict`): the quantization config object as read (the whole
             ``hf_quant_config.json``, or ``config.json``'s ``quantization_config``).
         config_hash (`str`): blake2b-128 of its sorted JSON (cache key
             ``quant_config_blake2b``).
         source (`str`): file the config came from.
         capability (`Capability | None`): the capability table entry.
-        quant_config: the parsed ``modelopt_fp8.QuantConfig``.
-        quantized (`frozenset[str]`): the quantized linear modules, as
-            ``check_layers`` found them from the headers (checked once per plan).
+        quant_config (`QuantConfig`): the parsed config.
+        quantized (`frozenset[str]`): the quantized linear modules, as the
+            family's ``check_layers`` found them from the headers (checked once per plan).
+        rules (`SchemeRules | None`): the registered family that processes it.
     """
 
     name: str
@@ -55,6 +63,7 @@ class Scheme:
     capability: Capability | None = None
     quant_config: Any = None
     quantized: frozenset[str] = frozenset()
+    rules: SchemeRules | None = None
 
 
 #: Default of the ``scheme`` arguments below: detect it from the checkpoint.
@@ -66,26 +75,28 @@ def detect(ck: Checkpoint, kernel: str | None = None) -> Scheme | None:
 
     Args:
         ck (`Checkpoint`): opened from headers; no tensor data is read.
+        kernel (`str`, *optional*): kernel layout target to check; ``None`` skips that check.
 
     Returns:
         `Scheme | None`.
 
     Raises:
-        UnsupportedQuantization (`unsupported_quantization`): a scheme this
-            version cannot process (block-wise FP8, NVFP4, MXFP8, W4A8, any
-            other ModelOpt algo or ``quant_method``); ``details`` name the
+        UnsupportedQuantization (`unsupported_quantization`): a scheme no
+            registered family processes (block-wise FP8, NVFP4, MXFP8, W4A8,
+            any other ModelOpt algo or ``quant_method``); ``details`` name the
             ``scheme``, the first affected ``layer`` and the ``file``.
             Also raised for a quantized layer that does not fit the scheme
             (block-wise or missing scales, excluded yet stored as FP8), checked
             from the safetensors headers.
         CheckpointCorrupt (`checkpoint_corrupt`): a malformed quantization config.
     """
-    qc = modelopt_fp8.read_config(ck)
+    qc = read_config(ck)
     if qc is None:
         return None
-    cap = modelopt_fp8.capability(ck, qc, kernel)
-    quantized = frozenset(modelopt_fp8.check_layers(ck, qc, cap))
-    return Scheme(cap.scheme, qc.raw, modelopt_fp8.config_hash(qc.raw), qc.file, cap, qc, quantized)
+    cap = capability(ck, qc, kernel)
+    rules = registry.for_scheme(cap.scheme)
+    quantized = frozenset(rules.check_layers(ck, qc, cap))
+    return Scheme(cap.scheme, qc.raw, config_hash(qc.raw), qc.file, cap, qc, quantized, rules)
 
 
 def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, scheme: Any = DETECT) -> list[TensorSpec]:
@@ -99,15 +110,44 @@ def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, scheme: 
             ``kernel`` (``None``: unquantized); detected here when not given.
 
     Returns:
-        `list[TensorSpec]`: see :func:`weightcache.quant.modelopt_fp8.process_specs`.
+        `list[TensorSpec]`: the family's rewrite (ModelOpt FP8:
+        :func:`weightcache.quant.modelopt_fp8.process_specs`).
 
     Raises:
         UnsupportedQuantization (`unsupported_quantization`): unsupported
-            scheme, kernel target other than ``cutlass``, or a layer that does
-            not fit the scheme; raised before any weight is read.
+            scheme, kernel target the scheme has no rule for, or a layer that
+            does not fit the scheme; raised before any weight is read.
     """
     if scheme is DETECT:
         scheme = detect(ck, kernel)
     if scheme is None:
         return specs
-    return modelopt_fp8.process_specs(ck, specs, kernel, scheme.capability, scheme.quantized)
+    return scheme.rules.process_specs(ck, specs, kernel, scheme)
+
+
+def op(name: str) -> registry.Op | None:
+    """The registered processing op ``name`` (a spec's ``op``), or ``None``."""
+    return registry.op(name)
+
+
+def checkpoint_form(tensor: Any, layout: Mapping[str, Any]) -> Any:
+    """A processed tensor given back in the form its checkpoint stores (a view, no copy).
+
+    Dispatches on ``layout["scheme"]`` to the family that processed it
+    (:meth:`SchemeRules.checkpoint_form`); a tensor of no registered scheme is
+    returned as is.
+
+    Args:
+        tensor (`torch.Tensor`): the attached tensor.
+        layout (`Mapping`): its manifest layout (``Attachment.layouts[name]``).
+
+    Returns:
+        `torch.Tensor`: the same elements as the checkpoint tensor, possibly
+        in another shape of equal size (the caller reshapes to the header's shape).
+
+    Raises:
+        ManifestInvalid (`manifest_invalid`): the layout names a registered scheme but is malformed.
+    """
+    scheme = layout.get("scheme")
+    rules = registry.for_scheme(scheme) if isinstance(scheme, str) else None
+    return tensor if rules is None else rules.checkpoint_form(tensor, layout)

@@ -42,13 +42,10 @@ class Capability:
     kernels: tuple[str, ...]
 
 
-#: ``(quant_method, QUANT_ALGO)`` -> capability. quant_algo is upper-cased.
-SUPPORTED: dict[tuple[str, str], Capability] = {
-    ("modelopt", "FP8"): Capability("modelopt_fp8", "tensor", "static_tensor", ("cutlass",)),
-    ("modelopt", "FP8_PER_CHANNEL_PER_TOKEN"): Capability(
-        "modelopt_fp8_per_channel", "channel", "dynamic_token", ("cutlass",)
-    ),
-}
+#: ``(quant_method, QUANT_ALGO)`` -> capability; quant_algo is upper-cased. Filled by
+#: :func:`weightcache.quant.registry.register` from each scheme family's own rows
+#: (ModelOpt FP8's are in :mod:`weightcache.quant.modelopt_fp8`).
+SUPPORTED: dict[tuple[str, str], Capability] = {}
 
 #: KV-cache quantization algos whose scales (``k_scale``/``v_scale``) are
 #: passed through unchanged. ``None``: no KV-cache quantization.
@@ -124,8 +121,8 @@ def lookup(method: str, algo: str, *, where: str, layer: str, kernel: str | None
         supported = ", ".join(f"{m} {a}" for m, a in SUPPORTED)
         raise UnsupportedQuantization(
             f"{where}: layer {layer!r} uses {label}, which weightcache cannot pre-process; "
-            f"supported: {supported}. Serve this model without weightcache or re-export it as "
-            f"ModelOpt FP8 / FP8_PER_CHANNEL_PER_TOKEN",
+            f"supported: {supported or 'none'}. Serve this model without weightcache or re-export it "
+            f"in a supported scheme",
             scheme=label,
             layer=layer,
             file=where,
@@ -133,7 +130,8 @@ def lookup(method: str, algo: str, *, where: str, layer: str, kernel: str | None
     if kernel is not None and kernel not in cap.kernels:
         raise UnsupportedQuantization(
             f"{where}: layer {layer!r} ({cap.scheme}): kernel target {kernel!r} has no processing rule; "
-            f"supported kernel targets: {', '.join(cap.kernels)}. Set kernel = \"cutlass\" in the model's config",
+            f"supported kernel targets: {', '.join(cap.kernels)}. "
+            f"Set kernel = \"{cap.kernels[0]}\" in the model's config",
             scheme=cap.scheme,
             layer=layer,
             file=where,

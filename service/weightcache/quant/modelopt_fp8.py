@@ -27,28 +27,39 @@ parts must agree), then substring, then ``fnmatch`` wildcard. It is applied to
 checkpoint module names (``q_proj``, not ``qkv_proj``).
 
 Processing rules: see ``docs/quantization.md`` and :func:`process_specs`.
+The family's entry in the scheme registry is :data:`RULES` (capability rows,
+side-tensor shard rules, ops, the inverse for engines); the layout records are
+in :mod:`weightcache.quant.fp8_layout`.
 
 Forbidden imports: torch at module level, socket, weightcache.daemon,
-weightcache.client.
+weightcache.client, weightcache.sharding, weightcache.pipeline.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
-from dataclasses import dataclass, replace
-from fnmatch import fnmatchcase
-from typing import Any
+from dataclasses import replace
+from typing import Any, Mapping
 
 from ..checkpoint import Checkpoint
-from ..errors import CheckpointCorrupt, UnsupportedQuantization
-from ..hashes import blake2b_hex
+from ..errors import UnsupportedQuantization
 from ..sizes import round_up
-from ..sharding import FUSED_PARTS  # fused projections and their parts, as vLLM's packed_modules_mapping
 from ..spec import SourceRef, TensorSpec
-from . import capabilities
 from .capabilities import Capability
+from .quant_config import (  # noqa: F401 - re-exported: the names this module has always offered
+    QuantConfig,
+    capability,
+    config_hash,
+    exclude_list,
+    first_quantized_layer,
+    is_excluded,
+    kv_algo,
+    natural_key,
+    read_config,
+)
+from .fp8_layout import SCHEMES, Fp8ScaleLayout, Fp8WeightLayout, layout_of  # noqa: F401 - the layout records
+from . import modelopt_fp8_placement
+from .registry import SchemeRules, SideTensor
 
 log = logging.getLogger(__name__)
 
@@ -66,88 +77,31 @@ OP_WEIGHT = "modelopt_fp8_weight"
 OP_WEIGHT_SCALE = "modelopt_fp8_weight_scale"
 OP_INPUT_SCALE = "modelopt_fp8_input_scale"
 
-_SCALE_LIKE = (".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".input_scale", ".qweight",
-               ".weight_packed", ".scales", ".qzeros")
+#: This family's capability rows: ``(quant_method, QUANT_ALGO)`` -> capability.
+CAPABILITIES: dict[tuple[str, str], Capability] = {
+    ("modelopt", "FP8"): Capability(SCHEMES[0], "tensor", "static_tensor", ("cutlass",)),
+    ("modelopt", "FP8_PER_CHANNEL_PER_TOKEN"): Capability(SCHEMES[1], "channel", "dynamic_token", ("cutlass",)),
+}
+
+#: Shard rules of the side tensors (``docs/sharding.md``): per-tensor scales are replicated,
+#: per-channel ``weight_scale`` follows the weight's output rows, KV-cache scales take vLLM's names.
+SIDE_TENSORS = (
+    SideTensor("weight_scale", "output"),
+    SideTensor("input_scale", "scalar"),
+    SideTensor("k_scale", "scalar", fuse=False, vllm_name="attn.{param}"),
+    SideTensor("v_scale", "scalar", fuse=False, vllm_name="attn.{param}"),
+)
 
 
-@dataclass(frozen=True)
-class QuantConfig:
-    """A ModelOpt quantization config, normalised.
-
-    Attributes:
-        file (`str`): path of the file it came from (for messages).
-        method (`str`): ``quant_method`` (lower case; ``modelopt`` for ``hf_quant_config.json``).
-        algo (`str`): ``quant_algo`` upper-cased, ``""`` when absent.
-        kv_cache_algo (`str | None`): ``kv_cache_quant_algo`` upper-cased.
-        exclude (`tuple[str]`): ``exclude_modules`` / ``ignore`` patterns.
-        raw (`dict`): the config object as read (hashed into the cache key).
-    """
-
-    file: str
-    method: str
-    algo: str
-    kv_cache_algo: str | None
-    exclude: tuple[str, ...]
-    raw: dict
-
-
-def config_hash(cfg: dict) -> str:
-    """blake2b-128 hex digest of ``cfg`` as sorted, compact JSON."""
-    return blake2b_hex(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode())
-
-
-def _natural_key(name: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def _exclude_list(value: Any, file: str, key: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise CheckpointCorrupt(
-            f"{file}: {key} must be a list of module names or wildcards, got {value!r}; "
-            f"fix the checkpoint's quantization config",
-            file=file,
-            key=key,
-        )
-    return tuple(value)
-
-
-def _kv_algo(value: Any) -> str | None:
-    # config.json style: kv_cache_scheme {"type": "float", "num_bits": 8} or a string.
-    if value is None:
-        return None
-    if isinstance(value, dict):
-        if value.get("type") == "float" and value.get("num_bits") == 8:
-            return "FP8"
-        return json.dumps(value, sort_keys=True)
-    return str(value).upper()
-
-
-def read_config(ck: Checkpoint) -> QuantConfig | None:
-    """The checkpoint's quantization config, or ``None`` when it has none.
-
-    Source: ``config.json`` → ``quantization_config`` first, else
-    ``hf_quant_config.json`` → ``quantization``.
+def read_hf_quant_config(ck: Checkpoint) -> QuantConfig | None:
+    """ModelOpt's ``hf_quant_config.json`` → ``quantization``, or ``None`` when the file is absent.
 
     Raises:
-        CheckpointCorrupt (`checkpoint_corrupt`): the config is not a JSON
-            object, or ``exclude_modules`` / ``ignore`` is not a list of strings.
+        CheckpointCorrupt (`checkpoint_corrupt`): not an object with a
+            ``quantization`` object, or ``exclude_modules`` not a list of strings.
     """
-    qc = ck.config.get("quantization_config")
-    if qc:
-        file = str(ck.path / "config.json")
-        if not isinstance(qc, dict):
-            raise CheckpointCorrupt(f"{file}: quantization_config must be an object, got {qc!r}", file=file)
-        method = str(qc.get("quant_method", "")).lower()
-        if method.startswith("modelopt"):
-            method = "modelopt"
-        inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
-        algo = str(inner.get("quant_algo") or "").upper()
-        exclude = inner.get("ignore", inner.get("exclude_modules"))
-        kv = inner.get("kv_cache_quant_algo", inner.get("kv_cache_scheme"))
-        return QuantConfig(file, method, algo, _kv_algo(kv),
-                           _exclude_list(exclude, file, "quantization_config.ignore"), qc)
+    from ..errors import CheckpointCorrupt
+
     hq = ck.extra_json(QUANT_FILE)
     if hq is None:
         return None
@@ -160,104 +114,8 @@ def read_config(ck: Checkpoint) -> QuantConfig | None:
         )
     producer = hq.get("producer", {}).get("name", "modelopt") if isinstance(hq.get("producer"), dict) else "modelopt"
     method = "modelopt" if str(producer).lower().startswith("modelopt") else str(producer).lower()
-    return QuantConfig(file, method, str(q.get("quant_algo") or "").upper(), _kv_algo(q.get("kv_cache_quant_algo")),
-                       _exclude_list(q.get("exclude_modules"), file, "quantization.exclude_modules"), hq)
-
-
-def is_excluded(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
-    """Whether ``module`` is left unquantized by ``exclude_modules`` / ``ignore``.
-
-    The rules of vLLM's ``ModelOptQuantConfigBase.is_layer_excluded``
-    (``vllm/model_executor/layers/quantization/modelopt.py``), in order:
-
-    1. exact match; for a fused name (``qkv_proj``, ``gate_up_proj``) every
-       part (``q_proj``...) must be listed, and parts must agree;
-    2. substring: a pattern other than ``module`` itself contained in it (also
-       after stripping a ``language_model.`` prefix), e.g. ``lm_head``;
-    3. ``fnmatch`` wildcard (``model.layers.*.mlp*``), case-sensitive.
-
-    Args:
-        module (`str`): module name without ``.weight`` (``model.layers.0.self_attn.q_proj``).
-        patterns: the config's ``exclude_modules`` / ``ignore``.
-
-    Raises:
-        UnsupportedQuantization (`unsupported_quantization`): a fused name whose
-            parts are excluded only partly.
-
-    Example:
-        >>> is_excluded("lm_head", ["lm_head"]), is_excluded("model.layers.3.mlp.up_proj", ["*mlp*"])
-        (True, True)
-    """
-    if not patterns:
-        return False
-    proj = module.rsplit(".", 1)[-1]
-    if proj in FUSED_PARTS:
-        parent = module[: len(module) - len(proj)]
-        flags = {p: (parent + p) in patterns for p in FUSED_PARTS[proj]}
-        if len(set(flags.values())) > 1:
-            raise UnsupportedQuantization(
-                f"layer {module!r}: exclude list names only some of its parts {flags}; all parts of a fused "
-                f"layer must have the same precision",
-                layer=module,
-            )
-        if all(flags.values()):
-            return True
-    elif module in patterns:
-        return True
-    for p in patterns:
-        if p != module and (p in module or (module.startswith("language_model.")
-                                             and p in module.removeprefix("language_model."))):
-            return True
-    return any(fnmatchcase(module, p) for p in patterns)
-
-
-def first_quantized_layer(ck: Checkpoint, exclude: tuple[str, ...] = ()) -> str:
-    """Name of the first (natural order) quantized module of ``ck``, for messages.
-
-    A module is taken as quantized when it has a scale-like tensor
-    (``weight_scale``, ``input_scale``, ``qweight``...) and is not excluded;
-    failing that, the first 2-D ``*.weight`` not excluded.
-    """
-    cands = set()
-    for name in ck.tensors:
-        for suf in _SCALE_LIKE:
-            if name.endswith(suf):
-                cands.add(name[: -len(suf)])
-    for m in sorted(cands, key=_natural_key):
-        if not _safe_excluded(m, exclude):
-            return m
-    for name in sorted(ck.tensors, key=_natural_key):
-        info = ck.tensors[name]
-        if name.endswith(".weight") and len(info.shape) == 2 and not _safe_excluded(name[:-7], exclude):
-            return name[:-7]
-    return "<none>"
-
-
-def _safe_excluded(module: str, exclude) -> bool:
-    try:
-        return is_excluded(module, exclude)
-    except UnsupportedQuantization:
-        return False
-
-
-def capability(ck: Checkpoint, qc: QuantConfig, kernel: str | None = None) -> Capability:
-    """The capability for ``qc`` (and ``kernel``), checking the KV-cache algo too.
-
-    Raises:
-        UnsupportedQuantization (`unsupported_quantization`): unsupported
-            scheme, KV-cache algo or kernel target; names the first quantized layer.
-    """
-    layer = first_quantized_layer(ck, qc.exclude)
-    cap = capabilities.lookup(qc.method, qc.algo, where=qc.file, layer=layer, kernel=kernel)
-    if qc.kv_cache_algo not in capabilities.SUPPORTED_KV_CACHE:
-        raise UnsupportedQuantization(
-            f"{qc.file}: KV-cache quantization {qc.kv_cache_algo!r} of {cap.scheme} is not supported "
-            f"(supported: FP8 or none); first affected layer {layer!r}",
-            scheme=cap.scheme,
-            layer=layer,
-            file=qc.file,
-        )
-    return cap
+    return QuantConfig(file, method, str(q.get("quant_algo") or "").upper(), kv_algo(q.get("kv_cache_quant_algo")),
+                       exclude_list(q.get("exclude_modules"), file, "quantization.exclude_modules"), hq)
 
 
 def _ceil(n: int, m: int = ALIGN_ELEMENTS) -> int:
@@ -297,7 +155,7 @@ def check_layers(ck: Checkpoint, qc: QuantConfig, cap: Capability) -> set[str]:
                 f"{w.dtype if w else 'missing'}, expected F8_E4M3 for {cap.scheme}",
                 scheme=cap.scheme, layer=m, tensor=name,
             )
-    for m in sorted(quantized, key=_natural_key):
+    for m in sorted(quantized, key=natural_key):
         w = ck.tensors[f"{m}.weight"]
         s = ck.tensors[f"{m}.weight_scale"]
         if is_excluded(m, qc.exclude):
@@ -384,29 +242,13 @@ def _rewrite_weight(ck: Checkpoint, spec: TensorSpec, modules: list[str], cap: C
             f"{ck.path}: spec {spec.name!r}: parts have {sum(rows)} rows, stored_shape says {n}",
             scheme=cap.scheme, layer=modules[0],
         )
-    fp8 = {
-        "scheme": cap.scheme,
-        "kernel": kernel,
-        "unpadded_shape": [n, k],
-        "stored_shape": [n_pad, k_pad],
-        "view_shape": [k_pad, n_pad],
-        "view_stride": [1, k_pad],
-        "view": "transpose",
-        "processed_dims": {"input": 0, "output": 1},
-        "padding": {"output": n_pad - n, "input": k_pad - k},
-        "logical_output_width": n,
-        "logical_input_width": k,
-        "scale_granularity": gran,
-        "activation_scheme": cap.activation,
-        "weight_scale": f"{base}.weight_scale",
-        "input_scale": f"{base}.input_scale" if cap.activation == "static_tensor" else None,
-        "fused_scale": "max" if gran == "tensor" and len(modules) > 1 else None,
-    }
-    layout = dict(spec.layout)
-    layout.update(fp8)
     # The sharding layout's logical_shape (the checkpoint tensor's whole
     # shape) wins; without one (TP = 1, or a fused spec) it is [N, K].
-    layout["logical_shape"] = list(spec.layout.get("logical_shape") or [n, k])
+    record = Fp8WeightLayout(cap.scheme, kernel, (n, k), (n_pad, k_pad), gran, cap.activation,
+                             f"{base}.weight_scale",
+                             f"{base}.input_scale" if cap.activation == "static_tensor" else None,
+                             "max" if gran == "tensor" and len(modules) > 1 else None,
+                             tuple(spec.layout.get("logical_shape") or (n, k)))
     out = [
         replace(
             spec,
@@ -415,32 +257,24 @@ def _rewrite_weight(ck: Checkpoint, spec: TensorSpec, modules: list[str], cap: C
             cat_dim=0,
             op=OP_WEIGHT,
             op_args={"granularity": gran, "weight_scales": scale_names, "n": n, "k": k},
-            view_shape=(k_pad, n_pad),
-            view_stride=(1, k_pad),
-            layout=layout,
+            view_shape=record.view_shape,
+            view_stride=record.view_stride,
+            layout=record.merged(spec.layout),
         )
     ]
-    scale_layout = {
-        "scheme": cap.scheme,
-        "kernel": kernel,
-        "role": "weight_scale",
-        "weight": spec.name,
-        "scale_granularity": gran,
-        "logical_output_width": n,
-    }
     if gran == "tensor":
+        scale = Fp8ScaleLayout(cap.scheme, kernel, "weight_scale", spec.name, gran, n)
         out.append(TensorSpec(f"{base}.weight_scale", "F32", (), tuple(SourceRef(s) for s in scale_names), 0,
-                              OP_WEIGHT_SCALE, {"granularity": gran}, layout=scale_layout))
+                              OP_WEIGHT_SCALE, {"granularity": gran}, layout=scale.to_json()))
     else:
-        scale_layout.update({"padding": {"output": n_pad - n}, "pad_value": SCALE_PAD_VALUE})
+        scale = Fp8ScaleLayout(cap.scheme, kernel, "weight_scale", spec.name, gran, n, n_pad - n, SCALE_PAD_VALUE)
         srcs = tuple(_scale_source(ref, f"{ref.name[:-7]}.weight_scale", gran) for ref in spec.sources)
         out.append(TensorSpec(f"{base}.weight_scale", "F32", (1, n_pad), srcs, 0, OP_WEIGHT_SCALE,
-                              {"granularity": gran, "n": n, "n_padded": n_pad}, layout=scale_layout))
+                              {"granularity": gran, "n": n, "n_padded": n_pad}, layout=scale.to_json()))
     if cap.activation == "static_tensor":
+        scale = Fp8ScaleLayout(cap.scheme, kernel, "input_scale", spec.name, "tensor")
         out.append(TensorSpec(f"{base}.input_scale", "F32", (), tuple(SourceRef(f"{m}.input_scale") for m in modules),
-                              0, OP_INPUT_SCALE, {},
-                              layout={"scheme": cap.scheme, "kernel": kernel, "role": "input_scale",
-                                      "weight": spec.name, "scale_granularity": "tensor"}))
+                              0, OP_INPUT_SCALE, {}, layout=scale.to_json()))
     return out
 
 
@@ -604,3 +438,50 @@ def op_input_scale(spec: TensorSpec, parts: list, fetch) -> Any:
 
 
 OPS = {OP_WEIGHT: op_weight, OP_WEIGHT_SCALE: op_weight_scale, OP_INPUT_SCALE: op_input_scale}
+
+
+class ModelOptFp8(SchemeRules):
+    """The ModelOpt FP8 family (``modelopt_fp8``, ``modelopt_fp8_per_channel``) in the scheme registry."""
+
+    family = "modelopt_fp8"
+    capabilities = CAPABILITIES
+    side_tensors = SIDE_TENSORS
+    ops = OPS
+    placers = {OP_WEIGHT: modelopt_fp8_placement.place_weight, OP_WEIGHT_SCALE: modelopt_fp8_placement.place_scale,
+               OP_INPUT_SCALE: modelopt_fp8_placement.place_scale}
+
+    def read_config(self, ck: Checkpoint) -> QuantConfig | None:
+        """``hf_quant_config.json`` (:func:`read_hf_quant_config`)."""
+        return read_hf_quant_config(ck)
+
+    def check_layers(self, ck: Checkpoint, qc: QuantConfig, cap: Capability) -> set[str]:
+        """:func:`check_layers`."""
+        return check_layers(ck, qc, cap)
+
+    def process_specs(self, ck: Checkpoint, specs: list[TensorSpec], kernel: str, scheme: Any) -> list[TensorSpec]:
+        """:func:`process_specs` with the scheme's capability and quantized layers."""
+        return process_specs(ck, specs, kernel, scheme.capability, scheme.quantized)
+
+    def checkpoint_form(self, tensor: Any, layout: Mapping[str, Any]) -> Any:
+        """Undoes the kernel layout (a view, no copy).
+
+        A weight (:class:`Fp8WeightLayout`: ``F8_E4M3`` ``[N_pad, K_pad]``
+        exposed as the ``[K_pad, N_pad]`` view) becomes its transpose cut to
+        ``logical_shape`` ``[N, K]``; a per-channel ``weight_scale``
+        (``F32`` ``[1, N_pad]``) its first ``logical_output_width`` values.
+        Anything else (0-d scales) is returned as is.
+
+        Raises:
+            ManifestInvalid (`manifest_invalid`): a malformed FP8 layout.
+        """
+        record = layout_of(layout)
+        if isinstance(record, Fp8WeightLayout):
+            n, k = record.logical_shape
+            return tensor.t()[:n, :k]
+        if isinstance(record, Fp8ScaleLayout) and record.role == "weight_scale" and tensor.dim() == 2:
+            return tensor[0, : record.logical_output_width]
+        return tensor
+
+
+#: The registered instance (``weightcache.quant`` registers it at import).
+RULES = ModelOptFp8()

@@ -1,0 +1,182 @@
+"""``weightcache check-config``: validates a configuration and plans every slab from headers alone.
+
+Run as root, it reads every file as the service user (a forked child drops to
+it), as ``weightcache@.service`` will.
+
+Forbidden imports: torch at module level, weightcache.daemon, weightcache.client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import sys
+import traceback
+from typing import Any
+
+from ..config import Config, Placement, config_path, load_config
+from ..errors import ConfigError, WeightcacheError
+from . import SERVICE_USER
+from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, human_bytes, plural, run_checked
+
+
+def _check_as(args: argparse.Namespace) -> int | None:
+    """Runs the rest of ``check-config`` as the service user when asked, or by default as root.
+
+    Returns the exit status of the child that did the checks as that user, or
+    ``None`` when this process goes on itself (not root, or ``--as-user root``).
+    """
+    user = args.as_user
+    if user is None:
+        if os.geteuid() != 0:
+            return None
+        user = SERVICE_USER
+        try:
+            pwd.getpwnam(user)
+        except KeyError:
+            print(f"checking as root: user {user} does not exist here, so what it may read is not checked")
+            return None
+    if user == "root" or (os.geteuid() != 0 and pwd.getpwuid(os.geteuid()).pw_name == user):
+        return None
+    if os.geteuid() != 0:
+        raise ConfigError(f"--as-user {user}: checking as another user needs root (run with sudo, or leave "
+                          f"--as-user out to check as yourself)", key="--as-user")
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise ConfigError(f"--as-user {user}: no such user (the service runs as {SERVICE_USER})",
+                          key="--as-user") from None
+    print(f"checking as user {user} (uid {pw.pw_uid}), as weightcache@.service reads the files")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child drops to the user and does the checks; the parent only waits
+        code = EXIT_FAILED
+        try:
+            try:
+                os.setgroups(os.getgrouplist(user, pw.pw_gid))
+                os.setgid(pw.pw_gid)
+                os.setuid(pw.pw_uid)
+            except OSError as e:
+                print(f"weightcache: --as-user {user}: cannot switch to uid {pw.pw_uid}: {e.strerror}",
+                      file=sys.stderr)
+                code = EXIT_USAGE
+            else:
+                args.as_user = "root"  # already switched: the child checks as itself
+                code = run_checked(cmd_check_config, args)
+        except BaseException:  # os._exit below skips the interpreter's own traceback printing
+            traceback.print_exc()
+            code = EXIT_FAILED
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    """Validates the config and plans every slab from headers alone (no tensor is read),
+    reading every file as the service user when run as root (see :func:`_check_as`)."""
+    from .. import memory, pipeline
+
+    rc = _check_as(args)
+    if rc is not None:
+        return rc
+    cfg = load_config(args.config)
+    host = {"backend": "host", "gpu_uuid": "", "compute_capability": ""}
+    problems: list[str] = []
+    print(f"config: {', '.join(cfg.files) if cfg.files else config_path(args.config)}")
+    print(f"socket_dir={cfg.service.socket_dir} backend={cfg.service.backend}")
+    if not cfg.models:
+        print("no models configured")
+    warnings: list[str] = []
+    if cfg.models:
+        node, beyond = _gpus_beyond_the_node(cfg, memory.probe_cuda)
+        print(node)
+        warnings += beyond
+    planned: list[tuple[Placement, pipeline.Plan]] = []
+    for gpu in cfg.gpus():
+        placements = cfg.placements(gpu)
+        total = 0
+        lines = []
+        for p in placements:
+            gpus = ",".join(str(g) for g in next(lay.gpus for lay in p.model.layouts if lay.tp == p.tp_size
+                                                 and lay.gpus[p.tp_rank] == gpu))
+            try:
+                pl = pipeline.plan(p, host)
+            except WeightcacheError as e:
+                problems.append(f"model {p.model.name} tp={p.tp_size} rank={p.tp_rank} (GPU {gpu}, defined in "
+                                f"{p.model.source}): {e.code}: {e.message}")
+                lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  gpus=[{gpus}]  "
+                             f"ERROR {e.code}  {p.model.path}")
+                continue
+            planned.append((p, pl))
+            total += pl.slab_size_bytes
+            lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  {'gpus=[' + gpus + ']':<12} "
+                         f"{human_bytes(pl.slab_size_bytes):>10}  {len(pl.records)} tensors  {p.model.path}")
+        print(f"GPU {gpu}: {plural(len(placements), 'slab')}, {human_bytes(total)} planned")
+        for line in lines:
+            print(line)
+    warnings += _same_slab_twice(planned)
+    for msg in warnings:
+        print(f"warning: {msg}", file=sys.stderr)
+    for msg in problems:
+        print(f"error: {msg}", file=sys.stderr)
+    return EXIT_FAILED if problems else EXIT_OK
+
+
+def _gpus_beyond_the_node(cfg: Config, probe) -> tuple[str, list[str]]:
+    """Checks the configured GPU indices against the devices the CUDA driver reports.
+
+    Args:
+        cfg (`Config`): the configuration checked.
+        probe (`Callable[[], CudaProbe]`): :func:`weightcache.memory.probe_cuda` (never raises).
+
+    Returns:
+        `tuple[str, list[str]]`: a line saying how many GPUs the node has (or
+        why that is unknown, or not asked with ``backend = "host"``), and a
+        warning per configured index at or past that count, naming its models.
+        Warnings, not errors: the config may be written before the driver is
+        installed, or for another node.
+    """
+    if cfg.service.backend == "host":
+        return "GPUs on this node: not checked (backend = host: the GPU indices only number the instances)", []
+    p = probe()
+    if not p.usable:
+        return f"GPUs on this node: unknown, GPU indices not checked against them ({p.reason})", []
+    out = []
+    for gpu in cfg.gpus():
+        if gpu >= p.devices:
+            names = sorted({pl.model.name for pl in cfg.placements(gpu)})
+            out.append(f"GPU {gpu} ({'models' if len(names) > 1 else 'model'} {', '.join(names)}) is not on this "
+                       f"node: the CUDA driver reports {plural(p.devices, 'GPU')} (indices 0..{p.devices - 1}), so "
+                       f"weightcache@{gpu} would find no device; fix the layouts' gpus (see `nvidia-smi -L`), "
+                       f"unless the config is meant for another node")
+    return f"GPUs on this node: {p.devices} ({p.reason})", out
+
+
+def _same_slab_twice(planned: list[tuple[Placement, Any]]) -> list[str]:
+    """Warnings for models that plan the same slab on the same GPU: one checkpoint (through a symlink or
+    by the same path) with the same effective dtype, naming, kernel, TP size and rank.
+
+    Args:
+        planned (`list[tuple[Placement, pipeline.Plan]]`): every rank that planned, in config order.
+
+    Returns:
+        `list[str]`: one warning per later model, naming it and the first one; the cache keys are
+        compared without ``revision`` (the operator's label changes no byte).
+    """
+    first: dict[tuple[int, str], Placement] = {}
+    out = []
+    for p, pl in planned:
+        same = json.dumps({k: v for k, v in pl.key.items() if k != "revision"}, sort_keys=True, default=str)
+        a = first.setdefault((p.gpu, same), p)
+        if a is p:
+            continue
+        out.append(f"models {a.model.name} and {p.model.name} are the same slab on GPU {p.gpu} (tp={p.tp_size} "
+                   f"rank={p.tp_rank}): {a.model.path} and {p.model.path} are the same checkpoint files with the "
+                   f"same dtype, naming and kernel, so the service holds {human_bytes(pl.slab_size_bytes)} "
+                   f"twice and an attach by path gets {a.model.name}; keep one of the two [models] tables")
+    return out

@@ -1,0 +1,61 @@
+"""``weightcache metrics`` and ``weightcache serve-metrics``: the node's metrics (:mod:`weightcache.metrics`).
+
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..config import load_config
+from ..errors import ConfigError
+from .common import EXIT_OK, socket_dir_of
+
+log = logging.getLogger("weightcache")
+
+
+def _metrics_registry(args: argparse.Namespace):
+    """The node's metrics registry: the socket directory's instances and the config's GPUs (read at each scrape)."""
+    from .. import metrics
+
+    def gpus() -> list[int]:
+        try:
+            return load_config(args.config).gpus()
+        except ConfigError as e:
+            log.warning("metrics: configuration not read, only the sockets are reported: %s", e.message)
+            return []
+
+    return metrics.registry(socket_dir_of(args), gpus, args.timeout)
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    """``weightcache metrics``: the Prometheus text of every running instance; never starts one."""
+    from .. import metrics
+
+    reg = _metrics_registry(args)
+    if args.output:
+        metrics.write_textfile(args.output, reg)
+    else:
+        sys.stdout.write(metrics.exposition(reg).decode())
+    return EXIT_OK
+
+
+def cmd_serve_metrics(args: argparse.Namespace) -> int:
+    """``weightcache serve-metrics``: answers GET /metrics on the socket systemd passes (or ``--listen``)."""
+    from .. import metrics_http
+    from ..journal import setup_logging
+
+    setup_logging(None)
+    listener = metrics_http.listener_from_systemd()
+    if listener is None:
+        if not args.listen:
+            raise ConfigError("serve-metrics: no socket from systemd ($LISTEN_FDS) and no --listen HOST:PORT; "
+                              "start weightcache-metrics.socket, or give --listen 127.0.0.1:9661", key="--listen")
+        try:
+            listener = metrics_http.bind(args.listen)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"serve-metrics: cannot listen on {args.listen}: {e}", key="--listen") from None
+    metrics_http.serve(listener, _metrics_registry(args))
+    return EXIT_OK

@@ -1,0 +1,88 @@
+"""``weightcache verify``, ``weightcache evict`` and ``weightcache reload``: operator requests to every instance.
+
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import protocol
+from ..errors import ConfigError, DaemonUnavailable
+from ..wire import SlotState
+from .common import (EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, ask_each, config_error_text, gpus_of,
+                     no_sockets, per_gpu_request, plural, socket_dir_of)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    results, rc = per_gpu_request(args, lambda: protocol.Verify(args.model))
+    for gpu, reply in results:
+        for r in reply.typed():
+            label = f"GPU {gpu} {r.label}"
+            if r.state is not SlotState.READY:
+                rc = rc or EXIT_FAILED
+                print(f"{label}: {r.state}, not resident: nothing to verify")
+            elif r.mismatched:
+                rc = rc or EXIT_FAILED
+                more = f" (+{len(r.mismatched) - 10} more)" if len(r.mismatched) > 10 else ""
+                print(f"{label}: MISMATCH in {len(r.mismatched)}/{r.tensors} tensors: "
+                      f"{', '.join(r.mismatched[:10])}{more}; evict and preload it (`weightcache evict --force "
+                      f"{r.model} && weightcache preload {r.model}`)")
+            else:
+                print(f"{label}: ok, {r.tensors} tensors match their load-time digests")
+    return rc
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    results, rc = per_gpu_request(args, lambda: protocol.Evict(args.model, args.force, args.to or ""))
+    for gpu, reply in results:
+        for label in reply.evicted:
+            print(f"GPU {gpu}: {'moved ' + label + ' to ' + args.to if args.to else 'evicted ' + label}")
+        if not reply.evicted:
+            print(f"GPU {gpu}: nothing resident to evict for {args.model}")
+    return rc
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """``weightcache reload``: each instance reads the configuration again and applies it (``ExecReload=``).
+
+    Exit status: 0 applied everywhere; 2 an instance refused the files (it keeps
+    serving the previous configuration); 3 an instance did not answer; 1 another refusal.
+    """
+    from .unwired import warnings
+
+    where = socket_dir_of(args)
+    gpus = gpus_of(args, where)
+    if not gpus:
+        print(no_sockets(args), file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    rc = EXIT_OK
+    for line in warnings(where, gpus) if args.gpu is None else ():
+        print(line, file=sys.stderr)
+    for gpu, r, e in ask_each(args, where, gpus, protocol.Reload):
+        if isinstance(e, DaemonUnavailable):
+            print(f"GPU {gpu}: {e.message}", file=sys.stderr)
+            rc = max(rc, EXIT_UNAVAILABLE)
+            continue
+        if isinstance(e, ConfigError):
+            print(f"GPU {gpu}: reload refused, still serving the previous configuration: {config_error_text(e)}",
+                  file=sys.stderr)
+            rc = max(rc, EXIT_USAGE)
+            continue
+        if e is not None:
+            print(f"GPU {gpu}: {e.code}: {e.message}", file=sys.stderr)
+            rc = max(rc, EXIT_FAILED)
+            continue
+        print(f"GPU {gpu}: reloaded {', '.join(r.files)}: {plural(len(r.added), 'slab')} added (loading), "
+              f"{len(r.dropped)} dropped, {len(r.retired)} kept while leased, {len(r.kept)} unchanged")
+        for label in r.added:
+            print(f"  loading  {label}")
+        for label in r.dropped:
+            print(f"  dropped  {label}")
+        for label in r.retired:
+            print(f"  retired  {label} (freed when its last lease is released)")
+        if r.restart_keys:
+            print(f"  [service] {', '.join(r.restart_keys)} changed: takes effect at the next "
+                  f"`systemctl restart weightcache@{gpu}`")
+    return rc

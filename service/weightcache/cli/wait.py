@@ -1,0 +1,103 @@
+"""``weightcache wait`` and ``weightcache preload``: start loads and follow them to the end, with progress.
+
+Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pipeline, weightcache.memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from .. import protocol
+from ..wire import UNSETTLED, SlotState
+from .common import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, collect_status, no_sockets, per_gpu_request, socket_dir_of
+from .status import state_text
+
+
+class _Lines:
+    """Plain progress lines (no terminal): a line per state change, and at most
+    one progress line per slab per :attr:`period_s` while loading."""
+
+    period_s = 1.0
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[str, float]] = {}
+
+    def update(self, label: str, sl: protocol.SlabInfo) -> None:
+        now = time.monotonic()
+        prev = self.last.get(label)
+        if prev is not None and prev[0] == sl.state and (sl.state is not SlotState.LOADING or now - prev[1] < self.period_s):
+            return
+        self.last[label] = (sl.state, now)
+        print(f"{label}: {state_text(sl)}", flush=True)
+
+
+def wait_for(args: argparse.Namespace, model: str | None) -> int:
+    """Polls status until no matching slab is pending or loading, showing progress.
+
+    A rich progress bar on a terminal; plain lines otherwise (journal, CI, pipes).
+    """
+    deadline = time.monotonic() + args.wait_timeout
+    progress = None
+    lines = _Lines()
+    if sys.stdout.isatty():
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        progress = Progress("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        progress.start()
+    tasks: dict[str, Any] = {}
+    where = socket_dir_of(args)  # once, not a config read per poll
+    try:
+        while True:
+            statuses, errors = collect_status(args, where)
+            if not statuses:
+                print(errors[0].message if errors else no_sockets(args), file=sys.stderr)
+                return EXIT_UNAVAILABLE
+            slabs = [(st.gpu, sl) for st in statuses for sl in st.slabs
+                     if model is None or model in (sl.model, sl.path)]
+            for gpu, sl in slabs:
+                label = f"GPU {gpu} {sl.label}"
+                if progress is not None:
+                    total = sl.total_bytes or None
+                    if label not in tasks:
+                        tasks[label] = progress.add_task(label, total=total)
+                    progress.update(tasks[label], completed=sl.done_bytes, total=total)
+                else:
+                    lines.update(label, sl)
+            if not any(sl.state in UNSETTLED for _, sl in slabs):
+                break
+            if time.monotonic() > deadline:
+                print(f"timed out after {args.wait_timeout:.0f}s waiting for the loads", file=sys.stderr)
+                return EXIT_FAILED
+            time.sleep(0.2)
+    finally:
+        if progress is not None:
+            progress.stop()
+    if model is not None and not slabs:
+        print(f"model {model!r} is not configured on any GPU (see `weightcache list`)", file=sys.stderr)
+        return EXIT_FAILED
+    failed = [(gpu, sl) for gpu, sl in slabs if sl.state is SlotState.FAILED]
+    for gpu, sl in failed:
+        err = sl.error or protocol.ErrorInfo("unknown", "no error recorded")
+        print(f"GPU {gpu} {sl.label} failed: {err.code}: {err.message}", file=sys.stderr)
+    if failed:
+        return EXIT_FAILED
+    return EXIT_UNAVAILABLE if errors else EXIT_OK
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    return wait_for(args, args.model)
+
+
+def cmd_preload(args: argparse.Namespace) -> int:
+    results, rc = per_gpu_request(args, lambda: protocol.Preload(args.model))
+    for gpu, reply in results:
+        for label in reply.started:
+            print(f"GPU {gpu}: loading {label}", flush=True)
+        if not reply.started:
+            print(f"GPU {gpu}: {args.model} is already resident or loading", flush=True)
+    if rc == EXIT_OK and not args.no_wait:
+        return wait_for(args, args.model)
+    return rc

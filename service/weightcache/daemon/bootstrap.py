@@ -1,0 +1,179 @@
+"""Starting one instance: the configuration (or what the fd store kept), the backend, the listener, the serving loop.
+
+``weightcache serve`` (:mod:`weightcache.cli`) parses its arguments into a
+:class:`ServeOptions` and calls :func:`serve`; everything that starts the
+service lives here, next to the :class:`~weightcache.daemon.loop.Daemon` it
+starts:
+
+- the configuration: the files, or, when they do not load, the placements
+  recorded beside the slabs in systemd's fd store (:func:`config_kept`);
+- the slab backend (:func:`backend_for`: ``--backend``, else the config's;
+  ``auto`` asks the CUDA driver);
+- the listening socket: the one systemd passed (``LISTEN_FDS``, name
+  ``listen``), else one bound at ``--listen`` or ``<socket dir>/<gpu>.sock``
+  (:func:`listener`);
+- the exit status of a start that cannot go on (:data:`EXIT_CONFIG`, 78, stops
+  the unit's restart loop through ``RestartPreventExitStatus=78``).
+
+Forbidden imports: torch, weightcache.cli, weightcache.client.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from .. import notify
+from ..config import Config, ServiceConfig, config_path, load_config
+from ..errors import ConfigError, WeightcacheError
+from ..journal import event
+
+log = logging.getLogger("weightcache")
+
+#: A start that failed in a way a restart may fix (e.g. the CUDA driver not ready yet).
+EXIT_FAILED = 1
+#: sysexits.h EX_CONFIG: the unit's RestartPreventExitStatus=78 stops restart loops on a bad config.
+EXIT_CONFIG = 78
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``weightcache serve`` was asked (weightcache(1)).
+
+    Attributes:
+        gpu (`int`): the GPU index this instance serves (the unit's ``%i``).
+        config (`str | None`): the main config file; None: ``$WEIGHTCACHE_CONFIG`` or
+            ``/etc/weightcache/weightcache.toml``.
+        listen (`str | None`): the socket path to bind when systemd passed none; None:
+            ``<socket dir>/<gpu>.sock``.
+        backend (`str | None`): ``auto``, ``cuda`` or ``host``; None: the config's ``[service] backend``.
+        verbose (`bool`): debug logging.
+    """
+
+    gpu: int
+    config: str | None = None
+    listen: str | None = None
+    backend: str | None = None
+    verbose: bool = False
+
+
+def backend_for(cfg: Config, explicit: str | None, gpu: int, kept: bool = False):
+    """The slab backend for ``serve``: ``explicit`` (``--backend``), else the config's; ``auto`` asks the driver.
+
+    ``kept``: ``cfg`` is :func:`config_kept`'s (the files were rejected), whose backend is that of the
+    slabs in the fd store; the journal line says so instead of naming the configuration.
+
+    Raises:
+        ConfigError (`config_invalid`): ``cuda`` without a usable driver (see
+            :func:`weightcache.memory.select_backend`).
+    """
+    from ..memory import get_backend, select_backend
+
+    name, reason = select_backend(explicit or cfg.service.backend)
+    if kept and not explicit and cfg.service.backend != "auto":
+        reason = (f"backend = {name}: the backend of the slabs kept in systemd's fd store (the configuration "
+                  f"files were rejected)")
+    log.info("backend selected backend=%s gpu=%d reason=%s", name, gpu, reason,
+             extra=event("backend", backend=name, reason=reason))
+    return get_backend(name, gpu)
+
+
+def listener(opts: ServeOptions, cfg: Config, stored: dict[str, list[int]]) -> tuple[socket.socket, str | None]:
+    """The listening socket and the path bound here (None when systemd passed the socket).
+
+    Takes systemd's socket out of ``stored`` (``listen``, else an unnamed fd), closing any extra one;
+    otherwise binds ``opts.listen``, else ``<socket dir>/<gpu>.sock`` with the socket directory
+    ``$WEIGHTCACHE_SOCKET_DIR``, else the config's ``[service] socket_dir`` (mode 0660, backlog 128).
+    """
+    fds = stored.pop("listen", []) or stored.pop("unknown", [])
+    if fds:
+        for extra in fds[1:]:
+            os.close(extra)
+        return socket.socket(fileno=fds[0]), None
+    where = os.environ.get("WEIGHTCACHE_SOCKET_DIR") or cfg.service.socket_dir
+    path = opts.listen or os.path.join(where, f"{opts.gpu}.sock")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    s.bind(path)
+    os.chmod(path, 0o660)
+    s.listen(128)
+    return s, path
+
+
+def serve(opts: ServeOptions) -> int:
+    """Runs the service for one GPU until SIGTERM; SIGHUP reloads the config. Returns the exit status.
+
+    A configuration that does not load is reported (journal, ``STATUS=``,
+    ``status``) and the service keeps what it has: the slabs systemd's fd store
+    handed back (served as they were configured) and the listening socket
+    systemd handed over (its clients get ``model_not_found`` naming the error,
+    rather than the socket starting the service again and again until the start
+    limit removes it). ``systemctl reload`` applies the fixed file. With neither
+    (run by hand), it returns :data:`EXIT_CONFIG` (78).
+    """
+    from ..checkpoint import warm_validation
+    from ..journal import setup_logging
+    from .loop import Daemon
+
+    setup_logging(opts.gpu, logging.DEBUG if opts.verbose else logging.INFO)
+    warm_validation()  # numpy for the first plan's header check, beside the config read and the driver's init
+    stored = notify.listen_fds()
+    config_error = None
+    try:
+        cfg = load_config(opts.config)
+    except ConfigError as e:
+        cfg, config_error = config_kept(opts, stored, e), e
+        if cfg is None:
+            return rejected(e)
+    try:
+        backend = backend_for(cfg, opts.backend, opts.gpu, kept=config_error is not None)
+    except ConfigError as e:
+        return rejected(e)
+    except WeightcacheError as e:  # e.g. the CUDA driver not ready yet: worth a restart
+        log.critical("start failed code=%s error=%s", e.code, e.message)
+        notify.notify(f"STATUS=start failed: {e.message}")
+        return EXIT_FAILED
+    sock, bound = listener(opts, cfg, stored)
+    d = Daemon(cfg, opts.gpu, backend, sock, stored, load_config=lambda: load_config(opts.config),
+               config_error=config_error)
+    try:
+        return d.serve()
+    finally:
+        if bound:
+            try:
+                os.unlink(bound)
+            except FileNotFoundError:
+                pass
+
+
+def rejected(e: ConfigError) -> int:
+    """Logs (journal fields of :func:`~weightcache.daemon.reload.config_rejected_event`) and reports through
+    ``STATUS=`` a configuration ``serve`` cannot start with; returns :data:`EXIT_CONFIG`."""
+    from .reload import config_rejected_event
+
+    log.critical("configuration rejected code=%s error=%s", e.code, e.message, extra=config_rejected_event(e))
+    notify.notify(f"STATUS=configuration rejected: {e.message}")
+    return EXIT_CONFIG
+
+
+def config_kept(opts: ServeOptions, stored: dict[str, list[int]], e: ConfigError) -> Config | None:
+    """The configuration to serve while the files do not load: the placements recorded beside the slabs
+    in the fd store, on their backend; None when there is nothing to keep (no slab, no socket from systemd)."""
+    from .fdstore import stored_placements
+    from .reload import config_rejected_event
+    from .state import describe_config_error
+
+    placements, backend = stored_placements(stored, opts.gpu)
+    if not placements and not (stored.get("listen") or stored.get("unknown")):
+        return None
+    log.warning("configuration rejected, serving what was kept slabs=%d error=%s", len(placements),
+                describe_config_error(e), extra=config_rejected_event(e))
+    models = {p.model.name: p.model for p in placements}
+    return Config(service=ServiceConfig(backend=opts.backend or backend or "auto"), models=models,
+                  files=(str(config_path(opts.config)),))

@@ -1,0 +1,283 @@
+"""Tiers: the memory budget applied to the slots, and every move between ``gpu``, ``host`` and ``disk``.
+
+Owns :class:`Tiers` (the budget in force, the host tier's size and the
+backend's copy GPU -> host), :class:`Moved` (the effect of one move, carried
+out by the serving loop: fd store and closing), and the journal events
+``demoted``, ``promoted``, ``shelved`` (dropped to disk by the budget or
+``evict --to disk``) with their ``reason``. Which slab moves is decided by
+:func:`weightcache.daemon.budget.make_room`; this module turns the slots into
+:class:`~weightcache.daemon.budget.Holding` records and moves the victims
+through the transition table.
+
+Every move happens on the serving loop's thread. A demotion on the ``cuda``
+backend copies the slab to a pinned host memfd there (its length divided by the
+device-to-host bandwidth; the loop answers nobody meanwhile). On the ``host``
+backend the tiers are the same memory: a demotion moves the sealed memfd to the
+host tier's account without a copy.
+
+Forbidden imports: socket, selectors, threading, torch, weightcache.memory, weightcache.pipeline,
+weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.loads,
+weightcache.daemon.fdstore, weightcache.daemon.loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import InsufficientMemory, WeightcacheError
+from ..journal import event
+from . import budget
+from .state import ON_DEMAND, ServiceState, Slot, SlotState
+
+log = logging.getLogger(__name__)
+
+#: Rank of a host copy a READY slab kept after its promotion: below every configured ``priority``, so the
+#: host tier drops such copies (the GPU holds the same bytes) before any demoted slab.
+_KEPT_COPY_PRIORITY = -(10**9)
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """Effect: ``slot`` left a tier. The fd store follows its new ``tier`` (``host``: the slab's entry becomes
+    the host tier's; ``disk``: every entry of ``store_id`` goes), then each of ``close`` (a GPU slab, a host
+    copy or a manifest file; None entries skipped) is closed."""
+
+    slot: Slot
+    store_id: str
+    tier: str
+    close: tuple[Any, ...] = ()
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is not None and a is b
+
+
+@dataclass
+class Tiers:
+    """The budget in force and how slabs move.
+
+    Attributes:
+        budget_bytes (`int`): ``[service] memory_budget_bytes`` (or its default for the device).
+        host_tier_bytes (`int`): ``[service] host_tier_bytes`` (0: no host tier).
+        to_host (`callable`, *optional*): ``(GPU SealedSlab, label) -> host-tier SealedSlab``: the backend's
+            copy (``Backend.demote``); the ``host`` backend returns the same object. None: as the host backend.
+    """
+
+    budget_bytes: int
+    host_tier_bytes: int = 0
+    to_host: Callable[[Any, str], Any] | None = None
+
+    # --- what is where ------------------------------------------------------
+
+    @staticmethod
+    def gpu_used(state: ServiceState) -> int:
+        """Bytes of the budget taken: slabs READY or RETIRED and loads granted room."""
+        return sum(s.gpu_bytes for s in state.slots)
+
+    @staticmethod
+    def host_used(state: ServiceState) -> int:
+        """Bytes the host tier holds (copies of HOSTED slots, of promotions under way, and kept after one)."""
+        return sum(s.hosted.size_bytes for s in state.slots if s.hosted is not None)
+
+    @staticmethod
+    def _holding(s: Slot, size: int) -> budget.Holding:
+        m = s.placement.model
+        if s.hosted is not None and s.sealed is not None:  # a copy kept after a promotion: dropped first
+            return budget.Holding(s.label, size, priority=_KEPT_COPY_PRIORITY, last_used=s.last_used)
+        return budget.Holding(s.label, size, len(s.leases), m.pin, m.priority, s.last_used,
+                              busy=s.state in (SlotState.PENDING, SlotState.LOADING))
+
+    @staticmethod
+    def _gpu_holding(s: Slot) -> budget.Holding:
+        m = s.placement.model
+        if s.state is SlotState.RETIRED:
+            return budget.Holding(s.label, s.gpu_bytes, busy=True)
+        return budget.Holding(s.label, s.gpu_bytes, len(s.leases), m.pin, m.priority, s.last_used,
+                              busy=s.state in (SlotState.PENDING, SlotState.LOADING),
+                              host_copy=s.hosted is not None and s.sealed is not None)
+
+    def holdings(self, state: ServiceState) -> tuple[list[budget.Holding], list[budget.Holding]]:
+        """(GPU tier, host tier) as the policy weighs them; RETIRED slabs count but never move."""
+        gpu = [self._gpu_holding(s) for s in state.slots if s.gpu_bytes]
+        host = [self._holding(s, s.hosted.size_bytes) for s in state.slots if s.hosted is not None]
+        return gpu, host
+
+    # --- room ---------------------------------------------------------------
+
+    def admit(self, state: ServiceState, slot: Slot, need_bytes: int, evict: bool) -> tuple[list[Moved], InsufficientMemory | None]:
+        """Grants ``slot`` (LOADING) ``need_bytes`` of the budget, moving other slabs out as the policy says.
+
+        Args:
+            evict (`bool`): the load was asked for (an attach, ``preload``): others may be demoted; False (a
+                start-up load) takes only free room.
+
+        Returns:
+            `tuple`: (the moves made, for the serving loop to carry out; the refusal or None). On a refusal
+            nothing moved and ``slot`` is unchanged.
+        """
+        gpu, host = self.holdings(state)
+        room = budget.make_room(need_bytes, self.budget_bytes, gpu, self.host_tier_bytes, host, evict)
+        if not room.fits:
+            return [], self.refusal(state, slot, need_bytes, room)
+        moves = self.carry_out(state, room, f"room for {slot.label}")
+        slot.reserved_bytes = need_bytes
+        return moves, None
+
+    def admit_host(self, state: ServiceState, slot: Slot, need_bytes: int) -> InsufficientMemory | None:
+        """A load into the host tier (``preload = "host"``) of ``need_bytes``: None when it fits the tier's free
+        room (nothing is moved for it), else the refusal naming ``host_tier_bytes``."""
+        used = self.host_used(state)
+        if used + need_bytes <= self.host_tier_bytes:
+            return None
+        return InsufficientMemory(
+            f"GPU {state.gpu}: no room for {slot.label} ({need_bytes / 1e9:.2f} GB) in host_tier_bytes = "
+            f"{self.host_tier_bytes} ({(self.host_tier_bytes - used) / 1e9:.2f} GB free); it waits on disk and the "
+            f"first attach loads it", model=slot.placement.model.name, need_bytes=need_bytes,
+            budget_bytes=self.host_tier_bytes, free_bytes=self.host_tier_bytes - used, resident=[], leases=[])
+
+    def enforce(self, state: ServiceState, reason: str) -> list[Moved]:
+        """Brings the GPU back under the budget and the host tier under its size (a reload lowered them):
+        unleased, unpinned slabs leave in the policy's order; leased and pinned ones stay (logged when
+        they keep the GPU over)."""
+        gpu, host = self.holdings(state)
+        room = budget.make_room(0, self.budget_bytes, gpu, self.host_tier_bytes, host)
+        moves = self.carry_out(state, room, reason)
+        if room.short_bytes:
+            log.warning("over memory budget budget_bytes=%d over_bytes=%d reason=%s: the rest is leased or pinned",
+                        self.budget_bytes, room.short_bytes, reason)
+        drop, over = budget.fit_host(self.host_tier_bytes, self.holdings(state)[1])
+        by_label = {s.label: s for s in state.slots}
+        moves += [self.shelve(state, by_label[lb], reason) for lb in drop if not self._drop_kept(by_label[lb])]
+        if over:
+            log.warning("over host tier host_tier_bytes=%d over_bytes=%d reason=%s: the rest is pinned",
+                        self.host_tier_bytes, over, reason)
+        return moves
+
+    def carry_out(self, state: ServiceState, room: budget.Room, reason: str) -> list[Moved]:
+        """Moves the slots ``room`` names (host-tier drops first, then demotions, then drops)."""
+        by_label = {s.label: s for s in state.slots}
+        moves = [self.shelve(state, by_label[lb], reason) for lb in room.drop_host if not self._drop_kept(by_label[lb])]
+        moves += [self.demote(state, by_label[lb], reason) for lb in room.demote]
+        moves += [self.shelve(state, by_label[lb], reason) for lb in room.drop]
+        return moves
+
+    def refusal(self, state: ServiceState, slot: Slot, need_bytes: int, room: budget.Room) -> InsufficientMemory:
+        """The ``insufficient_memory`` error for ``slot``: the budget, what is resident, who holds leases."""
+        resident = [s for s in state.slots if s.gpu_bytes and s is not slot]
+        leases = [(s, le) for s in resident for le in s.leases.values()]
+        what = ", ".join(f"{s.label} ({s.gpu_bytes / 1e9:.2f} GB, "
+                         f"{'pinned' if s.placement.model.pin else 'loading' if s.state is SlotState.LOADING else str(len(s.leases)) + ' leases'})"
+                         for s in resident) or "nothing"
+        who = ", ".join(f"lease {le.lease_id} on {s.label} by pid {le.pid} uid {le.uid}" for s, le in leases) or "none"
+        m = slot.placement.model
+        return InsufficientMemory(
+            f"GPU {state.gpu}: no room for {slot.label} ({need_bytes / 1e9:.2f} GB) in memory_budget_bytes = "
+            f"{self.budget_bytes} ({room.free_bytes / 1e9:.2f} GB free); resident: {what}; leases: {who}; "
+            f"release a lease, unpin a model or raise memory_budget_bytes", model=m.name, need_bytes=need_bytes,
+            budget_bytes=self.budget_bytes, free_bytes=room.free_bytes,
+            resident=[{"slab": s.label, "size_bytes": s.gpu_bytes, "leases": len(s.leases),
+                       "pinned": s.placement.model.pin} for s in resident],
+            leases=[{"slab": s.label, "lease_id": le.lease_id, "pid": le.pid, "uid": le.uid} for s, le in leases])
+
+    # --- single moves ---------------------------------------------------------
+
+    @staticmethod
+    def _drop_kept(slot: Slot) -> bool:
+        """Drops the host copy a READY slot kept after its promotion; False when ``slot`` holds none."""
+        if slot.sealed is None or slot.hosted is None:
+            return False
+        size = slot.hosted.size_bytes
+        slot.drop_host_copy()
+        log.info("host tier copy dropped model=%s rank=%d size_bytes=%d reason=room in the host tier",
+                 slot.placement.model.name, slot.placement.tp_rank, size)
+        return True
+
+    def demote(self, state: ServiceState, slot: Slot, reason: str) -> Moved:
+        """READY -> HOSTED: copies the slab to the host tier (none when it kept its copy from a promotion;
+        the ``host`` backend moves it without a copy)."""
+        sealed = slot.sealed
+        if slot.hosted is not None:
+            copy = slot.hosted
+        else:
+            try:
+                copy = self.to_host(sealed, slot.label) if self.to_host is not None else sealed
+            except WeightcacheError as e:  # no host RAM, no page-locking: the room is made all the same
+                log.warning("demotion failed model=%s rank=%d code=%s error=%s: dropped to disk instead",
+                            slot.placement.model.name, slot.placement.tp_rank, e.code, e.message)
+                return self.shelve(state, slot, f"{reason}; the copy to the host tier failed ({e.code})")
+        slot.hosted = None
+        slot.demote(copy)
+        p = slot.placement
+        log.info("demoted model=%s tp_size=%d rank=%d size_bytes=%d to=host reason=%s", p.model.name, p.tp_size,
+                 p.tp_rank, copy.size_bytes, reason,
+                 extra=event("demoted", p.model.name, p.tp_rank, size_bytes=copy.size_bytes, reason=reason, to="host"))
+        return Moved(slot, slot.store_id, "host", () if _same(copy, sealed) else (sealed,))
+
+    def shelve(self, state: ServiceState, slot: Slot, reason: str) -> Moved:
+        """READY | HOSTED -> ON_DISK: frees the slab and its host copy; the next attach loads it from disk."""
+        was = slot.tier
+        sealed, hosted, manifest_file = slot.shelve()
+        size = (sealed or hosted).size_bytes if (sealed or hosted) is not None else 0
+        p = slot.placement
+        log.info("shelved model=%s tp_size=%d rank=%d size_bytes=%d from=%s to=disk reason=%s", p.model.name,
+                 p.tp_size, p.tp_rank, size, was, reason,
+                 extra=event("shelved", p.model.name, p.tp_rank, size_bytes=size, reason=reason, tier_from=was))
+        close = (sealed,) + (() if _same(hosted, sealed) else (hosted,)) + (manifest_file,)
+        return Moved(slot, slot.store_id, "disk", tuple(f for f in close if f is not None))
+
+    @staticmethod
+    def promoted(slot: Slot, duration_s: float) -> None:
+        """Logs a finished promotion host -> GPU (the loader's :class:`~weightcache.daemon.loads.Loaded`)."""
+        p = slot.placement
+        size = slot.sealed.size_bytes if slot.sealed is not None else 0
+        log.info("promoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f gbps=%.2f", p.model.name,
+                 p.tp_size, p.tp_rank, size, duration_s * 1e3, size / max(duration_s, 1e-9) / 1e9,
+                 extra=event("promoted", p.model.name, p.tp_rank, size_bytes=size, duration_ms=duration_s * 1e3,
+                             reason="attach"))
+
+
+def demand(slot: Slot, now: float) -> bool:
+    """Queues an on-demand load or promotion of ``slot`` when it is HOSTED or ON_DISK; returns whether it did
+    (the caller then starts the load). Clears the last refusal."""
+    if slot.state not in ON_DEMAND:
+        return False
+    slot.refusal = None
+    slot.demand = True
+    slot.target = "gpu"
+    slot.last_used = now
+    slot.requeue()
+    return True
+
+
+def start_placement(slot: Slot) -> bool:
+    """Applies the model's ``preload`` to a new PENDING ``slot`` (at start, or added by a reload); returns
+    whether to queue its load: ``gpu`` (yes, into the budget's free room), ``host`` (yes, into the host
+    tier) or ``disk`` (no: ON_DISK until the first attach)."""
+    preload = slot.placement.model.preload
+    if preload == "disk":
+        slot.shelve()
+        return False
+    slot.target = "host" if preload == "host" else "gpu"
+    return True
+
+
+def start_order(slots: list[Slot]) -> list[Slot]:
+    """``slots`` in the order start-up loads go: pinned first, then by ``priority`` (highest first), then as
+    configured."""
+    return sorted(slots, key=lambda s: (not s.placement.model.pin, -s.placement.model.priority))
+
+
+def refuse(slot: Slot, error: InsufficientMemory | Exception, reason: str) -> None:
+    """A load or promotion of ``slot`` (LOADING) got no room: it goes back to the host tier (a promotion) or to
+    disk, keeping ``error`` for the attaches waiting on it (``insufficient_memory``). Nothing else moves."""
+    slot.refusal = error if isinstance(error, InsufficientMemory) else None
+    slot.demand = False
+    if slot.hosted is not None:
+        slot.stash(slot.manifest, slot.hosted, slot.manifest_file)
+    else:
+        slot.shelve()
+    p = slot.placement
+    log.info("no room model=%s tp_size=%d rank=%d tier=%s reason=%s", p.model.name, p.tp_size, p.tp_rank,
+             slot.tier, reason)

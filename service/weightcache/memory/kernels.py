@@ -1,0 +1,294 @@
+"""The few GPU kernels a torch-free load needs, compiled at run time with NVRTC, cached per device.
+
+Two kernels, in CUDA C below (:data:`SOURCE`):
+
+- ``wc_sum64``: the ``sum64`` digest of one byte range (``weightcache.digest``):
+  little-endian 64-bit words ``w_i`` (the tail zero-padded), ``sum_i (w_i XOR
+  (i * K)) * (2i + 1) mod 2**64``; each thread accumulates a grid-stride
+  share, warps reduce with ``__shfl_down_sync`` and ``atomicAdd`` into one
+  64-bit slot; the host XORs the byte length. The same value torch's
+  element-wise version gives (:func:`weightcache.digest.digest`).
+- ``wc_lut8``: ``p[i] = lut[p[i]]`` in place over a byte range, with a
+  256-byte table passed by value (the FP8 requantisation of a fused part to
+  the fused scale: :mod:`weightcache.quant.fp8_codes` computes the table on
+  the host, so the GPU does a lookup, not arithmetic, and the bytes are those
+  of the table).
+
+Why NVRTC rather than torch: the torch-free load reads the first bytes before
+torch would have finished importing (1.5–3 s on a cold node), and the two
+operations are a lookup and a sum, not worth a framework. The program is
+compiled once per process and device (``nvrtcCompileProgram`` to a cubin for
+the device's ``sm_XY``, about 0.1–0.3 s, started on a background thread
+while the reads run, :func:`prepare`) and loaded with
+``cuModuleLoadData``. ``libnvrtc`` comes with NVIDIA's ``cuda-bindings``
+wheels' ``nvidia-cuda-nvrtc`` (and with torch's CUDA wheels); when it cannot
+be loaded, :func:`available` is False and the pipeline takes its torch path.
+
+All functions run in the device's primary context (the caller pushes it).
+
+Forbidden imports: torch, daemon, client, protocol, cli.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+typedef unsigned long long u64;
+struct Lut { unsigned char v[256]; };
+
+extern "C" __global__ void wc_sum64(const u64* w, u64 nbytes, u64* out) {
+  const u64 K = 0x9E3779B97F4A7C15ull;
+  const u64 nw = nbytes >> 3;
+  u64 acc = 0;
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nw; i += stride) {
+    acc += (w[i] ^ (i * K)) * (2 * i + 1);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0 && (nbytes & 7)) {
+    const unsigned char* b = (const unsigned char*)w + nw * 8;
+    u64 v = 0;
+    for (int j = 0; j < (int)(nbytes & 7); ++j) v |= ((u64)b[j]) << (8 * j);
+    acc += (v ^ (nw * K)) * (2 * nw + 1);
+  }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+}
+
+extern "C" __global__ void wc_lut8(unsigned char* p, u64 n, Lut lut) {
+  __shared__ unsigned char s[256];
+  for (int j = threadIdx.x; j < 256; j += blockDim.x) s[j] = lut.v[j];
+  __syncthreads();
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  const u64 n4 = ((u64)p & 3) ? 0 : n >> 2;
+  unsigned int* p4 = (unsigned int*)p;
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
+    unsigned int x = p4[i];
+    p4[i] = (unsigned int)s[x & 255] | ((unsigned int)s[(x >> 8) & 255] << 8)
+          | ((unsigned int)s[(x >> 16) & 255] << 16) | ((unsigned int)s[x >> 24] << 24);
+  }
+  for (u64 i = n4 * 4 + (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) p[i] = s[p[i]];
+}
+"""
+
+_THREADS = 256
+_MAX_BLOCKS = 4096
+
+_lock = threading.Lock()
+_modules: dict[int, Any] = {}  # device ordinal -> _Module
+_compiling: dict[int, threading.Thread] = {}
+
+
+class KernelError(RuntimeError):
+    """NVRTC is missing or refused the program (the caller falls back to torch)."""
+
+
+class _Module:
+    def __init__(self, module: Any, sum64: Any, lut8: Any, compile_s: float) -> None:
+        self.module, self.sum64, self.lut8, self.compile_s = module, sum64, lut8, compile_s
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+        nvrtc.nvrtcVersion()  # loads libnvrtc
+    except Exception as e:  # noqa: BLE001 - absence of the library is an expected state
+        raise KernelError(f"NVRTC is not loadable ({e}); install cuda-bindings' nvidia-cuda-nvrtc") from e
+    return nvrtc
+
+
+def available() -> bool:
+    """Whether ``libnvrtc`` can be loaded here (no GPU needed)."""
+    try:
+        _nvrtc()
+        return True
+    except KernelError:
+        return False
+
+
+def _compile(major: int, minor: int) -> tuple[bytes, bool]:
+    """(image, is_cubin): a cubin for ``sm_<major><minor>``, else PTX for ``compute_<major><minor>``."""
+    nvrtc = _nvrtc()
+
+    def check(ret, what, prog=None):
+        err = ret[0]
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            text = ""
+            if prog is not None:
+                _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+                buf = b" " * n
+                nvrtc.nvrtcGetProgramLog(prog, buf)
+                text = buf.decode(errors="replace")
+            raise KernelError(f"{what} failed: {err} {text}")
+        return ret[1] if len(ret) == 2 else None
+
+    last: Exception | None = None
+    for arch, cubin in ((f"sm_{major}{minor}", True), (f"compute_{major}{minor}", False)):
+        prog = check(nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"weightcache_kernels.cu", 0, [], []),
+                     "nvrtcCreateProgram")
+        try:
+            opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++14"]
+            try:
+                check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"nvrtcCompileProgram({arch})", prog)
+            except KernelError as e:
+                last = e
+                continue
+            if cubin:
+                n = check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+                img = b" " * n
+                check(nvrtc.nvrtcGetCUBIN(prog, img), "nvrtcGetCUBIN")
+            else:
+                n = check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+                img = b" " * n
+                check(nvrtc.nvrtcGetPTX(prog, img), "nvrtcGetPTX")
+            return img, cubin
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+    raise KernelError(f"NVRTC could not compile the weightcache kernels for sm_{major}{minor}: {last}")
+
+
+def _load(device: Any) -> _Module:
+    from .cuda import _check, cu
+
+    t0 = time.monotonic()
+    attr = cu.CUdevice_attribute
+    major = int(_check("cuDeviceGetAttribute",
+                       cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device.dev)))
+    minor = int(_check("cuDeviceGetAttribute",
+                       cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device.dev)))
+    image, cubin = _compile(major, minor)
+    with device.current():
+        module = _check("cuModuleLoadData", cu.cuModuleLoadData(image), f"weightcache kernels for sm_{major}{minor}")
+        sum64 = _check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"wc_sum64"))
+        lut8 = _check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"wc_lut8"))
+    dt = time.monotonic() - t0
+    log.info("kernels compiled gpu=%d arch=sm_%d%d image=%s compile_ms=%.0f", device.index, major, minor,
+             "cubin" if cubin else "ptx", dt * 1e3)
+    return _Module(module, sum64, lut8, dt)
+
+
+def module(device: Any) -> _Module:
+    """The kernels on ``device`` (a ``memory.cuda._Device``), compiled on first use (or waited for).
+
+    Raises:
+        KernelError: NVRTC is missing or failed.
+        CudaDriverError: loading the module failed.
+    """
+    with _lock:
+        m = _modules.get(device.index)
+        th = _compiling.get(device.index)
+    if m is not None:
+        return m
+    if th is not None:
+        th.join()
+        with _lock:
+            m = _modules.get(device.index)
+        if m is not None:
+            return m
+    m = _load(device)
+    with _lock:
+        _modules.setdefault(device.index, m)
+        return _modules[device.index]
+
+
+def prepare(device: Any) -> None:
+    """Starts compiling the kernels for ``device`` on a background thread (returns at once; no-op when done)."""
+    with _lock:
+        if device.index in _modules or device.index in _compiling:
+            return
+
+        def run() -> None:
+            try:
+                m = _load(device)
+                with _lock:
+                    _modules.setdefault(device.index, m)
+            except Exception as e:  # noqa: BLE001 - module() retries and raises in the caller's thread
+                log.debug("kernel compile failed gpu=%d error=%s", device.index, e)
+            finally:
+                with _lock:
+                    _compiling.pop(device.index, None)
+
+        th = threading.Thread(target=run, name=f"weightcache-nvrtc-{device.index}", daemon=True)
+        _compiling[device.index] = th
+    th.start()
+
+
+def _launch(func: Any, blocks: int, args: list, stream: Any = 0) -> None:
+    from .cuda import _check, cu
+
+    holders = [a if isinstance(a, ctypes._SimpleCData) or isinstance(a, ctypes.Structure) else ctypes.c_uint64(a)
+               for a in args]
+    params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
+    _check("cuLaunchKernel", cu.cuLaunchKernel(func, blocks, 1, 1, _THREADS, 1, 1, 0, stream,
+                                               ctypes.addressof(params), 0))
+
+
+def _blocks(n: int, per_thread: int) -> int:
+    return max(1, min(_MAX_BLOCKS, -(-n // (_THREADS * per_thread))))
+
+
+class _Lut(ctypes.Structure):
+    _fields_ = [("v", ctypes.c_ubyte * 256)]
+
+
+def sum64(device: Any, ranges: list[tuple[int, int]]) -> list[str]:
+    """``sum64:<16 hex>`` digests of ``(device_ptr, size_bytes)`` ranges, in order (waits for the result).
+
+    Each pointer must be 8-byte aligned (slab records are 256-byte aligned).
+    One launch per range on the legacy stream, one 8-byte slot each, one
+    device-to-host copy of the slots at the end: the bytes never leave the GPU.
+
+    Raises:
+        ValueError: a misaligned pointer.
+        KernelError, CudaDriverError: as :func:`module`, or a launch failed.
+    """
+    from .cuda import _check, cu
+
+    m = module(device)
+    if not ranges:
+        return []
+    for ptr, _ in ranges:
+        if ptr % 8:
+            raise ValueError(f"sum64 kernel: device pointer 0x{ptr:x} is not 8-byte aligned")
+    n = len(ranges)
+    with device.current():
+        slots = int(_check("cuMemAlloc", cu.cuMemAlloc(8 * n)))
+        try:
+            _check("cuMemsetD8", cu.cuMemsetD8(slots, 0, 8 * n))
+            for i, (ptr, size) in enumerate(ranges):
+                if size >= 8:
+                    _launch(m.sum64, _blocks(size // 8, 8), [ptr, size, slots + 8 * i])
+                elif size:
+                    _launch(m.sum64, 1, [ptr, size, slots + 8 * i])
+            host = (ctypes.c_uint64 * n)()
+            _check("cuMemcpyDtoH", cu.cuMemcpyDtoH(ctypes.addressof(host), slots, 8 * n))
+        finally:
+            cu.cuMemFree(slots)
+    return [f"sum64:{(int(host[i]) ^ size) & 0xFFFFFFFFFFFFFFFF:016x}" for i, (_, size) in enumerate(ranges)]
+
+
+def lut8(device: Any, ranges: list[tuple[int, int]], table: bytes, stream: Any = 0) -> None:
+    """Queues ``p[i] = table[p[i]]`` over each ``(device_ptr, size_bytes)`` range (in place) on ``stream``.
+
+    Args:
+        table (`bytes`): 256 bytes.
+
+    Raises:
+        ValueError: ``table`` is not 256 bytes.
+        KernelError, CudaDriverError: as :func:`module`, or a launch failed.
+    """
+    if len(table) != 256:
+        raise ValueError(f"lut8: a table of 256 bytes is needed, got {len(table)}")
+    m = module(device)
+    lut = _Lut()
+    ctypes.memmove(ctypes.addressof(lut), table, 256)
+    with device.current():
+        for ptr, size in ranges:
+            if size:
+                _launch(m.lut8, _blocks(size, 16), [ptr, size, lut], stream)

@@ -1,0 +1,212 @@
+"""The engine's connection to one service instance: find its socket, connect, send requests, read replies.
+
+:class:`Session` is a blocking client over :mod:`weightcache.protocol` (the
+connection is the lease: closing it ends every lease taken on it). Used by
+:func:`weightcache.attach` and by the operator's tools (:mod:`weightcache.cli`,
+:mod:`weightcache.metrics`), which need nothing else of the client.
+
+Forbidden imports: torch, numpy, asyncio, weightcache.config, weightcache.daemon, weightcache.pipeline,
+weightcache.quant, weightcache.sharding, weightcache.loader, weightcache.memory.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import pwd
+import socket
+import time
+from typing import Any
+
+from . import protocol
+from .errors import DaemonUnavailable, RemoteProtocolError, from_wire
+from .fdpass import recv_with_fds
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET_DIR = "/run/weightcache"
+#: First read of a reply, in bytes; the rest of a larger frame is read with one exact-size recv.
+#: Below glibc's 128 KiB mmap threshold: a 1 MiB recvmsg buffer costs ~40 µs per read in
+#: mmap/munmap and page faults, more than reading a 66 KB manifest frame in two reads.
+_RECV = 64 * 1024
+
+
+def resolve_socket_dir(explicit: str | None = None) -> str:
+    """``explicit``, else ``$WEIGHTCACHE_SOCKET_DIR``, else ``/run/weightcache``."""
+    return explicit or os.environ.get("WEIGHTCACHE_SOCKET_DIR") or DEFAULT_SOCKET_DIR
+
+
+def listening_gpus(socket_dir: str) -> list[int]:
+    """The GPU indices of the ``<N>.sock`` sockets in ``socket_dir``, increasing ([] when it cannot be read)."""
+    try:
+        names = os.listdir(socket_dir)
+    except OSError:
+        return []
+    return sorted(int(n[:-5]) for n in names if n.endswith(".sock") and n[:-5].isdigit())
+
+
+#: Pause between ``connect`` attempts while the service's backlog is full (seconds, first and largest).
+_BACKLOG_PAUSE_S = (0.001, 0.05)
+
+
+def _connect(sock: socket.socket, path: str, deadline: float) -> None:
+    """``connect``, waiting while the listen backlog is full (``EAGAIN``) until ``deadline`` (monotonic s).
+
+    A full backlog means the service is busy (starting, or many engines
+    connecting at once), not absent: the kernel answers ``EAGAIN`` at once on
+    a Unix socket instead of waiting, so this waits for it, backing off from
+    1 ms to 50 ms. It is part of connecting within the caller's timeout, not a
+    retry of a request; the first wait is logged as a WARNING, each attempt at
+    DEBUG, and the number of waits once connected.
+    """
+    pause, waits = _BACKLOG_PAUSE_S[0], 0
+    while True:
+        try:
+            sock.connect(path)
+            if waits:
+                log.info("connected after a full backlog socket=%s waits=%d", path, waits)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise socket.timeout(f"the service's listen backlog stayed full for {waits} attempts") from None
+            if not waits:
+                log.warning("service backlog full, waiting socket=%s", path)
+            waits += 1
+            log.debug("connect again after a full backlog socket=%s attempt=%d pause_ms=%.0f", path, waits,
+                      pause * 1e3)
+            time.sleep(pause)
+            pause = min(pause * 2, _BACKLOG_PAUSE_S[1])
+
+
+def _denied_text(path: str, e: OSError) -> str:
+    """Why connecting to ``path`` gave ``EACCES``: who we are, the socket's group, and the fix."""
+    uid = os.geteuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    try:
+        gid = os.stat(path).st_gid
+        group = grp.getgrgid(gid).gr_name
+    except (OSError, KeyError):  # the directory is not searchable either, or the gid has no name
+        group = "weightcache-clients"
+    return (f"no weightcache service at {path}: {e.strerror}: user {user} (uid {uid}) may not connect; the socket "
+            f"admits root and group {group}: add the user to it (usermod -aG {group} {user}, then log in again) "
+            f"or run the engine with that group")
+
+
+class Session:
+    """A blocking client connection to one service socket (one per attach).
+
+    The connection is the lease: closing it ends every lease taken on it.
+
+    Args:
+        path (`str`): the service's socket, e.g. ``/run/weightcache/0.sock``.
+        timeout (`float`): seconds for connecting and for each reply.
+
+    Raises:
+        DaemonUnavailable (`daemon_unavailable`): nothing listens, connection
+            refused, or no reply in time.
+    """
+
+    def __init__(self, path: str, timeout: float = 30.0, client: str = "", hello: bool = True) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
+        try:
+            _connect(self.sock, path, time.monotonic() + timeout)
+        except PermissionError as e:
+            self.sock.close()
+            raise DaemonUnavailable(_denied_text(path, e), socket=path) from None
+        except (FileNotFoundError, ConnectionRefusedError, socket.timeout, OSError) as e:
+            self.sock.close()
+            raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None
+        self.conn = protocol.Connection(protocol.CLIENT)
+        self.client = client or f"pid={os.getpid()}"
+        self.hello = self.request(self.hello_message()) if hello else None
+
+    def hello_message(self) -> protocol.Hello:
+        return protocol.Hello(protocol.PROTOCOL_VERSION, self.client)
+
+    def pipeline(self, msgs: list[protocol.Message], timeout: float | None = None) -> list[Any]:
+        """Sends ``msgs`` in one write, then reads one reply each, in order.
+
+        Saves a round trip per message (``hello`` + ``attach`` in one go). The
+        fds of the last reply are in ``self.last_fds``.
+
+        Raises:
+            DaemonUnavailable: the service closed the connection or timed out.
+            WeightcacheError: the first typed error among the replies.
+        """
+        self.send(msgs)
+        return self.replies(len(msgs), timeout)
+
+    def send(self, msgs: list[protocol.Message]) -> None:
+        """Writes ``msgs`` in one write without waiting for replies (see :meth:`replies`).
+
+        Raises:
+            DaemonUnavailable: the service went away.
+        """
+        data = b"".join(self.conn.send(m)[0] for m in msgs)
+        try:
+            self.sock.sendall(data)
+        except OSError as e:
+            raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}", socket=self.path) from None
+
+    def replies(self, count: int, timeout: float | None = None) -> list[Any]:
+        """Reads ``count`` replies to what :meth:`send` wrote (fds of the last one in ``self.last_fds``).
+
+        Raises:
+            DaemonUnavailable: the service closed the connection or timed out.
+            WeightcacheError: the first typed error among the replies.
+        """
+        if timeout is not None:
+            self.sock.settimeout(max(0.001, timeout))
+        replies = []
+        for _ in range(count):
+            reply, fds = self._read_message()
+            if isinstance(reply, protocol.Error):
+                for fd in fds:
+                    os.close(fd)
+                raise from_wire(reply.code, reply.message, reply.details)
+            self.last_fds = fds
+            replies.append(reply)
+        return replies
+
+    def request(self, msg: protocol.Message, timeout: float | None = None) -> Any:
+        """Sends ``msg`` and returns the reply message (fds in ``self.last_fds``).
+
+        Raises:
+            DaemonUnavailable: the service closed the connection or timed out.
+            WeightcacheError: the typed error the service replied with.
+        """
+        return self.pipeline([msg], timeout)[0]
+
+    def _read_message(self) -> tuple[protocol.Message, list[int]]:
+        while True:
+            try:
+                ev = self.conn.next_message()
+            except RemoteProtocolError:
+                for fd in self.conn.take_all_fds():
+                    os.close(fd)
+                raise
+            if ev is not protocol.NEED_DATA:
+                return ev
+            try:
+                data, fds = recv_with_fds(self.sock, self.conn.bytes_wanted(_RECV), protocol.MAX_FDS_PER_FRAME)
+            except socket.timeout:
+                raise DaemonUnavailable(f"weightcache service at {self.path} did not answer in time",
+                                        socket=self.path) from None
+            except OSError as e:
+                raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}",
+                                        socket=self.path) from None
+            if not data and not fds:
+                raise DaemonUnavailable(f"weightcache service at {self.path} closed the connection",
+                                        socket=self.path)
+            self.conn.receive(data, fds)
+
+    def close(self) -> None:
+        for fd in self.conn.take_all_fds():
+            os.close(fd)
+        self.sock.close()

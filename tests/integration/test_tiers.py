@@ -1,0 +1,236 @@
+"""More models than the budget holds (issue 24): a real ``weightcache serve`` on the host backend.
+
+On the host backend the tiers are the same memory, so what these tests check is
+the memory budget and the eviction policy: which slab leaves, that a leased one
+never does, what an attach that needs room gets, that the bytes an engine maps
+after a switch equal the checkpoint's, and that the budget is never exceeded
+(``status`` sampled on another connection during the switches).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from service_harness import (compare_bytes, make_config, poll_until, read_checkpoint, service_env,  # noqa: E402
+                             write_checkpoint)
+from weightcache import attach, protocol  # noqa: E402
+from weightcache.errors import InsufficientMemory, LeaseBusy  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+#: Elements of each model's one tensor: 2 MiB of float32, so a slab is 2 MiB and a page.
+N = 512 * 1024 + 1024
+SLAB = (N * 4 + 4095) // 4096 * 4096
+
+
+def _ckpt(dest, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return write_checkpoint(dest, {"w": torch.randn(N, generator=g)})
+
+
+def _tiers(svc) -> dict[str, str]:
+    return {s["model"]: f"{s['state']}/{s['tier']}" for s in svc.status()["slabs"]}
+
+
+def _attach(svc, model: str):
+    return attach(model, socket_dir=svc.socket_dir, fallback=False, timeout=60)
+
+
+def _unleased(svc, model: str) -> None:
+    """Waits until the service has ended every lease on ``model`` (a closed client's release is its own
+    connection's business: another connection's request may be read first)."""
+    poll_until(lambda: not svc.slab(model)["leases"], f"the leases on {model} to end")
+
+
+class Sampler:
+    """Reads ``status`` on its own connection until stopped; keeps the highest budget use seen and checks
+    each sample against the budget (slabs on the GPU tier, and the service's own ``gpu_bytes``)."""
+
+    def __init__(self, svc) -> None:
+        self.svc, self.samples, self.worst = svc, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        s = self.svc.session(10)
+        try:
+            while not self._stop.is_set():
+                st = s.request(protocol.Status()).status
+                on_gpu = sum(sl["resident_bytes"] for sl in st["slabs"] if sl["tier"] == "gpu")
+                mem = st["memory"]
+                self.samples += 1
+                if max(on_gpu, mem["gpu_bytes"]) > mem["budget_bytes"]:
+                    self.worst.append((on_gpu, mem["gpu_bytes"], mem["budget_bytes"], st["status_line"]))
+        finally:
+            s.close()
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        assert self.samples > 0 and not self.worst, self.worst
+
+
+@pytest.mark.parametrize("host_tier", [0, 4 * SLAB], ids=["no-host-tier", "host-tier"])
+def test_attach_switches_between_two_models_under_a_budget_of_one(daemon, tmp_path, host_tier):
+    cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
+    svc = daemon(make_config({"a": {"path": cks["a"], "priority": 1}, "b": cks["b"]},
+                             memory_budget_bytes=SLAB + SLAB // 2, host_tier_bytes=host_tier))
+    st = svc.wait_settled()
+    assert st["memory"]["budget_bytes"] == SLAB + SLAB // 2 and st["memory"]["host_tier_bytes"] == host_tier
+    assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}  # priority order at start, up to the budget
+    away = "hosted/host" if host_tier else "on_disk/disk"
+    with Sampler(svc):
+        b = _attach(svc, "b")  # demand load: a leaves the GPU
+        try:
+            assert _tiers(svc) == {"a": away, "b": "ready/gpu"}
+            compare_bytes(b.tensors, read_checkpoint(cks["b"]))
+        finally:
+            b.close()
+        _unleased(svc, "b")
+        a = _attach(svc, "a")  # and back: promoted from the host tier, or loaded again
+        try:
+            assert _tiers(svc) == {"a": "ready/gpu", "b": away}
+            compare_bytes(a.tensors, read_checkpoint(cks["a"]))
+        finally:
+            a.close()
+    log = svc.log()
+    assert ("demoted model=a" in log) == bool(host_tier) and ("promoted model=a" in log) == bool(host_tier)
+    assert ("shelved model=a" in log) != bool(host_tier)
+
+
+def test_a_leased_slab_is_never_evicted_and_the_attach_gets_insufficient_memory(daemon, tmp_path):
+    cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
+    svc = daemon(make_config({"a": cks["a"], "b": cks["b"]}, memory_budget_bytes=SLAB + SLAB // 2))
+    svc.wait_settled()
+    a = _attach(svc, "a")
+    try:
+        lease = svc.slab("a")["leases"][0]
+        with pytest.raises(InsufficientMemory) as ei:
+            _attach(svc, "b")
+        d = ei.value.details
+        assert d["budget_bytes"] == SLAB + SLAB // 2 and d["need_bytes"] == SLAB and d["model"] == "b"
+        assert d["leases"] == [{"slab": "a/tp1/rank0", "lease_id": lease["lease_id"], "pid": lease["pid"],
+                                "uid": lease["uid"]}]
+        assert [r["slab"] for r in d["resident"]] == ["a/tp1/rank0"]
+        assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}  # nothing resident lost
+        compare_bytes(a.tensors, read_checkpoint(cks["a"]))
+    finally:
+        a.close()
+    _unleased(svc, "a")  # released: the same attach now makes room
+    b = _attach(svc, "b")
+    try:
+        compare_bytes(b.tensors, read_checkpoint(cks["b"]))
+        assert _tiers(svc) == {"a": "on_disk/disk", "b": "ready/gpu"}
+    finally:
+        b.close()
+
+
+def test_pin_and_priority_decide_the_order(daemon, tmp_path):
+    names = {"p": {"pin": True}, "hi": {"priority": 5}, "lo": {}, "x": {}}
+    cks = {n: _ckpt(tmp_path / n, i) for i, n in enumerate(names)}
+    svc = daemon(make_config({n: {"path": cks[n], **extra} for n, extra in names.items()},
+                             memory_budget_bytes=3 * SLAB + SLAB // 2))
+    svc.wait_settled()
+    # Start-up: pinned first, then by priority, then as configured, until the budget is full.
+    assert _tiers(svc) == {"p": "ready/gpu", "hi": "ready/gpu", "lo": "ready/gpu", "x": "on_disk/disk"}
+    _attach(svc, "x").close()  # lo leaves (lowest priority), though hi was used less recently
+    _unleased(svc, "x")
+    assert _tiers(svc) == {"p": "ready/gpu", "hi": "ready/gpu", "lo": "on_disk/disk", "x": "ready/gpu"}
+    _attach(svc, "lo").close()  # x (priority 0) leaves, hi stays, p never moves
+    assert _tiers(svc) == {"p": "ready/gpu", "hi": "ready/gpu", "lo": "ready/gpu", "x": "on_disk/disk"}
+
+
+def test_status_json_and_metrics_show_tiers(daemon, tmp_path):
+    cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
+    svc = daemon(make_config({"a": cks["a"], "b": {"path": cks["b"], "preload": "host"}},
+                             memory_budget_bytes=SLAB + SLAB // 2, host_tier_bytes=2 * SLAB))
+    svc.wait_settled()
+    out = subprocess.run([sys.executable, "-m", "weightcache", "status", "--json", "--socket-dir", svc.socket_dir],
+                         capture_output=True, text=True, env=service_env(), timeout=60)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    (inst,) = doc["gpus"]
+    slabs = {s["model"]: s for s in inst["slabs"]}
+    assert (slabs["a"]["tier"], slabs["b"]["tier"]) == ("gpu", "host")
+    assert slabs["b"]["host_bytes"] == SLAB and slabs["b"]["state"] == "hosted"
+    assert inst["memory"]["gpu_bytes"] == SLAB and inst["memory"]["host_used_bytes"] == SLAB
+    from weightcache import metrics
+
+    status, counters = svc.request(protocol.Metrics()).typed()
+    fam = metrics._Families()
+    metrics._add_instance(fam, metrics.Instance(0, True, "active", status, counters))
+    got = {(name, s.labels.get("model"), s.labels.get("tier")): s.value for name, f in fam.f.items()
+           for s in f.samples}
+    assert got[("weightcache_slab_tier", "a", "gpu")] == 1 and got[("weightcache_slab_tier", "a", "host")] == 0
+    assert got[("weightcache_slab_tier", "b", "host")] == 1 and got[("weightcache_slab_tier", "b", "gpu")] == 0
+    assert got[("weightcache_memory_budget_bytes", None, None)] == SLAB + SLAB // 2
+    assert got[("weightcache_host_tier_used_bytes", None, None)] == SLAB
+
+
+def test_reload_lowering_the_budget_demotes_only_unleased_slabs(daemon, tmp_path):
+    cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
+    cfg = make_config({"a": cks["a"], "b": cks["b"]}, memory_budget_bytes=4 * SLAB)
+    svc = daemon(cfg)
+    svc.wait_settled()
+    assert _tiers(svc) == {"a": "ready/gpu", "b": "ready/gpu"}
+    a = _attach(svc, "a")
+    try:
+        cfg["service"]["memory_budget_bytes"] = SLAB + SLAB // 2
+        svc.write_config(cfg)
+        svc.request(protocol.Reload())
+        assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}
+        cfg["service"]["memory_budget_bytes"] = SLAB // 2  # below the leased slab: it stays all the same
+        svc.write_config(cfg)
+        svc.request(protocol.Reload())
+        assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}
+        assert svc.status()["memory"]["budget_bytes"] == SLAB // 2
+        compare_bytes(a.tensors, read_checkpoint(cks["a"]))
+    finally:
+        a.close()
+    assert "over memory budget" in svc.log()
+
+
+def test_preload_host_then_attach_promotes_and_evict_to_moves_by_hand(daemon, tmp_path):
+    cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
+    svc = daemon(make_config({"a": cks["a"], "b": {"path": cks["b"], "preload": "host"}},
+                             memory_budget_bytes=SLAB + SLAB // 2, host_tier_bytes=2 * SLAB))
+    svc.wait_settled()
+    assert _tiers(svc) == {"a": "ready/gpu", "b": "hosted/host"}
+    b = _attach(svc, "b")  # promoted from the host tier; a demoted there
+    try:
+        assert _tiers(svc) == {"a": "hosted/host", "b": "ready/gpu"}
+        compare_bytes(b.tensors, read_checkpoint(cks["b"]))
+        with pytest.raises(LeaseBusy):  # a leased slab is not moved by hand either
+            svc.request(protocol.Evict("b", to="host"))
+    finally:
+        b.close()
+    _unleased(svc, "b")
+    env = service_env()
+    for args, want in ((["b", "--to", "disk"], {"a": "hosted/host", "b": "on_disk/disk"}),
+                       (["a", "--to", "disk"], {"a": "on_disk/disk", "b": "on_disk/disk"})):
+        out = subprocess.run([sys.executable, "-m", "weightcache", "evict", *args, "--socket-dir", svc.socket_dir],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0 and f"moved {args[0]}/tp1/rank0 to disk" in out.stdout, out.stdout + out.stderr
+        assert _tiers(svc) == want
+    out = subprocess.run([sys.executable, "-m", "weightcache", "preload", "a", "--socket-dir", svc.socket_dir],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}
+    svc.request(protocol.Evict("a", to="host"))
+    assert _tiers(svc) == {"a": "hosted/host", "b": "on_disk/disk"}
+    a = _attach(svc, "a")
+    try:
+        compare_bytes(a.tensors, read_checkpoint(cks["a"]))
+    finally:
+        a.close()

@@ -1,0 +1,113 @@
+"""``import weightcache`` loads lazily: attaching never imports the load pipeline, the disk fallback does.
+
+Each check runs a fresh interpreter of the test venv (``sys.executable``) and
+reads the modules it imported from ``-X importtime`` (stderr: one line per
+module) or from ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+#: The load pipeline and what only it needs: never imported by ``import weightcache; weightcache.attach``.
+PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader")
+
+
+def _imported(code: str) -> set[str]:
+    """Modules a fresh interpreter imports running ``code``, from ``-X importtime``."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, timeout=120,
+                       check=True)
+    return {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")
+            and "|" in line} - {"package"}
+
+
+def test_import_weightcache_and_attach_skip_the_pipeline():
+    mods = _imported("import weightcache; weightcache.attach; weightcache.AttachOptions")
+    assert {"weightcache", "weightcache.client", "weightcache.protocol"} <= mods
+    for name in PIPELINE + ("numpy", "torch", "safetensors"):
+        assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported: {sorted(mods)}"
+
+
+def test_import_weightcache_alone_imports_no_submodule():
+    mods = _imported("import weightcache")
+    assert {m for m in mods if m.startswith("weightcache.")} == set(), sorted(mods)
+
+
+def test_the_operator_tools_import_no_client():
+    """``weightcache status``'s modules and the metrics talk through the session alone."""
+    mods = _imported("import weightcache.cli.status, weightcache.metrics")
+    for name in ("weightcache.client", "weightcache.daemon", "weightcache.pipeline", "torch"):
+        assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported"
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    import weightcache
+
+    with pytest.raises(AttributeError):
+        weightcache.no_such_name  # noqa: B018
+    assert {"attach", "Attachment", "AttachOptions", "WeightcacheError"} <= set(dir(weightcache))
+
+
+def test_disk_fallback_imports_the_pipeline_when_it_runs(tmp_path):
+    """No service: ``attach(fallback=True)`` loads from disk, the pipeline imported by then; bytes as stored."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    save_file({"w": w}, str(ck / "model.safetensors"))
+    (ck / "config.json").write_text(json.dumps({"architectures": ["Toy"], "model_type": "toy"}))
+    code = (
+        "import sys, json, weightcache\n"
+        "before = sorted(m for m in ('weightcache.pipeline', 'weightcache.sharding') if m in sys.modules)\n"
+        f"a = weightcache.attach({str(ck)!r}, socket_dir={str(tmp_path / 'run')!r}, fallback=True, timeout=1)\n"
+        "after = sorted(m for m in ('weightcache.pipeline', 'weightcache.sharding') if m in sys.modules)\n"
+        "print(json.dumps([before, after, a.source, a.tensors['w'].tolist()]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, after, source, values = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (before, after, source) == ([], ["weightcache.pipeline", "weightcache.sharding"], "disk")
+    assert values == w.tolist()
+
+
+def test_without_torch_import_works_and_attach_names_the_runtime(tmp_path):
+    """torch missing: ``from weightcache import attach`` succeeds; calling it raises ModuleNotFoundError naming
+    the runtime, not a traceback from inside the package."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if torch were not installed\n"
+        "from weightcache import attach, AttachOptions\n"
+        "try:\n"
+        f"    attach('/nonexistent', socket_dir={str(tmp_path)!r})\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('NAME', e.name)\n"
+        "    print('MSG', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    out = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert out["NAME"] == "torch"
+    assert "weightcache-setup-runtime" in out["MSG"] and "/opt/weightcache/venv" in out["MSG"]
+
+
+def test_options_record_and_keywords_are_the_same_request(tmp_path):
+    """``attach(options=AttachOptions(...))`` and the keyword form build one request; keywords override."""
+    from weightcache.client import AttachOptions, AttachRequest
+
+    opts = AttachOptions(device="cpu", fallback=False, timeout=2.0, socket_dir=str(tmp_path), naming="vllm")
+    a = AttachRequest.of("/m", 2, 1, opts)
+    b = AttachRequest("/m", 2, 1, "cpu", "zero_copy", False, 2.0, str(tmp_path), None, "auto", "vllm", "cutlass")
+    assert a == b and a.socket_path == str(tmp_path / "0.sock")
+    import weightcache
+
+    with pytest.raises(TypeError) as e:
+        weightcache.attach("/m", options=opts, devcie="cpu")
+    assert "devcie" in str(e.value)
+    with pytest.raises(ValueError):
+        weightcache.attach("/m", options=opts, mode="mmap")
+    assert Path(tmp_path).is_dir()
