@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,23 +27,27 @@ def _modules():
 
 
 def _rules(text: str) -> list[tuple[str, bool]]:
+    """(module, only at module level) per rule; ``X directly`` is X for the source check (see _direct)."""
     rules = []
-    for part in re.split(r"[,;]", text.split("(")[0]):
-        part = " ".join(part.split()).rstrip(".")
+    for part in re.split(r"[,;]", re.sub(r"\([^)]*\)", "", text)):  # "(why)" remarks are not rules
+        part = " ".join(part.split()).rstrip(".").strip()
         if not part:
             continue
         top_only = part.endswith("at module level")
-        name = part.removesuffix("at module level").strip()
+        name = part.removesuffix("at module level").strip().removesuffix(" directly")
         if name in LOCAL:
             name = f"weightcache.{name}"
         rules.append((name, top_only))
     return rules
 
 
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(absolute module name, is top-level) of every import in the file."""
+def _imports(path: Path, module: str | None = None) -> list[tuple[str, bool]]:
+    """(absolute module name, is top-level) of every import in the file of ``module`` (default: under PKG)."""
     tree = ast.parse(path.read_text())
-    pkg_parts = ["weightcache", *path.relative_to(PKG).parent.parts]
+    if module is None:
+        pkg_parts = ["weightcache", *path.relative_to(PKG).parent.parts]
+    else:
+        pkg_parts = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     top = {id(n) for n in tree.body}
     out = []
     for node in ast.walk(tree):
@@ -170,9 +175,7 @@ for name in sys.argv[1:]:
 #: Packages whose ``__init__`` still imports more than its submodules may (then every module below
 #: them fails the fresh check; each must pass the own check meanwhile) -> who is fixing it.
 #: The lead empties this at the end of issue 22.
-EAGER_PACKAGES = {
-    "weightcache": "front",  # weightcache/__init__.py imports the client: made lazy (PEP 562) in front's part
-}
+EAGER_PACKAGES: dict[str, str] = {}  # weightcache/__init__.py and daemon/__init__.py load lazily (PEP 562) since issue 22
 
 #: Modules whose own imports (parents already loaded) break their docstring today -> owner. Emptied by the lead.
 RUNTIME_OFFENDERS: dict[str, str] = {}
@@ -206,12 +209,41 @@ def loaded() -> dict[tuple[str, str], tuple[str, set[str]]]:
     return res
 
 
-def _violations(text: str, modules: set[str], name: str = "") -> list[str]:
-    """Loaded modules that a rule of ``text`` forbids; ``name`` itself and its parent packages do not count."""
-    parts = name.split(".") if name else []
-    modules = modules - {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+def _direct(text: str) -> set[str]:
+    """Rules written ``X directly``: the module must not import X itself, but what it imports may
+    (a wiring room such as ``daemon.loop`` loads the rooms that run the pipeline)."""
+    out = set()
+    for part in re.split(r"[,;]", re.sub(r"\([^)]*\)", "", text)):
+        part = " ".join(part.split()).rstrip(".").strip()
+        if part.endswith(" directly"):
+            name = part.removesuffix(" directly").strip()
+            out.add(f"weightcache.{name}" if name in LOCAL else name)
+    return out
+
+
+def _source(module: str, base: Path) -> Path | None:
+    p = base / module.replace(".", "/")
+    return next((c for c in (p.with_suffix(".py"), p / "__init__.py") if c.exists()), None)
+
+
+def _violations(text: str, modules: set[str], name: str) -> list[str]:
+    """What a rule of ``text`` forbids among the ``modules`` that importing ``name`` loaded.
+
+    A forbidden project module or third-party package (torch, numpy, prometheus_client...)
+    counts when it is loaded at all, through any chain. A standard-library module is the
+    source check's only: the standard library loads ``threading`` for ``logging`` and
+    ``socket`` for ``subprocess``, and a room forbidding ``threading`` means that it starts
+    no thread, not that nothing below it holds a lock. ``X directly`` rules (:func:`_direct`)
+    are the source check's only too. ``name`` and its packages do not count (what they
+    load does: in mode ``fresh``, a package ``__init__`` importing a forbidden module fails).
+    """
+    parts = name.split(".")
+    modules = modules - {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # what they load still counts
+    direct = _direct(text)
     bad = []
-    for rule, _ in _rules(text):  # "X at module level" too: an import is module level by definition
+    for rule, _ in _rules(text):  # "X at module level" too: a run-time import is module level by definition
+        if rule.split(".")[0] in sys.stdlib_module_names or rule in direct:
+            continue
         bad += sorted(m for m in modules if m == rule or m.startswith(rule + "."))
     return bad
 
@@ -244,11 +276,21 @@ def test_run_time_probe_sees_a_violation(tmp_path):
     import subprocess
     import sys
 
-    (tmp_path / "wc_probe_pkg").mkdir()
-    (tmp_path / "wc_probe_pkg" / "__init__.py").write_text("import socket\n")
-    (tmp_path / "wc_probe_pkg" / "leaf.py").write_text('"""Forbidden imports: socket."""\n')
-    out = subprocess.run([sys.executable, "-c", _PROBE, "wc_probe_pkg.leaf"], capture_output=True, text=True,
-                         cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=60, check=True).stdout
+    pkg = tmp_path / "wc_probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import heavy\n")
+    (pkg / "heavy.py").write_text("import socket\n")
+    (pkg / "leaf.py").write_text('"""Forbidden imports: wc_probe_pkg.heavy, socket."""\n')
+    (pkg / "wiring.py").write_text("from . import leaf\n")
+    out = subprocess.run([sys.executable, "-c", _PROBE, "wc_probe_pkg.leaf", "wc_probe_pkg.wiring"],
+                         capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=60,
+                         check=True).stdout
     lines = {tuple(line.split("\t")[:2]): set(line.split("\t")[3].split()) for line in out.splitlines()}
-    assert _violations(" socket.", lines[("wc_probe_pkg.leaf", "fresh")]) == ["socket"]
-    assert "socket" not in lines[("wc_probe_pkg.leaf", "own")]  # own: only what the leaf itself loads
+    fresh, own = lines[("wc_probe_pkg.leaf", "fresh")], lines[("wc_probe_pkg.leaf", "own")]
+    rules = " wc_probe_pkg.heavy, socket."
+    assert _violations(rules, fresh, "wc_probe_pkg.leaf") == ["wc_probe_pkg.heavy"]  # loaded by the package
+    assert _violations(rules, own, "wc_probe_pkg.leaf") == []  # the package's doing, not the leaf's
+    assert "socket" in fresh  # loaded, but a standard-library rule is the source check's
+    assert _violations(" wc_probe_pkg.heavy directly.", fresh, "wc_probe_pkg.leaf") == []
+    assert _rules(" wc_probe_pkg.heavy directly, torch at module level.") == [("wc_probe_pkg.heavy", False),
+                                                                             ("torch", True)]
