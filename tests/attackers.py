@@ -9,6 +9,7 @@ cannot execute, so the child is a fork of this process.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -120,13 +121,92 @@ def reap(pid: int, r: int) -> None:
     os.close(r)
 
 
-def back_to_baseline(svc, before: dict, extra_memfds: int = 0) -> dict:
-    """Asserts fds by kind equal ``before`` (plus ``extra_memfds`` for slabs loaded meanwhile) and RSS within slack."""
+def back_to_baseline(svc, before: dict, extra_memfds: int = 0, extra_files: int = 0) -> dict:
+    """Asserts fds by kind equal ``before`` (plus ``extra_memfds`` for slabs loaded meanwhile, plus
+    ``extra_files``, negative for files a load held open at ``before``) and RSS within slack."""
     after = svc.snapshot()
     want = dict(before["fds"])
     if extra_memfds:
         want["memfd"] = want.get("memfd", 0) + extra_memfds
+    if extra_files:
+        want["file"] = want.get("file", 0) + extra_files
     assert dict(after["fds"]) == want, (dict(after["fds"]), want)
     assert after["rss_bytes"] - before["rss_bytes"] < RSS_SLACK_BYTES, (after["rss_bytes"], before["rss_bytes"])
     assert after["leases"] == 0
     return after
+
+
+# --- a read that never returns (hung NFS), on the loader thread --------------------------------------------------
+
+_HUNG_READS = '''
+import os
+from weightcache import checkpoint as _ck
+
+_gates = dict(g.split("=", 1) for g in os.environ["WC_TEST_HUNG_READS"].split(os.pathsep) if g)
+_read_side_file = _ck.Checkpoint.read_side_file
+
+
+def read_side_file(self, name):
+    gate = _gates.get(str(self.path))
+    if gate and name == "config.json":
+        fd = os.open(gate, os.O_RDWR)  # opens at once (Linux); the read blocks until the test writes a byte
+        try:
+            os.read(fd, 1)
+        finally:
+            os.close(fd)
+    return _read_side_file(self, name)
+
+
+_ck.Checkpoint.read_side_file = read_side_file
+'''
+
+
+def hung_read_env(tmp_path, *checkpoints) -> dict:
+    """``env=`` for a service whose read of ``config.json`` in each of ``checkpoints`` blocks (as on a hung NFS
+    mount) until :func:`release_read` (the service itself refuses a FIFO side file, so the hang is injected:
+    a ``sitecustomize`` wraps :meth:`weightcache.checkpoint.Checkpoint.read_side_file`, which the loader
+    thread calls, with a read of a FIFO ``<checkpoint>.gate``)."""
+    from service_harness import SERVICE_DIR
+
+    site = tmp_path / "hung-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_HUNG_READS)
+    gates = []
+    for ck in checkpoints:
+        gate = ck.parent / (ck.name + ".gate")
+        os.mkfifo(gate)
+        gates.append(f"{os.path.realpath(ck)}={gate}")
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(SERVICE_DIR)]), "WC_TEST_HUNG_READS": os.pathsep.join(gates)}
+
+
+def release_read(ck, timeout: float = 30.0) -> None:
+    """Lets the read of :func:`hung_read_env` on ``ck`` return (once the loader has started it)."""
+    gate = ck.parent / (ck.name + ".gate")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as e:  # ENXIO: the loader has not opened it yet
+            assert e.errno == errno.ENXIO and time.monotonic() < deadline, e
+            time.sleep(0.01)
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+
+
+def wait_read_hung(pid: int, ck, timeout: float = 60.0) -> int:
+    """Waits until service ``pid`` is blocked in the hung read of ``ck`` (:func:`hung_read_env`); returns how
+    many fds it holds under ``ck`` then (its directory fd and the gate), released when the read returns."""
+    gate = str(ck.parent / (ck.name + ".gate"))
+    deadline = time.monotonic() + timeout
+    while True:
+        links = []
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+        if gate in links:
+            return sum(1 for x in links if x == gate or x == str(ck) or x.startswith(str(ck) + "/"))
+        assert time.monotonic() < deadline, "the service did not start the hung read"
+        time.sleep(0.02)

@@ -9,17 +9,36 @@ every tensor come from the same header (format: 8-byte little-endian header
 length N, N bytes of JSON, then the data; ``data_offsets`` are relative to the
 end of the header). Source: https://github.com/huggingface/safetensors#format.
 
-Containment (docs/reliability.md, "Threat model"): the service reads
-checkpoints with its own privileges, so a checkpoint may only make it read
-files of that checkpoint. The configured directory is resolved once (it may
-itself be a symlink: the operator chose it); every file name (an index's
-``weight_map`` value, a ``*.safetensors`` entry) must be a plain name in that
-directory, must resolve inside it (or, for a Hugging Face hub snapshot
-``.../snapshots/<revision>/``, inside the same repository's ``blobs/``), and
-must be a regular file; it is then opened by its resolved path with
-``O_NOFOLLOW | O_NONBLOCK`` and checked again with ``fstat``. A FIFO, a device,
-a directory or a symlink leading elsewhere is refused before any byte is read,
-and no error message quotes bytes of a file that fails these checks.
+Containment (docs/reliability.md, "Threat model"), by file descriptor, not
+by path: the service reads checkpoints with its own privileges, so a
+checkpoint may only make it read files of that checkpoint.
+
+- The configured directory is resolved once per :class:`Checkpoint` (once per
+  load) by :func:`resolve_dir`: a symlink on the way is followed only when root
+  or the service user owns it (``trusted_link_owners``; a link planted by a
+  checkpoint's owner, e.g. ``snapshots/<rev>`` replaced by a link to another
+  model, is refused). The service also passes ``root``, the path's resolution
+  when the configuration was read (:attr:`~weightcache.daemon.state.Slot.realpath`):
+  a load whose path now resolves elsewhere is refused until a reload.
+- That directory is opened once into a directory fd, walking it component by
+  component with ``O_NOFOLLOW | O_DIRECTORY`` (no symlink can be swapped in
+  while it is opened), and every file is opened *beneath that fd*
+  (``openat(dirfd, name, O_NOFOLLOW | O_NONBLOCK)``): file names are plain names
+  (an index's ``weight_map`` value, a ``*.safetensors`` entry, ``config.json``).
+  A file that is a symlink is followed only to a plain name in the same
+  directory or, for a Hugging Face hub snapshot ``.../snapshots/<revision>/``,
+  to ``../../blobs/<name>`` (opened beneath the repository's ``blobs/`` fd).
+- Each file must be regular (``fstat``), and each data fd opened after the
+  headers were read must be the file whose header was read: same
+  ``st_dev``, ``st_ino``, size and ``st_mtime_ns`` as the header-time ``fstat``.
+  A FIFO, a device, a directory, a symlink leading elsewhere or a file swapped
+  after the plan is refused (``checkpoint_corrupt``) before any byte of it is
+  read, and no error message quotes bytes of a file that fails these checks.
+  Side files (``config.json``, the index) are read up to
+  :data:`MAX_SIDE_FILE_BYTES`.
+
+A client (the disk fallback) passes neither ``root`` nor ``trusted_link_owners``:
+it reads with its own rights, and follows the symlinks of the path it was given.
 
 The checkpoint *identity* (DESIGN §5) is computed from ``stat()`` and the
 header bytes only, never from tensor data, so an engine can compute the cache
@@ -48,6 +67,112 @@ from .hashes import blake2b_hex
 INDEX_NAME = "model.safetensors.index.json"
 #: Same cap as the safetensors Rust core (100 MB header).
 MAX_HEADER_BYTES = 100_000_000
+#: Largest side file (``config.json``, the index, ``hf_quant_config.json``) read, bytes.
+MAX_SIDE_FILE_BYTES = 64 * 1024 * 1024
+#: Symlinks followed while resolving one checkpoint directory (the kernel's own limit is 40).
+MAX_SYMLINKS = 40
+#: A hub snapshot's file link: ``../../blobs/<name>``.
+_BLOB_LINK = re.compile(r"\.\./\.\./blobs/([^/\0]+)")
+
+
+class MemberPath(str):
+    """The resolved path of a file of a :class:`Checkpoint` (a ``str``, for messages), which
+    :func:`open_file` opens beneath the checkpoint's directory fd instead of by path."""
+
+    __slots__ = ("checkpoint", "member")
+
+    def __new__(cls, path: str, checkpoint: "Checkpoint", member: str) -> "MemberPath":
+        self = super().__new__(cls, path)
+        self.checkpoint, self.member = checkpoint, member
+        return self
+
+
+def resolve_dir(path: str | os.PathLike, trusted_link_owners: frozenset[int] | None = None) -> str:
+    """The absolute resolution of ``path`` (``os.path.realpath`` semantics), refusing untrusted symlinks.
+
+    Args:
+        path (`str`): a checkpoint directory as configured.
+        trusted_link_owners (`frozenset[int]`, *optional*): uids whose symlinks are
+            followed (the service: root and its own uid); None follows every symlink.
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): a symlink on the way is owned by
+            another uid; names it and its owner.
+        CheckpointNotFound (`checkpoint_not_found`): more than :data:`MAX_SYMLINKS` links.
+        OSError: from ``lstat``/``readlink`` (missing components are left to the caller's open).
+    """
+    parts = [c for c in os.fspath(os.path.abspath(path)).split("/") if c]
+    parts.reverse()
+    resolved, links = "/", 0
+    while parts:
+        c = parts.pop()
+        if c == ".":
+            continue
+        if c == "..":
+            resolved = os.path.dirname(resolved)
+            continue
+        nxt = os.path.join(resolved, c)
+        try:
+            st = os.lstat(nxt)
+        except FileNotFoundError:
+            return os.path.join(nxt, *reversed(parts))
+        if not stat.S_ISLNK(st.st_mode):
+            resolved = nxt
+            continue
+        links += 1
+        if links > MAX_SYMLINKS:
+            raise CheckpointNotFound(f"checkpoint directory {path} cannot be opened: more than {MAX_SYMLINKS} "
+                                     f"symbolic links on the way", path=str(path), errno=errno.ELOOP)
+        if trusted_link_owners is not None and st.st_uid not in trusted_link_owners:
+            raise CheckpointCorrupt(
+                f"checkpoint directory {path}: {nxt} is a symbolic link owned by uid {st.st_uid}; the service "
+                f"follows symlinks on the way to a checkpoint only when root or the service user owns them (a "
+                f"link planted by a checkpoint's owner could point at another model): configure the real "
+                f"directory, or have root create the link", file=nxt, path=str(path), owner_uid=st.st_uid)
+        target = os.readlink(nxt)
+        if target.startswith("/"):
+            resolved = "/"
+        parts.extend(reversed([x for x in target.split("/") if x]))
+    return resolved
+
+
+def _open_dir(path: str, read: bool = True) -> int:
+    """Opens resolved directory ``path`` walking it with ``O_NOFOLLOW | O_DIRECTORY`` at every component.
+
+    The last component is opened ``O_RDONLY`` (to list it) unless ``read`` is false; the
+    ones before with ``O_PATH`` (search permission only).
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): a component is (now) a symlink or not a directory.
+        CheckpointNotFound, CheckpointUnreadable: missing, or not searchable.
+    """
+    parts = [c for c in path.split("/") if c]
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    done = "/"
+    try:
+        for i, c in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = (os.O_RDONLY if last and read else os.O_PATH) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            done = os.path.join(done, c)
+            try:
+                nfd = os.open(c, flags, dir_fd=fd)
+            except FileNotFoundError:
+                raise CheckpointNotFound(f"checkpoint directory {path} does not exist ({done} is missing)",
+                                         path=path) from None
+            except PermissionError:
+                raise unreadable(done) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
+                raise CheckpointCorrupt(f"checkpoint directory {path}: {done} changed into a symbolic link or a "
+                                        f"file while the service opened it; the service opens only the directory "
+                                        f"the path resolved to", file=done, path=path) from None
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass(frozen=True)
@@ -109,13 +234,19 @@ def open_file(path: str | os.PathLike, flags: int = os.O_RDONLY | os.O_CLOEXEC) 
     in after the checks neither redirects nor blocks the read) and checks
     ``fstat`` says a regular file.
 
+    A :class:`MemberPath` is opened beneath its checkpoint's directory fd and
+    checked against its header-time ``fstat`` (:meth:`Checkpoint.open_member`).
+
     Raises:
         CheckpointNotFound (`checkpoint_not_found`): it does not exist.
         CheckpointUnreadable (`checkpoint_unreadable`): ``EACCES``; names the
             file and the user.
         CheckpointCorrupt (`checkpoint_corrupt`): not a regular file, or a
-            symlink where the resolved file was.
+            symlink where the resolved file was, or (a member) not the file
+            whose header was read.
     """
+    if isinstance(path, MemberPath):
+        return path.checkpoint.open_member(path.member, flags)
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -307,16 +438,25 @@ def warm_validation() -> threading.Thread:
     return th
 
 
-def _validate_with_safetensors(path: Path) -> None:
-    """Opens ``path`` with ``safetensors.safe_open`` to apply its own checks."""
+def _validate_with_safetensors(path: Path | str) -> None:
+    """Opens ``path`` with ``safetensors.safe_open`` to apply its own checks.
+
+    A :class:`MemberPath` is opened beneath its directory fd first and handed to
+    safetensors as ``/proc/self/fd/N`` (the file already checked, not the path again).
+    """
     from safetensors import safe_open
 
+    fd = open_file(path) if isinstance(path, MemberPath) else -1
     try:
         # framework="numpy": the same header checks without importing torch (fast restarts).
-        with safe_open(str(path), framework="numpy") as f:
+        with safe_open(f"/proc/self/fd/{fd}" if fd >= 0 else str(path), framework="numpy") as f:
             f.keys()
     except Exception as e:  # safetensors raises SafetensorError and friends
-        raise CheckpointCorrupt(f"safetensors rejects {path}: {e}", file=str(path)) from None
+        raise CheckpointCorrupt(f"safetensors rejects {path}: {e}".replace(f"/proc/self/fd/{fd}", str(path)),
+                                file=str(path)) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 class Checkpoint:
@@ -354,7 +494,9 @@ class Checkpoint:
         (30522, 384)
     """
 
-    def __init__(self, path: str | os.PathLike, validate: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, validate: bool = True, root: str | None = None,
+                 trusted_link_owners: frozenset[int] | None = None) -> None:
+        self._dirfd = self._blobs_fd = -1
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
@@ -373,9 +515,18 @@ class Checkpoint:
                                      f"config.json and the *.safetensors files", path=str(path))
         if not _may(path, os.R_OK | os.X_OK):
             raise unreadable(path)
-        self.path = Path(os.path.realpath(path))
+        resolved = resolve_dir(path, trusted_link_owners)
+        if root is not None and resolved != root:
+            raise CheckpointCorrupt(
+                f"checkpoint directory {path} now resolves to {resolved}, not to {root} as when the configuration "
+                f"was read: a symlink on the way changed; the service loads the directory it was configured with "
+                f"(run `systemctl reload` to follow the new target)", path=str(path), file=str(path))
+        self._dirfd = _open_dir(resolved)
+        self.path = Path(resolved)
         self._roots = _roots(self.path)
         self._resolved: dict[str, str] = {}
+        #: file name -> (directory fd, name beneath it) of each checked member.
+        self._members: dict[str, tuple[int, str]] = {}
         self._index = self.path / INDEX_NAME
         self._files: list[str] | None = None
         self._weight_map: dict[str, str] | None = None
@@ -387,18 +538,67 @@ class Checkpoint:
         if validate:
             self._parse()  # our errors name the tensor; then safetensors' own checks
             for fname in self.files:
-                _validate_with_safetensors(Path(self.file_path(fname)))
+                _validate_with_safetensors(self.file_path(fname))
         cfg = os.path.join(self.path, "config.json")
-        self.config_bytes = _read_small(cfg) or b""
+        self.config_bytes = self.read_side_file("config.json") or b""
         try:
             self.config: dict[str, Any] = json.loads(self.config_bytes) if self.config_bytes else {}
         except ValueError as e:
             raise CheckpointCorrupt(f"{cfg} is not valid JSON: {e}", file=cfg) from None
         self._extra: dict[str, bytes] = {}
         for extra in ("hf_quant_config.json",):
-            raw = _read_small(os.path.join(self.path, extra))
+            raw = self.read_side_file(extra)
             if raw is not None:
                 self._extra[extra] = raw
+
+    def close(self) -> None:
+        """Closes the directory fds (also when the object is collected)."""
+        for name in ("_dirfd", "_blobs_fd"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                setattr(self, name, -1)
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _exists(self, name: str) -> bool:
+        """Whether ``name`` (a plain name) is in the directory (a symlink counts), looked up beneath its fd."""
+        try:
+            os.stat(name, dir_fd=self._dirfd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def read_side_file(self, name: str) -> bytes | None:
+        """The bytes of side file ``name`` (``config.json``...), None when absent; opened beneath the directory fd.
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): not a regular file, a link out of the
+                checkpoint, or larger than :data:`MAX_SIDE_FILE_BYTES`.
+            CheckpointUnreadable (`checkpoint_unreadable`): it may not be read.
+        """
+        if not self._exists(name):
+            return None
+        self.file_path(name)
+        fd = self.open_member(name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_SIDE_FILE_BYTES:
+                raise CheckpointCorrupt(f"{self.path / name} is {size} bytes; side files of a checkpoint are at "
+                                        f"most {MAX_SIDE_FILE_BYTES} bytes", file=name)
+            chunks, got = [], 0
+            while got <= size:
+                b = os.read(fd, min(1 << 20, size + 1 - got))
+                if not b:
+                    break
+                chunks.append(b)
+                got += len(b)
+            if got > size:  # it grew while read
+                raise CheckpointCorrupt(f"{self.path / name} grew while it was read", file=name)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
     @property
     def files(self) -> list[str]:
@@ -415,18 +615,19 @@ class Checkpoint:
 
     def _list_files(self) -> list[str]:
         index = self._index
-        if index.exists():
+        names = os.listdir(self._dirfd)
+        if INDEX_NAME in names:
             try:
-                weight_map = json.loads(_read_small(str(index)) or b"")["weight_map"]
+                weight_map = json.loads(self.read_side_file(INDEX_NAME) or b"")["weight_map"]
                 files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointCorrupt(f"index {index} is invalid: {e}", file=str(index)) from None
             for fname in files:
                 _check_plain(fname, index)
             self._weight_map = weight_map
-            for stray in sorted(self.path.glob("*-of-*.safetensors")):
+            for stray in sorted(self.path / n for n in names if n.endswith(".safetensors") and "-of-" in n):
                 if stray.name not in files and re.fullmatch(r".+-\d+-of-\d+\.safetensors", stray.name):
-                    _, stray_header, _ = _read_header(Path(self.file_path(stray.name)))
+                    _, stray_header, _ = _read_header(self.file_path(stray.name))
                     names = sorted(k for k in stray_header if k != "__metadata__")
                     raise CheckpointCorrupt(
                         f"shard {stray} is in the checkpoint directory but {index} does not list it, so its "
@@ -435,7 +636,7 @@ class Checkpoint:
                         file=stray.name, tensor=names[0] if names else None, index=str(index),
                     )
         else:
-            files = sorted(f.name for f in self.path.glob("*.safetensors"))
+            files = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith("."))
         if not files:
             raise CheckpointNotFound(f"no *.safetensors files in checkpoint directory {self.path}", path=str(self.path))
         for fname in files:  # non-regular files and escapes are refused before any byte is read
@@ -445,35 +646,105 @@ class Checkpoint:
     def file_path(self, fname: str) -> str:
         """The resolved path of checkpoint file ``fname``, checked to stay inside the checkpoint (module docstring).
 
-        Resolved once per name (at plan time); later opens use this path with ``O_NOFOLLOW``.
+        Checked once per name (at plan time), beneath the directory fd: a symlink is
+        followed only to a plain name in the directory or, in a hub snapshot, to
+        ``../../blobs/<name>``. The result is a :class:`MemberPath`: :func:`open_file`
+        opens it beneath that directory's fd with ``O_NOFOLLOW`` (:meth:`open_member`).
 
         Raises:
             CheckpointCorrupt (`checkpoint_corrupt`): ``fname`` is not a plain
-                file name, resolves outside the checkpoint directory, or is not
+                file name, leads outside the checkpoint directory, or is not
                 a regular file.
             CheckpointNotFound (`checkpoint_not_found`): it does not exist.
         """
         real = self._resolved.get(fname)
         if real is not None:
-            return real
+            return MemberPath(real, self, fname)
         _check_plain(fname, self._index)
-        real = os.path.realpath(self.path / fname)
-        if not any(os.path.dirname(real) == root for root in self._roots):
-            raise CheckpointCorrupt(
-                f"checkpoint file {self.path / fname} resolves to {real}, outside the checkpoint directory "
-                f"{self.path}; the service reads only files inside it (a Hugging Face snapshot's links into its "
-                f"repository's blobs/ are allowed): copy the file into the checkpoint", file=fname,
-                path=str(self.path))
+        dfd, name, where = self._dirfd, fname, str(self.path)
         try:
-            st = os.stat(real)
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(name, dir_fd=dfd)
+                blob = _BLOB_LINK.fullmatch(target)
+                if "/" not in target and target not in (".", ".."):
+                    name = target
+                elif blob is not None and len(self._roots) > 1:
+                    dfd, name, where = self._blobs(), blob.group(1), self._roots[1]
+                else:
+                    real = os.path.realpath(self.path / fname)
+                    raise CheckpointCorrupt(
+                        f"checkpoint file {self.path / fname} resolves to {real}, outside the checkpoint directory "
+                        f"{self.path}; the service reads only files inside it (a Hugging Face snapshot's links "
+                        f"into its repository's blobs/ are allowed): copy the file into the checkpoint", file=fname,
+                        path=str(self.path))
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             raise CheckpointNotFound(f"checkpoint file {self.path / fname} does not exist", file=fname) from None
         except PermissionError:
-            raise unreadable(real) from None
+            raise unreadable(self.path / fname) from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointCorrupt(f"checkpoint file {self.path / fname} is a chain of symbolic links; the "
+                                    f"service follows one link, to a file in the checkpoint", file=fname,
+                                    path=str(self.path))
         if not stat.S_ISREG(st.st_mode):
             raise not_regular(str(self.path / fname), st.st_mode)
+        real = os.path.join(where, name)
+        self._members[fname] = (dfd, name)
         self._resolved[fname] = real
-        return real
+        return MemberPath(real, self, fname)
+
+    def _blobs(self) -> int:
+        """The fd of a hub snapshot's ``<repo>/blobs`` directory (opened without following symlinks)."""
+        if self._blobs_fd < 0:
+            self._blobs_fd = _open_dir(self._roots[1], read=False)
+        return self._blobs_fd
+
+    def open_member(self, fname: str, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int:
+        """Opens checked member ``fname`` (see :meth:`file_path`) beneath its directory fd.
+
+        Opens with ``O_NOFOLLOW | O_NONBLOCK`` added, checks ``fstat`` says a regular
+        file and, once its header was read, that it is that file: same ``st_dev``,
+        ``st_ino``, ``st_size`` and ``st_mtime_ns``.
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): a symlink or a non-regular
+                file now, or another file than the one whose header was read.
+            CheckpointNotFound, CheckpointUnreadable: gone, or not readable.
+        """
+        if fname not in self._members:
+            self.file_path(fname)
+        dfd, name = self._members[fname]
+        shown = self._resolved[fname]
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        except FileNotFoundError:
+            raise CheckpointNotFound(f"checkpoint file {shown} does not exist", file=fname) from None
+        except PermissionError:
+            raise unreadable(shown) from None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise CheckpointCorrupt(f"checkpoint file {shown} became a symbolic link after it was checked; the "
+                                    f"service opens checkpoint files by their checked name only",
+                                    file=fname) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular(shown, st.st_mode)
+            was = self._stats.get(fname)
+            if was is not None:
+                changed = [k for k in ("st_dev", "st_ino", "st_size", "st_mtime_ns")
+                           if getattr(st, k) != getattr(was, k)]
+                if changed:
+                    raise CheckpointCorrupt(
+                        f"checkpoint file {shown} is not the file whose header was read ({', '.join(changed)} "
+                        f"changed): it was replaced or rewritten during the load; the load is refused rather "
+                        f"than serve bytes of another file", file=fname, changed=changed)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     @property
     def raw_headers(self) -> dict[str, bytes]:
@@ -485,7 +756,7 @@ class Checkpoint:
         if self._raw_headers is None:
             raw_headers = {}
             for fname in self.files:
-                raw, data_start, st = _read_raw_header(Path(self.file_path(fname)))
+                raw, data_start, st = _read_raw_header(self.file_path(fname))
                 raw_headers[fname] = raw
                 self._layout[fname] = (data_start, st.st_size)
                 self._stats[fname] = st
@@ -579,6 +850,8 @@ class Checkpoint:
 
     def _index_identity(self) -> dict[str, int] | None:
         try:
+            if self._dirfd >= 0:
+                return _stat_identity(os.stat(INDEX_NAME, dir_fd=self._dirfd))
             return _stat_identity(os.stat(self._index))
         except FileNotFoundError:
             return None

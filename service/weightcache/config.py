@@ -37,10 +37,12 @@ Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -432,11 +434,45 @@ def _check_absolute(path: str, key: str, value: str) -> None:
                               f"(e.g. {os.path.join('/srv/models', value) if key.endswith('.path') else '/run/weightcache'!r})")
 
 
+#: Largest configuration file read (bytes): a drop-in linked to /dev/zero or a huge file is refused, not read.
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+#: Deepest nesting of arrays and tables accepted in a configuration file (the schema needs 4).
+MAX_CONFIG_DEPTH = 32
+
+
 def _read_bytes(path: Path) -> bytes:
-    """The file's bytes; every way it cannot be read is a :class:`ConfigError` naming the cause."""
+    """The file's bytes; every way it cannot be read is a :class:`ConfigError` naming the cause.
+
+    Opened with ``O_NONBLOCK`` and checked with ``fstat``: a FIFO, a device or a
+    socket is refused (``cause=not_regular``) before any read, so that neither
+    the service's start nor a reload can block on one; at most
+    :data:`MAX_CONFIG_BYTES` are read (``cause=too_large``).
+    """
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "is a directory")
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"{path}: not a regular file (a FIFO, a device or a socket); configuration files "
+                                  f"must be regular files, which a read cannot block on", file=str(path), key="",
+                                  cause="not_regular")
+            if st.st_size > MAX_CONFIG_BYTES:
+                raise ConfigError(f"{path}: {st.st_size} bytes; a configuration file is at most {MAX_CONFIG_BYTES} "
+                                  f"bytes", file=str(path), key="", cause="too_large")
+            chunks, got = [], 0
+            while True:
+                b = os.read(fd, MAX_CONFIG_BYTES + 1 - got)
+                if not b:
+                    return b"".join(chunks)
+                chunks.append(b)
+                got += len(b)
+                if got > MAX_CONFIG_BYTES:
+                    raise ConfigError(f"{path}: grew past {MAX_CONFIG_BYTES} bytes while read", file=str(path),
+                                      key="", cause="too_large")
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise ConfigError(f"{path}: configuration file does not exist", file=str(path), key="",
                           cause="not_found") from None
@@ -465,11 +501,35 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start} is invalid); TOML files are UTF-8: {how}",
                           file=str(path), key="", cause="not_utf8") from None
     try:
-        return tomllib.loads(text), text
+        data = tomllib.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: arrays or tables nested too deeply to parse (at most {MAX_CONFIG_DEPTH} levels)",
+                          file=str(path), key="", cause="too_deep") from None
     except tomllib.TOMLDecodeError as e:
         at = re.search(r"at line (\d+)", str(e))
         raise ConfigError(f"{path}: invalid TOML: {e}", file=str(path), key="", cause="toml_syntax",
                           line=int(at.group(1)) if at else None) from None
+    if _depth(data) > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"{path}: arrays or tables nested deeper than {MAX_CONFIG_DEPTH} levels", file=str(path),
+                          key="", cause="too_deep")
+    return data, text
+
+
+def _depth(obj: Any) -> int:
+    """How deeply tables and arrays nest in parsed TOML ``obj`` (iterative: no recursion limit)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            values = o.values()
+        elif isinstance(o, list):
+            values = o
+        else:
+            continue
+        deepest = max(deepest, d)
+        if d <= MAX_CONFIG_DEPTH:
+            stack.extend((v, d + 1) for v in values)
+    return deepest
 
 
 def _line_of(text: str, key: str) -> int | None:

@@ -19,7 +19,6 @@ drops to ``nobody`` (tests/attackers.py).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import socket
@@ -34,10 +33,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, llama_config, make_config,  # noqa: E402
+from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, make_config,  # noqa: E402
                              proc_fds, proc_rss_bytes, raw_connect, read_checkpoint, read_reply, record_figures)
-from attackers import (NOBODY, back_to_baseline, fork_as, flood, ok_attach, open_socket_to_all, reap,  # noqa: E402
-                       replies, result, send_quietly)
+from attackers import (NOBODY, back_to_baseline, fork_as, flood, hung_read_env, ok_attach,  # noqa: E402
+                       open_socket_to_all, reap, release_read, replies, result, send_quietly, wait_read_hung)
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.client import Session  # noqa: E402
 from weightcache.errors import DaemonUnavailable, WeightcacheError  # noqa: E402
@@ -63,30 +62,6 @@ def _wait_state(svc, model: str, states: tuple[str, ...], timeout: float = 60.0)
         time.sleep(0.02)
 
 
-def _blocked_checkpoint(dest: Path, seed: int) -> Path:
-    """A tiny Llama checkpoint whose config.json is a FIFO: its load blocks in a read until someone writes it."""
-    ck = llama_checkpoint(dest, seed=seed)
-    (ck / "config.json").unlink()
-    os.mkfifo(ck / "config.json")
-    return ck
-
-
-def _unblock(ck: Path) -> None:
-    """Writes the real config.json into the FIFO the loader is blocked on (it has it open for reading)."""
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            fd = os.open(ck / "config.json", os.O_WRONLY | os.O_NONBLOCK)
-            break
-        except OSError as e:  # ENXIO: the loader has not opened it yet
-            assert e.errno == errno.ENXIO and time.monotonic() < deadline, e
-            time.sleep(0.01)
-    try:
-        os.write(fd, json.dumps(llama_config()).encode())
-    finally:
-        os.close(fd)
-
-
 # --- crash: attaches parked on a loading model, never read ------------------------------------------------
 
 
@@ -99,12 +74,14 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
     holds 3 * 64 * 2 dups (the slab's and its manifest file's per reply), stays up, and gives every fd back
     when the attackers go."""
     ok, expected = ok_ck
-    blocked = _blocked_checkpoint(tmp_path / "blocked", seed=8)
+    blocked = llama_checkpoint(tmp_path / "blocked", seed=8)  # its config.json read hangs until released
     later = llama_checkpoint(tmp_path / "later", seed=9)
     svc = daemon(make_config({"ok": ok, "blocked": blocked, "later": later}, load_timeout_s=120,
-                             max_leases_per_connection=1 << 20), nofile=1024)  # the cap under test: unread replies
+                             max_leases_per_connection=1 << 20), nofile=1024,  # the cap under test: unread replies
+                 env=hung_read_env(tmp_path, blocked))
     _wait_state(svc, "ok", ("ready",))
     _wait_state(svc, "blocked", ("loading",))
+    hung_fds = wait_read_hung(svc.pid, blocked)  # its directory fd and the hung read's FIFO, until released
     before = svc.snapshot()
     attackers = [raw_connect(svc.socket_path) for _ in range(3)]
     burst = frame(HELLO) + frame({"type": "attach", "model": "later", "wait_ms": 120_000}) * 2000
@@ -112,7 +89,7 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
         s.sendall(burst[:len(frame(HELLO))])
         flood(s, burst[len(frame(HELLO)):], len(burst))
     compared = ok_attach(svc, expected)  # while 3 connections hold their parked attaches
-    _unblock(blocked)
+    release_read(blocked)
     _wait_state(svc, "later", ("ready",))
     compared += ok_attach(svc, expected)
     assert svc.alive()
@@ -131,7 +108,7 @@ def test_parked_attaches_never_read_cannot_exhaust_fds(daemon, tmp_path, ok_ck):
         codes.append(len(errors))
         s.close()
     # blocked and later are resident now: each holds what ok's slab holds (the slab, its mapping, its manifest)
-    back_to_baseline(svc, before, extra_memfds=2 * before["fds"]["memfd"])
+    back_to_baseline(svc, before, extra_memfds=2 * before["fds"]["memfd"], extra_files=-hung_fds)
     record_figures("attack.parked_attaches", "3 connections park 2,000 attaches each on a loading model, never read",
                    "service up (RLIMIT_NOFILE=1024); per connection 64 attaches parked, the 65th answered "
                    "resource_exhausted (max_unread_replies) at once, the 64 get their fds when the load ends; a "
@@ -406,7 +383,8 @@ def test_checkpoint_files_cannot_escape_the_directory(daemon, tmp_path, ok_ck):
 
 def test_blocked_read_fails_with_timeout_and_the_others_go_on(daemon, tmp_path, ok_ck):
     """A shard that is a FIFO is refused at plan time (checkpoint_corrupt). A side file whose read never returns
-    (a FIFO config.json nobody writes, as a hung NFS read would) fails that model with cause=timeout after
+    (as on a hung NFS mount: injected, since a FIFO side file is refused at once) fails that model with
+    cause=timeout after
     load_timeout_s (10 s here: the first load of a fresh service imports torch, seconds on a busy CI machine),
     and the model placed after it on the GPU loads. Before: `planning` forever and every later model
     `pending`."""
@@ -415,10 +393,10 @@ def test_blocked_read_fails_with_timeout_and_the_others_go_on(daemon, tmp_path, 
     first = sorted(fifo_shard.glob("*.safetensors"))[0]
     first.unlink()
     os.mkfifo(first)
-    stuck = _blocked_checkpoint(tmp_path / "stuck", seed=15)
+    stuck = llama_checkpoint(tmp_path / "stuck", seed=15)  # its config.json read never returns
     after = llama_checkpoint(tmp_path / "after", seed=16)
     svc = daemon(make_config({"ok": ok, "fifo_shard": fifo_shard, "stuck": stuck, "after": after},
-                             load_timeout_s=10))
+                             load_timeout_s=10), env=hung_read_env(tmp_path, stuck))
     st = {s["model"]: s for s in svc.wait_settled(timeout=60)["slabs"]}
     assert st["fifo_shard"]["error"]["code"] == "checkpoint_corrupt"
     assert (st["stuck"]["error"]["code"], st["stuck"]["error"]["details"]["cause"]) == ("model_load_failed", "timeout")

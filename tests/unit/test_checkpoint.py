@@ -208,3 +208,84 @@ def test_impossible_path_is_checkpoint_not_found(path, cause):
     with pytest.raises(Exception) as e:
         Checkpoint(path)
     assert e.value.code == "checkpoint_not_found" and cause in e.value.message
+
+
+# --- containment by file descriptor (issue 25, attack 3) -----------------------------------------------------
+
+
+def test_a_file_swapped_after_its_header_was_read_is_refused(tmp_path):
+    """The race variant of the directory swap: after the plan read a shard's header, the shard is replaced by
+    another file (same name). Before: the read opened the name again and served the new file's bytes. Now the
+    data fd is checked against the header-time fstat (st_dev, st_ino, size, mtime): checkpoint_corrupt."""
+    d, _ = _sharded(tmp_path)
+    ck = Checkpoint(d)
+    info = ck.tensors["x.weight"]
+    other = tmp_path / "other.safetensors"
+    save_file({"x.weight": torch.full((2, 3), 7.0)}, other)
+    os.replace(other, d / info.file)
+    with pytest.raises(CheckpointCorrupt) as e:
+        ck.read_into(info, memoryview(bytearray(info.size_bytes)))
+    assert e.value.details["file"] == info.file and "st_ino" in e.value.details["changed"]
+
+
+def test_a_directory_swapped_after_the_open_is_not_followed(tmp_path):
+    """After the checkpoint directory was opened, it is renamed away and a symlink to another model takes its
+    name: reads go on beneath the directory fd opened first (the model's own bytes), never to the other."""
+    d, ref = _sharded(tmp_path)
+    ck = Checkpoint(d)
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in d.glob("*.safetensors"):
+        save_file({"x.weight": torch.full((2, 3), 9.0)}, other / f.name)
+    os.rename(d, tmp_path / "moved")
+    d.symlink_to(other)
+    info = ck.tensors["x.weight"]
+    buf = bytearray(info.size_bytes)
+    ck.read_into(info, memoryview(buf))
+    assert bytes(buf) == ref["x.weight"].numpy().tobytes()
+
+
+def test_checkpoint_path_resolving_elsewhere_than_configured_is_refused(tmp_path):
+    """The service passes the path's resolution when its configuration was read (root): a path that now
+    resolves elsewhere (a retargeted link) is checkpoint_corrupt, not the other directory's bytes."""
+    d, _ = _sharded(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    root = os.path.realpath(link)
+    Checkpoint(link, root=root).close()
+    link.unlink()
+    link.symlink_to(other)
+    with pytest.raises(CheckpointCorrupt):
+        Checkpoint(link, root=root)
+
+
+def test_symlinks_of_untrusted_owners_are_not_followed(tmp_path):
+    """trusted_link_owners: a symlink on the way to the checkpoint owned by another uid is refused, naming it
+    and its owner; the same link owned by a trusted uid is followed."""
+    d, _ = _sharded(tmp_path)
+    link = tmp_path / "snap"
+    link.symlink_to(d)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(CheckpointCorrupt) as e:
+        Checkpoint(link, trusted_link_owners=frozenset({0}))
+    assert e.value.details["owner_uid"] == 65534 and e.value.details["file"] == str(link)
+    ck = Checkpoint(link, trusted_link_owners=frozenset({0, 65534}))
+    assert ck.path == d.resolve()
+
+
+def test_side_files_are_opened_beneath_the_directory(tmp_path):
+    """config.json symlinked out of the checkpoint (to a root-only file) is checkpoint_corrupt, and a FIFO
+    config.json is refused at once instead of blocking the read."""
+    d, _ = _sharded(tmp_path)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"architectures": ["Secret"]}')
+    (d / "config.json").unlink()
+    (d / "config.json").symlink_to(secret)
+    with pytest.raises(CheckpointCorrupt):
+        Checkpoint(d, validate=False)
+    (d / "config.json").unlink()
+    os.mkfifo(d / "config.json")
+    with pytest.raises(CheckpointCorrupt):
+        Checkpoint(d, validate=False)

@@ -121,24 +121,30 @@ def test_failed_load_answers_model_load_failed_with_cause(svc, tmp_path):
 
 
 def test_attach_dtype_is_matched_from_the_plan_without_reading_headers(svc, monkeypatch):
-    """A planned slot answers which dtypes it serves from the loader's figures; an unplanned one reads the
-    headers once per dtype name, then answers from what it kept: no header read per attach."""
+    """No header is read on the serving loop (issue 25, attack 4): before a slot is planned, an attach with a
+    dtype is "not planned yet" (``loading``, or parked with wait_ms); the plan's figures then answer it (here
+    model_not_found for bfloat16, which this float32 checkpoint does not give) and every later attach."""
     ctx, st, load, backend, ck, clock = svc
     slot, locked = st.slots  # both configured auto on one checkpoint whose cast tensor is stored float32
     peer = Peer(10, os.getuid(), os.getgid())
-    assert _error(handlers.handle(ctx, peer, protocol.Attach(str(ck), dtype="bfloat16"))).code == "model_not_found"
-    assert locked.dtype_served == {"bfloat16": False}  # worked out once, before any plan
-    load(slot)
-    expected = {r: identity.dtype_matches(slot.placement, r) for r in DTYPE_NAMES}
-    assert slot.dtype_served == expected == {"auto": True, "bfloat16": False, "float16": False, "float32": True}
 
     def no_header(*a, **k):
         raise AssertionError("the serving loop read a checkpoint header")
 
     monkeypatch.setattr(identity, "Checkpoint", no_header)
-    for _ in range(2):
-        assert _error(handlers.handle(ctx, peer, protocol.Attach(str(ck), dtype="bfloat16"))).code == \
-            "model_not_found"
+    (reply,) = handlers.handle(ctx, peer, protocol.Attach("m", dtype="bfloat16")).replies
+    assert isinstance(reply.msg, protocol.Loading) and reply.msg.state == "pending"  # not planned yet
+    assert handlers.handle(ctx, peer, protocol.Attach("m", dtype="bfloat16", wait_ms=60_000)).replies == ()
+    assert locked.dtype_served == {} and len(peer.waiting) == 1
+    monkeypatch.undo()
+    load(slot)
+    expected = {r: identity.dtype_matches(slot.placement, r) for r in DTYPE_NAMES}
+    assert slot.dtype_served == expected == {"auto": True, "bfloat16": False, "float16": False, "float32": True}
+    monkeypatch.setattr(identity, "Checkpoint", no_header)
+    (parked,) = handlers.service_waiting(ctx, peer).replies
+    assert (parked.msg.code, parked.msg.details["dtype"]) == ("model_not_found", "bfloat16")
+    for _ in range(2):  # by name: by path, the unplanned ``locked`` (same checkpoint) would match provisionally
+        assert _error(handlers.handle(ctx, peer, protocol.Attach("m", dtype="bfloat16"))).code == "model_not_found"
     (reply,) = handlers.handle(ctx, peer, protocol.Attach("m", dtype="float32")).replies
     assert isinstance(reply.msg, protocol.AttachReply)
     compare_bytes(_views(backend, reply), read_checkpoint(ck))

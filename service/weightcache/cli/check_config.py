@@ -31,6 +31,11 @@ def _check_as(args: argparse.Namespace) -> int | None:
     user = args.as_user
     if user is None:
         if os.geteuid() != 0:
+            me = pwd.getpwuid(os.geteuid()).pw_name
+            if me != SERVICE_USER:  # issue 26: say whose permissions the file checks use
+                print(f"checking as user {me} (uid {os.geteuid()}), not as {SERVICE_USER}, the service's user: "
+                      f"files {me} may read may still be unreadable to the service; run as root "
+                      f"(sudo weightcache check-config) to check as {SERVICE_USER}")
             return None
         user = SERVICE_USER
         try:

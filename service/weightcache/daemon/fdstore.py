@@ -21,6 +21,7 @@ weightcache.daemon.handlers, weightcache.daemon.loads, weightcache.daemon.ticker
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 from dataclasses import dataclass
@@ -33,10 +34,25 @@ from ..errors import WeightcacheError
 from ..journal import event
 from ..manifest import Manifest
 from ..manifest_file import read_file
-from ..memory.host import SealedFile
+from ..memory.host import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE, SealedFile
 from .state import Slot
 
 log = logging.getLogger(__name__)
+
+
+#: Seals every memfd the service stores carries (weightcache.memory.host): nothing can write, grow or shrink it.
+REQUIRED_SEALS = F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE
+
+
+def _check_sealed(fd: int, what: str) -> None:
+    """Raises ValueError unless memfd ``fd`` carries :data:`REQUIRED_SEALS` (an entry some other process put in
+    the store, or a writable one, is never served)."""
+    try:
+        seals = fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError as e:
+        raise ValueError(f"stored {what} is not a sealed memfd ({e.strerror})") from None
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise ValueError(f"stored {what} lacks the service's seals (has {seals:#x}, needs {REQUIRED_SEALS:#x})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +185,9 @@ class FdStore:
         return out
 
     def _match(self, slot: Slot, slab_fd: int, manifest_fd: int, tier: str = "gpu") -> Adopted | None:
+        _check_sealed(manifest_fd, "manifest file")
+        if self.backend.name == "host" or tier == "host":  # a cuda slab is a VMM handle, not a memfd
+            _check_sealed(slab_fd, "slab")
         mf = read_file(manifest_fd)
         manifest = mf.manifest
         p = slot.placement

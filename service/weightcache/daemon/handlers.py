@@ -35,7 +35,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .. import identity, pipeline, protocol
+from .. import pipeline, protocol
+from ..spec import DTYPE_NAMES
 from ..config import Config, ServiceConfig
 from ..errors import (AccessDenied, ConfigError, InsufficientMemory, InternalError, LeaseBusy, ModelLoadFailed,
                       ModelNotFound, RemoteProtocolError, ResourceExhausted, WeightcacheError)
@@ -214,16 +215,27 @@ def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
 def _dtype_matches(slot: Slot, requested: str) -> bool:
     """Whether ``slot`` serves an engine asking for ``requested`` (see :func:`weightcache.identity.dtype_matches`).
 
-    Answered from :attr:`Slot.dtype_served`: once a load of the slot is planned (or its slab adopted with a
-    manifest file that lists them) it holds every name and no header is read here; before that, a name it
-    lacks is worked out once (reading the checkpoint's headers unless the slab's key or the configured dtype
-    answers it) and kept.
+    Answered from :attr:`Slot.dtype_served` alone: no file is opened, stat-ed or read on the serving loop.
+    Once a load of the slot is planned (or its slab adopted) it holds every name. Before that a name is
+    *provisionally* matched ("not planned yet"): the attach parks as for a load (or hears ``loading``), and
+    :func:`answer_attach` checks the name again against the plan before granting a lease. A name that is
+    no dtype at all never matches.
     """
     served = slot.dtype_served.get(requested)
-    if served is None:
-        served = slot.dtype_served[requested] = identity.dtype_matches(
-            slot.placement, requested, slot.manifest.key if slot.manifest else None)
-    return served
+    if served is not None:
+        return served
+    return requested == slot.placement.model.dtype or requested in DTYPE_NAMES
+
+
+def _check_planned_dtype(ctx: Context, msg: protocol.Attach, slot: Slot) -> None:
+    """Raises ModelNotFound (`model_not_found`) when the plan says ``slot`` does not serve ``msg.dtype``
+    (an attach matched before the slot was planned: see :func:`_dtype_matches`)."""
+    if msg.dtype is None or slot.dtype_served.get(msg.dtype, True):
+        return
+    p = slot.placement
+    raise ModelNotFound(f"GPU {ctx.state.gpu}: model {p.model.name} ({p.label}) is planned as {p.model.dtype}, "
+                        f"which does not give the bytes of dtype={msg.dtype}", model=msg.model, gpu=ctx.state.gpu,
+                        dtype=msg.dtype)
 
 
 def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
@@ -277,6 +289,7 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
     """
     p = slot.placement
     if slot.state is SlotState.READY:
+        _check_planned_dtype(ctx, msg, slot)
         _check_lease_caps(ctx, peer)
         slot.last_used = ctx.monotonic()
         lease = ctx.state.lease(peer, slot, msg.mode, ctx.wall())

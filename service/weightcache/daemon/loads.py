@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import pipeline
+from ..checkpoint import Checkpoint
 from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
 from ..loader import LoaderOptions
@@ -70,6 +71,9 @@ from ..manifest_file import pack_file
 from ..memory.host import SealedFile
 from ..spec import DTYPE_NAMES
 from .state import ServiceState, Slot
+
+#: Owners whose symlinks on the way to a checkpoint directory the service follows: root and itself.
+TRUSTED_LINK_OWNERS = frozenset({0, os.getuid()})
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +438,10 @@ class Loader:
         try:
             if slot.hosted is not None:
                 return self._promote(slot, started, job)
-            pl = pipeline.plan(p, st.device)
+            # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
+            # configuration was read, symlinks followed only when root or the service user owns them.
+            ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)
+            pl = pipeline.plan(p, st.device, checkpoint=ck)
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")
