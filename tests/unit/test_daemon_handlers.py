@@ -7,6 +7,7 @@ and their bytes compared with the checkpoint's.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -332,8 +333,9 @@ def test_a_manifest_over_the_limit_fails_the_load_by_name(svc, monkeypatch):
 
 
 def test_metrics_shows_the_endpoint_every_slab_with_holders_hidden(svc):
-    """The packaged metrics user counts every slab (restricted ones too) and sees no lease holder;
-    a plain client's metrics are filtered like its status; the endpoint is still no operator."""
+    """The packaged metrics user counts every slab (restricted ones too, as ``restricted-N``: no name, path or
+    error of a model it may not attach, issue 25) and sees no lease holder; a plain client's metrics are
+    filtered like its status; the endpoint is still no operator."""
     ctx, st, load, *_ = svc
     load(st.slots[0])
     load(st.slots[1])
@@ -344,7 +346,11 @@ def test_metrics_shows_the_endpoint_every_slab_with_holders_hidden(svc):
     seen = protocol.ServiceStatus.from_json(
         handlers.handle(ctx, endpoint, protocol.Metrics()).replies[0].msg.status)
     assert [(s.model, [(x.pid, x.uid, x.gid) for x in s.leases]) for s in seen.slabs] == [
-        ("m", []), ("locked", [(-1, -1, -1)])]
+        ("m", []), ("restricted-0", [(-1, -1, -1)])]
+    assert seen.slabs[1].path == "" and seen.slabs[1].resident_bytes == st.slots[1].sealed.size_bytes
+    counters = protocol.ServiceCounters.from_json(
+        handlers.handle(ctx, endpoint, protocol.Metrics()).replies[0].msg.counters)
+    assert "locked" not in json.dumps(counters.to_json()) and "locked" not in json.dumps(seen.to_json())
     plain = protocol.ServiceStatus.from_json(
         handlers.handle(ctx, Peer(4, STRANGER, STRANGER), protocol.Metrics()).replies[0].msg.status)
     assert [s.model for s in plain.slabs] == ["m"]
