@@ -499,6 +499,35 @@ def test_cpu_node_default_serves_from_host_memory(box):
         c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt))
 
 
+def test_backend_cuda_without_a_driver_keeps_the_socket_and_a_reload_recovers(box):
+    """Issue 26: backend = "cuda" on a node whose driver does not load used to exit 78 at every connect (the
+    fd store dropped, the socket failed after the trigger limit). With the socket from systemd it now serves
+    no model, says why, and a reload with a fixed file loads: no restart, no reset-failed."""
+    c, unit, conf = box, "weightcache@0.service", "/etc/weightcache/weightcache.toml"
+    probe = c.run([str(PYTHON), "-c", "from weightcache.memory import probe_cuda; print(probe_cuda().usable)"],
+                  check=False)
+    if probe.stdout.strip() == "True":
+        pytest.skip("this host has a working NVIDIA driver")
+    c.write(conf, _config(c.ckpt).replace('backend = "host"', 'backend = "cuda"'))
+    try:
+        c.run(["systemctl", "start", "weightcache@0.socket"])
+        for _ in range(3):  # each was a failed start before
+            answer = client(c, "alice", 0)
+            assert answer["ok"] is False and answer["code"] == "model_not_found", answer
+            assert "backend" in answer["message"] and "cuda" in answer["message"], answer
+        s = c.show(unit, "ActiveState", "SubState", "NRestarts", "StatusText", "MainPID")
+        assert active(s) and s["NRestarts"] == "0", s
+        assert s["StatusText"].startswith('ready: 0/0 slabs resident; configuration rejected, backend = "cuda" but '), s
+        assert c.show("weightcache@0.socket", "ActiveState") == {"ActiveState": "active"}
+        assert _gauges(c, 0, "weightcache_config_rejected") == [1.0]
+    finally:
+        c.write(conf, _config(c.ckpt))
+    c.run(["systemctl", "reload", unit], timeout=120)
+    _wait_until("minilm loaded by the reload", lambda: _slab_states(c, 0) == {"minilm": "ready"})
+    assert good(client(c, "alice", 0))
+    assert c.show(unit, "MainPID") == {"MainPID": s["MainPID"]}
+
+
 def test_unreadable_checkpoint_is_a_named_permission_error(box, tmp_path):
     """A checkpoint root may read and the service user may not: the service and check-config name both."""
     import torch

@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from .. import notify
 from ..config import Config, ServiceConfig, config_path, load_config
@@ -134,7 +135,10 @@ def serve(opts: ServeOptions) -> int:
     try:
         backend = backend_for(cfg, opts.backend, opts.gpu, kept=config_error is not None)
     except ConfigError as e:
-        return rejected(e)
+        held = backend_rejected(opts, stored, e)
+        if held is None:
+            return rejected(e)
+        (backend, cfg), config_error = held, e
     except WeightcacheError as e:  # e.g. the CUDA driver not ready yet: worth a restart
         log.critical("start failed code=%s error=%s", e.code, e.message)
         notify.notify(f"STATUS=start failed: {e.message}")
@@ -160,6 +164,30 @@ def rejected(e: ConfigError) -> int:
     log.critical("configuration rejected code=%s error=%s", e.code, e.message, extra=config_rejected_event(e))
     notify.notify(f"STATUS=configuration rejected: {e.message}")
     return EXIT_CONFIG
+
+
+def backend_rejected(opts: ServeOptions, stored: dict[str, list[int]], e: ConfigError) -> tuple[Any, Config] | None:
+    """What to serve when the configured backend cannot start (``backend = "cuda"`` and the driver does not load).
+
+    Exiting would fail the unit: systemd would drop the fd store (the slabs of the previous process) and every
+    engine connecting to the socket would start the service again (issue 26). With the socket systemd handed
+    over, the service instead runs on the host backend with no model: the stored slabs stay in the store
+    untouched (they are not adopted), engines get ``model_not_found`` naming the error, ``status``, ``STATUS=``
+    and the ``weightcache_config_rejected`` gauge say it. A fixed file is applied by ``systemctl reload``; a
+    driver that loads now needs ``systemctl restart`` (the backend is chosen at start).
+
+    Returns:
+        ``(backend, config)``, or None when there is no socket from systemd (run by hand: exit 78).
+    """
+    if not (stored.get("listen") or stored.get("unknown")):
+        return None
+    from ..memory import get_backend
+    from .reload import config_rejected_event
+
+    log.critical("backend rejected, serving no model until the configuration is fixed code=%s error=%s", e.code,
+                 e.message, extra=config_rejected_event(e))
+    return get_backend("host", opts.gpu), Config(service=ServiceConfig(backend="host"), models={},
+                                                 files=(str(config_path(opts.config)),))
 
 
 def config_kept(opts: ServeOptions, stored: dict[str, list[int]], e: ConfigError) -> Config | None:
