@@ -519,13 +519,19 @@ def promoted_mismatches(manifest: Manifest, hosted: Any, sealed: Any, threads: i
 
     With ``hosted`` (a host-tier slab with ``buffer``): the tensors with host digests (``xxh3_128``,
     ``xxh3c``), hashed on ``threads`` threads without torch (run during the copy to the GPU). With
-    ``sealed`` (the GPU slab after the copy): the tensors with GPU digests (``sum64``, torch pipeline loads).
+    ``sealed`` (the GPU slab after the copy): the tensors with GPU digests (``sum64``: torch-free CUDA loads
+    and the torch pipeline), by the NVRTC kernel (:meth:`CudaSealedSlab.digests`) where it loads, else torch.
     """
     stored = [r for r in manifest.tensors if r.alias_of is None]
     if sealed is not None:
         gpu = [r for r in stored if r.digest.startswith("sum64:")]
         if not gpu:
             return []
+        from ..memory import kernels
+
+        if hasattr(sealed, "digests") and kernels.available():  # the NVRTC kernel: no torch, no host copy
+            now = sealed.digests([(r.name, r.offset_bytes, r.size_bytes) for r in gpu])
+            return [r.name for r in gpu if now[r.name] != r.digest]
         from .. import digest
 
         t = sealed.tensor
