@@ -42,7 +42,8 @@ load that raises anything fails that model alone: a :class:`~weightcache.errors.
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
 ``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
 
-Forbidden imports: socket, selectors, weightcache.protocol, weightcache.fdpass,
+Forbidden imports: socket, selectors, weightcache.protocol directly (``state`` builds the
+records), weightcache.fdpass,
 weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.ticker,
 weightcache.daemon.fdstore, weightcache.daemon.loop.
 """
