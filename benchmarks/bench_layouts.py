@@ -12,7 +12,8 @@ pipeline's (host backend only).
 Targets (issue 23, CPU CI): vLLM TP 1 within 1.3x of HF, TP 2 (ranks summed)
 within 1.5x; on the GPU, within 1.1x.
 
-Usage: bench_layouts.py [--device cpu|cuda] [--size-gb G] [--reps N] [--threads N] [--oracle] [--span-max X]
+Usage: bench_layouts.py [--device cpu|cuda] [--size-gb G] [--reps N] [--threads N] [--oracle] [--per-row-skip B]
+       [--tps 1,2,8]
        [--dir DIR] [--remove]
 """
 
@@ -105,14 +106,16 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="reader threads (default: the service's)")
     ap.add_argument("--oracle", action="store_true", help="also compare the bytes with the torch pipeline (host)")
     ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR", "/tmp/weightcache-bench"))
-    ap.add_argument("--span-max", type=float, default=None,
-                    help="loader.SPAN_MAX_AMPLIFICATION: strided rows read as one span up to this spacing (default 2)")
+    ap.add_argument("--per-row-skip", type=int, default=None,
+                    help="loader.PER_ROW_SKIP_BYTES: strided rows read one by one when more bytes than this lie "
+                         "between them (default 128 KiB)")
+    ap.add_argument("--tps", default="1,2", help="TP sizes to load, comma-separated (default 1,2)")
     ap.add_argument("--remove", action="store_true")
     args = ap.parse_args()
-    if args.span_max is not None:
+    if args.per_row_skip is not None:
         from weightcache import loader
 
-        loader.SPAN_MAX_AMPLIFICATION = args.span_max
+        loader.PER_ROW_SKIP_BYTES = args.per_row_skip
     cuda = args.device == "cuda"
     gb = args.size_gb if args.size_gb is not None else (15.0 if cuda else 0.5)
     from weightcache.memory import get_backend
@@ -120,15 +123,16 @@ def main() -> int:
     backend = get_backend("cuda", 0) if cuda else get_backend("host")
     device = backend.device_info()
     shapes = {"llama": _scaled(LLAMA3_8B, gb), "qwen2": _scaled(Qwen2Shape(*QWEN25_7B), gb, Qwen2Shape)}
-    cases = [("hf", 1), ("vllm", 1), ("hf", 2), ("vllm", 2)]
+    tps = [int(x) for x in args.tps.split(",")]
+    cases = [("hf", 1), ("vllm", 1)] + [(n, tp) for tp in tps if tp > 1 for n in ("hf", "vllm")]
     from weightcache import loader
 
     res: dict[str, Any] = {"versions": versions(), "device": args.device, "size_gb": gb, "reps": args.reps,
-                           "span_max_amplification": loader.SPAN_MAX_AMPLIFICATION,
+                           "per_row_skip_bytes": loader.PER_ROW_SKIP_BYTES,
                            "threads": args.threads or "default", "cpus": len(os.sched_getaffinity(0)), "models": {}}
     md = [f"### Load by layout, same checkpoint, same run ({args.device}, {'cuda' if cuda else 'host'} backend, "
-          f"{res['cpus']} CPUs, reader threads {res['threads']}, strided rows as spans up to "
-          f"{loader.SPAN_MAX_AMPLIFICATION}x their length; in-process `pipeline.fill`, ranks one after the "
+          f"{res['cpus']} CPUs, reader threads {res['threads']}, strided rows one by one past "
+          f"{loader.PER_ROW_SKIP_BYTES} bytes between them; in-process `pipeline.fill`, ranks one after the "
           f"other, median of {args.reps} (min–max))", "",
           "| model | naming | TP | payload GB | fill s | GB/s | vs hf TP 1 | torch-free | bytes = torch pipeline |",
           "|---|---|---|---|---|---|---|---|---|"]
@@ -139,6 +143,8 @@ def main() -> int:
             runs: dict[str, list] = {}
             for _ in range(args.reps):  # interleaved, so drift hits every case alike
                 for naming, tp in cases:
+                    if shape.heads % tp or (shape.kv_heads % tp and tp % shape.kv_heads):
+                        continue  # not a layout of this model (Qwen2.5-7B: 28 heads, no TP 8)
                     got = runs.setdefault(f"{naming}/{tp}", [])
                     got.append(_fill_once(ck, naming, tp, backend, device, args.threads, args.oracle and not got))
             base = stats([r["fill_s"] for r in runs["hf/1"]])["median"]

@@ -18,7 +18,8 @@ Fixtures:
 
 Plain functions (``tests/gpu`` loads this file with
 ``importlib.util.spec_from_file_location`` under a private name):
-:func:`start_service`, :func:`write_checkpoint`,
+:func:`start_service`, :func:`poll_until` (the one deadline loop: every wait
+of the tests goes through it), :func:`write_checkpoint`,
 :func:`llama_checkpoint`, :func:`big_checkpoint`, :func:`read_checkpoint`,
 :func:`compare_bytes`, :func:`record_figures`, :func:`proc_fds`,
 :func:`proc_rss_bytes`, :func:`raw_connect`, :func:`doomed_client`,
@@ -137,6 +138,35 @@ def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def poll_until(cond: Callable[[], Any], what: str, timeout: float = 60.0, period_s: float = 0.02,
+               detail: Callable[[], str] | None = None) -> Any:
+    """Calls ``cond`` until it returns something true (returned) or ``timeout`` seconds pass.
+
+    The one deadline loop of the tests: ``cond`` may raise (an AssertionError when what it
+    waits for can no longer happen, e.g. the service exited), which ends the wait at once.
+
+    Args:
+        cond (`callable`): ``() -> value``; a true value ends the wait.
+        what (`str`): what is awaited, for the failure message.
+        timeout (`float`): seconds.
+        period_s (`float`): seconds between calls (0 when ``cond`` blocks by itself,
+            e.g. a ``recv`` with a socket timeout).
+        detail (`callable`, *optional*): ``() -> str`` appended to the failure message
+            (the service's log).
+
+    Raises:
+        AssertionError: ``timed out waiting for <what> (<timeout> s)``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} ({timeout} s)" + (f"\n{detail()}" if detail else ""))
+        time.sleep(period_s)
+
+
 class ServiceProcess:
     """One ``weightcache serve`` subprocess for one GPU index, listening in ``socket_dir``.
 
@@ -148,17 +178,25 @@ class ServiceProcess:
         proc (`subprocess.Popen`), pid (`int`): the current process.
     """
 
-    def __init__(self, workdir: Path, config: dict[str, Any], gpu: int = 0, backend: str | None = None,
+    def __init__(self, workdir: Path, config: dict[str, Any] | Path, gpu: int = 0, backend: str | None = None,
                  env: dict[str, str] | None = None, nofile: int | None = None,
                  socket_dir: Path | None = None, run_as: int | None = None) -> None:
+        """``config``: a config dict (written to ``workdir/weightcache.toml``) or the path of a TOML
+        file used as it is. ``backend``: ``--backend`` (``None``: the config's, else ``host``; ``""``:
+        no ``--backend`` flag, the service picks). ``env``: extra environment (``NOTIFY_SOCKET``...).
+        ``run_as``: run the service as this uid (:func:`as_service_user`)."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.gpu = gpu
-        self.backend = backend or config.get("service", {}).get("backend", "host")
+        if isinstance(config, dict):
+            self.config_path = self.workdir / "weightcache.toml"
+            self.config_path.write_text(to_toml(config))
+            self.backend = config.get("service", {}).get("backend", "host") if backend is None else backend
+        else:
+            self.config_path = Path(config)
+            self.backend = "host" if backend is None else backend
         self.socket_dir = str(socket_dir or self.workdir)  # several instances (one per GPU) may share one
         self.socket_path = os.path.join(self.socket_dir, f"{gpu}.sock")
-        self.config_path = self.workdir / "weightcache.toml"
-        self.config_path.write_text(to_toml(config))
         self.log_path = self.workdir / "service.log"
         self.extra_env = env or {}
         self.nofile = nofile
@@ -176,28 +214,34 @@ class ServiceProcess:
         assert self.proc is not None
         return self.proc.pid
 
+    def launch(self) -> "ServiceProcess":
+        """Starts ``python -m weightcache serve`` and returns at once (see :meth:`start`)."""
+        backend = ["--backend", self.backend] if self.backend else []
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*as_service_user(self.run_as, self.socket_dir), sys.executable, "-m", "weightcache", "serve",
+                 "--gpu", str(self.gpu), "--config", str(self.config_path), "--listen", self.socket_path, *backend],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(self.extra_env), cwd=self.workdir,
+                preexec_fn=None if self.nofile is None else self._limit_fds,
+            )
+        self.starts += 1
+        return self
+
+    def answers(self) -> bool:
+        """Whether the service answers ``status`` now (AssertionError, with its log, if it exited)."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"service exited with {self.proc.returncode}\n{self.log()}")
+        try:
+            self.status()
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+        return True
+
     def start(self, timeout: float = START_TIMEOUT_S) -> "ServiceProcess":
         """Starts the process and waits until it answers ``status``."""
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [*as_service_user(self.run_as, self.socket_dir), sys.executable, "-m", "weightcache", "serve", "--gpu", str(self.gpu), "--config", str(self.config_path),
-             "--listen", self.socket_path, "--backend", self.backend],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(self.extra_env), cwd=self.workdir,
-            preexec_fn=None if self.nofile is None else self._limit_fds,
-        )
-        log.close()
-        self.starts += 1
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"service exited with {self.proc.returncode} during start\n{self.log()}")
-            try:
-                self.status()
-                return self
-            except Exception:  # noqa: BLE001 - not up yet
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"service did not answer status within {timeout} s\n{self.log()}") from None
-                time.sleep(0.05)
+        self.launch()
+        poll_until(self.answers, "the service to answer status", timeout, 0.05, detail=self.log)
+        return self
 
     def _limit_fds(self) -> None:
         import resource
@@ -240,14 +284,12 @@ class ServiceProcess:
 
     def wait_settled(self, timeout: float = 120.0) -> dict[str, Any]:
         """Polls ``status`` until no slab is pending or loading; returns that status."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def settled() -> dict[str, Any] | None:
             st = self.status()
-            if all(s["state"] not in ("pending", "loading") for s in st["slabs"]):
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"loads did not settle within {timeout} s: {st['status_line']}\n{self.log()}")
-            time.sleep(0.05)
+            return st if all(s["state"] not in ("pending", "loading") for s in st["slabs"]) else None
+
+        return poll_until(settled, "loads to settle", timeout, 0.05,
+                          detail=lambda: f"{self.status()['status_line']}\n{self.log()}")
 
     def snapshot(self, others: int = 0, timeout: float = 30.0) -> dict[str, Any]:
         """fds by kind, RSS and status, taken while only ``others`` + our own connection are open.
@@ -259,14 +301,11 @@ class ServiceProcess:
 
         s = self.session(timeout)
         try:
-            deadline = time.monotonic() + timeout
-            while True:
+            def counted() -> dict[str, Any] | None:
                 st = s.request(protocol.Status()).status
-                if st["clients"] == others + 1:
-                    break
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"service still counts {st['clients']} clients after {timeout} s")
-                time.sleep(0.02)
+                return st if st["clients"] == others + 1 else None
+
+            st = poll_until(counted, f"the service to count {others + 1} clients", timeout)
             return {"fds": proc_fds(self.pid), "rss_bytes": proc_rss_bytes(self.pid), "status": st,
                     "leases": sum(len(sl["leases"]) for sl in st["slabs"])}
         finally:
@@ -318,18 +357,6 @@ def serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notif
             [sys.executable, "-c", launcher, ",".join(str(stored[n]) for n in names), ":".join(names), notify,
              "serve", "--gpu", str(gpu), "--backend", "host", "--config", str(cfg), "--listen", str(listen)],
             pass_fds=[stored[n] for n in names], stdout=out, stderr=subprocess.STDOUT, env=service_env())
-
-
-def poll_until(cond: Callable[[], Any], what: str, timeout: float = 60.0, period_s: float = 0.02) -> Any:
-    """Calls ``cond`` until it returns something true (returned) or ``timeout`` seconds pass (AssertionError)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(period_s)
 
 
 class FdStoreStandIn:

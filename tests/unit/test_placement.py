@@ -73,11 +73,11 @@ def test_vllm_and_tp_layouts_are_filled_without_torch_with_the_pipelines_bytes(r
             assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
 
 
-@pytest.mark.parametrize("span_max", [0, 1000])
-def test_row_parallel_shards_read_per_row_or_as_spans(tiny_llama, monkeypatch, span_max):
-    """o_proj/down_proj at TP 4 are strided rows: read row by row (span_max 0) or as spans (1000), in pieces of a
-    few rows (4 KiB staging buffers)."""
-    monkeypatch.setattr(loader, "SPAN_MAX_AMPLIFICATION", span_max)
+@pytest.mark.parametrize("skip_bytes", [0, 1 << 30])
+def test_row_parallel_shards_read_per_row_or_as_spans(tiny_llama, monkeypatch, skip_bytes):
+    """o_proj/down_proj at TP 4 are strided rows: read row by row (skip_bytes 0) or as spans (1 GiB), in pieces of
+    a few rows (4 KiB staging buffers)."""
+    monkeypatch.setattr(loader, "PER_ROW_SKIP_BYTES", skip_bytes)
     p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(tiny_llama), naming="vllm"), 4, 3), DEVICE)
     placed = placement.place_all(p.specs, p.records, p.checkpoint)
     strided = [t for t in placed.reads if t.rows > 1]

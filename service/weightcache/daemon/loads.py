@@ -42,7 +42,8 @@ load that raises anything fails that model alone: a :class:`~weightcache.errors.
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
 ``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
 
-Forbidden imports: socket, selectors, weightcache.protocol, weightcache.fdpass,
+Forbidden imports: socket, selectors, weightcache.protocol directly (``state`` builds the
+records), weightcache.fdpass,
 weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.ticker,
 weightcache.daemon.fdstore, weightcache.daemon.loop.
 """
@@ -518,13 +519,19 @@ def promoted_mismatches(manifest: Manifest, hosted: Any, sealed: Any, threads: i
 
     With ``hosted`` (a host-tier slab with ``buffer``): the tensors with host digests (``xxh3_128``,
     ``xxh3c``), hashed on ``threads`` threads without torch (run during the copy to the GPU). With
-    ``sealed`` (the GPU slab after the copy): the tensors with GPU digests (``sum64``, torch pipeline loads).
+    ``sealed`` (the GPU slab after the copy): the tensors with GPU digests (``sum64``: torch-free CUDA loads
+    and the torch pipeline), by the NVRTC kernel (:meth:`CudaSealedSlab.digests`) where it loads, else torch.
     """
     stored = [r for r in manifest.tensors if r.alias_of is None]
     if sealed is not None:
         gpu = [r for r in stored if r.digest.startswith("sum64:")]
         if not gpu:
             return []
+        from ..memory import kernels
+
+        if hasattr(sealed, "digests") and kernels.available():  # the NVRTC kernel: no torch, no host copy
+            now = sealed.digests([(r.name, r.offset_bytes, r.size_bytes) for r in gpu])
+            return [r.name for r in gpu if now[r.name] != r.digest]
         from .. import digest
 
         t = sealed.tensor

@@ -17,7 +17,8 @@ A broken invariant of the service's own state
 :meth:`Daemon.serve` returns :data:`EXIT_INVARIANT` (non-zero: systemd
 restarts the service; the fd store keeps the resident slabs).
 
-Forbidden imports: torch, weightcache.pipeline, weightcache.fdpass.
+Forbidden imports: torch, weightcache.pipeline directly, weightcache.fdpass directly (the rooms it
+wires use them).
 """
 
 from __future__ import annotations
