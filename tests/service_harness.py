@@ -202,6 +202,9 @@ class ServiceProcess:
         self.nofile = nofile
         #: uid (and gid) the service runs as, None: the test's own; see :func:`as_service_user`.
         self.run_as = run_as
+        #: fds handed over as systemd's socket activation and fd store do (``FDNAME`` -> fd, placed at 3, 4,
+        #: ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``); ``None``: none of those variables.
+        self.listen_fds: dict[str, int] | None = None
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -217,11 +220,18 @@ class ServiceProcess:
     def launch(self) -> "ServiceProcess":
         """Starts ``python -m weightcache serve`` and returns at once (see :meth:`start`)."""
         backend = ["--backend", self.backend] if self.backend else []
+        wrapper: list[str] = []
+        if self.listen_fds is not None:
+            names = sorted(self.listen_fds)
+            wrapper = [sys.executable, "-c", _LISTEN_FDS_WRAPPER, ",".join(str(self.listen_fds[n]) for n in names),
+                       ":".join(names)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [*as_service_user(self.run_as, self.socket_dir), sys.executable, "-m", "weightcache", "serve",
-                 "--gpu", str(self.gpu), "--config", str(self.config_path), "--listen", self.socket_path, *backend],
+                [*as_service_user(self.run_as, self.socket_dir), *wrapper, sys.executable, "-m", "weightcache",
+                 "serve", "--gpu", str(self.gpu), "--config", str(self.config_path), "--listen", self.socket_path,
+                 *backend],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(self.extra_env), cwd=self.workdir,
+                pass_fds=tuple((self.listen_fds or {}).values()),
                 preexec_fn=None if self.nofile is None else self._limit_fds,
             )
         self.starts += 1
@@ -336,27 +346,28 @@ class ServiceProcess:
         return self.start(timeout)
 
 
+#: Run before the service by :meth:`ServiceProcess.launch` when it has ``listen_fds``: moves the fds
+#: (argv[1], comma-separated) to 3, 4, ... and sets ``LISTEN_FDS``/``LISTEN_FDNAMES`` (argv[2])/``LISTEN_PID``
+#: to its own pid, then execs the rest of argv (the service keeps the pid, as under systemd).
+_LISTEN_FDS_WRAPPER = (
+    "import fcntl, os, sys\n"
+    "fds = [int(x) for x in sys.argv[1].split(',') if x]\n"
+    "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]  # out of the way of 3, 4, ...\n"
+    "for i, fd in enumerate(high):\n"
+    "    os.dup2(fd, 3 + i, inheritable=True)\n"
+    "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=sys.argv[2])\n"
+    "os.execv(sys.argv[3], sys.argv[3:])\n"
+)
+
+
 def serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notify: str, log: Path,
                           gpu: int = 0) -> subprocess.Popen:
-    """Starts ``serve --gpu N`` as systemd would after a restart: the fd store's
-    fds (``FDNAME`` -> fd) at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``,
-    and ``$NOTIFY_SOCKET`` set to ``notify``."""
-    names = sorted(stored)
-    launcher = (
-        "import fcntl, os, sys\n"
-        "fds = [int(x) for x in sys.argv[1].split(',') if x]\n"
-        "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]  # out of the way of 3, 4, ...\n"
-        "for i, fd in enumerate(high):\n"
-        "    os.dup2(fd, 3 + i, inheritable=True)\n"
-        "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=sys.argv[2],\n"
-        "                  NOTIFY_SOCKET=sys.argv[3])\n"
-        "os.execv(sys.executable, [sys.executable, '-m', 'weightcache'] + sys.argv[4:])\n"
-    )
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-c", launcher, ",".join(str(stored[n]) for n in names), ":".join(names), notify,
-             "serve", "--gpu", str(gpu), "--backend", "host", "--config", str(cfg), "--listen", str(listen)],
-            pass_fds=[stored[n] for n in names], stdout=out, stderr=subprocess.STDOUT, env=service_env())
+    """Starts ``serve --gpu N`` (a :class:`ServiceProcess`) as systemd would after a restart: the fd
+    store's fds (``FDNAME`` -> fd) at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``,
+    and ``$NOTIFY_SOCKET`` set to ``notify``; its output appended to ``log``. Returns at once."""
+    svc = ServiceProcess(Path(listen).parent, Path(cfg), gpu, "host", env={"NOTIFY_SOCKET": notify})
+    svc.socket_path, svc.log_path, svc.listen_fds = str(listen), Path(log), dict(stored)
+    return svc.launch().proc
 
 
 class FdStoreStandIn:
