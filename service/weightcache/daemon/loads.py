@@ -450,6 +450,7 @@ class Loader:
         last_post = [0.0]
         stages: dict[str, float] = {}
         tier = slot.target
+        ck = None
         try:
             if slot.hosted is not None:
                 return self._promote(slot, started, job)
@@ -512,6 +513,9 @@ class Loader:
                          extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed"))
             return self._fail(slot, ModelLoadFailed(f"model {p.model.name}: internal error while loading: {e!r}",
                                                     model=p.model.name, cause="internal"), writable, logged=True)
+        finally:
+            if ck is not None:  # its directory fds; the error kept in the slot must not hold them
+                ck.close()
 
     def _fail(self, slot: Slot, e: WeightcacheError, writable: Any, logged: bool = False) -> Failed:
         if writable is not None:
