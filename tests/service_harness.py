@@ -18,7 +18,8 @@ Fixtures:
 
 Plain functions (``tests/gpu`` loads this file with
 ``importlib.util.spec_from_file_location`` under a private name):
-:func:`start_service`, :func:`write_checkpoint`,
+:func:`start_service`, :func:`poll_until` (the one deadline loop: every wait
+of the tests goes through it), :func:`write_checkpoint`,
 :func:`llama_checkpoint`, :func:`big_checkpoint`, :func:`read_checkpoint`,
 :func:`compare_bytes`, :func:`record_figures`, :func:`proc_fds`,
 :func:`proc_rss_bytes`, :func:`raw_connect`, :func:`doomed_client`,
@@ -137,6 +138,35 @@ def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def poll_until(cond: Callable[[], Any], what: str, timeout: float = 60.0, period_s: float = 0.02,
+               detail: Callable[[], str] | None = None) -> Any:
+    """Calls ``cond`` until it returns something true (returned) or ``timeout`` seconds pass.
+
+    The one deadline loop of the tests: ``cond`` may raise (an AssertionError when what it
+    waits for can no longer happen, e.g. the service exited), which ends the wait at once.
+
+    Args:
+        cond (`callable`): ``() -> value``; a true value ends the wait.
+        what (`str`): what is awaited, for the failure message.
+        timeout (`float`): seconds.
+        period_s (`float`): seconds between calls (0 when ``cond`` blocks by itself,
+            e.g. a ``recv`` with a socket timeout).
+        detail (`callable`, *optional*): ``() -> str`` appended to the failure message
+            (the service's log).
+
+    Raises:
+        AssertionError: ``timed out waiting for <what> (<timeout> s)``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} ({timeout} s)" + (f"\n{detail()}" if detail else ""))
+        time.sleep(period_s)
+
+
 class ServiceProcess:
     """One ``weightcache serve`` subprocess for one GPU index, listening in ``socket_dir``.
 
@@ -148,22 +178,33 @@ class ServiceProcess:
         proc (`subprocess.Popen`), pid (`int`): the current process.
     """
 
-    def __init__(self, workdir: Path, config: dict[str, Any], gpu: int = 0, backend: str | None = None,
+    def __init__(self, workdir: Path, config: dict[str, Any] | Path, gpu: int = 0, backend: str | None = None,
                  env: dict[str, str] | None = None, nofile: int | None = None,
                  socket_dir: Path | None = None, run_as: int | None = None) -> None:
+        """``config``: a config dict (written to ``workdir/weightcache.toml``) or the path of a TOML
+        file used as it is. ``backend``: ``--backend`` (``None``: the config's, else ``host``; ``""``:
+        no ``--backend`` flag, the service picks). ``env``: extra environment (``NOTIFY_SOCKET``...).
+        ``run_as``: run the service as this uid (:func:`as_service_user`)."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.gpu = gpu
-        self.backend = backend or config.get("service", {}).get("backend", "host")
+        if isinstance(config, dict):
+            self.config_path = self.workdir / "weightcache.toml"
+            self.config_path.write_text(to_toml(config))
+            self.backend = config.get("service", {}).get("backend", "host") if backend is None else backend
+        else:
+            self.config_path = Path(config)
+            self.backend = "host" if backend is None else backend
         self.socket_dir = str(socket_dir or self.workdir)  # several instances (one per GPU) may share one
         self.socket_path = os.path.join(self.socket_dir, f"{gpu}.sock")
-        self.config_path = self.workdir / "weightcache.toml"
-        self.config_path.write_text(to_toml(config))
         self.log_path = self.workdir / "service.log"
         self.extra_env = env or {}
         self.nofile = nofile
         #: uid (and gid) the service runs as, None: the test's own; see :func:`as_service_user`.
         self.run_as = run_as
+        #: fds handed over as systemd's socket activation and fd store do (``FDNAME`` -> fd, placed at 3, 4,
+        #: ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``); ``None``: none of those variables.
+        self.listen_fds: dict[str, int] | None = None
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -176,28 +217,41 @@ class ServiceProcess:
         assert self.proc is not None
         return self.proc.pid
 
+    def launch(self) -> "ServiceProcess":
+        """Starts ``python -m weightcache serve`` and returns at once (see :meth:`start`)."""
+        backend = ["--backend", self.backend] if self.backend else []
+        wrapper: list[str] = []
+        if self.listen_fds is not None:
+            names = sorted(self.listen_fds)
+            wrapper = [sys.executable, "-c", _LISTEN_FDS_WRAPPER, ",".join(str(self.listen_fds[n]) for n in names),
+                       ":".join(names)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*as_service_user(self.run_as, self.socket_dir), *wrapper, sys.executable, "-m", "weightcache",
+                 "serve", "--gpu", str(self.gpu), "--config", str(self.config_path), "--listen", self.socket_path,
+                 *backend],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(self.extra_env), cwd=self.workdir,
+                pass_fds=tuple((self.listen_fds or {}).values()),
+                preexec_fn=None if self.nofile is None else self._limit_fds,
+            )
+        self.starts += 1
+        return self
+
+    def answers(self) -> bool:
+        """Whether the service answers ``status`` now (AssertionError, with its log, if it exited)."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"service exited with {self.proc.returncode}\n{self.log()}")
+        try:
+            self.status()
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+        return True
+
     def start(self, timeout: float = START_TIMEOUT_S) -> "ServiceProcess":
         """Starts the process and waits until it answers ``status``."""
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [*as_service_user(self.run_as, self.socket_dir), sys.executable, "-m", "weightcache", "serve", "--gpu", str(self.gpu), "--config", str(self.config_path),
-             "--listen", self.socket_path, "--backend", self.backend],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(self.extra_env), cwd=self.workdir,
-            preexec_fn=None if self.nofile is None else self._limit_fds,
-        )
-        log.close()
-        self.starts += 1
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"service exited with {self.proc.returncode} during start\n{self.log()}")
-            try:
-                self.status()
-                return self
-            except Exception:  # noqa: BLE001 - not up yet
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"service did not answer status within {timeout} s\n{self.log()}") from None
-                time.sleep(0.05)
+        self.launch()
+        poll_until(self.answers, "the service to answer status", timeout, 0.05, detail=self.log)
+        return self
 
     def _limit_fds(self) -> None:
         import resource
@@ -240,14 +294,12 @@ class ServiceProcess:
 
     def wait_settled(self, timeout: float = 120.0) -> dict[str, Any]:
         """Polls ``status`` until no slab is pending or loading; returns that status."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def settled() -> dict[str, Any] | None:
             st = self.status()
-            if all(s["state"] not in ("pending", "loading") for s in st["slabs"]):
-                return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"loads did not settle within {timeout} s: {st['status_line']}\n{self.log()}")
-            time.sleep(0.05)
+            return st if all(s["state"] not in ("pending", "loading") for s in st["slabs"]) else None
+
+        return poll_until(settled, "loads to settle", timeout, 0.05,
+                          detail=lambda: f"{self.status()['status_line']}\n{self.log()}")
 
     def snapshot(self, others: int = 0, timeout: float = 30.0) -> dict[str, Any]:
         """fds by kind, RSS and status, taken while only ``others`` + our own connection are open.
@@ -259,14 +311,11 @@ class ServiceProcess:
 
         s = self.session(timeout)
         try:
-            deadline = time.monotonic() + timeout
-            while True:
+            def counted() -> dict[str, Any] | None:
                 st = s.request(protocol.Status()).status
-                if st["clients"] == others + 1:
-                    break
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"service still counts {st['clients']} clients after {timeout} s")
-                time.sleep(0.02)
+                return st if st["clients"] == others + 1 else None
+
+            st = poll_until(counted, f"the service to count {others + 1} clients", timeout)
             return {"fds": proc_fds(self.pid), "rss_bytes": proc_rss_bytes(self.pid), "status": st,
                     "leases": sum(len(sl["leases"]) for sl in st["slabs"])}
         finally:
@@ -297,39 +346,28 @@ class ServiceProcess:
         return self.start(timeout)
 
 
+#: Run before the service by :meth:`ServiceProcess.launch` when it has ``listen_fds``: moves the fds
+#: (argv[1], comma-separated) to 3, 4, ... and sets ``LISTEN_FDS``/``LISTEN_FDNAMES`` (argv[2])/``LISTEN_PID``
+#: to its own pid, then execs the rest of argv (the service keeps the pid, as under systemd).
+_LISTEN_FDS_WRAPPER = (
+    "import fcntl, os, sys\n"
+    "fds = [int(x) for x in sys.argv[1].split(',') if x]\n"
+    "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]  # out of the way of 3, 4, ...\n"
+    "for i, fd in enumerate(high):\n"
+    "    os.dup2(fd, 3 + i, inheritable=True)\n"
+    "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=sys.argv[2])\n"
+    "os.execv(sys.argv[3], sys.argv[3:])\n"
+)
+
+
 def serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notify: str, log: Path,
                           gpu: int = 0) -> subprocess.Popen:
-    """Starts ``serve --gpu N`` as systemd would after a restart: the fd store's
-    fds (``FDNAME`` -> fd) at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``,
-    and ``$NOTIFY_SOCKET`` set to ``notify``."""
-    names = sorted(stored)
-    launcher = (
-        "import fcntl, os, sys\n"
-        "fds = [int(x) for x in sys.argv[1].split(',') if x]\n"
-        "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]  # out of the way of 3, 4, ...\n"
-        "for i, fd in enumerate(high):\n"
-        "    os.dup2(fd, 3 + i, inheritable=True)\n"
-        "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=sys.argv[2],\n"
-        "                  NOTIFY_SOCKET=sys.argv[3])\n"
-        "os.execv(sys.executable, [sys.executable, '-m', 'weightcache'] + sys.argv[4:])\n"
-    )
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-c", launcher, ",".join(str(stored[n]) for n in names), ":".join(names), notify,
-             "serve", "--gpu", str(gpu), "--backend", "host", "--config", str(cfg), "--listen", str(listen)],
-            pass_fds=[stored[n] for n in names], stdout=out, stderr=subprocess.STDOUT, env=service_env())
-
-
-def poll_until(cond: Callable[[], Any], what: str, timeout: float = 60.0, period_s: float = 0.02) -> Any:
-    """Calls ``cond`` until it returns something true (returned) or ``timeout`` seconds pass (AssertionError)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(period_s)
+    """Starts ``serve --gpu N`` (a :class:`ServiceProcess`) as systemd would after a restart: the fd
+    store's fds (``FDNAME`` -> fd) at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``,
+    and ``$NOTIFY_SOCKET`` set to ``notify``; its output appended to ``log``. Returns at once."""
+    svc = ServiceProcess(Path(listen).parent, Path(cfg), gpu, "host", env={"NOTIFY_SOCKET": notify})
+    svc.socket_path, svc.log_path, svc.listen_fds = str(listen), Path(log), dict(stored)
+    return svc.launch().proc
 
 
 class FdStoreStandIn:

@@ -6,8 +6,15 @@ socket of ``weightcache-metrics.socket`` (``$LISTEN_FDS``; loopback
 weightcache.toml(5)), or binds ``--listen HOST:PORT`` when run by hand, and
 answers each ``GET /metrics`` with :func:`weightcache.metrics.exposition`,
 asking the running instances at that moment (never starting one: see
-:mod:`weightcache.metrics`). One request at a time; a client that sends
-nothing for :data:`REQUEST_TIMEOUT_S` is dropped.
+:mod:`weightcache.metrics`).
+
+Any local user can connect (TCP), so one slow client must not stall the
+scrapes: each connection is served on a thread of its own, at most
+:data:`MAX_CONNECTIONS` at once (one more is closed at once; a scraper
+retries), each read waits at most :data:`REQUEST_TIMEOUT_S`, and a connection
+is cut after :data:`CONNECTION_BUDGET_S` in all however it trickles its bytes.
+What the endpoint shows of restricted models is decided by the service
+(``restricted-N``, no name or path: :func:`weightcache.daemon.handlers.restricted_aliases`).
 
 Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import logging
 import socket
 import socketserver
+import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from urllib.parse import urlsplit
 
@@ -26,8 +34,12 @@ from . import metrics, notify
 
 log = logging.getLogger(__name__)
 
-#: Seconds a connection may take to send its request line and headers.
-REQUEST_TIMEOUT_S = 10.0
+#: Seconds one read of a connection may wait (request line, headers).
+REQUEST_TIMEOUT_S = 5.0
+#: Seconds one connection may last in all, request and reply: a client trickling its bytes is cut off then.
+CONNECTION_BUDGET_S = 15.0
+#: Connections served at once (a thread each); one more is closed at once.
+MAX_CONNECTIONS = 16
 INDEX = b"weightcache metrics: GET /metrics (Prometheus text format). See weightcache.systemd(7).\n"
 
 
@@ -55,21 +67,62 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("http %s peer=%s", fmt % args, self.client_address[0] if self.client_address else "")
 
 
-class MetricsServer(HTTPServer):
-    """An ``http.server`` on an already listening socket; ``registry`` is what ``/metrics`` shows.
+def _cut(request: socket.socket) -> None:
+    """Ends a connection past its :data:`CONNECTION_BUDGET_S`: its thread's next read sees EOF."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class MetricsServer(socketserver.ThreadingMixIn, HTTPServer):
+    """An ``http.server`` on an already listening socket, a thread per connection; ``registry`` is what
+    ``/metrics`` shows.
 
     Args:
         listener (`socket.socket`): a listening TCP socket (from systemd, or bound by :func:`bind`).
         reg (`CollectorRegistry`): see :func:`weightcache.metrics.registry`.
+        max_connections (`int`, *optional*): connections served at once (:data:`MAX_CONNECTIONS`).
+        budget_s (`float`, *optional*): seconds one connection may last (:data:`CONNECTION_BUDGET_S`).
     """
 
-    def __init__(self, listener: socket.socket, reg: CollectorRegistry) -> None:
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, listener: socket.socket, reg: CollectorRegistry, max_connections: int = MAX_CONNECTIONS,
+                 budget_s: float = CONNECTION_BUDGET_S) -> None:
         # BaseServer's, not TCPServer's: that one creates a socket of its own, which the unit's
         # RestrictAddressFamilies=AF_UNIX refuses (and which would only be closed again).
         socketserver.BaseServer.__init__(self, listener.getsockname()[:2], _Handler)
         self.socket = listener
         self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
         self.registry = reg
+        self.budget_s = budget_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connections = max_connections
+
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:
+        """Serves ``request`` on a thread of its own, or closes it at once when every slot is taken."""
+        if not self._slots.acquire(blocking=False):
+            log.warning("metrics connection refused peer=%s reason=max-connections max_connections=%d",
+                        client_address[0] if client_address else "", self.max_connections)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
+        timer = threading.Timer(self.budget_s, _cut, (request,))
+        timer.daemon = True
+        timer.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            timer.cancel()
+            self._slots.release()
 
 
 def bind(listen: str) -> socket.socket:

@@ -70,11 +70,7 @@ def _free_bytes() -> int:
     return torch.cuda.mem_get_info(GPU)[0]
 
 
-def _poll(cond, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+_poll = H.poll_until
 
 
 def test_service_killed_cuda_views_stay_valid_and_restart_serves(service, tmp_path):

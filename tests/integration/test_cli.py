@@ -31,7 +31,7 @@ from weightcache.cli import main
 from weightcache.client import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service_harness import FdStoreStandIn  # noqa: E402
+from service_harness import FdStoreStandIn, ServiceProcess, poll_until  # noqa: E402
 from tiny_models import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,17 +83,12 @@ class Services:
         self.logs: dict[int, Path] = {}
 
     def __enter__(self) -> "Services":
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID",
-                                                               "LISTEN_FDNAMES", "WATCHDOG_USEC")}
         self.socket_dir.mkdir(parents=True, exist_ok=True)
         try:
             for gpu in self.gpus:
-                self.logs[gpu] = self.socket_dir.parent / f"serve-{gpu}.log"
-                with open(self.logs[gpu], "wb") as log:
-                    self.procs[gpu] = subprocess.Popen(
-                        [sys.executable, "-m", "weightcache", "serve", "--gpu", str(gpu), "--backend", "host",
-                         "--config", str(self.config), "--listen", str(self.socket_dir / f"{gpu}.sock")],
-                        stdout=log, stderr=subprocess.STDOUT, env=env)
+                svc = ServiceProcess(self.socket_dir.parent / f"serve-{gpu}", self.config, gpu, "host",
+                                     socket_dir=self.socket_dir).launch()
+                self.procs[gpu], self.logs[gpu] = svc.proc, svc.log_path
             self.wait_settled()
         except BaseException:
             self.__exit__()
@@ -112,21 +107,21 @@ class Services:
 
     def wait_settled(self, limit_s: float = 90.0) -> None:
         """Blocks until every slab of every instance is ready, failed or evicted."""
-        deadline = time.monotonic() + limit_s
         pending = set(self.gpus)
-        while pending:
+
+        def settled() -> bool:
             for gpu in sorted(pending):
                 proc = self.procs[gpu]
                 if proc.poll() is not None:
-                    raise RuntimeError(f"serve --gpu {gpu} exited with {proc.returncode}\n{self.log_text()}")
+                    raise AssertionError(f"serve --gpu {gpu} exited with {proc.returncode}\n{self.log_text()}")
                 if not (self.socket_dir / f"{gpu}.sock").exists():
                     continue
                 st = self.status(gpu)
                 if all(sl["state"] not in ("pending", "loading") for sl in st["slabs"]):
                     pending.discard(gpu)
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"services did not settle within {limit_s}s\n{self.log_text()}")
-            time.sleep(0.1)
+            return not pending
+
+        poll_until(settled, "every instance's loads to settle", limit_s, 0.1, detail=self.log_text)
 
     def __exit__(self, *exc: object) -> None:
         for proc in self.procs.values():
@@ -548,10 +543,12 @@ def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path)
         assert first.procs[0].wait(timeout=30) == 0
 
         second = store.serve(cfg, run / "0.sock", tmp_path / "serve.log")
-        deadline = time.monotonic() + 90
-        while not (run / "0.sock").exists() or second.poll() is not None:
-            assert second.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.1)
+        def listening() -> bool:
+            assert second.poll() is None, (tmp_path / "serve.log").read_text()
+            return (run / "0.sock").exists()
+
+        poll_until(listening, "the restarted service's socket", 90, 0.1,
+                   detail=lambda: (tmp_path / "serve.log").read_text())
         rc, out, err = cli(capsys, "wait", "--socket-dir", str(run))
         assert rc == 0, err
         rc, out, err = cli(capsys, "status", "--json", "--socket-dir", str(run))

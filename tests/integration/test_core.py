@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from service_harness import poll_until
 from weightcache import attach, errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,24 +57,22 @@ class Activated:
         self.proc = subprocess.Popen([ACTIVATE, "-l", str(self.dir / "0.sock"), "--fdname=listen",
                                       "-E", "NOTIFY_SOCKET", "-E", "WEIGHTCACHE_CONFIG", WEIGHTCACHE, "serve",
                                       "--gpu", "0"], env=env, stderr=self.log)
-        deadline = time.monotonic() + 10
-        while not (self.dir / "0.sock").exists():
-            assert time.monotonic() < deadline, "socket never appeared"
-            time.sleep(0.02)
+        poll_until(lambda: (self.dir / "0.sock").exists(), "the activation socket to appear", 10)
 
     def messages(self, until: str | None = None, timeout: float = 30.0) -> list[str]:
-        out = []
+        """The notify datagrams received: those queued now, or (``until``) up to one with a line containing it."""
+        out: list[str] = []
         self.notify.settimeout(0.2)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def received() -> bool:
             try:
                 out.append(self.notify.recv(65536).decode())
             except socket.timeout:
-                if until is None:
-                    break
-                continue
-            if until is not None and any(until in line for line in out[-1].split("\n")):
-                break
+                return until is None  # nothing more queued
+            return until is not None and any(until in line for line in out[-1].split("\n"))
+
+        poll_until(received, f"a notify line with {until!r}" if until else "the notify socket to drain", timeout, 0,
+                   detail=lambda: f"{out}\n{self.log.name}")
         return out
 
     def stop(self) -> None:

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from as_user import as_nobody
-from service_harness import make_config, service_env
+from service_harness import ServiceProcess, make_config, poll_until, service_env
 from weightcache import attach, errors, identity, sharding
 from weightcache.checkpoint import Checkpoint
 from weightcache.config import ModelConfig
@@ -55,42 +54,29 @@ class _Serve:
         self.tmp = tmp
         self.cfg = tmp / "weightcache.toml"
         self.cfg.write_text(config_text)
-        self.sock = tmp / "0.sock"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(tmp / "notify.sock"))
         self.notify.settimeout(0.2)
-        self.log_path = tmp / "serve.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [WEIGHTCACHE, "serve", "--gpu", "0", "--config", str(self.cfg), "--listen", str(self.sock)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                env=service_env({"NOTIFY_SOCKET": str(tmp / "notify.sock")}), cwd=tmp)
+        self.svc = ServiceProcess(tmp, self.cfg, 0, backend="", env={"NOTIFY_SOCKET": str(tmp / "notify.sock")})
+        self.proc = self.svc.launch().proc
         self.messages: list[str] = []
 
     def wait_for(self, line: str, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def seen() -> bool:
             try:
                 self.messages += self.notify.recv(65536).decode().split("\n")
             except socket.timeout:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if any(m.startswith(line) for m in self.messages):
-                return
-        raise AssertionError(f"no {line!r} from the service: {self.messages}\n{self.log()}")
+                assert self.proc.poll() is None, f"no {line!r} from the service: {self.messages}\n{self.log()}"
+            return any(m.startswith(line) for m in self.messages)
+
+        poll_until(seen, f"{line!r} from the service", timeout, 0,
+                   detail=lambda: f"{self.messages}\n{self.log()}")
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.svc.log()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.svc.stop()
         self.notify.close()
 
 

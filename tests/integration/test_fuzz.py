@@ -15,7 +15,6 @@ import json
 import os
 import socket
 import struct
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from service_harness import HELLO, compare_bytes, frame, llama_checkpoint, raw_connect, read_checkpoint, record_figures  # noqa: E402
+from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, poll_until, raw_connect,  # noqa: E402
+                             read_checkpoint, record_figures)
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.errors import RemoteProtocolError  # noqa: E402
 
@@ -322,10 +322,11 @@ def test_live_connection_flood_past_fd_limit(daemon, tmp_path):
             break
         flood.append(s)
     assert len(flood) > 64
-    deadline = time.monotonic() + 30
-    while "accept paused" not in svc.log():
-        assert svc.alive() and time.monotonic() < deadline, svc.log()[-2000:]
-        time.sleep(0.05)
+    def paused() -> bool:
+        assert svc.alive(), svc.log()[-2000:]
+        return "accept paused" in svc.log()
+
+    poll_until(paused, "the service to pause accepting", 30, 0.05, detail=lambda: svc.log()[-2000:])
     for s in flood:
         s.close()
     w = attach(str(ck), socket_dir=svc.socket_dir, fallback=False, timeout=60)

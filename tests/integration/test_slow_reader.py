@@ -4,7 +4,7 @@ import json
 import struct
 from pathlib import Path
 
-from service_harness import make_config, proc_fds, raw_connect
+from service_harness import make_config, poll_until, proc_fds, raw_connect
 
 from weightcache import attach
 
@@ -40,4 +40,6 @@ def test_unread_replies_do_not_block_other_clients(daemon):
     stuck.close()
     before = sum(proc_fds(svc.pid).values())
     svc.status()  # the service dropped the stuck client once it closed; fds come back
-    assert sum(proc_fds(svc.pid).values()) <= before
+    # Polled: on a loaded machine the loop may still hold an fd of the last reply for a tick.
+    poll_until(lambda: sum(proc_fds(svc.pid).values()) <= before, "the service's fds back at their count after close",
+               timeout=10)

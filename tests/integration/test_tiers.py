@@ -10,6 +10,9 @@ after a switch equal the checkpoint's, and that the budget is never exceeded
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,9 +21,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (compare_bytes, make_config, poll_until, read_checkpoint, service_env,  # noqa: E402
-                             write_checkpoint)
+from service_harness import (FdStoreStandIn, compare_bytes, make_config, poll_until, read_checkpoint,  # noqa: E402
+                             service_env, to_toml, write_checkpoint)
 from weightcache import attach, protocol  # noqa: E402
+from weightcache.client import Session  # noqa: E402
 from weightcache.errors import InsufficientMemory, LeaseBusy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -234,3 +238,85 @@ def test_preload_host_then_attach_promotes_and_evict_to_moves_by_hand(daemon, tm
         compare_bytes(a.tensors, read_checkpoint(cks["a"]))
     finally:
         a.close()
+
+
+class Drain:
+    """Reads the stand-in fd store's notify socket on a thread, as systemd always does (a datagram queue of
+    ``net.unix.max_dgram_qlen`` = 10 left unread blocks the service's next notification), keeping stored fds
+    by name as :meth:`FdStoreStandIn.collect` does."""
+
+    def __init__(self, store: FdStoreStandIn) -> None:
+        self.store, self.stop = store, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.store.sock.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                msg, fds, _, _ = socket.recv_fds(self.store.sock, 65536, 4)
+            except TimeoutError:
+                continue
+            fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
+            for fd in fds:
+                if fields.get("FDSTORE") == "1" and fields["FDNAME"] not in self.store.fds:
+                    self.store.fds[fields["FDNAME"]] = fd
+                else:
+                    os.close(fd)
+
+    def __enter__(self) -> "Drain":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def test_a_restart_keeps_the_host_tier_through_the_fd_store(tmp_path):
+    cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
+    cfg, listen, log = tmp_path / "weightcache.toml", tmp_path / "0.sock", tmp_path / "service.log"
+    cfg.write_text(to_toml(make_config({"a": cks["a"], "b": {"path": cks["b"], "preload": "host"}},
+                                       memory_budget_bytes=SLAB + SLAB // 2, host_tier_bytes=2 * SLAB)))
+
+    def tiers() -> dict[str, str]:
+        s = Session(str(listen), timeout=10)
+        try:
+            return {x["model"]: f"{x['state']}/{x['tier']}" for x in s.request(protocol.Status()).status["slabs"]}
+        finally:
+            s.close()
+
+    with FdStoreStandIn(tmp_path / "notify.sock") as store:
+        first = store.serve(cfg, listen, log)
+        with Drain(store):
+            poll_until(lambda: len(store.fds) == 4, "a's slab, b's host-tier copy and their manifest files stored")
+            first.send_signal(signal.SIGTERM)
+            assert first.wait(timeout=30) == 0, log.read_text()
+        stored = dict(store.fds)
+        assert sorted(n.split("-", 1)[0] for n in stored) == ["host", "manifest", "manifest", "slab"]
+        second = store.serve(cfg, listen, log)
+        with Drain(store):
+            poll_until(lambda: listen.exists() and tiers() == {"a": "ready/gpu", "b": "hosted/host"},
+                       "the restarted service to take both tiers back", 90)
+            assert "loaded model=" not in log.read_text().split("serving gpu=0")[-1]  # nothing read from disk
+            b = attach("b", socket_dir=str(tmp_path), fallback=False, timeout=60)  # promoted from the kept copy
+            try:
+                compare_bytes(b.tensors, read_checkpoint(cks["b"]))
+            finally:
+                b.close()
+            assert "loaded model=" not in log.read_text().split("serving gpu=0")[-1]
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(timeout=30) == 0, log.read_text()
+
+
+def test_check_config_names_what_waits_when_the_budget_is_exceeded(capsys, tmp_path):
+    from weightcache.cli import main
+
+    cks = {n: _ckpt(tmp_path / n, i) for i, n in enumerate(("p", "hi", "lo", "x"))}
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(to_toml(make_config({"p": {"path": cks["p"], "pin": True}, "hi": {"path": cks["hi"], "priority": 5},
+                                        "lo": cks["lo"], "x": {"path": cks["x"], "preload": "host"}},
+                                       memory_budget_bytes=2 * SLAB + SLAB // 2, host_tier_bytes=SLAB)))
+    capsys.readouterr()
+    assert main(["check-config", "--config", str(cfg), "--as-user", "root"]) == 0
+    err = capsys.readouterr().err
+    assert "exceed memory_budget_bytes" in err and "lo/tp1/rank0 (disk), x/tp1/rank0 (host tier)" in err, err

@@ -7,6 +7,8 @@ and their bytes compared with the checkpoint's.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 
@@ -332,8 +334,9 @@ def test_a_manifest_over_the_limit_fails_the_load_by_name(svc, monkeypatch):
 
 
 def test_metrics_shows_the_endpoint_every_slab_with_holders_hidden(svc):
-    """The packaged metrics user counts every slab (restricted ones too) and sees no lease holder;
-    a plain client's metrics are filtered like its status; the endpoint is still no operator."""
+    """The packaged metrics user counts every slab (restricted ones too, as ``restricted-N``: no name, path or
+    error of a model it may not attach, issue 25) and sees no lease holder; a plain client's metrics are
+    filtered like its status; the endpoint is still no operator."""
     ctx, st, load, *_ = svc
     load(st.slots[0])
     load(st.slots[1])
@@ -344,8 +347,50 @@ def test_metrics_shows_the_endpoint_every_slab_with_holders_hidden(svc):
     seen = protocol.ServiceStatus.from_json(
         handlers.handle(ctx, endpoint, protocol.Metrics()).replies[0].msg.status)
     assert [(s.model, [(x.pid, x.uid, x.gid) for x in s.leases]) for s in seen.slabs] == [
-        ("m", []), ("locked", [(-1, -1, -1)])]
+        ("m", []), ("restricted-0", [(-1, -1, -1)])]
+    assert seen.slabs[1].path == "" and seen.slabs[1].resident_bytes == st.slots[1].sealed.size_bytes
+    counters = protocol.ServiceCounters.from_json(
+        handlers.handle(ctx, endpoint, protocol.Metrics()).replies[0].msg.counters)
+    assert "locked" not in json.dumps(counters.to_json()) and "locked" not in json.dumps(seen.to_json())
     plain = protocol.ServiceStatus.from_json(
         handlers.handle(ctx, Peer(4, STRANGER, STRANGER), protocol.Metrics()).replies[0].msg.status)
     assert [s.model for s in plain.slabs] == ["m"]
     assert _error(handlers.handle(ctx, endpoint, protocol.Evict("m"))).code == "access_denied"
+
+
+def test_fd_store_entries_without_the_service_seals_are_not_adopted(svc):
+    """Issue 25: an fd-store slab without the seals the service sets (someone else's memfd, writable) is
+    dropped, not served; the same bytes with the seals are adopted."""
+    from weightcache.daemon.fdstore import FdStore
+
+    ctx, st, load, backend, *_ = svc
+    slot = st.slots[0]
+    load(slot)
+    store = FdStore(backend, st.device)
+    fresh = ServiceState(0, "host", st.device, [slot.placement], service_uid=os.getuid() + 1)
+    size = os.fstat(slot.sealed.fd).st_size
+    unsealed = os.memfd_create("not-ours", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(unsealed, os.pread(slot.sealed.fd, size, 0))
+    sid = fresh.slots[0].store_id
+    got = store.adopt({f"slab-{sid}": [unsealed], f"manifest-{sid}": [os.dup(slot.manifest_file.fd)]}, fresh.slots)
+    assert got == {}  # dropped (and its fds closed)
+    got = store.adopt({f"slab-{sid}": [os.dup(slot.sealed.fd)], f"manifest-{sid}": [os.dup(slot.manifest_file.fd)]},
+                      fresh.slots)
+    assert list(got) == fresh.slots
+    adopted = got[fresh.slots[0]]
+    adopted.sealed.close()
+    adopted.manifest_file.close()
+
+
+def test_a_parked_attach_is_checked_against_the_allow_lists_again(svc):
+    """Issue 25: an attach parked while its model loads, whose peer a reload then took off the allow list, is
+    answered access_denied, not with the slab."""
+    ctx, st, load, *_ = svc
+    slot = st.slots[0]
+    peer = Peer(10, STRANGER, STRANGER)
+    assert handlers.handle(ctx, peer, protocol.Attach("m", wait_ms=60_000)).replies == ()  # parked
+    slot.placement = dataclasses.replace(slot.placement, model=dataclasses.replace(
+        slot.placement.model, allow_users=("nobody-here",)))  # what reload.apply does to a kept slot
+    load(slot)
+    (reply,) = handlers.service_waiting(ctx, peer).replies
+    assert reply.msg.code == "access_denied" and not peer.leases

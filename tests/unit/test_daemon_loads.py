@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 import torch
 
 from daemon_helpers import close_slabs
-from service_harness import write_checkpoint
+from service_harness import poll_until, write_checkpoint
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import loads
 from weightcache.daemon.state import ServiceState, SlotState
@@ -67,14 +66,15 @@ def test_blocked_read_fails_with_timeout_and_the_next_model_loads(tmp_path, monk
     try:
         for s in st.slots:
             loader.submit(s)
-        t0 = time.monotonic()
         seen: list = []
-        while not (seen and isinstance(seen[-1], loads.Loaded)):
-            assert time.monotonic() - t0 < 20, seen
+
+        def loaded() -> bool:
             for res in loader.results():
                 loads.apply(st, res)
                 seen.append(res)
-            time.sleep(0.01)
+            return bool(seen) and isinstance(seen[-1], loads.Loaded)
+
+        poll_until(loaded, "the next slab to load", 20, 0.01, detail=lambda: repr(seen))
         stuck, nxt = st.slots
         assert stuck.state is SlotState.FAILED
         assert (stuck.error.code, stuck.error.details["cause"]) == ("model_load_failed", "timeout")
@@ -82,10 +82,7 @@ def test_blocked_read_fails_with_timeout_and_the_next_model_loads(tmp_path, monk
         assert [type(x).__name__ for x in seen if x.slot is stuck][-1] == "Failed"
         # The stuck read returns: its partial slab is aborted and nothing more reaches the state.
         unblock.set()
-        deadline = time.monotonic() + 10
-        while backend.aborted < 1:
-            assert time.monotonic() < deadline, "the abandoned load did not abort its slab"
-            time.sleep(0.01)
+        poll_until(lambda: backend.aborted >= 1, "the abandoned load to abort its slab", 10, 0.01)
         assert loader.results() == []
         assert stuck.state is SlotState.FAILED
     finally:

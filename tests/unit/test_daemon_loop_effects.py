@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import pytest
 import torch
 
-from service_harness import read_reply, write_checkpoint
+from service_harness import poll_until, read_reply, write_checkpoint
 from weightcache import protocol
 from weightcache.config import Config, ModelConfig
 from weightcache.daemon import handlers
@@ -37,11 +36,11 @@ def test_evict_during_verify_closes_the_slab_after_the_hashing(tmp_path, monkeyp
     slot = d.state.slots[0]
     d.loader.start()
     d.loader.submit(slot)
-    deadline = time.monotonic() + 30
-    while slot.sealed is None:
-        assert time.monotonic() < deadline
+    def sealed() -> bool:
         d._drain_loader()
-        time.sleep(0.01)
+        return slot.sealed is not None
+
+    poll_until(sealed, "the load to seal its slab", 30, 0.01)
     sealed, closed = slot.sealed, []
     real_close = sealed.close
     sealed.close = lambda: (closed.append(True), real_close())
@@ -68,11 +67,11 @@ def test_evict_during_verify_closes_the_slab_after_the_hashing(tmp_path, monkeyp
         d._effect(c, eff)
     assert not closed  # the verify still reads it
     finish.set()
-    deadline = time.monotonic() + 10
-    while not closed:
-        assert time.monotonic() < deadline, "the evicted slab was never closed"
+    def was_closed() -> bool:
         d._drain_loader()
-        time.sleep(0.01)
+        return bool(closed)
+
+    poll_until(was_closed, "the evicted slab to be closed", 10, 0.01)
     assert not c.held
     b.settimeout(5)
     reply, _ = read_reply(b)

@@ -8,6 +8,7 @@ partial-frame timeout closes with ``resource_exhausted``.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -111,3 +112,89 @@ def test_partial_frame_times_out_with_resource_exhausted(transport):
     obj, _ = read_reply(s)
     assert (obj["code"], obj["details"]["limit"]) == ("resource_exhausted", "partial_frame_timeout_s")
     assert not tr.clients and tr.buffered_bytes == 0
+
+
+def test_fds_in_flight_are_capped_per_uid_and_given_back_once_read(tmp_path):
+    """Issue 25, attack 1, in-process: a client that never reads gets at most max_fds_in_flight_per_uid fds
+    (then resource_exhausted without fds, and on_unsent for each withheld reply); once it has read everything
+    (SIOCOUTQ 0) its uid's count drops and the next attach carries its fds again."""
+    path = str(tmp_path / "f.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    r, w = os.pipe()
+    unsent: list = []
+
+    def on_message(c, msg):
+        if isinstance(msg, protocol.Hello):
+            tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
+        else:
+            tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
+
+    tr = Transport(listener, on_message, lambda c: None, lambda c: None,
+                   Limits.defaults(max_fds_in_flight_per_uid=8, max_leases_per_connection=1000), Clock(0.0),
+                   trusted_uids=frozenset(), on_unsent=lambda c, m: unsent.append(m))
+    tr.start()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.settimeout(5)
+    s.sendall(frame(HELLO) + frame({"type": "attach", "model": "m"}) * 10)
+    _pump(tr, 10)
+    uid = os.getuid()
+    assert tr.fds_in_flight[uid] == 8 and len(unsent) == 6  # 4 replies with 2 fds each, 6 withheld
+    got, received = [], 0
+    for _ in range(11):
+        obj, fds = read_reply(s)  # fds come with whichever read picks up their frame's first byte
+        got.append((obj["type"], obj.get("details", {}).get("limit")))
+        received += len(fds)
+        for fd in fds:
+            os.close(fd)
+    assert got[1:] == [("attach_reply", None)] * 4 + [("error", "max_fds_in_flight_per_uid")] * 6
+    assert received == 8
+    s.sendall(frame({"type": "attach", "model": "m"}))
+    _pump(tr)
+    obj, fds = read_reply(s)
+    assert (obj["type"], len(fds)) == ("attach_reply", 2) and tr.fds_in_flight[uid] == 2
+    for fd in fds:
+        os.close(fd)
+    s.close()
+    _pump(tr)
+    assert not tr.fds_in_flight and not tr.lingering
+    tr.close_all("test over")
+    listener.close()
+    os.close(r)
+    os.close(w)
+
+
+def test_a_dropped_connection_is_counted_until_its_peer_reads_or_closes(tmp_path):
+    """A connection the service drops while its peer still has fds of ours unread keeps counting against the
+    peer's uid (lingering) until the peer closes its end."""
+    path = str(tmp_path / "g.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    r, w = os.pipe()
+
+    def on_message(c, msg):
+        if isinstance(msg, protocol.Hello):
+            tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
+        else:
+            tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
+
+    tr = Transport(listener, on_message, lambda c: None, lambda c: None, Limits.defaults(), Clock(0.0),
+                   trusted_uids=frozenset())
+    tr.start()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.sendall(frame(HELLO) + frame({"type": "attach", "model": "m"}) * 3)
+    _pump(tr, 10)
+    (c,) = tr.clients.values()
+    tr.drop(c, "test")
+    assert len(tr.lingering) == 1 and tr.fds_in_flight[os.getuid()] == 6
+    s.close()
+    tr.expire(0.0)
+    assert not tr.lingering and not tr.fds_in_flight
+    tr.close_all("test over")
+    listener.close()
+    os.close(r)
+    os.close(w)

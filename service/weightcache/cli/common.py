@@ -33,11 +33,12 @@ def human_bytes(n: float) -> str:
 
 def socket_dir_of(args: argparse.Namespace) -> str:
     """``--socket-dir``, else ``$WEIGHTCACHE_SOCKET_DIR``, else the config's
-    ``[service] socket_dir`` (when the config loads), else ``/run/weightcache``."""
+    ``[service] socket_dir`` (when the config loads: ``--config`` where the command has it), else
+    ``/run/weightcache``."""
     if args.socket_dir or os.environ.get("WEIGHTCACHE_SOCKET_DIR"):
         return resolve_socket_dir(args.socket_dir)
     try:
-        return load_config(None).service.socket_dir
+        return load_config(getattr(args, "config", None)).service.socket_dir
     except ConfigError:
         return resolve_socket_dir(None)
 

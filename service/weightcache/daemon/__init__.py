@@ -37,6 +37,20 @@ slabs).
 Forbidden imports: torch.
 """
 
-from .loop import Daemon
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .loop import Daemon
 
 __all__ = ["Daemon"]
+
+
+def __getattr__(name: str) -> Any:
+    """``Daemon`` on first use (PEP 562): importing one room (``daemon.state``) loads only that room."""
+    if name == "Daemon":
+        from .loop import Daemon
+
+        return Daemon
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,8 @@ dropped the same way: the slab is loaded again.
 
 Outside systemd (no ``$NOTIFY_SOCKET``) :meth:`FdStore.put` does nothing.
 
-Forbidden imports: socket, selectors, threading, weightcache.protocol, weightcache.daemon.transport,
+Forbidden imports: socket, selectors, threading, weightcache.protocol directly (``state`` builds
+the records), weightcache.daemon.transport,
 weightcache.daemon.handlers, weightcache.daemon.loads, weightcache.daemon.ticker, weightcache.daemon.loop.
 """
 

@@ -172,6 +172,7 @@ def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = Fal
     if peer is None or access.is_operator(peer, ctx.policy):
         return tuple(s.info(now) for s in ctx.state.slots)
     shown = ctx.state.slots if every_slab else [s for s in ctx.state.slots if access.may_attach(peer, s, ctx.policy)]
+    aliases = restricted_aliases(ctx, peer) if every_slab else {}
 
     def hidden(uid: int) -> bool:
         return every_slab or uid != peer.uid
@@ -179,9 +180,48 @@ def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = Fal
     def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
         return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID) if hidden(x.uid) else x
 
-    return tuple(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases),
-                                     lease_holders=lease_holders(s.leases.values(), hidden))
+    def named(i: protocol.SlabInfo) -> protocol.SlabInfo:
+        alias = aliases.get(i.model)
+        return i if alias is None else dataclasses.replace(i, model=alias, path="", error=None, key=None)
+
+    return tuple(named(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases),
+                                           lease_holders=lease_holders(s.leases.values(), hidden)))
                  for s, i in ((s, s.info(now)) for s in shown))
+
+
+#: What the metrics endpoint's user sees instead of the name of a model it may not attach: ``restricted-N``.
+RESTRICTED_ALIAS = "restricted-{}"
+
+
+def restricted_aliases(ctx: Context, peer: Peer) -> dict[str, str]:
+    """Model name -> ``restricted-N`` for each model ``peer`` may not attach (N: its position among those
+    models in the configuration's order); empty for an operator. Names, paths and errors of those models are
+    not shown to ``peer``; their figures are (docs/reliability.md, "Threat model")."""
+    if access.is_operator(peer, ctx.policy):
+        return {}
+    out: dict[str, str] = {}
+    for s in ctx.state.slots:
+        name = s.placement.model.name
+        if name not in out and not access.may_attach(peer, s, ctx.policy):
+            out[name] = RESTRICTED_ALIAS.format(len(out))
+    return out
+
+
+def _counters_for(ctx: Context, peer: Peer, counters: protocol.ServiceCounters,
+                  every_slab: bool) -> protocol.ServiceCounters:
+    """``counters`` as ``peer`` may see them: the models it may not attach renamed (``every_slab``: the
+    metrics endpoint) or left out (anyone else who is no operator)."""
+    aliases = restricted_aliases(ctx, peer)
+    if not aliases:
+        return counters
+
+    def fix(entries: tuple) -> tuple:
+        if every_slab:
+            return tuple(dataclasses.replace(e, model=aliases[e.model]) if e.model in aliases else e for e in entries)
+        return tuple(e for e in entries if e.model not in aliases)
+
+    return dataclasses.replace(counters, attaches=fix(counters.attaches), attach_times=fix(counters.attach_times),
+                               loads=fix(counters.loads), slabs=fix(counters.slabs))
 
 
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
@@ -541,12 +581,15 @@ def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
     """``metrics``: the :func:`status` record and the service's counters (none: empty).
 
     Operators and the metrics endpoint's user (:func:`access.may_observe_all`) see
-    every slab, the endpoint with every lease holder hidden; anyone else sees what
-    :func:`status` shows it.
+    every slab, the endpoint with every lease holder hidden and the models it may
+    not attach named ``restricted-N`` (:func:`restricted_aliases`: no name, path or
+    error); anyone else sees what :func:`status` shows it, and the counters of
+    those models only.
     """
+    every_slab = access.may_observe_all(peer, ctx.policy)
     counters = ctx.counters.record() if ctx.counters is not None else protocol.ServiceCounters("", 0.0)
-    record = status(ctx, peer, every_slab=access.may_observe_all(peer, ctx.policy))
-    return _one(protocol.MetricsReply(record.to_json(), counters.to_json()))
+    record = status(ctx, peer, every_slab=every_slab)
+    return _one(protocol.MetricsReply(record.to_json(), _counters_for(ctx, peer, counters, every_slab).to_json()))
 
 
 def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:

@@ -42,7 +42,8 @@ load that raises anything fails that model alone: a :class:`~weightcache.errors.
 as itself, ``MemoryError`` as ``out_of_memory``, anything else as
 ``model_load_failed`` with ``cause=internal`` and a CRITICAL log with the traceback.
 
-Forbidden imports: socket, selectors, weightcache.protocol, weightcache.fdpass,
+Forbidden imports: socket, selectors, weightcache.protocol directly (``state`` builds the
+records), weightcache.fdpass,
 weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.ticker,
 weightcache.daemon.fdstore, weightcache.daemon.loop.
 """
@@ -226,6 +227,16 @@ class Refused:
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A queued load a reload cancelled was skipped (posted only when ``slot`` holds a host copy to free)."""
+
+    slot: Slot
+
+    def apply(self, state: ServiceState) -> None:
+        pass
+
+
 class _NoRoom(Exception):
     def __init__(self, error: WeightcacheError) -> None:
         super().__init__(error.message)
@@ -325,6 +336,8 @@ class Loader:
                 if skip:
                     self._cancelled.discard(slot)
             if skip:
+                if slot.hosted is not None:  # a promotion a reload cancelled: its discard frees the host copy
+                    self._post(Skipped(slot))
                 continue
             self._post(self._supervise(slot))
             with self._lock:
@@ -389,6 +402,9 @@ class Loader:
         """
         if not self.settings.ask_room:
             return
+        if tier == "gpu":  # what the allocation will take: the backend rounds up to its granularity
+            g = int(getattr(self.settings.backend, "granularity", 1) or 1)
+            size_bytes = max(g, -(-size_bytes // g) * g)
         req = NeedRoom(slot, size_bytes, tier)
         with job.lock:
             if job.abandoned:
@@ -434,6 +450,7 @@ class Loader:
         last_post = [0.0]
         stages: dict[str, float] = {}
         tier = slot.target
+        ck = None
         try:
             if slot.hosted is not None:
                 return self._promote(slot, started, job)
@@ -496,6 +513,9 @@ class Loader:
                          extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed"))
             return self._fail(slot, ModelLoadFailed(f"model {p.model.name}: internal error while loading: {e!r}",
                                                     model=p.model.name, cause="internal"), writable, logged=True)
+        finally:
+            if ck is not None:  # its directory fds; the error kept in the slot must not hold them
+                ck.close()
 
     def _fail(self, slot: Slot, e: WeightcacheError, writable: Any, logged: bool = False) -> Failed:
         if writable is not None:
@@ -518,13 +538,19 @@ def promoted_mismatches(manifest: Manifest, hosted: Any, sealed: Any, threads: i
 
     With ``hosted`` (a host-tier slab with ``buffer``): the tensors with host digests (``xxh3_128``,
     ``xxh3c``), hashed on ``threads`` threads without torch (run during the copy to the GPU). With
-    ``sealed`` (the GPU slab after the copy): the tensors with GPU digests (``sum64``, torch pipeline loads).
+    ``sealed`` (the GPU slab after the copy): the tensors with GPU digests (``sum64``: torch-free CUDA loads
+    and the torch pipeline), by the NVRTC kernel (:meth:`CudaSealedSlab.digests`) where it loads, else torch.
     """
     stored = [r for r in manifest.tensors if r.alias_of is None]
     if sealed is not None:
         gpu = [r for r in stored if r.digest.startswith("sum64:")]
         if not gpu:
             return []
+        from ..memory import kernels
+
+        if hasattr(sealed, "digests") and kernels.available():  # the NVRTC kernel: no torch, no host copy
+            now = sealed.digests([(r.name, r.offset_bytes, r.size_bytes) for r in gpu])
+            return [r.name for r in gpu if now[r.name] != r.digest]
         from .. import digest
 
         t = sealed.tensor
@@ -575,7 +601,7 @@ def discard(result: Started | Planned | Progress | Loaded | Failed | NeedRoom | 
                                       model=result.slot.placement.model.name, cause="cancelled"))
         return
     slot = result.slot
-    if isinstance(result, (Loaded, Failed, Refused)) and slot.hosted is not None:  # a promotion's host copy
+    if isinstance(result, (Loaded, Failed, Refused, Skipped)) and slot.hosted is not None:  # a promotion's copy
         slot.hosted.close()
         slot.manifest_file.close()
         slot.hosted = slot.manifest_file = None

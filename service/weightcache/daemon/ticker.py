@@ -12,7 +12,8 @@ after each batch of settled loads: everything alive then (torch, the config,
 manifests) lives as long as the service, so later collections during an
 attach scan only what that attach allocated.
 
-Forbidden imports: socket, selectors, threading, torch, weightcache.protocol,
+Forbidden imports: socket, selectors, threading, torch, weightcache.protocol directly (``state``
+builds the records),
 weightcache.pipeline, weightcache.memory, weightcache.daemon.transport,
 weightcache.daemon.handlers, weightcache.daemon.loads, weightcache.daemon.fdstore,
 weightcache.daemon.loop.

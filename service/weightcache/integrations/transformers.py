@@ -17,7 +17,7 @@ the checkpoint read replaced by an attachment:
 2. build the model on the meta device (``AutoConfig`` + ``model_cls``, default
    ``AutoModel``) in the attached weights' dtype;
 3. register every attached tensor as the parameter (or persistent buffer) of
-   the same name: in ``zero_copy`` mode the model's parameters *are* the
+   the same name (:func:`weightcache.integrations.params.register_tensors`): in ``zero_copy`` mode the model's parameters *are* the
    shared read-only views (no copy, ``requires_grad=False``); checkpoint
    names may differ from the model's by its ``base_model_prefix``
    (``bert.``, ``model.``) or use the legacy LayerNorm ``gamma``/``beta``;
@@ -97,23 +97,6 @@ def map_names(checkpoint_names: list[str], model_keys: set[str], prefix: str) ->
     return mapping, unexpected
 
 
-def _set_tensor(model: Any, key: str, tensor: Any, params: dict[int, Any]) -> None:
-    import torch
-
-    module_name, _, leaf = key.rpartition(".")
-    module = model.get_submodule(module_name)
-    if leaf in module._parameters:
-        p = params.get(id(tensor))
-        if p is None:
-            p = torch.nn.Parameter(tensor, requires_grad=False)
-            p._is_hf_initialized = True
-            params[id(tensor)] = p
-        module._parameters[leaf] = p
-    else:
-        tensor._is_hf_initialized = True
-        module._buffers[leaf] = tensor
-
-
 def _dominant_float_dtype(tensors: dict[str, Any]):
     counts: collections.Counter = collections.Counter()
     for t in tensors.values():
@@ -182,6 +165,8 @@ def _build(path: str, w: Attachment, model_cls: Any, attn_implementation: str | 
     import torch
     from transformers import AutoConfig
 
+    from .params import register_tensors
+
     config = AutoConfig.from_pretrained(path)
     dtype = _dominant_float_dtype(w.tensors) or torch.float32
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -196,17 +181,11 @@ def _build(path: str, w: Attachment, model_cls: Any, attn_implementation: str | 
     mapping, unexpected = map_names(list(w.tensors), model_keys, getattr(model, "base_model_prefix", "") or "")
     if unexpected:
         log.debug("unused checkpoint tensors checkpoint=%s count=%d first=%s", path, len(unexpected), unexpected[:5])
-    expected = model.state_dict()
-    params: dict[int, Any] = {}
-    for key, name in mapping.items():
-        t = w.tensors[name]
-        want = expected[key]
-        if tuple(t.shape) != tuple(want.shape):
-            raise ShapeMismatch(
-                f"checkpoint {path}: tensor {name!r} has shape {list(t.shape)}, {type(model).__name__}.{key} "
-                f"expects {list(want.shape)}; the checkpoint does not match its config.json or model class",
-                tensor=name, expected=list(want.shape), actual=list(t.shape))
-        _set_tensor(model, key, t, params)
+    reg = register_tensors(model, {key: w.tensors[name] for key, name in mapping.items()}, check="shape",
+                           source=f"checkpoint {path}",
+                           hint="the checkpoint does not match its config.json or model class")
+    for t in [*reg.parameters.values(), *reg.buffers.values()]:
+        t._is_hf_initialized = True  # from_pretrained's mark: _init_weights must not write it
     missing = model_keys - set(mapping)
     model.tie_weights(missing_keys=set(missing), recompute_mapping=False)
     # Missing persistent buffers are initialised below like non-persistent ones; missing parameters are errors.

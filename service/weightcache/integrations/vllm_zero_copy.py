@@ -53,6 +53,7 @@ from vllm.model_executor.utils import weights_already_processed
 from ..checkpoint import Checkpoint
 from ..client import Attachment
 from ..errors import ShapeMismatch
+from .params import private_names, register_tensors
 
 log = init_logger("vllm." + __name__)
 
@@ -139,18 +140,12 @@ def quant_refusal(model: nn.Module) -> str | None:
     return None
 
 
-def _owner(modules: dict[str, nn.Module], name: str) -> tuple[nn.Module, str]:
-    module_name, _, leaf = name.rpartition(".")
-    module = modules.get(module_name)
-    if module is None or (leaf not in module._parameters and leaf not in module._buffers):
-        raise ShapeMismatch(
-            f"attached tensor {name!r} has no vLLM parameter or buffer of that name; the service's layout "
-            f"(naming = \"vllm\") does not fit this vLLM's model: use mode \"copy\"", tensor=name)
-    return module, leaf
-
-
 def share(model: nn.Module, w: Attachment, check_shapes: bool) -> set[int]:
     """Registers every attached tensor as the parameter or buffer of the same name.
+
+    :func:`weightcache.integrations.params.register_tensors` on vLLM's names
+    (``naming = "vllm"``): parameters become ``nn.Parameter(view,
+    requires_grad=False)``, tied aliases one object.
 
     Args:
         model (`nn.Module`): from :func:`initialize_on_meta`.
@@ -165,27 +160,14 @@ def share(model: nn.Module, w: Attachment, check_shapes: bool) -> set[int]:
 
     Raises:
         ShapeMismatch (`shape_mismatch`): a tensor with no parameter or buffer
-            of its name, or (``check_shapes``) of another dtype or shape.
+            of its name, or (``check_shapes``) of another dtype or shape;
+            nothing is registered then.
     """
-    modules = dict(model.named_modules(remove_duplicate=False))
-    params: dict[int, nn.Parameter] = {}  # id(attached tensor) -> its Parameter: tied names share it
-    for name, tensor in w.tensors.items():
-        module, leaf = _owner(modules, name)
-        old = module._parameters.get(leaf)
-        old = old if old is not None else module._buffers.get(leaf)
-        if check_shapes and old is not None and (old.dtype, tuple(old.shape)) != (tensor.dtype, tuple(tensor.shape)):
-            raise ShapeMismatch(
-                f"attached tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, vLLM's parameter is "
-                f"{old.dtype} {list(old.shape)}; the service's model was configured for another dtype or "
-                f"layout than this engine", tensor=name, expected=list(old.shape), actual=list(tensor.shape))
-        if leaf in module._parameters:
-            param = params.get(id(tensor))
-            if param is None:
-                param = params[id(tensor)] = nn.Parameter(tensor, requires_grad=False)
-            module._parameters[leaf] = param
-        else:
-            module._buffers[leaf] = tensor
-    return {id(p) for p in params.values()} | {id(t) for t in w.tensors.values()}
+    reg = register_tensors(model, w.tensors, check="dtype_shape" if check_shapes else "none",
+                           source="the attachment (naming = \"vllm\")",
+                           hint="the service's layout does not fit this vLLM's model (another dtype, layout or "
+                                "version): use mode \"copy\"")
+    return set(reg.shared_ids)
 
 
 def check_all_shared(model: nn.Module, shared: set[int]) -> None:
@@ -207,7 +189,7 @@ def check_all_shared(model: nn.Module, shared: set[int]) -> None:
 
 def private_tensors(model: nn.Module, shared: set[int]) -> list[str]:
     """Names of parameters that vLLM's processing replaced by private tensors (not shared)."""
-    return [n for n, p in model.named_parameters() if id(p) not in shared]
+    return private_names(model, shared)
 
 
 def mark_plain_cpu_linear(model: nn.Module) -> None:
