@@ -227,6 +227,16 @@ class Refused:
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A queued load a reload cancelled was skipped (posted only when ``slot`` holds a host copy to free)."""
+
+    slot: Slot
+
+    def apply(self, state: ServiceState) -> None:
+        pass
+
+
 class _NoRoom(Exception):
     def __init__(self, error: WeightcacheError) -> None:
         super().__init__(error.message)
@@ -326,6 +336,8 @@ class Loader:
                 if skip:
                     self._cancelled.discard(slot)
             if skip:
+                if slot.hosted is not None:  # a promotion a reload cancelled: its discard frees the host copy
+                    self._post(Skipped(slot))
                 continue
             self._post(self._supervise(slot))
             with self._lock:
@@ -390,6 +402,9 @@ class Loader:
         """
         if not self.settings.ask_room:
             return
+        if tier == "gpu":  # what the allocation will take: the backend rounds up to its granularity
+            g = int(getattr(self.settings.backend, "granularity", 1) or 1)
+            size_bytes = max(g, -(-size_bytes // g) * g)
         req = NeedRoom(slot, size_bytes, tier)
         with job.lock:
             if job.abandoned:
@@ -586,7 +601,7 @@ def discard(result: Started | Planned | Progress | Loaded | Failed | NeedRoom | 
                                       model=result.slot.placement.model.name, cause="cancelled"))
         return
     slot = result.slot
-    if isinstance(result, (Loaded, Failed, Refused)) and slot.hosted is not None:  # a promotion's host copy
+    if isinstance(result, (Loaded, Failed, Refused, Skipped)) and slot.hosted is not None:  # a promotion's copy
         slot.hosted.close()
         slot.manifest_file.close()
         slot.hosted = slot.manifest_file = None
