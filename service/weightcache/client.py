@@ -455,8 +455,9 @@ def read_manifest_file(fd: int, size_bytes: int) -> Manifest:
     return read_file(fd, size_bytes).manifest
 
 
-def _detect_scheme(ck: Checkpoint, kernel: str) -> Any:
-    """:func:`weightcache.quant.detect` of ``ck`` for ``kernel`` (imports :mod:`weightcache.quant`).
+def _detect_scheme(ck: Checkpoint, kernel: str | None) -> Any:
+    """:func:`weightcache.quant.detect` of ``ck`` for ``kernel`` (``None``: no kernel check; imports
+    :mod:`weightcache.quant`).
 
     Raises:
         UnsupportedQuantization, CheckpointCorrupt: as :func:`weightcache.quant.detect`.
@@ -471,18 +472,17 @@ def _expected_fields(req: AttachRequest, local_ck: Checkpoint | None, mf: Manife
     """The key fields this engine expects of the slab, the checkpoint to check its identity against, and
     whether the checkpoint's quantization scheme was detected here.
 
-    By path: the engine's own request; the ``revision`` is the operator's
-    label, which an engine cannot know, and the dtype is the key's when the
-    manifest file says the slab serves the engine's dtype (else it is worked
-    out here from the headers). The scheme is detected (importing
+    By path: the engine's own request (the ``revision`` is the operator's
+    label, which an engine cannot know); by name: the operator's rank request
+    as the manifest file carries it (an older service's file without one: its
+    key's choices), checked against the checkpoint as it is now. The dtype is
+    the key's when the manifest file says the slab serves the requested dtype
+    (else it is worked out here from the headers). The scheme is detected (importing
     :mod:`weightcache.quant`) only when the key names one: for an unquantized
     slab the service found no quantization config in the very ``config.json``
     and ``hf_quant_config.json`` whose hashes the key's checkpoint identity
     carries, and :func:`identity.check_key` compares those with the files as
     they are now; on any difference the caller detects before reporting it.
-    By name: the operator's rank request as the manifest file carries it (an
-    older service's file without one: its key's choices), checked against the
-    checkpoint as it is now.
 
     Raises:
         UnsupportedQuantization, CheckpointCorrupt: the slab is quantized and
@@ -492,27 +492,30 @@ def _expected_fields(req: AttachRequest, local_ck: Checkpoint | None, mf: Manife
 
     key = mf.manifest.key
     if local_ck is not None:
-        rank = req.rank_request(str(local_ck.path))
-        detected = bool(key.get("quant_scheme"))
-        scheme = _detect_scheme(local_ck, req.kernel) if detected else None
-        expected = identity.key_fields(rank, local_ck, device, scheme, dtype="auto")
+        rank, ck = req.rank_request(str(local_ck.path)), local_ck
+    else:
+        ck = Checkpoint(checkpoint_path, validate=False)
+        rank = mf.request
+        if rank is None:
+            rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE),
+                                            key.get("naming", DEFAULT_NAMING), key.get("kernel") or DEFAULT_KERNEL,
+                                            key.get("revision", "")),
+                               req.tp_size, req.tp_rank)
+        else:  # the checkpoint as the service names it now (its path as the reply gives it)
+            rank = RankRequest(dataclasses.replace(rank.model, path=str(ck.path)), rank.tp_size, rank.tp_rank)
+    detected = bool(key.get("quant_scheme"))
+    scheme = _detect_scheme(ck, req.kernel if local_ck is not None else None) if detected else None
+    expected = identity.key_fields(rank, ck, device, scheme, dtype="auto")
+    if local_ck is not None:
         expected["revision"] = key.get("revision", "")
-        served = mf.dtypes_served
-        if served is not None and req.dtype in served:
-            expected["dtype"] = key.get("dtype")
-        else:
-            expected["dtype"] = identity.effective_dtype(req.dtype, identity.rank_cast_dtypes(rank, local_ck))
-        return expected, local_ck, detected
-    ck = Checkpoint(checkpoint_path, validate=False)
-    rank = mf.request
-    if rank is None:
-        rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE),
-                                        key.get("naming", DEFAULT_NAMING), key.get("kernel") or DEFAULT_KERNEL,
-                                        key.get("revision", "")),
-                           req.tp_size, req.tp_rank)
-    else:  # the checkpoint as the service names it now (its path as the reply gives it)
-        rank = RankRequest(dataclasses.replace(rank.model, path=str(ck.path)), rank.tp_size, rank.tp_rank)
-    return identity.key_fields(rank, ck, device), ck, True
+    served = mf.dtypes_served
+    if served is not None and rank.model.dtype in served:
+        expected["dtype"] = key.get("dtype")
+    elif rank.model.dtype == "auto":
+        expected["dtype"] = "auto"
+    else:
+        expected["dtype"] = identity.effective_dtype(rank.model.dtype, identity.rank_cast_dtypes(rank, ck))
+    return expected, ck, detected
 
 
 def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Session,
@@ -558,7 +561,7 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
                 raise RemoteProtocolError(f"attach_reply from {sock_path} has a malformed cache key: {e!r}") from None
             if diff:
                 if not detected:  # configuration errors are not cache misses
-                    _detect_scheme(ck, req.kernel)
+                    _detect_scheme(ck, req.kernel if local_ck is not None else None)
                 _check_files(ck)  # a broken checkpoint is reported as such, not as a key mismatch
                 raise CacheKeyMismatch(
                     f"service at {sock_path} holds a different {model!r}: differing key fields "
