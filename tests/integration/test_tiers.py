@@ -306,3 +306,17 @@ def test_a_restart_keeps_the_host_tier_through_the_fd_store(tmp_path):
             assert "loaded model=" not in log.read_text().split("serving gpu=0")[-1]
             second.send_signal(signal.SIGTERM)
             assert second.wait(timeout=30) == 0, log.read_text()
+
+
+def test_check_config_names_what_waits_when_the_budget_is_exceeded(capsys, tmp_path):
+    from weightcache.cli import main
+
+    cks = {n: _ckpt(tmp_path / n, i) for i, n in enumerate(("p", "hi", "lo", "x"))}
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(to_toml(make_config({"p": {"path": cks["p"], "pin": True}, "hi": {"path": cks["hi"], "priority": 5},
+                                        "lo": cks["lo"], "x": {"path": cks["x"], "preload": "host"}},
+                                       memory_budget_bytes=2 * SLAB + SLAB // 2, host_tier_bytes=SLAB)))
+    capsys.readouterr()
+    assert main(["check-config", "--config", str(cfg), "--as-user", "root"]) == 0
+    err = capsys.readouterr().err
+    assert "exceed memory_budget_bytes" in err and "lo/tp1/rank0 (disk), x/tp1/rank0 (host tier)" in err, err

@@ -124,12 +124,38 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"GPU {gpu}: {plural(len(placements), 'slab')}, {human_bytes(total)} planned")
         for line in lines:
             print(line)
+        warnings += _over_budget(cfg, gpu, [(p, pl) for p, pl in planned if p.gpu == gpu])
     warnings += _same_slab_twice(planned)
     for msg in warnings:
         print(f"warning: {msg}", file=sys.stderr)
     for msg in problems:
         print(f"error: {msg}", file=sys.stderr)
     return EXIT_FAILED if problems else EXIT_OK
+
+
+def _over_budget(cfg: Config, gpu: int, planned: list[tuple[Placement, Any]]) -> list[str]:
+    """Warnings when the slabs planned on ``gpu`` exceed an explicit ``memory_budget_bytes``: which wait at
+    start (in the start-up order of :func:`weightcache.daemon.tiers.start_order`), and pinned slabs the
+    budget cannot hold."""
+    budget = cfg.service.memory_budget_bytes
+    if budget is None or sum(pl.slab_size_bytes for _, pl in planned) <= budget:
+        return []
+    order = sorted(planned, key=lambda x: (not x[0].model.pin, -x[0].model.priority))
+    used, waiting, pinned_over = 0, [], []
+    for p, pl in order:
+        if p.model.preload == "gpu" and used + pl.slab_size_bytes <= budget:
+            used += pl.slab_size_bytes
+        else:
+            waiting.append(f"{p.label} ({'host tier' if p.model.preload == 'host' else 'disk'})")
+            if p.model.pin:
+                pinned_over.append(p.label)
+    out = [f"GPU {gpu}: the slabs planned exceed memory_budget_bytes = {budget} ({human_bytes(budget)}); at start "
+           f"these wait until an attach brings them in (demoting unleased, unpinned slabs of lowest priority): "
+           f"{', '.join(waiting)}"]
+    if pinned_over:
+        out.append(f"GPU {gpu}: pinned slabs do not all fit memory_budget_bytes: {', '.join(pinned_over)} wait on "
+                   f"disk, and a pinned slab on the GPU never makes room for them; raise the budget or unpin one")
+    return out
 
 
 def _gpus_beyond_the_node(cfg: Config, probe) -> tuple[str, list[str]]:
