@@ -20,14 +20,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from attackers import (NOBODY, back_to_baseline, fork_as, hung_read_env, ok_attach,  # noqa: E402
-                       open_socket_to_all, reap, release_read, result)
+from attackers import (NOBODY, back_to_baseline, baseline_figures, fork_as, hung_read_env, ok_attach,  # noqa: E402
+                       open_socket_to_all, reap, release_read, result, wait_read_hung)
 from service_harness import (compare_bytes, llama_checkpoint, make_config, read_checkpoint,  # noqa: E402
                              record_figures, service_env)
 from weightcache import attach, protocol  # noqa: E402
@@ -108,12 +109,14 @@ def test_a_snapshot_swapped_for_a_symlink_does_not_serve_another_models_bytes(da
         with attach("secret", socket_dir=svc.socket_dir, fallback=False, timeout=5) as w:
             compared += compare_bytes(w.tensors, read_checkpoint(secret))
         compared += ok_attach(svc, expected)
+        if round_ == "reload":  # hers's slab was freed by the reload: one slab's memfds fewer than before
+            after = back_to_baseline(svc, before, extra_memfds=-(before["fds"]["memfd"] // 3))
     shutil.rmtree(base)
     record_figures("attack.snapshot_swap", "a hub snapshot replaced by a symlink to a root-only model, then reload "
                    "and restart", "the link (owned by the cache's owner) is not followed: checkpoint_corrupt naming "
                    "it and its owner, attach model_load_failed; the restricted model serves its own bytes; a "
-                   "well-behaved attach within 1 s", clients=6, faults_injected=1, bytes_compared=compared)
-    del before  # the restart replaced the process: its fds are compared in the next tests' baselines
+                   "well-behaved attach within 1 s; fds and RSS back after the reload (less hers's freed slab)",
+                   clients=6, faults_injected=1, bytes_compared=compared, **baseline_figures(before, after))
 
 
 def _attach_with_dtype(path: str, model: str, n: int) -> dict:
@@ -148,6 +151,8 @@ def test_an_attach_before_the_plan_opens_no_file_on_the_serving_loop(daemon, tmp
     svc = daemon(make_config({"ok": ok, "slow": slow, "later": {"path": later, "allow_users": ["root"]}},
                              load_timeout_s=120), env=hung_read_env(tmp_path, slow))
     open_socket_to_all(svc)
+    hung = wait_read_hung(svc.pid, slow)
+    before = svc.snapshot()
     try:
         pid, r = fork_as(NOBODY, NOBODY, [], _attach_with_dtype, svc.socket_path, "later", 8)
         try:
@@ -166,10 +171,13 @@ def test_an_attach_before_the_plan_opens_no_file_on_the_serving_loop(daemon, tmp
     assert st["slow"]["state"] == "ready"
     assert st["later"]["error"]["code"] == "checkpoint_corrupt", st["later"]
     compared += ok_attach(svc, expected)
+    # slow's slab is resident now (one slab's memfds more); the fds its hung read held are closed
+    after = back_to_baseline(svc, before, extra_memfds=before["fds"]["memfd"], extra_files=-hung)
     record_figures("attack.unplanned_dtype", "8 attaches with a dtype for a slot not yet planned, its config.json "
                    "a FIFO", "no file opened on the serving loop: access_denied at once for the attacker, "
                    "loading (not planned yet) for root; the load itself refuses the FIFO (checkpoint_corrupt); a "
-                   "well-behaved attach within 1 s", clients=11, faults_injected=8, bytes_compared=compared)
+                   "well-behaved attach within 1 s; fds and RSS back", clients=11, faults_injected=8,
+                   bytes_compared=compared, **baseline_figures(before, after))
 
 
 def test_reload_refuses_non_regular_and_huge_drop_ins(daemon, ok_ck):
@@ -196,11 +204,11 @@ def test_reload_refuses_non_regular_and_huge_drop_ins(daemon, ok_ck):
         (conf_d / name).unlink()
     assert causes == {"fifo.toml": "not_regular", "zero.toml": "not_regular", "huge.toml": "too_large"}
     svc.request(protocol.Reload())  # clean again: the configuration applies
-    back_to_baseline(svc, before)
+    after = back_to_baseline(svc, before)
     record_figures("attack.reload_drop_ins", "reload with a FIFO drop-in, one linked to /dev/zero, one of 5 MiB",
                    "config_invalid naming the file at once (not_regular, too_large); the service serves on; a "
                    "well-behaved attach within 1 s; fds and RSS back", clients=5, faults_injected=3,
-                   bytes_compared=compared)
+                   bytes_compared=compared, **baseline_figures(before, after))
 
 
 def test_a_deeply_nested_config_exits_78(tmp_path):
@@ -213,3 +221,44 @@ def test_a_deeply_nested_config_exits_78(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert "code=config_invalid" in proc.stderr and "nested" in proc.stderr
+
+
+def test_a_reload_whose_file_read_hangs_freezes_no_client(daemon, tmp_path, ok_ck):
+    """Attack 4, reload on a hung mount: reading a drop-in never returns. Before: the serving loop read it, so
+    every client froze. Now the files are read on a worker: a well-behaved attach works meanwhile, the reload
+    is answered config_invalid (cause timeout) after reload_timeout_s (2 s here) with the configuration kept,
+    and once the mount answers a reload applies."""
+    from attackers import hung_config_env
+
+    ok, expected = ok_ck
+    gate = tmp_path / "config.gate"
+    svc = daemon(make_config({"ok": ok}, reload_timeout_s=2), env=hung_config_env(tmp_path, "hung.toml", gate))
+    svc.wait_settled()
+    before = svc.snapshot()
+    conf_d = svc.config_path.parent / "conf.d"
+    conf_d.mkdir()
+    (conf_d / "hung.toml").write_text("")
+    os.mkfifo(gate)  # from now on, reading hung.toml hangs
+    result_box: dict = {}
+
+    def reload_() -> None:
+        try:
+            svc.request(protocol.Reload(), timeout=30)
+            result_box["code"] = "ok"
+        except WeightcacheError as e:
+            result_box["code"], result_box["cause"] = e.code, e.details.get("cause")
+
+    t = threading.Thread(target=reload_)
+    t.start()
+    compared = ok_attach(svc, expected)  # while the reload's read hangs
+    t.join(30)
+    assert result_box == {"code": "config_invalid", "cause": "timeout"}, result_box
+    compared += ok_attach(svc, expected)
+    release_read(gate.parent / gate.stem)  # the abandoned read returns (the gate is <name>.gate)
+    os.unlink(gate)
+    svc.request(protocol.Reload())  # the mount answers again: the reload applies
+    after = back_to_baseline(svc, before)
+    record_figures("attack.reload_hung_read", "reload while reading a drop-in never returns (hung mount)",
+                   "files read on a worker: a well-behaved attach within 1 s meanwhile; the reload answered "
+                   "config_invalid cause=timeout after reload_timeout_s=2; the next reload applies; fds and RSS "
+                   "back", clients=5, faults_injected=1, bytes_compared=compared, **baseline_figures(before, after))
