@@ -136,7 +136,8 @@ def main() -> int:
                     "versions": versions()}
     try:
         t0 = time.monotonic()
-        st = _wait(sock, proc, log, lambda st: _tiers(st) == {"a": "gpu", "b": "host"}, "a on the GPU, b in the host tier")
+        st = _wait(sock, proc, log, lambda st: _tiers(st) == {"a": "gpu", "b": "host"},
+                   "a on the GPU, b in the host tier")
         result["start_s"] = time.monotonic() - t0
         # Warm the engine side (CUDA context, imports) on the resident model: not a switch.
         w = attach("a", socket_dir=str(work / "run"), device=dev, fallback=False, timeout=600)

@@ -210,3 +210,9 @@ def wait_read_hung(pid: int, ck, timeout: float = 60.0) -> int:
             return sum(1 for x in links if x == gate or x == str(ck) or x.startswith(str(ck) + "/"))
         assert time.monotonic() < deadline, "the service did not start the hung read"
         time.sleep(0.02)
+
+
+def baseline_figures(before: dict, after: dict) -> dict:
+    """The service's fds (all kinds) and RSS before the attack and after it, for :func:`record_figures`."""
+    return {"service_fds_before": sum(before["fds"].values()), "service_fds_after": sum(after["fds"].values()),
+            "rss_before_bytes": before["rss_bytes"], "rss_after_bytes": after["rss_bytes"]}

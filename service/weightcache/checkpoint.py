@@ -522,6 +522,13 @@ class Checkpoint:
                 f"was read: a symlink on the way changed; the service loads the directory it was configured with "
                 f"(run `systemctl reload` to follow the new target)", path=str(path), file=str(path))
         self._dirfd = _open_dir(resolved)
+        try:
+            self._init(resolved, validate)
+        except BaseException:
+            self.close()  # a failed open leaves no fd behind (the error may be kept long after)
+            raise
+
+    def _init(self, resolved: str, validate: bool) -> None:
         self.path = Path(resolved)
         self._roots = _roots(self.path)
         self._resolved: dict[str, str] = {}

@@ -32,8 +32,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attackers import (NOBODY, SERVICE_UID, back_to_baseline, fork_as, flood, ok_attach,  # noqa: E402
-                       open_socket_to_all, reap, replies, result)
+from attackers import (NOBODY, SERVICE_UID, back_to_baseline, baseline_figures, fork_as, flood,  # noqa: E402
+                       ok_attach, open_socket_to_all, reap, replies, result)
 from service_harness import (HELLO, frame, llama_checkpoint, make_config, proc_fds, raw_connect,  # noqa: E402
                              read_checkpoint, record_figures)
 from weightcache import protocol  # noqa: E402
@@ -173,8 +173,7 @@ def test_fds_in_flight_of_one_uid_cannot_block_other_attaches(daemon, ok_ck):
                    "max_fds_in_flight_per_uid=256, later replies resource_exhausted without fds; a well-behaved "
                    "attach (another uid) within 1 s while they are in flight; fds and RSS back",
                    clients=22, faults_injected=20, bytes_compared=compared, fds_held_max=during_fds,
-                   attacker_fds_in_flight_max=seen["fds_in_flight"],
-                   rss_after_minus_before_bytes=after["rss_bytes"] - before["rss_bytes"])
+                   attacker_fds_in_flight_max=seen["fds_in_flight"], **baseline_figures(before, after))
 
 
 def test_a_send_the_kernel_refuses_is_answered_and_logged(daemon, ok_ck):
@@ -200,11 +199,11 @@ def test_a_send_the_kernel_refuses_is_answered_and_logged(daemon, ok_ck):
     assert seen["fds_in_flight"] >= NOFILE - 64, seen  # the kernel's limit was reached
     assert "WARNING" in svc.log() and "send failed peer_pid=" in svc.log()
     compared = ok_attach(svc, expected)
-    back_to_baseline(svc, before)
+    after = back_to_baseline(svc, before)
     record_figures("attack.send_refused", "the kernel refuses SCM_RIGHTS (ETOOMANYREFS) for another client",
                    "the client gets resource_exhausted (kernel_fds_in_flight) as its reply, its connection stays, "
                    "WARNING with the peer in the log; attaches again once the attacker is gone; fds and RSS back",
-                   clients=18, faults_injected=16, bytes_compared=compared)
+                   clients=18, faults_injected=16, bytes_compared=compared, **baseline_figures(before, after))
 
 
 def test_leases_are_capped_per_connection_and_per_uid(daemon, ok_ck):
@@ -232,12 +231,12 @@ def test_leases_are_capped_per_connection_and_per_uid(daemon, ok_ck):
     assert got["per_conn"][1] == {"ok": 16, "resource_exhausted:max_leases_per_uid": 24}, got
     assert got["per_conn"][2] == {"resource_exhausted:max_leases_per_uid": 40}, got
     compared += ok_attach(svc, expected)
-    back_to_baseline(svc, before)
+    after = back_to_baseline(svc, before)
     record_figures("attack.lease_flood", "one uid attaches in a loop on 3 connections, keeping every lease",
                    "32 leases per connection (max_leases_per_connection), 48 per uid (max_leases_per_uid), the rest "
                    "resource_exhausted naming the cap; status lists at most 32 leases plus counts per uid and pid; "
                    "a well-behaved attach within 1 s; fds and RSS back",
-                   clients=5, faults_injected=3, bytes_compared=compared)
+                   clients=5, faults_injected=3, bytes_compared=compared, **baseline_figures(before, after))
 
 
 def _lease_loop(path: str, conns: int, attaches: int) -> dict:

@@ -26,8 +26,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attackers import (NOBODY, back_to_baseline, fork_as, hung_read_env, ok_attach,  # noqa: E402
-                       open_socket_to_all, reap, release_read, result)
+from attackers import (NOBODY, back_to_baseline, baseline_figures, fork_as, hung_read_env, ok_attach,  # noqa: E402
+                       open_socket_to_all, reap, release_read, result, wait_read_hung)
 from service_harness import (compare_bytes, llama_checkpoint, make_config, read_checkpoint,  # noqa: E402
                              record_figures, service_env)
 from weightcache import attach, protocol  # noqa: E402
@@ -108,12 +108,14 @@ def test_a_snapshot_swapped_for_a_symlink_does_not_serve_another_models_bytes(da
         with attach("secret", socket_dir=svc.socket_dir, fallback=False, timeout=5) as w:
             compared += compare_bytes(w.tensors, read_checkpoint(secret))
         compared += ok_attach(svc, expected)
+        if round_ == "reload":  # hers's slab was freed by the reload: one slab's memfds fewer than before
+            after = back_to_baseline(svc, before, extra_memfds=-(before["fds"]["memfd"] // 3))
     shutil.rmtree(base)
     record_figures("attack.snapshot_swap", "a hub snapshot replaced by a symlink to a root-only model, then reload "
                    "and restart", "the link (owned by the cache's owner) is not followed: checkpoint_corrupt naming "
                    "it and its owner, attach model_load_failed; the restricted model serves its own bytes; a "
-                   "well-behaved attach within 1 s", clients=6, faults_injected=1, bytes_compared=compared)
-    del before  # the restart replaced the process: its fds are compared in the next tests' baselines
+                   "well-behaved attach within 1 s; fds and RSS back after the reload (less hers's freed slab)",
+                   clients=6, faults_injected=1, bytes_compared=compared, **baseline_figures(before, after))
 
 
 def _attach_with_dtype(path: str, model: str, n: int) -> dict:
@@ -148,6 +150,8 @@ def test_an_attach_before_the_plan_opens_no_file_on_the_serving_loop(daemon, tmp
     svc = daemon(make_config({"ok": ok, "slow": slow, "later": {"path": later, "allow_users": ["root"]}},
                              load_timeout_s=120), env=hung_read_env(tmp_path, slow))
     open_socket_to_all(svc)
+    hung = wait_read_hung(svc.pid, slow)
+    before = svc.snapshot()
     try:
         pid, r = fork_as(NOBODY, NOBODY, [], _attach_with_dtype, svc.socket_path, "later", 8)
         try:
@@ -166,10 +170,13 @@ def test_an_attach_before_the_plan_opens_no_file_on_the_serving_loop(daemon, tmp
     assert st["slow"]["state"] == "ready"
     assert st["later"]["error"]["code"] == "checkpoint_corrupt", st["later"]
     compared += ok_attach(svc, expected)
+    # slow's slab is resident now (one slab's memfds more); the fds its hung read held are closed
+    after = back_to_baseline(svc, before, extra_memfds=before["fds"]["memfd"], extra_files=-hung)
     record_figures("attack.unplanned_dtype", "8 attaches with a dtype for a slot not yet planned, its config.json "
                    "a FIFO", "no file opened on the serving loop: access_denied at once for the attacker, "
                    "loading (not planned yet) for root; the load itself refuses the FIFO (checkpoint_corrupt); a "
-                   "well-behaved attach within 1 s", clients=11, faults_injected=8, bytes_compared=compared)
+                   "well-behaved attach within 1 s; fds and RSS back", clients=11, faults_injected=8,
+                   bytes_compared=compared, **baseline_figures(before, after))
 
 
 def test_reload_refuses_non_regular_and_huge_drop_ins(daemon, ok_ck):
@@ -196,11 +203,11 @@ def test_reload_refuses_non_regular_and_huge_drop_ins(daemon, ok_ck):
         (conf_d / name).unlink()
     assert causes == {"fifo.toml": "not_regular", "zero.toml": "not_regular", "huge.toml": "too_large"}
     svc.request(protocol.Reload())  # clean again: the configuration applies
-    back_to_baseline(svc, before)
+    after = back_to_baseline(svc, before)
     record_figures("attack.reload_drop_ins", "reload with a FIFO drop-in, one linked to /dev/zero, one of 5 MiB",
                    "config_invalid naming the file at once (not_regular, too_large); the service serves on; a "
                    "well-behaved attach within 1 s; fds and RSS back", clients=5, faults_injected=3,
-                   bytes_compared=compared)
+                   bytes_compared=compared, **baseline_figures(before, after))
 
 
 def test_a_deeply_nested_config_exits_78(tmp_path):

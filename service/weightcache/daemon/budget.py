@@ -109,7 +109,8 @@ class _HostTier:
         return sum(h.size_bytes for h in self.held)
 
     def take(self, victim: Holding) -> bool:
-        """Makes room for ``victim`` by dropping movable holdings ranking below it; False (nothing dropped) if it can't."""
+        """Makes room for ``victim`` by dropping movable holdings ranking below it; False (nothing dropped)
+        when it cannot."""
         kept = next((h for h in self.held if victim.host_copy and h.label == victim.label), None)
         if kept is not None:  # its copy is there already: it becomes the demoted slab, ranked as the victim
             self.held[self.held.index(kept)] = victim

@@ -227,6 +227,16 @@ class Refused:
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A queued load a reload cancelled was skipped (posted only when ``slot`` holds a host copy to free)."""
+
+    slot: Slot
+
+    def apply(self, state: ServiceState) -> None:
+        pass
+
+
 class _NoRoom(Exception):
     def __init__(self, error: WeightcacheError) -> None:
         super().__init__(error.message)
@@ -326,6 +336,8 @@ class Loader:
                 if skip:
                     self._cancelled.discard(slot)
             if skip:
+                if slot.hosted is not None:  # a promotion a reload cancelled: its discard frees the host copy
+                    self._post(Skipped(slot))
                 continue
             self._post(self._supervise(slot))
             with self._lock:
@@ -390,6 +402,9 @@ class Loader:
         """
         if not self.settings.ask_room:
             return
+        if tier == "gpu":  # what the allocation will take: the backend rounds up to its granularity
+            g = int(getattr(self.settings.backend, "granularity", 1) or 1)
+            size_bytes = max(g, -(-size_bytes // g) * g)
         req = NeedRoom(slot, size_bytes, tier)
         with job.lock:
             if job.abandoned:
@@ -435,6 +450,7 @@ class Loader:
         last_post = [0.0]
         stages: dict[str, float] = {}
         tier = slot.target
+        ck = None
         try:
             if slot.hosted is not None:
                 return self._promote(slot, started, job)
@@ -497,6 +513,9 @@ class Loader:
                          extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed"))
             return self._fail(slot, ModelLoadFailed(f"model {p.model.name}: internal error while loading: {e!r}",
                                                     model=p.model.name, cause="internal"), writable, logged=True)
+        finally:
+            if ck is not None:  # its directory fds; the error kept in the slot must not hold them
+                ck.close()
 
     def _fail(self, slot: Slot, e: WeightcacheError, writable: Any, logged: bool = False) -> Failed:
         if writable is not None:
@@ -582,7 +601,7 @@ def discard(result: Started | Planned | Progress | Loaded | Failed | NeedRoom | 
                                       model=result.slot.placement.model.name, cause="cancelled"))
         return
     slot = result.slot
-    if isinstance(result, (Loaded, Failed, Refused)) and slot.hosted is not None:  # a promotion's host copy
+    if isinstance(result, (Loaded, Failed, Refused, Skipped)) and slot.hosted is not None:  # a promotion's copy
         slot.hosted.close()
         slot.manifest_file.close()
         slot.hosted = slot.manifest_file = None

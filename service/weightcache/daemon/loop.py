@@ -290,7 +290,7 @@ class Daemon:
             if isinstance(result, loads.NeedRoom):
                 self._admit(result)
                 continue
-            if isinstance(result, loads.Refused):  # _admit moved the slot back already
+            if isinstance(result, (loads.Refused, loads.Skipped)):  # _admit moved the slot back already; or nothing ran
                 continue
             if isinstance(result, loads.Loaded):  # stored before it is reported ready
                 put = self.fdstore.put_host if result.tier == "host" else self.fdstore.put
@@ -341,6 +341,9 @@ class Daemon:
         self.transport.start()
         self.transport.add_reader(self._wake_r, self._drain_loader)
         self.loader.start()
+        # Slabs taken back from the fd store count against the budget first (it may have been lowered).
+        for m in self.tiers.enforce(self.state, "start: the slabs kept in the fd store exceed the budget"):
+            self._moved(None, m)
         for s in tiers.start_order(self.state.slots):
             if s.state is SlotState.PENDING and tiers.start_placement(s):
                 self.loader.submit(s)

@@ -106,7 +106,8 @@ class Tiers:
 
     # --- room ---------------------------------------------------------------
 
-    def admit(self, state: ServiceState, slot: Slot, need_bytes: int, evict: bool) -> tuple[list[Moved], InsufficientMemory | None]:
+    def admit(self, state: ServiceState, slot: Slot, need_bytes: int,
+              evict: bool) -> tuple[list[Moved], InsufficientMemory | None]:
         """Grants ``slot`` (LOADING) ``need_bytes`` of the budget, moving other slabs out as the policy says.
 
         Args:
@@ -167,9 +168,12 @@ class Tiers:
         """The ``insufficient_memory`` error for ``slot``: the budget, what is resident, who holds leases."""
         resident = [s for s in state.slots if s.gpu_bytes and s is not slot]
         leases = [(s, le) for s in resident for le in s.leases.values()]
-        what = ", ".join(f"{s.label} ({s.gpu_bytes / 1e9:.2f} GB, "
-                         f"{'pinned' if s.placement.model.pin else 'loading' if s.state is SlotState.LOADING else str(len(s.leases)) + ' leases'})"
-                         for s in resident) or "nothing"
+        def why(s: Slot) -> str:
+            if s.placement.model.pin:
+                return "pinned"
+            return "loading" if s.state is SlotState.LOADING else f"{len(s.leases)} leases"
+
+        what = ", ".join(f"{s.label} ({s.gpu_bytes / 1e9:.2f} GB, {why(s)})" for s in resident) or "nothing"
         who = ", ".join(f"lease {le.lease_id} on {s.label} by pid {le.pid} uid {le.uid}" for s, le in leases) or "none"
         m = slot.placement.model
         return InsufficientMemory(
