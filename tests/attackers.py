@@ -216,3 +216,37 @@ def baseline_figures(before: dict, after: dict) -> dict:
     """The service's fds (all kinds) and RSS before the attack and after it, for :func:`record_figures`."""
     return {"service_fds_before": sum(before["fds"].values()), "service_fds_after": sum(after["fds"].values()),
             "rss_before_bytes": before["rss_bytes"], "rss_after_bytes": after["rss_bytes"]}
+
+
+_HUNG_CONFIG = '''
+import os
+from weightcache import config as _config
+
+_gate = os.environ["WC_TEST_HUNG_CONFIG"].split("=", 1)
+_read_bytes = _config._read_bytes
+
+
+def _hung(path):
+    if os.path.basename(str(path)) == _gate[0] and os.path.exists(_gate[1]):
+        fd = os.open(_gate[1], os.O_RDWR)  # the read blocks until the test writes a byte
+        try:
+            os.read(fd, 1)
+        finally:
+            os.close(fd)
+    return _read_bytes(path)
+
+
+_config._read_bytes = _hung
+'''
+
+
+def hung_config_env(tmp_path, drop_in: str, gate) -> dict:
+    """``env=`` for a service whose read of a config file named ``drop_in`` blocks (a hung mount) while FIFO
+    ``gate`` exists, until a byte is written into it (:func:`release_read` style)."""
+    from service_harness import SERVICE_DIR
+
+    site = tmp_path / "hung-config-site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_HUNG_CONFIG)
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(SERVICE_DIR)]),
+            "WC_TEST_HUNG_CONFIG": f"{drop_in}={gate}"}

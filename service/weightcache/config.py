@@ -79,6 +79,7 @@ _SERVICE_KEYS = {
     "max_leases_per_connection": int,
     "max_leases_per_uid": int,
     "max_connections": int,
+    "reload_timeout_s": (int, float),
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -97,6 +98,7 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "max_leases_per_connection": (1, True, 1 << 24, "leases per connection"),
     "max_leases_per_uid": (1, True, 1 << 24, "leases per uid"),
     "max_connections": (1, True, 1 << 20, "connections, all uids"),
+    "reload_timeout_s": (0, False, 3600.0, "seconds a reload may take to read its files"),
 }
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
@@ -218,6 +220,8 @@ class ServiceConfig:
     max_leases_per_connection: int = 256
     max_leases_per_uid: int = 4096
     max_connections: int = 4096
+    #: Seconds a reload may take to read its files (on a worker thread) before it is refused.
+    reload_timeout_s: float = 30.0
     memory_budget_bytes: int | None = None
     host_tier_bytes: int = 0
 

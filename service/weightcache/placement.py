@@ -20,6 +20,10 @@ written at the padded pitch over zeros. :func:`place` turns one
   CUDA slab (the FP8 requantisation of a fused part whose per-tensor scale is
   not the fused maximum: :func:`weightcache.quant.fp8_codes.requant_table`).
 
+Op ``copy`` is placed here (:data:`PLACERS`); a quantization scheme's ops by
+its registry entry (``quant.registry.SchemeRules.placers``; ModelOpt FP8:
+:mod:`weightcache.quant.modelopt_fp8_placement`).
+
 A spec that needs anything else (a dtype cast) has no placement (``None``):
 the pipeline then runs the torch path (:func:`weightcache.pipeline.execute`),
 which stays the reference the tests compare every placement with.
@@ -63,6 +67,7 @@ class Placement:
     scalars: set[str] = field(default_factory=set)
 
     def extend(self, other: "Placement") -> None:
+        """Adds ``other``'s pieces to this placement (one placement per plan)."""
         self.reads += other.reads
         self.zeros += other.zeros
         self.small += other.small

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,44 @@ def test_a_deeply_nested_config_exits_78(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 78, proc.stderr[-2000:]
     assert "code=config_invalid" in proc.stderr and "nested" in proc.stderr
+
+
+def test_a_reload_whose_file_read_hangs_freezes_no_client(daemon, tmp_path, ok_ck):
+    """Attack 4, reload on a hung mount: reading a drop-in never returns. Before: the serving loop read it, so
+    every client froze. Now the files are read on a worker: a well-behaved attach works meanwhile, the reload
+    is answered config_invalid (cause timeout) after reload_timeout_s (2 s here) with the configuration kept,
+    and once the mount answers a reload applies."""
+    from attackers import hung_config_env
+
+    ok, expected = ok_ck
+    gate = tmp_path / "config.gate"
+    svc = daemon(make_config({"ok": ok}, reload_timeout_s=2), env=hung_config_env(tmp_path, "hung.toml", gate))
+    svc.wait_settled()
+    before = svc.snapshot()
+    conf_d = svc.config_path.parent / "conf.d"
+    conf_d.mkdir()
+    (conf_d / "hung.toml").write_text("")
+    os.mkfifo(gate)  # from now on, reading hung.toml hangs
+    result_box: dict = {}
+
+    def reload_() -> None:
+        try:
+            svc.request(protocol.Reload(), timeout=30)
+            result_box["code"] = "ok"
+        except WeightcacheError as e:
+            result_box["code"], result_box["cause"] = e.code, e.details.get("cause")
+
+    t = threading.Thread(target=reload_)
+    t.start()
+    compared = ok_attach(svc, expected)  # while the reload's read hangs
+    t.join(30)
+    assert result_box == {"code": "config_invalid", "cause": "timeout"}, result_box
+    compared += ok_attach(svc, expected)
+    release_read(gate.parent / gate.stem)  # the abandoned read returns (the gate is <name>.gate)
+    os.unlink(gate)
+    svc.request(protocol.Reload())  # the mount answers again: the reload applies
+    after = back_to_baseline(svc, before)
+    record_figures("attack.reload_hung_read", "reload while reading a drop-in never returns (hung mount)",
+                   "files read on a worker: a well-behaved attach within 1 s meanwhile; the reload answered "
+                   "config_invalid cause=timeout after reload_timeout_s=2; the next reload applies; fds and RSS "
+                   "back", clients=5, faults_injected=1, bytes_compared=compared, **baseline_figures(before, after))

@@ -171,3 +171,50 @@ def test_placement_imports_no_torch(tiny_qwen2):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_without_nvrtc_a_cuda_slab_takes_the_torch_path(tmp_path, monkeypatch):
+    """A CUDA slab (it offers ``prepare_kernels``) on a host without libnvrtc: the torch pipeline fills it, with
+    the same bytes; a kernel that fails during the fill sends it there too."""
+    from weightcache.memory import kernels
+
+    ck = F.write_fp8_per_tensor(tmp_path / "ck")
+    p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(ck), naming="vllm"), 2, 1), DEVICE)
+    want = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
+    pipeline.execute(p, want)
+
+    class Slab:
+        def __init__(self):
+            self.tensor = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
+
+        def stager(self, n):
+            raise AssertionError("the torch path uses no stager")
+
+        def prepare_kernels(self):
+            pass
+
+        def zero(self, ranges):
+            raise kernels.KernelError("NVRTC refused the program")
+
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    slab = Slab()
+    assert pipeline.fill(p, slab).torch_free is False
+    assert torch.equal(slab.tensor, want)
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    slab = Slab()
+    assert pipeline.fill(p, slab).torch_free is False
+    assert torch.equal(slab.tensor, want)
+
+
+def test_the_benchmarks_modelopt_generator_writes_what_the_loader_reads(tmp_path):
+    """benchmarks/modelopt_fp8_checkpoint.py (the 8B-shaped bench checkpoint), at a tiny width: detected as
+    ModelOpt FP8, every scale and the requantised parts placed as the torch pipeline processes them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import modelopt_fp8_checkpoint as M
+    from bench_common import LlamaShape
+
+    for algo, scheme in ((M.PER_TENSOR, "modelopt_fp8"), (M.PER_CHANNEL, "modelopt_fp8_per_channel")):
+        ck = M.write_modelopt_fp8(tmp_path / algo, LlamaShape(128, 256, 4, 2, 32, 2, 256), algo)
+        p, filled, got, want_manifest, want = _both(ck, "vllm", 2, 1, threads=2, staging_bytes=1 << 16)
+        assert p.key["quant_scheme"] == scheme
+        _assert_same(filled, got, want_manifest, want)

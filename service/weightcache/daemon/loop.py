@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from .. import protocol
@@ -54,6 +55,17 @@ log = logging.getLogger(__name__)
 
 #: Exit status on a broken invariant (sysexits.h EX_SOFTWARE).
 EXIT_INVARIANT = 70
+
+
+@dataclass(eq=False)
+class _ReloadJob:
+    """One reload whose files a worker reads: who asked (None: SIGHUP), until when (monotonic s), the result."""
+
+    client: Client | None
+    peer: Peer
+    deadline: float
+    started: float
+    result: Any = None
 
 
 class Daemon:
@@ -100,6 +112,9 @@ class Daemon:
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
+        #: Reloads whose files a worker reads (see _start_reload); the real reader of the files.
+        self._reloads: list[_ReloadJob] = []
+        self._read_config = self.ctx.load_config
         self._broken: IllegalTransition | None = None
         #: Verifies done on their threads: (client, request, outcome, seconds, the slabs they read).
         self._verified: queue.SimpleQueue = queue.SimpleQueue()
@@ -126,6 +141,9 @@ class Daemon:
     def _on_message(self, c: Client, msg: protocol.Message) -> None:
         t0 = time.perf_counter()
         reloading = type(msg) is protocol.Reload
+        if reloading and c.peer.uid in (0, self.state.service_uid):
+            self._start_reload(c, c.peer)  # the files are read on a worker; others get access_denied below
+            return
         if reloading:
             self.ticker.reloading()
         try:
@@ -204,12 +222,61 @@ class Daemon:
     def _reload_from_signal(self) -> None:
         """SIGHUP: the same reload as a request from the service's own user (no reply to send)."""
         self._reload_asked = False
+        self._start_reload(None, Peer(os.getpid(), os.getuid(), os.getgid()))
+
+    def _start_reload(self, c: Client | None, peer: Peer) -> None:
+        """Reads the configuration files on a worker thread (never on the serving loop: a file on a hung mount
+        would freeze every client); the requester's later requests wait. :meth:`_finish_reloads` applies the
+        result, or answers ``config_invalid`` (cause ``timeout``) past ``service.reload_timeout_s``."""
         self.ticker.reloading()
-        try:
-            self._carry_out(None, handlers.handle(self.ctx, Peer(os.getpid(), os.getuid(), os.getgid()),
-                                                  protocol.Reload()))
-        finally:
-            self.ticker.reloaded(time.monotonic())
+        if c is not None:
+            self.transport.hold(c)
+        job = _ReloadJob(c, peer, time.monotonic() + self.ctx.service_config.reload_timeout_s, time.perf_counter())
+        self._reloads.append(job)
+
+        def work() -> None:
+            try:
+                job.result = self._read_config()
+            except ConfigError as e:
+                job.result = e
+            except Exception as e:  # noqa: BLE001 - any failure to read is this reload's error
+                job.result = ConfigError(f"the configuration could not be read: {e!r}", file="", key="",
+                                         cause="unreadable")
+            try:
+                os.write(self._wake_w, b"r")
+            except (BlockingIOError, InterruptedError):
+                pass
+
+        threading.Thread(target=work, name="weightcache-reload", daemon=True).start()
+
+    def _finish_reloads(self, now: float) -> None:
+        """Applies the reloads whose files were read, and refuses those past their deadline (the read is
+        abandoned: its result is ignored)."""
+        for job in [j for j in self._reloads if j.result is not None or now >= j.deadline]:
+            self._reloads.remove(job)
+            got = job.result
+            if got is None:
+                got = ConfigError(f"reading the configuration took longer than service.reload_timeout_s = "
+                                  f"{self.ctx.service_config.reload_timeout_s:g} s (a file on a hung mount?); "
+                                  f"the service keeps the configuration it has", file="", key="", cause="timeout")
+
+            def loaded(got: Any = got) -> Config:
+                if isinstance(got, ConfigError):
+                    raise got
+                return got
+
+            read, self.ctx.load_config = self.ctx.load_config, loaded
+            try:
+                out = handlers.handle(self.ctx, job.peer, protocol.Reload())
+                self.counters.answered(protocol.Reload(), out.replies, time.perf_counter() - job.started)
+                self._carry_out(job.client, out)
+            except IllegalTransition as e:
+                self._break(e)
+            finally:
+                self.ctx.load_config = read
+                self.ticker.reloaded(time.monotonic())
+                if job.client is not None:
+                    self.transport.release(job.client)
 
     def _start_load(self, c: Client, eff: StartLoad) -> None:
         self.loader.submit(eff.slot)
@@ -301,6 +368,8 @@ class Daemon:
             elif isinstance(result, loads.Failed):
                 self.counters.load_settled(result.slot.placement, result.error.code)
         self._finish_verifies()
+        if self._reloads:
+            self._finish_reloads(time.monotonic())
 
     def _service_waiting(self) -> None:
         for c in list(self.transport.clients.values()):
@@ -356,6 +425,8 @@ class Daemon:
                 now = time.monotonic()
                 self.ticker.tick(now)
                 self.transport.expire(now)
+                if self._reloads:
+                    self._finish_reloads(now)
                 lograte.flush(now)
                 waiting = any(c.peer.waiting for c in self.transport.clients.values())
                 self.transport.poll(0.2 if waiting else 0.5)
