@@ -15,7 +15,7 @@ import os
 import socket
 import time
 
-from service_harness import compare_bytes, proc_fds, read_reply  # noqa: F401 - proc_fds re-exported
+from service_harness import compare_bytes, poll_until, proc_fds, read_reply  # noqa: F401 - proc_fds re-exported
 from weightcache import attach
 
 MiB = 1 << 20
@@ -103,15 +103,15 @@ def fork_as(uid: int, gid: int, groups: list[int], fn, *args) -> tuple[int, int]
 
 
 def result(r: int, timeout: float = 60.0) -> dict:
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while not buf.endswith(b"\n"):
-        assert time.monotonic() < deadline, "forked attacker did not report"
+    buf = bytearray()
+
+    def reported() -> bool:
         chunk = os.read(r, 65536)
-        if not chunk:
-            break
-        buf += chunk
-    return json.loads(buf)
+        buf.extend(chunk)
+        return not chunk or buf.endswith(b"\n")
+
+    poll_until(reported, "the forked attacker's report", timeout, 0)
+    return json.loads(bytes(buf))
 
 
 def reap(pid: int, r: int) -> None:
@@ -182,14 +182,15 @@ def hung_read_env(tmp_path, *checkpoints) -> dict:
 def release_read(ck, timeout: float = 30.0) -> None:
     """Lets the read of :func:`hung_read_env` on ``ck`` return (once the loader has started it)."""
     gate = ck.parent / (ck.name + ".gate")
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def opened() -> int | None:
         try:
-            fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
-            break
+            return os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
         except OSError as e:  # ENXIO: the loader has not opened it yet
-            assert e.errno == errno.ENXIO and time.monotonic() < deadline, e
-            time.sleep(0.01)
+            assert e.errno == errno.ENXIO, e
+            return None
+
+    fd = poll_until(opened, "the loader to open the gate of the hung read", timeout, 0.01)
     try:
         os.write(fd, b"x")
     finally:
@@ -200,16 +201,17 @@ def wait_read_hung(pid: int, ck, timeout: float = 60.0) -> int:
     """Waits until service ``pid`` is blocked in the hung read of ``ck`` (:func:`hung_read_env`); returns how
     many fds it holds under ``ck`` then (its directory fd and the gate), released when the read returns."""
     gate = str(ck.parent / (ck.name + ".gate"))
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def hung() -> int | None:
         links = []
         for name in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 links.append(os.readlink(f"/proc/{pid}/fd/{name}"))
-        if gate in links:
+        if gate in links:  # the count is at least 1: the gate itself
             return sum(1 for x in links if x == gate or x == str(ck) or x.startswith(str(ck) + "/"))
-        assert time.monotonic() < deadline, "the service did not start the hung read"
-        time.sleep(0.02)
+        return None
+
+    return poll_until(hung, "the service to start the hung read", timeout)
 
 
 def baseline_figures(before: dict, after: dict) -> dict:

@@ -33,7 +33,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, make_config,  # noqa: E402
+from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, make_config, poll_until,  # noqa: E402
                              proc_fds, proc_rss_bytes, raw_connect, read_checkpoint, read_reply, record_figures)
 from attackers import (NOBODY, back_to_baseline, fork_as, flood, hung_read_env, ok_attach,  # noqa: E402
                        open_socket_to_all, reap, release_read, replies, result, send_quietly, wait_read_hung)
@@ -53,13 +53,11 @@ def ok_ck(tmp_path):
 
 
 def _wait_state(svc, model: str, states: tuple[str, ...], timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+    def reached() -> dict | None:
         slab = svc.slab(model)
-        if slab["state"] in states:
-            return slab
-        assert time.monotonic() < deadline, (model, slab["state"], svc.log()[-2000:])
-        time.sleep(0.02)
+        return slab if slab["state"] in states else None
+
+    return poll_until(reached, f"{model} to be {'/'.join(states)}", timeout, detail=lambda: svc.log()[-2000:])
 
 
 # --- crash: attaches parked on a loading model, never read ------------------------------------------------

@@ -107,3 +107,18 @@ def test_enforce_after_a_lowered_budget_and_host_tier(copies):
     t.host_tier_bytes = 0
     assert [(m.slot.label, m.tier) for m in t.enforce(st, "reload")] == [("b/tp1/rank0", "disk")]
     assert isinstance(moves[0], Moved)
+
+
+def test_start_order_and_placement_follow_pin_priority_and_preload():
+    from weightcache.daemon.tiers import start_order, start_placement
+
+    models = [ModelConfig("late", "/m/late"), ModelConfig("hi", "/m/hi", priority=5),
+              ModelConfig("pinned", "/m/p", pin=True, priority=-3), ModelConfig("cold", "/m/c", preload="disk"),
+              ModelConfig("warm", "/m/w", preload="host")]
+    st = ServiceState(0, "cuda", {}, [Placement(m, 1, 0, 0) for m in models])
+    assert [s.placement.model.name for s in start_order(st.slots)] == ["pinned", "hi", "late", "cold", "warm"]
+    queued = {s.placement.model.name: start_placement(s) for s in st.slots}
+    assert queued == {"late": True, "hi": True, "pinned": True, "cold": False, "warm": True}
+    by = {s.placement.model.name: s for s in st.slots}
+    assert by["cold"].state is SlotState.ON_DISK and by["cold"].tier == "disk"
+    assert (by["warm"].target, by["late"].target) == ("host", "gpu")

@@ -8,7 +8,9 @@ only in top-level statements. Short names (``daemon``) mean ``weightcache.daemon
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,13 +43,10 @@ def _rules(text: str) -> list[tuple[str, bool]]:
     return rules
 
 
-def _imports(path: Path, module: str | None = None) -> list[tuple[str, bool]]:
-    """(absolute module name, is top-level) of every import in the file of ``module`` (default: under PKG)."""
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(absolute module name, is top-level) of every import in the file."""
     tree = ast.parse(path.read_text())
-    if module is None:
-        pkg_parts = ["weightcache", *path.relative_to(PKG).parent.parts]
-    else:
-        pkg_parts = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    pkg_parts = ["weightcache", *path.relative_to(PKG).parent.parts]
     top = {id(n) for n in tree.body}
     out = []
     for node in ast.walk(tree):
@@ -136,28 +135,21 @@ def test_every_daemon_room_declares_its_boundaries():
 
 #: Run in one fresh interpreter (no weightcache module loaded, nothing but os and sys imported
 #: by the probe itself): for each module named on the command line, fork, import it, print
-#: ``module<TAB>mode<TAB>OK<TAB>every name in sys.modules`` (or ``ERR<TAB>type: message``). Mode
-#: ``fresh`` imports the module from nothing, as ``python -c "import weightcache.x"`` does, and
-#: lists all of sys.modules; mode ``own`` first imports its parent packages and lists only what
-#: importing the module itself added (its own imports, however indirect).
+#: ``module<TAB>OK<TAB>every name in sys.modules`` (or ``module<TAB>ERR<TAB>type: message``):
+#: what ``python -c "import weightcache.x"`` loads.
 _PROBE = r"""
 import os, sys
-def run(name, mode):
+for name in sys.argv[1:]:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
-            if mode == "own":
-                parts = name.split(".")
-                for i in range(1, len(parts)):
-                    __import__(".".join(parts[:i]))
-            before = set(sys.modules) if mode == "own" else set()
             __import__(name)
-            line = "OK\t" + " ".join(sorted(set(sys.modules) - before))
+            line = "OK\t" + " ".join(sorted(sys.modules))
         except BaseException as e:
             line = "ERR\t" + type(e).__name__ + ": " + " ".join(str(e).split())
-        os.write(w, (name + "\t" + mode + "\t" + line + "\n").encode())
+        os.write(w, (name + "\t" + line + "\n").encode())
         os._exit(0)
     os.close(w)
     while True:
@@ -167,17 +159,9 @@ def run(name, mode):
         os.write(1, b)
     os.close(r)
     os.waitpid(pid, 0)
-for name in sys.argv[1:]:
-    run(name, "own")
-    run(name, "fresh")
 """
 
-#: Packages whose ``__init__`` still imports more than its submodules may (then every module below
-#: them fails the fresh check; each must pass the own check meanwhile) -> who is fixing it.
-#: The lead empties this at the end of issue 22.
-EAGER_PACKAGES: dict[str, str] = {}  # weightcache/__init__.py and daemon/__init__.py load lazily (PEP 562) since issue 22
-
-#: Modules whose own imports (parents already loaded) break their docstring today -> owner. Emptied by the lead.
+#: Modules whose import breaks their docstring's line today -> who is fixing it. Emptied by the lead.
 RUNTIME_OFFENDERS: dict[str, str] = {}
 
 #: Third-party packages a module may need that the test environment may lack (the module is then skipped).
@@ -192,21 +176,30 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-@pytest.fixture(scope="module")
-def loaded() -> dict[tuple[str, str], tuple[str, set[str]]]:
-    """(module, mode) -> ("OK", names in sys.modules) or ("ERR", {message}), from one probe run."""
-    import subprocess
-    import sys
-
-    names = [_module_name(p.values[0]) for p in _modules()]
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PYTEST")}
+def _probe(names: list[str], cwd: Path | None = None) -> dict[str, tuple[str, set[str]]]:
+    """module -> ("OK", names in sys.modules after importing it fresh) or ("ERR", {message})."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    if cwd is not None:
+        env["PYTHONPATH"] = str(cwd)
     out = subprocess.run([sys.executable, "-c", _PROBE, *names], capture_output=True, text=True, env=env,
-                         timeout=600, check=True).stdout
+                         cwd=cwd, timeout=600, check=True).stdout
     res = {}
     for line in out.splitlines():
-        name, mode, status, rest = (line.split("\t") + [""])[:4]
-        res[(name, mode)] = (status, set(rest.split()) if status == "OK" else {rest})
+        name, status, rest = (line.split("\t") + [""])[:3]
+        res[name] = (status, set(rest.split()) if status == "OK" else {rest})
     return res
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, tuple[str, set[str]]]:
+    """One probe run over every module with a Forbidden line and every package above one."""
+    names = [_module_name(p.values[0]) for p in _modules()]
+    return _probe(sorted(set(names) | {pkg for n in names for pkg in _parents(n)}))
 
 
 def _direct(text: str) -> set[str]:
@@ -221,11 +214,6 @@ def _direct(text: str) -> set[str]:
     return out
 
 
-def _source(module: str, base: Path) -> Path | None:
-    p = base / module.replace(".", "/")
-    return next((c for c in (p.with_suffix(".py"), p / "__init__.py") if c.exists()), None)
-
-
 def _violations(text: str, modules: set[str], name: str) -> list[str]:
     """What a rule of ``text`` forbids among the ``modules`` that importing ``name`` loaded.
 
@@ -237,8 +225,7 @@ def _violations(text: str, modules: set[str], name: str) -> list[str]:
     are the source check's only too. ``name`` and its packages do not count (what they
     load does: in mode ``fresh``, a package ``__init__`` importing a forbidden module fails).
     """
-    parts = name.split(".")
-    modules = modules - {".".join(parts[:i]) for i in range(1, len(parts) + 1)}  # what they load still counts
+    modules = modules - {name, *_parents(name)}  # what they load still counts
     direct = _direct(text)
     bad = []
     for rule, _ in _rules(text):  # "X at module level" too: a run-time import is module level by definition
@@ -253,44 +240,34 @@ def test_forbidden_imports_hold_at_run_time(loaded, path, text):
     """Importing the module in a fresh interpreter loads none of its "Forbidden imports"
     (through any chain: its own imports, its parent packages' ``__init__``)."""
     name = _module_name(path)
-    status, own = loaded[(name, "own")]
+    status, fresh = loaded[name]
     if status == "ERR":
-        (msg,) = own
+        (msg,) = fresh
         if msg.startswith("ModuleNotFoundError") and any(f"'{o}" in msg for o in OPTIONAL):
             pytest.skip(f"{name}: {msg}")
         raise AssertionError(f"importing {name} failed: {msg}")
-    bad_own = _violations(text, own, name)
-    if bad_own and name in RUNTIME_OFFENDERS:
-        pytest.xfail(f"{name} loads {bad_own[:5]} (owner: {RUNTIME_OFFENDERS[name]})")
-    assert not bad_own, f"importing {name} loads {bad_own[:8]}, which its docstring forbids ({text.strip()})"
-    _, fresh = loaded[(name, "fresh")]
     bad = _violations(text, fresh, name)
-    eager = [pkg for pkg in EAGER_PACKAGES if name.startswith(pkg + ".")]
-    if bad and eager:
-        pytest.xfail(f"{name} loads {bad[:5]} through the eager {eager} (owner: {EAGER_PACKAGES[eager[0]]})")
-    assert not bad, f"`import {name}` loads {bad[:8]}, which its docstring forbids ({text.strip()})"
+    if bad and name in RUNTIME_OFFENDERS:
+        pytest.xfail(f"{name} loads {bad[:5]} (owner: {RUNTIME_OFFENDERS[name]})")
+    parent = _parents(name)[-1] if "." in name else None
+    by_parent = set(_violations(text, loaded[parent][1], name)) if parent and loaded[parent][0] == "OK" else set()
+    assert not bad, (f"`import {name}` loads {bad[:8]}, which its docstring forbids ({text.strip()})"
+                     + (f"; {sorted(by_parent)[:5]} already through the package {parent}" if by_parent else ""))
 
 
 def test_run_time_probe_sees_a_violation(tmp_path):
     """The probe and the rule matching catch a real import (a test that cannot fail is a defect)."""
-    import subprocess
-    import sys
-
     pkg = tmp_path / "wc_probe_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from . import heavy\n")
     (pkg / "heavy.py").write_text("import socket\n")
     (pkg / "leaf.py").write_text('"""Forbidden imports: wc_probe_pkg.heavy, socket."""\n')
-    (pkg / "wiring.py").write_text("from . import leaf\n")
-    out = subprocess.run([sys.executable, "-c", _PROBE, "wc_probe_pkg.leaf", "wc_probe_pkg.wiring"],
-                         capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=60,
-                         check=True).stdout
-    lines = {tuple(line.split("\t")[:2]): set(line.split("\t")[3].split()) for line in out.splitlines()}
-    fresh, own = lines[("wc_probe_pkg.leaf", "fresh")], lines[("wc_probe_pkg.leaf", "own")]
+    found = _probe(["wc_probe_pkg.leaf", "wc_probe_pkg.heavy"], cwd=tmp_path)
+    status, fresh = found["wc_probe_pkg.leaf"]
     rules = " wc_probe_pkg.heavy, socket."
-    assert _violations(rules, fresh, "wc_probe_pkg.leaf") == ["wc_probe_pkg.heavy"]  # loaded by the package
-    assert _violations(rules, own, "wc_probe_pkg.leaf") == []  # the package's doing, not the leaf's
+    assert status == "OK" and _violations(rules, fresh, "wc_probe_pkg.leaf") == ["wc_probe_pkg.heavy"]
     assert "socket" in fresh  # loaded, but a standard-library rule is the source check's
     assert _violations(" wc_probe_pkg.heavy directly.", fresh, "wc_probe_pkg.leaf") == []
-    assert _rules(" wc_probe_pkg.heavy directly, torch at module level.") == [("wc_probe_pkg.heavy", False),
-                                                                             ("torch", True)]
+    assert _violations(rules, found["wc_probe_pkg.heavy"][1], "wc_probe_pkg.heavy") == []  # itself does not count
+    assert _rules(" wc_probe_pkg.heavy directly, torch at module level (why).") == [("wc_probe_pkg.heavy", False),
+                                                                                   ("torch", True)]

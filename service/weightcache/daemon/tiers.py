@@ -23,6 +23,7 @@ weightcache.daemon.fdstore, weightcache.daemon.loop.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -201,9 +202,10 @@ class Tiers:
     def demote(self, state: ServiceState, slot: Slot, reason: str) -> Moved:
         """READY -> HOSTED: copies the slab to the host tier (none when it kept its copy from a promotion;
         the ``host`` backend moves it without a copy)."""
-        sealed = slot.sealed
-        if slot.hosted is not None:
-            copy = slot.hosted
+        sealed, t0 = slot.sealed, time.monotonic()
+        kept = slot.hosted
+        if kept is not None:
+            copy = kept
         else:
             try:
                 copy = self.to_host(sealed, slot.label) if self.to_host is not None else sealed
@@ -214,9 +216,12 @@ class Tiers:
         slot.hosted = None
         slot.demote(copy)
         p = slot.placement
-        log.info("demoted model=%s tp_size=%d rank=%d size_bytes=%d to=host reason=%s", p.model.name, p.tp_size,
-                 p.tp_rank, copy.size_bytes, reason,
-                 extra=event("demoted", p.model.name, p.tp_rank, size_bytes=copy.size_bytes, reason=reason, to="host"))
+        dt = time.monotonic() - t0
+        log.info("demoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f copied=%s to=host reason=%s",
+                 p.model.name, p.tp_size, p.tp_rank, copy.size_bytes, dt * 1e3,
+                 "no" if copy is kept or _same(copy, sealed) else "yes", reason,
+                 extra=event("demoted", p.model.name, p.tp_rank, size_bytes=copy.size_bytes, duration_ms=dt * 1e3,
+                             reason=reason, to="host"))
         return Moved(slot, slot.store_id, "host", () if _same(copy, sealed) else (sealed,))
 
     def shelve(self, state: ServiceState, slot: Slot, reason: str) -> Moved:

@@ -7,8 +7,15 @@
   builds a transformers model on the meta device and takes its parameters and
   buffers from :func:`weightcache.attach`.
 
-Both import their engine lazily: importing this package imports neither vLLM
-nor transformers. See ``docs/engines.md``.
+- :mod:`weightcache.integrations.params`: what every engine shares,
+  :func:`~weightcache.integrations.params.register_tensors` (attached tensors
+  become the parameters and buffers of the same names in a module tree, tied
+  names one object) and ``private_names``.
+
+A new engine is one file here: build the engine's model on the meta device,
+``register_tensors``, run the engine's own post-processing, check
+``private_names``. Importing this package imports no engine (and no torch).
+See ``docs/engines.md``.
 
 Forbidden imports: weightcache.daemon (engines talk to the service only
 through :func:`weightcache.attach`).
