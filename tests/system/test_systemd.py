@@ -185,6 +185,9 @@ def test_enabling_the_target_listens_on_every_configured_gpu(box):
         for gpu in (0, 1):
             assert c.show(f"weightcache@{gpu}.socket", "ActiveState") == {"ActiveState": "active"}
             assert c.show(f"weightcache@{gpu}.service", "ActiveState") == {"ActiveState": "inactive"}
+            # The generator's drop-in: the checkpoint's file system is mounted before the instance starts.
+            mounts = c.show(f"weightcache@{gpu}.service", "RequiresMountsFor")["RequiresMountsFor"].split()
+            assert str(c.ckpt) in mounts, mounts  # besides the unit's own State-/RuntimeDirectory=
     finally:
         c.run(["systemctl", "disable", "weightcache.target"])
 

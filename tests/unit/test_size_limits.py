@@ -28,7 +28,6 @@ MAX_PARAMS = 7
 
 #: "path[:Class or function]" (path relative to service/weightcache) -> who is fixing it.
 OFFENDERS = {
-    "memory/cuda.py": "fastpath",  # staging and kernels (fastpath is changing it: issue 23); split by what each part owns
     "checkpoint.py": "trust",  # containment edits; the split is the lead's to assign
     "checkpoint.py:Checkpoint": "trust",  # as above
     "daemon/transport.py:Transport": "trust",  # caps and limits

@@ -154,7 +154,7 @@ def _compile(major: int, minor: int) -> tuple[bytes, bool]:
 
 
 def _load(device: Any) -> _Module:
-    from .cuda import _check, cu
+    from .cuda_driver import _check, cu
 
     t0 = time.monotonic()
     attr = cu.CUdevice_attribute
@@ -220,7 +220,7 @@ def prepare(device: Any) -> None:
 
 
 def _launch(func: Any, blocks: int, args: list, stream: Any = 0) -> None:
-    from .cuda import _check, cu
+    from .cuda_driver import _check, cu
 
     holders = [a if isinstance(a, ctypes._SimpleCData) or isinstance(a, ctypes.Structure) else ctypes.c_uint64(a)
                for a in args]
@@ -248,7 +248,7 @@ def sum64(device: Any, ranges: list[tuple[int, int]]) -> list[str]:
         ValueError: a misaligned pointer.
         KernelError, CudaDriverError: as :func:`module`, or a launch failed.
     """
-    from .cuda import _check, cu
+    from .cuda_driver import _check, cu
 
     m = module(device)
     if not ranges:
