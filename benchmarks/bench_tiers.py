@@ -198,7 +198,7 @@ def main() -> int:
           f"(target >= 30 GB/s: {met(bool(copy_gbps) and min(copy_gbps) >= 30)}) |",
           f"| digest check of the host copy (during the copy) | {sp([x / 1e3 for x in digest_ms])} s |",
           f"| demotion GPU -> host (first time per model: copy + page-lock) | {sp([x / 1e3 for x in made])} s |",
-          f"| every demotion (`demoted ... duration_ms`, the serving loop's time) | "
+          f"| every demotion (`demoted ... duration_ms`: to the sealed copy, off the serving loop) | "
           f"{sp([d['duration_ms'] / 1e3 for d in ht['demotions'] if 'duration_ms' in d])} s |",
           f"| demotion after a promotion (host copy kept) | {len(ht['demotions']) - len(made)} of "
           f"{len(ht['demotions'])} demotions copied nothing |",

@@ -240,6 +240,129 @@ def test_preload_host_then_attach_promotes_and_evict_to_moves_by_hand(daemon, tm
         a.close()
 
 
+# --- a slow demotion copy (as CUDA's GPU -> pinned host copy), injected on the host backend ----------------
+
+_SLOW_DEMOTE = '''
+import os
+from weightcache.memory import host as _host
+
+_demote = _host.HostBackend.demote
+
+
+def demote(self, sealed, label):
+    fd = os.open(os.environ["WC_TEST_DEMOTE_GATE"], os.O_RDWR)  # opens at once; the read blocks until a byte
+    try:
+        with open(os.environ["WC_TEST_DEMOTE_LOG"], "a") as f:
+            f.write(label + "\\n")
+        os.read(fd, 1)
+    finally:
+        os.close(fd)
+    return _demote(self, sealed, label)
+
+
+_host.HostBackend.demote = demote
+'''
+
+
+def _slow_demote_env(tmp_path):
+    """``env=`` for a service whose every demotion copy blocks until :func:`_let_demotion_finish` (a
+    ``sitecustomize`` wraps ``HostBackend.demote``, which the service runs on a worker thread, with a read of
+    a FIFO); each demotion appends its slab's label to the returned log once it is under way."""
+    from service_harness import SERVICE_DIR
+
+    site = tmp_path / "slow-demote-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_DEMOTE)
+    gate, started = tmp_path / "demote.gate", tmp_path / "demotions.log"
+    os.mkfifo(gate)
+    started.write_text("")
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(SERVICE_DIR)]), "WC_TEST_DEMOTE_GATE": str(gate),
+           "WC_TEST_DEMOTE_LOG": str(started)}
+    return env, gate, started
+
+
+def _let_demotion_finish(gate) -> None:
+    fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)  # the blocked copy holds the FIFO open
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+
+
+class _InThread:
+    """Runs ``fn()`` on a thread; ``result()`` joins and returns its value (or raises its exception)."""
+
+    def __init__(self, fn) -> None:
+        self.value, self.error, self.done = None, None, threading.Event()
+
+        def run() -> None:
+            try:
+                self.value = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in result()
+                self.error = e
+            finally:
+                self.done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def result(self, timeout: float = 60.0):
+        assert self.done.wait(timeout), "the request did not return"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_a_slow_demotion_blocks_no_other_client(daemon, tmp_path):
+    """The copy of a demotion runs off the serving loop: while it is provably under way (blocked on a gate),
+    ``status`` and an attach to another resident model are answered; then the switch completes with bytes
+    equal to disk and the budget never exceeded. The same for ``evict --to host``."""
+    cks = {n: _ckpt(tmp_path / n, i) for i, n in enumerate("abc", 1)}
+    env, gate, started = _slow_demote_env(tmp_path)
+    svc = daemon(make_config({"a": cks["a"], "b": cks["b"], "c": cks["c"]},
+                             memory_budget_bytes=2 * SLAB + SLAB // 2, host_tier_bytes=4 * SLAB), env=env)
+    svc.wait_settled()
+    assert _tiers(svc) == {"a": "ready/gpu", "b": "ready/gpu", "c": "on_disk/disk"}
+    with Sampler(svc):
+        switch = _InThread(lambda: _attach(svc, "c"))  # room for c: a (least recently used) is demoted
+        poll_until(lambda: started.read_text() == "a/tp1/rank0\n", "the demotion of a to start")
+        st = {s["model"]: s for s in svc.status()["slabs"]}
+        assert (st["a"]["state"], st["a"]["tier"], st["c"]["state"]) == ("ready", "gpu", "loading")
+        b = _attach(svc, "b")  # answered while a's copy is blocked
+        try:
+            compare_bytes(b.tensors, read_checkpoint(cks["b"]))
+            assert not switch.done.is_set() and started.read_text() == "a/tp1/rank0\n"  # still under way
+        finally:
+            b.close()
+        _let_demotion_finish(gate)
+        c = switch.result()
+        try:
+            compare_bytes(c.tensors, read_checkpoint(cks["c"]))
+            assert _tiers(svc) == {"a": "hosted/host", "b": "ready/gpu", "c": "ready/gpu"}
+        finally:
+            c.close()
+        _unleased(svc, "b")
+        _unleased(svc, "c")
+        moved = _InThread(lambda: svc.request(protocol.Evict("b", to="host"), timeout=60))
+        poll_until(lambda: started.read_text().endswith("b/tp1/rank0\n"), "the demotion of b to start")
+        assert svc.slab("b")["state"] == "ready"
+        c = _attach(svc, "c")  # answered while b's copy is blocked
+        try:
+            compare_bytes(c.tensors, read_checkpoint(cks["c"]))
+            assert not moved.done.is_set()
+        finally:
+            c.close()
+        _let_demotion_finish(gate)
+        assert moved.result().evicted == ["b/tp1/rank0"]
+        assert _tiers(svc)["b"] == "hosted/host"
+    b = _attach(svc, "b")  # promoted back into the room b left
+    try:
+        compare_bytes(b.tensors, read_checkpoint(cks["b"]))
+    finally:
+        b.close()
+    log = svc.log()
+    assert "demoted model=a" in log and "demoted model=b" in log and "reason=evict --to host" in log
+
+
 class Drain:
     """Reads the stand-in fd store's notify socket on a thread, as systemd always does (a datagram queue of
     ``net.unix.max_dgram_qlen`` = 10 left unread blocks the service's next notification), keeping stored fds

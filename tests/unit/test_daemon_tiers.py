@@ -1,6 +1,7 @@
 """Tiers applied to a service state (weightcache.daemon.tiers) with a backend that copies, as CUDA's does:
 demotions copy once, a promoted slab's kept host copy makes the next demotion free, a failed copy drops
-the slab to disk instead, a leased slab is never touched."""
+the slab to disk instead, a leased slab is never touched; off the serving loop, a demotion grants room only
+once its copy is done, and a lease taken meanwhile abandons it."""
 
 from __future__ import annotations
 
@@ -122,3 +123,38 @@ def test_start_order_and_placement_follow_pin_priority_and_preload():
     by = {s.placement.model.name: s for s in st.slots}
     assert by["cold"].state is SlotState.ON_DISK and by["cold"].tier == "disk"
     assert (by["warm"].target, by["late"].target) == ("host", "gpu")
+
+
+def test_off_the_loop_a_demotion_grants_room_only_once_its_copy_is_done(copies):
+    from weightcache.daemon.tiers import Demoting
+
+    made, to_host = copies
+    st = _state("a", "b", "c")
+    a, c = st.slots[0], _loading(st, "c")
+    a_gpu = a.sealed
+    t = Tiers(12, 12, to_host, off_loop=True)
+    moves, refusal = t.admit(st, c, 6, evict=True)
+    assert refusal is None and made == [] and [type(m) for m in moves] == [Demoting]
+    # Under way: a stays READY (attachable) and busy, its GPU bytes counted, its copy counted in the host tier;
+    # c is granted nothing yet, so the GPU never holds more than the budget.
+    assert (a.state, a.demoting, c.reserved_bytes) == (SlotState.READY, a_gpu, 0)
+    assert t.gpu_used(st) == 12 and t.host_used(st) == 6
+    assert not Tiers._gpu_holding(a).movable  # the budget never picks it again
+    moved, close = t.finish_demote(st, moves[0], *t.copy(moves[0]))
+    assert made == ["a/tp1/rank0"]
+    assert close == () and moved.tier == "host" and moved.close == (a_gpu,)
+    assert (a.state, a.demoting, a.hosted.kind) == (SlotState.HOSTED, None, "host")
+    assert t.admit(st, c, 6, evict=True) == ([], None) and c.reserved_bytes == 6  # the room is there now
+
+
+def test_a_lease_taken_during_the_copy_abandons_the_demotion(copies):
+    made, to_host = copies
+    st = _state("a", "b", "c")
+    a = st.slots[0]
+    t = Tiers(12, 12, to_host, off_loop=True)
+    (eff,), _ = t.admit(st, _loading(st, "c"), 6, evict=True)
+    a.leases[3] = Lease(3, a, 1, 1, 1, 0.0, "zero_copy")  # an engine attached while the copy ran
+    copy, error = t.copy(eff)
+    moved, close = t.finish_demote(st, eff, copy, error)
+    assert moved is None and close == (copy,) and a.state is SlotState.READY and a.demoting is None
+    assert t.host_used(st) == 0

@@ -539,14 +539,17 @@ def _refuse_unknown_leases(slots: list[Slot], msg: protocol.Evict) -> None:
 
 
 def _evict_to(ctx: Context, slots: list[Slot], to: str) -> Outcome:
-    """``evict --to host|disk``: moves the unleased READY (and, to disk, HOSTED) slots of a model.
+    """``evict --to host|disk``: moves the unleased READY (and, to disk, HOSTED) slots of a model. A demotion
+    that copies runs off the serving loop (:class:`~weightcache.daemon.tiers.Demoting`); the serving loop sends
+    the reply once it is done.
 
     Raises:
         InsufficientMemory (`insufficient_memory`): ``--to host`` and the host tier has no room for them
             (``[service] host_tier_bytes``); nothing moved.
     """
     st, t = ctx.state, ctx.tiers
-    moving = [s for s in slots if s.state is SlotState.READY or (to == "disk" and s.state is SlotState.HOSTED)]
+    moving = [s for s in slots if (s.state is SlotState.READY and (to == "disk" or s.demoting is None))
+              or (to == "disk" and s.state is SlotState.HOSTED)]  # a slab already on its way to the host stays
     if to == "host":
         need = sum(s.gpu_bytes for s in moving)
         if t.host_used(st) + need > t.host_tier_bytes:

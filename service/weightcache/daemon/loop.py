@@ -98,7 +98,7 @@ class Daemon:
         self.state.config_error = config_error
         self.counters = Counters([s.placement for s in self.state.slots], time.time())
         self.tiers = tiers.Tiers(config.service.budget_bytes(int(backend.mem_info()[1])),
-                                 config.service.host_tier_bytes, backend.demote)
+                                 config.service.host_tier_bytes, backend.demote, off_loop=True)
         self.ctx = Context(self.state, backend.mem_info, load_config=load_config or self._no_config,
                            service_config=config.service, counters=self.counters,
                            policy=access.Policy(self.state.service_uid, config.service.operator_groups),
@@ -121,6 +121,13 @@ class Daemon:
         #: id(sealed slab) -> verifies reading it; the FreeSlab of one evicted meanwhile waits for the last.
         self._reading: dict[int, int] = {}
         self._close_later: dict[int, Any] = {}
+        #: Demotions whose copy runs on a worker (tiers.Demoting), and what they post: (effect, copy, error).
+        self._demoting: list[tiers.Demoting] = []
+        self._demoted: queue.SimpleQueue = queue.SimpleQueue()
+        #: The loader's requests for room that wait for the demotions under way.
+        self._room_waits: list[loads.NeedRoom] = []
+        #: (client, replies, demotions): a request (``evict --to host``) answered once its demotions are done.
+        self._answers: list[tuple[Client, tuple, tuple]] = []
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
         for slot, got in stored.items():
             if got.tier == "host":
@@ -149,7 +156,13 @@ class Daemon:
         try:
             out = handlers.handle(self.ctx, c.peer, msg)
             self.counters.answered(msg, out.replies, time.perf_counter() - t0)
-            self._carry_out(c, out)
+            demotions = tuple(e for e in out.effects if isinstance(e, tiers.Demoting))
+            if demotions:  # answered when the copies are done; the client's later requests wait, others don't
+                self.transport.hold(c)
+                self._answers.append((c, out.replies, demotions))
+                self._carry_out(c, Outcome((), out.effects))
+            else:
+                self._carry_out(c, out)
         except IllegalTransition as e:
             self._break(e)
         finally:
@@ -170,7 +183,8 @@ class Daemon:
 
     def _effect(self, c: Client | None, eff: Any) -> None:
         {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse, CancelLoad: self._cancel_load,
-         Reconfigure: self._reconfigure, StartVerify: self._start_verify, tiers.Moved: self._moved}[type(eff)](c, eff)
+         Reconfigure: self._reconfigure, StartVerify: self._start_verify, tiers.Moved: self._moved,
+         tiers.Demoting: self._start_demotion}[type(eff)](c, eff)
 
     def _moved(self, c: Client | None, eff: tiers.Moved) -> None:
         """A slab changed tier: the fd store follows it (host tier, or nothing), then what it left is closed."""
@@ -182,16 +196,82 @@ class Daemon:
             if f is not None:
                 self._free_slab(c, FreeSlab(None, f, None))
 
+    def _start_demotion(self, c: Client | None, eff: tiers.Demoting) -> None:
+        """Runs the copy of a demotion on a worker thread (:meth:`Tiers.copy`); :meth:`_finish_demotions`
+        applies it. The GPU slab counts as read meanwhile: an evict or reload that frees it waits for the copy."""
+        self._reading[id(eff.sealed)] = self._reading.get(id(eff.sealed), 0) + 1
+        self._demoting.append(eff)
+
+        def work() -> None:
+            self._demoted.put((eff, *self.tiers.copy(eff)))
+            try:
+                os.write(self._wake_w, b"d")
+            except (BlockingIOError, InterruptedError):
+                pass
+
+        threading.Thread(target=work, name=f"weightcache-demote-{eff.slot.label}", daemon=True).start()
+
+    def _finish_demotions(self) -> None:
+        """Applies the demotions whose copy is done (the GPU slab is freed only now), then answers the requests
+        that waited for them: replies held back, and the loader's requests for room (asked again)."""
+        finished = False
+        while True:
+            try:
+                eff, copy, error = self._demoted.get_nowait()
+            except queue.Empty:
+                break
+            finished = True
+            self._demoting.remove(eff)
+            moved, close = self.tiers.finish_demote(self.state, eff, copy, error)
+            self._done_reading(eff.sealed)
+            if moved is not None:
+                self._moved(None, moved)
+            for f in close:
+                f.close()
+        if not finished:
+            return
+        for entry in [a for a in self._answers if not any(d in self._demoting for d in a[2])]:
+            self._answers.remove(entry)
+            c, replies, _ = entry
+            self._carry_out(c, Outcome(replies, ()))
+            self.transport.release(c)
+        if not self._demoting:
+            waits, self._room_waits = self._room_waits, []
+            for req in waits:
+                if req.slot.state is not SlotState.LOADING:  # dropped by a reload, or its load gave up waiting
+                    loads.discard(req)
+                else:
+                    self._admit(req)
+
+    def _done_reading(self, sealed: Any) -> None:
+        """A verify or a demotion stopped reading ``sealed``: a FreeSlab that waited for the last reader runs."""
+        self._reading[id(sealed)] -= 1
+        if not self._reading[id(sealed)]:
+            del self._reading[id(sealed)]
+            later = self._close_later.pop(id(sealed), None)
+            if later is not None:  # evicted while it was read
+                for f in (later.sealed, later.manifest_file):
+                    if f is not None:
+                        f.close()
+
     def _admit(self, req: loads.NeedRoom) -> None:
         """Answers the loader's request for room (:class:`~weightcache.daemon.loads.NeedRoom`): the budget's
-        moves are carried out before the loader allocates, so the GPU never holds more than the budget."""
+        moves are carried out before the loader allocates, so the GPU never holds more than the budget. While
+        demotions are under way the request waits for them (their GPU slabs are freed only when copied), then
+        is asked again."""
         slot = req.slot
+        if self._demoting:
+            self._room_waits.append(req)
+            return
         if req.tier == "host":
             refusal = self.tiers.admit_host(self.state, slot, req.size_bytes)
         else:
             moves, refusal = self.tiers.admit(self.state, slot, req.size_bytes, evict=slot.demand)
             for m in moves:
-                self._moved(None, m)
+                self._effect(None, m)
+            if self._demoting:
+                self._room_waits.append(req)
+                return
         if refusal is not None:
             tiers.refuse(slot, refusal, "no room in the host tier" if req.tier == "host" else
                          "no room in the memory budget" + ("" if slot.demand else " at start: waits for an attach"))
@@ -316,14 +396,7 @@ class Daemon:
             except queue.Empty:
                 return
             for sealed in slabs:
-                self._reading[id(sealed)] -= 1
-                if not self._reading[id(sealed)]:
-                    del self._reading[id(sealed)]
-                    later = self._close_later.pop(id(sealed), None)
-                    if later is not None:  # evicted while it was hashed
-                        for f in (later.sealed, later.manifest_file):
-                            if f is not None:
-                                f.close()
+                self._done_reading(sealed)
             self.counters.answered(request, out.replies, seconds)
             self._carry_out(c, out)
             self.transport.release(c)
@@ -350,6 +423,7 @@ class Daemon:
             os.read(self._wake_r, 4096)
         except BlockingIOError:
             pass
+        self._finish_demotions()
         for result in self.loader.results():
             if result.slot.state is SlotState.DROPPED:  # a reload removed it while it loaded
                 loads.discard(result)
@@ -412,7 +486,7 @@ class Daemon:
         self.loader.start()
         # Slabs taken back from the fd store count against the budget first (it may have been lowered).
         for m in self.tiers.enforce(self.state, "start: the slabs kept in the fd store exceed the budget"):
-            self._moved(None, m)
+            self._effect(None, m)
         for s in tiers.start_order(self.state.slots):
             if s.state is SlotState.PENDING and tiers.start_placement(s):
                 self.loader.submit(s)

@@ -178,6 +178,10 @@ class Slot:
     #: after a promotion on the ``cuda`` backend (the slab is immutable, so the next demotion copies nothing);
     #: the host tier drops such copies first.
     hosted: Any = None
+    #: The GPU slab a demotion copies to the host tier off the serving loop (the slot stays READY and
+    #: attachable meanwhile; the serving loop moves it to HOSTED once the copy is sealed, unless a lease came);
+    #: None otherwise. The budget never picks such a slot again, and its copy counts in the host tier.
+    demoting: Any = None
     #: Bytes of the budget granted to the load or promotion under way (LOADING); 0 otherwise.
     reserved_bytes: int = 0
     #: ``time.monotonic()`` s of the last attach, release or load: the budget's LRU order.

@@ -2,18 +2,30 @@
 
 Owns :class:`Tiers` (the budget in force, the host tier's size and the
 backend's copy GPU -> host), :class:`Moved` (the effect of one move, carried
-out by the serving loop: fd store and closing), and the journal events
+out by the serving loop: fd store and closing), :class:`Demoting` (a copy to
+the host tier to run off the serving loop), and the journal events
 ``demoted``, ``promoted``, ``shelved`` (dropped to disk by the budget or
 ``evict --to disk``) with their ``reason``. Which slab moves is decided by
 :func:`weightcache.daemon.budget.make_room`; this module turns the slots into
 :class:`~weightcache.daemon.budget.Holding` records and moves the victims
 through the transition table.
 
-Every move happens on the serving loop's thread. A demotion on the ``cuda``
-backend copies the slab to a pinned host memfd there (its length divided by the
-device-to-host bandwidth; the loop answers nobody meanwhile). On the ``host``
-backend the tiers are the same memory: a demotion moves the sealed memfd to the
-host tier's account without a copy.
+Every state change happens on the serving loop's thread; the copy of a
+demotion does not. In the service (``Tiers(off_loop=True)``) a demotion that
+must copy (the ``cuda`` backend: GPU -> a fresh sealed, page-locked host memfd,
+its length divided by the device-to-host bandwidth) is a :class:`Demoting`
+effect: the serving loop runs :meth:`Tiers.copy` on a worker thread and keeps
+answering every client; the slot stays READY (attachable) and busy for the
+budget, its GPU bytes still counted, its copy counted in the host tier. When
+the copy is sealed the loop calls :meth:`Tiers.finish_demote`: READY ->
+HOSTED, then the GPU slab is freed, so the room a load waits for
+(:meth:`Tiers.admit` grants none while a demotion it started is under way)
+exists only then and the GPU never holds more than the budget. A lease taken
+meanwhile, or an evict or reload that moved the slot, abandons the demotion
+(the copy is closed, the slot keeps its state). On the ``host`` backend the
+tiers are the same memory: the "copy" returns the sealed memfd itself, and a
+demotion moves it to the host tier's account. Without ``off_loop`` (in-process
+tests) :meth:`Tiers.demote` copies at once.
 
 Forbidden imports: socket, selectors, threading, torch, weightcache.memory, weightcache.pipeline,
 weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.loads,
@@ -51,6 +63,18 @@ class Moved:
     close: tuple[Any, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Demoting:
+    """Effect: copy ``sealed`` (the GPU slab of READY ``slot``) to the host tier off the serving loop
+    (:meth:`Tiers.copy` on a worker thread), then :meth:`Tiers.finish_demote` on the loop. ``started`` is
+    ``time.monotonic()`` s (the ``demoted`` event's ``duration_ms`` counts from it)."""
+
+    slot: Slot
+    sealed: Any
+    reason: str
+    started: float
+
+
 def _same(a: Any, b: Any) -> bool:
     return a is not None and a is b
 
@@ -64,11 +88,14 @@ class Tiers:
         host_tier_bytes (`int`): ``[service] host_tier_bytes`` (0: no host tier).
         to_host (`callable`, *optional*): ``(GPU SealedSlab, label) -> host-tier SealedSlab``: the backend's
             copy (``Backend.demote``); the ``host`` backend returns the same object. None: as the host backend.
+        off_loop (`bool`): a demotion that calls ``to_host`` becomes a :class:`Demoting` effect (the serving
+            loop runs the copy on a worker); False: :meth:`demote` copies at once.
     """
 
     budget_bytes: int
     host_tier_bytes: int = 0
     to_host: Callable[[Any, str], Any] | None = None
+    off_loop: bool = False
 
     # --- what is where ------------------------------------------------------
 
@@ -79,8 +106,10 @@ class Tiers:
 
     @staticmethod
     def host_used(state: ServiceState) -> int:
-        """Bytes the host tier holds (copies of HOSTED slots, of promotions under way, and kept after one)."""
-        return sum(s.hosted.size_bytes for s in state.slots if s.hosted is not None)
+        """Bytes the host tier holds (copies of HOSTED slots, of promotions under way, kept after one, and those
+        demotions are making)."""
+        return (sum(s.hosted.size_bytes for s in state.slots if s.hosted is not None)
+                + sum(s.demoting.size_bytes for s in state.slots if s.demoting is not None))
 
     @staticmethod
     def _holding(s: Slot, size: int) -> budget.Holding:
@@ -96,13 +125,15 @@ class Tiers:
         if s.state is SlotState.RETIRED:
             return budget.Holding(s.label, s.gpu_bytes, busy=True)
         return budget.Holding(s.label, s.gpu_bytes, len(s.leases), m.pin, m.priority, s.last_used,
-                              busy=s.state in (SlotState.PENDING, SlotState.LOADING),
+                              busy=s.state in (SlotState.PENDING, SlotState.LOADING) or s.demoting is not None,
                               host_copy=s.hosted is not None and s.sealed is not None)
 
     def holdings(self, state: ServiceState) -> tuple[list[budget.Holding], list[budget.Holding]]:
         """(GPU tier, host tier) as the policy weighs them; RETIRED slabs count but never move."""
         gpu = [self._gpu_holding(s) for s in state.slots if s.gpu_bytes]
         host = [self._holding(s, s.hosted.size_bytes) for s in state.slots if s.hosted is not None]
+        host += [budget.Holding(s.label, s.demoting.size_bytes, busy=True) for s in state.slots
+                 if s.demoting is not None]  # a copy under way: counted, never dropped
         return gpu, host
 
     # --- room ---------------------------------------------------------------
@@ -117,14 +148,16 @@ class Tiers:
 
         Returns:
             `tuple`: (the moves made, for the serving loop to carry out; the refusal or None). On a refusal
-            nothing moved and ``slot`` is unchanged.
+            nothing moved and ``slot`` is unchanged. When a move is a :class:`Demoting` (a copy off the loop)
+            no room is granted yet (``slot.reserved_bytes`` stays 0): ask again once the copies are done.
         """
         gpu, host = self.holdings(state)
         room = budget.make_room(need_bytes, self.budget_bytes, gpu, self.host_tier_bytes, host, evict)
         if not room.fits:
             return [], self.refusal(state, slot, need_bytes, room)
         moves = self.carry_out(state, room, f"room for {slot.label}")
-        slot.reserved_bytes = need_bytes
+        if not any(isinstance(m, Demoting) for m in moves):
+            slot.reserved_bytes = need_bytes
         return moves, None
 
     def admit_host(self, state: ServiceState, slot: Slot, need_bytes: int) -> InsufficientMemory | None:
@@ -139,7 +172,7 @@ class Tiers:
             f"first attach loads it", model=slot.placement.model.name, need_bytes=need_bytes,
             budget_bytes=self.host_tier_bytes, free_bytes=self.host_tier_bytes - used, resident=[], leases=[])
 
-    def enforce(self, state: ServiceState, reason: str) -> list[Moved]:
+    def enforce(self, state: ServiceState, reason: str) -> list[Moved | Demoting]:
         """Brings the GPU back under the budget and the host tier under its size (a reload lowered them):
         unleased, unpinned slabs leave in the policy's order; leased and pinned ones stay (logged when
         they keep the GPU over)."""
@@ -157,7 +190,7 @@ class Tiers:
                         self.host_tier_bytes, over, reason)
         return moves
 
-    def carry_out(self, state: ServiceState, room: budget.Room, reason: str) -> list[Moved]:
+    def carry_out(self, state: ServiceState, room: budget.Room, reason: str) -> list[Moved | Demoting]:
         """Moves the slots ``room`` names (host-tier drops first, then demotions, then drops)."""
         by_label = {s.label: s for s in state.slots}
         moves = [self.shelve(state, by_label[lb], reason) for lb in room.drop_host if not self._drop_kept(by_label[lb])]
@@ -199,20 +232,68 @@ class Tiers:
                  slot.placement.model.name, slot.placement.tp_rank, size)
         return True
 
-    def demote(self, state: ServiceState, slot: Slot, reason: str) -> Moved:
+    def demote(self, state: ServiceState, slot: Slot, reason: str) -> Moved | Demoting:
         """READY -> HOSTED: copies the slab to the host tier (none when it kept its copy from a promotion;
-        the ``host`` backend moves it without a copy)."""
+        the ``host`` backend moves it without a copy). With ``off_loop`` a copy is a :class:`Demoting` for
+        the serving loop to run (the slot stays READY until :meth:`finish_demote`)."""
         sealed, t0 = slot.sealed, time.monotonic()
         kept = slot.hosted
+        if kept is None and self.off_loop and self.to_host is not None:
+            slot.demoting = sealed
+            return Demoting(slot, sealed, reason, t0)
         if kept is not None:
             copy = kept
         else:
             try:
                 copy = self.to_host(sealed, slot.label) if self.to_host is not None else sealed
             except WeightcacheError as e:  # no host RAM, no page-locking: the room is made all the same
-                log.warning("demotion failed model=%s rank=%d code=%s error=%s: dropped to disk instead",
-                            slot.placement.model.name, slot.placement.tp_rank, e.code, e.message)
-                return self.shelve(state, slot, f"{reason}; the copy to the host tier failed ({e.code})")
+                return self._copy_failed(state, slot, e, reason)
+        return self._demoted(slot, copy, sealed, kept, t0, reason)
+
+    def copy(self, eff: Demoting) -> tuple[Any, Exception | None]:
+        """Runs the backend's copy of ``eff`` (on a worker thread: reads only ``eff``, writes no state).
+
+        Returns:
+            `tuple`: (the host-tier SealedSlab, None), or (None, the exception the copy raised).
+        """
+        try:
+            return (self.to_host(eff.sealed, eff.slot.label) if self.to_host is not None else eff.sealed), None
+        except Exception as e:  # noqa: BLE001 - handed to finish_demote on the loop, which logs it
+            return None, e
+
+    def finish_demote(self, state: ServiceState, eff: Demoting, copy: Any,
+                      error: Exception | None) -> tuple[Moved | None, tuple[Any, ...]]:
+        """The copy of ``eff`` ended (serving loop): READY -> HOSTED with ``copy``; a failed copy drops the slab
+        to disk instead (the room is made all the same). A slot that got a lease, left READY or holds another
+        slab meanwhile keeps its state: the demotion is abandoned.
+
+        Returns:
+            `tuple`: (the move for the serving loop to carry out, or None; host copies to close).
+        """
+        slot = eff.slot
+        if slot.demoting is eff.sealed:
+            slot.demoting = None
+        p = slot.placement
+        if slot.state is not SlotState.READY or slot.sealed is not eff.sealed or slot.leases:
+            why = f"{len(slot.leases)} leases" if slot.state is SlotState.READY else f"now {slot.state.value}"
+            log.info("demotion abandoned model=%s tp_size=%d rank=%d reason=%s",
+                     p.model.name, p.tp_size, p.tp_rank, why)
+            return None, (copy,) if copy is not None and not _same(copy, eff.sealed) else ()
+        if error is not None:
+            if isinstance(error, WeightcacheError):
+                return self._copy_failed(state, slot, error, eff.reason), ()
+            log.critical("demotion crashed model=%s rank=%d error=%r: dropped to disk instead", p.model.name,
+                         p.tp_rank, error)
+            return self.shelve(state, slot, f"{eff.reason}; the copy to the host tier crashed"), ()
+        return self._demoted(slot, copy, eff.sealed, None, eff.started, eff.reason), ()
+
+    def _copy_failed(self, state: ServiceState, slot: Slot, e: WeightcacheError, reason: str) -> Moved:
+        log.warning("demotion failed model=%s rank=%d code=%s error=%s: dropped to disk instead",
+                    slot.placement.model.name, slot.placement.tp_rank, e.code, e.message)
+        return self.shelve(state, slot, f"{reason}; the copy to the host tier failed ({e.code})")
+
+    @staticmethod
+    def _demoted(slot: Slot, copy: Any, sealed: Any, kept: Any, t0: float, reason: str) -> Moved:
         slot.hosted = None
         slot.demote(copy)
         p = slot.placement
