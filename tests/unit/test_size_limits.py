@@ -28,8 +28,6 @@ MAX_PARAMS = 7
 
 #: "path[:Class or function]" (path relative to service/weightcache) -> who is fixing it.
 OFFENDERS = {
-    "checkpoint.py": "trust",  # containment edits; the split is the lead's to assign
-    "checkpoint.py:Checkpoint": "trust",  # as above
     "daemon/transport.py:Transport": "trust",  # caps and limits
     "daemon/transport.py:Transport.__init__": "trust",  # group the caps in one record
     "daemon/handlers.py": "trust",  # lease caps (and tiers' handlers)
