@@ -377,35 +377,31 @@ def _attach(req: AttachRequest) -> Attachment:
                                         **e.details) from None
             raise
         unavailable = e  # raised (or fallen back from) once the local checks have run
-    local_ck = expected = None
+    local_ck = None
     if is_path:
-        from . import identity, quant  # the key fields and the scheme of a checkpoint attached by path
-
+        # No safetensors validation, not even a header read for an unquantized checkpoint: the
+        # service validated at load, the key check is stat() (identity.check_key), and the
+        # disk fallback's own plan() opens the checkpoint with validation. The key fields are
+        # worked out once the reply is in (_expected_fields): the quantization scheme is
+        # detected here only when the slab is quantized or the service cannot serve.
         try:
-            # No safetensors validation, not even a header read for an unquantized checkpoint: the
-            # service validated at load, the key check is stat() (identity.check_key), and the
-            # disk fallback's own plan() opens the checkpoint with validation.
             local_ck = Checkpoint(model, validate=False)
-            # Configuration errors are not cache misses: they raise whatever the service holds.
-            scheme = quant.detect(local_ck, req.kernel)
-            if session is not None:
-                # The dtype is the service's to answer (the manifest file lists the dtypes the slab serves):
-                # no header is read for it here, unless an older service does not say (see _expected_fields).
-                expected = identity.key_fields(req.rank_request(str(local_ck.path)), local_ck,
-                                               local_backend(device).device_info(), scheme, dtype="auto")
+            if session is None:
+                _detect_scheme(local_ck, req.kernel)  # configuration errors are not cache misses
         except BaseException:
             if session is not None:
                 session.close()
             raise
     if session is not None:
         try:
-            return _attach_daemon(req, local_ck, expected, session, deadline)
+            return _attach_daemon(req, local_ck, session, deadline)
         except UnsupportedQuantization:
             raise
         except WeightcacheError as e:
             if local_ck is None:
                 raise
             unavailable = e
+            _detect_scheme(local_ck, req.kernel)  # configuration errors raise whatever the service said
     # The service cannot serve. A broken checkpoint is the engine's problem whatever the service
     # said (and no fallback could load it): its own error, not a cache miss.
     _check_files(local_ck)
@@ -459,48 +455,76 @@ def read_manifest_file(fd: int, size_bytes: int) -> Manifest:
     return read_file(fd, size_bytes).manifest
 
 
-def _expected_fields(req: AttachRequest, expected: dict[str, Any] | None, local_ck: Checkpoint | None,
-                     mf: ManifestFile, checkpoint_path: str, device: dict[str, Any]) -> tuple[dict, Checkpoint]:
-    """The key fields this engine expects of the slab, and the checkpoint to check its identity against.
+def _detect_scheme(ck: Checkpoint, kernel: str | None) -> Any:
+    """:func:`weightcache.quant.detect` of ``ck`` for ``kernel`` (``None``: no kernel check; imports
+    :mod:`weightcache.quant`).
 
-    By path (``expected`` computed before the reply): the engine's own request;
-    the ``revision`` is the operator's label, which an engine cannot know, and
-    the dtype is the key's when the manifest file says the slab serves the
-    engine's dtype (else it is worked out here from the headers). By name: the
-    operator's rank request as the manifest file carries it (an older service's
-    file without one: its key's choices), checked against the checkpoint as it is now.
+    Raises:
+        UnsupportedQuantization, CheckpointCorrupt: as :func:`weightcache.quant.detect`.
+    """
+    from . import quant
+
+    return quant.detect(ck, kernel)
+
+
+def _expected_fields(req: AttachRequest, local_ck: Checkpoint | None, mf: ManifestFile, checkpoint_path: str,
+                     device: dict[str, Any]) -> tuple[dict, Checkpoint, bool]:
+    """The key fields this engine expects of the slab, the checkpoint to check its identity against, and
+    whether the checkpoint's quantization scheme was detected here.
+
+    By path: the engine's own request (the ``revision`` is the operator's
+    label, which an engine cannot know); by name: the operator's rank request
+    as the manifest file carries it (an older service's file without one: its
+    key's choices), checked against the checkpoint as it is now. The dtype is
+    the key's when the manifest file says the slab serves the requested dtype
+    (else it is worked out here from the headers). The scheme is detected (importing
+    :mod:`weightcache.quant`) only when the key names one: for an unquantized
+    slab the service found no quantization config in the very ``config.json``
+    and ``hf_quant_config.json`` whose hashes the key's checkpoint identity
+    carries, and :func:`identity.check_key` compares those with the files as
+    they are now; on any difference the caller detects before reporting it.
+
+    Raises:
+        UnsupportedQuantization, CheckpointCorrupt: the slab is quantized and
+            the checkpoint's scheme cannot be served with ``req.kernel``.
     """
     from . import identity
 
     key = mf.manifest.key
-    if expected is not None:
+    if local_ck is not None:
+        rank, ck = req.rank_request(str(local_ck.path)), local_ck
+    else:
+        ck = Checkpoint(checkpoint_path, validate=False)
+        rank = mf.request
+        if rank is None:
+            rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE),
+                                            key.get("naming", DEFAULT_NAMING), key.get("kernel") or DEFAULT_KERNEL,
+                                            key.get("revision", "")),
+                               req.tp_size, req.tp_rank)
+        else:  # the checkpoint as the service names it now (its path as the reply gives it)
+            rank = RankRequest(dataclasses.replace(rank.model, path=str(ck.path)), rank.tp_size, rank.tp_rank)
+    detected = bool(key.get("quant_scheme"))
+    scheme = _detect_scheme(ck, req.kernel if local_ck is not None else None) if detected else None
+    expected = identity.key_fields(rank, ck, device, scheme, dtype="auto")
+    if local_ck is not None:
         expected["revision"] = key.get("revision", "")
-        served = mf.dtypes_served
-        rank = req.rank_request(str(local_ck.path))
-        if served is not None and req.dtype in served:
-            expected["dtype"] = key.get("dtype")
-        else:
-            expected["dtype"] = identity.effective_dtype(req.dtype, identity.rank_cast_dtypes(rank, local_ck))
-        return expected, local_ck
-    ck = Checkpoint(checkpoint_path, validate=False)
-    rank = mf.request
-    if rank is None:
-        rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE),
-                                        key.get("naming", DEFAULT_NAMING), key.get("kernel") or DEFAULT_KERNEL,
-                                        key.get("revision", "")),
-                           req.tp_size, req.tp_rank)
-    else:  # the checkpoint as the service names it now (its path as the reply gives it)
-        rank = RankRequest(dataclasses.replace(rank.model, path=str(ck.path)), rank.tp_size, rank.tp_rank)
-    return identity.key_fields(rank, ck, device), ck
+    served = mf.dtypes_served
+    if served is not None and rank.model.dtype in served:
+        expected["dtype"] = key.get("dtype")
+    elif rank.model.dtype == "auto":
+        expected["dtype"] = "auto"
+    else:
+        expected["dtype"] = identity.effective_dtype(rank.model.dtype, identity.rank_cast_dtypes(rank, ck))
+    return expected, ck, detected
 
 
-def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: dict[str, Any] | None,
-                   session: Session, deadline: float) -> Attachment:
+def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Session,
+                   deadline: float) -> Attachment:
     """Reads the replies to the pipelined ``hello`` + ``attach`` and maps the slab.
 
-    ``expected`` is :func:`identity.key_fields` computed from ``local_ck`` (by
-    path); by name it is computed here from the operator's rank request the
-    manifest file carries (:func:`_expected_fields`). The checkpoint's identity is checked by ``stat()``
+    The expected key fields are :func:`identity.key_fields` of the engine's
+    request on ``local_ck`` (by path) or of the operator's rank request the
+    manifest file carries (by name), see :func:`_expected_fields`. The checkpoint's identity is checked by ``stat()``
     (:meth:`Checkpoint.identity_diff`).
     Closes ``session`` on any error.
     """
@@ -530,12 +554,14 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, expected: di
             backend = local_backend(device)
             # A slab of another backend (host slab, cuda:N engine) differs in device.backend.
             try:
-                expected, ck = _expected_fields(req, expected, local_ck, mf, reply.checkpoint_path,
-                                                backend.device_info())
+                expected, ck, detected = _expected_fields(req, local_ck, mf, reply.checkpoint_path,
+                                                          backend.device_info())
                 diff = identity.check_key(expected, ck, key)
             except (KeyError, TypeError, AttributeError) as e:
                 raise RemoteProtocolError(f"attach_reply from {sock_path} has a malformed cache key: {e!r}") from None
             if diff:
+                if not detected:  # configuration errors are not cache misses
+                    _detect_scheme(ck, req.kernel if local_ck is not None else None)
                 _check_files(ck)  # a broken checkpoint is reported as such, not as a key mismatch
                 raise CacheKeyMismatch(
                     f"service at {sock_path} holds a different {model!r}: differing key fields "

@@ -14,17 +14,20 @@ asking for dtype ``r`` is served by a slab when ``r`` is the configured dtype
 or has the same effective dtype (:func:`served_dtypes`, :func:`dtype_matches`).
 
 Forbidden imports: torch, socket, selectors, weightcache.config, weightcache.daemon, weightcache.client,
-weightcache.pipeline.
+weightcache.pipeline; weightcache.quant and weightcache.sharding at module level (an engine's attach of an
+unquantized slab checks its key without them: tests/unit/test_lazy_imports.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import quant, sharding
 from .checkpoint import Checkpoint
 from .errors import WeightcacheError
 from .spec import DTYPE_NAMES, RankRequest
+
+#: Default of the ``scheme`` arguments below: detect it from the checkpoint (also ``weightcache.quant.DETECT``).
+DETECT: Any = object()
 
 #: Bumped whenever the bytes produced for the same inputs change (the cache key's ``pipeline_version``).
 PIPELINE_VERSION = 1
@@ -64,10 +67,12 @@ def served_dtypes(configured: str, cast_from: frozenset[str]) -> frozenset[str]:
 
 def rank_cast_dtypes(rank: RankRequest, ck: Checkpoint) -> frozenset[str]:
     """:func:`weightcache.sharding.cast_dtypes` of ``rank`` (headers only)."""
+    from . import sharding  # reads headers: only when a dtype must be worked out
+
     return sharding.cast_dtypes(ck, rank.tp_size, rank.tp_rank, rank.model.naming)
 
 
-def key_fields(rank: RankRequest, ck: Checkpoint, device: dict[str, Any], scheme: Any = quant.DETECT,
+def key_fields(rank: RankRequest, ck: Checkpoint, device: dict[str, Any], scheme: Any = DETECT,
                dtype: str | None = None) -> dict[str, Any]:
     """Every field of :func:`cache_key` but ``checkpoint``.
 
@@ -87,7 +92,9 @@ def key_fields(rank: RankRequest, ck: Checkpoint, device: dict[str, Any], scheme
         The errors of :func:`weightcache.quant.detect` and :func:`weightcache.sharding.shard_specs`.
     """
     model = rank.model
-    if scheme is quant.DETECT:
+    if scheme is DETECT:
+        from . import quant  # only when the scheme is not given (an unquantized slab's check passes None)
+
         scheme = quant.detect(ck)
     if dtype is None:
         dtype = "auto" if model.dtype == "auto" else effective_dtype(model.dtype, rank_cast_dtypes(rank, ck))
@@ -106,7 +113,7 @@ def key_fields(rank: RankRequest, ck: Checkpoint, device: dict[str, Any], scheme
     }
 
 
-def cache_key(rank: RankRequest, ck: Checkpoint, device: dict[str, Any], scheme: Any = quant.DETECT,
+def cache_key(rank: RankRequest, ck: Checkpoint, device: dict[str, Any], scheme: Any = DETECT,
               dtype: str | None = None) -> dict[str, Any]:
     """The cache key of DESIGN §5, as a nested JSON-able dict: the checkpoint's identity plus :func:`key_fields`.
 

@@ -13,9 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from service_harness import daemon  # noqa: F401 - pytest fixture (a host-backend service)
 
 #: The load pipeline and what only it needs: never imported by ``import weightcache; weightcache.attach``.
 PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader")
+#: The operator's messages and the records inside their replies: an engine's attach never exchanges them.
+OPERATOR_PROTOCOL = ("weightcache.protocol.admin", "weightcache.protocol.records")
 
 
 def _imported(code: str) -> set[str]:
@@ -29,8 +32,47 @@ def _imported(code: str) -> set[str]:
 def test_import_weightcache_and_attach_skip_the_pipeline():
     mods = _imported("import weightcache; weightcache.attach; weightcache.AttachOptions")
     assert {"weightcache", "weightcache.client", "weightcache.protocol"} <= mods
-    for name in PIPELINE + ("numpy", "torch", "safetensors"):
+    for name in PIPELINE + OPERATOR_PROTOCOL + ("numpy", "torch", "safetensors"):
         assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported: {sorted(mods)}"
+
+
+def _toy_checkpoint(path: Path):
+    """A one-file unquantized checkpoint (``w``: F32 [2, 3], ``b``: BF16 [4]); returns the tensors."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    tensors = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "b": torch.arange(4, dtype=torch.bfloat16)}
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"architectures": ["Toy"], "model_type": "toy"}))
+    return tensors
+
+
+@pytest.mark.parametrize("by", ["path", "name"])
+def test_first_attach_to_a_service_imports_no_pipeline(daemon, tmp_path, by):  # noqa: F811 - the fixture
+    """A fresh engine's first attach served by a running (host-backend) service: the key is checked
+    (identity from ``stat()`` and the small JSON files) without the load pipeline, the quantization
+    registry or the operator's messages; the tensors are the checkpoint's bytes. (numpy is not checked here:
+    ``import torch``, which the views need, imports it itself; the check before attach holds it out.)"""
+    ck = tmp_path / "ck"
+    tensors = _toy_checkpoint(ck)
+    svc = daemon({"toy": str(ck)})
+    model = str(ck) if by == "path" else "toy"
+    code = (
+        "import sys, json, weightcache\n"
+        f"a = weightcache.attach({model!r}, socket_dir={svc.socket_dir!r}, fallback=False, timeout=60)\n"
+        "mods = sorted(m for m in sys.modules if m.startswith('weightcache.'))\n"
+        "print(json.dumps([mods, a.source, {k: [str(v.dtype), v.float().tolist()] for k, v in a.tensors.items()}]))\n"
+        "a.close()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    mods, source, got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert source == "daemon"
+    assert got == {k: [str(v.dtype), v.float().tolist()] for k, v in tensors.items()}
+    for name in PIPELINE + OPERATOR_PROTOCOL:
+        assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported: {mods}"
+    assert "weightcache.client" in mods and "weightcache.identity" in mods
 
 
 def test_import_weightcache_alone_imports_no_submodule():

@@ -5,8 +5,11 @@ signal handling, the wake-up pipe, and carrying out what handlers and the
 loader return: replies go to :mod:`~weightcache.daemon.transport`,
 :class:`~weightcache.daemon.handlers.StartLoad` to the loader,
 :class:`~weightcache.daemon.handlers.FreeSlab` to the fd store and the
-backend, loader results into the state (:func:`weightcache.daemon.loads.apply`).
-Only this module's thread changes the state.
+backend, loader results into the state (:func:`weightcache.daemon.loads.apply`),
+:class:`~weightcache.daemon.tiers.Demoting` to a worker thread that copies the
+slab to the host tier (applied here by :meth:`~weightcache.daemon.tiers.Tiers.finish_demote`
+once sealed; the loader's request for room and an ``evict --to host`` reply wait
+for it, other clients do not). Only this module's thread changes the state.
 
 ``SIGHUP`` and a ``reload`` request both run
 :func:`~weightcache.daemon.handlers.on_reload`, between ``RELOADING=1``

@@ -3,9 +3,10 @@
 Rooms:
 
 - :mod:`.messages`: one frozen, self-validating dataclass per request and
-  per reply (:data:`REQUESTS`, :data:`REPLIES`);
+  per reply (:data:`REQUESTS`, :data:`REPLIES`); those an engine's attach
+  exchanges there, the operator's in :mod:`.admin`, imported on first use;
 - :mod:`.records`: the typed records inside replies (slab and service
-  status, verify results, metrics counters);
+  status, verify results, metrics counters), imported on first use;
 - :mod:`.codec`: :func:`encode`/:func:`decode` of one frame, the limits, and
   the connection's state table written out (:data:`TABLE`);
 - :mod:`.connection`: :class:`Connection`, one side of a connection
@@ -27,12 +28,18 @@ from ..wire import AttachMode, SlotState
 from .codec import (CLIENT, CLOSED, IN, MAX_FDS_PER_FRAME, MAX_FRAME_BYTES, OUT, PROTOCOL_VERSION, READY,
                     REPLY_TYPES, REQUEST_TYPES, SERVER, START, TABLE, TRANSITIONS, Transition, decode, encode)
 from .connection import NEED_DATA, Connection
-from .messages import (INT_MAX, INT_MIN, REPLIES, REQUESTS, Attach, AttachReply, Error, Evict, EvictReply, Hello,
-                       HelloReply, List, ListReply, Loading, Message, Metrics, MetricsReply, Preload, PreloadReply,
-                       Release, ReleaseReply, Reload, ReloadReply, Status, StatusReply, Verify, VerifyReply)
-from .records import (HIDDEN_ID, AttachCount, AttachTimes, DeviceInfo, ErrorInfo, KeySummary, LeaseInfo, LoadCount,
-                      ServiceCounters, ServiceStatus, SlabCounters, SlabInfo, VerifyResult)
-from .records import MAX_LEASE_HOLDERS_SHOWN, MAX_LEASES_SHOWN, LeaseHolder
+from .messages import (INT_MAX, INT_MIN, Attach, AttachReply, Error, Hello, HelloReply, Loading, Message, Release,
+                       ReleaseReply)
+
+#: Names of :mod:`.admin` (the operator's messages) and :mod:`.records`, imported on first use (:func:`__getattr__`).
+_LAZY = {
+    **dict.fromkeys(("REPLIES", "REQUESTS", "Evict", "EvictReply", "List", "ListReply", "Metrics", "MetricsReply",
+                     "Preload", "PreloadReply", "Reload", "ReloadReply", "Status", "StatusReply", "Verify",
+                     "VerifyReply"), "admin"),
+    **dict.fromkeys(("HIDDEN_ID", "AttachCount", "AttachTimes", "DeviceInfo", "ErrorInfo", "KeySummary", "LeaseInfo",
+                     "LoadCount", "ServiceCounters", "ServiceStatus", "SlabCounters", "SlabInfo", "VerifyResult",
+                     "MAX_LEASE_HOLDERS_SHOWN", "MAX_LEASES_SHOWN", "LeaseHolder"), "records"),
+}
 
 __all__ = [
     "CLIENT", "CLOSED", "IN", "MAX_FDS_PER_FRAME", "MAX_FRAME_BYTES", "OUT", "PROTOCOL_VERSION", "READY",
@@ -46,3 +53,20 @@ __all__ = [
     "MAX_LEASE_HOLDERS_SHOWN", "MAX_LEASES_SHOWN", "LeaseHolder",
     "AttachMode", "SlotState",
 ]
+
+
+def __getattr__(name: str):
+    """The operator's messages (:mod:`.admin`) and the records (:mod:`.records`), imported on first use: an
+    engine's attach needs neither (tests/unit/test_lazy_imports.py)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

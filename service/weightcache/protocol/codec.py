@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LocalProtocolError, RemoteProtocolError
-from .messages import REPLIES, REQUESTS, Message, _check_field, _specs
+from .messages import Message, _check_field, _specs
 
 #: 3: the manifest travels as a sealed memfd beside the slab (2: inside the frame; 1: JSON lists).
 PROTOCOL_VERSION = 3

@@ -10,6 +10,15 @@ peer's frame (:mod:`weightcache.protocol.codec`), the same check raises
 :class:`~weightcache.errors.RemoteProtocolError`. Replies that carry records
 (:mod:`weightcache.protocol.records`) give them typed through ``typed()``.
 
+This module holds what an engine's attach exchanges (``hello``, ``attach``,
+``release``, their replies, ``loading``, ``error``); the operator's messages
+(``list``, ``status``, ``verify``, ``evict``, ``preload``, ``reload``,
+``metrics`` and their replies) live in :mod:`.admin`, imported on the first
+lookup of their wire type in :attr:`Message.TYPES` or of :data:`REQUESTS` /
+:data:`REPLIES`, so that ``weightcache.attach`` does not build (nor import the
+records of) messages it never sends: each frozen slotted dataclass costs
+about a millisecond of code generation at import (tests/unit/test_lazy_imports.py).
+
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
 weightcache.daemon.
 """
@@ -23,7 +32,6 @@ from typing import Any, ClassVar
 
 from ..errors import LocalProtocolError, WeightcacheError
 from ..wire import DEFAULT_MODE, AttachMode, SlotState
-from .records import ServiceCounters, ServiceStatus, SlabInfo, VerifyResult
 
 #: Integers on the wire are signed 64-bit, so that any client language can hold them.
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
@@ -35,6 +43,52 @@ def _snake(name: str) -> str:
 _JSON_TYPES = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list, "float": (int, float)}
 
 
+class _Registry(dict):
+    """:attr:`Message.TYPES`: wire type -> message class, complete whenever it is read.
+
+    Looking up a type not defined yet, or listing the registry, imports
+    :mod:`.admin` (the operator's messages) first.
+    """
+
+    def _complete(self) -> None:
+        if not dict.__contains__(self, "list"):
+            from . import admin  # noqa: F401 - its classes register themselves
+
+    def __missing__(self, key: str) -> type:
+        self._complete()
+        return dict.__getitem__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:  # noqa: D102
+        if not dict.__contains__(self, key):
+            self._complete()
+        return dict.get(self, key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if not dict.__contains__(self, key):
+            self._complete()
+        return dict.__contains__(self, key)
+
+    def __iter__(self) -> Any:
+        self._complete()
+        return dict.__iter__(self)
+
+    def __len__(self) -> int:
+        self._complete()
+        return dict.__len__(self)
+
+    def keys(self) -> Any:  # noqa: D102
+        self._complete()
+        return dict.keys(self)
+
+    def values(self) -> Any:  # noqa: D102
+        self._complete()
+        return dict.values(self)
+
+    def items(self) -> Any:  # noqa: D102
+        self._complete()
+        return dict.items(self)
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     """Base of every message. Subclasses are frozen, slotted dataclasses.
@@ -43,7 +97,7 @@ class Message:
     """
 
     FD_COUNT: ClassVar[int] = 0
-    TYPES: ClassVar[dict[str, type["Message"]]] = {}
+    TYPES: ClassVar[dict[str, type["Message"]]] = _Registry()
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super(Message, cls).__init_subclass__(**kw)
@@ -129,16 +183,6 @@ class Hello(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class List(Message):
-    """Asks for the models placed on this GPU."""
-
-
-@dataclass(frozen=True, slots=True)
-class Status(Message):
-    """Asks for the full status (states, progress, leases, memory)."""
-
-
-@dataclass(frozen=True, slots=True)
 class Attach(Message):
     """Asks for one slab.
 
@@ -178,43 +222,6 @@ class Release(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Verify(Message):
-    """Recompute the content digests of a resident slab (all ranks if tp_size is None)."""
-
-    model: str
-    tp_size: int | None = None
-    tp_rank: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Evict(Message):
-    """Free a model's slabs and fd-store entries; refused while leased unless ``force``.
-
-    ``to``: ``""`` (evicted: out until ``preload``), ``host`` (demoted to the host tier) or ``disk``
-    (dropped; the next attach loads it again).
-    """
-
-    model: str
-    force: bool = False
-    to: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Preload(Message):
-    """Start (or restart after failure/eviction) the load of a model's slabs on this GPU."""
-
-    model: str
-
-
-@dataclass(frozen=True, slots=True)
-class Reload(Message):
-    """Re-read the configuration and apply it (``systemctl reload``, ``weightcache reload``; root or the service user)."""
-
-
-# --- replies (service -> client) --------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
 class HelloReply(Message):
     """Answer to ``hello``: the service's protocol version, GPU index and UUID, backend (``host`` | ``cuda``) and capabilities."""
 
@@ -223,28 +230,6 @@ class HelloReply(Message):
     gpu_uuid: str
     backend: str
     capabilities: list = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class ListReply(Message):
-    """Answer to ``list``: one :class:`SlabInfo` object per (model, layout, rank) on this GPU."""
-
-    models: list
-
-    def slabs(self) -> tuple[SlabInfo, ...]:
-        """The typed records."""
-        return tuple(SlabInfo.from_json(m) for m in self.models)
-
-
-@dataclass(frozen=True, slots=True)
-class StatusReply(Message):
-    """Answer to ``status``: a :class:`ServiceStatus` object (GPU, backend, memory, every slab, leases)."""
-
-    status: dict
-
-    def typed(self) -> ServiceStatus:
-        """The typed record."""
-        return ServiceStatus.from_json(self.status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,52 +278,6 @@ class ReleaseReply(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyReply(Message):
-    """Answer to ``verify``: one :class:`VerifyResult` object per slab."""
-
-    results: list
-
-    def typed(self) -> tuple[VerifyResult, ...]:
-        """The typed records."""
-        return tuple(VerifyResult.from_json(r) for r in self.results)
-
-
-@dataclass(frozen=True, slots=True)
-class EvictReply(Message):
-    """Answer to ``evict``: labels (``model/tpN/rankR``) of the slabs freed."""
-
-    evicted: list
-
-
-@dataclass(frozen=True, slots=True)
-class PreloadReply(Message):
-    """Answer to ``preload``: labels of the slabs whose load started."""
-
-    started: list
-
-
-@dataclass(frozen=True, slots=True)
-class ReloadReply(Message):
-    """Answer to ``reload`` once the new configuration is applied; labels (``model/tpN/rankR``) of the slabs.
-
-    Attributes:
-        added: new or changed placements, now loading.
-        dropped: removed or changed placements whose slab was freed (or never loaded).
-        retired: removed or changed placements kept while leases hold them (freed at the last release).
-        kept: unchanged placements (slab and leases untouched; a failed one is loaded again).
-        restart_keys: changed ``[service]`` keys that take effect at the next restart only.
-        files: the configuration files read.
-    """
-
-    added: list
-    dropped: list
-    retired: list
-    kept: list
-    restart_keys: list = field(default_factory=list)
-    files: list = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
 class Error(Message):
     """A typed error: ``code`` (see docs/errors.md), ``message``, ``details``."""
 
@@ -351,29 +290,20 @@ class Error(Message):
         return cls(**e.to_wire())
 
 
-
-# --- metrics (protocol version 3; docs/protocol.md "metrics") ----------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Metrics(Message):
-    """Asks for the status and the service's counters (what ``weightcache metrics`` exports)."""
+#: The operator's messages, defined in :mod:`.admin` (imported on first use).
+_ADMIN = ("List", "Status", "Verify", "Evict", "Preload", "Reload", "Metrics", "ListReply", "StatusReply",
+          "VerifyReply", "EvictReply", "PreloadReply", "ReloadReply", "MetricsReply")
 
 
-@dataclass(frozen=True, slots=True)
-class MetricsReply(Message):
-    """Answer to ``metrics``: a :class:`ServiceStatus` object and a :class:`ServiceCounters` object."""
+def __getattr__(name: str) -> Any:
+    """:data:`REQUESTS` (every request class, ``hello`` first: the order of their wire tags in the codec's
+    state table), :data:`REPLIES` (every reply class) and the classes of :mod:`.admin`, imported on first use."""
+    if name in _ADMIN:
+        from . import admin
 
-    status: dict
-    counters: dict
+        return getattr(admin, name)
+    if name in ("REQUESTS", "REPLIES"):
+        from . import admin
 
-    def typed(self) -> tuple[ServiceStatus, ServiceCounters]:
-        """The typed records."""
-        return ServiceStatus.from_json(self.status), ServiceCounters.from_json(self.counters)
-
-
-#: Every request class, ``hello`` first (the order of their wire tags in the codec's state table).
-REQUESTS = (Hello, List, Status, Attach, Release, Verify, Evict, Preload, Reload, Metrics)
-#: Every reply class.
-REPLIES = (HelloReply, ListReply, StatusReply, AttachReply, Loading, ReleaseReply, VerifyReply, EvictReply,
-           PreloadReply, ReloadReply, Error, MetricsReply)
+        return getattr(admin, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

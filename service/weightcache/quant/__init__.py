@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..checkpoint import Checkpoint
+from ..identity import DETECT as _DETECT
 from ..spec import TensorSpec
 from . import capabilities, modelopt_fp8, registry
 from .capabilities import Capability
@@ -66,8 +67,9 @@ class Scheme:
     rules: SchemeRules | None = None
 
 
-#: Default of the ``scheme`` arguments below: detect it from the checkpoint.
-DETECT: Any = object()
+#: Default of the ``scheme`` arguments below: detect it from the checkpoint (the same object as
+#: :data:`weightcache.identity.DETECT`, which needs no import of this package).
+DETECT: Any = _DETECT
 
 
 def detect(ck: Checkpoint, kernel: str | None = None) -> Scheme | None:
