@@ -9,7 +9,10 @@ Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weight
 
 from __future__ import annotations
 
-import hashlib
+try:  # hashlib.blake2b is CPython's _blake2.blake2b; importing hashlib also loads OpenSSL's _hashlib (~4 ms)
+    from _blake2 import blake2b as _blake2b
+except ImportError:  # another interpreter
+    from hashlib import blake2b as _blake2b
 
 
 def blake2b_hex(data: bytes, digest_size: int = 16) -> str:
@@ -24,4 +27,4 @@ def blake2b_hex(data: bytes, digest_size: int = 16) -> str:
         >>> blake2b_hex(b"")
         'cae66941d9efbd404e4d88758ea67670'
     """
-    return hashlib.blake2b(data, digest_size=digest_size).hexdigest()
+    return _blake2b(data, digest_size=digest_size).hexdigest()
