@@ -18,7 +18,7 @@ from daemon_helpers import Clock
 from service_harness import frame, read_reply
 from weightcache import protocol
 from weightcache.daemon.limits import Limits
-from weightcache.daemon.transport import Transport
+from weightcache.daemon.transport import Callbacks, Transport
 
 HELLO = {"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION}
 
@@ -37,7 +37,7 @@ def transport(tmp_path):
                 else protocol.StatusReply({"pad": "x" * 4000}))
 
     clock = Clock(1000.0)
-    tr = Transport(listener, on_message, lambda c: None, lambda c: None,
+    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None),
                    Limits.defaults(max_unread_replies=4, partial_frame_timeout_s=5.0), clock, trusted_uids=frozenset())
     tr.start()
     socks: list[socket.socket] = []
@@ -131,9 +131,9 @@ def test_fds_in_flight_are_capped_per_uid_and_given_back_once_read(tmp_path):
         else:
             tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
 
-    tr = Transport(listener, on_message, lambda c: None, lambda c: None,
+    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None, lambda c, m: unsent.append(m)),
                    Limits.defaults(max_fds_in_flight_per_uid=8, max_leases_per_connection=1000), Clock(0.0),
-                   trusted_uids=frozenset(), on_unsent=lambda c, m: unsent.append(m))
+                   trusted_uids=frozenset())
     tr.start()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
@@ -181,7 +181,7 @@ def test_a_dropped_connection_is_counted_until_its_peer_reads_or_closes(tmp_path
         else:
             tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
 
-    tr = Transport(listener, on_message, lambda c: None, lambda c: None, Limits.defaults(), Clock(0.0),
+    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None), Limits.defaults(), Clock(0.0),
                    trusted_uids=frozenset())
     tr.start()
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

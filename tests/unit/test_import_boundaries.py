@@ -98,6 +98,8 @@ DAEMON_ROOMS = {
     "access.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.handlers"},
     "transport.py": {"threading", "torch", "weightcache.pipeline", "weightcache.daemon.handlers",
                      "weightcache.daemon.loads"},
+    "outbox.py": {"threading", "torch", "weightcache.pipeline", "weightcache.daemon.handlers",
+                  "weightcache.daemon.loads"},
     "ticker.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.handlers"},
     "limits.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
                   "weightcache.daemon.handlers"},

@@ -28,8 +28,6 @@ MAX_PARAMS = 7
 
 #: "path[:Class or function]" (path relative to service/weightcache) -> who is fixing it.
 OFFENDERS = {
-    "daemon/transport.py:Transport": "trust",  # caps and limits
-    "daemon/transport.py:Transport.__init__": "trust",  # group the caps in one record
     "daemon/handlers.py": "trust",  # lease caps (and tiers' handlers)
     "daemon/loads.py": "core",  # rank-request value (and tiers' loads)
     "daemon/loop.py:Daemon": "tiers",  # tier moves in the loop

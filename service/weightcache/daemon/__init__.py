@@ -21,7 +21,8 @@ module                    owns
 :mod:`.fdstore`           systemd's fd store: put, remove, adopt
 :mod:`.access`            a peer's rights; allow-list and operator checks
 :mod:`.limits`            the per-client caps (:class:`~.limits.Limits`)
-:mod:`.transport`         listener, connections, outboxes, backpressure, caps
+:mod:`.transport`         listener, connections, backpressure, caps
+:mod:`.outbox`            the send path: outboxes, fds in flight per uid
 :mod:`.ticker`            STATUS, EXTEND_TIMEOUT, READY, WATCHDOG, gc.freeze
 :mod:`.metrics`           the counters of the ``metrics`` reply (attaches,
                           their service times, loads, verifies)

@@ -52,7 +52,7 @@ from .loads import Loader, LoadSettings
 from .metrics import Counters
 from .state import IllegalTransition, Peer, ServiceState, SlotState
 from .ticker import Ticker
-from .transport import Client, Transport
+from .transport import Callbacks, Client, Transport
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,10 @@ class Daemon:
                            service_config=config.service, counters=self.counters,
                            policy=access.Policy(self.state.service_uid, config.service.operator_groups),
                            tiers=self.tiers)
-        self.transport = Transport(listener, self._on_message, self._on_close,
-                                   lambda c: self.state.peers.add(c.peer), Limits.from_config(config.service),
-                                   trusted_uids=frozenset({0, self.state.service_uid}), on_unsent=self._on_unsent)
+        self.transport = Transport(listener, Callbacks(self._on_message, self._on_close,
+                                                       lambda c: self.state.peers.add(c.peer), self._on_unsent),
+                                   Limits.from_config(config.service),
+                                   trusted_uids=frozenset({0, self.state.service_uid}))
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)

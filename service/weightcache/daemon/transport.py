@@ -44,23 +44,22 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import selectors
 import socket
 import struct
-import termios
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import protocol
-from ..errors import RemoteProtocolError, ResourceExhausted, WeightcacheError
+from ..errors import RemoteProtocolError, ResourceExhausted
 from ..fdpass import recv_with_fds, send_some
 from ..journal import event
 from .limits import MAX_REQUEST_BYTES, Limits
 from .lograte import warn_peer
+from .outbox import Outbox, unread_bytes
 from .state import Peer
 
 log = logging.getLogger(__name__)
@@ -138,38 +137,47 @@ class Client:
     inflight_fds: int = 0
 
 
-def unread_bytes(sock: socket.socket) -> int:
-    """``SIOCOUTQ`` of a Unix stream socket: memory of what was sent and the peer has not read (0: all read)."""
-    raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-    return struct.unpack("i", raw)[0]
 
+@dataclass(frozen=True)
+class Callbacks:
+    """What a :class:`Transport` calls, one record so that its constructor stays short.
 
-class Transport:
-    """The listener and the clients, multiplexed with ``selectors``.
-
-    Args:
-        listener (`socket.socket`): the listening Unix stream socket.
+    Attributes:
         on_message (`callable`): ``(client, message) -> None`` for each request.
         on_close (`callable`): ``(client) -> None`` once per closed connection.
         on_open (`callable`): ``(client) -> None`` once per accepted connection.
+        on_unsent (`callable`, *optional*): ``(client, message) -> None`` for a
+            reply whose fds were not sent (it went out as ``resource_exhausted``):
+            the caller ends the lease it granted.
+    """
+
+    on_message: Callable[[Client, protocol.Message], None]
+    on_close: Callable[[Client], None]
+    on_open: Callable[[Client], None]
+    on_unsent: Callable[[Client, protocol.Message], None] | None = None
+
+
+class Transport(Outbox):
+    """The listener and the clients, multiplexed with ``selectors``.
+
+    The send path (outboxes, fds in flight per uid) is :class:`~weightcache.daemon.outbox.Outbox`'s.
+
+    Args:
+        listener (`socket.socket`): the listening Unix stream socket.
+        callbacks (`Callbacks`): what the transport calls (``on_message``, ``on_close``, ``on_open``,
+            ``on_unsent``).
         limits (`Limits`, *optional*): the caps (default: :meth:`Limits.defaults`).
         clock (`callable`, *optional*): monotonic seconds (``time.monotonic``).
         trusted_uids (`frozenset[int]`, *optional*): uids exempt from
             ``max_connections_per_uid``, ``max_connections`` and
             ``max_fds_in_flight_per_uid`` (root and the service user, who may
             do everything anyway); default: root and this process's uid.
-        on_unsent (`callable`, *optional*): ``(client, message) -> None`` for a
-            reply whose fds were not sent (it went out as ``resource_exhausted``):
-            the caller ends the lease it granted.
     """
 
-    def __init__(self, listener: socket.socket, on_message: Callable[[Client, protocol.Message], None],
-                 on_close: Callable[[Client], None], on_open: Callable[[Client], None],
-                 limits: Limits | None = None, clock: Callable[[], float] = time.monotonic,
-                 trusted_uids: frozenset[int] | None = None,
-                 on_unsent: Callable[[Client, protocol.Message], None] | None = None) -> None:
+    def __init__(self, listener: socket.socket, callbacks: Callbacks, limits: Limits | None = None,
+                 clock: Callable[[], float] = time.monotonic, trusted_uids: frozenset[int] | None = None) -> None:
         self.limits = limits or Limits.defaults()
-        self.on_unsent = on_unsent
+        self.on_unsent = callbacks.on_unsent
         #: uid -> fds queued or sent to its connections that the peer may not have read.
         self.fds_in_flight: collections.Counter = collections.Counter()
         #: Dropped connections whose peer still has fds of ours to read (counted in fds_in_flight).
@@ -181,9 +189,9 @@ class Transport:
         self._resume: list[Client] = []
         self.listener = listener
         listener.setblocking(False)
-        self.on_open = on_open
-        self.on_message = on_message
-        self.on_close = on_close
+        self.on_open = callbacks.on_open
+        self.on_message = callbacks.on_message
+        self.on_close = callbacks.on_close
         self.sel = selectors.DefaultSelector()
         self.clients: dict[int, Client] = {}
         self.stopping = False
@@ -223,42 +231,6 @@ class Transport:
             self.exhausted(c, "partial_frame_timeout_s", limit, round(now - c.partial_since, 3), close=True)
         if self.lingering:
             self._settle_lingering()
-
-    def _forget(self, uid: int, n: int) -> None:
-        self.fds_in_flight[uid] -= n
-        if self.fds_in_flight[uid] <= 0:
-            del self.fds_in_flight[uid]
-
-    def _settle_lingering(self) -> None:
-        """Closes the dropped connections whose peer has read (or closed) what they carried."""
-        keep = []
-        for c in self.lingering:
-            try:
-                done = unread_bytes(c.sock) == 0
-            except OSError:
-                done = True
-            if done:
-                self._forget(c.peer.uid, c.inflight_fds)
-                c.inflight_fds = 0
-                c.sock.close()
-            else:
-                keep.append(c)
-        self.lingering = keep
-
-    def _refresh_in_flight(self, uid: int) -> int:
-        """Forgets the fds that ``uid``'s peers have read (``SIOCOUTQ`` 0); returns what it still has in flight."""
-        for c in self.clients.values():
-            if c.peer.uid == uid and c.inflight_fds:
-                try:
-                    read_all = unread_bytes(c.sock) == 0
-                except OSError:
-                    continue
-                if read_all:
-                    self._forget(uid, c.inflight_fds)
-                    c.inflight_fds = 0
-        if self.lingering:
-            self._settle_lingering()
-        return self.fds_in_flight.get(uid, 0)
 
     def close_all(self, reason: str) -> None:
         """Drops every client (service stopping)."""
@@ -399,128 +371,6 @@ class Transport:
             with contextlib.suppress(OSError):
                 send_some(c.sock, protocol.encode(protocol.Error.from_exc(e)))
         self.drop(c, "protocol violation")
-
-    def send(self, c: Client, msg: protocol.Message, fds: tuple[int, ...] | list[int] = ()) -> bool:
-        """Queues ``msg`` (and dups of ``fds``) in the client's outbox and writes what the socket takes.
-
-        A client that does not read its replies only fills its own outbox, which
-        the caps of :class:`Limits` bound (checked before each request). Returns
-        False if the client was dropped.
-        """
-        if c.closed:
-            return False
-        if fds and c.peer.uid not in self.trusted_uids:
-            cap, uid = self.limits.max_fds_in_flight_per_uid, c.peer.uid
-            if self.fds_in_flight.get(uid, 0) + len(fds) > cap and self._refresh_in_flight(uid) + len(fds) > cap:
-                return self._without_fds(c, msg, ResourceExhausted(
-                    f"reply withheld: service.max_fds_in_flight_per_uid = {cap} reached (uid {uid} has "
-                    f"{self.fds_in_flight.get(uid, 0)} fds sent and not yet read); read your replies and close "
-                    f"the fds you do not use, or ask the operator to raise service.max_fds_in_flight_per_uid",
-                    limit="max_fds_in_flight_per_uid", value=cap, actual=self.fds_in_flight.get(uid, 0)))
-        try:
-            data, fds = c.conn.send(msg, fds)
-        except WeightcacheError as e:  # a reply over the frame cap: the client learns why, the service goes on
-            warn_peer(log, c.peer.pid, c.peer.uid, "reply not sent peer_pid=%d peer_uid=%d type=%s error=%s",
-                      c.peer.pid, c.peer.uid, msg.tag(), e.message,
-                      extra=event("rejected", error_code=e.code, peer_uid=c.peer.uid))
-            if fds and self.on_unsent is not None:
-                self.on_unsent(c, msg)
-            return self._queue(c, protocol.Error.from_exc(e))
-        dups: list[int] = []
-        try:
-            for fd in fds:
-                dups.append(os.dup(fd))
-        except OSError as e:  # out of fds: this reply cannot be sent; the rest of the service goes on
-            for fd in dups:
-                os.close(fd)
-            self.drop(c, f"dup failed: {e.strerror}")
-            return False
-        c.outbox.append([memoryview(data), dups, msg])
-        c.outbox_bytes += len(data)
-        c.outbox_fds += len(dups)
-        if dups:
-            self.fds_in_flight[c.peer.uid] += len(dups)
-        return self.flush(c)
-
-    def _queue(self, c: Client, msg: protocol.Message) -> bool:
-        """Queues a reply without fds (an error) and writes what the socket takes."""
-        try:
-            data, _ = c.conn.send(msg, ())
-        except WeightcacheError as e:
-            self.drop(c, f"send failed: {e}")
-            return False
-        c.outbox.append([memoryview(data), [], msg])
-        c.outbox_bytes += len(data)
-        return self.flush(c)
-
-    def _without_fds(self, c: Client, msg: protocol.Message, err: WeightcacheError) -> bool:
-        """Sends ``err`` instead of ``msg`` (whose fds cannot go); ``on_unsent`` undoes what ``msg`` granted."""
-        warn_peer(log, c.peer.pid, c.peer.uid,
-                  "reply withheld peer_pid=%d peer_uid=%d type=%s code=%s limit=%s", c.peer.pid, c.peer.uid,
-                  msg.tag(), err.code, err.details.get("limit"),
-                  extra=event("rejected", error_code=err.code, peer_uid=c.peer.uid, limit=err.details.get("limit")))
-        if self.on_unsent is not None:
-            self.on_unsent(c, msg)
-        return self._queue(c, protocol.Error.from_exc(err))
-
-    def flush(self, c: Client) -> bool:
-        """Writes queued frames until the socket would block; returns False if the client was dropped."""
-        while c.outbox:
-            data, fds, msg = c.outbox[0]
-            try:
-                n = send_some(c.sock, data, fds)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as e:
-                if fds and e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
-                    # ETOOMANYREFS (the service's user has too many fds in flight), ENOMEM, ENOBUFS: nothing of
-                    # this frame went out; answer it without fds, keep the connection.
-                    self._unsend(c, msg, fds, e)
-                    continue
-                if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
-                    warn_peer(log, c.peer.pid, c.peer.uid, "send failed peer_pid=%d peer_uid=%d error=%s",
-                              c.peer.pid, c.peer.uid, e.strerror or e,
-                              extra=event("rejected", error_code="send_failed", peer_uid=c.peer.uid))
-                self.drop(c, f"send failed: {e}")
-                return False
-            for fd in fds:  # the kernel has its own references now
-                os.close(fd)
-            c.outbox_fds -= len(fds)
-            c.inflight_fds += len(fds)
-            c.outbox_bytes -= n
-            if n < len(data):
-                c.outbox[0] = [data[n:], [], None]
-                break
-            c.outbox.popleft()
-        if c.paused and not c.held and self._over_cap(c) is None:
-            c.paused = False
-            self._resume.append(c)  # served by poll(), never from inside a handler's send
-        self._want(c)
-        return True
-
-    def _unsend(self, c: Client, msg: protocol.Message | None, fds: list[int], e: OSError) -> None:
-        """Replaces the head frame (whose ``sendmsg`` failed with ``e`` before any byte went) by an error."""
-        warn_peer(log, c.peer.pid, c.peer.uid,
-                  "send failed peer_pid=%d peer_uid=%d fds=%d error=%s fds_in_flight_uid=%d; answered "
-                  "resource_exhausted instead", c.peer.pid, c.peer.uid, len(fds), e.strerror or e,
-                  self.fds_in_flight.get(c.peer.uid, 0),
-                  extra=event("rejected", error_code="resource_exhausted", peer_uid=c.peer.uid,
-                              limit="kernel_fds_in_flight"))
-        data, _, _ = c.outbox.popleft()
-        for fd in fds:
-            os.close(fd)
-        c.outbox_fds -= len(fds)
-        c.outbox_bytes -= len(data)
-        self._forget(c.peer.uid, len(fds))
-        if msg is not None and self.on_unsent is not None:
-            self.on_unsent(c, msg)
-        err = protocol.Error.from_exc(ResourceExhausted(
-            f"reply withheld: the kernel refused to pass its fds ({e.strerror or e}): the service's user has too "
-            f"many fds in flight (sent to clients that have not read them); retry once they are read",
-            limit="kernel_fds_in_flight", value=0, actual=self.fds_in_flight.get(c.peer.uid, 0)))
-        raw, _ = c.conn.send(err, ())
-        c.outbox.appendleft([memoryview(raw), [], err])
-        c.outbox_bytes += len(raw)
 
     def hold(self, c: Client) -> None:
         """Stops serving ``c``'s requests until :meth:`release` (one of them runs off the loop)."""
