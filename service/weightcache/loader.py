@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 
 from . import digest
 from .checkpoint import Checkpoint, open_file, pread_exact
+from .cpus import MAX_DEFAULT_THREADS, MIN_DEFAULT_THREADS, default_threads  # noqa: F401 - re-exported
 from .manifest import TensorRecord, itemsize
 from .sizes import round_up
 from .spec import TensorSpec
@@ -51,25 +52,6 @@ from .spec import TensorSpec
 log = logging.getLogger(__name__)
 
 DIRECT_ALIGN = 4096
-#: Bounds of the default reader thread count (:func:`default_threads`).
-MIN_DEFAULT_THREADS, MAX_DEFAULT_THREADS = 4, 32
-
-
-def default_threads() -> int:
-    """Reader threads when ``service.read_threads`` is not set: the CPUs this process may run on, 4 to 32.
-
-    ``os.sched_getaffinity(0)`` (what systemd's ``CPUAffinity=`` and cgroup
-    cpusets leave), else ``os.cpu_count()``. A copy from the page cache is
-    bound by memory bandwidth per core: on a 16-core H200 host 8 threads read
-    19.4 GB/s and 16 threads 33.8 GB/s.
-    """
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or MIN_DEFAULT_THREADS
-    return max(MIN_DEFAULT_THREADS, min(MAX_DEFAULT_THREADS, n))
-
-
 @dataclass(frozen=True)
 class ReadTask:
     """``length`` bytes at ``file_offset`` of ``path`` go to ``slab_offset``; ``rows`` times when strided.

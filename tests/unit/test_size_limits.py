@@ -31,7 +31,6 @@ OFFENDERS = {
     "daemon/handlers.py": "trust",  # lease caps (and tiers' handlers)
     "daemon/loads.py": "core",  # rank-request value (and tiers' loads)
     "daemon/loop.py:Daemon": "tiers",  # tier moves in the loop
-    "config.py": "tiers",  # the new memory keys; the split is the lead's to assign
 }
 
 
