@@ -28,8 +28,6 @@ MAX_PARAMS = 7
 
 #: "path[:Class or function]" (path relative to service/weightcache) -> who is fixing it.
 OFFENDERS = {
-    "daemon/handlers.py": "trust",  # lease caps (and tiers' handlers)
-    "daemon/loads.py": "core",  # rank-request value (and tiers' loads)
     "daemon/loop.py:Daemon": "tiers",  # tier moves in the loop
 }
 

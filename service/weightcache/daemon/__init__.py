@@ -15,9 +15,12 @@ module                    owns
                           ServiceState (no I/O, no threads)
 :mod:`.handlers`          one function per request, returning replies and
                           effects; the failure rule for one request
+:mod:`.effects`           what handlers take (Context) and return (Outcome:
+                          replies and effects)
 :mod:`.reload`            a new configuration: the plan (keep, add, drop,
                           retire) and carrying it out on the state
-:mod:`.loads`             the loader thread and the results it posts
+:mod:`.loads`             the loader thread and the load timeout
+:mod:`.load_results`      the results the loader posts, applied by the loop
 :mod:`.fdstore`           systemd's fd store: put, remove, adopt
 :mod:`.access`            a peer's rights; allow-list and operator checks
 :mod:`.limits`            the per-client caps (:class:`~.limits.Limits`)
