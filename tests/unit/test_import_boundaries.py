@@ -114,6 +114,7 @@ DAEMON_ROOMS = {
     "lograte.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
                    "weightcache.daemon.handlers"},
     "loop.py": {"torch"},
+    "offloop.py": {"torch", "weightcache.daemon.loop"},
     "__init__.py": {"torch"},
     "budget.py": {"socket", "threading", "torch", "weightcache.memory", "weightcache.protocol",
                   "weightcache.daemon.state", "weightcache.daemon.handlers"},

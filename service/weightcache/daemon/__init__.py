@@ -30,6 +30,8 @@ module                    owns
 :mod:`.metrics`           the counters of the ``metrics`` reply (attaches,
                           their service times, loads, verifies)
 :mod:`.loop`              :class:`Daemon`: wires the rooms, carries out effects
+:mod:`.offloop`           work the loop hands to threads (demotion copies,
+                          reload reads, verify hashing) and applying it
 ========================  =====================================================
 
 Trust boundary: a malformed frame, a protocol violation or a dead client ends

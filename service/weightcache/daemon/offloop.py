@@ -1,0 +1,220 @@
+"""What the serving loop hands to worker threads, and applying what they post: demotions, reloads, verifies.
+
+Owns :class:`OffLoop`, the part of :class:`~weightcache.daemon.loop.Daemon`
+that starts work which must not run on the serving loop (a demotion's copy,
+reading the configuration files for a reload, hashing slabs for ``verify``)
+on a daemon thread, holds the requester's later requests meanwhile, and
+applies each result on the loop once the thread has written a byte to the
+wake-up pipe; and the loader's requests for room (:meth:`OffLoop._admit`),
+which wait for the demotions under way.
+
+Forbidden imports: torch, weightcache.pipeline directly, weightcache.fdpass directly, weightcache.daemon.loop.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .. import protocol
+from ..config import Config
+from ..errors import ConfigError
+from . import handlers, loads, tiers
+from .handlers import Outcome, StartVerify
+from .state import IllegalTransition, Peer, SlotState
+from .transport import Client
+
+
+@dataclass(eq=False)
+@dataclass(eq=False)
+class _ReloadJob:
+    """One reload whose files a worker reads: who asked (None: SIGHUP), until when (monotonic s), the result."""
+
+    client: Client | None
+    peer: Peer
+    deadline: float
+    started: float
+    result: Any = None
+
+
+
+class OffLoop:
+    """The off-loop work of :class:`~weightcache.daemon.loop.Daemon` (module docstring). A base class, not used
+    alone: ``Daemon`` sets the state, tiers, transport, ticker, counters, context and the queues these methods
+    use (``_reading``, ``_demoting``, ``_demoted``, ``_room_waits``, ``_answers``, ``_reloads``, ``_verified``,
+    ``_wake_w``) and provides ``_carry_out``, ``_effect``, ``_moved`` and ``_break``.
+    """
+
+    def _start_demotion(self, c: Client | None, eff: tiers.Demoting) -> None:
+        """Runs the copy of a demotion on a worker thread (:meth:`Tiers.copy`); :meth:`_finish_demotions`
+        applies it. The GPU slab counts as read meanwhile: an evict or reload that frees it waits for the copy."""
+        self._reading[id(eff.sealed)] = self._reading.get(id(eff.sealed), 0) + 1
+        self._demoting.append(eff)
+
+        def work() -> None:
+            self._demoted.put((eff, *self.tiers.copy(eff)))
+            try:
+                os.write(self._wake_w, b"d")
+            except (BlockingIOError, InterruptedError):
+                pass
+
+        threading.Thread(target=work, name=f"weightcache-demote-{eff.slot.label}", daemon=True).start()
+
+    def _finish_demotions(self) -> None:
+        """Applies the demotions whose copy is done (the GPU slab is freed only now), then answers the requests
+        that waited for them: replies held back, and the loader's requests for room (asked again)."""
+        finished = False
+        while True:
+            try:
+                eff, copy, error = self._demoted.get_nowait()
+            except queue.Empty:
+                break
+            finished = True
+            self._demoting.remove(eff)
+            moved, close = self.tiers.finish_demote(self.state, eff, copy, error)
+            self._done_reading(eff.sealed)
+            if moved is not None:
+                self._moved(None, moved)
+            for f in close:
+                f.close()
+        if not finished:
+            return
+        for entry in [a for a in self._answers if not any(d in self._demoting for d in a[2])]:
+            self._answers.remove(entry)
+            c, replies, _ = entry
+            self._carry_out(c, Outcome(replies, ()))
+            self.transport.release(c)
+        if not self._demoting:
+            waits, self._room_waits = self._room_waits, []
+            for req in waits:
+                if req.slot.state is not SlotState.LOADING:  # dropped by a reload, or its load gave up waiting
+                    loads.discard(req)
+                else:
+                    self._admit(req)
+
+    def _done_reading(self, sealed: Any) -> None:
+        """A verify or a demotion stopped reading ``sealed``: a FreeSlab that waited for the last reader runs."""
+        self._reading[id(sealed)] -= 1
+        if not self._reading[id(sealed)]:
+            del self._reading[id(sealed)]
+            later = self._close_later.pop(id(sealed), None)
+            if later is not None:  # evicted while it was read
+                for f in (later.sealed, later.manifest_file):
+                    if f is not None:
+                        f.close()
+
+    def _admit(self, req: loads.NeedRoom) -> None:
+        """Answers the loader's request for room (:class:`~weightcache.daemon.loads.NeedRoom`): the budget's
+        moves are carried out before the loader allocates, so the GPU never holds more than the budget. While
+        demotions are under way the request waits for them (their GPU slabs are freed only when copied), then
+        is asked again."""
+        slot = req.slot
+        if self._demoting:
+            self._room_waits.append(req)
+            return
+        if req.tier == "host":
+            refusal = self.tiers.admit_host(self.state, slot, req.size_bytes)
+        else:
+            moves, refusal = self.tiers.admit(self.state, slot, req.size_bytes, evict=slot.demand)
+            for m in moves:
+                self._effect(None, m)
+            if self._demoting:
+                self._room_waits.append(req)
+                return
+        if refusal is not None:
+            tiers.refuse(slot, refusal, "no room in the host tier" if req.tier == "host" else
+                         "no room in the memory budget" + ("" if slot.demand else " at start: waits for an attach"))
+        req.answer(refusal)
+
+    def _reload_from_signal(self) -> None:
+        """SIGHUP: the same reload as a request from the service's own user (no reply to send)."""
+        self._reload_asked = False
+        self._start_reload(None, Peer(os.getpid(), os.getuid(), os.getgid()))
+
+    def _start_reload(self, c: Client | None, peer: Peer) -> None:
+        """Reads the configuration files on a worker thread (never on the serving loop: a file on a hung mount
+        would freeze every client); the requester's later requests wait. :meth:`_finish_reloads` applies the
+        result, or answers ``config_invalid`` (cause ``timeout``) past ``service.reload_timeout_s``."""
+        self.ticker.reloading()
+        if c is not None:
+            self.transport.hold(c)
+        job = _ReloadJob(c, peer, time.monotonic() + self.ctx.service_config.reload_timeout_s, time.perf_counter())
+        self._reloads.append(job)
+
+        def work() -> None:
+            try:
+                job.result = self._read_config()
+            except ConfigError as e:
+                job.result = e
+            except Exception as e:  # noqa: BLE001 - any failure to read is this reload's error
+                job.result = ConfigError(f"the configuration could not be read: {e!r}", file="", key="",
+                                         cause="unreadable")
+            try:
+                os.write(self._wake_w, b"r")
+            except (BlockingIOError, InterruptedError):
+                pass
+
+        threading.Thread(target=work, name="weightcache-reload", daemon=True).start()
+
+    def _finish_reloads(self, now: float) -> None:
+        """Applies the reloads whose files were read, and refuses those past their deadline (the read is
+        abandoned: its result is ignored)."""
+        for job in [j for j in self._reloads if j.result is not None or now >= j.deadline]:
+            self._reloads.remove(job)
+            got = job.result
+            if got is None:
+                got = ConfigError(f"reading the configuration took longer than service.reload_timeout_s = "
+                                  f"{self.ctx.service_config.reload_timeout_s:g} s (a file on a hung mount?); "
+                                  f"the service keeps the configuration it has", file="", key="", cause="timeout")
+
+            def loaded(got: Any = got) -> Config:
+                if isinstance(got, ConfigError):
+                    raise got
+                return got
+
+            read, self.ctx.load_config = self.ctx.load_config, loaded
+            try:
+                out = handlers.handle(self.ctx, job.peer, protocol.Reload())
+                self.counters.answered(protocol.Reload(), out.replies, time.perf_counter() - job.started)
+                self._carry_out(job.client, out)
+            except IllegalTransition as e:
+                self._break(e)
+            finally:
+                self.ctx.load_config = read
+                self.ticker.reloaded(time.monotonic())
+                if job.client is not None:
+                    self.transport.release(job.client)
+
+    def _start_verify(self, c: Client, eff: StartVerify) -> None:
+        """Runs the hashing on a thread; the client's later requests wait (replies stay in order)."""
+        slabs = [it.sealed for it in eff.items if it.sealed is not None]
+        for sealed in slabs:
+            self._reading[id(sealed)] = self._reading.get(id(sealed), 0) + 1
+        self.transport.hold(c)
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            out = handlers.verify_reply(c.peer, eff)
+            self._verified.put((c, eff.request, out, time.perf_counter() - t0, slabs))
+            try:
+                os.write(self._wake_w, b"v")
+            except (BlockingIOError, InterruptedError):
+                pass
+
+        threading.Thread(target=work, name="weightcache-verify", daemon=True).start()
+
+    def _finish_verifies(self) -> None:
+        while True:
+            try:
+                c, request, out, seconds, slabs = self._verified.get_nowait()
+            except queue.Empty:
+                return
+            for sealed in slabs:
+                self._done_reading(sealed)
+            self.counters.answered(request, out.replies, seconds)
+            self._carry_out(c, out)
+            self.transport.release(c)
