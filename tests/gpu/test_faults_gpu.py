@@ -54,8 +54,8 @@ def service():
     started = []
     short = Path(tempfile.mkdtemp(prefix="wcg-", dir="/tmp"))  # Unix socket paths: 107 bytes at most
 
-    def make(models: dict, **kw):
-        cfg = H.make_config(models, backend="cuda", gpu=GPU)
+    def make(models: dict, service_keys: dict | None = None, **kw):
+        cfg = H.make_config(models, backend="cuda", gpu=GPU, **(service_keys or {}))
         svc = H.ServiceProcess(short / f"s{len(started)}", cfg, gpu=GPU, backend="cuda", **kw).start()
         started.append(svc)
         return svc
@@ -188,7 +188,9 @@ def test_gpu_out_of_memory_fails_alone(service, tmp_path):
     free0 = _free_bytes()
     huge = _sparse_checkpoint(tmp_path / "huge", free0 + 16 * GiB)
     a = H.llama_checkpoint(tmp_path / "a", seed=64, hidden=256, inter=512, vocab=512)
-    svc = service({"huge": huge, "a": a})
+    # A budget above the free memory, so that the allocation itself is tried and fails (issue 24's default budget,
+    # the device's memory less a reserve, would keep `huge` on disk: the next test).
+    svc = service({"huge": huge, "a": a}, service_keys={"memory_budget_bytes": free0 + 64 * GiB})
     svc.wait_settled()
     sl = svc.slab("huge")
     assert sl["state"] == "failed" and sl["error"]["code"] == "out_of_memory", sl
@@ -215,3 +217,29 @@ def test_gpu_out_of_memory_fails_alone(service, tmp_path):
         "the other model loads and serves identical bytes",
         backend="cuda", clients=2, faults_injected=2, bytes_compared=n, requested_bytes=free0 + 16 * GiB,
         held_after_bytes=held, duration_s=round(time.monotonic() - t0, 2))
+
+
+def test_gpu_model_over_the_default_budget_waits_on_disk(service, tmp_path):
+    """With the default budget (issue 24: the device's memory less a reserve), a model larger than the budget is
+    never allocated: it waits on disk, holds nothing, the other model serves, and an attach to it is answered
+    insufficient_memory naming the budget."""
+    from weightcache import attach
+
+    free0 = _free_bytes()
+    huge = _sparse_checkpoint(tmp_path / "huge", free0 + 16 * GiB)
+    a = H.llama_checkpoint(tmp_path / "a", seed=65, hidden=256, inter=512, vocab=512)
+    svc = service({"huge": huge, "a": a})
+    svc.wait_settled()
+    sl = svc.slab("huge")
+    assert sl["state"] == "on_disk" and sl["resident_bytes"] == 0, sl
+    assert free0 - _free_bytes() < 4 * GiB
+    w = attach(str(a), device=f"cuda:{GPU}", socket_dir=svc.socket_dir, fallback=False)
+    assert w.source == "daemon"
+    H.compare_bytes(w.tensors, H.read_checkpoint(a))
+    w.close()
+    with pytest.raises(Exception) as ei:
+        attach("huge", device=f"cuda:{GPU}", socket_dir=svc.socket_dir, fallback=False, timeout=60)
+    assert getattr(ei.value, "code", None) == "insufficient_memory", ei.value
+    assert ei.value.details["budget_bytes"] < ei.value.details["need_bytes"], ei.value.details
+    assert svc.slab("a")["state"] == "ready"  # nothing resident was moved for a room that cannot be made
+    assert free0 - _free_bytes() < 4 * GiB
