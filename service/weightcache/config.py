@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from .config_files import (  # noqa: F401 - MAX_CONFIG_*: re-exported
-    MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, _commented_header, _drop_ins, _line_of, _locate, _read_toml)
+    MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, _commented_header, _drop_ins, _line_of, _locate, _read_toml,
+    resolve_paths)
 from .errors import ConfigError
 from .cpus import default_threads
 from .spec import DTYPE_NAMES, LoadRequest, RankRequest
@@ -303,12 +304,20 @@ class Config:
         metrics (`MetricsConfig`): ``[metrics]``.
         models (`dict[str, ModelConfig]`): ``[models.*]`` by name.
         files (`tuple[str]`): files read, in order.
+        realpaths (`dict[str, str]`): configured checkpoint path -> its ``os.path.realpath``, resolved
+            when the files were read (off the serving loop); see :meth:`realpath_of`.
     """
 
     service: ServiceConfig = field(default_factory=ServiceConfig)
     models: dict[str, ModelConfig] = field(default_factory=dict)
     files: tuple[str, ...] = ()
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    realpaths: dict[str, str] = field(default_factory=dict)
+
+    def realpath_of(self, path: str) -> str:
+        """The resolution of configured checkpoint ``path`` recorded when the files were read; ``""`` when
+        none was (a config built in code, or a path that could not be resolved). Does no I/O."""
+        return self.realpaths.get(path, "")
 
     def placements(self, gpu: int | None = None) -> list[Placement]:
         """Every (model, layout, rank) on ``gpu`` (all GPUs when ``None``), in config order."""
@@ -488,7 +497,7 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
             raise
     _check_host_preloads(service, models, {str(f): text for f, _, text in parsed})
     return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files),
-                  metrics=MetricsConfig(**metrics))
+                  metrics=MetricsConfig(**metrics), realpaths=resolve_paths(m.path for m in models.values()))
 
 
 def _check_host_preloads(service: dict[str, Any], models: dict[str, ModelConfig], texts: dict[str, str]) -> None:

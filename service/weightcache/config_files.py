@@ -5,7 +5,9 @@ Owns what :func:`weightcache.config.load_config` needs from the file system:
 :data:`MAX_CONFIG_BYTES`), ``_read_toml`` (UTF-8, ``tomllib``, at most
 :data:`MAX_CONFIG_DEPTH` levels of nesting), ``_drop_ins`` (``conf.d/*.toml`` in
 lexical order) and the line lookups error messages quote (``_line_of``,
-``_commented_header``, ``_locate``). Every failure is a
+``_commented_header``, ``_locate``), and ``resolve_paths`` (each checkpoint
+path's ``os.path.realpath``, done where the files are read: never on the
+service's serving loop). Every failure is a
 :class:`~weightcache.errors.ConfigError` naming the file and its cause.
 
 Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
@@ -28,6 +30,24 @@ from .errors import ConfigError
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 #: Deepest nesting of arrays and tables accepted in a configuration file (the schema needs 4).
 MAX_CONFIG_DEPTH = 32
+
+
+def resolve_paths(paths: Any) -> dict[str, str]:
+    """``{path: os.path.realpath(path)}`` for each configured checkpoint path (strings).
+
+    Called where the configuration is read (at start, before serving; on the
+    reload worker thread), so that the serving loop only looks the result up:
+    ``realpath`` lstat-s every component, and a hung mount would freeze it. A
+    path that cannot be resolved (``OSError``, a long symlink chain) is left out; its slot then has no
+    recorded resolution and the loader resolves it off the loop.
+    """
+    out: dict[str, str] = {}
+    for p in paths:
+        try:
+            out[p] = os.path.realpath(p)
+        except (OSError, ValueError, RecursionError):  # RecursionError: a long symlink chain
+            continue
+    return out
 
 
 def _read_bytes(path: Path) -> bytes:

@@ -443,3 +443,34 @@ def test_check_config_names_what_waits_when_the_budget_is_exceeded(capsys, tmp_p
     assert main(["check-config", "--config", str(cfg), "--as-user", "root"]) == 0
     err = capsys.readouterr().err
     assert "exceed memory_budget_bytes" in err and "lo/tp1/rank0 (disk), x/tp1/rank0 (host tier)" in err, err
+
+
+def test_a_slab_larger_than_the_whole_budget_is_an_error_everywhere(daemon, tmp_path, capsys):
+    """New-user walk: check-config passed, status promised the next attach would load it, preload exited 0."""
+    from weightcache.cli import main
+
+    budget = 1024 * 1024  # the smallest budget; each slab is SLAB (2 MiB + a page)
+    cks = {"big": _ckpt(tmp_path / "big", 1)}
+    config = make_config({"big": cks["big"]}, memory_budget_bytes=budget)
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(to_toml(config))
+    capsys.readouterr()
+    assert main(["check-config", "--config", str(cfg), "--as-user", "root"]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: model big tp=1 rank=0 (GPU 0, defined in {cfg}): its slab of {SLAB} bytes" in err
+            and f"larger than memory_budget_bytes = {budget}" in err), err
+    assert "exceed memory_budget_bytes" not in err, err  # the error, not also the wait-for-an-attach warning
+
+    svc = daemon(config)
+    svc.wait_settled()
+    with pytest.raises(InsufficientMemory) as ei:
+        _attach(svc, "big")
+    assert "raise memory_budget_bytes" in ei.value.message and "release a lease" not in ei.value.message
+    assert ei.value.details["need_bytes"] == SLAB and ei.value.details["budget_bytes"] == budget
+    capsys.readouterr()
+    assert main(["status", "--socket-dir", svc.socket_dir]) == 0
+    out = capsys.readouterr().out
+    assert "on_disk: larger than memory_budget_bytes" in out and "the next attach loads it" not in out, out
+    assert main(["preload", "big", "--socket-dir", svc.socket_dir]) == 1
+    assert "big tp=1 rank=0 was not loaded (on_disk): insufficient_memory" in capsys.readouterr().err
+    assert main(["wait", "big", "--socket-dir", svc.socket_dir]) == 1

@@ -341,3 +341,49 @@ def test_a_placement_round_trips_through_json(paths):
     assert Placement.from_json(p.to_json()) == p
     with pytest.raises(ValueError):
         Placement.from_json({"model": {"name": "a"}, "tp_size": 1, "tp_rank": 0, "gpu": 0})
+
+
+# -- checkpoint paths resolved where the files are read, never on the serving loop (issue 25) ---------
+
+
+def test_checkpoint_paths_are_resolved_where_the_files_are_read_not_on_the_serving_loop(tmp_path, monkeypatch):
+    """``os.path.realpath`` lstat-s every component (a hung mount would freeze the loop): the config read
+    (at start; on the reload worker thread) resolves each checkpoint path, and the loop's code (making the
+    state's slots, the ``reload`` handler's plan and new slots) only looks the resolution up."""
+    from weightcache.config import load_config
+
+    for name in ("one", "two", "three"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "one")
+    (tmp_path / "new").symlink_to(tmp_path / "three")
+    main = tmp_path / "weightcache.toml"
+
+    def write(*models: str) -> None:
+        main.write_text("".join(f'[models.{m}]\npath = "{tmp_path / p}"\nlayouts = [{{ tp = 1, gpus = [0] }}]\n'
+                                for m, p in models))
+
+    write(("a", "link"), ("b", "two"))
+    first = load_config(main)  # at start, before serving
+    assert first.realpaths == {str(tmp_path / "link"): str(tmp_path / "one"),
+                               str(tmp_path / "two"): str(tmp_path / "two")}
+    (tmp_path / "link").unlink()
+    (tmp_path / "link").symlink_to(tmp_path / "two")  # retargeted: the reload's read sees it
+    write(("a", "link"), ("b", "two"), ("c", "new"))
+    second = load_config(main)  # what the reload worker thread reads
+    assert second.realpath_of(str(tmp_path / "link")) == str(tmp_path / "two")
+
+    calls = []
+    monkeypatch.setattr(os.path, "realpath", lambda p, *a, **k: calls.append(p) or pytest.fail(f"realpath({p})"))
+    st = ServiceState(0, "host", {}, first.placements(0), service_uid=os.getuid(), realpaths=first.realpaths)
+    sa, sb = st.slots
+    assert (sa.realpath, sb.realpath) == (str(tmp_path / "one"), str(tmp_path / "two"))
+    c = Context(st, lambda: (1, 2), lambda: second, first.service)
+    out = handlers.handle(c, ME, protocol.Reload())
+    (reply,) = out.replies
+    assert isinstance(reply.msg, protocol.ReloadReply), reply.msg
+    assert calls == []
+    # a: its checkpoint now resolves elsewhere, replaced; b kept; c added, with the reload's resolutions
+    assert reply.msg.kept == ["b/tp1/rank0"] and sorted(reply.msg.added) == ["a/tp1/rank0", "c/tp1/rank0"]
+    by_name = {s.placement.model.name: s for s in st.slots}
+    assert by_name["b"] is sb
+    assert by_name["a"].realpath == str(tmp_path / "two") and by_name["c"].realpath == str(tmp_path / "three")

@@ -10,7 +10,7 @@ tests/integration/test_cli.py drives each against live services. Exit status:
 0 success, 1 a failed model or a refused request, 2 bad usage or
 configuration, 3 no service (``serve``: 78 on an invalid configuration when
 it has nothing to keep serving, see :func:`weightcache.daemon.bootstrap.serve`).
-Human output goes to stdout, diagnostics to stderr; ``--json`` output is the
+141 when the reader of stdout went away (``| head``). Human output goes to stdout, diagnostics to stderr; ``--json`` output is the
 services' own status records.
 
 Forbidden imports: torch, weightcache.daemon, weightcache.client at module level,
@@ -126,12 +126,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``weightcache`` console script (and ``python -m weightcache``): returns the exit status."""
-    args = build_parser().parse_args(argv)
-    module, name = args.fn.split(":")
-    from .common import run_checked
+    """Entry point of the ``weightcache`` console script (and ``python -m weightcache``): returns the exit status.
 
-    return run_checked(getattr(importlib.import_module(f"{__name__}.{module}"), name), args)
+    A reader that closes stdout early (``weightcache status | head -1``) ends the command quietly
+    with 141 (128 + SIGPIPE, what a shell reports for a command killed by SIGPIPE), no traceback:
+    see :func:`weightcache.cli.common.quiet_broken_pipe`."""
+    from .common import EXIT_BROKEN_PIPE, quiet_broken_pipe, run_checked
+
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # --help and usage errors: argparse printed, then exits
+            sys.stdout.flush()
+            raise
+        module, name = args.fn.split(":")
+        rc = run_checked(getattr(importlib.import_module(f"{__name__}.{module}"), name), args)
+        sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's final flush
+        return rc
+    except BrokenPipeError:
+        quiet_broken_pipe()
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

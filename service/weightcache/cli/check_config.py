@@ -124,13 +124,29 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         print(f"GPU {gpu}: {plural(len(placements), 'slab')}, {human_bytes(total)} planned")
         for line in lines:
             print(line)
-        warnings += _over_budget(cfg, gpu, [(p, pl) for p, pl in planned if p.gpu == gpu])
+        here = [(p, pl) for p, pl in planned if p.gpu == gpu]
+        too_big = _larger_than_budget(cfg, gpu, here)
+        problems += too_big.values()
+        warnings += _over_budget(cfg, gpu, [(p, pl) for p, pl in here if p.label not in too_big])
     warnings += _same_slab_twice(planned)
     for msg in warnings:
         print(f"warning: {msg}", file=sys.stderr)
     for msg in problems:
         print(f"error: {msg}", file=sys.stderr)
     return EXIT_FAILED if problems else EXIT_OK
+
+
+def _larger_than_budget(cfg: Config, gpu: int, planned: list[tuple[Placement, Any]]) -> dict[str, str]:
+    """Errors, by slab label, for each slab planned on ``gpu`` larger than the whole explicit
+    ``memory_budget_bytes``: no attach can ever load it (the service refuses it ``insufficient_memory``)."""
+    budget = cfg.service.memory_budget_bytes
+    if budget is None:
+        return {}
+    return {p.label: f"model {p.model.name} tp={p.tp_size} rank={p.tp_rank} (GPU {gpu}, defined in {p.model.source}): "
+                     f"its slab of {pl.slab_size_bytes} bytes ({human_bytes(pl.slab_size_bytes)}) is larger than "
+                     f"memory_budget_bytes = {budget} ({human_bytes(budget)}): it can never be loaded (an attach "
+                     f"gets insufficient_memory); raise memory_budget_bytes or give the model more GPUs (tp)"
+            for p, pl in planned if pl.slab_size_bytes > budget}
 
 
 def _over_budget(cfg: Config, gpu: int, planned: list[tuple[Placement, Any]]) -> list[str]:

@@ -21,6 +21,21 @@ from ..errors import ConfigError, DaemonUnavailable, LeaseBusy, WeightcacheError
 #: Exit statuses (weightcache(1)): success; a failed model or a refused request; bad usage or configuration;
 #: no service answered.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+#: stdout's reader closed the pipe early (``weightcache status | head -1``): 128 + SIGPIPE, as a shell
+#: reports a command that SIGPIPE ended.
+EXIT_BROKEN_PIPE = 141
+
+
+def quiet_broken_pipe() -> None:
+    """Points stdout at /dev/null after a :class:`BrokenPipeError`, so the interpreter's final flush of
+    the unwritten buffer does not raise again at exit (the recipe of Python's ``signal`` docs, "Note
+    on SIGPIPE"). Never raises."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout closed or not a real file: nothing to flush into a pipe
+        pass
 
 
 def human_bytes(n: float) -> str:

@@ -35,6 +35,15 @@ def progress_text(sl: protocol.SlabInfo) -> str:
     return text
 
 
+def larger_than_budget(sl: protocol.SlabInfo) -> tuple[int, int] | None:
+    """(slab bytes, ``memory_budget_bytes``) when the slab's last load was refused ``insufficient_memory``
+    because the slab alone is larger than the whole budget (it can never load); else None."""
+    if sl.error is None or sl.error.code != "insufficient_memory":
+        return None
+    need, budget = sl.error.details.get("need_bytes", 0), sl.error.details.get("budget_bytes", 0)
+    return (need, budget) if isinstance(need, int) and isinstance(budget, int) and need > budget > 0 else None
+
+
 def state_text(sl: protocol.SlabInfo) -> str:
     """The slab's state for humans: its :class:`~weightcache.wire.SlotState` value first, then what it means."""
     match sl.state:
@@ -52,6 +61,11 @@ def state_text(sl: protocol.SlabInfo) -> str:
             return "dropped: removed from the config"
         case SlotState.HOSTED:
             return f"hosted: in the host tier ({human_bytes(sl.host_bytes)}; the next attach promotes it)"
+        case SlotState.ON_DISK if sl.error is not None and sl.error.code == "insufficient_memory":
+            if (over := larger_than_budget(sl)) is not None:  # no attach can ever load it
+                return (f"on_disk: larger than memory_budget_bytes ({human_bytes(over[0])} > {human_bytes(over[1])}; "
+                        f"no attach can load it: raise memory_budget_bytes)")
+            return "on_disk: not resident (the last load got no room: insufficient_memory; the next attach tries again)"
         case SlotState.ON_DISK:
             return "on_disk: not resident (the next attach loads it)"
     return sl.state.value  # pending, and ready or failed without more to say

@@ -13,7 +13,7 @@ from typing import Any
 from .. import protocol
 from ..wire import UNSETTLED, SlotState
 from .common import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, collect_status, no_sockets, per_gpu_request, socket_dir_of
-from .status import state_text
+from .status import larger_than_budget, state_text
 
 
 class _Lines:
@@ -34,11 +34,13 @@ class _Lines:
         print(f"{label}: {state_text(sl)}", flush=True)
 
 
-def wait_for(args: argparse.Namespace, model: str | None) -> int:
+def wait_for(args: argparse.Namespace, model: str | None, asked: frozenset[tuple[int, str]] = frozenset()) -> int:
     """Polls status until no matching slab is pending or loading, showing progress.
 
     While no service answers (none started yet, or its socket not bound yet) it polls for one until
     ``args.wait_timeout`` (seconds), then returns :data:`EXIT_UNAVAILABLE` (3) with why none answers.
+    Returns 1 when a slab failed, is larger than the whole ``memory_budget_bytes``, or ended on disk although
+    ``preload`` started its load (``asked``: (GPU index, ``model/tpN/rankR``) pairs, as its reply names them), naming each with its error on stderr.
 
     A rich progress bar on a terminal; plain lines otherwise (journal, CI, pipes).
     """
@@ -84,10 +86,17 @@ def wait_for(args: argparse.Namespace, model: str | None) -> int:
     if model is not None and not slabs:
         print(f"model {model!r} is not configured on any GPU (see `weightcache list`)", file=sys.stderr)
         return EXIT_FAILED
-    failed = [(gpu, sl) for gpu, sl in slabs if sl.state is SlotState.FAILED]
+    # FAILED; or on disk after ``preload`` asked for it (its load got no room: the reason is its error); or on
+    # disk and larger than the whole memory budget, which no attach can ever load.
+    def not_loaded(gpu: int, sl: protocol.SlabInfo) -> bool:
+        return sl.state is SlotState.ON_DISK and ((gpu, f"{sl.model}/tp{sl.tp_size}/rank{sl.tp_rank}") in asked
+                                                  or larger_than_budget(sl) is not None)
+
+    failed = [(gpu, sl) for gpu, sl in slabs if sl.state is SlotState.FAILED or not_loaded(gpu, sl)]
     for gpu, sl in failed:
         err = sl.error or protocol.ErrorInfo("unknown", "no error recorded")
-        print(f"GPU {gpu} {sl.label} failed: {err.code}: {err.message}", file=sys.stderr)
+        what = "failed" if sl.state is SlotState.FAILED else "was not loaded (on_disk)"
+        print(f"GPU {gpu} {sl.label} {what}: {err.code}: {err.message}", file=sys.stderr)
     if failed:
         return EXIT_FAILED
     return EXIT_UNAVAILABLE if errors else EXIT_OK
@@ -105,5 +114,5 @@ def cmd_preload(args: argparse.Namespace) -> int:
         if not reply.started:
             print(f"GPU {gpu}: {args.model} is already resident or loading", flush=True)
     if rc == EXIT_OK and not args.no_wait:
-        return wait_for(args, args.model)
+        return wait_for(args, args.model, frozenset((gpu, label) for gpu, reply in results for label in reply.started))
     return rc

@@ -85,7 +85,8 @@ class Daemon(OffLoop):
         self.backend = backend
         device = backend.device_info()
         source = config.files[0] if config.files else "the config"
-        self.state = ServiceState(gpu, backend.name, device, config.placements(gpu), source)
+        self.state = ServiceState(gpu, backend.name, device, config.placements(gpu), source,
+                                  realpaths=config.realpaths)
         self.state.config_error = config_error
         self.counters = Counters([s.placement for s in self.state.slots], time.time())
         self.tiers = tiers.Tiers(config.service.budget_bytes(int(backend.mem_info()[1])),

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -94,14 +93,16 @@ class ReloadPlan:
 
 
 def plan(slots: list[Slot], placements: list[Placement], old: ServiceConfig, new: ServiceConfig,
-         realpath: Callable[[str], str] = os.path.realpath, running_backend: str | None = None) -> ReloadPlan:
+         realpath: Callable[[str], str] = lambda path: "", running_backend: str | None = None) -> ReloadPlan:
     """The :class:`ReloadPlan` taking ``slots`` to ``placements``; changes nothing.
 
     Args:
         slots (`list[Slot]`): the service's slots now (RETIRED ones are left alone).
         placements (`list[Placement]`): the new config's placements on this GPU.
         old, new (`ServiceConfig`): ``[service]`` before and after.
-        realpath (`callable`): resolves a checkpoint path now (``os.path.realpath``).
+        realpath (`callable`): a checkpoint path's resolution made where the new files were read, a lookup
+            (:meth:`weightcache.config.Config.realpath_of`); never ``os.path.realpath`` itself, since this
+            runs on the serving loop. A slot is kept only while its recorded resolution equals this one.
         running_backend (`str`, *optional*): ``host`` or ``cuda``, the backend in use. When given, a changed
             ``backend`` is a restart key only if the new value names another one (``auto`` accepts either):
             after a start with rejected files the old value is that of the slabs the fd store kept, not
@@ -174,7 +175,7 @@ def apply(state: ServiceState, p: ReloadPlan, config: Config) -> Applied:
         if s.state is SlotState.FAILED:
             s.requeue()
             load.append(s)
-    added = {identity(pl): state.new_slot(pl) for pl in p.add}
+    added = {identity(pl): state.new_slot(pl, config.realpath_of(pl.model.path)) for pl in p.add}
     load += added.values()
     order = [identity(pl) for pl in config.placements(state.gpu)]
     retired = [s for s in state.slots if s.state is SlotState.RETIRED]

@@ -30,7 +30,7 @@ import enum
 import itertools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .. import protocol
 from ..config import Placement
@@ -165,7 +165,8 @@ class Slot:
     #: The backend's SealedSlab (fd, size_bytes, tensor) while READY.
     sealed: Any = None
     adopted: bool = False
-    #: ``os.path.realpath`` of the checkpoint path when the slot was made (attach by path matches it).
+    #: The checkpoint path's resolution made where the config was read (Config.realpaths; "" when none):
+    #: attach by path matches it, and the loader checks the checkpoint still resolves to it.
     realpath: str = ""
     #: Dtype name an attach asks for -> whether this slab serves it (the configured one and those giving
     #: the same bytes): every name from the loader's plan; before a plan, the answers the serving loop
@@ -394,6 +395,8 @@ class ServiceState:
         placements (`list[Placement]`): what the config places on this GPU.
         config_source (`str`): the config file(s), for error messages.
         service_uid (`int`): the service's own uid (always allowed).
+        realpaths (`Mapping[str, str]`, *optional*): configured checkpoint path -> its resolution, made
+            where the configuration was read (:attr:`weightcache.config.Config.realpaths`); no I/O here.
 
     ``config_error`` is the :class:`~weightcache.errors.ConfigError` of the
     last configuration the service refused (at start, with slabs kept from the
@@ -401,7 +404,8 @@ class ServiceState:
     """
 
     def __init__(self, gpu: int, backend: str, device: dict[str, Any], placements: list[Placement],
-                 config_source: str = "the config", service_uid: int | None = None) -> None:
+                 config_source: str = "the config", service_uid: int | None = None,
+                 realpaths: Mapping[str, str] | None = None) -> None:
         self.gpu = gpu
         self.backend = backend
         self.device = device
@@ -409,7 +413,7 @@ class ServiceState:
         self.service_uid = os.getuid() if service_uid is None else service_uid
         #: Counts of (source, event, target) moves of every slot: what a metrics layer exports.
         self.transition_counts: collections.Counter = collections.Counter()
-        self.slots = [self.new_slot(p) for p in placements]
+        self.slots = [self.new_slot(p, (realpaths or {}).get(p.model.path, "")) for p in placements]
         self.peers: set[Peer] = set()
         self.loads_done = 0  # loads settled (ready or failed) since start
         self.config_error: ConfigError | None = None
@@ -417,9 +421,13 @@ class ServiceState:
         #: uid -> leases its connections hold (``max_leases_per_uid``).
         self.leases_by_uid: collections.Counter = collections.Counter()
 
-    def new_slot(self, placement: Placement) -> Slot:
-        """A PENDING slot for ``placement`` (not yet in :attr:`slots`), its checkpoint path resolved now."""
-        return Slot(placement, realpath=os.path.realpath(placement.model.path), counts=self.transition_counts)
+    def new_slot(self, placement: Placement, realpath: str) -> Slot:
+        """A PENDING slot for ``placement`` (not yet in :attr:`slots`).
+
+        ``realpath`` is the checkpoint path's resolution made where the configuration was read
+        (:attr:`weightcache.config.Config.realpaths`; ``""`` when none): this module does no I/O.
+        """
+        return Slot(placement, realpath=realpath, counts=self.transition_counts)
 
     def lease(self, peer: Peer, slot: Slot, mode: AttachMode, since: float) -> Lease:
         """Grants ``peer`` a new lease on READY ``slot``; ``since`` is Unix time in seconds."""

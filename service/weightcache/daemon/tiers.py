@@ -210,10 +210,13 @@ class Tiers:
         what = ", ".join(f"{s.label} ({s.gpu_bytes / 1e9:.2f} GB, {why(s)})" for s in resident) or "nothing"
         who = ", ".join(f"lease {le.lease_id} on {s.label} by pid {le.pid} uid {le.uid}" for s, le in leases) or "none"
         m = slot.placement.model
+        hint = ("release a lease, unpin a model or raise memory_budget_bytes" if need_bytes <= self.budget_bytes else
+                "the slab alone is larger than the whole budget: raise memory_budget_bytes (or give the model more "
+                "GPUs)")
         return InsufficientMemory(
             f"GPU {state.gpu}: no room for {slot.label} ({need_bytes / 1e9:.2f} GB) in memory_budget_bytes = "
             f"{self.budget_bytes} ({room.free_bytes / 1e9:.2f} GB free); resident: {what}; leases: {who}; "
-            f"release a lease, unpin a model or raise memory_budget_bytes", model=m.name, need_bytes=need_bytes,
+            f"{hint}", model=m.name, need_bytes=need_bytes,
             budget_bytes=self.budget_bytes, free_bytes=room.free_bytes,
             resident=[{"slab": s.label, "size_bytes": s.gpu_bytes, "leases": len(s.leases),
                        "pinned": s.placement.model.pin} for s in resident],
