@@ -369,6 +369,8 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         v = table.get(lk, [])
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise _err(path, f"{k}.{lk}", "must be a list of strings")
+    revision = table.get("revision", "")
+    _check_type(path, f"{k}.revision", revision, str)
     pin = table.get("pin", False)
     _check_type(path, f"{k}.pin", pin, bool)
     priority = table.get("priority", 0)
@@ -415,7 +417,7 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         allow_users=tuple(table.get("allow_users", [])),
         allow_groups=tuple(table.get("allow_groups", [])),
         layouts=tuple(layouts),
-        revision=str(table.get("revision", "")),
+        revision=revision,
         source=path,
         pin=pin,
         priority=priority,

@@ -171,6 +171,26 @@ def _drop_ins(d: Path) -> list[Path]:
     return [d / n for n in sorted(names) if n.endswith(".toml") and not n.startswith(".")]
 
 
+def _assigned(lines: list[str], parent: list[str], leaf: str) -> int | None:
+    """1-based line of ``leaf = ...`` directly in table ``parent`` (``[]``: the top level, before any header;
+    ``["models"]``: below ``[models]``), for a key that is a value where a table belongs (``models = 3``,
+    ``[models]`` then ``m = 'x'``); None when not found."""
+    assign = re.compile(rf"^\s*(?:{re.escape(leaf)}|\"{re.escape(leaf)}\")\s*=")
+    if parent:
+        header = re.compile(rf"^\s*\[\s*{re.escape('.'.join(parent))}\s*\]")
+        start = next((i + 1 for i, ln in enumerate(lines) if header.match(ln)), None)
+        if start is None:
+            return None
+    else:
+        start = 0
+    for i in range(start, len(lines)):
+        if lines[i].lstrip().startswith("["):
+            return None
+        if assign.match(lines[i]):
+            return i + 1
+    return None
+
+
 def _locate(text: str, key: str) -> int | None:
     """1-based line of dotted ``key`` (``models.x.layouts[0].gpus``) in ``text``: its table's header,
     then the first ``leaf =`` below it (inline tables included); None when not found."""
@@ -183,7 +203,7 @@ def _locate(text: str, key: str) -> int | None:
     lines = text.splitlines()
     start = next((i for i, ln in enumerate(lines) if header.match(ln)), None)
     if start is None:
-        return None
+        return _assigned(lines, parts[:-1], parts[-1])
     for i in range(start, len(lines)):
         if i > start and lines[i].lstrip().startswith("["):
             break

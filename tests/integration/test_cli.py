@@ -342,6 +342,18 @@ def test_check_config_skips_the_gpu_count_it_cannot_know(capsys, tmp_path, monke
     assert probe.calls == (backend == "auto")
 
 
+def test_check_config_says_serve_here_would_refuse_cuda_without_a_driver(capsys, tmp_path, monkeypatch):
+    """New-user walk: check-config passed ``backend = "cuda"`` silently where ``serve`` exits 78. A warning
+    (exit 0: the check may run on a build host), saying what serve on this node would do."""
+    monkeypatch.setattr("weightcache.memory.probe_cuda", _probe(False, 0, "libcuda.so.1 not found"))
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(f'[service]\nbackend = "cuda"\n\n[models.minilm]\npath = "{minilm_path()}"\n')
+    rc, out, err = cli(capsys, "check-config", "--config", str(cfg))
+    assert rc == 0, err
+    assert ('warning: backend = "cuda" but this node has no usable CUDA driver (libcuda.so.1 not found): '
+            '`weightcache serve` on this node would refuse to start (config_invalid, exit 78)') in err, err
+
+
 def test_check_config_rejects_a_gpu_index_past_1023_naming_its_line(capsys, tmp_path):
     cfg = tmp_path / "weightcache.toml"
     cfg.write_text(f'[models.minilm]\npath = "{minilm_path()}"\nlayouts = [ {{ tp = 1, gpus = [99999999999999] }} ]\n')

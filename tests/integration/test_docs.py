@@ -136,6 +136,10 @@ def test_live_commands_of_quickstart_and_configuration(live, monkeypatch, capsys
             assert rc == status, f"{where} exited {rc}, documented {status}\n{out}{err}"
             for field in sorted(set(re.findall(r"\b([a-z_]+)=", shown))):
                 assert f"{field}=" in out, f"{where}: documented field {field}= is not in the output:\n{out}"
+            if argv == ["status"] and shown.strip():  # every kind of line it prints is in the sample
+                first = {ln.split()[0] for ln in shown.splitlines() if ln.strip()}
+                missing = [ln for ln in out.splitlines() if ln.strip() and ln.split()[0] not in first]
+                assert not missing, f"{where}: the documented output lacks these lines:\n" + "\n".join(missing)
             ran += 1
     assert ran >= 7
 

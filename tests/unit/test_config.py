@@ -261,3 +261,22 @@ def test_the_tiers_example_loads():
     m = cfg.models
     assert (m["chat"].pin, m["coder"].priority, m["lastweek"].preload, m["archive"].preload) == (
         True, 10, "host", "disk")
+
+
+@pytest.mark.parametrize("text,key,line,says", [
+    ('[models.a]\npath = "/x"\nrevision = 3\n', "models.a.revision", 3, "expected str, got int 3"),
+    ('models = 3\n', "models", 1, "must be a table of [models.NAME] tables"),
+    ('[models]\nm = "x"\n', "models.m", 2, "must be a table"),
+    ('[models]\n\n"m" = 1\n', "models.m", 3, "must be a table"),
+])
+def test_a_value_where_a_table_or_string_belongs_names_its_line(tmp_path, text, key, line, says):
+    """New-user walk: ``revision = 3`` passed (it was str()-ed), and two errors had no line number."""
+    p = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.code == "config_invalid" and says in e.value.message, e.value.message
+    assert (e.value.details["file"], e.value.details["key"], e.value.details["line"]) == (str(p), key, line)
+
+
+def test_a_string_revision_is_kept(tmp_path):
+    assert load_config(_write(tmp_path, '[models.a]\npath = "/x"\nrevision = "r2"\n')).models["a"].revision == "r2"

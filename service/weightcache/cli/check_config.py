@@ -192,7 +192,11 @@ def _gpus_beyond_the_node(cfg: Config, probe) -> tuple[str, list[str]]:
         return "GPUs on this node: not checked (backend = host: the GPU indices only number the instances)", []
     p = probe()
     if not p.usable:
-        return f"GPUs on this node: unknown, GPU indices not checked against them ({p.reason})", []
+        refused = ([f'backend = "cuda" but this node has no usable CUDA driver ({p.reason}): `weightcache serve` '
+                    f'on this node would refuse to start (config_invalid, exit 78); fine if this config is for '
+                    f'another node, else install the driver or set backend = "auto"']
+                   if cfg.service.backend == "cuda" else [])
+        return f"GPUs on this node: unknown, GPU indices not checked against them ({p.reason})", refused
     out = []
     for gpu in cfg.gpus():
         if gpu >= p.devices:
