@@ -19,6 +19,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from weightcache.cli import main
 from weightcache.client import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from service_harness import FdStoreStandIn, ServiceProcess, poll_until  # noqa: E402
+from service_harness import FdStoreStandIn, ServiceProcess, make_config, poll_until  # noqa: E402
 from tiny_models import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -529,13 +531,35 @@ def test_wait(capsys, services):
 
 def test_commands_without_a_service(capsys, tmp_path):
     s = ("--socket-dir", str(tmp_path))
-    for argv in (["status"], ["status", "--json"], ["list"], ["wait"], ["verify", "m"], ["evict", "m"],
-                 ["preload", "m"]):
+    for argv in (["status"], ["status", "--json"], ["list"], ["wait", "--wait-timeout", "0.5"], ["verify", "m"],
+                 ["evict", "m"], ["preload", "m"]):
         rc, out, err = cli(capsys, *argv, *s)
         assert rc == 3, argv
+    rc, out, err = cli(capsys, "wait", "--wait-timeout", "0", *s)  # wait polls for a service, then says why
+    assert rc == 3 and "no weightcache sockets in" in err, err
     rc, out, err = cli(capsys, "status", "--gpu", "4", *s)
     assert rc == 3 and "GPU 4  unreachable: no weightcache service at" in out
     assert "systemctl status weightcache@4.socket weightcache@4.service; journalctl -u weightcache@4" in out
+
+
+def test_wait_started_before_the_service_waits_for_it(capsys):
+    """``serve ... &`` then ``wait`` at once (quickstart §3): wait polls until the socket is bound and the
+    load settles, instead of exiting 3 because no socket exists yet."""
+    run = Path(tempfile.mkdtemp(prefix="wcw-", dir="/tmp"))
+    result: list[int] = []
+    waiter = threading.Thread(target=lambda: result.append(
+        main(["wait", "--socket-dir", str(run), "--wait-timeout", "120"])))
+    capsys.readouterr()
+    waiter.start()  # before the service exists
+    svc = ServiceProcess(run, make_config({"minilm": str(minilm_path())}))
+    try:
+        svc.launch()
+        waiter.join(150)
+        out, err = capsys.readouterr()
+        assert result == [0], (err, svc.log())
+        assert "GPU 0 minilm tp=1 rank=0: ready" in out.splitlines()
+    finally:
+        svc.kill()
 
 
 def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path):

@@ -28,6 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from service_harness import (  # noqa: E402
+    ServiceProcess,
     big_checkpoint,
     doomed_client,
     compare_bytes,
@@ -128,6 +129,40 @@ def test_client_killed_while_waiting_and_mid_attach(daemon, tmp_path):
 
 
 # --- service killed ----------------------------------------------------------------
+
+
+def test_second_service_on_a_live_socket_path_is_refused_and_never_removes_another_ones(daemon, tmp_path):
+    """A second ``serve`` on the path a live service listens on exits 78 naming the path and leaves the
+    socket alone (it used to unlink it and bind its own); a service stopped after its path was taken over
+    leaves the newer socket in place; the stale socket of a SIGKILLed service is still replaced."""
+    svc = daemon({"a": llama_checkpoint(tmp_path / "a", seed=13)})
+    first_socket = os.stat(svc.socket_path).st_ino
+    second = subprocess.Popen(
+        [sys.executable, "-m", "weightcache", "serve", "--gpu", "0", "--config", str(svc.config_path),
+         "--listen", svc.socket_path, "--backend", "host"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=service_env())
+    try:
+        out, err = second.communicate(timeout=90)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert second.returncode == 78, err
+    assert f"{svc.socket_path}: another weightcache instance is serving on this socket" in err
+    assert os.stat(svc.socket_path).st_ino == first_socket and svc.answers()
+
+    os.unlink(svc.socket_path)  # the path taken over while the first still runs
+    other = ServiceProcess(tmp_path / "other", svc.config_path, socket_dir=Path(svc.socket_dir))
+    try:
+        other.start()
+        assert svc.stop() == 0
+        assert os.path.exists(svc.socket_path) and other.answers()  # the first did not remove the second's
+        other.kill()
+        assert os.path.exists(svc.socket_path)  # stale: nobody listens
+        other.start()  # replaces it, as a restart after a crash must
+        assert other.answers()
+    finally:
+        other.kill()
 
 
 def test_service_killed_engines_keep_tensors_and_restart_serves(daemon, tmp_path):

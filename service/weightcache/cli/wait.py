@@ -37,6 +37,8 @@ class _Lines:
 def wait_for(args: argparse.Namespace, model: str | None, asked: frozenset[tuple[int, str]] = frozenset()) -> int:
     """Polls status until no matching slab is pending or loading, showing progress.
 
+    While no service answers (none started yet, or its socket not bound yet) it polls for one until
+    ``args.wait_timeout`` (seconds), then returns :data:`EXIT_UNAVAILABLE` (3) with why none answers.
     Returns 1 when a slab failed, is larger than the whole ``memory_budget_bytes``, or ended on disk although
     ``preload`` started its load (``asked``: (GPU index, ``model/tpN/rankR``) pairs, as its reply names them), naming each with its error on stderr.
 
@@ -55,7 +57,10 @@ def wait_for(args: argparse.Namespace, model: str | None, asked: frozenset[tuple
     try:
         while True:
             statuses, errors = collect_status(args, where)
-            if not statuses:
+            if not statuses:  # not up yet (``serve ... &`` then ``wait``): poll until the deadline
+                if time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
                 print(errors[0].message if errors else no_sockets(args), file=sys.stderr)
                 return EXIT_UNAVAILABLE
             slabs = [(st.gpu, sl) for st in statuses for sl in st.slabs

@@ -11,7 +11,8 @@ starts:
   ``auto`` asks the CUDA driver);
 - the listening socket: the one systemd passed (``LISTEN_FDS``, name
   ``listen``), else one bound at ``--listen`` or ``<socket dir>/<gpu>.sock``
-  (:func:`listener`);
+  (:func:`listener`), refusing a path another live instance serves on and
+  replacing a stale one (:func:`remove_stale`);
 - the exit status of a start that cannot go on (:data:`EXIT_CONFIG`, 78, stops
   the unit's restart loop through ``RestartPreventExitStatus=78``).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,15 +99,58 @@ def listener(opts: ServeOptions, cfg: Config, stored: dict[str, list[int]]) -> t
     where = os.environ.get("WEIGHTCACHE_SOCKET_DIR") or cfg.service.socket_dir
     path = opts.listen or os.path.join(where, f"{opts.gpu}.sock")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    remove_stale(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     s.bind(path)
     os.chmod(path, 0o660)
     s.listen(128)
     return s, path
+
+
+def remove_stale(path: str) -> None:
+    """Removes what is at ``path`` before the bind, unless a live service answers there.
+
+    A socket nobody listens on (``ECONNREFUSED``: left by a killed service) or anything that cannot be
+    connected to is stale and removed, as is a non-socket file.
+
+    Raises:
+        ConfigError (`config_invalid`): a connect to ``path`` succeeds (or stays pending: a busy
+            service); the path is left alone.
+    """
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+            return
+    except FileNotFoundError:
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except (socket.timeout, BlockingIOError):  # a full backlog: someone listens
+        live = True
+    except OSError:  # ECONNREFUSED (stale), ENOENT (gone meanwhile), ...
+        live = False
+    else:
+        live = True
+    finally:
+        probe.close()
+    if live:
+        raise ConfigError(f"{path}: another weightcache instance is serving on this socket; stop it first "
+                          f"(or give this one another --listen path)", path=path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def socket_id(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``path`` (not following a link), None when it does not exist."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def serve(opts: ServeOptions) -> int:
@@ -144,13 +189,19 @@ def serve(opts: ServeOptions) -> int:
         log.critical("start failed code=%s error=%s", e.code, e.message)
         notify.notify(f"STATUS=start failed: {e.message}")
         return EXIT_FAILED
-    sock, bound = listener(opts, cfg, stored)
+    try:
+        sock, bound = listener(opts, cfg, stored)
+    except ConfigError as e:  # another instance serves on the path (remove_stale)
+        log.critical("start refused code=%s error=%s", e.code, e.message)
+        notify.notify(f"STATUS=start refused: {e.message}")
+        return EXIT_CONFIG
+    mine = socket_id(bound) if bound else None  # the socket bound here, not one a later instance put there
     d = Daemon(cfg, opts.gpu, backend, sock, stored, load_config=lambda: load_config(opts.config),
                config_error=config_error)
     try:
         return d.serve()
     finally:
-        if bound:
+        if bound and mine is not None and socket_id(bound) == mine:
             try:
                 os.unlink(bound)
             except FileNotFoundError:
