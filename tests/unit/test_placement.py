@@ -191,7 +191,7 @@ def test_without_nvrtc_a_cuda_slab_takes_the_torch_path(tmp_path, monkeypatch):
             raise AssertionError("the torch path uses no stager")
 
         def prepare_kernels(self):
-            pass
+            """The torch path compiles no NVRTC kernels: nothing to prepare."""
 
         def zero(self, ranges):
             raise kernels.KernelError("NVRTC refused the program")
