@@ -211,17 +211,8 @@ def open_file(path: str | os.PathLike, flags: int = os.O_RDONLY | os.O_CLOEXEC) 
     """
     if isinstance(path, MemberPath):
         return path.checkpoint.open_member(path.member, flags)
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"checkpoint file {path} does not exist", file=str(path)) from None
-    except PermissionError:
-        raise unreadable(path) from None
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        raise CheckpointCorrupt(f"checkpoint file {path} became a symbolic link after it was checked; the service "
-                                f"opens checkpoint files by their resolved path only", file=str(path)) from None
+    fd = _open_checked(lambda: os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK), path, str(path),
+                       "resolved path")
     try:
         mode = os.fstat(fd).st_mode
     except OSError:
@@ -408,18 +399,8 @@ class CheckpointFiles:
             self.file_path(fname)
         dfd, name = self._members[fname]
         shown = self._resolved[fname]
-        try:
-            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-        except FileNotFoundError:
-            raise CheckpointNotFound(f"checkpoint file {shown} does not exist", file=fname) from None
-        except PermissionError:
-            raise unreadable(shown) from None
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise CheckpointCorrupt(f"checkpoint file {shown} became a symbolic link after it was checked; the "
-                                    f"service opens checkpoint files by their checked name only",
-                                    file=fname) from None
+        fd = _open_checked(lambda: os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd),
+                           shown, fname, "checked name")
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -437,3 +418,28 @@ class CheckpointFiles:
             os.close(fd)
             raise
         return fd
+
+
+def _open_checked(open_fd, shown, file: str, by: str) -> int:
+    """Runs ``open_fd()`` (an ``os.open`` with ``O_NOFOLLOW``) and maps its errors to checkpoint errors.
+
+    Args:
+        open_fd (`callable`): ``() -> int``, the open itself.
+        shown: the file as error messages name it; file (`str`): ``details["file"]``.
+        by (`str`): what the service opens files by ("resolved path", "checked name"), for the symlink error.
+
+    Raises:
+        CheckpointNotFound: ``ENOENT``. CheckpointUnreadable: ``EACCES``.
+        CheckpointCorrupt: ``ELOOP`` (the file became a symbolic link after it was checked).
+    """
+    try:
+        return open_fd()
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"checkpoint file {shown} does not exist", file=file) from None
+    except PermissionError:
+        raise unreadable(shown) from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise CheckpointCorrupt(f"checkpoint file {shown} became a symbolic link after it was checked; the service "
+                                f"opens checkpoint files by their {by} only", file=file) from None
