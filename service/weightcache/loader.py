@@ -101,9 +101,15 @@ class LoaderOptions:
 
     @property
     def chunk_bytes(self) -> int:
+        """The most file bytes one piece of a task reads (a staging buffer less the ``O_DIRECT`` margins)."""
         c = self.staging_bytes // (2 * max(1, self.threads))
         c -= c % (2 * DIRECT_ALIGN)
         return max(c - 2 * DIRECT_ALIGN, DIRECT_ALIGN)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Size of each of a reader thread's two staging buffers (``chunk_bytes`` plus the ``O_DIRECT`` margins)."""
+        return self.chunk_bytes + 2 * DIRECT_ALIGN
 
 
 def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> ReadTask | None:
@@ -360,7 +366,7 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     errors: list[BaseException] = []
     read_total = [0]
     lock = threading.Lock()
-    size = chunk + 2 * DIRECT_ALIGN
+    size = opts.buffer_bytes
 
     def staged(t: ReadTask, stage: memoryview) -> tuple[int, int]:
         """Reads ``t`` into ``stage``; returns ``(offset of the first row in stage, pitch of rows in stage)``."""
