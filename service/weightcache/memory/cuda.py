@@ -125,11 +125,17 @@ class CudaBackend:
         """Returns ``(free_bytes, total_bytes)`` of this GPU (``cuMemGetInfo``)."""
         return self._device(self.gpu).mem_info()
 
-    def warm_staging(self, threads: int, buffer_bytes: int) -> None:
-        """Starts allocating the pinned staging of a fill (``threads`` sets of two ``buffer_bytes`` buffers) on a
-        background thread, so that a load's plan overlaps it (:class:`~weightcache.memory.cuda_staging.StagingPool`;
-        kept for the next loads). Errors surface at the fill."""
-        StagingPool.of(self._device(self.gpu)).warm(threads, buffer_bytes)
+    def prepare_fill(self, threads: int, buffer_bytes: int) -> None:
+        """Starts, on background threads, what a torch-free fill of this GPU needs: the pinned staging
+        (``threads`` sets of two ``buffer_bytes`` buffers, :class:`~weightcache.memory.cuda_staging.StagingPool`,
+        kept for the next loads) and the NVRTC kernels (:func:`weightcache.memory.kernels.prepare`), so that a
+        load's plan overlaps them. Returns at once; errors surface at the fill (which then allocates or
+        falls back itself)."""
+        from . import kernels
+
+        dev = self._device(self.gpu)
+        StagingPool.of(dev).warm(threads, buffer_bytes)
+        kernels.prepare(dev)  # a missing NVRTC is met (and the torch path chosen) by the fill itself
 
     def allocate(self, size_bytes: int, label: str) -> CudaWritableSlab:
         """Allocates a writable slab of at least ``size_bytes`` on this GPU.
