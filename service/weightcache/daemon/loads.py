@@ -300,6 +300,9 @@ class Loader:
         try:
             if slot.hosted is not None:
                 return self._promote(slot, started, job)
+            warm = getattr(st.backend, "warm_staging", None)
+            if warm is not None and tier != "host":  # pinned staging allocated while the plan runs
+                warm(st.options.threads, st.options.buffer_bytes)
             # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
             # configuration was read, symlinks followed only when root or the service user owns them.
             ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)

@@ -66,7 +66,7 @@ from .cuda_driver import (  # noqa: F401
     gpu_uuid)
 from .cuda_mapping import _map_fd, _Mapping, _unmap  # noqa: F401
 from .cuda_slabs import CudaImportedSlab, CudaSealedSlab, CudaWritableSlab, _digests  # noqa: F401
-from .cuda_staging import CudaStager  # noqa: F401
+from .cuda_staging import CudaStager, StagingPool  # noqa: F401
 
 __all__ = [
     "CudaBackend",
@@ -124,6 +124,12 @@ class CudaBackend:
     def mem_info(self) -> tuple[int, int]:
         """Returns ``(free_bytes, total_bytes)`` of this GPU (``cuMemGetInfo``)."""
         return self._device(self.gpu).mem_info()
+
+    def warm_staging(self, threads: int, buffer_bytes: int) -> None:
+        """Starts allocating the pinned staging of a fill (``threads`` sets of two ``buffer_bytes`` buffers) on a
+        background thread, so that a load's plan overlaps it (:class:`~weightcache.memory.cuda_staging.StagingPool`;
+        kept for the next loads). Errors surface at the fill."""
+        StagingPool.of(self._device(self.gpu)).warm(threads, buffer_bytes)
 
     def allocate(self, size_bytes: int, label: str) -> CudaWritableSlab:
         """Allocates a writable slab of at least ``size_bytes`` on this GPU.
