@@ -20,6 +20,9 @@ from service_harness import daemon  # noqa: F401 - pytest fixture (a host-backen
 PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader")
 #: The operator's messages and the records inside their replies: an engine's attach never exchanges them.
 OPERATOR_PROTOCOL = ("weightcache.protocol.admin", "weightcache.protocol.records")
+#: The planning stages' tensor specs and the safetensors header reads: an attach served by the service builds no
+#: spec and reads no header (the key's checkpoint identity is checked by ``stat()``).
+NOT_ATTACHING = ("weightcache.tensor_spec", "weightcache.checkpoint_header")
 
 
 def _imported(code: str, ahead: str = "0") -> set[str]:
@@ -42,7 +45,7 @@ def test_import_weightcache_and_attach_skip_the_pipeline(ahead):
     mods = _imported("import weightcache; weightcache.attach; weightcache.AttachOptions; "
                      "from weightcache import attach_imports; attach_imports.wait()", ahead)
     assert {"weightcache", "weightcache.client", "weightcache.protocol"} <= mods
-    for name in PIPELINE + OPERATOR_PROTOCOL + ("numpy", "torch", "safetensors"):
+    for name in PIPELINE + OPERATOR_PROTOCOL + NOT_ATTACHING + ("numpy", "torch", "safetensors"):
         assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported: {sorted(mods)}"
     ahead_of_attach = {m for m in mods if m.startswith(CUDA_PATH)}
     if ahead == "0":
@@ -89,7 +92,7 @@ def test_first_attach_to_a_service_imports_no_pipeline(daemon, tmp_path, by, ahe
     mods, source, got = json.loads(r.stdout.strip().splitlines()[-1])
     assert source == "daemon"
     assert got == {k: [str(v.dtype), v.float().tolist()] for k, v in tensors.items()}
-    for name in PIPELINE + OPERATOR_PROTOCOL:
+    for name in PIPELINE + OPERATOR_PROTOCOL + NOT_ATTACHING:
         assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported: {mods}"
     assert "weightcache.client" in mods and "weightcache.identity" in mods and "weightcache.memory.host" in mods
     assert ("weightcache.memory.cuda" in mods) is (ahead == "1"), mods
@@ -173,3 +176,17 @@ def test_options_record_and_keywords_are_the_same_request(tmp_path):
     with pytest.raises(ValueError):
         weightcache.attach("/m", options=opts, mode="mmap")
     assert Path(tmp_path).is_dir()
+
+
+def test_names_moved_off_the_attach_path_import_from_where_they_were():
+    """``spec`` re-exports the tensor specs and ``checkpoint`` the header names on first use, as the same objects."""
+    from weightcache import checkpoint, checkpoint_header, spec, tensor_spec
+    from weightcache.checkpoint import TensorInfo, pread_exact, warm_validation
+    from weightcache.spec import SourceRef, TensorSpec
+
+    assert (TensorSpec, SourceRef) == (tensor_spec.TensorSpec, tensor_spec.SourceRef)
+    assert (TensorInfo, pread_exact, warm_validation) == (
+        checkpoint_header.TensorInfo, checkpoint_header.pread_exact, checkpoint_header.warm_validation)
+    for module in (spec, checkpoint):
+        with pytest.raises(AttributeError):
+            module.no_such_name  # noqa: B018
