@@ -44,8 +44,6 @@ def driver(monkeypatch):
     calls: list[str] = []
     FakeDevice.made = []
     monkeypatch.setattr("weightcache.memory.cuda_driver._Device", FakeDevice)
-    prepared: list[int] = []
-    monkeypatch.setattr("weightcache.memory.kernels.prepare", lambda dev: prepared.append(dev.index))
 
     def use(probe: CudaProbe):
         def fake():
@@ -55,7 +53,6 @@ def driver(monkeypatch):
         monkeypatch.setattr("weightcache.memory.probe_cuda", fake)
         return calls
 
-    use.prepared = prepared
     return use
 
 
@@ -65,23 +62,22 @@ def _cfg(backend: str, models: dict | None = None) -> Config:
 
 def test_probe_and_device_come_from_the_start_thread(driver):
     calls = driver(ONE_GPU)
-    start = CudaStart(0, kernels=True).begin()
+    start = CudaStart(0).begin()
     assert start.probe() == ONE_GPU
     dev = start.device()
     assert isinstance(dev, FakeDevice) and dev.index == 0
     start._thread.join(10)
     assert calls == ["weightcache-cuda-start"]
     assert FakeDevice.made == [(0, "weightcache-cuda-start")]
-    assert driver.prepared == [0]  # a model is placed here: the kernels' compile begins
 
 
 def test_no_usable_driver_retains_nothing(driver):
     driver(NO_DRIVER)
-    start = CudaStart(0, kernels=True).begin()
+    start = CudaStart(0).begin()
     assert start.probe() == NO_DRIVER
     assert start.device() is None
     start._thread.join(10)
-    assert FakeDevice.made == [] and driver.prepared == []
+    assert FakeDevice.made == []
 
 
 def test_a_device_error_is_raised_in_the_callers_thread_as_it_was_raised(driver):

@@ -9,9 +9,8 @@ starts:
   recorded beside the slabs in systemd's fd store (:func:`config_kept`);
 - the slab backend (:func:`backend_for`: ``--backend``, else the config's;
   ``auto`` asks the CUDA driver), whose driver start-up (``cuInit``, the
-  primary context, the kernels' compile) :func:`start_cuda` begins on a thread
-  as soon as the configuration is read, beside numpy's import and this
-  thread's import of the daemon;
+  primary context) :func:`start_cuda` begins on a thread as soon as the
+  configuration is read, beside this thread's import of the daemon;
 - the listening socket: the one systemd passed (``LISTEN_FDS``, name
   ``listen``), else one bound at ``--listen`` or ``<socket dir>/<gpu>.sock``
   (:func:`listener`), refusing a path another live instance serves on and
@@ -94,14 +93,13 @@ def start_cuda(cfg: Config, explicit: str | None, gpu: int) -> Any:
     """Begins the CUDA driver's start-up on a background thread when the backend may be ``cuda``
     (:class:`~weightcache.memory.cuda_start.CudaStart`); None for ``host`` (the driver is not asked).
 
-    ``explicit`` (``--backend``), else the config's backend, as :func:`backend_for` reads them; the kernels
-    are compiled too when the configuration places a model on GPU ``gpu``.
+    ``explicit`` (``--backend``), else the config's backend, as :func:`backend_for` reads them.
     """
     if (explicit or cfg.service.backend) not in ("auto", "cuda"):
         return None
     from ..memory.cuda_start import CudaStart
 
-    return CudaStart(gpu, kernels=bool(cfg.placements(gpu))).begin()
+    return CudaStart(gpu).begin()
 
 
 def listener(opts: ServeOptions, cfg: Config, stored: dict[str, list[int]]) -> tuple[socket.socket, str | None]:
@@ -188,10 +186,6 @@ def serve(opts: ServeOptions) -> int:
     from ..journal import setup_logging
 
     setup_logging(opts.gpu, logging.DEBUG if opts.verbose else logging.INFO)
-    # Three threads until the backend is chosen: numpy's import (the first plan's header check), the CUDA
-    # driver's start-up (its calls release the GIL) and, on this one, the configuration and the daemon's
-    # modules.
-    warm_validation()
     stored = notify.listen_fds()
     config_error = None
     try:
@@ -200,9 +194,13 @@ def serve(opts: ServeOptions) -> int:
         cfg, config_error = config_kept(opts, stored, e), e
         if cfg is None:
             return rejected(e)
+    # The driver's calls (cuInit, the primary context) release the GIL: they run beside the imports of the
+    # daemon's modules, then numpy's (the first plan's header check) beside what the driver has left. Two
+    # imports at once would only take turns on the GIL, each waiting for the other at every file read.
     start = start_cuda(cfg, opts.backend, opts.gpu)
     from .loop import Daemon
 
+    warm_validation()
     try:
         backend = backend_for(cfg, opts.backend, opts.gpu, kept=config_error is not None, start=start)
     except ConfigError as e:

@@ -1,13 +1,12 @@
 """The CUDA driver's start-up, begun on a background thread as ``weightcache serve`` starts.
 
-Before its first allocation a service on an H200 spends about 0.4 s in the
-driver: importing ``cuda.bindings.driver`` (0.03–0.05 s), ``cuInit`` (0.1–0.2 s)
-and retaining the GPU's primary context (``cuDevicePrimaryCtxRetain``, 0.12–0.15 s),
-then its first load imports NVRTC and compiles the kernels
-(:mod:`weightcache.memory.kernels`, 0.15–0.25 s). The driver calls release the
-GIL, so :class:`CudaStart` runs them on a thread of their own while the
-service's main thread imports the daemon (0.2–0.3 s) and a second thread
-imports numpy (:func:`weightcache.checkpoint_header.warm_validation`):
+Before its first allocation a service on an H200 waits about 0.3 s for the
+driver: ``cuInit`` (0.1–0.2 s) and the retain of the GPU's primary context
+(``cuDevicePrimaryCtxRetain``, 0.12–0.15 s), after importing
+``cuda.bindings.driver`` (0.03–0.05 s). Those calls release the GIL, so
+:class:`CudaStart` makes them on a thread of its own, begun as soon as the
+configuration says the backend may be ``cuda``, while the main thread imports
+the daemon's modules:
 
 1. the probe, :func:`weightcache.memory.probe_cuda` (import, ``cuInit``, device
    count), whose answer :meth:`CudaStart.probe` hands to
@@ -15,25 +14,21 @@ imports numpy (:func:`weightcache.checkpoint_header.warm_validation`):
 2. when the driver is usable: the GPU's :class:`~weightcache.memory.cuda_driver._Device`
    (``cuDeviceGet``, the primary context retained, the VMM granularity), which
    :meth:`CudaStart.device` hands to :class:`~weightcache.memory.cuda.CudaBackend`,
-   or the driver error it raised, raised again in the caller's thread;
-3. the import of the rest of the backend (:mod:`weightcache.memory.cuda`) and,
-   when the configuration places a model on this GPU, the kernels' compile
-   (:func:`weightcache.memory.kernels.prepare`, on its own thread; the first
-   load waits for it, or compiles itself when it failed).
+   or the driver error it raised, raised again in the caller's thread.
 
 Each step is done once: what the thread did is what the backend uses. The
-``host`` backend never starts it.
+thread does nothing else: more Python work beside the main thread's imports
+would only share the GIL with them (numpy's import, the other long one, is
+begun once the daemon's modules are in: :func:`weightcache.daemon.bootstrap.serve`).
+The ``host`` backend never starts it.
 
 Forbidden imports: torch, daemon, client, protocol, cli.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 class CudaStart:
@@ -41,8 +36,6 @@ class CudaStart:
 
     Args:
         gpu (`int`): CUDA ordinal as torch counts it (the instance's GPU).
-        kernels (`bool`, *optional*): also compile the load's GPU kernels once the context is retained
-            (a model is placed on this GPU); defaults to False.
 
     Example:
         >>> start = CudaStart(0).begin()            # returns at once
@@ -50,9 +43,8 @@ class CudaStart:
         >>> backend = CudaBackend(0, device=start.device())
     """
 
-    def __init__(self, gpu: int, kernels: bool = False) -> None:
+    def __init__(self, gpu: int) -> None:
         self.gpu = int(gpu)
-        self._kernels = kernels
         self._probed = threading.Event()
         self._done = threading.Event()
         self._probe: Any = None
@@ -105,14 +97,3 @@ class CudaStart:
             self._error = e
         finally:
             self._done.set()
-        if self._device is None:
-            return
-        try:
-            from . import cuda  # noqa: F401 - the rest of the backend's modules, off the main thread
-
-            if self._kernels:
-                from . import kernels
-
-                kernels.prepare(self._device)
-        except Exception as e:  # noqa: BLE001 - the backend and the first load do both again, and report
-            log.debug("cuda start-up: warming the backend failed gpu=%d error=%r", self.gpu, e)
