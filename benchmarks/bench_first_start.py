@@ -42,13 +42,22 @@ reports the ratio to ``hf``; ``--tp N`` serves every rank of TP ``N`` from
 the one service on GPU 0 (READY once all are loaded; stages and bytes summed
 over the ranks); ``--fp8 tensor|channel`` uses a Llama-3-8B-shaped ModelOpt
 FP8 checkpoint (``benchmarks/modelopt_fp8_checkpoint.py``) instead;
-``--cold-attach`` has a fresh process attach rank 0 after the last timed READY
-(``import weightcache``, ``import torch`` + CUDA init and the first
-``attach()`` timed apart), then asks the service to ``verify`` the model.
+``--cold-attach [N]`` has N fresh processes (default 1) attach rank 0 after the
+last timed READY, each in two orders: *client first* (``import weightcache``,
+``weightcache.attach`` (the client's import), ``import torch`` + CUDA init,
+then the first and a second ``attach()``, each timed apart; the CUDA attach
+path is imported ahead on a thread meanwhile, see ``weightcache.attach_imports``)
+and *torch first* (``import torch`` + CUDA init, then the client's import and
+at once the first ``attach()``: what the client's import costs in a process
+that has torch already, and a first attach with no time for the import ahead);
+the first process then asks the service to ``verify`` the model.
+``--cold-attach-clients LABEL=DIR,...`` runs the attaching processes with
+another client on ``PYTHONPATH`` (e.g. an older tree, to compare), interleaved
+per sample; the service stays the source tree's.
 
 Usage: bench_first_start.py [--device cuda|cpu] [--size-gb G] [--reps N] [--read-threads N]
        [--activator systemd|holder] [--naming hf,vllm] [--tp N] [--fp8 none|tensor|channel]
-       [--cold-attach] [--dir DIR] [--remove]
+       [--cold-attach [N]] [--cold-attach-clients LABEL=DIR,...] [--dir DIR] [--remove]
 """
 
 from __future__ import annotations
@@ -129,7 +138,8 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
               cold_attach: dict | None = None) -> dict:
     """Starts a fresh service, waits for READY=1, stops it; returns the stage times in seconds.
 
-    With ``cold_attach`` (``{device, tp, naming}``), a fresh process attaches rank 0 before the service stops.
+    With ``cold_attach`` (the keywords of :func:`_cold_attach`), fresh processes attach rank 0 before the service
+    stops.
     """
     sock_path, notify_path = str(work / "0.sock"), str(work / "notify.sock")
     trace, log_path = work / "trace.jsonl", work / "service.log"
@@ -239,27 +249,78 @@ w2 = attach("m", tp_size=int(sys.argv[3]), tp_rank=0, device=device, naming=sys.
 t4b = time.perf_counter()
 w2.close()
 w.close()
-import os
-from weightcache import protocol
-from weightcache.client import Session
-s = Session(os.path.join(sys.argv[1], "0.sock"))
-t4 = time.perf_counter()
-reply = s.request(protocol.Verify("m"), timeout=300)
-t5 = time.perf_counter()
-bad = sum(len(r.mismatched) for r in reply.typed())
-print(json.dumps({"import_weightcache_s": t1 - t0, "import_client_s": t1b - t1, "import_torch_and_cuda_s": t2 - t1b,
-                  "first_attach_s": t3 - t2, "second_attach_s": t4b - t4a, "imported_by_first_attach": during,
-                  "tensors": len(w.tensors), "source": w.source, "heavy_modules_at_import": heavy,
-                  "verify_s": t5 - t4, "verify_mismatched": bad}))
+ahead = getattr(sys.modules.get("weightcache.attach_imports"), "_thread", None) is not None
+out = {"import_weightcache_s": t1 - t0, "import_client_s": t1b - t1, "import_torch_and_cuda_s": t2 - t1b,
+       "first_attach_s": t3 - t2, "second_attach_s": t4b - t4a, "imported_by_first_attach": during,
+       "tensors": len(w.tensors), "source": w.source, "heavy_modules_at_import": heavy, "import_ahead": ahead}
+if sys.argv[5] == "verify":
+    import os
+    from weightcache import protocol
+    from weightcache.client import Session
+    s = Session(os.path.join(sys.argv[1], "0.sock"))
+    t4 = time.perf_counter()
+    reply = s.request(protocol.Verify("m"), timeout=300)
+    out.update(verify_s=time.perf_counter() - t4, verify_mismatched=sum(len(r.mismatched) for r in reply.typed()))
+print(json.dumps(out))
+"""
+
+#: The other order: torch and CUDA first (an engine that imports weightcache late), then the client's import
+#: and at once the first ``attach()`` (no time for the CUDA attach path's import ahead), then a second.
+COLD_ATTACH_TORCH_FIRST = r"""
+import json, sys, time
+import torch
+device = sys.argv[2]
+if device.startswith("cuda"):
+    torch.cuda.init()
+    torch.empty(1, device=device)
+t0 = time.perf_counter()
+import weightcache
+attach = weightcache.attach
+t1 = time.perf_counter()
+before = set(sys.modules)
+w = attach("m", tp_size=int(sys.argv[3]), tp_rank=0, device=device, naming=sys.argv[4],
+           socket_dir=sys.argv[1], fallback=False)
+t2 = time.perf_counter()
+during = sorted(m for m in set(sys.modules) - before if "." not in m or m.startswith(("weightcache", "cuda")))
+w2 = attach("m", tp_size=int(sys.argv[3]), tp_rank=0, device=device, naming=sys.argv[4],
+            socket_dir=sys.argv[1], fallback=False)
+t3 = time.perf_counter()
+w2.close()
+w.close()
+print(json.dumps({"import_client_after_torch_s": t1 - t0, "first_attach_at_once_s": t2 - t1,
+                  "second_attach_s": t3 - t2, "imported_by_first_attach": during}))
 """
 
 
-def _cold_attach(work: Path, device: str, tp: int, naming: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", COLD_ATTACH, str(work), device, str(tp), naming],
-                       env=service_env(), capture_output=True, text=True, timeout=300)
-    if r.returncode != 0:
-        return {"error": r.stderr[-1500:]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+def _cold_attach(work: Path, device: str, tp: int, naming: str, samples: int, clients: dict[str, str]) -> dict:
+    """``samples`` fresh processes per client and order, interleaved; ``{label: [{"client_first": {...},
+    "torch_first": {...}}, ...]}`` (a failed process: ``{"error": stderr tail}`` in place of the lists)."""
+    out: dict[str, list] = {label: [] for label in clients}
+    for i in range(samples):
+        for label, path in clients.items():
+            env = service_env()
+            if path:  # this client first on the path; the service already runs
+                env["PYTHONPATH"] = os.pathsep.join([path, env["PYTHONPATH"]])
+            sample = {}
+            for order, script, extra in (("client_first", COLD_ATTACH, ["verify" if i == 0 else "-"]),
+                                         ("torch_first", COLD_ATTACH_TORCH_FIRST, [])):
+                r = subprocess.run([sys.executable, "-c", script, str(work), device, str(tp), naming, *extra],
+                                   env=env, capture_output=True, text=True, timeout=300)
+                if r.returncode != 0:
+                    return {"error": f"{label} {order}: {r.stderr[-1500:]}"}
+                sample[order] = json.loads(r.stdout.strip().splitlines()[-1])
+            out[label].append(sample)
+    return out
+
+
+def _cold_stats(samples: list[dict]) -> dict:
+    """:func:`stats` of each cold-attach time over ``samples`` (the torch-first second attach renamed apart)."""
+    keys = ("import_weightcache_s", "import_client_s", "import_torch_and_cuda_s", "first_attach_s", "second_attach_s")
+    c = {k: stats([x["client_first"][k] for x in samples]) for k in keys}
+    c.update({k: stats([x["torch_first"][k] for x in samples])
+              for k in ("import_client_after_torch_s", "first_attach_at_once_s")})
+    c["second_attach_at_once_s"] = stats([x["torch_first"]["second_attach_s"] for x in samples])
+    return c
 
 
 def _checkpoint(args: argparse.Namespace, gb: float) -> tuple[Path, str]:
@@ -293,8 +354,12 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size; every rank on GPU 0 (default 1)")
     ap.add_argument("--fp8", choices=("none", "tensor", "channel"), default="none",
                     help="a ModelOpt FP8 checkpoint (per-tensor or per-channel scales) instead of bf16")
-    ap.add_argument("--cold-attach", action="store_true",
-                    help="after the last timed READY, a fresh process attaches rank 0 (imports timed apart)")
+    ap.add_argument("--cold-attach", type=int, nargs="?", const=1, default=0, metavar="N",
+                    help="after the last timed READY, N fresh processes (default 1) attach rank 0 in two orders "
+                         "(imports timed apart)")
+    ap.add_argument("--cold-attach-clients", default="", metavar="LABEL=DIR,...",
+                    help="the clients the attaching processes run (PYTHONPATH first), interleaved; default: the "
+                         "source tree's, labelled 'source'")
     ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR", "/tmp/weightcache-bench"))
     ap.add_argument("--remove", action="store_true", help="delete the checkpoint afterwards (default: keep, reused)")
     args = ap.parse_args()
@@ -312,8 +377,9 @@ def main() -> int:
             work = Path(tempfile.mkdtemp(prefix="wc-first-"))
             cfg = write_config(work / "weightcache.toml", {"m": {"path": ck, "naming": naming}}, backend, tp=args.tp,
                                **service)
-            attach = ({"device": "cuda:0" if cuda else "cpu", "tp": args.tp, "naming": naming}
-                      if args.cold_attach else None)
+            clients = dict(c.split("=", 1) for c in args.cold_attach_clients.split(",") if c) or {"source": ""}
+            attach = ({"device": "cuda:0" if cuda else "cpu", "tp": args.tp, "naming": naming,
+                       "samples": args.cold_attach, "clients": clients} if args.cold_attach else None)
             try:
                 one_start(work, cfg, backend, args.activator, 600)  # warm-up: page cache, bytecode cache
                 # The cold attach (torch's import alone is seconds) after the last timed start only.
@@ -349,20 +415,26 @@ def main() -> int:
                    f"torch: {'yes' if r['torch_free'] else 'NO'}; torch imported before READY: "
                    f"{'YES' if r['torch_before_ready'] else 'no'}; target <= {target_s} s: {met(r['met'])}"]
         cold = [x["cold_attach"] for x in runs if "cold_attach" in x]
-        if cold and all("error" not in c for c in cold):
-            c = {k: stats([x[k] for x in cold]) for k in ("import_weightcache_s", "import_client_s",
-                                                          "import_torch_and_cuda_s", "first_attach_s",
-                                                          "second_attach_s", "verify_s")}
-            r["cold_attach"] = {"stages_s": c, "runs": cold}
-            md += ["", f"cold attach (fresh process, rank 0, {cold[0]['tensors']} tensors): `import weightcache` "
-                       f"{c['import_weightcache_s']['median'] * 1e3:.1f} ms + `weightcache.attach` (the client) "
-                       f"{c['import_client_s']['median'] * 1e3:.1f} ms, `import torch` + CUDA init "
-                       f"{c['import_torch_and_cuda_s']['median'] * 1e3:.0f} ms, first `attach()` "
-                       f"{c['first_attach_s']['median'] * 1e3:.1f} ms (importing {cold[0]['imported_by_first_attach']}), "
-                       f"second {c['second_attach_s']['median'] * 1e3:.1f} ms; pipeline modules loaded by the import: "
-                       f"{cold[0]['heavy_modules_at_import'] or 'none'}; `verify` of every rank (through the "
-                       f"socket, the service's digests recomputed): {c['verify_s']['median']:.3f} s, "
-                       f"{sum(x['verify_mismatched'] for x in cold)} mismatched"]
+        if cold and "error" not in cold[0]:
+            r["cold_attach"] = {}
+            for label, samples in cold[0].items():
+                r["cold_attach"][label] = c = _cold_stats(samples)
+                first, tf = samples[0]["client_first"], samples[0]["torch_first"]
+                med = {k: v["median"] * 1e3 for k, v in c.items()}
+                md += ["", f"cold attach, client `{label}` (fresh processes, rank 0, {first['tensors']} tensors, "
+                           f"median of {len(samples)}; import ahead: {'yes' if first['import_ahead'] else 'no'}). "
+                           f"Client first: `import weightcache` {med['import_weightcache_s']:.1f} ms + "
+                           f"`weightcache.attach` (the client) {med['import_client_s']:.1f} ms, `import torch` + "
+                           f"CUDA init {med['import_torch_and_cuda_s']:.0f} ms, first `attach()` "
+                           f"{med['first_attach_s']:.1f} ms (importing {first['imported_by_first_attach']}), second "
+                           f"{med['second_attach_s']:.1f} ms. Torch first: the client's import "
+                           f"{med['import_client_after_torch_s']:.1f} ms, first `attach()` at once "
+                           f"{med['first_attach_at_once_s']:.1f} ms (importing {tf['imported_by_first_attach']}), "
+                           f"second {med['second_attach_at_once_s']:.1f} ms; pipeline modules loaded by the import: "
+                           f"{first['heavy_modules_at_import'] or 'none'}"]
+                if "verify_s" in first:
+                    md += [f"`verify` of every rank (through the socket, the service's digests recomputed): "
+                           f"{first['verify_s']:.3f} s, {first['verify_mismatched']} mismatched"]
         elif cold:
             md += ["", f"cold attach failed: {cold[0]['error'][-300:]}"]
         md.append("")

@@ -33,11 +33,22 @@ from typing import Any
 from .checkpoint_files import (  # noqa: F401
     INDEX_NAME, MAX_SIDE_FILE_BYTES, MAX_SYMLINKS, CheckpointFiles, MemberPath, _check_plain, _may, _open_dir,
     _read_small, _roots, not_regular, open_file, resolve_dir, unreadable)
-from .checkpoint_header import (  # noqa: F401
-    MAX_HEADER_BYTES, TensorInfo, _parse_header, _read_header, _read_raw_header, _validate_with_safetensors,
-    pread_exact, warm_validation)
 from .checkpoint_identity import CheckpointIdentity, _stat_identity  # noqa: F401
 from .errors import CheckpointCorrupt, CheckpointNotFound
+
+#: Re-exported from :mod:`weightcache.checkpoint_header` on first use (PEP 562): an engine's attach checks
+#: a checkpoint's identity by ``stat()`` and reads no header, so it does not import the header module.
+_HEADER_NAMES = ("MAX_HEADER_BYTES", "TensorInfo", "_parse_header", "_read_header", "_read_raw_header",
+                 "_validate_with_safetensors", "pread_exact", "warm_validation")
+
+
+def __getattr__(name: str) -> Any:
+    """The names of :mod:`weightcache.checkpoint_header` re-exported here, imported on first use."""
+    if name in _HEADER_NAMES:
+        from . import checkpoint_header
+
+        return getattr(checkpoint_header, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Checkpoint(CheckpointFiles, CheckpointIdentity):
@@ -124,6 +135,8 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
         self._tensors: dict[str, TensorInfo] | None = None
         self._metadata: dict[str, dict] = {}
         if validate:
+            from .checkpoint_header import _validate_with_safetensors
+
             self._parse()  # our errors name the tensor; then safetensors' own checks
             for fname in self.files:
                 _validate_with_safetensors(self.file_path(fname))
@@ -166,6 +179,8 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
             self._weight_map = weight_map
             for stray in sorted(self.path / n for n in names if n.endswith(".safetensors") and "-of-" in n):
                 if stray.name not in files and re.fullmatch(r".+-\d+-of-\d+\.safetensors", stray.name):
+                    from .checkpoint_header import _read_header
+
                     _, stray_header, _ = _read_header(self.file_path(stray.name))
                     names = sorted(k for k in stray_header if k != "__metadata__")
                     raise CheckpointCorrupt(
@@ -190,6 +205,8 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
             CheckpointCorrupt (`checkpoint_corrupt`): a file too short for its header.
         """
         if self._raw_headers is None:
+            from .checkpoint_header import _read_raw_header
+
             raw_headers = {}
             for fname in self.files:
                 raw, data_start, st = _read_raw_header(self.file_path(fname))
@@ -222,6 +239,8 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
             CheckpointNotFound (`checkpoint_not_found`): a tensor of the index
                 missing from its file.
         """
+        from .checkpoint_header import TensorInfo, _parse_header
+
         tensors: dict[str, TensorInfo] = {}
         raw_headers = self.raw_headers
         for fname in self.files:
@@ -266,6 +285,8 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
         Raises:
             CheckpointCorrupt (`checkpoint_corrupt`): the file ended early.
         """
+        from .checkpoint_header import pread_exact
+
         path = self.file_path(info.file)
         fd = open_file(path)
         try:

@@ -13,6 +13,8 @@ The load pipeline (:mod:`weightcache.pipeline`, :mod:`weightcache.quant`,
 :mod:`weightcache.sharding`, :mod:`weightcache.loader`), numpy and torch are
 imported by the functions that use them, never when this module is imported:
 an engine that only attaches pays for what attaching needs (tests/unit/test_lazy_imports.py).
+What only a CUDA attach needs (``cuda.bindings.driver``...) is imported on a thread from
+this module's import on, where plausible (:mod:`weightcache.attach_imports`).
 
 Forbidden imports: weightcache.config, weightcache.daemon, asyncio, weightcache.pipeline at module level,
 weightcache.quant at module level, weightcache.sharding at module level, weightcache.loader at module level,
@@ -34,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from . import protocol
+from . import attach_imports, protocol
 from .checkpoint import Checkpoint
 from .device import device_info, local_backend, physical_gpu  # noqa: F401 (physical_gpu re-exported)
 from .errors import (
@@ -590,3 +592,7 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
     except BaseException:
         session.close()
         raise
+
+
+# Last, the client whole: the CUDA attach path's imports on a thread (none without an NVIDIA device node).
+attach_imports.start()

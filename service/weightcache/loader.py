@@ -101,9 +101,15 @@ class LoaderOptions:
 
     @property
     def chunk_bytes(self) -> int:
+        """The most file bytes one piece of a task reads (a staging buffer less the ``O_DIRECT`` margins)."""
         c = self.staging_bytes // (2 * max(1, self.threads))
         c -= c % (2 * DIRECT_ALIGN)
         return max(c - 2 * DIRECT_ALIGN, DIRECT_ALIGN)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Size of each of a reader thread's two staging buffers (``chunk_bytes`` plus the ``O_DIRECT`` margins)."""
+        return self.chunk_bytes + 2 * DIRECT_ALIGN
 
 
 def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> ReadTask | None:
@@ -145,6 +151,30 @@ PER_ROW_SKIP_BYTES = 128 * 1024
 def per_row(t: ReadTask, o_direct: bool) -> bool:
     """Whether the strided task ``t`` is read row by row rather than as one span of the file."""
     return t.rows > 1 and not o_direct and t.src_pitch - t.length > PER_ROW_SKIP_BYTES
+
+
+def compact_rows(buf: memoryview, first: int, pitch: int, length: int, rows: int) -> int:
+    """Packs ``rows`` rows of ``length`` bytes, read ``pitch`` apart from ``first``, to the start of ``buf``; returns 0.
+
+    A row-parallel shard read as a span of the file becomes one contiguous
+    host-to-device copy instead of a ``cuMemcpy2DAsync`` of narrow rows (on
+    the H200 host, 2-D copies of 4 KB rows took 1.4 ms per call to queue).
+    In place, front to back, in blocks whose destination ends before their
+    source begins (so no temporary copy): block sizes grow by ``pitch /
+    length``, a dozen numpy copies for 4096 rows.
+    """
+    import numpy as np
+
+    src = np.ndarray((rows, length), np.uint8, buf, first, (pitch, 1))
+    dst = np.ndarray((rows, length), np.uint8, buf, 0, (length, 1))
+    a = 0
+    while a < rows:
+        b = min(rows, max(a + 1, (first + a * pitch) // length))
+        if first or a:  # row 0 with first == 0 is already in place
+            dst[a:b] = src[a:b]
+        a = b
+    del src, dst
+    return 0
 
 
 def _split(tasks: list[ReadTask], chunk: int, o_direct: bool = False) -> list[ReadTask]:
@@ -360,7 +390,7 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     errors: list[BaseException] = []
     read_total = [0]
     lock = threading.Lock()
-    size = chunk + 2 * DIRECT_ALIGN
+    size = opts.buffer_bytes
 
     def staged(t: ReadTask, stage: memoryview) -> tuple[int, int]:
         """Reads ``t`` into ``stage``; returns ``(offset of the first row in stage, pitch of rows in stage)``."""
@@ -418,8 +448,10 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
                     i += 1
                     st.wait(b)
                     first, pitch = staged(t, st.buffer(b))
-                    if t.rows == 1:
-                        st.copy(b, first, t.length, t.slab_offset)
+                    if t.rows > 1 and t.dst_pitch == t.length and pitch != t.length:
+                        first, pitch = compact_rows(st.buffer(b), first, pitch, t.length, t.rows), t.length
+                    if t.rows == 1 or pitch == t.length == t.dst_pitch:
+                        st.copy(b, first, t.nbytes, t.slab_offset)
                     else:
                         st.copy2d(b, first, pitch, t.length, t.rows, t.slab_offset, t.dst_pitch)
                     done(t.nbytes)

@@ -1,8 +1,11 @@
-"""What goes into a slab, decided from headers alone before any byte is read.
+"""What goes into a slab: the request (:class:`LoadRequest`, :class:`RankRequest`), decided before any byte is read.
 
 The planning stages speak in :class:`TensorSpec`: an output tensor of the slab,
 built from slices of checkpoint tensors (:class:`SourceRef`), concatenated
-along ``cat_dim`` and then passed through a named processing ``op``.
+along ``cat_dim`` and then passed through a named processing ``op``. Those two
+live in :mod:`weightcache.tensor_spec` and are re-exported here on first use
+(PEP 562): an engine's attach builds requests, never specs, and each frozen
+dataclass costs about a millisecond of code generation at import.
 
 - ``sharding`` turns checkpoint tensors into per-rank specs (op ``copy``,
   fused names, tied aliases);
@@ -16,7 +19,7 @@ weightcache.client.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING
@@ -113,52 +116,10 @@ class RankRequest:
             raise ValueError(f"rank request {d!r:.200} is damaged: {e!r}") from None
 
 
-@dataclass(frozen=True)
-class SourceRef:
-    """A slice of one checkpoint tensor.
+def __getattr__(name: str) -> Any:
+    """:class:`TensorSpec` and :class:`SourceRef`, imported from :mod:`weightcache.tensor_spec` on first use."""
+    if name in ("TensorSpec", "SourceRef"):
+        from . import tensor_spec
 
-    Attributes:
-        name (`str`): checkpoint tensor name (a key of the safetensors header).
-        dim (`int | None`): dimension sliced, or ``None`` for the whole tensor.
-        start (`int`), stop (`int`): half-open element range along ``dim``.
-    """
-
-    name: str
-    dim: int | None = None
-    start: int = 0
-    stop: int = 0
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of the slab.
-
-    Attributes:
-        name (`str`): engine-facing name.
-        dtype (`str`): safetensors dtype code of the stored bytes.
-        stored_shape (`tuple[int]`): shape of the stored, row-major contiguous bytes.
-        sources (`tuple[SourceRef]`): slices concatenated along ``cat_dim``
-            (one entry for a plain shard).
-        cat_dim (`int`): concatenation dimension of ``sources``.
-        op (`str`): processing op (``copy``: cast to ``dtype`` only); see
-            ``weightcache.pipeline.OPS``.
-        op_args (`dict`): JSON-able arguments of ``op`` (may name further
-            checkpoint tensors, e.g. the parts' ``weight_scale``).
-        view_shape (`tuple[int] | None`), view_stride (`tuple[int] | None`):
-            engine-facing view over the stored bytes; ``None`` means the stored
-            shape, contiguous.
-        layout (`dict`): metadata copied into the manifest record.
-        alias_of (`str | None`): tied weight; no bytes of its own.
-    """
-
-    name: str
-    dtype: str
-    stored_shape: tuple[int, ...]
-    sources: tuple[SourceRef, ...] = ()
-    cat_dim: int = 0
-    op: str = "copy"
-    op_args: dict[str, Any] = field(default_factory=dict)
-    view_shape: tuple[int, ...] | None = None
-    view_stride: tuple[int, ...] | None = None
-    layout: dict[str, Any] = field(default_factory=dict)
-    alias_of: str | None = None
+        return getattr(tensor_spec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

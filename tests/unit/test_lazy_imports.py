@@ -8,6 +8,7 @@ module) or from ``sys.modules``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,21 +20,38 @@ from service_harness import daemon  # noqa: F401 - pytest fixture (a host-backen
 PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader")
 #: The operator's messages and the records inside their replies: an engine's attach never exchanges them.
 OPERATOR_PROTOCOL = ("weightcache.protocol.admin", "weightcache.protocol.records")
+#: The planning stages' tensor specs and the safetensors header reads: an attach served by the service builds no
+#: spec and reads no header (the key's checkpoint identity is checked by ``stat()``).
+NOT_ATTACHING = ("weightcache.tensor_spec", "weightcache.checkpoint_header")
 
 
-def _imported(code: str) -> set[str]:
-    """Modules a fresh interpreter imports running ``code``, from ``-X importtime``."""
+def _imported(code: str, ahead: str = "0") -> set[str]:
+    """Modules a fresh interpreter imports running ``code`` (``$WEIGHTCACHE_IMPORT_AHEAD`` = ``ahead``), from
+    ``-X importtime``."""
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, timeout=120,
-                       check=True)
+                       check=True, env={**os.environ, "WEIGHTCACHE_IMPORT_AHEAD": ahead})
     return {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")
             and "|" in line} - {"package"}
 
 
-def test_import_weightcache_and_attach_skip_the_pipeline():
-    mods = _imported("import weightcache; weightcache.attach; weightcache.AttachOptions")
+#: What only the CUDA attach path needs: imported by the first CUDA attach, or ahead by weightcache.attach_imports.
+CUDA_PATH = ("weightcache.memory.cuda", "weightcache.identity", "cuda.bindings")
+
+
+@pytest.mark.parametrize("ahead", ["0", "1"])
+def test_import_weightcache_and_attach_skip_the_pipeline(ahead):
+    """The client's modules, never the pipeline's; the CUDA attach path only when imported ahead (``1``: on a thread,
+    waited for here so that the list is whole)."""
+    mods = _imported("import weightcache; weightcache.attach; weightcache.AttachOptions; "
+                     "from weightcache import attach_imports; attach_imports.wait()", ahead)
     assert {"weightcache", "weightcache.client", "weightcache.protocol"} <= mods
-    for name in PIPELINE + OPERATOR_PROTOCOL + ("numpy", "torch", "safetensors"):
+    for name in PIPELINE + OPERATOR_PROTOCOL + NOT_ATTACHING + ("numpy", "torch", "safetensors"):
         assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported: {sorted(mods)}"
+    ahead_of_attach = {m for m in mods if m.startswith(CUDA_PATH)}
+    if ahead == "0":
+        assert ahead_of_attach == set(), sorted(mods)
+    else:
+        assert {"weightcache.memory.cuda", "weightcache.identity"} <= ahead_of_attach, sorted(mods)
 
 
 def _toy_checkpoint(path: Path):
@@ -49,12 +67,14 @@ def _toy_checkpoint(path: Path):
     return tensors
 
 
-@pytest.mark.parametrize("by", ["path", "name"])
-def test_first_attach_to_a_service_imports_no_pipeline(daemon, tmp_path, by):  # noqa: F811 - the fixture
+@pytest.mark.parametrize("by,ahead", [("path", "0"), ("name", "0"), ("path", "1")])
+def test_first_attach_to_a_service_imports_no_pipeline(daemon, tmp_path, by, ahead):  # noqa: F811 - the fixture
     """A fresh engine's first attach served by a running (host-backend) service: the key is checked
     (identity from ``stat()`` and the small JSON files) without the load pipeline, the quantization
     registry or the operator's messages; the tensors are the checkpoint's bytes. (numpy is not checked here:
-    ``import torch``, which the views need, imports it itself; the check before attach holds it out.)"""
+    ``import torch``, which the views need, imports it itself; the check before attach holds it out.)
+    A host attach never imports the cuda backend; with the CUDA path imported ahead (``ahead`` = ``1``, on a
+    thread) the host attach is the same."""
     ck = tmp_path / "ck"
     tensors = _toy_checkpoint(ck)
     svc = daemon({"toy": str(ck)})
@@ -62,17 +82,20 @@ def test_first_attach_to_a_service_imports_no_pipeline(daemon, tmp_path, by):  #
     code = (
         "import sys, json, weightcache\n"
         f"a = weightcache.attach({model!r}, socket_dir={svc.socket_dir!r}, fallback=False, timeout=60)\n"
+        "from weightcache import attach_imports\nattach_imports.wait()\n"
         "mods = sorted(m for m in sys.modules if m.startswith('weightcache.'))\n"
         "print(json.dumps([mods, a.source, {k: [str(v.dtype), v.float().tolist()] for k, v in a.tensors.items()}]))\n"
         "a.close()\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "WEIGHTCACHE_IMPORT_AHEAD": ahead})
     assert r.returncode == 0, r.stderr[-3000:]
     mods, source, got = json.loads(r.stdout.strip().splitlines()[-1])
     assert source == "daemon"
     assert got == {k: [str(v.dtype), v.float().tolist()] for k, v in tensors.items()}
-    for name in PIPELINE + OPERATOR_PROTOCOL:
+    for name in PIPELINE + OPERATOR_PROTOCOL + NOT_ATTACHING:
         assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported: {mods}"
-    assert "weightcache.client" in mods and "weightcache.identity" in mods
+    assert "weightcache.client" in mods and "weightcache.identity" in mods and "weightcache.memory.host" in mods
+    assert ("weightcache.memory.cuda" in mods) is (ahead == "1"), mods
 
 
 def test_import_weightcache_alone_imports_no_submodule():
@@ -153,3 +176,17 @@ def test_options_record_and_keywords_are_the_same_request(tmp_path):
     with pytest.raises(ValueError):
         weightcache.attach("/m", options=opts, mode="mmap")
     assert Path(tmp_path).is_dir()
+
+
+def test_names_moved_off_the_attach_path_import_from_where_they_were():
+    """``spec`` re-exports the tensor specs and ``checkpoint`` the header names on first use, as the same objects."""
+    from weightcache import checkpoint, checkpoint_header, spec, tensor_spec
+    from weightcache.checkpoint import TensorInfo, pread_exact, warm_validation
+    from weightcache.spec import SourceRef, TensorSpec
+
+    assert (TensorSpec, SourceRef) == (tensor_spec.TensorSpec, tensor_spec.SourceRef)
+    assert (TensorInfo, pread_exact, warm_validation) == (
+        checkpoint_header.TensorInfo, checkpoint_header.pread_exact, checkpoint_header.warm_validation)
+    for module in (spec, checkpoint):
+        with pytest.raises(AttributeError):
+            module.no_such_name  # noqa: B018

@@ -318,3 +318,17 @@ def test_verify_checks_a_sealed_host_slab_on_its_mapping(tmp_path):
         assert pipeline.verify(man, sealed.tensor) == []  # the torch way agrees
     finally:
         sealed.close()
+
+
+@pytest.mark.parametrize("first,pitch,length,rows", [
+    (0, 8, 4, 1000), (0, 8192, 1024, 4096), (4096, 22016, 2752, 300), (3, 7, 5, 64), (0, 5, 4, 50), (17, 9, 9, 3),
+])
+def test_compact_rows_packs_strided_rows_in_place(first, pitch, length, rows):
+    """A row-parallel shard's rows, read as a span, packed to the buffer's start for one contiguous copy."""
+    size = first + (rows - 1) * pitch + length
+    raw = bytearray(os.urandom(size + 64))
+    want = b"".join(bytes(raw[first + r * pitch : first + r * pitch + length]) for r in range(rows))
+    buf = memoryview(raw)
+    assert loader.compact_rows(buf, first, pitch, length, rows) == 0
+    assert bytes(raw[: rows * length]) == want
+    del buf

@@ -300,6 +300,9 @@ class Loader:
         try:
             if slot.hosted is not None:
                 return self._promote(slot, started, job)
+            prepare = getattr(st.backend, "prepare_fill", None)
+            if prepare is not None and tier != "host":  # pinned staging and GPU kernels, while the plan runs
+                prepare(st.options.threads, st.options.buffer_bytes)
             # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
             # configuration was read, symlinks followed only when root or the service user owns them.
             ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)

@@ -66,7 +66,7 @@ from .cuda_driver import (  # noqa: F401
     gpu_uuid)
 from .cuda_mapping import _map_fd, _Mapping, _unmap  # noqa: F401
 from .cuda_slabs import CudaImportedSlab, CudaSealedSlab, CudaWritableSlab, _digests  # noqa: F401
-from .cuda_staging import CudaStager  # noqa: F401
+from .cuda_staging import CudaStager, StagingPool  # noqa: F401
 
 __all__ = [
     "CudaBackend",
@@ -128,6 +128,18 @@ class CudaBackend:
     def mem_info(self) -> tuple[int, int]:
         """Returns ``(free_bytes, total_bytes)`` of this GPU (``cuMemGetInfo``)."""
         return self._device(self.gpu).mem_info()
+
+    def prepare_fill(self, threads: int, buffer_bytes: int) -> None:
+        """Starts, on background threads, what a torch-free fill of this GPU needs: the pinned staging
+        (``threads`` sets of two ``buffer_bytes`` buffers, :class:`~weightcache.memory.cuda_staging.StagingPool`,
+        kept for the next loads) and the NVRTC kernels (:func:`weightcache.memory.kernels.prepare`), so that a
+        load's plan overlaps them. Returns at once; errors surface at the fill (which then allocates or
+        falls back itself)."""
+        from . import kernels
+
+        dev = self._device(self.gpu)
+        StagingPool.of(dev).warm(threads, buffer_bytes)
+        kernels.prepare(dev)  # a missing NVRTC is met (and the torch path chosen) by the fill itself
 
     def allocate(self, size_bytes: int, label: str) -> CudaWritableSlab:
         """Allocates a writable slab of at least ``size_bytes`` on this GPU.

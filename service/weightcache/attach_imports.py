@@ -1,0 +1,145 @@
+"""The CUDA attach path's imports, done ahead of the first ``attach()`` on a background thread.
+
+An engine's first :func:`weightcache.attach` to a CUDA slab imports what only
+that path needs: :mod:`weightcache.memory.cuda` with NVIDIA's
+``cuda.bindings.driver`` (which imports ``cuda.pathfinder``; about 45 ms on
+the H200 host, 60-80 ms on a small CPU machine, more than the rest of the
+attach) and :mod:`weightcache.identity`. An engine imports the client seconds
+before it attaches: vLLM loads the weightcache plugin (which imports the
+client) when each of its processes starts, then builds the model; a script
+imports weightcache at its top, then imports torch and initialises CUDA. So
+:func:`start`, called when :mod:`weightcache.client` is imported, runs those
+imports on a thread meanwhile. The attach imports them as it always did:
+Python's per-module import locks make it wait for an import still under way
+on the thread, never import twice; if the thread's import failed, the
+attach's own import raises the error where it did before.
+
+Started in the client, not in the integrations: the client is what every
+engine imports first (the vLLM and transformers integrations import it at
+their module level, a script through ``weightcache.attach``), and whether a
+CUDA attach is plausible is known there as well as anywhere.
+
+When (:func:`plausible`): an NVIDIA device node exists (``/dev/nvidiactl``)
+and ``CUDA_VISIBLE_DEVICES`` does not hide every GPU; a CPU machine (CI, the
+host backend) pays one ``stat()`` and starts nothing. ``$WEIGHTCACHE_IMPORT_AHEAD``
+overrides: ``0`` never, ``1`` always (even without a device node). Only
+imports run on the thread: no CUDA driver call (``cuInit`` in a process that
+forks its workers afterwards would break CUDA in the children), no torch.
+
+Fork: a child forked while the thread holds a module's import lock would
+wait for that lock forever (the thread does not exist in the child). The
+thread registers an ``os.register_at_fork`` hook that waits, before any
+``os.fork()``, up to :data:`FORK_WAIT_S` for the imports to finish (vLLM's
+``fork`` workers start seconds later: the wait is normally zero).
+
+GIL: the imports are mostly Python code (module bodies, Cython type set-up)
+and hold the GIL in the interpreter's switch-interval slices: Python work on
+the main thread meanwhile runs up to their cost (the figures above) slower;
+what the thread saves is its overlap with work that releases the GIL (torch's
+import of its shared libraries, CUDA's initialisation, model allocation,
+waiting for the service). Either way the first attach no longer pays them.
+
+Forbidden imports: torch, weightcache.memory at module level, weightcache.identity at module level,
+weightcache.pipeline, weightcache.daemon, weightcache.client.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping
+
+log = logging.getLogger("weightcache.client")
+
+#: What the first attach to a CUDA slab imports beyond the client, in the thread's order
+#: (``weightcache.memory.cuda`` imports ``cuda.bindings.driver``).
+MODULES = ("weightcache.memory.cuda", "weightcache.identity")
+
+#: The override: ``0`` never imports ahead, ``1`` always does; unset or anything else: :func:`plausible` decides.
+ENV = "WEIGHTCACHE_IMPORT_AHEAD"
+
+#: The NVIDIA driver's control node: present on every machine whose driver could serve a CUDA attach.
+DEVICE_NODE = "/dev/nvidiactl"
+
+#: Seconds an ``os.fork()`` waits for the imports to finish before forking anyway.
+FORK_WAIT_S = 10.0
+
+_thread: threading.Thread | None = None
+_start_lock = threading.Lock()
+
+
+def plausible(environ: Mapping[str, str] = os.environ, device_node: str = DEVICE_NODE) -> bool:
+    """Whether this process may attach a CUDA slab, judged without importing or calling anything CUDA.
+
+    Args:
+        environ (`Mapping[str, str]`, *optional*): the environment (``os.environ``).
+        device_node (`str`, *optional*): the NVIDIA control device node (:data:`DEVICE_NODE`).
+
+    Returns:
+        `bool`: ``$WEIGHTCACHE_IMPORT_AHEAD`` is ``1``; or it is not ``0``, ``device_node``
+        exists and ``CUDA_VISIBLE_DEVICES`` is unset or names a device (not empty, not ``-1``).
+
+    Example:
+        >>> plausible({"CUDA_VISIBLE_DEVICES": ""}, "/dev/null")
+        False
+    """
+    override = environ.get(ENV, "").strip()
+    if override in ("0", "1"):
+        return override == "1"
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
+        return False
+    return os.path.exists(device_node)
+
+
+def start() -> bool:
+    """Starts importing :data:`MODULES` on a daemon thread when :func:`plausible`; once per process.
+
+    Never raises: a module that fails to import is logged at DEBUG and left
+    for the attach to import (and raise from) itself.
+
+    Returns:
+        `bool`: whether the imports run (or ran) on the thread.
+    """
+    global _thread
+    with _start_lock:
+        if _thread is not None:
+            return True
+        if not plausible() or all(m in sys.modules for m in MODULES):
+            return False
+        _thread = threading.Thread(target=_run, name="weightcache-import-ahead", daemon=True)
+        os.register_at_fork(before=_before_fork)
+        _thread.start()
+        return True
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Waits until the thread's imports are done.
+
+    Args:
+        timeout (`float | None`, *optional*): seconds; ``None`` waits for as long as they take.
+
+    Returns:
+        `bool`: ``True`` when no import of the thread is under way (done, or never started).
+    """
+    t = _thread
+    if t is None or t is threading.current_thread():
+        return True
+    t.join(timeout)
+    return not t.is_alive()
+
+
+def _run() -> None:
+    for name in MODULES:
+        try:
+            __import__(name)
+        except Exception as e:  # noqa: BLE001 - the attach imports it again and raises there
+            log.debug("import ahead of %s failed (the attach imports it itself): %s: %s", name, type(e).__name__, e)
+
+
+def _before_fork() -> None:
+    if not wait(FORK_WAIT_S):
+        log.warning("forking while weightcache's import ahead of %s still runs after %.0f s; the child may block "
+                    "on its import locks", ", ".join(MODULES), FORK_WAIT_S)
