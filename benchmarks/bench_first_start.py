@@ -41,8 +41,9 @@ dh_python3 write the ``.pyc`` files at install): the warm-up start writes it
 under a ``PYTHONPYCACHEPREFIX`` of the run, whatever ``PYTHONDONTWRITEBYTECODE``
 says. ``--bytecode environment`` keeps the environment as it is instead; where it
 sets ``PYTHONDONTWRITEBYTECODE=1`` (both workplaces here do) every start then
-compiles the service's modules from source, 0.2–0.3 s of the first start on the
-H200 (what the results before 2026-12-02's "Service start" section measured).
+compiles the service's modules from source (a 0.2 GB host start on the CPU
+machine: 0.84 s against 0.47 s), as the first-start results in RESULTS.md
+before its section "Service start before the read" did.
 
 ``--naming hf,vllm`` starts the same checkpoint under each naming in turn
 (the vLLM layout: fused ``qkv_proj``/``gate_up_proj``, vocab padding) and
