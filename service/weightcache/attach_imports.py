@@ -2,8 +2,8 @@
 
 An engine's first :func:`weightcache.attach` to a CUDA slab imports what only
 that path needs: :mod:`weightcache.memory.cuda` with NVIDIA's
-``cuda.bindings.driver`` (which imports ``cuda.pathfinder``; about 45 ms on
-the H200 host, 60-80 ms on a small CPU machine, more than the rest of the
+``cuda.bindings.driver`` (which imports ``cuda.pathfinder``; about 30 ms on
+the H200 host, 45-55 ms on a small CPU machine, ten times the rest of the
 attach) and :mod:`weightcache.identity`. An engine imports the client seconds
 before it attaches: vLLM loads the weightcache plugin (which imports the
 client) when each of its processes starts, then builds the model; a script

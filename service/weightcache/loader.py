@@ -91,7 +91,7 @@ class LoaderOptions:
         threads (`int`): reader threads (config ``service.read_threads``).
         staging_bytes (`int`): pinned staging memory for CUDA slabs, in bytes
             (config ``service.staging_bytes``); split in ``2 * threads`` buffers
-            (:func:`read_direct` rounds each to whole digest chunks, at least one).
+            (the cuda backend keeps them between loads: :class:`~weightcache.memory.cuda_staging.StagingPool`).
         o_direct (`bool`): bypass the page cache.
     """
 

@@ -68,7 +68,8 @@ SLAB_LABELS = ("gpu", "model", "tp_size", "tp_rank")
 #: name -> (type, labels, help): every family this module writes (docs/operations.md has the same table).
 FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "weightcache_socket_listening": ("gauge", ("gpu",),
-                                     "1 when /run/weightcache/N.sock exists (weightcache@N.socket listens)"),
+                                     "1 when N.sock exists in the socket directory ([service] socket_dir, "
+                                     "/run/weightcache by default; weightcache@N.socket listens)"),
     "weightcache_service_state": ("gauge", ("gpu", "state"),
                                   "1 for the systemd ActiveState of weightcache@N.service (unknown: not asked)"),
     "weightcache_instance_up": ("gauge", ("gpu",),
