@@ -36,6 +36,15 @@ as the size asks (HF naming, TP 1, 4 GB shards), written once and read once
 before the timed starts so that it is in the page cache; one warm-up start
 is not counted.
 
+The service runs from bytecode, as an installed package does (pip and
+dh_python3 write the ``.pyc`` files at install): the warm-up start writes it
+under a ``PYTHONPYCACHEPREFIX`` of the run, whatever ``PYTHONDONTWRITEBYTECODE``
+says. ``--bytecode environment`` keeps the environment as it is instead; where it
+sets ``PYTHONDONTWRITEBYTECODE=1`` (both workplaces here do) every start then
+compiles the service's modules from source (a 0.2 GB host start on the CPU
+machine: 0.84 s against 0.47 s), as the first-start results in RESULTS.md
+before its section "Service start before the read" did.
+
 ``--naming hf,vllm`` starts the same checkpoint under each naming in turn
 (the vLLM layout: fused ``qkv_proj``/``gate_up_proj``, vocab padding) and
 reports the ratio to ``hf``; ``--tp N`` serves every rank of TP ``N`` from
@@ -57,7 +66,8 @@ per sample; the service stays the source tree's.
 
 Usage: bench_first_start.py [--device cuda|cpu] [--size-gb G] [--reps N] [--read-threads N]
        [--activator systemd|holder] [--naming hf,vllm] [--tp N] [--fp8 none|tensor|channel]
-       [--cold-attach [N]] [--cold-attach-clients LABEL=DIR,...] [--dir DIR] [--remove]
+       [--cold-attach [N]] [--cold-attach-clients LABEL=DIR,...] [--bytecode cached|environment] [--dir DIR]
+       [--remove]
 """
 
 from __future__ import annotations
@@ -135,11 +145,11 @@ def _recv_ready(nsock: socket.socket, proc: subprocess.Popen, timeout_s: float, 
 
 
 def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: float,
-              cold_attach: dict | None = None) -> dict:
+              cold_attach: dict | None = None, pycache: Path | None = None) -> dict:
     """Starts a fresh service, waits for READY=1, stops it; returns the stage times in seconds.
 
     With ``cold_attach`` (the keywords of :func:`_cold_attach`), fresh processes attach rank 0 before the service
-    stops.
+    stops. With ``pycache``, the service reads and writes its bytecode there (``PYTHONPYCACHEPREFIX``).
     """
     sock_path, notify_path = str(work / "0.sock"), str(work / "notify.sock")
     trace, log_path = work / "trace.jsonl", work / "service.log"
@@ -148,13 +158,17 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
     nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     nsock.bind(notify_path)
     env = service_env({"NOTIFY_SOCKET": notify_path, "WC_BENCH_TRACE": str(trace)})
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
     serve = [sys.executable, "-c", WRAPPER, "serve", "--gpu", "0", "--config", str(cfg), "--backend", backend]
     log = open(log_path, "wb")
     listener = client = proc = None
     try:
         if activator == "systemd":
             cmd = ["systemd-socket-activate", "-l", sock_path, "--fdname=listen"]
-            cmd += [f"-E{k}" for k in ("PYTHONPATH", "PYTHONUNBUFFERED", "NOTIFY_SOCKET", "WC_BENCH_TRACE")]
+            cmd += [f"-E{k}" for k in ("PYTHONPATH", "PYTHONUNBUFFERED", "NOTIFY_SOCKET", "WC_BENCH_TRACE",
+                                       "PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE") if k in env]
             proc = subprocess.Popen(cmd + serve, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
             deadline = time.monotonic() + 30
             while True:  # the path exists once bound, the connect succeeds once it listens
@@ -360,6 +374,9 @@ def main() -> int:
     ap.add_argument("--cold-attach-clients", default="", metavar="LABEL=DIR,...",
                     help="the clients the attaching processes run (PYTHONPATH first), interleaved; default: the "
                          "source tree's, labelled 'source'")
+    ap.add_argument("--bytecode", choices=("cached", "environment"), default="cached",
+                    help="cached: the service runs from bytecode the warm-up start wrote, as installed (default); "
+                         "environment: as the environment says (PYTHONDONTWRITEBYTECODE=1: compiled at every start)")
     ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR", "/tmp/weightcache-bench"))
     ap.add_argument("--remove", action="store_true", help="delete the checkpoint afterwards (default: keep, reused)")
     args = ap.parse_args()
@@ -372,6 +389,7 @@ def main() -> int:
     t_write = time.monotonic() - t_write
     service = {} if args.read_threads is None else {"read_threads": args.read_threads}
     results = {}
+    pycache = Path(tempfile.mkdtemp(prefix="wc-pyc-")) if args.bytecode == "cached" else None
     try:
         for naming in namings:
             work = Path(tempfile.mkdtemp(prefix="wc-first-"))
@@ -381,20 +399,26 @@ def main() -> int:
             attach = ({"device": "cuda:0" if cuda else "cpu", "tp": args.tp, "naming": naming,
                        "samples": args.cold_attach, "clients": clients} if args.cold_attach else None)
             try:
-                one_start(work, cfg, backend, args.activator, 600)  # warm-up: page cache, bytecode cache
+                one_start(work, cfg, backend, args.activator, 600, pycache=pycache)  # warm-up: page cache, bytecode
                 # The cold attach (torch's import alone is seconds) after the last timed start only.
                 results[naming] = [one_start(work, cfg, backend, args.activator, 600,
-                                             attach if i == args.reps - 1 else None) for i in range(args.reps)]
+                                             attach if i == args.reps - 1 else None, pycache=pycache)
+                                   for i in range(args.reps)]
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     finally:
+        if pycache is not None:
+            shutil.rmtree(pycache, ignore_errors=True)
         if args.remove:
             shutil.rmtree(ck, ignore_errors=True)
     target_s = 1.5 if args.fp8 == "none" else 2.0
     res = {"versions": versions(), "device": args.device, "backend": backend, "activator": args.activator,
            "checkpoint": kind, "size_gb": gb, "tp": args.tp, "reps": args.reps,
            "read_threads": args.read_threads or "default", "cpus": len(os.sched_getaffinity(0)),
-           "checkpoint_write_and_warm_s": t_write, "target_s": target_s, "namings": {}}
+           "checkpoint_write_and_warm_s": t_write, "target_s": target_s, "bytecode": args.bytecode, "namings": {}}
+    from_bytecode = ("bytecode cached" if pycache is not None else
+                     "bytecode as the environment has it" + (": compiled at every start"
+                                                             if os.environ.get("PYTHONDONTWRITEBYTECODE") else ""))
     md = []
     for naming, runs in results.items():
         med = {k: stats([r[k] for r in runs]) for k in (*STAGES, "total", "read_gbps")}
@@ -406,7 +430,7 @@ def main() -> int:
         md += [f"### First start to READY under socket activation: {kind}, naming = \"{naming}\", TP {args.tp} "
                f"({r['ranks']} rank(s) on GPU 0; {backend} backend, {args.activator} activator; "
                f"{r['payload_bytes'] / GB:.2f} GB in page cache, {res['cpus']} CPUs, read_threads "
-               f"{res['read_threads']}; median of {args.reps} fresh processes, (min–max))", "",
+               f"{res['read_threads']}; {from_bytecode}; median of {args.reps} fresh processes, (min–max))", "",
                "| stage | seconds |", "|---|---|"]
         for k in (*STAGES, "total"):
             name = {"total": "**total**", "digests": "digests (GPU kernel)" if cuda else "digests"}.get(k, k)

@@ -2,8 +2,8 @@
 
 An engine's first :func:`weightcache.attach` to a CUDA slab imports what only
 that path needs: :mod:`weightcache.memory.cuda` with NVIDIA's
-``cuda.bindings.driver`` (which imports ``cuda.pathfinder``; about 45 ms on
-the H200 host, 60-80 ms on a small CPU machine, more than the rest of the
+``cuda.bindings.driver`` (which imports ``cuda.pathfinder``; about 30 ms on
+the H200 host, 45-55 ms on a small CPU machine, ten times the rest of the
 attach) and :mod:`weightcache.identity`. An engine imports the client seconds
 before it attaches: vLLM loads the weightcache plugin (which imports the
 client) when each of its processes starts, then builds the model; a script
@@ -35,9 +35,10 @@ thread registers an ``os.register_at_fork`` hook that waits, before any
 GIL: the imports are mostly Python code (module bodies, Cython type set-up)
 and hold the GIL in the interpreter's switch-interval slices: Python work on
 the main thread meanwhile runs up to their cost (the figures above) slower;
-what the thread saves is its overlap with work that releases the GIL (torch's
-import of its shared libraries, CUDA's initialisation, model allocation,
-waiting for the service). Either way the first attach no longer pays them.
+what the thread saves is its overlap with work that releases the GIL (file
+and socket I/O, waiting for other ranks or the service, native calls that
+release it). Given that time, the first attach finds them done; called at
+once, it waits for them, as long as it would have taken to import them.
 
 Forbidden imports: torch, weightcache.memory at module level, weightcache.identity at module level,
 weightcache.pipeline, weightcache.daemon, weightcache.client.

@@ -149,11 +149,11 @@ def _read_header(path: Path) -> tuple[bytes, dict[str, Any], int]:
 def warm_validation() -> threading.Thread:
     """Imports what the header check needs (numpy, for ``safe_open``) on a background thread; returns it started.
 
-    ``safe_open(framework="numpy")`` imports numpy on first use (0.1-0.2 s);
-    a service calls this as it starts, so that the import overlaps reading the
-    configuration and the CUDA driver's init (whose calls release the GIL)
-    instead of delaying the first plan. A failed import is left for the check
-    itself to report.
+    ``safe_open(framework="numpy")`` imports numpy on first use (0.1-0.3 s);
+    a service calls this once its own modules are imported, so that the import
+    overlaps the CUDA driver's start-up (whose calls release the GIL) and the
+    daemon's set-up instead of delaying the first plan. A failed import is left
+    for the check itself to report.
     """
     def run() -> None:
         try:

@@ -18,8 +18,9 @@ from service_harness import daemon  # noqa: F401 - pytest fixture (a host-backen
 
 #: The load pipeline and what only it needs: never imported by ``import weightcache; weightcache.attach``.
 PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader")
-#: The operator's messages and the records inside their replies: an engine's attach never exchanges them.
-OPERATOR_PROTOCOL = ("weightcache.protocol.admin", "weightcache.protocol.records")
+#: The operator's messages, the records inside their replies, and ``release`` (the client ends a lease by closing
+#: its connection): an engine's attach never exchanges them.
+OPERATOR_PROTOCOL = ("weightcache.protocol.admin", "weightcache.protocol.records", "weightcache.protocol.lease")
 #: The planning stages' tensor specs and the safetensors header reads: an attach served by the service builds no
 #: spec and reads no header (the key's checkpoint identity is checked by ``stat()``).
 NOT_ATTACHING = ("weightcache.tensor_spec", "weightcache.checkpoint_header")

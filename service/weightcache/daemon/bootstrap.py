@@ -8,7 +8,9 @@ starts:
 - the configuration: the files, or, when they do not load, the placements
   recorded beside the slabs in systemd's fd store (:func:`config_kept`);
 - the slab backend (:func:`backend_for`: ``--backend``, else the config's;
-  ``auto`` asks the CUDA driver);
+  ``auto`` asks the CUDA driver), whose driver start-up (``cuInit``, the
+  primary context) :func:`start_cuda` begins on a thread as soon as the
+  configuration is read, beside this thread's import of the daemon;
 - the listening socket: the one systemd passed (``LISTEN_FDS``, name
   ``listen``), else one bound at ``--listen`` or ``<socket dir>/<gpu>.sock``
   (:func:`listener`), refusing a path another live instance serves on and
@@ -63,25 +65,41 @@ class ServeOptions:
     verbose: bool = False
 
 
-def backend_for(cfg: Config, explicit: str | None, gpu: int, kept: bool = False):
+def backend_for(cfg: Config, explicit: str | None, gpu: int, kept: bool = False, start: Any = None):
     """The slab backend for ``serve``: ``explicit`` (``--backend``), else the config's; ``auto`` asks the driver.
 
     ``kept``: ``cfg`` is :func:`config_kept`'s (the files were rejected), whose backend is that of the
-    slabs in the fd store; the journal line says so instead of naming the configuration.
+    slabs in the fd store; the journal line says so instead of naming the configuration. ``start``: the
+    driver's start-up begun by :func:`start_cuda` (its probe answers, its device is the backend's); None:
+    the driver is asked here.
 
     Raises:
         ConfigError (`config_invalid`): ``cuda`` without a usable driver (see
             :func:`weightcache.memory.select_backend`).
+        CudaDriverError: the driver loads but GPU ``gpu`` cannot be used (no such device, no context).
     """
     from ..memory import get_backend, select_backend
 
-    name, reason = select_backend(explicit or cfg.service.backend)
+    name, reason = select_backend(explicit or cfg.service.backend, *([start.probe] if start is not None else []))
     if kept and not explicit and cfg.service.backend != "auto":
         reason = (f"backend = {name}: the backend of the slabs kept in systemd's fd store (the configuration "
                   f"files were rejected)")
     log.info("backend selected backend=%s gpu=%d reason=%s", name, gpu, reason,
              extra=event("backend", backend=name, reason=reason))
-    return get_backend(name, gpu)
+    return get_backend(name, gpu, device=start.device() if start is not None and name == "cuda" else None)
+
+
+def start_cuda(cfg: Config, explicit: str | None, gpu: int) -> Any:
+    """Begins the CUDA driver's start-up on a background thread when the backend may be ``cuda``
+    (:class:`~weightcache.memory.cuda_start.CudaStart`); None for ``host`` (the driver is not asked).
+
+    ``explicit`` (``--backend``), else the config's backend, as :func:`backend_for` reads them.
+    """
+    if (explicit or cfg.service.backend) not in ("auto", "cuda"):
+        return None
+    from ..memory.cuda_start import CudaStart
+
+    return CudaStart(gpu).begin()
 
 
 def listener(opts: ServeOptions, cfg: Config, stored: dict[str, list[int]]) -> tuple[socket.socket, str | None]:
@@ -164,12 +182,10 @@ def serve(opts: ServeOptions) -> int:
     limit removes it). ``systemctl reload`` applies the fixed file. With neither
     (run by hand), it returns :data:`EXIT_CONFIG` (78).
     """
-    from ..checkpoint import warm_validation
+    from ..checkpoint_header import warm_validation
     from ..journal import setup_logging
-    from .loop import Daemon
 
     setup_logging(opts.gpu, logging.DEBUG if opts.verbose else logging.INFO)
-    warm_validation()  # numpy for the first plan's header check, beside the config read and the driver's init
     stored = notify.listen_fds()
     config_error = None
     try:
@@ -178,8 +194,15 @@ def serve(opts: ServeOptions) -> int:
         cfg, config_error = config_kept(opts, stored, e), e
         if cfg is None:
             return rejected(e)
+    # The driver's calls (cuInit, the primary context) release the GIL: they run beside the imports of the
+    # daemon's modules, then numpy's (the first plan's header check) beside what the driver has left. Two
+    # imports at once would only take turns on the GIL, each waiting for the other at every file read.
+    start = start_cuda(cfg, opts.backend, opts.gpu)
+    from .loop import Daemon
+
+    warm_validation()
     try:
-        backend = backend_for(cfg, opts.backend, opts.gpu, kept=config_error is not None)
+        backend = backend_for(cfg, opts.backend, opts.gpu, kept=config_error is not None, start=start)
     except ConfigError as e:
         held = backend_rejected(opts, stored, e)
         if held is None:

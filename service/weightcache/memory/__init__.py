@@ -120,8 +120,11 @@ class Backend(Protocol):
         """Key fields of the slab's device (DESIGN section 5): ``backend``, ``gpu_uuid``, ``compute_capability``."""
 
 
-def get_backend(name: str, gpu: int = 0) -> Backend:
+def get_backend(name: str, gpu: int = 0, device: object = None) -> Backend:
     """Returns the backend named ``name`` (``host`` or ``cuda``) for GPU ``gpu``.
+
+    ``device``: for ``cuda``, GPU ``gpu`` with its primary context already retained
+    (:meth:`weightcache.memory.cuda_start.CudaStart.device`); None: the backend retains it.
 
     Raises:
         ConfigError (`config_invalid`): unknown backend name.
@@ -133,7 +136,7 @@ def get_backend(name: str, gpu: int = 0) -> Backend:
     if name == "cuda":
         from .cuda import CudaBackend
 
-        return CudaBackend(gpu)
+        return CudaBackend(gpu, device=device)
     raise ConfigError(f"unknown memory backend {name!r} (known: host, cuda)", key="service.backend")
 
 

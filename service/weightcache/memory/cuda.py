@@ -84,6 +84,8 @@ class CudaBackend:
 
     Args:
         gpu (`int`): CUDA ordinal as torch counts it.
+        device (`_Device`, *optional*): GPU ``gpu`` with its primary context already retained
+            (:meth:`weightcache.memory.cuda_start.CudaStart.device`); None: retained here.
 
     Raises:
         ConfigError (`config_invalid`): ``cuda-bindings`` is not installed.
@@ -101,10 +103,12 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, gpu: int) -> None:
+    def __init__(self, gpu: int, device: _Device | None = None) -> None:
         _require_driver()
         self.gpu = int(gpu)
         self._devices: dict[int, _Device] = {}
+        if device is not None and device.index == self.gpu:
+            self._devices[self.gpu] = device
         self._lock = threading.Lock()
         self._info: dict | None = None
         self._device(self.gpu)

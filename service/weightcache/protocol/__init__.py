@@ -4,7 +4,8 @@ Rooms:
 
 - :mod:`.messages`: one frozen, self-validating dataclass per request and
   per reply (:data:`REQUESTS`, :data:`REPLIES`); those an engine's attach
-  exchanges there, the operator's in :mod:`.admin`, imported on first use;
+  exchanges there, ``release`` and its reply in :mod:`.lease`, the operator's
+  in :mod:`.admin`, both imported on first use;
 - :mod:`.records`: the typed records inside replies (slab and service
   status, verify results, metrics counters), imported on first use;
 - :mod:`.codec`: :func:`encode`/:func:`decode` of one frame, the limits, and
@@ -28,11 +29,12 @@ from ..wire import AttachMode, SlotState
 from .codec import (CLIENT, CLOSED, IN, MAX_FDS_PER_FRAME, MAX_FRAME_BYTES, OUT, PROTOCOL_VERSION, READY,
                     REPLY_TYPES, REQUEST_TYPES, SERVER, START, TABLE, TRANSITIONS, Transition, decode, encode)
 from .connection import NEED_DATA, Connection
-from .messages import (INT_MAX, INT_MIN, Attach, AttachReply, Error, Hello, HelloReply, Loading, Message, Release,
-                       ReleaseReply)
+from .messages import INT_MAX, INT_MIN, Attach, AttachReply, Error, Hello, HelloReply, Loading, Message
 
-#: Names of :mod:`.admin` (the operator's messages) and :mod:`.records`, imported on first use (:func:`__getattr__`).
+#: Names of :mod:`.admin` (the operator's messages), :mod:`.lease` and :mod:`.records`, imported on first use
+#: (:func:`__getattr__`).
 _LAZY = {
+    "Release": "lease", "ReleaseReply": "lease",
     **dict.fromkeys(("REPLIES", "REQUESTS", "Evict", "EvictReply", "List", "ListReply", "Metrics", "MetricsReply",
                      "Preload", "PreloadReply", "Reload", "ReloadReply", "Status", "StatusReply", "Verify",
                      "VerifyReply"), "admin"),
@@ -56,8 +58,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The operator's messages (:mod:`.admin`) and the records (:mod:`.records`), imported on first use: an
-    engine's attach needs neither (tests/unit/test_lazy_imports.py)."""
+    """The operator's messages (:mod:`.admin`), ``release`` (:mod:`.lease`) and the records (:mod:`.records`),
+    imported on first use: an engine's attach needs none of them (tests/unit/test_lazy_imports.py)."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

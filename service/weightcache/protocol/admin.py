@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .messages import Attach, AttachReply, Error, Hello, HelloReply, Loading, Message, Release, ReleaseReply
+from .lease import Release, ReleaseReply
+from .messages import Attach, AttachReply, Error, Hello, HelloReply, Loading, Message
 from .records import ServiceCounters, ServiceStatus, SlabInfo, VerifyResult
 
 

@@ -11,13 +11,16 @@ peer's frame (:mod:`weightcache.protocol.codec`), the same check raises
 (:mod:`weightcache.protocol.records`) give them typed through ``typed()``.
 
 This module holds what an engine's attach exchanges (``hello``, ``attach``,
-``release``, their replies, ``loading``, ``error``); the operator's messages
-(``list``, ``status``, ``verify``, ``evict``, ``preload``, ``reload``,
-``metrics`` and their replies) live in :mod:`.admin`, imported on the first
-lookup of their wire type in :attr:`Message.TYPES` or of :data:`REQUESTS` /
-:data:`REPLIES`, so that ``weightcache.attach`` does not build (nor import the
-records of) messages it never sends: each frozen slotted dataclass costs
-about a millisecond of code generation at import (tests/unit/test_lazy_imports.py).
+their replies, ``loading``, ``error``); ``release`` and its reply (a lease
+ended before its connection, which weightcache's client never does: it closes
+the connection) live in :mod:`.lease`, and the operator's messages (``list``,
+``status``, ``verify``, ``evict``, ``preload``, ``reload``, ``metrics`` and
+their replies) in :mod:`.admin`; both are imported on the first lookup of
+their wire type in :attr:`Message.TYPES`, of their names here, or of
+:data:`REQUESTS` / :data:`REPLIES`, so that ``weightcache.attach`` does not
+build (nor import the records of) messages it never sends: each frozen
+slotted dataclass costs about a millisecond of code generation at import
+(tests/unit/test_lazy_imports.py).
 
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
 weightcache.daemon.
@@ -52,7 +55,7 @@ class _Registry(dict):
 
     def _complete(self) -> None:
         if not dict.__contains__(self, "list"):
-            from . import admin  # noqa: F401 - its classes register themselves
+            from . import admin  # noqa: F401 - its classes (and, through it, those of .lease) register themselves
 
     def __missing__(self, key: str) -> type:
         self._complete()
@@ -215,13 +218,6 @@ class Attach(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Release(Message):
-    """Ends one lease (closing the connection ends all of them)."""
-
-    lease_id: int
-
-
-@dataclass(frozen=True, slots=True)
 class HelloReply(Message):
     """Answer to ``hello``: the service's protocol version, GPU index and UUID, backend (``host`` | ``cuda``) and capabilities."""
 
@@ -271,13 +267,6 @@ class Loading(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseReply(Message):
-    """Answer to ``release``: the lease that ended."""
-
-    lease_id: int
-
-
-@dataclass(frozen=True, slots=True)
 class Error(Message):
     """A typed error: ``code`` (see docs/errors.md), ``message``, ``details``."""
 
@@ -297,7 +286,12 @@ _ADMIN = ("List", "Status", "Verify", "Evict", "Preload", "Reload", "Metrics", "
 
 def __getattr__(name: str) -> Any:
     """:data:`REQUESTS` (every request class, ``hello`` first: the order of their wire tags in the codec's
-    state table), :data:`REPLIES` (every reply class) and the classes of :mod:`.admin`, imported on first use."""
+    state table), :data:`REPLIES` (every reply class) and the classes of :mod:`.admin` and :mod:`.lease`,
+    imported on first use."""
+    if name in ("Release", "ReleaseReply"):
+        from . import lease
+
+        return getattr(lease, name)
     if name in _ADMIN:
         from . import admin
 

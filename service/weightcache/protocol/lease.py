@@ -1,0 +1,31 @@
+"""Ending a lease before its connection: ``release`` and ``release_reply``, frozen self-validating dataclasses as in
+:mod:`.messages`.
+
+A lease also ends with its connection, which is how weightcache's own client
+ends them (:meth:`weightcache.client.Attachment.close` closes the session), so
+an engine's attach never builds these: imported on first use (a lookup in
+:attr:`~weightcache.protocol.messages.Message.TYPES`, ``protocol.Release``...).
+
+Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
+weightcache.daemon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .messages import Message
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """Ends one lease (closing the connection ends all of them)."""
+
+    lease_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReply(Message):
+    """Answer to ``release``: the lease that ended."""
+
+    lease_id: int
