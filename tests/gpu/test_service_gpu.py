@@ -5,10 +5,13 @@
 - A write into an attached view is refused and the resident bytes verify.
 - TP = 2 with both ranks' slabs on one GPU: the shards reassemble to the
   checkpoint byte for byte.
+- A fresh engine's first CUDA attach finds the CUDA attach path imported
+  ahead (``weightcache.attach_imports``) and imports nothing itself.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -131,6 +134,58 @@ def test_tp2_both_ranks_on_one_gpu_reassemble(tmp_path):
         for name, t in ref.items():
             if name in full:
                 assert torch.equal(full[name], t), name
+                compared += 1
+        assert compared >= len(ref) - 1  # a tied lm_head is an alias, not a tensor of its own
+    finally:
+        svc.kill()
+
+
+#: A fresh engine: the client first (the CUDA attach path starts importing on a thread), torch and CUDA, then the
+#: first attach; prints the modules that attach imported, whether the thread ran, and the tensors' bytes.
+_COLD_ENGINE = r"""
+import hashlib, json, sys
+import weightcache
+attach = weightcache.attach
+import torch
+from weightcache import attach_imports
+device = sys.argv[3]
+if device.startswith("cuda"):
+    torch.cuda.init()
+ahead = attach_imports._thread is not None
+assert attach_imports.wait(120)
+before = set(sys.modules)
+w = attach(sys.argv[1], device=device, socket_dir=sys.argv[2], fallback=False)
+during = sorted(set(sys.modules) - before)
+got = {k: hashlib.sha256(v.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+       for k, v in w.tensors.items() if v.numel()}
+print(json.dumps([ahead, during, w.source, got]))
+"""
+
+
+def test_first_cuda_attach_finds_its_imports_done(tmp_path):
+    """On a GPU machine (an NVIDIA device node, no ``WEIGHTCACHE_IMPORT_AHEAD`` override) the client's import
+    starts importing the CUDA attach path; once done, the first attach imports no module of its own and its
+    tensors are the checkpoint's bytes."""
+    from tiny_models import build_tiny_model, checkpoint_tensors
+
+    ck = build_tiny_model(tmp_path / "llama", "llama")
+    work = Path(tempfile.mkdtemp(prefix="wc-gpu-", dir="/tmp"))
+    svc = _service(work, {"l": {"path": str(ck)}})
+    try:
+        svc.wait_settled()
+        env = {k: v for k, v in os.environ.items() if k != "WEIGHTCACHE_IMPORT_AHEAD"}
+        r = subprocess.run([sys.executable, "-c", _COLD_ENGINE, str(ck), svc.socket_dir, "cuda:0"],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ahead, during, source, got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert ahead and source == "daemon"
+        assert not [m for m in during if m.startswith(("cuda", "weightcache"))], during
+        ref = checkpoint_tensors(ck)
+        compared = 0
+        for name, digest in got.items():
+            if name in ref:
+                assert digest == hashlib.sha256(ref[name].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest(), \
+                    name
                 compared += 1
         assert compared >= len(ref) - 1  # a tied lm_head is an alias, not a tensor of its own
     finally:
