@@ -35,9 +35,10 @@ thread registers an ``os.register_at_fork`` hook that waits, before any
 GIL: the imports are mostly Python code (module bodies, Cython type set-up)
 and hold the GIL in the interpreter's switch-interval slices: Python work on
 the main thread meanwhile runs up to their cost (the figures above) slower;
-what the thread saves is its overlap with work that releases the GIL (torch's
-import of its shared libraries, CUDA's initialisation, model allocation,
-waiting for the service). Either way the first attach no longer pays them.
+what the thread saves is its overlap with work that releases the GIL (file
+and socket I/O, waiting for other ranks or the service, native calls that
+release it). Given that time, the first attach finds them done; called at
+once, it waits for them, as long as it would have taken to import them.
 
 Forbidden imports: torch, weightcache.memory at module level, weightcache.identity at module level,
 weightcache.pipeline, weightcache.daemon, weightcache.client.
