@@ -293,12 +293,10 @@ def _placement(p: Plan, slab) -> placement.Placement | None:
     if placed is None:
         return None
     if not host and hasattr(slab, "prepare_kernels"):
-        from .memory import kernels
-
-        if not kernels.available():
+        slab.prepare_kernels()  # compiles while the reads run (no-op when prepare_fill started it)
+        if not slab.kernels_expected():
             log.warning("NVRTC unavailable, the torch pipeline fills checkpoint=%s", p.checkpoint.path)
             return None
-        slab.prepare_kernels()  # compiles while the reads run
     return placed
 
 

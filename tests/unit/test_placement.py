@@ -193,6 +193,9 @@ def test_without_nvrtc_a_cuda_slab_takes_the_torch_path(tmp_path, monkeypatch):
         def prepare_kernels(self):
             """The torch path compiles no NVRTC kernels: nothing to prepare."""
 
+        def kernels_expected(self):  # no compile started for this fake device: NVRTC's presence decides
+            return kernels.available()
+
         def zero(self, ranges):
             raise kernels.KernelError("NVRTC refused the program")
 

@@ -332,3 +332,22 @@ def test_compact_rows_packs_strided_rows_in_place(first, pitch, length, rows):
     assert loader.compact_rows(buf, first, pitch, length, rows) == 0
     assert bytes(raw[: rows * length]) == want
     del buf
+
+
+def test_kernels_expected_does_not_wait_for_nvrtc_while_a_compile_runs(monkeypatch):
+    """The fill plans on the kernels when a compile for the device is running or done (its failure is met at
+    the fill, which then takes the torch path); only otherwise does it load NVRTC to ask."""
+    from types import SimpleNamespace
+
+    from weightcache.memory import kernels
+
+    asked = []
+    monkeypatch.setattr(kernels, "available", lambda: asked.append(1) or False)
+    dev = SimpleNamespace(index=97)
+    monkeypatch.setitem(kernels._compiling, 97, object())
+    assert kernels.expected(dev) is True and not asked
+    kernels._compiling.pop(97)
+    monkeypatch.setitem(kernels._modules, 97, object())
+    assert kernels.expected(dev) is True and not asked
+    kernels._modules.pop(97)
+    assert kernels.expected(dev) is False and asked == [1]

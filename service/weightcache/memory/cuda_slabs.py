@@ -98,6 +98,12 @@ class CudaWritableSlab:
 
         kernels.prepare(self._device)
 
+    def kernels_expected(self) -> bool:
+        """Whether the slab's GPU kernels are compiled, being compiled, or NVRTC loads (:func:`kernels.expected`)."""
+        from . import kernels
+
+        return kernels.expected(self._device)
+
     def zero(self, ranges: list[tuple[int, int]]) -> None:
         """Sets each ``(offset_bytes, size_bytes)`` range to zero (``cuMemsetD8``, synchronous)."""
         with self._device.current():
