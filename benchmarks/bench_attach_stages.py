@@ -69,7 +69,7 @@ def main() -> int:
 def _measure(ck: str, socket_dir: str, device: str, iters: int, warmup: int) -> dict:
     import torch
 
-    from weightcache import client
+    from weightcache import client, identity, session  # the client imports identity on first use
 
     if device.startswith("cuda"):
         torch.empty(1, device=device)
@@ -79,11 +79,11 @@ def _measure(ck: str, socket_dir: str, device: str, iters: int, warmup: int) -> 
         (client.Session, "__init__", "connect"),
         (client.Session, "send", "send hello + attach"),
         (client.Checkpoint, "__init__", "local Checkpoint: config.json (overlaps the service)"),
-        (client.identity, "key_fields", "local key fields (overlaps the service)"),
-        (client, "recv_with_fds", "recvmsg: waiting for the service + reading the reply"),
+        (identity, "key_fields", "local key fields (overlaps the service)"),
+        (session, "recv_with_fds", "recvmsg: waiting for the service + reading the reply"),
         (client.protocol.Connection, "next_message", "frame decode (JSON)"),
         (client.Manifest, "from_wire", "Manifest.from_wire (packed columns)"),
-        (client.identity, "check_key", "key check: fields + stat() of the files"),
+        (identity, "check_key", "key check: fields + stat() of the files"),
         (type(backend), "import_fd", "fd import + map + set access + tensor wrap"),
         (client, "build_views", "build_views (runs + unbind)"),
     ]
