@@ -306,15 +306,31 @@ print(json.dumps({"import_client_after_torch_s": t1 - t0, "first_attach_at_once_
 """
 
 
-def _cold_attach(work: Path, device: str, tp: int, naming: str, samples: int, clients: dict[str, str]) -> dict:
+#: What an engine's attach imports from weightcache, compiled once before the timed processes (``bytecode``).
+CLIENT_MODULES = "import weightcache.client, weightcache.identity, weightcache.memory.cuda, weightcache.memory.host"
+
+
+def _cold_attach(work: Path, device: str, tp: int, naming: str, samples: int, clients: dict[str, str],
+                 bytecode: bool = True) -> dict:
     """``samples`` fresh processes per client and order, interleaved; ``{label: [{"client_first": {...},
-    "torch_first": {...}}, ...]}`` (a failed process: ``{"error": stderr tail}`` in place of the lists)."""
+    "torch_first": {...}}, ...]}`` (a failed process: ``{"error": stderr tail}`` in place of the lists).
+
+    With ``bytecode`` the engines run from bytecode, as from an installed package: ``PYTHONDONTWRITEBYTECODE``
+    is dropped and one untimed process first imports the client's modules (writing their ``__pycache__``);
+    otherwise, under ``PYTHONDONTWRITEBYTECODE=1``, every timed process would compile the client from source.
+    """
     out: dict[str, list] = {label: [] for label in clients}
+    envs = {}
+    for label, path in clients.items():
+        env = envs[label] = service_env()
+        if path:  # this client first on the path; the service already runs
+            env["PYTHONPATH"] = os.pathsep.join([path, env["PYTHONPATH"]])
+        if bytecode:
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            subprocess.run([sys.executable, "-c", CLIENT_MODULES], env=env, capture_output=True, timeout=300)
     for i in range(samples):
         for label, path in clients.items():
-            env = service_env()
-            if path:  # this client first on the path; the service already runs
-                env["PYTHONPATH"] = os.pathsep.join([path, env["PYTHONPATH"]])
+            env = envs[label]
             sample = {}
             for order, script, extra in (("client_first", COLD_ATTACH, ["verify" if i == 0 else "-"]),
                                          ("torch_first", COLD_ATTACH_TORCH_FIRST, [])):
@@ -397,7 +413,8 @@ def main() -> int:
                                **service)
             clients = dict(c.split("=", 1) for c in args.cold_attach_clients.split(",") if c) or {"source": ""}
             attach = ({"device": "cuda:0" if cuda else "cpu", "tp": args.tp, "naming": naming,
-                       "samples": args.cold_attach, "clients": clients} if args.cold_attach else None)
+                       "samples": args.cold_attach, "clients": clients, "bytecode": pycache is not None}
+                      if args.cold_attach else None)
             try:
                 one_start(work, cfg, backend, args.activator, 600, pycache=pycache)  # warm-up: page cache, bytecode
                 # The cold attach (torch's import alone is seconds) after the last timed start only.
@@ -446,7 +463,8 @@ def main() -> int:
                 first, tf = samples[0]["client_first"], samples[0]["torch_first"]
                 med = {k: v["median"] * 1e3 for k, v in c.items()}
                 md += ["", f"cold attach, client `{label}` (fresh processes, rank 0, {first['tensors']} tensors, "
-                           f"median of {len(samples)}; import ahead: {'yes' if first['import_ahead'] else 'no'}). "
+                           f"median of {len(samples)}; import ahead: {'yes' if first['import_ahead'] else 'no'}; "
+                           f"{'from bytecode' if args.bytecode == 'cached' else 'bytecode as the environment has it'}). "
                            f"Client first: `import weightcache` {med['import_weightcache_s']:.1f} ms + "
                            f"`weightcache.attach` (the client) {med['import_client_s']:.1f} ms, `import torch` + "
                            f"CUDA init {med['import_torch_and_cuda_s']:.0f} ms, first `attach()` "
