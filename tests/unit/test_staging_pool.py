@@ -17,10 +17,11 @@ cuda_staging = pytest.importorskip("weightcache.memory.cuda_staging")
 class _FakeSet:
     made: list["_FakeSet"] = []
     gate: threading.Event | None = None
+    gated: int | None = None  # the buffer size the gate holds back (None: every size)
     fail_after: int | None = None
 
     def __init__(self, device, buffer_bytes: int) -> None:
-        if _FakeSet.gate is not None:
+        if _FakeSet.gate is not None and _FakeSet.gated in (None, buffer_bytes):
             assert _FakeSet.gate.wait(10)
         if _FakeSet.fail_after is not None and len(_FakeSet.made) >= _FakeSet.fail_after:
             raise RuntimeError("cuMemAllocHost failed (fake)")
@@ -34,7 +35,7 @@ class _FakeSet:
 
 @pytest.fixture
 def pool(monkeypatch):
-    _FakeSet.made, _FakeSet.gate, _FakeSet.fail_after = [], None, None
+    _FakeSet.made, _FakeSet.gate, _FakeSet.gated, _FakeSet.fail_after = [], None, None, None
     monkeypatch.setattr(cuda_staging, "_StagingSet", _FakeSet)
     return cuda_staging.StagingPool(object())
 
@@ -95,3 +96,20 @@ def test_close_frees_the_kept_sets_and_sets_given_back_later(pool):
     assert [s.freed for s in _FakeSet.made if s is not busy] == [True]
     pool.give(busy)
     assert busy.freed
+
+
+def test_a_reload_s_new_size_is_warmed_without_waiting_for_the_old_warm_up(pool):
+    """A reload changes the buffer size while the warm-up of the old size still allocates: the new size is warmed
+    (not counted as being warmed by the old thread) and taken; the old thread frees the set it was making and stops."""
+    _FakeSet.gate, _FakeSet.gated = threading.Event(), 100
+    old = pool.warm(3, 100)  # held in its first allocation
+    new = pool.warm(2, 200)
+    assert new is not None
+    new.join(10)
+    got = [pool.take(200) for _ in range(2)]
+    assert [s.buffer_bytes for s in got] == [200, 200] and all(s in _FakeSet.made for s in got)
+    _FakeSet.gate.set()
+    old.join(10)
+    stale = [s for s in _FakeSet.made if s.buffer_bytes == 100]
+    assert len(stale) == 1 and stale[0].freed  # the one in flight, freed; the other two never made
+

@@ -98,7 +98,8 @@ class StagingPool:
     :meth:`warm` is allocating, else allocating it); :meth:`give` takes it back
     after its stream drained. Sets of another size (``staging_bytes`` or
     ``read_threads`` changed by a reload) are freed as they come back or are
-    found. Thread-safe.
+    found, and a warm-up of a size no longer asked for stops (a fill at the new
+    size neither waits for it nor counts its sets as its own). Thread-safe.
 
     Args:
         device (`_Device`): the GPU whose primary context owns the streams.
@@ -108,7 +109,7 @@ class StagingPool:
         self.device = device
         self._free: list[_StagingSet] = []
         self._cond = threading.Condition()
-        self._warming = 0  # sets the background thread still has to allocate
+        self._warming: dict[int, int] = {}  # buffer size -> sets a warm-up thread still has to allocate
         self._size = 0  # the buffer size last asked for
 
     @classmethod
@@ -128,14 +129,19 @@ class StagingPool:
         """
         with self._cond:
             self._resize(buffer_bytes)
-            missing = sets - len(self._free) - self._warming
-            if missing <= 0:
-                return None
-            self._warming += missing
+            missing = sets - len(self._free) - self._warming.get(buffer_bytes, 0)
+            if missing > 0:
+                self._warming[buffer_bytes] = self._warming.get(buffer_bytes, 0) + missing
+        if missing <= 0:
+            return None
 
         def run() -> None:
             left = missing
             while left:
+                with self._cond:
+                    if buffer_bytes != self._size:  # a reload asked for another size: the rest is not needed
+                        self._warmed(buffer_bytes, left)
+                        return
                 try:
                     got: _StagingSet | None = _StagingSet(self.device, buffer_bytes)
                 except Exception as e:  # noqa: BLE001 - take() allocates itself and raises the error
@@ -144,12 +150,11 @@ class StagingPool:
                 with self._cond:
                     # A failure gives up the rest: takers then allocate (and report) for themselves.
                     done = 1 if got is not None else left
-                    self._warming -= done
+                    self._warmed(buffer_bytes, done)
                     left -= done
                     if got is not None and got.buffer_bytes == self._size:
                         self._free.append(got)
                         got = None
-                    self._cond.notify_all()
                 if got is not None:  # a reload changed the size meanwhile
                     got.free()
 
@@ -165,7 +170,7 @@ class StagingPool:
         """
         with self._cond:
             self._resize(buffer_bytes)
-            while not self._free and self._warming:
+            while not self._free and self._warming.get(buffer_bytes):
                 self._cond.wait()
             if self._free:
                 return self._free.pop()
@@ -187,6 +192,15 @@ class StagingPool:
             self._size = -1
         for s in spent:
             s.free()
+
+    def _warmed(self, buffer_bytes: int, n: int) -> None:
+        """(Lock held.) ``n`` sets of ``buffer_bytes`` are no longer being warmed (made, failed or not needed)."""
+        left = self._warming.get(buffer_bytes, 0) - n
+        if left > 0:
+            self._warming[buffer_bytes] = left
+        else:
+            self._warming.pop(buffer_bytes, None)
+        self._cond.notify_all()
 
     def _resize(self, buffer_bytes: int) -> None:
         """(Lock held.) Drops the free sets of another size than ``buffer_bytes``."""
