@@ -22,7 +22,9 @@ CUDA attach is plausible is known there as well as anywhere.
 When (:func:`plausible`): an NVIDIA device node exists (``/dev/nvidiactl``)
 and ``CUDA_VISIBLE_DEVICES`` does not hide every GPU; a CPU machine (CI, the
 host backend) pays one ``stat()`` and starts nothing. ``$WEIGHTCACHE_IMPORT_AHEAD``
-overrides: ``0`` never, ``1`` always (even without a device node). Only
+overrides: ``0`` never, ``1`` always (even without a device node); ``false``/``no``/``off``
+and ``true``/``yes``/``on`` (any case) are read as ``0`` and ``1``, anything else is
+ignored with a warning (the device node decides). Only
 imports run on the thread: no CUDA driver call (``cuInit`` in a process that
 forks its workers afterwards would break CUDA in the children), no torch.
 
@@ -61,6 +63,10 @@ MODULES = ("weightcache.memory.cuda", "weightcache.identity")
 #: The override: ``0`` never imports ahead, ``1`` always does; unset or anything else: :func:`plausible` decides.
 ENV = "WEIGHTCACHE_IMPORT_AHEAD"
 
+#: ``$WEIGHTCACHE_IMPORT_AHEAD`` spellings, lower-cased: off, on.
+OFF = ("0", "false", "no", "off")
+ON = ("1", "true", "yes", "on")
+
 #: The NVIDIA driver's control node: present on every machine whose driver could serve a CUDA attach.
 DEVICE_NODE = "/dev/nvidiactl"
 
@@ -79,16 +85,20 @@ def plausible(environ: Mapping[str, str] = os.environ, device_node: str = DEVICE
         device_node (`str`, *optional*): the NVIDIA control device node (:data:`DEVICE_NODE`).
 
     Returns:
-        `bool`: ``$WEIGHTCACHE_IMPORT_AHEAD`` is ``1``; or it is not ``0``, ``device_node``
-        exists and ``CUDA_VISIBLE_DEVICES`` is unset or names a device (not empty, not ``-1``).
+        `bool`: ``$WEIGHTCACHE_IMPORT_AHEAD`` is ``1`` (or ``true``, ``yes``, ``on``); or it is not ``0``
+        (``false``, ``no``, ``off``), ``device_node`` exists and ``CUDA_VISIBLE_DEVICES`` is unset or names a
+        device (not empty, not ``-1``). Another non-empty value is logged as a warning and ignored.
 
     Example:
         >>> plausible({"CUDA_VISIBLE_DEVICES": ""}, "/dev/null")
         False
     """
-    override = environ.get(ENV, "").strip()
-    if override in ("0", "1"):
-        return override == "1"
+    override = environ.get(ENV, "").strip().lower()
+    if override in OFF or override in ON:
+        return override in ON
+    if override:
+        log.warning("%s=%r is not one of %s (off) or %s (on); ignored: the import ahead runs where a CUDA attach "
+                    "is plausible", ENV, environ[ENV], "/".join(OFF), "/".join(ON))
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
         return False

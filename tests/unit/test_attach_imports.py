@@ -31,13 +31,25 @@ def _run(code: str, ahead: str) -> subprocess.CompletedProcess:
     ({"CUDA_VISIBLE_DEVICES": "-1"}, True, False),
     ({ENV: "0"}, True, False),
     ({ENV: "1"}, False, True),
-    ({ENV: "yes"}, False, False),  # not an override: the node decides
+    ({ENV: " Off "}, True, False),
+    ({ENV: "false"}, True, False),
+    ({ENV: "no"}, True, False),
+    ({ENV: "TRUE"}, False, True),
+    ({ENV: "yes"}, False, True),
+    ({ENV: "maybe"}, False, False),  # not an override (a warning says so): the node decides
+    ({ENV: "maybe"}, True, True),
 ])
 def test_plausible(tmp_path, environ, node, want):
     path = tmp_path / "nvidiactl"
     if node:
         path.touch()
     assert plausible(environ, str(path)) is want
+
+
+def test_an_unknown_override_is_named_in_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="weightcache.client"):
+        assert plausible({ENV: "enabled"}, "/nonexistent") is False
+    assert ENV in caplog.text and "'enabled'" in caplog.text and "ignored" in caplog.text
 
 
 def test_off_imports_nothing_ahead():
