@@ -113,3 +113,16 @@ def test_a_reload_s_new_size_is_warmed_without_waiting_for_the_old_warm_up(pool)
     stale = [s for s in _FakeSet.made if s.buffer_bytes == 100]
     assert len(stale) == 1 and stale[0].freed  # the one in flight, freed; the other two never made
 
+
+
+def test_fewer_read_threads_at_the_same_buffer_size_keep_fewer_sets(pool):
+    """read_threads 4 -> 2 with staging_bytes halved (the buffer size unchanged): the next load's warm-up frees the
+    two kept sets beyond its count (the pool holds what staging_bytes says), and takes the other two."""
+    pool.warm(4, 100).join(10)
+    first = [pool.take(100) for _ in range(4)]
+    for s in first:
+        pool.give(s)
+    assert pool.warm(2, 100) is None
+    assert sum(s.freed for s in _FakeSet.made) == 2
+    again = [pool.take(100) for _ in range(2)]
+    assert len(_FakeSet.made) == 4 and not any(s.freed for s in again)

@@ -99,7 +99,9 @@ class StagingPool:
     after its stream drained. Sets of another size (``staging_bytes`` or
     ``read_threads`` changed by a reload) are freed as they come back or are
     found, and a warm-up of a size no longer asked for stops (a fill at the new
-    size neither waits for it nor counts its sets as its own). Thread-safe.
+    size neither waits for it nor counts its sets as its own). A :meth:`warm`
+    for fewer sets than the last (``read_threads`` lowered with ``staging_bytes``,
+    the buffer size unchanged) frees the kept sets beyond its count. Thread-safe.
 
     Args:
         device (`_Device`): the GPU whose primary context owns the streams.
@@ -111,6 +113,7 @@ class StagingPool:
         self._cond = threading.Condition()
         self._warming: dict[int, int] = {}  # buffer size -> sets a warm-up thread still has to allocate
         self._size = 0  # the buffer size last asked for
+        self._sets = 0  # the sets the last warm() asked for
 
     @classmethod
     def of(cls, device: _Device) -> "StagingPool":
@@ -127,11 +130,17 @@ class StagingPool:
         One thread allocating in turn avoids the readers' contention in the
         driver; a failure is left for :meth:`take` to meet and report.
         """
+        spent: list[_StagingSet] = []
         with self._cond:
             self._resize(buffer_bytes)
+            if sets < self._sets:  # fewer readers at the same buffer size: keep no more than they take
+                spent, self._free = self._free[max(0, sets):], self._free[:max(0, sets)]
+            self._sets = sets
             missing = sets - len(self._free) - self._warming.get(buffer_bytes, 0)
             if missing > 0:
                 self._warming[buffer_bytes] = self._warming.get(buffer_bytes, 0) + missing
+        for s in spent:
+            s.free()
         if missing <= 0:
             return None
 
