@@ -47,6 +47,8 @@ from typing import Any
 from .config_files import (  # noqa: F401 - MAX_CONFIG_*: re-exported
     MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, _commented_header, _drop_ins, _line_of, _locate, _read_toml,
     resolve_paths)
+from .accounts import AccountNames
+from .accounts import resolve as resolve_accounts
 from .errors import ConfigError
 from .cpus import default_threads
 from .spec import DTYPE_NAMES, LoadRequest, RankRequest
@@ -306,6 +308,8 @@ class Config:
         files (`tuple[str]`): files read, in order.
         realpaths (`dict[str, str]`): configured checkpoint path -> its ``os.path.realpath``, resolved
             when the files were read (off the serving loop); see :meth:`realpath_of`.
+        names (`AccountNames`): the user and group names of the allow lists and ``operator_groups``,
+            resolved to ids when the files were read (off the serving loop; :mod:`weightcache.accounts`).
     """
 
     service: ServiceConfig = field(default_factory=ServiceConfig)
@@ -313,6 +317,7 @@ class Config:
     files: tuple[str, ...] = ()
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     realpaths: dict[str, str] = field(default_factory=dict)
+    names: AccountNames = field(default_factory=AccountNames)
 
     def realpath_of(self, path: str) -> str:
         """The resolution of configured checkpoint ``path`` recorded when the files were read; ``""`` when
@@ -499,7 +504,16 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
             raise
     _check_host_preloads(service, models, {str(f): text for f, _, text in parsed})
     return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files),
-                  metrics=MetricsConfig(**metrics), realpaths=resolve_paths(m.path for m in models.values()))
+                  metrics=MetricsConfig(**metrics), realpaths=resolve_paths(m.path for m in models.values()),
+                  names=account_names(service.get("operator_groups", ()), models.values()))
+
+
+def account_names(operator_groups: Any, models: Any) -> AccountNames:
+    """The names of ``operator_groups`` and of the ``models``' allow lists resolved to ids (NSS; where the
+    configuration is read, never on the serving loop: :mod:`weightcache.accounts`)."""
+    models = list(models)
+    return resolve_accounts([u for m in models for u in m.allow_users],
+                            [*operator_groups, *(g for m in models for g in m.allow_groups)])
 
 
 def _check_host_preloads(service: dict[str, Any], models: dict[str, ModelConfig], texts: dict[str, str]) -> None:

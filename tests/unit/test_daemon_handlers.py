@@ -18,6 +18,7 @@ import torch
 from daemon_helpers import Clock, close_slabs
 from service_harness import compare_bytes, read_checkpoint, write_checkpoint
 from weightcache import identity, protocol
+from weightcache.accounts import AccountNames
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import access, handlers, loads
 from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
@@ -343,7 +344,8 @@ def test_metrics_shows_the_endpoint_every_slab_with_holders_hidden(svc):
     holder = Peer(2, 0, 0)  # root may attach the locked model
     handlers.handle(ctx, holder, protocol.Attach("locked"))
     endpoint = Peer(3, STRANGER + 3, STRANGER + 3)
-    endpoint.rights = access.Rights(STRANGER + 3, access.METRICS_USER, frozenset({STRANGER + 3}))
+    # The metrics user's uid as resolved where the configuration was read (Config.names), not asked of NSS here.
+    ctx.policy = access.Policy(st.service_uid, names=AccountNames(uids={access.METRICS_USER: STRANGER + 3}))
     seen = protocol.ServiceStatus.from_json(
         handlers.handle(ctx, endpoint, protocol.Metrics()).replies[0].msg.status)
     assert [(s.model, [(x.pid, x.uid, x.gid) for x in s.leases]) for s in seen.slabs] == [

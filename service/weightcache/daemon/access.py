@@ -17,9 +17,11 @@ handlers call before they touch a model. The trust model
 
 Groups are the peer's primary gid (``SO_PEERCRED``) and the supplementary
 groups it really holds (``SO_PEERGROUPS``, taken at ``connect()`` by the
-transport), never what ``/etc/group`` says about its user name. Configured
-group names are resolved to gids at each check (bounded by the config, not by
-the peer's number of groups).
+transport), never what ``/etc/group`` says about its user name. The checks
+compare ids only: the configured user and group names were resolved where the
+configuration was read (:class:`~weightcache.accounts.AccountNames`,
+``Policy.names``), so no check asks NSS (``/etc/passwd``, sssd, LDAP) on the
+serving loop, however many peers connect.
 
 Forbidden imports: socket, selectors, threading, torch, weightcache.memory,
 weightcache.pipeline, weightcache.daemon.transport, weightcache.daemon.handlers,
@@ -28,12 +30,11 @@ weightcache.daemon.loads, weightcache.daemon.fdstore, weightcache.daemon.loop.
 
 from __future__ import annotations
 
-import grp
 import logging
 import os
-import pwd
 from dataclasses import dataclass, field
 
+from ..accounts import METRICS_USER, AccountNames
 from ..errors import AccessDenied
 from ..journal import event
 from .state import Peer, Slot
@@ -49,61 +50,37 @@ class Policy:
         service_uid (`int`): the service's own uid (an operator, always allowed).
         operator_groups (`tuple[str]`): ``service.operator_groups``: group names
             (or numeric gids) whose members are operators.
+        names (`AccountNames`): the configuration's user and group names resolved
+            where it was read (``Config.names``); a name absent there matches nobody.
     """
 
     service_uid: int = field(default_factory=os.getuid)
     operator_groups: tuple[str, ...] = ()
+    names: AccountNames = field(default_factory=AccountNames)
 
 
 @dataclass(frozen=True, slots=True)
 class Rights:
-    """What the system says about a peer: its user name (None when unknown) and gids.
-
-    ``gids`` are the primary gid from ``SO_PEERCRED`` and the supplementary
-    groups from ``SO_PEERGROUPS``.
-    """
+    """What the checks know of a peer: its uid, the configured user name with that uid (None when no
+    configured name has it), and its gids (``SO_PEERCRED``'s primary gid and ``SO_PEERGROUPS``)."""
 
     uid: int
     user: str | None
     gids: frozenset[int]
 
 
-def rights_of(peer: Peer) -> Rights:
-    """The user name of ``peer.uid`` (through NSS) and the peer's gids as the kernel reported them."""
-    try:
-        name = pwd.getpwuid(peer.uid).pw_name
-    except KeyError:
-        name = None
-    return Rights(peer.uid, name, frozenset((peer.gid, *peer.groups)))
+def rights_of(peer: Peer, policy: Policy) -> Rights:
+    """``peer``'s rights under ``policy``: no system lookup (see the module docstring)."""
+    return Rights(peer.uid, policy.names.user_of(peer.uid), frozenset((peer.gid, *peer.groups)))
 
 
-def _rights(peer: Peer) -> Rights:
-    if peer.rights is None:
-        peer.rights = rights_of(peer)
-    return peer.rights
-
-
-def _gid(name: str) -> int | None:
-    """The gid of a configured group name (or a number written as a string); None when unknown."""
-    if name.isdigit():
-        return int(name)
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        return None
-
-
-def _in_groups(r: Rights, names: tuple[str, ...] | list[str]) -> bool:
-    return any(_gid(n) in r.gids for n in names)
+def _in_groups(r: Rights, names: tuple[str, ...] | list[str], policy: Policy) -> bool:
+    return any(policy.names.gid(n) in r.gids for n in names)
 
 
 def is_operator(peer: Peer, policy: Policy) -> bool:
     """Root, the service user, or a member (``SO_PEERGROUPS``) of ``service.operator_groups``."""
-    return peer.uid in (0, policy.service_uid) or _in_groups(_rights(peer), policy.operator_groups)
-
-
-#: The packaged metrics endpoint's user (units/weightcache.sysusers): it may count every slab.
-METRICS_USER = "weightcache-metrics"
+    return peer.uid in (0, policy.service_uid) or _in_groups(rights_of(peer, policy), policy.operator_groups, policy)
 
 
 def may_observe_all(peer: Peer, policy: Policy) -> bool:
@@ -113,7 +90,7 @@ def may_observe_all(peer: Peer, policy: Policy) -> bool:
     models included; it is no operator (it may not evict, preload or verify) and
     sees no lease holder's pid, uid or gid.
     """
-    return is_operator(peer, policy) or _rights(peer).user == METRICS_USER
+    return is_operator(peer, policy) or peer.uid == policy.names.uid(METRICS_USER)
 
 
 def may_attach(peer: Peer, slot: Slot, policy: Policy) -> bool:
@@ -123,9 +100,8 @@ def may_attach(peer: Peer, slot: Slot, policy: Policy) -> bool:
         return True
     if peer.uid in (0, policy.service_uid):
         return True
-    r = _rights(peer)
-    return (r.user is not None and r.user in m.allow_users) or str(peer.uid) in m.allow_users \
-        or _in_groups(r, m.allow_groups)
+    return any(policy.names.uid(u) == peer.uid for u in m.allow_users) \
+        or _in_groups(rights_of(peer, policy), m.allow_groups, policy)
 
 
 def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach") -> None:
@@ -139,7 +115,7 @@ def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach"
     """
     if may_attach(peer, slot, policy):
         return
-    m, r = slot.placement.model, _rights(peer)
+    m, r = slot.placement.model, rights_of(peer, policy)
     log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-on-allow-list", request,
                 m.name, peer.pid, peer.uid, r.user, extra=event("rejected", m.name, slot.placement.tp_rank,
                                                                  error_code="access_denied",
@@ -159,7 +135,7 @@ def check_operator(peer: Peer, policy: Policy, request: str, model: str) -> None
     """
     if is_operator(peer, policy):
         return
-    r = _rights(peer)
+    r = rights_of(peer, policy)
     log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-an-operator", request,
                 model[:200], peer.pid, peer.uid, r.user,
                 extra=event("rejected", error_code="access_denied", peer_uid=peer.uid))

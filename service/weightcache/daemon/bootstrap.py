@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import notify
-from ..config import Config, ServiceConfig, config_path, load_config
+from ..config import Config, ServiceConfig, account_names, config_path, load_config
 from ..config_files import resolve_paths
 from ..errors import ConfigError, WeightcacheError
 from ..journal import event
@@ -280,4 +280,5 @@ def config_kept(opts: ServeOptions, stored: dict[str, list[int]], e: ConfigError
     models = {p.model.name: p.model for p in placements}
     return Config(service=ServiceConfig(backend=opts.backend or backend or "auto"), models=models,
                   files=(str(config_path(opts.config)),),
-                  realpaths=resolve_paths(m.path for m in models.values()))  # at start, before serving
+                  realpaths=resolve_paths(m.path for m in models.values()),  # at start, before serving
+                  names=account_names((), models.values()))

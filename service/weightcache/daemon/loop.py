@@ -93,7 +93,7 @@ class Daemon(OffLoop):
                                  config.service.host_tier_bytes, backend.demote, off_loop=True)
         self.ctx = Context(self.state, backend.mem_info, load_config=load_config or self._no_config,
                            service_config=config.service, counters=self.counters,
-                           policy=access.Policy(self.state.service_uid, config.service.operator_groups),
+                           policy=access.Policy(self.state.service_uid, config.service.operator_groups, config.names),
                            tiers=self.tiers)
         self.transport = Transport(listener, Callbacks(self._on_message, self._on_close,
                                                        lambda c: self.state.peers.add(c.peer), self._on_unsent),
@@ -201,7 +201,8 @@ class Daemon(OffLoop):
         # The caps and the operator groups follow the file; connections over a lowered cap meet it at their
         # next request.
         self.transport.limits = Limits.from_config(eff.config.service)
-        self.ctx.policy = access.Policy(self.state.service_uid, eff.config.service.operator_groups)
+        self.ctx.policy = access.Policy(self.state.service_uid, eff.config.service.operator_groups,
+                                        eff.config.names)  # resolved on the reload worker
         self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
         self.counters.track(eff.config.placements(self.gpu))  # label values of models the reload added
 

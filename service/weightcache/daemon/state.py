@@ -372,8 +372,7 @@ class Peer:
 
     ``waiting`` holds ``(attach request, slot, deadline)`` with the deadline in
     ``time.monotonic()`` seconds. ``groups``: supplementary gids from
-    ``SO_PEERGROUPS``. ``rights`` is filled by :mod:`weightcache.daemon.access`
-    on first use.
+    ``SO_PEERGROUPS`` (what :mod:`weightcache.daemon.access` checks, with the uid).
     """
 
     pid: int
@@ -382,7 +381,6 @@ class Peer:
     groups: tuple[int, ...] = ()
     leases: dict[int, Lease] = field(default_factory=dict)
     waiting: list[tuple[protocol.Attach, Slot, float]] = field(default_factory=list)
-    rights: Any = None
 
 
 class ServiceState:
