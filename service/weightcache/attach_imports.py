@@ -74,6 +74,7 @@ DEVICE_NODE = "/dev/nvidiactl"
 FORK_WAIT_S = 10.0
 
 _thread: threading.Thread | None = None
+_hooked = False  # the os.register_at_fork hook is registered (once per process)
 _start_lock = threading.Lock()
 
 
@@ -109,20 +110,29 @@ def start() -> bool:
     """Starts importing :data:`MODULES` on a daemon thread when :func:`plausible`; once per process.
 
     Never raises: a module that fails to import is logged at DEBUG and left
-    for the attach to import (and raise from) itself.
+    for the attach to import (and raise from) itself; so is a thread that
+    cannot start (``RuntimeError``: a thread limit, or the interpreter's
+    shutdown, as when the client is first imported by an ``atexit`` handler).
 
     Returns:
         `bool`: whether the imports run (or ran) on the thread.
     """
-    global _thread
+    global _thread, _hooked
     with _start_lock:
         if _thread is not None:
             return True
         if not plausible() or all(m in sys.modules for m in MODULES):
             return False
         _thread = threading.Thread(target=_run, name="weightcache-import-ahead", daemon=True)
-        os.register_at_fork(before=_before_fork)
-        _thread.start()
+        if not _hooked:
+            os.register_at_fork(before=_before_fork)
+            _hooked = True
+        try:
+            _thread.start()
+        except RuntimeError as e:  # the attach imports the CUDA path itself, as without the thread
+            _thread = None
+            log.debug("import ahead of %s not started: %s", ", ".join(MODULES), e)
+            return False
         return True
 
 
@@ -136,7 +146,7 @@ def wait(timeout: float | None = None) -> bool:
         `bool`: ``True`` when no import of the thread is under way (done, or never started).
     """
     t = _thread
-    if t is None or t is threading.current_thread():
+    if t is None or t is threading.current_thread() or t.ident is None:  # none, itself, or not started yet
         return True
     t.join(timeout)
     return not t.is_alive()

@@ -113,3 +113,18 @@ def test_a_failing_import_is_left_to_the_attach():
 def test_wait_without_a_thread_returns_at_once(monkeypatch):
     monkeypatch.setattr(attach_imports, "_thread", None)
     assert attach_imports.wait(0) is True
+
+
+def test_a_thread_that_cannot_start_leaves_the_client_importable():
+    """No thread to be had (a thread limit; the interpreter's shutdown on Python 3.12, when an atexit handler is
+    the first to import the client): the client imports, nothing waits, a fork goes on, the attach path imports."""
+    code = ("import os, sys, threading\n"
+            "def refused(self):\n    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
+            "threading.Thread.start = refused\n"
+            "import weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\n"
+            "pid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+            "print(a._thread is None, a.wait(0), a.start(), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+            "import weightcache.memory.cuda, weightcache.identity\n")
+    r = _run(code, "1")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stdout.split() == ["True", "True", "False", "0"]
