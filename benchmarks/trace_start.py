@@ -14,7 +14,11 @@ Output: a markdown table, one row per timed call or import of at least
 ``--min-ms`` (default 3 ms), times in ms from the interpreter's first line,
 with the thread that ran it; ``--importtime`` also prints the imports
 (``python -X importtime``, cumulative) of at least 8 ms. The wrappers cost a
-few microseconds a call; ``-X importtime`` adds a little to every import.
+few microseconds a call; ``-X importtime`` adds a little to every import, and
+its counters are the interpreter's, not a thread's: while the driver's thread
+and numpy's warm-up import beside the main thread, an import's cumulative time
+includes what another thread imported meanwhile, and a self time can be
+negative (the table above, with its threads, is the one to read).
 Bytecode as in ``bench_first_start.py`` (``--bytecode``).
 
 Usage: trace_start.py [--device cuda|cpu] [--size-gb G] [--naming hf|vllm] [--min-ms MS] [--importtime]
