@@ -126,3 +126,33 @@ def test_fewer_read_threads_at_the_same_buffer_size_keep_fewer_sets(pool):
     assert sum(s.freed for s in _FakeSet.made) == 2
     again = [pool.take(100) for _ in range(2)]
     assert len(_FakeSet.made) == 4 and not any(s.freed for s in again)
+
+
+class _Cond(threading.Condition):
+    """The pool's condition, saying when a taker waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_a_taker_waiting_for_its_size_never_gets_a_set_of_another_size(pool):
+    """A reader waits for the warm-up of its size while another fill's warm-up (another size, after a reload) puts
+    its sets in the pool: the reader gets a set of its own size, never the other's (whose buffers are shorter than
+    the chunks it reads: its reads failed as a truncated file)."""
+    pool._cond = _Cond()
+    _FakeSet.gate, _FakeSet.gated = threading.Event(), 100
+    old = pool.warm(1, 100)  # held in its allocation
+    got = []
+    taker = threading.Thread(target=lambda: got.append(pool.take(100)))
+    taker.start()
+    assert pool._cond.waiting.wait(10)
+    pool.warm(1, 50).join(10)  # the other fill's set, put in the pool while the taker waits
+    _FakeSet.gate.set()
+    old.join(10)
+    taker.join(10)
+    assert [s.buffer_bytes for s in got] == [100]

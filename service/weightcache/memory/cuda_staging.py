@@ -179,10 +179,15 @@ class StagingPool:
         """
         with self._cond:
             self._resize(buffer_bytes)
-            while not self._free and self._warming.get(buffer_bytes):
+            while True:
+                # Of this size only: while this waited, a fill at another size (a load abandoned by its timeout
+                # beside the next one, after a reload) may have put its own sets here.
+                for i in range(len(self._free) - 1, -1, -1):
+                    if self._free[i].buffer_bytes == buffer_bytes:
+                        return self._free.pop(i)
+                if not self._warming.get(buffer_bytes):
+                    break
                 self._cond.wait()
-            if self._free:
-                return self._free.pop()
         return _StagingSet(self.device, buffer_bytes)
 
     def give(self, s: _StagingSet) -> None:
