@@ -156,3 +156,19 @@ def test_a_taker_waiting_for_its_size_never_gets_a_set_of_another_size(pool):
     old.join(10)
     taker.join(10)
     assert [s.buffer_bytes for s in got] == [100]
+
+
+def test_a_warm_up_thread_that_cannot_start_leaves_the_takers_to_allocate(pool, monkeypatch):
+    """No thread to be had (a thread limit): nothing is counted as being warmed, so a reader allocates its own set
+    instead of waiting for ever for a warm-up that never ran."""
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", refused)
+        assert pool.warm(2, 100) is None
+    got = []
+    taker = threading.Thread(target=lambda: got.append(pool.take(100)), daemon=True)
+    taker.start()
+    taker.join(10)
+    assert not taker.is_alive() and [s.buffer_bytes for s in got] == [100]

@@ -351,3 +351,23 @@ def test_kernels_expected_does_not_wait_for_nvrtc_while_a_compile_runs(monkeypat
     assert kernels.expected(dev) is True and not asked
     kernels._modules.pop(97)
     assert kernels.expected(dev) is False and asked == [1]
+
+
+def test_a_kernel_compile_thread_that_cannot_start_is_not_counted_as_running(monkeypatch):
+    """No thread to be had (a thread limit): prepare() leaves no compile 'running' for ever (module() would join a
+    thread never started, expected() would plan on kernels no one compiles)."""
+    import threading
+    from types import SimpleNamespace
+
+    from weightcache.memory import kernels
+
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    dev = SimpleNamespace(index=96)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", refused)
+        kernels.prepare(dev)
+    assert 96 not in kernels._compiling
+    assert kernels.expected(dev) is False

@@ -125,7 +125,8 @@ class StagingPool:
             return pool
 
     def warm(self, sets: int, buffer_bytes: int) -> threading.Thread | None:
-        """Allocates up to ``sets`` sets of ``buffer_bytes`` on one background thread; returns it (None: enough).
+        """Allocates up to ``sets`` sets of ``buffer_bytes`` on one background thread; returns it (None: enough
+        sets kept or being made, or no thread could start).
 
         One thread allocating in turn avoids the readers' contention in the
         driver; a failure is left for :meth:`take` to meet and report.
@@ -168,7 +169,13 @@ class StagingPool:
                     got.free()
 
         th = threading.Thread(target=run, name="weightcache-staging-warm", daemon=True)
-        th.start()
+        try:
+            th.start()
+        except RuntimeError as e:  # no thread to be had: the takers allocate for themselves, never wait for it
+            with self._cond:
+                self._warmed(buffer_bytes, missing)
+            log.debug("staging warm-up not started error=%r", e)
+            return None
         return th
 
     def take(self, buffer_bytes: int) -> _StagingSet:

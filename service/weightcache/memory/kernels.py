@@ -229,7 +229,12 @@ def prepare(device: Any) -> None:
 
         th = threading.Thread(target=run, name=f"weightcache-nvrtc-{device.index}", daemon=True)
         _compiling[device.index] = th
-    th.start()
+    try:
+        th.start()
+    except RuntimeError as e:  # no thread to be had: module() compiles in its caller, expected() asks NVRTC
+        with _lock:
+            _compiling.pop(device.index, None)
+        log.debug("kernel compile not started gpu=%d error=%s", device.index, e)
 
 
 def _launch(func: Any, blocks: int, args: list, stream: Any = 0) -> None:
