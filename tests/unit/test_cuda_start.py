@@ -135,3 +135,17 @@ def test_backend_for_chooses_and_says_what_the_serial_path_says(driver, caplog, 
     assert f"backend selected backend={name} gpu=0 reason={reason}" in caplog.text
     if name == "cuda":
         assert backend._device(0) is start.device()
+
+
+def test_a_start_thread_that_cannot_start_leaves_the_driver_to_the_serial_path(driver, monkeypatch):
+    """No thread to be had (a thread limit): ``serve`` asks the driver on its own thread, as before, instead of
+    failing with the thread's RuntimeError."""
+    calls = driver(NO_DRIVER)
+
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as m:
+        m.setattr(threading.Thread, "start", refused)
+        assert bootstrap.start_cuda(_cfg("auto"), None, 0) is None  # backend_for(start=None): the serial path
+    assert calls == []

@@ -93,13 +93,18 @@ def start_cuda(cfg: Config, explicit: str | None, gpu: int) -> Any:
     """Begins the CUDA driver's start-up on a background thread when the backend may be ``cuda``
     (:class:`~weightcache.memory.cuda_start.CudaStart`); None for ``host`` (the driver is not asked).
 
-    ``explicit`` (``--backend``), else the config's backend, as :func:`backend_for` reads them.
+    ``explicit`` (``--backend``), else the config's backend, as :func:`backend_for` reads them. None as well
+    when no thread can start (a thread limit): :func:`backend_for` then asks the driver itself.
     """
     if (explicit or cfg.service.backend) not in ("auto", "cuda"):
         return None
     from ..memory.cuda_start import CudaStart
 
-    return CudaStart(gpu).begin()
+    try:
+        return CudaStart(gpu).begin()
+    except RuntimeError as e:  # "can't start new thread"
+        log.debug("CUDA start-up thread not started, the driver is asked on the main thread error=%s", e)
+        return None
 
 
 def listener(opts: ServeOptions, cfg: Config, stored: dict[str, list[int]]) -> tuple[socket.socket, str | None]:
