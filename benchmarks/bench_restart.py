@@ -14,7 +14,9 @@ The holder (this script) does what PID 1 does for ``Type=notify`` with
   the service with SIGKILL, starts a new one passing the stored fds at
   fds 4, 5, ... after the listener, and times from just before the spawn to
   the ``READY=1`` datagram. Each size is restarted ``--reps`` times; the
-  status reply then must say ``adopted``.
+  status reply then must say ``adopted``. The service runs from bytecode, as an
+  installed package does (``PYTHONPYCACHEPREFIX`` of the run, written by the
+  first start), whatever ``PYTHONDONTWRITEBYTECODE`` says.
 
 Checkpoints are sparse (zeros, no disk): Llama-2-70B-shaped layers
 (Llama-2-7B-shaped for the 1 GB one), HF naming, TP 1. Also timed, as the
@@ -93,7 +95,11 @@ class Holder:
         names = ["listen"] + sorted(self.store)
         fds = [self.listener.fileno()] + [self.store[n] for n in sorted(self.store)]
         env = service_env({"NOTIFY_SOCKET": self.notify_path, "WC_BENCH_FDS": ",".join(map(str, fds)),
-                           "WC_BENCH_FDNAMES": ":".join(names)})
+                           "WC_BENCH_FDNAMES": ":".join(names),
+                           # From bytecode, as an installed package: the first start writes it here, the
+                           # restarts read it (under PYTHONDONTWRITEBYTECODE=1 each compiled the service).
+                           "PYTHONPYCACHEPREFIX": str(self.work / "pycache")})
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         log = open(self.log_path, "ab")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-c", WRAPPER, "serve", "--gpu", "0", "--config", str(self.cfg),
