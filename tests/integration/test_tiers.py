@@ -327,6 +327,7 @@ def test_a_slow_demotion_blocks_no_other_client(daemon, tmp_path):
         poll_until(lambda: started.read_text() == "a/tp1/rank0\n", "the demotion of a to start")
         st = {s["model"]: s for s in svc.status()["slabs"]}
         assert (st["a"]["state"], st["a"]["tier"], st["c"]["state"]) == ("ready", "gpu", "loading")
+        assert (st["a"]["demoting"], st["b"]["demoting"]) == (True, False)  # the copy under way shows
         b = _attach(svc, "b")  # answered while a's copy is blocked
         try:
             compare_bytes(b.tensors, read_checkpoint(cks["b"]))
@@ -344,7 +345,7 @@ def test_a_slow_demotion_blocks_no_other_client(daemon, tmp_path):
         _unleased(svc, "c")
         moved = _InThread(lambda: svc.request(protocol.Evict("b", to="host"), timeout=60))
         poll_until(lambda: started.read_text().endswith("b/tp1/rank0\n"), "the demotion of b to start")
-        assert svc.slab("b")["state"] == "ready"
+        assert (svc.slab("b")["state"], svc.slab("b")["demoting"]) == ("ready", True)
         c = _attach(svc, "c")  # answered while b's copy is blocked
         try:
             compare_bytes(c.tensors, read_checkpoint(cks["c"]))
@@ -353,7 +354,7 @@ def test_a_slow_demotion_blocks_no_other_client(daemon, tmp_path):
             c.close()
         _let_demotion_finish(gate)
         assert moved.result().evicted == ["b/tp1/rank0"]
-        assert _tiers(svc)["b"] == "hosted/host"
+        assert _tiers(svc)["b"] == "hosted/host" and svc.slab("b")["demoting"] is False
     b = _attach(svc, "b")  # promoted back into the room b left
     try:
         compare_bytes(b.tensors, read_checkpoint(cks["b"]))

@@ -49,6 +49,8 @@ def state_text(sl: protocol.SlabInfo) -> str:
     match sl.state:
         case SlotState.LOADING:
             return f"loading {progress_text(sl)}"
+        case SlotState.READY if sl.demoting:
+            return "ready (being demoted: copying to the host tier, serving from the GPU until the copy is sealed)"
         case SlotState.READY if sl.adopted:
             return "ready (adopted from fd store; leases from before the restart unknown)"
         case SlotState.FAILED if sl.error is not None:

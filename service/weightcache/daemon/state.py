@@ -343,7 +343,7 @@ class Slot:
             rate_bytes_per_s=round(self.rate_bytes_per_s(now)),
             resident_bytes=self.sealed.size_bytes if self.sealed is not None else 0,
             tier=self.tier, host_bytes=self.hosted.size_bytes if self.hosted is not None else 0,
-            pin=p.model.pin, priority=p.model.priority,
+            pin=p.model.pin, priority=p.model.priority, demoting=self.demoting is not None,
             adopted=self.adopted, dtype=p.model.dtype, naming=p.model.naming,
             tensors=len(m.tensors) if m is not None else 0,
             error=(protocol.ErrorInfo(**(self.error or self.refusal).to_wire())

@@ -181,6 +181,9 @@ class SlabInfo(_SlabRecord):
             by the next attach) or ``disk`` (not resident; the next attach loads it).
         host_bytes (`int`): bytes of its host-tier copy (0 when none).
         pin (`bool`), priority (`int`): the model's ``pin`` and ``priority`` (the budget's order).
+        demoting (`bool`): a demotion to the host tier is copying it; it serves from the GPU (``ready``)
+            until the copy is sealed, and an attach meanwhile keeps it there (the demotion is abandoned).
+            Absent from older services' replies (False); older clients ignore it.
     """
 
     model: str
@@ -205,6 +208,7 @@ class SlabInfo(_SlabRecord):
     host_bytes: int = 0
     pin: bool = False
     priority: int = 0
+    demoting: bool = False
 
     def __post_init__(self) -> None:
         _parse(self, "state", SlotState)
@@ -215,7 +219,8 @@ class SlabInfo(_SlabRecord):
         """The JSON object on the wire; ``error`` and ``key`` only when set."""
         d: dict[str, Any] = {f: getattr(self, f) for f in (
             "model", "path", "tp_size", "tp_rank", "done_bytes", "total_bytes", "rate_bytes_per_s",
-            "resident_bytes", "adopted", "dtype", "naming", "tensors", "tier", "host_bytes", "pin", "priority")}
+            "resident_bytes", "adopted", "dtype", "naming", "tensors", "tier", "host_bytes", "pin", "priority",
+            "demoting")}
         d["state"] = self.state.value
         if self.error is not None:
             d["error"] = self.error.to_json()
