@@ -70,17 +70,18 @@ class Rights:
 
 
 def rights_of(peer: Peer, policy: Policy) -> Rights:
-    """``peer``'s rights under ``policy``: no system lookup (see the module docstring)."""
+    """``peer``'s rights under ``policy``, for messages (the checks compare ids directly): no system lookup."""
     return Rights(peer.uid, policy.names.user_of(peer.uid), frozenset((peer.gid, *peer.groups)))
 
 
-def _in_groups(r: Rights, names: tuple[str, ...] | list[str], policy: Policy) -> bool:
-    return any(policy.names.gid(n) in r.gids for n in names)
+def _in_groups(peer: Peer, names: tuple[str, ...] | list[str], policy: Policy) -> bool:
+    """Whether the peer's primary gid or one of its ``SO_PEERGROUPS`` is one of the configured groups ``names``."""
+    return any((gid := policy.names.gid(n)) is not None and (gid == peer.gid or gid in peer.groups) for n in names)
 
 
 def is_operator(peer: Peer, policy: Policy) -> bool:
     """Root, the service user, or a member (``SO_PEERGROUPS``) of ``service.operator_groups``."""
-    return peer.uid in (0, policy.service_uid) or _in_groups(rights_of(peer, policy), policy.operator_groups, policy)
+    return peer.uid in (0, policy.service_uid) or _in_groups(peer, policy.operator_groups, policy)
 
 
 def may_observe_all(peer: Peer, policy: Policy) -> bool:
@@ -100,8 +101,7 @@ def may_attach(peer: Peer, slot: Slot, policy: Policy) -> bool:
         return True
     if peer.uid in (0, policy.service_uid):
         return True
-    return any(policy.names.uid(u) == peer.uid for u in m.allow_users) \
-        or _in_groups(rights_of(peer, policy), m.allow_groups, policy)
+    return any(policy.names.uid(u) == peer.uid for u in m.allow_users) or _in_groups(peer, m.allow_groups, policy)
 
 
 def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach") -> None:
