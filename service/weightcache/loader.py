@@ -289,7 +289,7 @@ def read_into_slab(tasks: list[ReadTask], slab, opts: LoaderOptions,
     def worker() -> None:
         events: list[Any] = [None, None]
         try:
-            size = chunk + 2 * DIRECT_ALIGN
+            size = opts.buffer_bytes
             bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             stream = torch.cuda.Stream(device=slab.device)
             i = 0
