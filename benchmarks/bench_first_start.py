@@ -59,7 +59,10 @@ path is imported ahead on a thread meanwhile, see ``weightcache.attach_imports``
 and *torch first* (``import torch`` + CUDA init, then the client's import and
 at once the first ``attach()``: what the client's import costs in a process
 that has torch already, and a first attach with no time for the import ahead);
-the first process then asks the service to ``verify`` the model.
+the first process then asks the service to ``verify`` the model. The client-first attaches are also split into
+stages by timers wrapped around the client's own functions (connect, send, the backend's set-up, waiting for the
+reply, the manifest file, the key check, the fd's import and mapping, the views, GC collections; about 1 µs per
+wrapped call), first against second: what a process pays once.
 ``--cold-attach-clients LABEL=DIR,...`` runs the attaching processes with
 another client on ``PYTHONPATH`` (e.g. an older tree, to compare), interleaved
 per sample; the service stays the source tree's.
@@ -78,6 +81,7 @@ import os
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -235,9 +239,67 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
     return out
 
 
+#: Stage timers for the attaching processes: wraps the client's own functions (no copy of its logic) so that each
+#: call adds its seconds under ``"<stage> [<enclosing stage>]"``; ``STAGE_TIMES`` collects one attach's, GC
+#: collections included (``gc.callbacks``). A module not imported yet (the import ahead not done, another client)
+#: is not imported here: its stages are left out. About 1 µs per wrapped call.
+STAGE_TIMERS = r"""
+import functools, gc, sys, time
+STAGES = (  # module, owner (class or None), attribute, stage name
+    ("weightcache.session", "Session", "__init__", "connect"),
+    ("weightcache.session", "Session", "send", "send hello + attach"),
+    ("weightcache.client", None, "_prepare_backend", "backend set-up while the service answers"),
+    ("weightcache.client", None, "local_backend", "local_backend (the first: the backend's set-up)"),
+    ("weightcache.memory.cuda", "CudaBackend", "__init__", "CudaBackend(): primary context, granularity"),
+    ("weightcache.memory.cuda_driver", None, "_init_driver", "cuInit (driver symbols resolved here if not ahead)"),
+    ("weightcache.memory.cuda", "CudaBackend", "device_info", "device_info: attributes + UUID"),
+    ("weightcache.session", "Session", "replies", "waiting for the reply (recvmsg) + decode"),
+    ("weightcache.client", None, "read_file", "manifest file: pread + JSON + packed columns"),
+    ("weightcache.client", None, "_expected_fields", "expected key fields (the checkpoint's config.json)"),
+    ("weightcache.identity", None, "check_key", "key check: fields + stat() of the files"),
+    ("weightcache.memory.cuda", "CudaBackend", "import_fd", "fd import + map + set access + tensor wrap"),
+    ("weightcache.memory.cuda_mapping", "_Mapping", "tensor", "torch.as_tensor of the mapping"),
+    ("weightcache.memory.host", "HostBackend", "import_fd", "fd import + map + set access + tensor wrap"),
+    ("weightcache.client", None, "build_views", "views: build_views"),
+)
+STAGE_TIMES = {}
+_stack = []
+def _timed(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        key = f"{name} [{_stack[-1]}]" if _stack else name
+        _stack.append(name)
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            STAGE_TIMES[key] = STAGE_TIMES.get(key, 0.0) + time.perf_counter() - t
+            _stack.pop()
+    return wrapper
+def _gc_timer(phase, info, _t=[0.0]):
+    if phase == "start":
+        _t[0] = time.perf_counter()
+    else:
+        key = f"GC collection (generation {info['generation']})"
+        STAGE_TIMES[key] = STAGE_TIMES.get(key, 0.0) + time.perf_counter() - _t[0]
+def install_stage_timers():
+    for mod, owner, attr, name in STAGES:
+        m = sys.modules.get(mod)
+        target = getattr(m, owner, None) if owner else m
+        fn = getattr(target, attr, None) if target is not None else None
+        if fn is not None and not isinstance(fn, type):
+            setattr(target, attr, _timed(name, fn))
+    gc.callbacks.append(_gc_timer)
+def stage_times_us():
+    out = {k: round(v * 1e6, 1) for k, v in STAGE_TIMES.items()}
+    STAGE_TIMES.clear()
+    return out
+"""
+
 #: A fresh engine process's first attach: ``import weightcache``, then ``import torch`` and CUDA's
-#: initialisation (the engine has them anyway), then the first ``attach()``, each timed apart.
-COLD_ATTACH = r"""
+#: initialisation (the engine has them anyway), then the first ``attach()``, each timed apart, and split into stages
+#: (:data:`STAGE_TIMERS`) as is the second.
+COLD_ATTACH = STAGE_TIMERS + r"""
 import json, sys, time
 t0 = time.perf_counter()
 import weightcache
@@ -251,22 +313,28 @@ device = sys.argv[2]
 if device.startswith("cuda"):
     torch.cuda.init()
     torch.empty(1, device=device)
+thread = getattr(sys.modules.get("weightcache.attach_imports"), "_thread", None)
+ahead_done = thread is not None and not thread.is_alive()
+install_stage_timers()
 t2 = time.perf_counter()
 before = set(sys.modules)
 w = attach("m", tp_size=int(sys.argv[3]), tp_rank=0, device=device, naming=sys.argv[4],
            socket_dir=sys.argv[1], fallback=False)
 t3 = time.perf_counter()
+first_stages = stage_times_us()
 during = sorted(m for m in set(sys.modules) - before if "." not in m or m.startswith(("weightcache", "cuda")))
 t4a = time.perf_counter()
 w2 = attach("m", tp_size=int(sys.argv[3]), tp_rank=0, device=device, naming=sys.argv[4],
             socket_dir=sys.argv[1], fallback=False)
 t4b = time.perf_counter()
+second_stages = stage_times_us()
 w2.close()
 w.close()
-ahead = getattr(sys.modules.get("weightcache.attach_imports"), "_thread", None) is not None
 out = {"import_weightcache_s": t1 - t0, "import_client_s": t1b - t1, "import_torch_and_cuda_s": t2 - t1b,
        "first_attach_s": t3 - t2, "second_attach_s": t4b - t4a, "imported_by_first_attach": during,
-       "tensors": len(w.tensors), "source": w.source, "heavy_modules_at_import": heavy, "import_ahead": ahead}
+       "tensors": len(w.tensors), "source": w.source, "heavy_modules_at_import": heavy,
+       "import_ahead": thread is not None, "import_ahead_done": ahead_done,
+       "first_attach_stages_us": first_stages, "second_attach_stages_us": second_stages}
 if sys.argv[5] == "verify":
     import os
     from weightcache import protocol
@@ -351,6 +419,30 @@ def _cold_stats(samples: list[dict]) -> dict:
               for k in ("import_client_after_torch_s", "first_attach_at_once_s")})
     c["second_attach_at_once_s"] = stats([x["torch_first"]["second_attach_s"] for x in samples])
     return c
+
+
+def _stage_table(samples: list[dict]) -> tuple[dict, list[str]]:
+    """Median µs per stage of the first and the second attach (client first) over ``samples``, and a markdown table.
+
+    A stage a sample did not reach counts 0 in it. ``other`` is the attach's time outside every outermost stage
+    (argument handling, the GC pause, the ``Attachment``); stages named ``x [y]`` ran inside ``y``, and GC
+    collections inside whichever stage allocated.
+    """
+    cf = [x["client_first"] for x in samples]
+    if not all("first_attach_stages_us" in x for x in cf):
+        return {}, []
+    out: dict[str, dict[str, float]] = {}
+    for which in ("first", "second"):
+        per = [dict(x[f"{which}_attach_stages_us"]) for x in cf]
+        for x, p in zip(cf, per):
+            top = sum(v for k, v in p.items() if " [" not in k and not k.startswith("GC "))
+            p["other (outside the stages)"] = max(0.0, x[f"{which}_attach_s"] * 1e6 - top)
+        for k in {k for p in per for k in p}:
+            out.setdefault(k, {"first": 0.0, "second": 0.0})[which] = statistics.median(p.get(k, 0.0) for p in per)
+    rows = ["| stage of `attach()` (client first) | first, µs | second, µs | first − second |", "|---|---|---|---|"]
+    for k, v in sorted(out.items(), key=lambda kv: -kv[1]["first"]):
+        rows.append(f"| {k} | {v['first']:.0f} | {v['second']:.0f} | {v['first'] - v['second']:+.0f} |")
+    return out, rows
 
 
 def _checkpoint(args: argparse.Namespace, gb: float) -> tuple[Path, str]:
@@ -474,6 +566,11 @@ def main() -> int:
                            f"{med['first_attach_at_once_s']:.1f} ms (importing {tf['imported_by_first_attach']}), "
                            f"second {med['second_attach_at_once_s']:.1f} ms; pipeline modules loaded by the import: "
                            f"{first['heavy_modules_at_import'] or 'none'}"]
+                c["stages_us"], table = _stage_table(samples)
+                if table:
+                    md += ["", f"the attaches of client `{label}` by stage (median of {len(samples)}; the import ahead "
+                               f"done before the first: {sum(x['client_first']['import_ahead_done'] for x in samples)}"
+                               f"/{len(samples)}):", "", *table, ""]
                 if "verify_s" in first:
                     md += [f"`verify` of every rank (through the socket, the service's digests recomputed): "
                            f"{first['verify_s']:.3f} s, {first['verify_mismatched']} mismatched"]

@@ -24,23 +24,33 @@ and ``CUDA_VISIBLE_DEVICES`` does not hide every GPU; a CPU machine (CI, the
 host backend) pays one ``stat()`` and starts nothing. ``$WEIGHTCACHE_IMPORT_AHEAD``
 overrides: ``0`` never, ``1`` always (even without a device node); ``false``/``no``/``off``
 and ``true``/``yes``/``on`` (any case) are read as ``0`` and ``1``, anything else is
-ignored with a warning (the device node decides). Only
-imports run on the thread: no CUDA driver call (``cuInit`` in a process that
-forks its workers afterwards would break CUDA in the children), no torch.
+ignored with a warning (the device node decides).
 
-Fork: a child forked while the thread holds a module's import lock would
-wait for that lock forever (the thread does not exist in the child). The
-thread registers an ``os.register_at_fork`` hook that waits, before any
-``os.fork()``, up to :data:`FORK_WAIT_S` for the imports to finish (vLLM's
+Then the thread loads the driver library the same way
+(:func:`weightcache.memory.cuda_driver.load_driver`: ``cuDriverGetVersion`` as
+the process's first driver call, so cuda-bindings ``dlopen``s ``libcuda.so.1``
+and resolves its several hundred entry points there, not in the first attach).
+That call needs no ``cuInit``, and the thread makes no other driver call:
+``cuInit`` in a process that forks its workers afterwards would break CUDA
+in the children, and a context, a device or the GPU's UUID depend on the
+device the attach names. No torch.
+
+Fork: a child forked while the thread holds a module's import lock (or the
+dynamic loader's lock, in ``dlopen``) would wait for that lock forever (the
+thread does not exist in the child). The thread registers an
+``os.register_at_fork`` hook that waits, before any ``os.fork()``, up to
+:data:`FORK_WAIT_S` for its work to finish (vLLM's
 ``fork`` workers start seconds later: the wait is normally zero).
 
 GIL: the imports are mostly Python code (module bodies, Cython type set-up)
-and hold the GIL in the interpreter's switch-interval slices: Python work on
+and hold the GIL in the interpreter's switch-interval slices (the driver's
+entry points are resolved with the GIL held throughout): Python work on
 the main thread meanwhile runs up to their cost (the figures above) slower;
 what the thread saves is its overlap with work that releases the GIL (file
 and socket I/O, waiting for other ranks or the service, native calls that
 release it). Given that time, the first attach finds them done; called at
-once, it waits for them, as long as it would have taken to import them.
+once, it waits for them, as long as it would have taken to import them (and
+for the driver's entry points on cuda-bindings' own lock).
 
 Forbidden imports: torch, weightcache.memory at module level, weightcache.identity at module level,
 weightcache.pipeline, weightcache.daemon, weightcache.client.
@@ -59,6 +69,10 @@ log = logging.getLogger("weightcache.client")
 #: What the first attach to a CUDA slab imports beyond the client, in the thread's order
 #: (``weightcache.memory.cuda`` imports ``cuda.bindings.driver``).
 MODULES = ("weightcache.memory.cuda", "weightcache.identity")
+
+#: Imported by :data:`MODULES`' first; its :func:`~weightcache.memory.cuda_driver.load_driver` runs on the thread
+#: after the imports (the driver library loaded and its entry points resolved, no ``cuInit``).
+DRIVER_MODULE = "weightcache.memory.cuda_driver"
 
 #: The override: ``0`` never imports ahead, ``1`` always does; unset or anything else: :func:`plausible` decides.
 ENV = "WEIGHTCACHE_IMPORT_AHEAD"
@@ -158,6 +172,16 @@ def _run() -> None:
             __import__(name)
         except Exception as e:  # noqa: BLE001 - the attach imports it again and raises there
             log.debug("import ahead of %s failed (the attach imports it itself): %s: %s", name, type(e).__name__, e)
+    driver = sys.modules.get(DRIVER_MODULE)
+    if driver is None:  # its import failed (or was refused): left to the attach as above
+        return
+    try:
+        version = driver.load_driver()
+    except Exception as e:  # noqa: BLE001 - load_driver does not raise; a thread's traceback must not reach stderr
+        log.debug("driver library not loaded ahead: %s: %s", type(e).__name__, e)
+        return
+    log.debug("driver library loaded ahead: CUDA %s", version if version is not None else "unavailable "
+              "(the attach's cuInit reports why)")
 
 
 def _before_fork() -> None:

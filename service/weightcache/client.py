@@ -14,7 +14,8 @@ The load pipeline (:mod:`weightcache.pipeline`, :mod:`weightcache.quant`,
 imported by the functions that use them, never when this module is imported:
 an engine that only attaches pays for what attaching needs (tests/unit/test_lazy_imports.py).
 What only a CUDA attach needs (``cuda.bindings.driver``...) is imported on a thread from
-this module's import on, where plausible (:mod:`weightcache.attach_imports`).
+this module's import on, where plausible (:mod:`weightcache.attach_imports`). The options and
+the checked request of an attach are :mod:`weightcache.attach_request`'s (re-exported here).
 
 Forbidden imports: weightcache.config, weightcache.daemon, asyncio, weightcache.pipeline at module level,
 weightcache.quant at module level, weightcache.sharding at module level, weightcache.loader at module level,
@@ -27,9 +28,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import math
 import os
-import re
 import sys
 import time
 from collections.abc import Mapping
@@ -37,11 +36,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from . import attach_imports, protocol
+from .attach_request import AttachOptions, AttachRequest, load_request  # noqa: F401 (re-exported)
 from .checkpoint import Checkpoint
 from .device import device_info, local_backend, physical_gpu  # noqa: F401 (physical_gpu re-exported)
 from .errors import (
     CacheKeyMismatch,
-    ConfigError,
     DaemonUnavailable,
     ManifestInvalid,
     ManifestSlabMismatch,
@@ -53,9 +52,9 @@ from .errors import (
 from .journal import event
 from .manifest import LayoutMap, Manifest, build_views
 from .manifest_file import ManifestFile, read_file
-from .spec import DTYPE_NAMES, LoadRequest, RankRequest
+from .spec import RankRequest
 from .session import DEFAULT_SOCKET_DIR, Session, listening_gpus, resolve_socket_dir  # noqa: F401 (re-exported)
-from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
+from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, AttachMode
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +103,6 @@ class Attachment:
         self.close()
 
 
-def load_request(path: str, dtype: str, naming: str, kernel: str, revision: str = "") -> LoadRequest:
-    """The :class:`~weightcache.spec.LoadRequest` of checkpoint directory ``path`` (named after its last component)."""
-    return LoadRequest(name=os.path.basename(os.path.normpath(path)) or path, path=path, dtype=dtype,
-                       naming=naming, kernel=kernel, revision=revision)
-
-
 def load_from_disk(rank: RankRequest, device: str) -> tuple[Manifest, Any]:
     """Runs the shared pipeline into private memory on ``device``.
 
@@ -141,129 +134,6 @@ def _copy_views(views: dict[str, Any]) -> dict[str, Any]:
             by_id[id(t)] = t.clone()
         out[name] = by_id[id(t)]
     return out
-
-
-@dataclass(frozen=True)
-class AttachOptions:
-    """How to attach: the keyword options of :func:`attach`, grouped (see there for each field).
-
-    Build one per engine and pass it to every rank's :func:`attach` as
-    ``options=``; keywords given beside it override its fields. Validated
-    when :func:`attach` runs, with the request (:class:`AttachRequest`).
-
-    Example:
-        >>> opts = AttachOptions(device="cuda:0", fallback=False, timeout=60.0)
-        >>> w = attach("/srv/models/Qwen2.5-7B-Instruct", tp_size=2, tp_rank=0, options=opts)
-    """
-
-    device: str = "cpu"
-    mode: AttachMode = DEFAULT_MODE
-    fallback: bool = True
-    timeout: float = 30.0
-    socket_dir: str | None = None
-    gpu: int | None = None
-    dtype: str = DEFAULT_DTYPE
-    naming: str = DEFAULT_NAMING
-    kernel: str = DEFAULT_KERNEL
-
-
-@dataclass(frozen=True)
-class AttachRequest:
-    """One :func:`attach`: the model and rank with its :class:`AttachOptions`, validated once (see :func:`attach`).
-
-    Attributes:
-        model (`str`): checkpoint directory, or a model name from the service's config.
-        tp_size, tp_rank (`int`): the layout and this engine's rank.
-        device (`str`): ``cpu`` or ``cuda:N``.
-        mode (`AttachMode`): ``zero_copy`` or ``copy`` (a string is parsed into the member).
-        fallback (`bool`): load from disk when the service cannot serve.
-        timeout (`float`): seconds to wait for the service, a load in progress included.
-        socket_dir (`str | None`): see :func:`resolve_socket_dir`.
-        gpu (`int | None`): the service instance; None: the physical index of ``device`` (``CUDA_VISIBLE_DEVICES`` mapped back).
-        dtype, naming, kernel (`str`): what to ask for when attaching by path.
-
-    Raises:
-        ValueError: ``mode`` is not ``zero_copy`` or ``copy``.
-        ConfigError (`config_invalid`): another field no service could accept;
-            ``details["key"]`` names it.
-    """
-
-    model: str
-    tp_size: int
-    tp_rank: int
-    device: str
-    mode: AttachMode
-    fallback: bool
-    timeout: float
-    socket_dir: str | None
-    gpu: int | None
-    dtype: str
-    naming: str
-    kernel: str
-
-    @classmethod
-    def of(cls, model: str, tp_size: int, tp_rank: int, options: AttachOptions) -> AttachRequest:
-        """The request for ``model``'s rank ``tp_rank`` of ``tp_size`` with ``options``."""
-        return cls(model, tp_size, tp_rank, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
-
-    def __post_init__(self) -> None:
-        try:  # the engine's API raises ValueError (documented); the wire message parses the same enum
-            object.__setattr__(self, "mode", AttachMode(self.mode))
-        except ValueError:
-            raise ValueError(f"mode must be one of {', '.join(repr(m.value) for m in AttachMode)}, "
-                             f"got {self.mode!r}") from None
-        # A pathlib.Path or a torch.device is as good as its string.
-        if isinstance(self.model, os.PathLike):
-            object.__setattr__(self, "model", os.fspath(self.model))
-        if not isinstance(self.device, str) and type(self.device).__name__ == "device":
-            object.__setattr__(self, "device", str(self.device))
-        for problem, key in _arg_problems(self):
-            raise ConfigError(f"attach(): {problem}", key=key)
-
-    @property
-    def socket_path(self) -> str:
-        """The service's socket: ``<socket dir>/<gpu>.sock``, ``gpu`` defaulting to the physical index of ``device``."""
-        gpu = self.gpu
-        if gpu is None:  # ``cuda`` is device 0 of the process, as local_backend() maps it
-            gpu = (physical_gpu(int(self.device.partition(":")[2] or 0), os.environ.get("CUDA_VISIBLE_DEVICES"))
-                   if self.device.startswith("cuda") else 0)
-        return os.path.join(resolve_socket_dir(self.socket_dir), f"{gpu}.sock")
-
-    def load_request(self, path: str, dtype: str | None = None, naming: str | None = None,
-                     kernel: str | None = None, revision: str = "") -> LoadRequest:
-        """What the pipeline needs for checkpoint ``path``: this request's choices unless overridden."""
-        return load_request(path, dtype or self.dtype, naming or self.naming, kernel or self.kernel, revision)
-
-    def rank_request(self, path: str) -> RankRequest:
-        """This engine's :class:`~weightcache.spec.RankRequest` for checkpoint ``path``."""
-        return RankRequest(self.load_request(path), self.tp_size, self.tp_rank)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _arg_problems(req: AttachRequest) -> Iterator[tuple[str, str]]:
-    """``(message, key)`` for each argument of ``req`` that no service or disk load could accept."""
-    if not isinstance(req.model, str) or not req.model or "\0" in req.model:
-        yield f"model {req.model!r} must be a checkpoint directory or a configured model name", "model"
-    if not _is_int(req.tp_size) or req.tp_size < 1:
-        yield f"tp_size {req.tp_size!r} must be an integer >= 1", "tp_size"
-    elif not _is_int(req.tp_rank) or not 0 <= req.tp_rank < req.tp_size:
-        yield f"tp_rank {req.tp_rank!r} must be an integer in [0, {req.tp_size}) for tp_size={req.tp_size}", "tp_rank"
-    if not isinstance(req.device, str) or not re.fullmatch(r"cpu|cuda(:[0-9]+)?", req.device):
-        yield f"device {req.device!r} must be 'cpu', 'cuda' or 'cuda:N'", "device"
-    if isinstance(req.timeout, bool) or not isinstance(req.timeout, (int, float)) or not (
-            math.isfinite(req.timeout) and req.timeout >= 0):
-        yield f"timeout {req.timeout!r} must be a finite number of seconds >= 0", "timeout"
-    if req.gpu is not None and (not _is_int(req.gpu) or req.gpu < 0):
-        yield f"gpu {req.gpu!r} must be a GPU index (an integer >= 0) or None", "gpu"
-    if req.dtype not in DTYPE_NAMES:
-        yield f"dtype {req.dtype!r} is not one of {', '.join(DTYPE_NAMES)}", "dtype"
-    if req.naming not in NAMINGS:
-        yield f"naming {req.naming!r} is not one of {', '.join(NAMINGS)}", "naming"
-    if not isinstance(req.kernel, str):
-        yield f"kernel {req.kernel!r} must be a string such as 'cutlass'", "kernel"
 
 
 def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOptions | None = None,
@@ -379,6 +249,8 @@ def _attach(req: AttachRequest) -> Attachment:
                                         **e.details) from None
             raise
         unavailable = e  # raised (or fallen back from) once the local checks have run
+    if session is not None:
+        _prepare_backend(device)
     local_ck = None
     if is_path:
         # No safetensors validation, not even a header read for an unquantized checkpoint: the
@@ -416,6 +288,23 @@ def _attach(req: AttachRequest) -> Attachment:
     views = build_views(slab, manifest)
     return Attachment(views, LayoutMap(manifest), manifest, "disk", reason,
                       0, _slab=slab)  # private memory inside torch's own allocator
+
+
+def _prepare_backend(device: str) -> None:
+    """Sets up the local backend of ``device`` and reads its key fields while the service answers the attach.
+
+    A process's first attach pays the backend's set-up here (CUDA: ``cuInit``,
+    the primary context, the VMM granularity, the GPU's UUID and compute
+    capability; once per process, :func:`local_backend`) in the time the
+    service takes to answer, instead of after the reply. An error is left to
+    the attach's own :func:`local_backend` call after the reply, which raises
+    it where it did before: a reply that says the service cannot serve (or a
+    fallback to disk) goes first, as without this.
+    """
+    try:
+        local_backend(device).device_info()
+    except Exception:  # noqa: BLE001 - raised again, in its place, by the attach's own call
+        pass
 
 
 def _check_files(ck: Checkpoint) -> None:

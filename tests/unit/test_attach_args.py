@@ -53,3 +53,24 @@ def test_fallback_impossible_for_a_model_that_is_not_a_local_directory(tmp_path)
             attach(model, socket_dir=str(tmp_path), fallback=True)
         assert f"no disk fallback: {model!r} is not a checkpoint directory" in e.value.message
         assert e.value.details["socket"] == str(tmp_path / "0.sock")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:0", "cuda:12", "cuda:00", "cuda:", "cuda:x", "CUDA", "cpu ",
+                                    " cuda", "cuda:0\n", "cuda:\u0663", "cuda:\u00b2", "cuda:-1", "cuda:+1",
+                                    "cuda: 1", "cuda0", "gpu0", "", "cpu:0", None, 3])
+def test_device_check_accepts_what_the_documented_pattern_accepts(device):
+    """The device check (no pattern compiled in a process's first attach) accepts exactly what
+    ``re.fullmatch(r"cpu|cuda(:[0-9]+)?", device)`` accepts: ASCII digits only."""
+    import re
+
+    from weightcache.attach_request import _is_device
+
+    want = isinstance(device, str) and re.fullmatch(r"cpu|cuda(:[0-9]+)?", device) is not None
+    assert _is_device(device) is want
+
+
+@pytest.mark.parametrize("device", ["cuda:\u0663", "cuda:\u00b2", "cuda:"])
+def test_a_non_ascii_or_missing_device_index_is_config_invalid(tmp_path, device):
+    with pytest.raises(ConfigError) as e:
+        attach("/srv/models/anything", device=device, socket_dir=str(tmp_path), fallback=False)
+    assert e.value.details["key"] == "device"

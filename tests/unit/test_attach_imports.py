@@ -128,3 +128,41 @@ def test_a_thread_that_cannot_start_leaves_the_client_importable():
     r = _run(code, "1")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stdout.split() == ["True", "True", "False", "0"]
+
+
+_RECORD_LOAD = (
+    "import json, sys, threading\n"
+    "from weightcache.memory import cuda_driver\n"
+    "calls = []\n"
+    "def load_driver():\n"
+    "    calls.append(threading.current_thread().name)\n"
+    "    return 13000\n"
+    "cuda_driver.load_driver = load_driver\n"
+    "import weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\nassert a.wait(120)\n")
+
+
+def test_on_loads_the_driver_library_on_the_thread_after_the_imports():
+    """Once the imports are done the thread makes the process's first driver call (``load_driver``: the library and
+    its entry points, no ``cuInit``), so the first attach does not."""
+    code = _RECORD_LOAD + "print(json.dumps([calls, 'weightcache.memory.cuda' in sys.modules]))\n"
+    r = _run(code, "1")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [["weightcache-import-ahead"], True]
+
+
+def test_off_loads_no_driver_library():
+    r = _run(_RECORD_LOAD + "print(json.dumps(calls))\n", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+
+
+def test_a_driver_load_that_raises_stays_on_the_thread():
+    """``load_driver`` never raises; if it did, the thread logs at DEBUG: no traceback on the engine's stderr."""
+    code = ("from weightcache.memory import cuda_driver\n"
+            "def load_driver():\n    raise RuntimeError('no libcuda')\n"
+            "cuda_driver.load_driver = load_driver\n"
+            "import weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\n"
+            "print(a.wait(120))\n")
+    r = _run(code, "1")
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "Exception in thread" not in r.stderr, r.stderr
+    assert r.stdout.split() == ["True"]

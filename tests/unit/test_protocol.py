@@ -42,6 +42,18 @@ def test_tag_is_snake_case_of_class_name(cls):
     assert protocol.Message.TYPES[cls.tag()] is cls
 
 
+@pytest.mark.parametrize("name", ["AttachReply", "Hello", "ABC", "XMLReply", "A1B2", "aB", "Ab_Cd", "\u00c9t\u00e9X",
+                                  "Z", "", "GPUInfoReply"])
+def test_snake_case_is_the_documented_pattern(name):
+    """``_snake`` (no pattern compiled when a process first tags a message) is ``re.sub(r"(?<!^)(?=[A-Z])", "_",
+    name).lower()``: an underscore before every ASCII capital but the first character."""
+    import re
+
+    from weightcache.protocol.messages import _snake
+
+    assert _snake(name) == re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
 def _example(cls):
     vals = {}
     for f in dataclasses.fields(cls):

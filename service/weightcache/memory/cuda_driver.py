@@ -2,7 +2,8 @@
 
 Owns :class:`CudaDriverError` (a failed ``CUresult`` with the call's name),
 :func:`_check` (every driver call of :mod:`weightcache.memory` goes through
-it), :func:`gpu_uuid`, and :class:`_Device`: one GPU's ``CUdevice``, its
+it), :func:`load_driver` (the driver library loaded ahead, no ``cuInit``),
+:func:`gpu_uuid`, and :class:`_Device`: one GPU's ``CUdevice``, its
 retained *primary* context (``cuDevicePrimaryCtxRetain``, the one PyTorch's
 runtime uses, pushed for the duration of each call) and its VMM allocation
 properties and granularity (``cuMemGetAllocationGranularity``, 2 MiB on H200).
@@ -25,7 +26,7 @@ try:  # cuda-bindings is an optional dependency (extra "cuda").
 except ImportError:  # pragma: no cover - exercised on machines without it
     cu = None
 
-__all__ = ["CudaDriverError", "gpu_uuid"]
+__all__ = ["CudaDriverError", "gpu_uuid", "load_driver"]
 
 
 class CudaDriverError(DeviceError):
@@ -81,6 +82,37 @@ def _check(call: str, ret: tuple, context: str = "") -> Any:
     if len(ret) == 2:
         return ret[1]
     return ret[1:]
+
+
+def load_driver() -> int | None:
+    """Loads the driver library and resolves cuda-bindings' driver entry points, without initialising the driver.
+
+    cuda-bindings resolves every ``cu*`` entry point on the first driver call
+    of a process: ``dlopen("libcuda.so.1")`` (through ``cuda.pathfinder``) and
+    several hundred ``cuGetProcAddress`` lookups, the GIL held throughout.
+    This makes that first call ``cuDriverGetVersion``, which the driver
+    answers from the library alone: no ``cuInit`` (which starts the driver's
+    threads, may run ``nvidia-modprobe``, and leaves a process that forks
+    afterwards with children whose CUDA is broken), no context, no device.
+    :mod:`weightcache.attach_imports` calls it on its thread, so that an
+    engine's first attach finds the entry points resolved. What cuda-bindings
+    reads when it resolves them (``$CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM``)
+    is read then, not at the first attach; the client uses no default stream.
+
+    Returns:
+        `int | None`: the CUDA version the driver supports (``13000`` for 13.0),
+        or ``None`` when cuda-bindings is not installed, the library cannot be
+        loaded, or the call fails. Never raises: the first real driver call
+        (``cuInit``, :func:`_init_driver`) meets the same cause and raises as it
+        would have without this.
+    """
+    if cu is None:
+        return None
+    try:
+        err, version = cu.cuDriverGetVersion()
+    except Exception:  # noqa: BLE001 - cuda.pathfinder raises when libcuda.so.1 is absent; cuInit reports it
+        return None
+    return int(version) if err == cu.CUresult.CUDA_SUCCESS else None
 
 
 def _init_driver() -> None:
