@@ -6,7 +6,8 @@
 - TP = 2 with both ranks' slabs on one GPU: the shards reassemble to the
   checkpoint byte for byte.
 - A fresh engine's first CUDA attach finds the CUDA attach path imported
-  ahead (``weightcache.attach_imports``) and imports nothing itself.
+  ahead (``weightcache.attach_imports``) and imports nothing itself; the
+  thread loads the driver library without initialising the driver.
 """
 
 from __future__ import annotations
@@ -190,3 +191,31 @@ def test_first_cuda_attach_finds_its_imports_done(tmp_path):
         assert compared >= len(ref) - 1  # a tied lm_head is an alias, not a tensor of its own
     finally:
         svc.kill()
+
+
+#: A fresh process that imports the client and waits for the import ahead: the driver library is loaded and its
+#: entry points resolved (``load_driver``), the driver not initialised (``cuDeviceGetCount`` answers
+#: ``CUDA_ERROR_NOT_INITIALIZED`` until someone calls ``cuInit``), torch not imported.
+_AHEAD_ONLY = r"""
+import json, logging, sys
+logging.basicConfig(level=logging.DEBUG)  # the thread says what it loaded
+import weightcache
+weightcache.attach
+from weightcache import attach_imports
+assert attach_imports.wait(120)
+from cuda.bindings import driver as cu
+err, _ = cu.cuDeviceGetCount()
+version = cu.cuDriverGetVersion()[1]
+print(json.dumps([attach_imports._thread is not None, err.name, version, "torch" in sys.modules]))
+"""
+
+
+def test_the_import_ahead_loads_the_driver_library_without_initialising_it():
+    """What makes a fork after the client's import safe for CUDA: no ``cuInit`` on the thread, only the library."""
+    env = {k: v for k, v in os.environ.items() if k != "WEIGHTCACHE_IMPORT_AHEAD"}
+    r = subprocess.run([sys.executable, "-c", _AHEAD_ONLY], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ahead, err, version, torch_imported = json.loads(r.stdout.strip().splitlines()[-1])
+    assert ahead and not torch_imported
+    assert err == "CUDA_ERROR_NOT_INITIALIZED"
+    assert f"driver library loaded ahead: CUDA {version}" in r.stderr, r.stderr[-3000:]
