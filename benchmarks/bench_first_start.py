@@ -242,7 +242,8 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
 #: Stage timers for the attaching processes: wraps the client's own functions (no copy of its logic) so that each
 #: call adds its seconds under ``"<stage> [<enclosing stage>]"``; ``STAGE_TIMES`` collects one attach's, GC
 #: collections included (``gc.callbacks``). A module not imported yet (the import ahead not done, another client)
-#: is not imported here: its stages are left out. About 1 µs per wrapped call.
+#: is not imported here: its stages are left out (``install_stage_timers`` again, before the second attach, adds
+#: those the first imported). About 1 µs per wrapped call.
 STAGE_TIMERS = r"""
 import functools, gc, sys, time
 STAGES = (  # module, owner (class or None), attribute, stage name
@@ -265,6 +266,8 @@ STAGES = (  # module, owner (class or None), attribute, stage name
 STAGE_TIMES = {}
 _stack = []
 def _timed(name, fn):
+    if getattr(fn, "stage_timer", False):
+        return fn
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         key = f"{name} [{_stack[-1]}]" if _stack else name
@@ -275,6 +278,7 @@ def _timed(name, fn):
         finally:
             STAGE_TIMES[key] = STAGE_TIMES.get(key, 0.0) + time.perf_counter() - t
             _stack.pop()
+    wrapper.stage_timer = True
     return wrapper
 def _gc_timer(phase, info, _t=[0.0]):
     if phase == "start":
@@ -289,7 +293,8 @@ def install_stage_timers():
         fn = getattr(target, attr, None) if target is not None else None
         if fn is not None and not isinstance(fn, type):
             setattr(target, attr, _timed(name, fn))
-    gc.callbacks.append(_gc_timer)
+    if _gc_timer not in gc.callbacks:
+        gc.callbacks.append(_gc_timer)
 def stage_times_us():
     out = {k: round(v * 1e6, 1) for k, v in STAGE_TIMES.items()}
     STAGE_TIMES.clear()
@@ -323,6 +328,7 @@ w = attach("m", tp_size=int(sys.argv[3]), tp_rank=0, device=device, naming=sys.a
 t3 = time.perf_counter()
 first_stages = stage_times_us()
 during = sorted(m for m in set(sys.modules) - before if "." not in m or m.startswith(("weightcache", "cuda")))
+install_stage_timers()  # the modules the first attach imported (no import ahead: a CPU machine)
 t4a = time.perf_counter()
 w2 = attach("m", tp_size=int(sys.argv[3]), tp_rank=0, device=device, naming=sys.argv[4],
             socket_dir=sys.argv[1], fallback=False)

@@ -36,3 +36,19 @@ def test_bench_attach_stages_runs_and_times_every_stage(tmp_path):
     # every patched stage was reached: a timer on a function the client no longer calls reads 0
     recv = rows["recvmsg: waiting for the service + reading the reply"].split("|")[2].strip()
     assert int(recv) > 0, rows
+
+
+def test_bench_first_start_splits_the_cold_attaches_into_stages(tmp_path):
+    """``--cold-attach``: fresh engine processes attach; the client-first attaches come back split into the client's
+    stages (first and second), every stage an attach by name passes through reached."""
+    import json
+
+    out = _run("bench_first_start.py", "--device", "cpu", "--size-gb", "0.05", "--reps", "1", "--naming", "vllm",
+               "--cold-attach", "1", "--dir", str(tmp_path / "data"), "--remove", tmp_path=tmp_path)
+    res = json.loads((tmp_path / "json" / "first_start_cpu_vllm.json").read_text())
+    stages = res["namings"]["vllm"]["cold_attach"]["source"]["stages_us"]
+    for stage in ("connect", "send hello + attach", "waiting for the reply (recvmsg) + decode",
+                  "manifest file: pread + JSON + packed columns", "key check: fields + stat() of the files",
+                  "views: build_views", "other (outside the stages)"):
+        assert stage in stages and stages[stage]["second"] > 0, (stage, sorted(stages))
+    assert "| stage of `attach()` (client first) | first, µs | second, µs | first − second |" in out
