@@ -26,8 +26,9 @@ overrides: ``0`` never, ``1`` always (even without a device node); ``false``/``n
 and ``true``/``yes``/``on`` (any case) are read as ``0`` and ``1``, anything else is
 ignored with a warning (the device node decides).
 
-Then the thread loads the driver library the same way
-(:func:`weightcache.memory.cuda_driver.load_driver`: ``cuDriverGetVersion`` as
+Then the thread works out the wire tags and field specs of the attach's
+messages (:func:`weightcache.protocol.messages.prepare`), and loads the
+driver library ahead too (:func:`weightcache.memory.cuda_driver.load_driver`: ``cuDriverGetVersion`` as
 the process's first driver call, so cuda-bindings ``dlopen``s ``libcuda.so.1``
 and resolves its several hundred entry points there, not in the first attach).
 That call needs no ``cuInit``, and the thread makes no other driver call:
@@ -172,6 +173,9 @@ def _run() -> None:
             __import__(name)
         except Exception as e:  # noqa: BLE001 - the attach imports it again and raises there
             log.debug("import ahead of %s failed (the attach imports it itself): %s: %s", name, type(e).__name__, e)
+    from .protocol import messages  # imported by the client already
+
+    messages.prepare(messages.ATTACH_EXCHANGE)
     driver = sys.modules.get(DRIVER_MODULE)
     if driver is None:  # its import failed (or was refused): left to the attach as above
         return

@@ -30,25 +30,31 @@ def _toy(path):
 
 
 def test_backend_is_set_up_before_the_reply_is_read(daemon, tmp_path, monkeypatch):  # noqa: F811 - the fixture
+    """The backend and torch's view operations are set up between sending the request and reading the reply."""
     ck = tmp_path / "ck"
     w = _toy(ck)
     svc = daemon({"toy": str(ck)})
     events = []
-    real_backend, real_replies = client.local_backend, client.Session.replies
+    real_backend, real_replies, real_warm_up = client.local_backend, client.Session.replies, client.warm_up_views
 
     def local_backend(device):
         events.append(("local_backend", device))
         return real_backend(device)
+
+    def warm_up_views():
+        events.append(("warm_up_views", None))
+        return real_warm_up()
 
     def replies(self, *a, **kw):
         events.append(("replies", None))
         return real_replies(self, *a, **kw)
 
     monkeypatch.setattr(client, "local_backend", local_backend)
+    monkeypatch.setattr(client, "warm_up_views", warm_up_views)
     monkeypatch.setattr(client.Session, "replies", replies)
     with client.attach(str(ck), socket_dir=svc.socket_dir, fallback=False, timeout=60) as a:
         assert a.source == "daemon" and torch.equal(a.tensors["w"], w)
-    assert events[:2] == [("local_backend", "cpu"), ("replies", None)], events
+    assert events[:3] == [("local_backend", "cpu"), ("warm_up_views", None), ("replies", None)], events
 
 
 class _Refused(ConfigError):

@@ -166,3 +166,24 @@ def test_a_driver_load_that_raises_stays_on_the_thread():
     r = _run(code, "1")
     assert r.returncode == 0 and "Traceback" not in r.stderr and "Exception in thread" not in r.stderr, r.stderr
     assert r.stdout.split() == ["True"]
+
+
+def test_on_prepares_the_attach_messages_on_the_thread():
+    """The tags and field specs of the attach's messages are worked out on the thread, none on the main thread."""
+    code = ("import json, threading\n"
+            "from weightcache.protocol import messages\n"
+            "done = []\n"
+            "real = messages._specs\n"
+            "def specs(cls):\n"
+            "    if cls not in messages._SPECS:\n"
+            "        done.append([cls.__name__, threading.current_thread().name])\n"
+            "    return real(cls)\n"
+            "messages._specs = specs\n"
+            "import weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\nassert a.wait(120)\n"
+            "print(json.dumps([sorted(done), sorted(c.tag() for c in messages.ATTACH_EXCHANGE)]))\n")
+    r = _run(code, "1")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    done, tags = json.loads(r.stdout.strip().splitlines()[-1])
+    assert done == sorted([c, "weightcache-import-ahead"] for c in
+                          ("Attach", "AttachReply", "Error", "Hello", "HelloReply", "Loading"))
+    assert tags == ["attach", "attach_reply", "error", "hello", "hello_reply", "loading"]

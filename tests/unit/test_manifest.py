@@ -239,3 +239,16 @@ def test_any_tensor_name_round_trips():
     back = _wire(m)
     assert back.to_json() == m.to_json()
     assert list(build_views(torch.arange(1024, dtype=torch.int64).to(torch.uint8), back)) == names
+
+
+def test_warm_up_views_runs_once_per_process():
+    """``warm_up_views`` (called while the service answers a first attach) sets torch's view operations up once."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    code = ("import sys\nfrom weightcache import manifest\n"
+            "print(manifest.warm_up_views(), manifest.warm_up_views(), 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["True", "False", "True"]
