@@ -6,8 +6,9 @@ along any dimension, the parts of a fused tensor, FP8 rows at a padded pitch:
 or strided, that never pass through Python objects: a pool of threads reads
 them with ``os.preadv``
 
-- host slab: straight into the memfd mapping (no staging; strided rows read
-  as one span go through a per-thread buffer and a numpy strided copy);
+- host slab: straight into the memfd mapping (no staging; row-parallel
+  shards copied row by row from a read-only mapping of the file with numpy,
+  :func:`mapped`; with ``O_DIRECT`` through a per-thread buffer);
 - CUDA slab: into a bounded ring of pinned host buffers (two per thread), each
   copied asynchronously on the thread's own CUDA stream to its planned offset
   (``cuMemcpyHtoDAsync``, ``cuMemcpy2DAsync`` for strided rows); a buffer is
@@ -44,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 from . import digest
 from .checkpoint import Checkpoint, open_file, pread_exact
+from .errors import CheckpointCorrupt
 from .cpus import MAX_DEFAULT_THREADS, MIN_DEFAULT_THREADS, default_threads  # noqa: F401 - re-exported
 from .manifest import TensorRecord, itemsize
 from .sizes import round_up
@@ -138,19 +140,49 @@ def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> ReadTask
     return ReadTask(ck.file_path(info.file), start, n, rec.offset_bytes, spec.name)
 
 
-#: A strided task reads each row alone (one ``pread`` per row) only when the
-#: file bytes between two of its rows exceed this; otherwise it reads the span
-#: from its first row to its last and discards the bytes between (a
-#: row-parallel shard reads its rows whole). A ``pread`` from Python costs
-#: about 10 µs, a copy from the page cache about 10 GB/s per thread: below
-#: ~100 KB skipped per row, reading through is cheaper (measured on the H200
-#: host: TP 8 of a 15 GB Llama with a ``pread`` per 1–3 KB row took 34.8 s).
-PER_ROW_SKIP_BYTES = 128 * 1024
+def mapped(t: ReadTask, o_direct: bool) -> bool:
+    """Whether the strided task ``t`` is copied from a read-only shared mapping of its file rather than read.
+
+    A row-parallel shard (``o_proj``/``down_proj`` at TP > 1: rows of
+    ``length`` bytes ``src_pitch`` apart, ``src_pitch > length``) is copied
+    row by row from an ``mmap`` of the file (numpy, the GIL released), so
+    only its own bytes are copied out of the page cache. The alternatives,
+    measured on the H200 host (16 threads, page cache, ``benchmarks/bench_tp_reads.py``):
+    reading the span from the first row to the last and discarding the bytes
+    between copies ``TP`` times the payload (TP 2: 17.6 GB/s of payload, TP 8:
+    6.0); ``preadv`` with a scratch iovec for the gaps copies them all the same
+    (15.9 / 4.0); a ``pread`` per row pays ~10 µs per call (1.5 / 0.4; TP 8 of
+    a 15 GB Llama: 34.8 s); the mapping: 40 / 12 GB/s (what is left at TP 8 is
+    the page-table set-up for the pages between the rows). With ``O_DIRECT``
+    (the page cache bypassed) the span is read and packed instead
+    (:func:`compact_rows`). Rows contiguous in the file (``src_pitch ==
+    length``: FP8 rows padded only in the slab) are one read.
+    """
+    return t.rows > 1 and t.src_pitch != t.length and not o_direct
 
 
-def per_row(t: ReadTask, o_direct: bool) -> bool:
-    """Whether the strided task ``t`` is read row by row rather than as one span of the file."""
-    return t.rows > 1 and not o_direct and t.src_pitch - t.length > PER_ROW_SKIP_BYTES
+def copy_mapped_rows(m: mmap.mmap, fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst_pitch: int) -> None:
+    """Copies the ``t.rows`` rows of ``t`` from ``m`` (its file ``fd`` mapped whole) to ``dst``: row ``i`` at ``dst_offset + i * dst_pitch``.
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): the file (``fstat`` now) or
+            the mapping ends before the task's last row; names the file and
+            tensor, as a short ``pread`` does. A file truncated *during* the
+            copy kills the process with ``SIGBUS``, as it would any ``mmap``
+            reader such as safetensors (docs/reliability.md).
+    """
+    import numpy as np
+
+    end = t.file_offset + t.file_span
+    if len(m) < end or os.fstat(fd).st_size < end:
+        raise CheckpointCorrupt(f"safetensors file {t.path} is truncated: tensor {t.tensor!r} ends at byte {end}",
+                                file=t.path, tensor=t.tensor)
+    src = np.ndarray((t.rows, t.length), np.uint8, m, t.file_offset, (t.src_pitch, 1))
+    out = np.ndarray((t.rows, t.length), np.uint8, dst, dst_offset, (dst_pitch, 1))
+    try:
+        np.copyto(out, src)
+    finally:
+        del src, out  # the mapping can be closed once no array exports it
 
 
 def compact_rows(buf: memoryview, first: int, pitch: int, length: int, rows: int) -> int:
@@ -186,7 +218,7 @@ def _split(tasks: list[ReadTask], chunk: int, o_direct: bool = False) -> list[Re
                 out.append(ReadTask(t.path, t.file_offset + off, n, t.slab_offset + off, t.tensor))
             continue
         # Whole rows per piece: the staged bytes (packed rows, or the file span) fit one buffer.
-        step = t.length if per_row(t, o_direct) else t.src_pitch
+        step = t.length if mapped(t, o_direct) else t.src_pitch
         g = max(1, (chunk - t.length) // step + 1) if chunk >= t.length else 1
         if t.length > chunk:
             raise ValueError(f"tensor {t.tensor!r}: a row of {t.length} bytes does not fit a {chunk}-byte staging "
@@ -201,23 +233,49 @@ def _split(tasks: list[ReadTask], chunk: int, o_direct: bool = False) -> list[Re
 
 
 class _Files:
-    """One read-only fd per checkpoint file, shared by the threads."""
+    """One read-only fd per checkpoint file, and one read-only shared mapping of it if a task needs it, shared by the threads."""
 
     def __init__(self, o_direct: bool) -> None:
         self.flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if o_direct else 0)
         self.fds: dict[str, int] = {}
+        self.maps: dict[str, mmap.mmap] = {}
         self.lock = threading.Lock()
+
+    def _fd(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            fd = self.fds[path] = open_file(path, self.flags)
+            if not self.flags & os.O_DIRECT:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return fd
 
     def fd(self, path: str) -> int:
         with self.lock:
-            fd = self.fds.get(path)
-            if fd is None:
-                fd = self.fds[path] = open_file(path, self.flags)
-                if not self.flags & os.O_DIRECT:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            return fd
+            return self._fd(path)
+
+    def mapping(self, t: ReadTask) -> mmap.mmap:
+        """The whole file of ``t`` mapped read-only (``MAP_SHARED``: the page cache's pages, no copy).
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): the file is empty (nothing to map).
+        """
+        with self.lock:
+            m = self.maps.get(t.path)
+            if m is None:
+                fd = self._fd(t.path)
+                if os.fstat(fd).st_size == 0:
+                    raise CheckpointCorrupt(f"safetensors file {t.path} is truncated: tensor {t.tensor!r} ends at "
+                                            f"byte {t.file_offset + t.file_span}", file=t.path, tensor=t.tensor)
+                m = self.maps[t.path] = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            return m
 
     def close(self) -> None:
+        for m in self.maps.values():
+            try:
+                m.close()
+            except BufferError:  # a failed thread's traceback still holds a view: unmapped when it is collected
+                pass
+        self.maps.clear()
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
@@ -359,9 +417,9 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     ``sum64`` digests are then taken on the GPU by the slab's ``digests``
     (an NVRTC kernel, :mod:`weightcache.memory.kernels`): no byte comes back to the host.
 
-    Strided tasks (``rows > 1``) are read as one span of the file when their
-    rows are close (:data:`PER_ROW_SKIP_BYTES`, or always with
-    ``O_DIRECT``), else row by row (one ``pread`` per row).
+    Strided tasks whose rows are apart in the file (row-parallel shards) are
+    copied from a read-only mapping of the file (:func:`mapped`); with
+    ``O_DIRECT`` they are read as one span of the file and packed.
 
     Args:
         tasks (`list[ReadTask]`): byte ranges (several per tensor for fused or strided placements).
@@ -393,13 +451,11 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     size = opts.buffer_bytes
 
     def staged(t: ReadTask, stage: memoryview) -> tuple[int, int]:
-        """Reads ``t`` into ``stage``; returns ``(offset of the first row in stage, pitch of rows in stage)``."""
-        fd = files.fd(t.path)
-        if per_row(t, opts.o_direct):
-            for r in range(t.rows):
-                lo = r * t.length
-                _pread_exact(fd, stage[lo : lo + t.length], t.file_offset + r * t.src_pitch, t.length, t)
+        """Puts ``t`` into ``stage``; returns ``(offset of the first row in stage, pitch of rows in stage)``."""
+        if mapped(t, opts.o_direct):
+            copy_mapped_rows(files.mapping(t), files.fd(t.path), t, stage, 0, t.length)
             return 0, t.length
+        fd = files.fd(t.path)
         lo = t.file_offset - t.file_offset % DIRECT_ALIGN if opts.o_direct else t.file_offset
         need = t.file_offset - lo + t.file_span
         span = round_up(need, DIRECT_ALIGN) if opts.o_direct else need
@@ -416,11 +472,11 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
         stage: memoryview | None = None
         try:
             for t in _drain(work, errors):
-                if not opts.o_direct and (t.rows == 1 or per_row(t, False)):
-                    fd = files.fd(t.path)
-                    for r in range(t.rows):  # straight into the mapping
-                        dst = t.slab_offset + r * t.dst_pitch
-                        _pread_exact(fd, host[dst : dst + t.length], t.file_offset + r * t.src_pitch, t.length, t)
+                if mapped(t, opts.o_direct):  # file mapping to slab mapping, the rows only
+                    copy_mapped_rows(files.mapping(t), files.fd(t.path), t, host, t.slab_offset, t.dst_pitch)
+                elif not opts.o_direct and t.rows == 1:  # straight into the mapping
+                    _pread_exact(files.fd(t.path), host[t.slab_offset : t.slab_offset + t.length], t.file_offset,
+                                 t.length, t)
                 else:
                     if stage is None:
                         stage = memoryview(mmap.mmap(-1, size))

@@ -36,3 +36,13 @@ def test_bench_attach_stages_runs_and_times_every_stage(tmp_path):
     # every patched stage was reached: a timer on a function the client no longer calls reads 0
     recv = rows["recvmsg: waiting for the service + reading the reply"].split("|")[2].strip()
     assert int(recv) > 0, rows
+
+
+def test_bench_tp_reads_runs_every_way_and_removes_its_file(tmp_path):
+    f = tmp_path / "tp.bin"
+    out = _run("bench_tp_reads.py", "--file", str(f), "--layers", "1", "--threads", "2", "--reps", "1",
+               tmp_path=tmp_path)
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]) for line in out.splitlines() if line.startswith("| ")}
+    assert ("1", "whole rows") in rows, out[-3000:]
+    assert {(tp, way) for tp in ("2", "8") for way in ("span", "iov", "mmap", "row")} <= rows, out[-3000:]
+    assert not f.exists()
