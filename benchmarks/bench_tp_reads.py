@@ -14,12 +14,12 @@ copy), by each of:
 - ``iov``: ``preadv`` with one iovec per row and a scratch iovec for the bytes
   between rows (iovec lists built once per thread and shape);
 - ``mmap``: :func:`weightcache.loader.copy_mapped_rows` from a read-only
-  mapping of the file (the reader's way without ``O_DIRECT``);
+  mapping of the piece's span, unmapped after it (the reader's way without
+  ``O_DIRECT``);
 - ``row``: one ``pread`` per row.
 
 TP 1 reads whole rows with ``preadv`` (the reference rate). Reports GB/s of
-payload (the bytes the rank keeps), median of ``--reps`` (each rep a new
-mapping, rank ``rep % TP``). The end-to-end figures are ``bench_first_start.py
+payload (the bytes the rank keeps), median of ``--reps`` (rank ``rep % TP``). The end-to-end figures are ``bench_first_start.py
 --tp N`` and ``bench_layouts.py --tps``.
 
 Usage: bench_tp_reads.py [--file PATH] [--layers N] [--threads N] [--reps N] [--tps 1,2,8]
@@ -29,7 +29,6 @@ Usage: bench_tp_reads.py [--file PATH] [--layers N] [--threads N] [--reps N] [--
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import queue
 import sys
@@ -86,7 +85,7 @@ def rank_tasks(path: str, tensors: list[tuple[int, int, int]], tp: int, rank: in
     return out
 
 
-def fill(way: str, tasks: list[Any], fd: int, m: mmap.mmap | None, threads: int) -> float:
+def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
     """Runs ``tasks`` on ``threads`` threads by ``way``; returns the wall time in seconds."""
     import numpy as np
 
@@ -124,7 +123,7 @@ def fill(way: str, tasks: list[Any], fd: int, m: mmap.mmap | None, threads: int)
                 for part in iovs[key]:
                     off += os.preadv(fd, part, off)
             elif way == "mmap":
-                loader.copy_mapped_rows(m, fd, t, stage, 0, t.length)
+                loader.copy_mapped_rows(fd, t, stage, 0, t.length)
             else:
                 for r in range(t.rows):
                     os.preadv(fd, [stage[r * t.length : (r + 1) * t.length]], t.file_offset + r * t.src_pitch)
@@ -162,10 +161,7 @@ def main() -> int:
                 rates = []
                 for rep in range(args.reps):
                     tasks = rank_tasks(str(path), tensors, tp, rep % tp, packed=way in ("mmap", "row", "iov"))
-                    m = mmap.mmap(fd, 0, prot=mmap.PROT_READ) if way == "mmap" else None
-                    dt = fill(way, tasks, fd, m, threads)
-                    if m is not None:
-                        m.close()
+                    dt = fill(way, tasks, fd, threads)
                     rates.append(sum(t.nbytes for t in tasks) / dt / GB)
                 rows.append({"tp": tp, "way": way, "payload_gb": sum(t.nbytes for t in tasks) / GB,
                              "gbps": stats(rates)})

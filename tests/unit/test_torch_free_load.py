@@ -416,3 +416,23 @@ def test_row_parallel_rows_copied_from_the_mapping_land_at_their_pitch(tmp_path)
     r = loader.read_direct([packed], slab, loader.LoaderOptions(threads=2, staging_bytes=4 * 16384),
                            with_digests=False)
     assert bytes(slab.bytes) == b"".join(want) and r.bytes_read == 300 * 24
+
+
+def test_in_page_cache_answers_for_a_written_file_and_a_piece_read_ahead_gives_the_same_rows(tmp_path, monkeypatch):
+    """A file just written is in the page cache (no read-ahead asked); where the probe says it is not (a checkpoint
+    on disk after a reboot), the piece is read ahead (``MADV_WILLNEED``) and its rows are the same bytes."""
+    data = os.urandom(1 << 16)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert loader.in_page_cache(fd, 1000) is True
+        asked = []
+        monkeypatch.setattr(loader, "in_page_cache", lambda fd, offset: asked.append(offset) or False)
+        t = loader.ReadTask(str(path), 100, 24, 0, "w", rows=300, src_pitch=200, dst_pitch=24)
+        out = bytearray(300 * 24)
+        loader.copy_mapped_rows(fd, t, memoryview(out), 0, 24)
+        assert asked == [100 + 299 * 200]
+        assert bytes(out) == b"".join(data[100 + i * 200 : 124 + i * 200] for i in range(300))
+    finally:
+        os.close(fd)
