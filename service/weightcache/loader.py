@@ -146,17 +146,19 @@ def mapped(t: ReadTask, o_direct: bool) -> bool:
     A row-parallel shard (``o_proj``/``down_proj`` at TP > 1: rows of
     ``length`` bytes ``src_pitch`` apart, ``src_pitch > length``) is copied
     row by row from an ``mmap`` of the file (numpy, the GIL released), so
-    only its own bytes are copied out of the page cache. The alternatives,
-    measured on the H200 host (16 threads, page cache, ``benchmarks/bench_tp_reads.py``):
-    reading the span from the first row to the last and discarding the bytes
-    between copies ``TP`` times the payload (TP 2: 17.6 GB/s of payload, TP 8:
-    6.0); ``preadv`` with a scratch iovec for the gaps copies them all the same
-    (15.9 / 4.0); a ``pread`` per row pays ~10 µs per call (1.5 / 0.4; TP 8 of
-    a 15 GB Llama: 34.8 s); the mapping: 40 / 12 GB/s (what is left at TP 8 is
-    the page-table set-up for the pages between the rows). With ``O_DIRECT``
-    (the page cache bypassed) the span is read and packed instead
-    (:func:`compact_rows`). Rows contiguous in the file (``src_pitch ==
-    length``: FP8 rows padded only in the slab) are one read.
+    only its own bytes are copied out of the page cache
+    (:func:`copy_mapped_rows`). Reading the span from the first row to the
+    last and discarding the bytes between copies ``TP`` times the payload;
+    ``preadv`` with a scratch iovec for the gaps copies them all the same; a
+    ``pread`` per row pays ~10 µs per call (TP 8 of a 15 GB Llama: 34.8 s).
+    Measured on the H200 host (16 threads, page cache; benchmarks/RESULTS.md
+    "Row-parallel shards from a mapping"): whole TP-8 rank fills of a 6 GB
+    Llama at 23.4 GB/s on ext4 (9.4 as spans; TP 1: 36.0), 12.2 on tmpfs
+    (9.4; TP 1: 31.1), where what is left is the page-table work for the
+    pages between the rows (4 KiB pages on tmpfs, large folios on ext4).
+    With ``O_DIRECT`` (the page cache bypassed) the span is read and packed
+    instead (:func:`compact_rows`). Rows contiguous in the file
+    (``src_pitch == length``: FP8 rows padded only in the slab) are one read.
     """
     return t.rows > 1 and t.src_pitch != t.length and not o_direct
 
@@ -186,10 +188,12 @@ def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst
 
     Maps the task's span of the file read-only (``MAP_SHARED``: the page
     cache's own pages), copies the rows with numpy, and unmaps it at once,
-    on the calling reader thread: the page-table teardown of a span is
-    spread over the threads instead of falling on one ``munmap`` of the
-    whole file after the read (37 ms per TP-8 rank of a 6 GB checkpoint on
-    the H200 host).
+    on the calling reader thread. Measured on the H200 host against one
+    mapping per file (TP-8 rank fills, ext4 / tmpfs): 23.4 / 12.2 GB/s,
+    against 22.4 / 10.6 for one mapping unmapped after the read (its
+    ``munmap`` alone took 37 ms per rank of a 6 GB checkpoint, on one
+    thread) and 19.7 / 9.7 for one mapping whose pieces are released with
+    ``MADV_DONTNEED`` on their threads.
 
     Raises:
         CheckpointCorrupt (`checkpoint_corrupt`): the file (``fstat`` now)
