@@ -12,7 +12,7 @@ pipeline's (host backend only).
 Targets (issue 23, CPU CI): vLLM TP 1 within 1.3x of HF, TP 2 (ranks summed)
 within 1.5x; on the GPU, within 1.1x.
 
-Usage: bench_layouts.py [--device cpu|cuda] [--size-gb G] [--reps N] [--threads N] [--oracle] [--per-row-skip B]
+Usage: bench_layouts.py [--device cpu|cuda] [--size-gb G] [--reps N] [--threads N] [--oracle]
        [--tps 1,2,8]
        [--dir DIR] [--remove]
 """
@@ -106,16 +106,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="reader threads (default: the service's)")
     ap.add_argument("--oracle", action="store_true", help="also compare the bytes with the torch pipeline (host)")
     ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR", "/tmp/weightcache-bench"))
-    ap.add_argument("--per-row-skip", type=int, default=None,
-                    help="loader.PER_ROW_SKIP_BYTES: strided rows read one by one when more bytes than this lie "
-                         "between them (default 128 KiB)")
     ap.add_argument("--tps", default="1,2", help="TP sizes to load, comma-separated (default 1,2)")
     ap.add_argument("--remove", action="store_true")
     args = ap.parse_args()
-    if args.per_row_skip is not None:
-        from weightcache import loader
-
-        loader.PER_ROW_SKIP_BYTES = args.per_row_skip
     cuda = args.device == "cuda"
     gb = args.size_gb if args.size_gb is not None else (15.0 if cuda else 0.5)
     from weightcache.memory import get_backend
@@ -125,14 +118,11 @@ def main() -> int:
     shapes = {"llama": _scaled(LLAMA3_8B, gb), "qwen2": _scaled(Qwen2Shape(*QWEN25_7B), gb, Qwen2Shape)}
     tps = [int(x) for x in args.tps.split(",")]
     cases = [("hf", 1), ("vllm", 1)] + [(n, tp) for tp in tps if tp > 1 for n in ("hf", "vllm")]
-    from weightcache import loader
-
     res: dict[str, Any] = {"versions": versions(), "device": args.device, "size_gb": gb, "reps": args.reps,
-                           "per_row_skip_bytes": loader.PER_ROW_SKIP_BYTES,
                            "threads": args.threads or "default", "cpus": len(os.sched_getaffinity(0)), "models": {}}
     md = [f"### Load by layout, same checkpoint, same run ({args.device}, {'cuda' if cuda else 'host'} backend, "
-          f"{res['cpus']} CPUs, reader threads {res['threads']}, strided rows one by one past "
-          f"{loader.PER_ROW_SKIP_BYTES} bytes between them; in-process `pipeline.fill`, ranks one after the "
+          f"{res['cpus']} CPUs, reader threads {res['threads']}, row-parallel shards copied from "
+          f"the file's mapping; in-process `pipeline.fill`, ranks one after the "
           f"other, median of {args.reps} (min–max))", "",
           "| model | naming | TP | payload GB | fill s | GB/s | vs hf TP 1 | torch-free | bytes = torch pipeline |",
           "|---|---|---|---|---|---|---|---|---|"]

@@ -6,8 +6,9 @@ along any dimension, the parts of a fused tensor, FP8 rows at a padded pitch:
 or strided, that never pass through Python objects: a pool of threads reads
 them with ``os.preadv``
 
-- host slab: straight into the memfd mapping (no staging; strided rows read
-  as one span go through a per-thread buffer and a numpy strided copy);
+- host slab: straight into the memfd mapping (no staging; row-parallel
+  shards copied row by row from a read-only mapping of the file with numpy,
+  :func:`mapped`; with ``O_DIRECT`` through a per-thread buffer);
 - CUDA slab: into a bounded ring of pinned host buffers (two per thread), each
   copied asynchronously on the thread's own CUDA stream to its planned offset
   (``cuMemcpyHtoDAsync``, ``cuMemcpy2DAsync`` for strided rows); a buffer is
@@ -44,6 +45,7 @@ from typing import Any, Callable, Iterator
 
 from . import digest
 from .checkpoint import Checkpoint, open_file, pread_exact
+from .errors import CheckpointCorrupt
 from .cpus import MAX_DEFAULT_THREADS, MIN_DEFAULT_THREADS, default_threads  # noqa: F401 - re-exported
 from .manifest import TensorRecord, itemsize
 from .sizes import round_up
@@ -138,19 +140,88 @@ def direct_task(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> ReadTask
     return ReadTask(ck.file_path(info.file), start, n, rec.offset_bytes, spec.name)
 
 
-#: A strided task reads each row alone (one ``pread`` per row) only when the
-#: file bytes between two of its rows exceed this; otherwise it reads the span
-#: from its first row to its last and discards the bytes between (a
-#: row-parallel shard reads its rows whole). A ``pread`` from Python costs
-#: about 10 µs, a copy from the page cache about 10 GB/s per thread: below
-#: ~100 KB skipped per row, reading through is cheaper (measured on the H200
-#: host: TP 8 of a 15 GB Llama with a ``pread`` per 1–3 KB row took 34.8 s).
-PER_ROW_SKIP_BYTES = 128 * 1024
+def mapped(t: ReadTask, o_direct: bool) -> bool:
+    """Whether the strided task ``t`` is copied from a read-only shared mapping of its file rather than read.
+
+    A row-parallel shard (``o_proj``/``down_proj`` at TP > 1: rows of
+    ``length`` bytes ``src_pitch`` apart, ``src_pitch > length``) is copied
+    row by row from an ``mmap`` of the file (numpy, the GIL released), so
+    only its own bytes are copied out of the page cache
+    (:func:`copy_mapped_rows`). Reading the span from the first row to the
+    last and discarding the bytes between copies ``TP`` times the payload;
+    ``preadv`` with a scratch iovec for the gaps copies them all the same; a
+    ``pread`` per row pays ~10 µs per call (TP 8 of a 15 GB Llama: 34.8 s).
+    Measured on the H200 host (16 threads, page cache; benchmarks/RESULTS.md
+    "Row-parallel shards from a mapping"): whole TP-8 rank fills of a 6 GB
+    Llama at 23.4 GB/s on ext4 (9.4 as spans; TP 1: 36.0), 12.2 on tmpfs
+    (9.4; TP 1: 31.1), where what is left is the page-table work for the
+    pages between the rows (4 KiB pages on tmpfs, large folios on ext4).
+    With ``O_DIRECT`` (the page cache bypassed) the span is read and packed
+    instead (:func:`compact_rows`). Rows contiguous in the file
+    (``src_pitch == length``: FP8 rows padded only in the slab) are one read.
+    """
+    return t.rows > 1 and t.src_pitch != t.length and not o_direct
 
 
-def per_row(t: ReadTask, o_direct: bool) -> bool:
-    """Whether the strided task ``t`` is read row by row rather than as one span of the file."""
-    return t.rows > 1 and not o_direct and t.src_pitch - t.length > PER_ROW_SKIP_BYTES
+def in_page_cache(fd: int, offset: int) -> bool:
+    """Whether the byte at ``offset`` of ``fd`` is in the page cache: a 1-byte ``preadv2(RWF_NOWAIT)``.
+
+    Asked of a row-parallel piece's last row before its rows are copied from
+    the mapping. A page fault on a file not in the page cache reads only
+    about 128 KiB around the fault, synchronously, one request per fault and
+    thread, where a ``pread`` of the span is one large request: a piece whose
+    last row is not cached is read ahead whole first (``MADV_WILLNEED``,
+    asynchronous). A cached piece pays one system call; the read-ahead's
+    page-cache walk alone cost 10–20 % of the mapped copy's rate on the H200
+    host. ``False`` also where the file system cannot answer without waiting
+    (``EOPNOTSUPP``).
+    """
+    try:
+        os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
+    except (BlockingIOError, OSError):
+        return False
+    return True
+
+
+def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst_pitch: int) -> None:
+    """Copies the ``t.rows`` rows of ``t`` from its file ``fd`` to ``dst``: row ``i`` at ``dst_offset + i * dst_pitch``.
+
+    Maps the task's span of the file read-only (``MAP_SHARED``: the page
+    cache's own pages), copies the rows with numpy, and unmaps it at once,
+    on the calling reader thread. Measured on the H200 host against one
+    mapping per file (TP-8 rank fills, ext4 / tmpfs): 23.4 / 12.2 GB/s,
+    against 22.4 / 10.6 for one mapping unmapped after the read (its
+    ``munmap`` alone took 37 ms per rank of a 6 GB checkpoint, on one
+    thread) and 19.7 / 9.7 for one mapping whose pieces are released with
+    ``MADV_DONTNEED`` on their threads.
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): the file (``fstat`` now)
+            ends before the task's last row; names the file and tensor, as a
+            short ``pread`` does. A file truncated *during* the copy kills the
+            process with ``SIGBUS``, as it would any ``mmap`` reader such as
+            safetensors (docs/reliability.md).
+    """
+    import numpy as np
+
+    end = t.file_offset + t.file_span
+    if os.fstat(fd).st_size < end:
+        raise CheckpointCorrupt(f"safetensors file {t.path} is truncated: tensor {t.tensor!r} ends at byte {end}",
+                                file=t.path, tensor=t.tensor)
+    lo = t.file_offset - t.file_offset % mmap.ALLOCATIONGRANULARITY
+    m = mmap.mmap(fd, end - lo, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=lo)
+    try:
+        if not in_page_cache(fd, end - t.length):
+            m.madvise(mmap.MADV_WILLNEED)  # from disk: large read-ahead requests, not one per page fault
+        src = np.ndarray((t.rows, t.length), np.uint8, m, t.file_offset - lo, (t.src_pitch, 1))
+        out = np.ndarray((t.rows, t.length), np.uint8, dst, dst_offset, (dst_pitch, 1))
+        np.copyto(out, src)
+        del src, out  # no array exports the mapping any more
+    finally:
+        try:
+            m.close()
+        except BufferError:  # an exception's traceback still holds a view: unmapped when it is collected
+            pass
 
 
 def compact_rows(buf: memoryview, first: int, pitch: int, length: int, rows: int) -> int:
@@ -186,7 +257,7 @@ def _split(tasks: list[ReadTask], chunk: int, o_direct: bool = False) -> list[Re
                 out.append(ReadTask(t.path, t.file_offset + off, n, t.slab_offset + off, t.tensor))
             continue
         # Whole rows per piece: the staged bytes (packed rows, or the file span) fit one buffer.
-        step = t.length if per_row(t, o_direct) else t.src_pitch
+        step = t.length if mapped(t, o_direct) else t.src_pitch
         g = max(1, (chunk - t.length) // step + 1) if chunk >= t.length else 1
         if t.length > chunk:
             raise ValueError(f"tensor {t.tensor!r}: a row of {t.length} bytes does not fit a {chunk}-byte staging "
@@ -359,9 +430,9 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     ``sum64`` digests are then taken on the GPU by the slab's ``digests``
     (an NVRTC kernel, :mod:`weightcache.memory.kernels`): no byte comes back to the host.
 
-    Strided tasks (``rows > 1``) are read as one span of the file when their
-    rows are close (:data:`PER_ROW_SKIP_BYTES`, or always with
-    ``O_DIRECT``), else row by row (one ``pread`` per row).
+    Strided tasks whose rows are apart in the file (row-parallel shards) are
+    copied from a read-only mapping of the file (:func:`mapped`); with
+    ``O_DIRECT`` they are read as one span of the file and packed.
 
     Args:
         tasks (`list[ReadTask]`): byte ranges (several per tensor for fused or strided placements).
@@ -393,13 +464,11 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     size = opts.buffer_bytes
 
     def staged(t: ReadTask, stage: memoryview) -> tuple[int, int]:
-        """Reads ``t`` into ``stage``; returns ``(offset of the first row in stage, pitch of rows in stage)``."""
-        fd = files.fd(t.path)
-        if per_row(t, opts.o_direct):
-            for r in range(t.rows):
-                lo = r * t.length
-                _pread_exact(fd, stage[lo : lo + t.length], t.file_offset + r * t.src_pitch, t.length, t)
+        """Puts ``t`` into ``stage``; returns ``(offset of the first row in stage, pitch of rows in stage)``."""
+        if mapped(t, opts.o_direct):
+            copy_mapped_rows(files.fd(t.path), t, stage, 0, t.length)
             return 0, t.length
+        fd = files.fd(t.path)
         lo = t.file_offset - t.file_offset % DIRECT_ALIGN if opts.o_direct else t.file_offset
         need = t.file_offset - lo + t.file_span
         span = round_up(need, DIRECT_ALIGN) if opts.o_direct else need
@@ -416,11 +485,11 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
         stage: memoryview | None = None
         try:
             for t in _drain(work, errors):
-                if not opts.o_direct and (t.rows == 1 or per_row(t, False)):
-                    fd = files.fd(t.path)
-                    for r in range(t.rows):  # straight into the mapping
-                        dst = t.slab_offset + r * t.dst_pitch
-                        _pread_exact(fd, host[dst : dst + t.length], t.file_offset + r * t.src_pitch, t.length, t)
+                if mapped(t, opts.o_direct):  # file mapping to slab mapping, the rows only
+                    copy_mapped_rows(files.fd(t.path), t, host, t.slab_offset, t.dst_pitch)
+                elif not opts.o_direct and t.rows == 1:  # straight into the mapping
+                    _pread_exact(files.fd(t.path), host[t.slab_offset : t.slab_offset + t.length], t.file_offset,
+                                 t.length, t)
                 else:
                     if stage is None:
                         stage = memoryview(mmap.mmap(-1, size))

@@ -73,16 +73,19 @@ def test_vllm_and_tp_layouts_are_filled_without_torch_with_the_pipelines_bytes(r
             assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
 
 
-@pytest.mark.parametrize("skip_bytes", [0, 1 << 30])
-def test_row_parallel_shards_read_per_row_or_as_spans(tiny_llama, monkeypatch, skip_bytes):
-    """o_proj/down_proj at TP 4 are strided rows: read row by row (skip_bytes 0) or as spans (1 GiB), in pieces of
-    a few rows (4 KiB staging buffers)."""
-    monkeypatch.setattr(loader, "PER_ROW_SKIP_BYTES", skip_bytes)
+@pytest.mark.parametrize("from_mapping", [True, False])
+def test_row_parallel_shards_copied_from_the_mapping_or_read_as_spans(tiny_llama, monkeypatch, from_mapping):
+    """o_proj/down_proj at TP 4 are strided rows: copied from a mapping of the file (the default without
+    O_DIRECT) or read as spans and packed (O_DIRECT's way, forced here), in pieces of a few rows (4 KiB staging
+    buffers)."""
+    if not from_mapping:
+        monkeypatch.setattr(loader, "mapped", lambda t, o_direct: False)
     p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(tiny_llama), naming="vllm"), 4, 3), DEVICE)
     placed = placement.place_all(p.specs, p.records, p.checkpoint)
     strided = [t for t in placed.reads if t.rows > 1]
     assert {t.tensor.rsplit(".", 2)[-2] for t in strided} == {"o_proj", "down_proj"}
     assert all(t.src_pitch == 4 * t.length for t in strided)
+    assert all(loader.mapped(t, False) is from_mapping for t in strided)
     _, filled, got, want_manifest, want = _both(tiny_llama, "vllm", 4, 3, threads=2, staging_bytes=4 * 4096 + 8192)
     _assert_same(filled, got, want_manifest, want)
 

@@ -12,6 +12,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -371,3 +372,67 @@ def test_a_kernel_compile_thread_that_cannot_start_is_not_counted_as_running(mon
         kernels.prepare(dev)
     assert 96 not in kernels._compiling
     assert kernels.expected(dev) is False
+
+
+@pytest.mark.parametrize("file_bytes", [0, 1000, 4095])
+@pytest.mark.parametrize("backend", ["host", "staged"])
+def test_a_row_parallel_shard_of_a_truncated_file_is_checkpoint_corrupt(tmp_path, file_bytes, backend):
+    """A strided task (copied from the file's mapping) past the end of a short or empty file raises
+    ``checkpoint_corrupt`` naming the file and the tensor, as a short ``pread`` does, instead of touching the
+    mapping beyond the file (``SIGBUS``); the other threads' tasks stop and the files are closed."""
+    from weightcache.errors import CheckpointCorrupt
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(os.urandom(file_bytes))
+    bad = loader.ReadTask(str(path), 64, 16, 0, "model.layers.0.mlp.down_proj.weight", rows=64, src_pitch=64,
+                          dst_pitch=16)
+    assert bad.file_span == 64 + 63 * 64 - 48 and loader.mapped(bad, False)
+    slab = SimpleNamespace(buffer=memoryview(bytearray(4096))) if backend == "host" else _FakeCudaSlab(4096)
+    opts = loader.LoaderOptions(threads=2, staging_bytes=4 * 16384)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(CheckpointCorrupt) as e:
+        loader.read_direct([bad], slab, opts, with_digests=False)
+    assert str(path) in str(e.value) and "'model.layers.0.mlp.down_proj.weight' ends at byte 4112" in str(e.value)
+    assert e.value.code == "checkpoint_corrupt"
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_row_parallel_rows_copied_from_the_mapping_land_at_their_pitch(tmp_path):
+    """A strided task copied from the file's mapping writes row ``i`` (``length`` bytes at ``file_offset + i *
+    src_pitch``) at ``slab_offset + i * dst_pitch`` in a host slab and leaves the bytes between alone; through a
+    stager (the CUDA reader) the same rows land packed."""
+    data = os.urandom(1 << 16)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data)
+    t = loader.ReadTask(str(path), 100, 24, 40, "w", rows=300, src_pitch=200, dst_pitch=32)
+    want = [data[100 + i * 200 : 124 + i * 200] for i in range(300)]
+    host = bytearray(b"\xee" * (40 + 300 * 32))
+    loader.read_direct([t], SimpleNamespace(buffer=memoryview(host)), loader.LoaderOptions(threads=2),
+                       with_digests=False)
+    assert [bytes(host[40 + i * 32 : 64 + i * 32]) for i in range(300)] == want
+    assert all(host[64 + i * 32 : 72 + i * 32] == b"\xee" * 8 for i in range(300)) and host[:40] == b"\xee" * 40
+    packed = loader.ReadTask(str(path), 100, 24, 0, "w", rows=300, src_pitch=200, dst_pitch=24)
+    slab = _FakeCudaSlab(300 * 24)
+    r = loader.read_direct([packed], slab, loader.LoaderOptions(threads=2, staging_bytes=4 * 16384),
+                           with_digests=False)
+    assert bytes(slab.bytes) == b"".join(want) and r.bytes_read == 300 * 24
+
+
+def test_in_page_cache_answers_for_a_written_file_and_a_piece_read_ahead_gives_the_same_rows(tmp_path, monkeypatch):
+    """A file just written is in the page cache (no read-ahead asked); where the probe says it is not (a checkpoint
+    on disk after a reboot), the piece is read ahead (``MADV_WILLNEED``) and its rows are the same bytes."""
+    data = os.urandom(1 << 16)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert loader.in_page_cache(fd, 1000) is True
+        asked = []
+        monkeypatch.setattr(loader, "in_page_cache", lambda fd, offset: asked.append(offset) or False)
+        t = loader.ReadTask(str(path), 100, 24, 0, "w", rows=300, src_pitch=200, dst_pitch=24)
+        out = bytearray(300 * 24)
+        loader.copy_mapped_rows(fd, t, memoryview(out), 0, 24)
+        assert asked == [100 + 299 * 200]
+        assert bytes(out) == b"".join(data[100 + i * 200 : 124 + i * 200] for i in range(300))
+    finally:
+        os.close(fd)

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Reading row-parallel TP shards (strided columns) out of the page cache: four ways side by side.
+
+A TP rank's ``o_proj``/``down_proj`` shard is a column slice: ``rows`` rows of
+``row_bytes / TP`` bytes, ``row_bytes`` apart in the file. This benchmark
+writes a file of ``--layers`` Qwen2.5-7B-shaped ``down_proj`` ([3584, 18944]
+bf16) and ``o_proj`` ([3584, 3584] bf16) tensors, keeps it in the page cache,
+and has ``--threads`` threads fill a TP rank's rows into their own
+``staging``-sized buffers (packed rows, what the CUDA reader sends in one
+copy), by each of:
+
+- ``span``: ``preadv`` from the first row to the last, then
+  :func:`weightcache.loader.compact_rows` (the reader's ``O_DIRECT`` way);
+- ``iov``: ``preadv`` with one iovec per row and a scratch iovec for the bytes
+  between rows (iovec lists built once per thread and shape);
+- ``mmap``: :func:`weightcache.loader.copy_mapped_rows` from a read-only
+  mapping of the piece's span, unmapped after it (the reader's way without
+  ``O_DIRECT``);
+- ``row``: one ``pread`` per row.
+
+TP 1 reads whole rows with ``preadv`` (the reference rate). Reports GB/s of
+payload (the bytes the rank keeps), median of ``--reps`` (rank ``rep % TP``). The end-to-end figures are ``bench_first_start.py
+--tp N`` and ``bench_layouts.py --tps``.
+
+Usage: bench_tp_reads.py [--file PATH] [--layers N] [--threads N] [--reps N] [--tps 1,2,8]
+       [--ways span,iov,mmap,row] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "service"))
+from bench_common import GB, emit, stats, versions  # noqa: E402
+
+#: (rows, row bytes) of Qwen2.5-7B's down_proj and o_proj in bf16.
+SHAPES = ((3584, 18944 * 2), (3584, 3584 * 2))
+STAGING = 8 << 20  # one reader buffer at the service's defaults (256 MiB over 16 threads x 2)
+
+
+def write_file(path: Path, layers: int) -> list[tuple[int, int, int]]:
+    """Writes (once) ``layers`` x :data:`SHAPES` of random bytes; returns ``(offset, rows, row_bytes)`` per tensor."""
+    import numpy as np
+
+    tensors, off = [], 0
+    for _ in range(layers):
+        for rows, pitch in SHAPES:
+            tensors.append((off, rows, pitch))
+            off += rows * pitch
+    if not path.exists() or path.stat().st_size != off:
+        block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+        with open(path, "wb") as f:
+            left = off
+            while left:
+                n = min(left, len(block))
+                f.write(block[:n])
+                left -= n
+    return tensors
+
+
+def rank_tasks(path: str, tensors: list[tuple[int, int, int]], tp: int, rank: int, packed: bool) -> list[Any]:
+    """The rank's rows as :class:`weightcache.loader.ReadTask` pieces that fit one staging buffer."""
+    from weightcache.loader import ReadTask
+
+    out = []
+    for off, rows, pitch in tensors:
+        length = pitch // tp
+        if tp == 1:
+            step = STAGING // pitch
+        elif packed:
+            step = STAGING // length
+        else:  # the file span fits the buffer
+            step = max(1, (STAGING - length) // pitch + 1)
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            out.append(ReadTask(path, off + rank * length + r0 * pitch, length, 0, "w", n, pitch, length))
+    return out
+
+
+def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
+    """Runs ``tasks`` on ``threads`` threads by ``way``; returns the wall time in seconds."""
+    import numpy as np
+
+    from weightcache import loader
+
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    for t in tasks:
+        work.put(t)
+    iov_max = os.sysconf("SC_IOV_MAX") // 2 * 2
+
+    def worker() -> None:
+        stage = memoryview(np.zeros(STAGING + 8192, np.uint8))
+        scratch = memoryview(bytearray(64 << 10))
+        iovs: dict[tuple[int, int, int], list[list[memoryview]]] = {}
+        while True:
+            try:
+                t = work.get_nowait()
+            except queue.Empty:
+                return
+            if t.rows == 1 or t.src_pitch == t.length:
+                os.preadv(fd, [stage[: t.length * t.rows]], t.file_offset)
+            elif way == "span":
+                os.preadv(fd, [stage[: t.file_span]], t.file_offset)
+                loader.compact_rows(stage, 0, t.src_pitch, t.length, t.rows)
+            elif way == "iov":
+                key = (t.length, t.src_pitch, t.rows)
+                if key not in iovs:
+                    v = []
+                    for r in range(t.rows):
+                        v.append(stage[r * t.length : (r + 1) * t.length])
+                        if r < t.rows - 1:
+                            v.append(scratch[: t.src_pitch - t.length])
+                    iovs[key] = [v[i : i + iov_max] for i in range(0, len(v), iov_max)]
+                off = t.file_offset
+                for part in iovs[key]:
+                    off += os.preadv(fd, part, off)
+            elif way == "mmap":
+                loader.copy_mapped_rows(fd, t, stage, 0, t.length)
+            else:
+                for r in range(t.rows):
+                    os.preadv(fd, [stage[r * t.length : (r + 1) * t.length]], t.file_offset + r * t.src_pitch)
+
+    ths = [threading.Thread(target=worker) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--file", default="/dev/shm/weightcache-bench-tp-reads.bin")
+    ap.add_argument("--layers", type=int, default=14)
+    ap.add_argument("--threads", type=int, default=None, help="default: the service's read_threads default")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tps", default="1,2,8")
+    ap.add_argument("--ways", default="span,iov,mmap,row")
+    ap.add_argument("--keep", action="store_true", help="keep the file")
+    args = ap.parse_args()
+    from weightcache.cpus import default_threads
+
+    threads = args.threads or default_threads()
+    path = Path(args.file)
+    tensors = write_file(path, args.layers)
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    rows: list[dict[str, Any]] = []
+    try:
+        for tp in (int(x) for x in args.tps.split(",")):
+            for way in ["whole rows"] if tp == 1 else args.ways.split(","):
+                rates = []
+                for rep in range(args.reps):
+                    tasks = rank_tasks(str(path), tensors, tp, rep % tp, packed=way in ("mmap", "row", "iov"))
+                    dt = fill(way, tasks, fd, threads)
+                    rates.append(sum(t.nbytes for t in tasks) / dt / GB)
+                rows.append({"tp": tp, "way": way, "payload_gb": sum(t.nbytes for t in tasks) / GB,
+                             "gbps": stats(rates)})
+    finally:
+        os.close(fd)
+        if not args.keep:
+            path.unlink()
+    ref = rows[0]["gbps"]["median"] if rows and rows[0]["tp"] == 1 else None
+    md = [f"### Row-parallel shards out of the page cache ({size / GB:.2f} GB file, {threads} threads, "
+          f"{os.cpu_count()} CPUs, kernel {os.uname().release}; GB/s of payload, median (min–max) of {args.reps})", "",
+          "| TP | way | payload GB | GB/s | vs TP 1 |", "|---|---|---|---|---|"]
+    for r in rows:
+        s = r["gbps"]
+        vs = f"{s['median'] / ref:.2f}x" if ref else "-"
+        md.append(f"| {r['tp']} | {r['way']} | {r['payload_gb']:.3f} | {s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f}) "
+                  f"| {vs} |")
+    emit("tp_reads", {"versions": versions(), "threads": threads, "file_bytes": size, "rows": rows}, "\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
