@@ -51,12 +51,12 @@ STAGES = ("connect", "send", "reply wait", "manifest file", "key check", "import
 
 def _instrument(acc: dict[str, float], device: str) -> None:
     """Wraps the client's steps with timers adding seconds into ``acc`` (this process only)."""
-    from weightcache import client
+    from weightcache import client, identity  # the client imports identity on first use: not its attribute
 
     backend = client.local_backend(device)
     patch_timers([(client.Session, "__init__", "connect"), (client.Session, "send", "send"),
-                  (client.Session, "replies", "reply wait"), (client, "read_manifest_file", "manifest file"),
-                  (client.identity, "check_key", "key check"), (type(backend), "import_fd", "import + map"),
+                  (client.Session, "replies", "reply wait"), (client, "read_file", "manifest file"),
+                  (identity, "check_key", "key check"), (type(backend), "import_fd", "import + map"),
                   (client, "build_views", "views")], acc)
 
 

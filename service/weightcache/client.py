@@ -54,7 +54,7 @@ from .manifest import LayoutMap, Manifest, build_views, warm_up_views
 from .manifest_file import ManifestFile, read_file
 from .spec import RankRequest
 from .session import DEFAULT_SOCKET_DIR, Session, listening_gpus, resolve_socket_dir  # noqa: F401 (re-exported)
-from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, AttachMode
+from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, NAMINGS, AttachMode  # noqa: F401 (NAMINGS re-exported)
 
 log = logging.getLogger(__name__)
 

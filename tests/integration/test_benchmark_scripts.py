@@ -62,3 +62,16 @@ def test_bench_tp_reads_runs_every_way_and_removes_its_file(tmp_path):
     assert ("1", "whole rows") in rows, out[-3000:]
     assert {(tp, way) for tp in ("2", "8") for way in ("span", "iov", "mmap", "row")} <= rows, out[-3000:]
     assert not f.exists()
+
+
+def test_bench_concurrency_runs_and_times_every_stage(tmp_path):
+    """One engine, three attaches: each client stage the script wraps is one the client still calls (a timer on a
+    name the client no longer uses reads 0; one on an attribute it lacks, ``client.identity``, broke the script)."""
+    out = _run("bench_concurrency.py", "--device", "cpu", "--ns", "1", "--samples", "3", "--warmup", "1",
+               tmp_path=tmp_path)
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("| N | connect |"))
+    header, row = lines[at], lines[at + 2]  # the header, |---|, N = 1
+    cells = dict(zip([c.strip() for c in header.split("|")[2:-1]], [c.strip() for c in row.split("|")[2:-1]]))
+    for stage in ("connect", "reply wait", "manifest file", "key check", "import + map", "views"):
+        assert float(cells[stage].split("/")[0]) > 0, (stage, cells)
