@@ -96,7 +96,15 @@ def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
         work.put(t)
     iov_max = os.sysconf("SC_IOV_MAX") // 2 * 2
 
+    errors: list[BaseException] = []
+
     def worker() -> None:
+        try:
+            work_through()
+        except BaseException as e:  # a way that fails must not read as a fast one
+            errors.append(e)
+
+    def work_through() -> None:
         stage = memoryview(np.zeros(STAGING + 8192, np.uint8))
         scratch = memoryview(bytearray(64 << 10))
         iovs: dict[tuple[int, int, int], list[list[memoryview]]] = {}
@@ -134,6 +142,8 @@ def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
         th.start()
     for th in ths:
         th.join()
+    if errors:
+        raise RuntimeError(f"way {way!r} failed in a reader thread") from errors[0]
     return time.perf_counter() - t0
 
 

@@ -71,6 +71,11 @@ class MemberPath(str):
         self.checkpoint, self.member = checkpoint, member
         return self
 
+    def __reduce__(self) -> tuple:
+        """A copy or pickle is the plain path (``copy.deepcopy`` in ``dataclasses.asdict`` of an error record
+        whose details name the file; the checkpoint it is bound to is not copied)."""
+        return str, (str(self),)
+
 
 def resolve_dir(path: str | os.PathLike, trusted_link_owners: frozenset[int] | None = None) -> str:
     """The absolute resolution of ``path`` (``os.path.realpath`` semantics), refusing untrusted symlinks.

@@ -60,7 +60,7 @@ def pread_exact(fd: int, buf: memoryview, offset: int, need: int, path: str, ten
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n <= 0:
             raise CheckpointCorrupt(f"safetensors file {path} is truncated: tensor {tensor!r} ends at byte {end}",
-                                    file=path, tensor=tensor)
+                                    file=str(path), tensor=tensor)
         done += n
 
 

@@ -207,7 +207,7 @@ def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst
     end = t.file_offset + t.file_span
     if os.fstat(fd).st_size < end:
         raise CheckpointCorrupt(f"safetensors file {t.path} is truncated: tensor {t.tensor!r} ends at byte {end}",
-                                file=t.path, tensor=t.tensor)
+                                file=str(t.path), tensor=t.tensor)
     lo = t.file_offset - t.file_offset % mmap.ALLOCATIONGRANULARITY
     m = mmap.mmap(fd, end - lo, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=lo)
     try:
