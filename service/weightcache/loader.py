@@ -195,21 +195,33 @@ def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst
     thread) and 19.7 / 9.7 for one mapping whose pieces are released with
     ``MADV_DONTNEED`` on their threads.
 
+    A file its file system will not map (FUSE with ``direct_io``, virtiofs
+    with ``cache=never``: ``ENODEV``), or a process out of mappings
+    (``ENOMEM``), is read as spans instead (:func:`read_rows_by_spans`).
+
     Raises:
-        CheckpointCorrupt (`checkpoint_corrupt`): the file (``fstat`` now)
-            ends before the task's last row; names the file and tensor, as a
-            short ``pread`` does. A file truncated *during* the copy kills the
-            process with ``SIGBUS``, as it would any ``mmap`` reader such as
-            safetensors (docs/reliability.md).
+        CheckpointCorrupt (`checkpoint_corrupt`): the file (``fstat`` now, or
+            ``mmap``'s own check just after) ends before the task's last row;
+            names the file and tensor, as a short ``pread`` does. A file
+            truncated *during* the copy kills the process with ``SIGBUS``, as
+            it would any ``mmap`` reader such as safetensors (docs/reliability.md).
     """
     import numpy as np
 
     end = t.file_offset + t.file_span
+    short = CheckpointCorrupt(f"safetensors file {t.path} is truncated: tensor {t.tensor!r} ends at byte {end}",
+                              file=str(t.path), tensor=t.tensor)
     if os.fstat(fd).st_size < end:
-        raise CheckpointCorrupt(f"safetensors file {t.path} is truncated: tensor {t.tensor!r} ends at byte {end}",
-                                file=str(t.path), tensor=t.tensor)
+        raise short
     lo = t.file_offset - t.file_offset % mmap.ALLOCATIONGRANULARITY
-    m = mmap.mmap(fd, end - lo, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=lo)
+    try:
+        m = mmap.mmap(fd, end - lo, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=lo)
+    except ValueError:  # cut since the fstat above
+        raise short from None
+    except OSError as e:
+        log.debug("mapping refused file=%s error=%r: rows read as spans", t.path, e)
+        read_rows_by_spans(fd, t, dst, dst_offset, dst_pitch)
+        return
     try:
         if not in_page_cache(fd, end - t.length):
             m.madvise(mmap.MADV_WILLNEED)  # from disk: large read-ahead requests, not one per page fault
@@ -222,6 +234,35 @@ def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst
             m.close()
         except BufferError:  # an exception's traceback still holds a view: unmapped when it is collected
             pass
+
+
+#: Bytes of the per-thread buffer :func:`read_rows_by_spans` reads spans into.
+SPAN_BUFFER_BYTES = 8 << 20
+_span_buffers = threading.local()
+
+
+def read_rows_by_spans(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst_pitch: int) -> None:
+    """:func:`copy_mapped_rows` where the file cannot be mapped: reads spans of whole rows (``pread``, at most
+    :data:`SPAN_BUFFER_BYTES` or one row) into a per-thread buffer and copies the rows out with numpy.
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): the file ended first; names the file and tensor.
+    """
+    import numpy as np
+
+    size = max(SPAN_BUFFER_BYTES, t.length)
+    buf = getattr(_span_buffers, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _span_buffers.buf = memoryview(bytearray(size))
+    g = (size - t.length) // t.src_pitch + 1
+    for r0 in range(0, t.rows, g):
+        n = min(g, t.rows - r0)
+        span = (n - 1) * t.src_pitch + t.length
+        _pread_exact(fd, buf[:span], t.file_offset + r0 * t.src_pitch, span, t)
+        src = np.ndarray((n, t.length), np.uint8, buf, 0, (t.src_pitch, 1))
+        out = np.ndarray((n, t.length), np.uint8, dst, dst_offset + r0 * dst_pitch, (dst_pitch, 1))
+        np.copyto(out, src)
+        del src, out
 
 
 def compact_rows(buf: memoryview, first: int, pitch: int, length: int, rows: int) -> int:

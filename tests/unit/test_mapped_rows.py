@@ -9,12 +9,15 @@ Real safetensors files written by the test, the real host backend and the fake C
 from __future__ import annotations
 
 import copy
+import errno
 import json
+import mmap
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -75,3 +78,80 @@ def test_a_file_cut_during_the_load_fails_it_with_a_status_record_that_serialise
     assert json.loads(json.dumps(record))["details"]["file"] == str(f)
     member = p.checkpoint.file_path(f.name)  # what the reader opens; any error may name it
     assert type(copy.deepcopy({"file": member})["file"]) is str and copy.deepcopy(member) == member == str(f)
+
+
+class _NoFileMappings:
+    """The ``mmap`` module where the checkpoint's file system refuses shared mappings of its files (FUSE with
+    ``direct_io`` and no ``direct_io_allow_mmap``, virtiofs with ``cache=never``: ``ENODEV``); anonymous and
+    memfd mappings (staging, the host slab) work."""
+
+    def __init__(self, err: int = errno.ENODEV) -> None:
+        self.err, self.refused = err, 0
+
+    def __getattr__(self, name: str):
+        return getattr(mmap, name)
+
+    def mmap(self, fileno: int, *args, **kwargs):
+        if fileno != -1 and not os.readlink(f"/proc/self/fd/{fileno}").startswith("/memfd:"):
+            self.refused += 1
+            raise OSError(self.err, os.strerror(self.err))
+        return mmap.mmap(fileno, *args, **kwargs)
+
+
+@pytest.mark.parametrize("err", [errno.ENODEV, errno.ENOMEM])
+@pytest.mark.parametrize("tp,rank,staging", [(2, 1, 1 << 20), (4, 3, 1), (8, 5, 4 * 16384)])
+def test_a_file_that_cannot_be_mapped_is_read_as_spans_with_the_same_bytes(tmp_path, monkeypatch, err, tp, rank,
+                                                                            staging):
+    """Where the file system refuses to map the checkpoint (``ENODEV``), or the process is out of mappings
+    (``ENOMEM``: ``vm.max_map_count``), row-parallel shards are read as spans of the file, as before the mapped
+    copy, instead of failing the load with ``internal``: the host slab and the CUDA stager get the torch
+    pipeline's bytes, down to one-row pieces (the 4 KiB minimum staging buffer)."""
+    from test_torch_free_load import _FakeCudaSlab
+
+    ck = llama_checkpoint(tmp_path / "ck", seed=tp, files=2, hidden=64, heads=8, kv_heads=2, inter=8 * 130)
+    p = _plan(ck, tp, rank)
+    slab = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
+    pipeline.execute(p, slab)
+    want = bytes(slab.numpy())
+    fake = _NoFileMappings(err)
+    monkeypatch.setattr(loader, "mmap", fake)
+    opts = dict(threads=2, staging_bytes=staging)
+    w = get_backend("host").allocate(p.slab_size_bytes, "m")
+    pipeline.fill(p, w, options=loader.LoaderOptions(**opts))
+    sealed = w.seal()
+    buf = sealed.buffer
+    try:
+        assert bytes(buf[: p.slab_size_bytes]) == want
+    finally:
+        buf.release()
+        sealed.close()
+    cuda = _FakeCudaSlab(p.slab_size_bytes)
+    pipeline.fill(p, cuda, options=loader.LoaderOptions(**opts))
+    assert bytes(cuda.bytes) == want
+    assert fake.refused > 0
+
+
+def test_a_file_cut_between_the_size_check_and_the_mapping_is_checkpoint_corrupt(tmp_path, monkeypatch):
+    """A file cut after the piece's ``fstat`` but before its ``mmap`` (Python's ``mmap`` checks the size again
+    and raises ``ValueError``) fails the load with ``checkpoint_corrupt`` naming the file and tensor, not
+    ``internal``."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(os.urandom(1000))
+    real = os.fstat
+
+    def stale(fd):  # what fstat said just before the cut
+        st = list(real(fd))
+        st[6] = 1 << 20
+        return os.stat_result(st)
+
+    monkeypatch.setattr(os, "fstat", stale)
+    t = loader.ReadTask(str(path), 64, 16, 0, "model.layers.0.mlp.down_proj.weight", rows=64, src_pitch=64,
+                        dst_pitch=16)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with pytest.raises(CheckpointCorrupt) as e:
+            loader.copy_mapped_rows(fd, t, memoryview(bytearray(1024)), 0, 16)
+    finally:
+        os.close(fd)
+    assert e.value.code == "checkpoint_corrupt" and str(path) in str(e.value)
+    assert "'model.layers.0.mlp.down_proj.weight'" in str(e.value)
