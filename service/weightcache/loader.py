@@ -209,15 +209,14 @@ def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst
     import numpy as np
 
     end = t.file_offset + t.file_span
-    short = CheckpointCorrupt(f"safetensors file {t.path} is truncated: tensor {t.tensor!r} ends at byte {end}",
-                              file=str(t.path), tensor=t.tensor)
-    if os.fstat(fd).st_size < end:
-        raise short
     lo = t.file_offset - t.file_offset % mmap.ALLOCATIONGRANULARITY
     try:
+        if os.fstat(fd).st_size < end:
+            raise ValueError("short")
         m = mmap.mmap(fd, end - lo, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=lo)
-    except ValueError:  # cut since the fstat above
-        raise short from None
+    except ValueError:  # short now, or cut between the fstat and mmap's own check
+        raise CheckpointCorrupt(f"safetensors file {t.path} is truncated: tensor {t.tensor!r} ends at byte {end}",
+                                file=str(t.path), tensor=t.tensor) from None
     except OSError as e:
         log.debug("mapping refused file=%s error=%r: rows read as spans", t.path, e)
         read_rows_by_spans(fd, t, dst, dst_offset, dst_pitch)
