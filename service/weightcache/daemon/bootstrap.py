@@ -23,6 +23,7 @@ Forbidden imports: torch, weightcache.cli, weightcache.client.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import socket
@@ -191,6 +192,12 @@ def serve(opts: ServeOptions) -> int:
     from ..journal import setup_logging
 
     setup_logging(opts.gpu, logging.DEBUG if opts.verbose else logging.INFO)
+    # A fatal signal (SIGBUS: a checkpoint cut while a row-parallel shard is copied from its mapping,
+    # docs/reliability.md) leaves every thread's Python stack in the journal, not only "status=7/BUS".
+    try:
+        faulthandler.enable()
+    except (RuntimeError, ValueError, OSError):  # no usable stderr: nothing to write the stacks to
+        pass
     stored = notify.listen_fds()
     config_error = None
     try:
