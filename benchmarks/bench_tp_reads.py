@@ -16,14 +16,20 @@ copy), by each of:
 - ``mmap``: :func:`weightcache.loader.copy_mapped_rows` from a read-only
   mapping of the piece's span, unmapped after it (the reader's way without
   ``O_DIRECT``);
-- ``row``: one ``pread`` per row.
+- ``row``: one ``pread`` per row;
+- ``vmread``: the same mapping, the rows copied by the kernel with
+  ``process_vm_readv`` on this process (one call per 1024 rows, ``IOV_MAX``)
+  instead of numpy: a page gone from the file (cut during the copy) is a
+  short count (``EFAULT``), not the ``SIGBUS`` that kills the service
+  (docs/reliability.md). Allowed by the unit's ``SystemCallFilter=@system-service``
+  (``@ipc``); on a process itself no ptrace check applies.
 
 TP 1 reads whole rows with ``preadv`` (the reference rate). Reports GB/s of
 payload (the bytes the rank keeps), median of ``--reps`` (rank ``rep % TP``). The end-to-end figures are ``bench_first_start.py
 --tp N`` and ``bench_layouts.py --tps``.
 
 Usage: bench_tp_reads.py [--file PATH] [--layers N] [--threads N] [--reps N] [--tps 1,2,8]
-       [--ways span,iov,mmap,row] [--keep]
+       [--ways span,iov,mmap,row,vmread] [--keep]
 """
 
 from __future__ import annotations
@@ -85,6 +91,47 @@ def rank_tasks(path: str, tensors: list[tuple[int, int, int]], tp: int, rank: in
     return out
 
 
+def vm_read_rows(t: Any, fd: int, dst: Any) -> None:
+    """``mmap``'s way with the rows copied by ``process_vm_readv`` (this process) into ``dst`` (a numpy array).
+
+    Raises:
+        OSError: fewer bytes copied than the rows hold (the file was cut under the mapping).
+    """
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    global _vm_readv
+    if _vm_readv is None:
+        f = ctypes.CDLL(None, use_errno=True).process_vm_readv
+        f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+        f.restype = ctypes.c_ssize_t
+        _vm_readv = f
+    end = t.file_offset + t.file_span
+    lo = t.file_offset - t.file_offset % mmap.ALLOCATIONGRANULARITY
+    m = mmap.mmap(fd, end - lo, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=lo)
+    try:
+        a = np.frombuffer(m, np.uint8)
+        base = a.ctypes.data + t.file_offset - lo
+        del a
+        pid, out = os.getpid(), dst.ctypes.data
+        for r0 in range(0, t.rows, 1024):
+            n = min(1024, t.rows - r0)
+            remote = np.empty((n, 2), np.uint64)
+            remote[:, 0] = base + (r0 + np.arange(n, dtype=np.uint64)) * t.src_pitch
+            remote[:, 1] = t.length
+            local = np.array([[out + r0 * t.length, n * t.length]], np.uint64)
+            got = _vm_readv(pid, local.ctypes.data, 1, remote.ctypes.data, n, 0)
+            if got != n * t.length:
+                raise OSError(ctypes.get_errno(), f"process_vm_readv copied {got} of {n * t.length} bytes")
+    finally:
+        m.close()
+
+
+_vm_readv: Any = None
+
+
 def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
     """Runs ``tasks`` on ``threads`` threads by ``way``; returns the wall time in seconds."""
     import numpy as np
@@ -105,7 +152,8 @@ def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
             errors.append(e)
 
     def work_through() -> None:
-        stage = memoryview(np.zeros(STAGING + 8192, np.uint8))
+        stage_array = np.zeros(STAGING + 8192, np.uint8)
+        stage = memoryview(stage_array)
         scratch = memoryview(bytearray(64 << 10))
         iovs: dict[tuple[int, int, int], list[list[memoryview]]] = {}
         while True:
@@ -132,6 +180,8 @@ def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
                     off += os.preadv(fd, part, off)
             elif way == "mmap":
                 loader.copy_mapped_rows(fd, t, stage, 0, t.length)
+            elif way == "vmread":
+                vm_read_rows(t, fd, stage_array)
             else:
                 for r in range(t.rows):
                     os.preadv(fd, [stage[r * t.length : (r + 1) * t.length]], t.file_offset + r * t.src_pitch)
@@ -154,7 +204,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="default: the service's read_threads default")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tps", default="1,2,8")
-    ap.add_argument("--ways", default="span,iov,mmap,row")
+    ap.add_argument("--ways", default="span,iov,mmap,row,vmread")
     ap.add_argument("--keep", action="store_true", help="keep the file")
     args = ap.parse_args()
     from weightcache.cpus import default_threads
@@ -170,7 +220,8 @@ def main() -> int:
             for way in ["whole rows"] if tp == 1 else args.ways.split(","):
                 rates = []
                 for rep in range(args.reps):
-                    tasks = rank_tasks(str(path), tensors, tp, rep % tp, packed=way in ("mmap", "row", "iov"))
+                    packed = way in ("mmap", "row", "iov", "vmread")
+                    tasks = rank_tasks(str(path), tensors, tp, rep % tp, packed=packed)
                     dt = fill(way, tasks, fd, threads)
                     rates.append(sum(t.nbytes for t in tasks) / dt / GB)
                 rows.append({"tp": tp, "way": way, "payload_gb": sum(t.nbytes for t in tasks) / GB,

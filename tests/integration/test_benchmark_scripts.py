@@ -60,7 +60,7 @@ def test_bench_tp_reads_runs_every_way_and_removes_its_file(tmp_path):
                tmp_path=tmp_path)
     rows = {tuple(c.strip() for c in line.split("|")[1:3]) for line in out.splitlines() if line.startswith("| ")}
     assert ("1", "whole rows") in rows, out[-3000:]
-    assert {(tp, way) for tp in ("2", "8") for way in ("span", "iov", "mmap", "row")} <= rows, out[-3000:]
+    assert {(tp, way) for tp in ("2", "8") for way in ("span", "iov", "mmap", "row", "vmread")} <= rows, out[-3000:]
     assert not f.exists()
 
 

@@ -155,3 +155,47 @@ def test_a_file_cut_between_the_size_check_and_the_mapping_is_checkpoint_corrupt
         os.close(fd)
     assert e.value.code == "checkpoint_corrupt" and str(path) in str(e.value)
     assert "'model.layers.0.mlp.down_proj.weight'" in str(e.value)
+
+
+CUT_UNDER_VMREAD = """
+import mmap, os, sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+import bench_tp_reads as b
+from weightcache.loader import ReadTask
+path = sys.argv[1]
+real = mmap.mmap
+
+def map_then_cut(*args, **kwargs):
+    m = real(*args, **kwargs)
+    os.truncate(path, 1 << 16)
+    return m
+
+mmap.mmap = map_then_cut
+t = ReadTask(path, 100, 1024, 0, "w", rows=300, src_pitch=4096, dst_pitch=1024)
+out = np.zeros(300 * 1024, np.uint8)
+try:
+    b.vm_read_rows(t, os.open(path, os.O_RDONLY), out)
+    print("no error")
+except OSError as e:
+    data = open(path, "rb").read()
+    good = (len(data) - 100) // 4096
+    assert all(bytes(out[i * 1024 : (i + 1) * 1024]) == data[100 + i * 4096 : 1124 + i * 4096] for i in range(good))
+    print("short:", e)
+"""
+
+
+def test_rows_copied_by_the_kernel_from_a_file_cut_under_the_mapping_are_a_short_count_not_sigbus(tmp_path):
+    """The way proposed to remove the mapped copy's ``SIGBUS`` (``bench_tp_reads.py``'s ``vmread``: the rows of
+    the mapping copied by ``process_vm_readv`` on this process): a file cut after its span was mapped gives a
+    short count (``OSError``, the rows before the cut copied), and the process lives. Run in a child: a
+    ``SIGBUS`` would kill it, not pytest."""
+    import subprocess
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(os.urandom(300 * 4096 + 100))
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    r = subprocess.run([sys.executable, "-c", CUT_UNDER_VMREAD, str(path), str(bench)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "short: " in r.stdout and "process_vm_readv copied" in r.stdout, r.stdout
