@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reading row-parallel TP shards (strided columns) out of the page cache: four ways side by side.
+"""Reading row-parallel TP shards (strided columns) out of the page cache: five ways side by side.
 
 A TP rank's ``o_proj``/``down_proj`` shard is a column slice: ``rows`` rows of
 ``row_bytes / TP`` bytes, ``row_bytes`` apart in the file. This benchmark
