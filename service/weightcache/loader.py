@@ -39,6 +39,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
@@ -348,13 +349,16 @@ def _drain(work: queue.SimpleQueue, errors: list[BaseException]) -> Iterator[Rea
 
 
 def _run_threads(worker: Callable[[], None], n: int, files: _Files, errors: list[BaseException]) -> None:
-    """Runs ``n`` (at least 1) reader threads to the end, closes the files, raises the first error a thread kept."""
+    """Runs ``n`` (at least 1) reader threads to the end, closes the files, raises the first error a thread kept
+    (its threads' frames cleared: a slice of the host slab they held kept the slab's memory while the error was)."""
     threads = [threading.Thread(target=worker, name=f"weightcache-read-{i}", daemon=True) for i in range(max(1, n))]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     files.close()
+    for e in errors:
+        traceback.clear_frames(e.__traceback__)
     if errors:
         raise errors[0]
 

@@ -199,3 +199,36 @@ def test_rows_copied_by_the_kernel_from_a_file_cut_under_the_mapping_are_a_short
                        text=True, timeout=60)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert "short: " in r.stdout and "process_vm_readv copied" in r.stdout, r.stdout
+
+
+def _memfds(label: str) -> tuple[int, int]:
+    """(fds, mappings) of this process on memfds named ``weightcache:<label>``."""
+    name = f"/memfd:weightcache:{label}"
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith(name)
+        except FileNotFoundError:
+            pass
+    with open("/proc/self/maps") as f:
+        return fds, sum(name in line for line in f)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_failed_read_leaves_nothing_of_the_host_slab_while_its_error_is_kept(tmp_path, monkeypatch, tp):
+    """The service keeps a failed load's error (``status`` shows it) and aborts its slab. The error's traceback
+    held the reader's frames, whose views of the slab's mapping (the row a ``pread`` was filling) kept the
+    mapping, Python's duplicate of the memfd fd and so the whole slab's memory until the model was loaded again:
+    after the abort, no fd or mapping of the slab is left while the error lives."""
+    ck = llama_checkpoint(tmp_path / "ck", seed=4, files=1, hidden=64, inter=4096)
+    p = _plan(ck, tp, 0)
+    _cut_when_opened(monkeypatch, 1 << 16)
+    label = f"leak-tp{tp}"
+    w = get_backend("host").allocate(p.slab_size_bytes, label)
+    with pytest.raises(CheckpointCorrupt) as e:
+        pipeline.fill(p, w, options=loader.LoaderOptions(threads=2, staging_bytes=1 << 20))
+    kept = e.value
+    assert _memfds(label) != (0, 0)
+    w.abort()
+    assert _memfds(label) == (0, 0)
+    assert kept.code == "checkpoint_corrupt"

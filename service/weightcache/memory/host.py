@@ -175,8 +175,9 @@ class HostWritableSlab(_MappedTensor):
     def abort(self) -> None:
         """Unmaps and closes a slab whose load failed: nothing stays allocated.
 
-        A view still held (say, by the traceback of the read that failed) keeps
-        the mapping until it dies; the fd is closed either way.
+        A view still held keeps the mapping, and Python's duplicate of the fd,
+        until it dies (the reader clears its failed threads' frames for that:
+        :func:`weightcache.loader._run_threads`); this fd is closed either way.
         """
         try:
             self._unmap()
