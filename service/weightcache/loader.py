@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 
 from . import digest
 from .checkpoint import Checkpoint, open_file, pread_exact
-from .errors import CheckpointCorrupt
+from .errors import CheckpointCorrupt, ConfigError
 from .cpus import MAX_DEFAULT_THREADS, MIN_DEFAULT_THREADS, default_threads  # noqa: F401 - re-exported
 from .manifest import TensorRecord, itemsize
 from .sizes import round_up
@@ -289,7 +289,11 @@ def compact_rows(buf: memoryview, first: int, pitch: int, length: int, rows: int
     return 0
 
 
-def _split(tasks: list[ReadTask], chunk: int, o_direct: bool = False) -> list[ReadTask]:
+def _split(tasks: list[ReadTask], chunk: int, o_direct: bool = False, staged: bool = True) -> list[ReadTask]:
+    """Pieces of at most ``chunk`` bytes, whole rows (``staged=False``, a host slab: a mapped row may be longer).
+
+    Raises ConfigError (`config_invalid`, ``service.staging_bytes``): a row to be staged is longer than ``chunk``.
+    """
     out = []
     for t in tasks:
         if t.rows == 1:
@@ -300,9 +304,9 @@ def _split(tasks: list[ReadTask], chunk: int, o_direct: bool = False) -> list[Re
         # Whole rows per piece: the staged bytes (packed rows, or the file span) fit one buffer.
         step = t.length if mapped(t, o_direct) else t.src_pitch
         g = max(1, (chunk - t.length) // step + 1) if chunk >= t.length else 1
-        if t.length > chunk:
-            raise ValueError(f"tensor {t.tensor!r}: a row of {t.length} bytes does not fit a {chunk}-byte staging "
-                             f"buffer; raise service.staging_bytes")
+        if t.length > chunk and (staged or not mapped(t, o_direct)):
+            raise ConfigError(f"tensor {t.tensor!r}: a row of {t.length} bytes does not fit a {chunk}-byte staging "
+                              f"buffer; raise service.staging_bytes", key="service.staging_bytes", tensor=t.tensor)
         for r0 in range(0, t.rows, g):
             n = min(g, t.rows - r0)
             out.append(ReadTask(t.path, t.file_offset + r0 * t.src_pitch, t.length, t.slab_offset + r0 * t.dst_pitch,
@@ -499,7 +503,7 @@ def read_direct(tasks: list[ReadTask], slab, opts: LoaderOptions, progress: Call
     host = getattr(slab, "buffer", None)
     chunk = opts.chunk_bytes
     work: queue.SimpleQueue = queue.SimpleQueue()
-    for t in _split(tasks, chunk, opts.o_direct):
+    for t in _split(tasks, chunk, opts.o_direct, staged=host is None):
         work.put(t)
     files = _Files(opts.o_direct)
     errors: list[BaseException] = []

@@ -232,3 +232,33 @@ def test_a_failed_read_leaves_nothing_of_the_host_slab_while_its_error_is_kept(t
     w.abort()
     assert _memfds(label) == (0, 0)
     assert kept.code == "checkpoint_corrupt"
+
+
+def test_rows_longer_than_a_staging_piece_fill_a_host_slab_and_name_the_setting_for_a_cuda_one(tmp_path):
+    """``service.staging_bytes`` at its 2 MiB minimum over 256 threads leaves 4 KiB pieces, shorter than a TP-2
+    ``down_proj`` row here (4104 bytes): the host slab needs no staging for rows copied from the mapping and is
+    filled with the torch pipeline's bytes; a CUDA slab (rows packed into a staging buffer) fails the model with
+    ``config_invalid`` naming ``service.staging_bytes``, not ``internal`` (a ``ValueError``)."""
+    from test_torch_free_load import _FakeCudaSlab
+
+    from weightcache.errors import ConfigError
+
+    ck = llama_checkpoint(tmp_path / "ck", seed=6, files=1, hidden=64, inter=2 * 1026)
+    p = _plan(ck, 2, 1)
+    opts = loader.LoaderOptions(threads=256, staging_bytes=2 << 20)
+    assert opts.chunk_bytes == 4096
+    slab = torch.zeros(p.slab_size_bytes, dtype=torch.uint8)
+    pipeline.execute(p, slab)
+    w = get_backend("host").allocate(p.slab_size_bytes, "m")
+    pipeline.fill(p, w, options=opts)
+    sealed = w.seal()
+    buf = sealed.buffer
+    try:
+        assert bytes(buf[: p.slab_size_bytes]) == bytes(slab.numpy())
+    finally:
+        buf.release()
+        sealed.close()
+    with pytest.raises(ConfigError) as e:
+        pipeline.fill(p, _FakeCudaSlab(p.slab_size_bytes), options=opts)
+    assert e.value.code == "config_invalid" and e.value.details["key"] == "service.staging_bytes"
+    assert "'model.layers.0.mlp.down_proj.weight'" in str(e.value) and "4104" in str(e.value)
