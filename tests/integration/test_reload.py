@@ -33,7 +33,7 @@ from service_harness import (  # noqa: E402
     write_checkpoint,
 )
 from weightcache import attach, protocol  # noqa: E402
-from weightcache.errors import ConfigError, ModelNotFound  # noqa: E402
+from weightcache.errors import ConfigError, DaemonUnavailable, ModelNotFound  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -187,7 +187,16 @@ def test_an_invalid_config_at_start_serves_the_slabs_from_the_fd_store_until_a_r
 
         cfg.write_text(TYPO + good.split("\n", 2)[2])
         second = store.serve(cfg, listen, log)
-        st = poll_until(lambda: listen.exists() and status(), "the service with the invalid config to answer", 90)
+
+        def answering() -> dict | None:
+            # The socket file exists from bind() (or the first service) before listen(): refused until then.
+            assert second.poll() is None, log.read_text()
+            try:
+                return status() if listen.exists() else None
+            except DaemonUnavailable:
+                return None
+
+        st = poll_until(answering, "the service with the invalid config to answer", 90)
         assert second.poll() is None, log.read_text()
         assert [(s["model"], s["state"], s["adopted"]) for s in st["slabs"]] == [("m", "ready", True)]
         assert st["config_error"]["details"]["key"] == "service.bakend" and st["config_error"]["details"]["line"] == 3
