@@ -211,6 +211,7 @@ def main() -> int:
 
     threads = args.threads or default_threads()
     path = Path(args.file)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = write_file(path, args.layers)
     size = path.stat().st_size
     fd = os.open(path, os.O_RDONLY)
