@@ -41,7 +41,8 @@ if target:
     probe = loader.in_page_cache
 
     def cut_then_probe(fd, offset):
-        if os.readlink(f"/proc/self/fd/{fd}") == target and os.path.getsize(target):
+        st, want = os.fstat(fd), os.stat(target)
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino) and want.st_size:
             os.truncate(target, 0)
         return probe(fd, offset)
 
