@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reading row-parallel TP shards (strided columns) out of the page cache: five ways side by side.
+"""Reading row-parallel TP shards (strided columns) out of the page cache: five ways side by side (four by default).
 
 A TP rank's ``o_proj``/``down_proj`` shard is a column slice: ``rows`` rows of
 ``row_bytes / TP`` bytes, ``row_bytes`` apart in the file. This benchmark
@@ -22,14 +22,16 @@ copy), by each of:
   instead of numpy: a page gone from the file (cut during the copy) is a
   short count (``EFAULT``), not the ``SIGBUS`` that kills the service
   (docs/reliability.md). Allowed by the unit's ``SystemCallFilter=@system-service``
-  (``@ipc``); on a process itself no ptrace check applies.
+  (``@ipc``); on a process itself no ptrace check applies. Not in the default
+  ``--ways``: on the H200 host it copied at half the mapped numpy copy's rate
+  (benchmarks/RESULTS.md), so the reader keeps numpy.
 
 TP 1 reads whole rows with ``preadv`` (the reference rate). Reports GB/s of
 payload (the bytes the rank keeps), median of ``--reps`` (rank ``rep % TP``). The end-to-end figures are ``bench_first_start.py
 --tp N`` and ``bench_layouts.py --tps``.
 
 Usage: bench_tp_reads.py [--file PATH] [--layers N] [--threads N] [--reps N] [--tps 1,2,8]
-       [--ways span,iov,mmap,row,vmread] [--keep]
+       [--ways span,iov,mmap,row[,vmread]] [--keep]
 """
 
 from __future__ import annotations
@@ -204,7 +206,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="default: the service's read_threads default")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tps", default="1,2,8")
-    ap.add_argument("--ways", default="span,iov,mmap,row,vmread")
+    ap.add_argument("--ways", default="span,iov,mmap,row")
     ap.add_argument("--keep", action="store_true", help="keep the file")
     args = ap.parse_args()
     from weightcache.cpus import default_threads
