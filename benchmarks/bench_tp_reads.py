@@ -10,10 +10,10 @@ and has ``--threads`` threads fill a TP rank's rows into their own
 copy), by each of:
 
 - ``span``: ``preadv`` from the first row to the last, then
-  :func:`weightcache.loader.compact_rows` (the reader's ``O_DIRECT`` way);
+  :func:`weightcache.row_reads.compact_rows` (the reader's ``O_DIRECT`` way);
 - ``iov``: ``preadv`` with one iovec per row and a scratch iovec for the bytes
   between rows (iovec lists built once per thread and shape);
-- ``mmap``: :func:`weightcache.loader.copy_mapped_rows` from a read-only
+- ``mmap``: :func:`weightcache.row_reads.copy_mapped_rows` from a read-only
   mapping of the piece's span, unmapped after it (the reader's way without
   ``O_DIRECT``);
 - ``row``: one ``pread`` per row;

@@ -2,7 +2,7 @@
 truncated while it is being read"): a real ``weightcache serve`` subprocess and the fd store stood in for.
 
 The cut is made deterministic by a ``sitecustomize`` hook in the service process: the first time the reader
-probes the page cache for a piece of the chosen file (:func:`weightcache.loader.in_page_cache`, called once the
+probes the page cache for a piece of the chosen file (:func:`weightcache.row_reads.in_page_cache`, called once the
 piece's span is mapped and just before its rows are copied), the hook truncates that file to 0 bytes, as
 ``cp new.safetensors model.safetensors`` does (``O_TRUNC``) to a file being read.
 """
@@ -37,8 +37,8 @@ HOOK = """\
 import os
 target = os.environ.get("WC_TEST_CUT_WHEN_MAPPED")
 if target:
-    import weightcache.loader as loader
-    probe = loader.in_page_cache
+    import weightcache.row_reads as row_reads
+    probe = row_reads.in_page_cache
 
     def cut_then_probe(fd, offset):
         st, want = os.fstat(fd), os.stat(target)
@@ -46,7 +46,7 @@ if target:
             os.truncate(target, 0)
         return probe(fd, offset)
 
-    loader.in_page_cache = cut_then_probe
+    row_reads.in_page_cache = cut_then_probe
 """
 
 

@@ -17,7 +17,8 @@ import pytest
 from service_harness import daemon  # noqa: F401 - pytest fixture (a host-backend service)
 
 #: The load pipeline and what only it needs: never imported by ``import weightcache; weightcache.attach``.
-PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader")
+PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader",
+            "weightcache.row_reads")
 #: The operator's messages, the records inside their replies, and ``release`` (the client ends a lease by closing
 #: its connection): an engine's attach never exchanges them.
 OPERATOR_PROTOCOL = ("weightcache.protocol.admin", "weightcache.protocol.records", "weightcache.protocol.lease")

@@ -1,4 +1,4 @@
-"""Row-parallel shards copied from a mapping of the checkpoint file (:func:`weightcache.loader.copy_mapped_rows`):
+"""Row-parallel shards copied from a mapping of the checkpoint file (:func:`weightcache.row_reads.copy_mapped_rows`):
 what an operator or an attacker can do to the file around and during the load.
 
 Real safetensors files written by the test, the real host backend and the fake CUDA stager of
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service_harness import llama_checkpoint  # noqa: E402
 
-from weightcache import loader, pipeline, protocol  # noqa: E402
+from weightcache import loader, pipeline, protocol, row_reads  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
 from weightcache.errors import CheckpointCorrupt  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
@@ -114,7 +114,7 @@ def test_a_file_that_cannot_be_mapped_is_read_as_spans_with_the_same_bytes(tmp_p
     pipeline.execute(p, slab)
     want = bytes(slab.numpy())
     fake = _NoFileMappings(err)
-    monkeypatch.setattr(loader, "mmap", fake)
+    monkeypatch.setattr(row_reads, "mmap", fake)
     opts = dict(threads=2, staging_bytes=staging)
     w = get_backend("host").allocate(p.slab_size_bytes, "m")
     pipeline.fill(p, w, options=loader.LoaderOptions(**opts))

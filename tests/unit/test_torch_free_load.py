@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp8_fixtures as F  # noqa: E402
 from service_harness import llama_checkpoint, read_checkpoint  # noqa: E402
 
-from weightcache import digest, loader, pipeline  # noqa: E402
+from weightcache import digest, loader, pipeline, row_reads  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
 from weightcache.spec import RankRequest  # noqa: E402
 from weightcache.manifest import build_views  # noqa: E402
@@ -438,7 +438,7 @@ def test_in_page_cache_answers_for_a_written_file_and_a_piece_read_ahead_gives_t
         else:
             assert loader.in_page_cache(fd, 1000) is True
         asked = []
-        monkeypatch.setattr(loader, "in_page_cache", lambda fd, offset: asked.append(offset) or False)
+        monkeypatch.setattr(row_reads, "in_page_cache", lambda fd, offset: asked.append(offset) or False)
         t = loader.ReadTask(str(path), 100, 24, 0, "w", rows=300, src_pitch=200, dst_pitch=24)
         out = bytearray(300 * 24)
         loader.copy_mapped_rows(fd, t, memoryview(out), 0, 24)
