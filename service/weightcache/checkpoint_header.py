@@ -48,6 +48,12 @@ class TensorInfo:
     size_bytes: int
 
 
+def truncated(path: str, tensor: str, end: int) -> CheckpointCorrupt:
+    """The ``checkpoint_corrupt`` of safetensors file ``path`` that ends before byte ``end``, where ``tensor``'s data ends."""
+    return CheckpointCorrupt(f"safetensors file {path} is truncated: tensor {tensor!r} ends at byte {end}",
+                             file=str(path), tensor=tensor)
+
+
 def pread_exact(fd: int, buf: memoryview, offset: int, need: int, path: str, tensor: str, end: int) -> None:
     """Fills the first ``need`` bytes of ``buf`` from ``fd`` at ``offset`` (``os.preadv``, retried on short reads).
 
@@ -59,8 +65,7 @@ def pread_exact(fd: int, buf: memoryview, offset: int, need: int, path: str, ten
     while done < need:
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n <= 0:
-            raise CheckpointCorrupt(f"safetensors file {path} is truncated: tensor {tensor!r} ends at byte {end}",
-                                    file=str(path), tensor=tensor)
+            raise truncated(path, tensor, end)
         done += n
 
 

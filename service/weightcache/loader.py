@@ -45,12 +45,13 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 from . import digest
-from .checkpoint import Checkpoint, open_file, pread_exact
+from .checkpoint import Checkpoint, open_file
 from .errors import ConfigError
 from .cpus import MAX_DEFAULT_THREADS, MIN_DEFAULT_THREADS, default_threads  # noqa: F401 - re-exported
 from .manifest import TensorRecord, itemsize
 from .row_reads import compact_rows, copy_mapped_rows, mapped  # noqa: F401 - re-exported
 from .row_reads import in_page_cache, read_rows_by_spans  # noqa: F401 - re-exported
+from .row_reads import pread_task as _pread_exact
 from .sizes import round_up
 from .spec import TensorSpec
 
@@ -191,10 +192,6 @@ class _Files:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
-
-
-def _pread_exact(fd: int, buf: memoryview, offset: int, need: int, t: ReadTask) -> None:
-    pread_exact(fd, buf, offset, need, t.path, t.tensor, t.file_offset + t.length)
 
 
 def _drain(work: queue.SimpleQueue, errors: list[BaseException]) -> Iterator[ReadTask]:

@@ -20,13 +20,22 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from .checkpoint import pread_exact
-from .errors import CheckpointCorrupt
+from .checkpoint_header import pread_exact, truncated
 
 if TYPE_CHECKING:
     from .loader import ReadTask
 
 log = logging.getLogger(__name__)
+
+
+def pread_task(fd: int, buf: memoryview, offset: int, need: int, t: ReadTask) -> None:
+    """Fills the first ``need`` bytes of ``buf`` from ``fd`` at ``offset``, part of task ``t``.
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): the file ended first; names the file, the tensor and
+            where the task ends in the file (its last row's end for a strided task).
+    """
+    pread_exact(fd, buf, offset, need, str(t.path), t.tensor, t.file_offset + t.file_span)
 
 
 def mapped(t: ReadTask, o_direct: bool) -> bool:
@@ -99,13 +108,12 @@ def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst
 
     end = t.file_offset + t.file_span
     lo = t.file_offset - t.file_offset % mmap.ALLOCATIONGRANULARITY
+    if os.fstat(fd).st_size < end:
+        raise truncated(str(t.path), t.tensor, end)
     try:
-        if os.fstat(fd).st_size < end:
-            raise ValueError("short")
         m = mmap.mmap(fd, end - lo, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=lo)
-    except ValueError:  # short now, or cut between the fstat and mmap's own check
-        raise CheckpointCorrupt(f"safetensors file {t.path} is truncated: tensor {t.tensor!r} ends at byte {end}",
-                                file=str(t.path), tensor=t.tensor) from None
+    except ValueError:  # cut between the fstat and mmap's own check
+        raise truncated(str(t.path), t.tensor, end) from None
     except OSError as e:
         log.debug("mapping refused file=%s error=%r: rows read as spans", t.path, e)
         read_rows_by_spans(fd, t, dst, dst_offset, dst_pitch)
@@ -146,8 +154,7 @@ def read_rows_by_spans(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, d
     for r0 in range(0, t.rows, g):
         n = min(g, t.rows - r0)
         span = (n - 1) * t.src_pitch + t.length
-        pread_exact(fd, buf[:span], t.file_offset + r0 * t.src_pitch, span, str(t.path), t.tensor,
-                    t.file_offset + t.length)
+        pread_task(fd, buf[:span], t.file_offset + r0 * t.src_pitch, span, t)
         src = np.ndarray((n, t.length), np.uint8, buf, 0, (t.src_pitch, 1))
         out = np.ndarray((n, t.length), np.uint8, dst, dst_offset + r0 * dst_pitch, (dst_pitch, 1))
         np.copyto(out, src)

@@ -25,6 +25,7 @@ from service_harness import llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import digest, loader, pipeline, row_reads  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
 from weightcache.spec import RankRequest  # noqa: E402
+from weightcache.errors import CheckpointCorrupt  # noqa: E402
 from weightcache.manifest import build_views  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
 
@@ -446,3 +447,23 @@ def test_in_page_cache_answers_for_a_written_file_and_a_piece_read_ahead_gives_t
         assert bytes(out) == b"".join(data[100 + i * 200 : 124 + i * 200] for i in range(300))
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["spans", "staged span"])
+def test_a_strided_read_of_a_short_file_names_where_its_last_row_ends(tmp_path, how):
+    """A strided task read as spans (a file that will not map; ``O_DIRECT``'s staged span) from a file shorter than
+    its rows: ``checkpoint_corrupt`` names the end of the task's last row in the file, not of its first."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(os.urandom(2000))
+    t = loader.ReadTask(str(path), 64, 16, 0, "model.layers.0.self_attn.o_proj.weight", rows=64, src_pitch=64,
+                        dst_pitch=16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointCorrupt) as e:
+            if how == "spans":
+                row_reads.read_rows_by_spans(fd, t, memoryview(bytearray(64 * 16)), 0, 16)
+            else:
+                row_reads.pread_task(fd, memoryview(bytearray(t.file_span)), t.file_offset, t.file_span, t)
+    finally:
+        os.close(fd)
+    assert f"{path} is truncated: tensor 'model.layers.0.self_attn.o_proj.weight' ends at byte 4112" in str(e.value)  # not 80
