@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reading row-parallel TP shards (strided columns) out of the page cache: five ways side by side (four by default).
+"""Reading row-parallel TP shards (strided columns) out of the page cache: six ways side by side (four by default).
 
 A TP rank's ``o_proj``/``down_proj`` shard is a column slice: ``rows`` rows of
 ``row_bytes / TP`` bytes, ``row_bytes`` apart in the file. This benchmark
@@ -24,14 +24,21 @@ copy), by each of:
   (docs/reliability.md). Allowed by the unit's ``SystemCallFilter=@system-service``
   (``@ipc``); on a process itself no ptrace check applies. Not in the default
   ``--ways``: on the H200 host it copied at half the mapped numpy copy's rate
-  (benchmarks/RESULTS.md), so the reader keeps numpy.
+  (benchmarks/RESULTS.md), so the reader keeps numpy;
+- ``uring``: a ``read`` per row through one io_uring per thread, a batch of
+  up to 4096 rows per ``io_uring_enter`` (:mod:`uring_rows`). Not in the
+  default ``--ways``: half the mapped copy's rate on the H200 host.
+
+A way named with ``+fd`` (``mmap+fd``) opens the file once per thread instead
+of sharing one descriptor (and its read-ahead state) between the threads; with
+any ``+fd`` way TP 1 is also read both ways.
 
 TP 1 reads whole rows with ``preadv`` (the reference rate). Reports GB/s of
 payload (the bytes the rank keeps), median of ``--reps`` (rank ``rep % TP``). The end-to-end figures are ``bench_first_start.py
 --tp N`` and ``bench_layouts.py --tps``.
 
 Usage: bench_tp_reads.py [--file PATH] [--layers N] [--threads N] [--reps N] [--tps 1,2,8]
-       [--ways span,iov,mmap,row[,vmread]] [--keep]
+       [--ways span,iov,mmap,row[,vmread,uring,mmap+fd,...]] [--keep]
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "service"))
+import uring_rows  # noqa: E402
 from bench_common import GB, emit, stats, versions  # noqa: E402
 
 #: (rows, row bytes) of Qwen2.5-7B's down_proj and o_proj in bf16.
@@ -134,7 +142,7 @@ def vm_read_rows(t: Any, fd: int, dst: Any) -> None:
 _vm_readv: Any = None
 
 
-def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
+def fill(way: str, tasks: list[Any], fd: int, threads: int, own_fd: str | None = None) -> float:
     """Runs ``tasks`` on ``threads`` threads by ``way``; returns the wall time in seconds."""
     import numpy as np
 
@@ -154,6 +162,15 @@ def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
             errors.append(e)
 
     def work_through() -> None:
+        if own_fd is None:
+            return work_with(fd)
+        mine = os.open(own_fd, os.O_RDONLY)  # a struct file per thread: no shared read-ahead state
+        try:
+            work_with(mine)
+        finally:
+            os.close(mine)
+
+    def work_with(fd: int) -> None:
         stage_array = np.zeros(STAGING + 8192, np.uint8)
         stage = memoryview(stage_array)
         scratch = memoryview(bytearray(64 << 10))
@@ -182,6 +199,12 @@ def fill(way: str, tasks: list[Any], fd: int, threads: int) -> float:
                     off += os.preadv(fd, part, off)
             elif way == "mmap":
                 loader.copy_mapped_rows(fd, t, stage, 0, t.length)
+            elif way == "uring":
+                ring = uring_rows.ring()
+                if ring is None:
+                    raise RuntimeError(f"io_uring refused: {uring_rows._refused[0]}")
+                ring.read_rows(fd, t.file_offset, t.src_pitch, t.length, t.rows, stage_array.ctypes.data,
+                                       t.length)
             elif way == "vmread":
                 vm_read_rows(t, fd, stage_array)
             else:
@@ -220,12 +243,14 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     try:
         for tp in (int(x) for x in args.tps.split(",")):
-            for way in ["whole rows"] if tp == 1 else args.ways.split(","):
+            tp1_ways = ["whole rows", "whole rows+fd"] if "+fd" in args.ways else ["whole rows"]
+            for way in tp1_ways if tp == 1 else args.ways.split(","):
                 rates = []
                 for rep in range(args.reps):
-                    packed = way in ("mmap", "row", "iov", "vmread")
+                    packed = way.removesuffix("+fd") in ("mmap", "row", "iov", "vmread", "uring")
                     tasks = rank_tasks(str(path), tensors, tp, rep % tp, packed=packed)
-                    dt = fill(way, tasks, fd, threads)
+                    base = way.removesuffix("+fd")
+                    dt = fill(base, tasks, fd, threads, str(path) if base != way else None)
                     rates.append(sum(t.nbytes for t in tasks) / dt / GB)
                 rows.append({"tp": tp, "way": way, "payload_gb": sum(t.nbytes for t in tasks) / GB,
                              "gbps": stats(rates)})

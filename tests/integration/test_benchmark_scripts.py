@@ -57,10 +57,11 @@ def test_bench_first_start_splits_the_cold_attaches_into_stages(tmp_path):
 def test_bench_tp_reads_runs_every_way_and_removes_its_file(tmp_path):
     f = tmp_path / "bench-dir" / "tp.bin"  # gpu-check's $BENCH_DATA_DIR may not exist yet
     out = _run("bench_tp_reads.py", "--file", str(f), "--layers", "1", "--threads", "2", "--reps", "1",
-               "--ways", "span,iov,mmap,row,vmread", tmp_path=tmp_path)
+               "--ways", "span,iov,mmap,row,vmread,uring,mmap+fd", tmp_path=tmp_path)
     rows = {tuple(c.strip() for c in line.split("|")[1:3]) for line in out.splitlines() if line.startswith("| ")}
-    assert ("1", "whole rows") in rows, out[-3000:]
-    assert {(tp, way) for tp in ("2", "8") for way in ("span", "iov", "mmap", "row", "vmread")} <= rows, out[-3000:]
+    assert {("1", "whole rows"), ("1", "whole rows+fd")} <= rows, out[-3000:]
+    ways = ("span", "iov", "mmap", "row", "vmread", "uring", "mmap+fd")
+    assert {(tp, way) for tp in ("2", "8") for way in ways} <= rows, out[-3000:]
     assert not f.exists()
 
 
