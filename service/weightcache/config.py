@@ -448,7 +448,16 @@ def _check_absolute(path: str, key: str, value: str) -> None:
     if not os.path.isabs(value):
         raise _err(path, key, f"{value!r} is a relative path; the service does not resolve it against the "
                               f"config file or any working directory: write the absolute path "
-                              f"(e.g. {os.path.join('/srv/models', value) if key.endswith('.path') else '/run/weightcache'!r})")
+                              f"(e.g. {_absolute_example(key, value)!r})")
+
+
+def _absolute_example(key: str, value: str) -> str:
+    """An absolute path to suggest for the relative ``value`` of ``key``: the value with its leading ``/``
+    (``srv/models/x`` -> ``/srv/models/x``), ``/srv/models/NAME`` for a bare checkpoint name."""
+    if not key.endswith(".path"):
+        return "/run/weightcache"
+    rel = os.path.normpath(value)
+    return "/" + rel if os.sep in rel else os.path.join("/srv/models", rel)
 
 
 def _unknown_table(path: str, text: str, name: str) -> ConfigError:

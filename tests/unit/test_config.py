@@ -280,3 +280,19 @@ def test_a_value_where_a_table_or_string_belongs_names_its_line(tmp_path, text, 
 
 def test_a_string_revision_is_kept(tmp_path):
     assert load_config(_write(tmp_path, '[models.a]\npath = "/x"\nrevision = "r2"\n')).models["a"].revision == "r2"
+
+
+@pytest.mark.parametrize("value, suggested", [
+    ("srv/models/all-MiniLM-L6-v2", "/srv/models/all-MiniLM-L6-v2"),  # a leading "/" forgotten
+    ("./models/qwen", "/models/qwen"),
+    ("qwen", "/srv/models/qwen"),  # a bare name: an example directory for it
+])
+def test_a_relative_checkpoint_path_names_an_absolute_one_that_makes_sense(tmp_path, value, suggested):
+    """A relative ``path`` is refused with an example of the absolute path to write: the value with its
+    leading "/" (it suggested '/srv/models/srv/models/...' for 'srv/models/...'), /srv/models/NAME for a
+    bare name."""
+    p = _write(tmp_path, f'[models.m]\npath = "{value}"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "models.m.path" in e.value.message and "is a relative path" in e.value.message
+    assert f"(e.g. {suggested!r})" in e.value.message, e.value.message

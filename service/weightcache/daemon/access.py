@@ -104,6 +104,12 @@ def may_attach(peer: Peer, slot: Slot, policy: Policy) -> bool:
     return any(policy.names.uid(u) == peer.uid for u in m.allow_users) or _in_groups(peer, m.allow_groups, policy)
 
 
+def _who(r: Rights) -> str:
+    """The peer in a refusal: ``user alice (uid 1001)`` when a configured name has its uid, else ``uid 1001``
+    (names are resolved only where the configuration is read, never for a peer)."""
+    return f"user {r.user} (uid {r.uid})" if r.user else f"uid {r.uid}"
+
+
 def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach") -> None:
     """Allows ``peer`` to use ``slot`` for ``request`` or raises.
 
@@ -121,7 +127,7 @@ def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach"
                                                                  error_code="access_denied",
                                                                  peer_uid=peer.uid))
     raise AccessDenied(
-        f"user {r.user or peer.uid} (uid {peer.uid}) may not {request} model {m.name!r}: not in allow_users "
+        f"{_who(r)} may not {request} model {m.name!r}: not in allow_users "
         f"{list(m.allow_users)} or allow_groups {list(m.allow_groups)} of {m.source}",
         model=m.name, uid=peer.uid, request=request)
 
@@ -140,6 +146,6 @@ def check_operator(peer: Peer, policy: Policy, request: str, model: str) -> None
                 model[:200], peer.pid, peer.uid, r.user,
                 extra=event("rejected", error_code="access_denied", peer_uid=peer.uid))
     raise AccessDenied(
-        f"user {r.user or peer.uid} (uid {peer.uid}) may not {request}: only root, the service user and members "
+        f"{_who(r)} may not {request}: only root, the service user and members "
         f"of service.operator_groups {list(policy.operator_groups)} may; run it as one of them (e.g. sudo)",
         model=model[:200], uid=peer.uid, request=request)
