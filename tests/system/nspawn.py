@@ -325,6 +325,12 @@ def install_weightcache(c: Container, python: Path | None = None) -> None:
         + TEST_DROPIN,
     )
     c.write(
+        "/etc/systemd/system/weightcache.service.d/50-source-tree.conf",
+        "# tests/system/nspawn.py: the tree's command line (/usr/bin/weightcache is not installed here).\n"
+        f"[Service]\nExecReload=\nExecReload={REPO / 'packaging' / 'weightcache.sh'} reload --running "
+        "--socket-dir /run/weightcache\n",
+    )
+    c.write(
         "/etc/systemd/system/weightcache-metrics.service.d/50-source-tree.conf",
         "# tests/system/nspawn.py: the tree's command line (/usr/bin/weightcache is not installed here).\n"
         f"[Service]\nExecStart=\nExecStart={python} -m weightcache serve-metrics\n"

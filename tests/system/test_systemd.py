@@ -383,6 +383,10 @@ def test_the_umbrella_reloads_every_instance_and_stop_waits_for_them(box, tmp_pa
                                    'layouts = [{ tp = 1, gpus = [0] }, { tp = 1, gpus = [1] }]\n')
     try:
         c.run(["systemctl", "reload", "weightcache.service"], timeout=120)
+        # It returns once every running instance has applied the files: "tiny" is there at once (the
+        # reload jobs it propagated ran after its own, and it returned before either instance had read them).
+        for gpu in (0, 1):
+            assert "tiny" in _slab_states(c, gpu), (gpu, _slab_states(c, gpu))
         for gpu, (unit, pid) in enumerate(zip(units, pids)):
             _wait_until(f"tiny loaded on GPU {gpu}",
                         lambda: _slab_states(c, gpu) == {"minilm": "ready", "tiny": "ready"})
@@ -390,6 +394,14 @@ def test_the_umbrella_reloads_every_instance_and_stop_waits_for_them(box, tmp_pa
             assert len(journal(c, unit, "reloaded", pid)) == 1
         # An instance that only listens is not started by the reload.
         assert c.show("weightcache@2.service", "ActiveState") == {"ActiveState": "inactive"}
+        # A file the instances refuse fails the umbrella's reload, naming file, line and key; both keep serving.
+        c.write(conf, _config(c.ckpt) + "\n[models.tiny]\npath = \"/srv/wc-tiny\"\nlayout = []\n")
+        r = c.run(["systemctl", "reload", "weightcache.service"], check=False, timeout=120)
+        assert r.returncode != 0, (r.stdout, r.stderr)
+        log = c.run(["journalctl", "-u", "weightcache.service", "-n", "20", "--no-pager", "-o", "cat"]).stdout
+        assert f"{conf}: models.tiny.layout: unknown key" in log and "GPU 1: reload refused" in log, log
+        for gpu, (unit, pid) in enumerate(zip(units, pids)):
+            assert c.show(unit, "MainPID", "ActiveState") == {"MainPID": pid, "ActiveState": "active"}
 
         # Each instance takes a second to stop: the target's stop waits for both.
         c.write(slow_stop, "[Service]\nExecStopPost=/bin/sleep 1\n")

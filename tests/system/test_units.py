@@ -96,7 +96,7 @@ def test_socket_and_service_keys():
                  "WantedBy=weightcache.target"):
         assert re.search(rf"^{re.escape(line)}$", sock, re.M), line
     for line in ("Type=notify", "Requires=weightcache@%i.socket", "After=weightcache@%i.socket",
-                 "PartOf=weightcache.target weightcache.service", "ReloadPropagatedFrom=weightcache.service",
+                 "PartOf=weightcache.target weightcache.service",
                  "After=weightcache.target weightcache.service", "RuntimeDirectory=weightcache/%i", "Restart=on-failure",
                  "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID", "DevicePolicy=closed", "User=weightcache",
                  "IPAddressDeny=any",
@@ -107,6 +107,12 @@ def test_socket_and_service_keys():
     assert re.search(r"^ExecStart=\S+ %i$", svc, re.M)
     assert re.search(r"^ExecReload=/usr/bin/weightcache reload --gpu %i --socket-dir /run/weightcache$", svc, re.M)
     assert not re.search(r"^PrivateDevices=", svc, re.M)
+    # The umbrella reloads the running instances itself and waits for them (propagated reload jobs ran after
+    # its own, and "systemctl reload weightcache" returned before any instance had reloaded).
+    assert not re.search(r"^ReloadPropagatedFrom=", svc, re.M)
+    umbrella = (UNITS / "weightcache.service").read_text()
+    assert re.search(r"^ExecReload=/usr/bin/weightcache reload --running --socket-dir /run/weightcache$", umbrella,
+                     re.M)
     # Booleans are only yes/no (STYLE.md).
     for text in (sock, svc):
         assert not re.search(r"^\w+=(true|false|on|off|1|0)$", text, re.M | re.I)

@@ -60,7 +60,7 @@ def test_completion_offers_models_from_the_config(tmp_path):
     assert complete("ev") == ["evict"]
     assert complete("evict", "") == ["llama-3", "mistral", "qwen"]
     assert complete("evict", "--f") == ["--force"]
-    assert complete("reload", "--") == ["--gpu", "--help", "--socket-dir", "--timeout"]
+    assert complete("reload", "--") == ["--gpu", "--help", "--running", "--socket-dir", "--timeout"]
 
 
 def test_control_suggests_the_nvidia_driver():

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("reload", help="apply the configuration files again, without a restart "
                                        "(systemctl reload runs it)")
     client_opts(sp)
+    sp.add_argument("--running", action="store_true",
+                    help="only instances whose weightcache@N.service runs (never starts one that only listens); "
+                         "systemctl reload weightcache runs this")
     sp.set_defaults(fn="slabs:cmd_reload")
 
     sp = sub.add_parser("wait", help="wait until loads finish, with progress")

@@ -44,11 +44,30 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return rc
 
 
+#: States of weightcache@N.service in which ``reload --running`` asks it: the process runs (or starts), so the
+#: connect starts nothing; ``unknown``: no systemd, which nothing can socket-activate.
+RUNNING_STATES = frozenset({"active", "reloading", "activating", "unknown"})
+
+
+def running_gpus(gpus: list[int], where: str) -> list[int]:
+    """Those of ``gpus`` whose ``weightcache@N.service`` runs (:data:`RUNNING_STATES`), asked read-only
+    (:func:`weightcache.metrics.service_states`: ``systemctl show``, else the ``RuntimeDirectory=`` under
+    ``where``): connecting to an instance that only listens would start it and all its loads."""
+    from ..metrics import service_states
+
+    states = service_states(gpus, where)
+    return [g for g in gpus if states.get(g, "unknown") in RUNNING_STATES]
+
+
 def cmd_reload(args: argparse.Namespace) -> int:
     """``weightcache reload``: each instance reads the configuration again and applies it (``ExecReload=``).
 
-    Exit status: 0 applied everywhere; 2 an instance refused the files (it keeps
-    serving the previous configuration); 3 an instance did not answer; 1 another refusal.
+    With ``--running`` (the umbrella ``weightcache.service``'s ``ExecReload=``), only the instances that run:
+    the command returns once each has applied the files or refused them, so ``systemctl reload weightcache``
+    does too, and fails when one refused.
+
+    Exit status: 0 applied everywhere (or no instance runs, with ``--running``); 2 an instance refused the files
+    (it keeps serving the previous configuration); 3 an instance did not answer; 1 another refusal.
     """
     from .unwired import warnings
 
@@ -57,6 +76,12 @@ def cmd_reload(args: argparse.Namespace) -> int:
     if not gpus:
         print(no_sockets(args), file=sys.stderr)
         return EXIT_UNAVAILABLE
+    if getattr(args, "running", False):
+        gpus = running_gpus(gpus, where)
+        if not gpus:
+            print("no instance runs: nothing to reload (an instance that only listens reads the files when it "
+                  "starts)")
+            return EXIT_OK
     rc = EXIT_OK
     for line in warnings(where, gpus) if args.gpu is None else ():
         print(line, file=sys.stderr)
