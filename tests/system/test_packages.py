@@ -184,6 +184,14 @@ def test_deb_builds_and_lintian_has_no_errors(deb):
               "/usr/share/man/man1/weightcache.1.gz",
               "/usr/share/man/man5/weightcache.toml.5.gz"):
         assert f in paths, f
+    # The documents the man pages, README.Debian and the description send readers to are there, by those names
+    # (they were all gzipped: operations.md.gz, ...).
+    named = set()
+    for f in [*(REPO / "man").iterdir(), REPO / "debian" / "weightcache.README.Debian", REPO / "debian" / "control"]:
+        named |= set(re.findall(r"/usr/share/doc/weightcache/([\w.-]+\.md)\b", f.read_text().replace("\\-", "-")))
+    named |= set(re.findall(r"^\.I(?:R)? ([\w-]+\.md)\b", (REPO / "man" / "weightcache.1").read_text(), re.M))
+    assert {"operations.md", "quickstart.md", "troubleshooting.md", "packaging.md"} <= named, named
+    assert sorted(d for d in named if f"/usr/share/doc/weightcache/{d}" not in paths) == []
     ctrl = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
     conffiles = subprocess.run(["tar", "-xOf", "-", "./conffiles"], input=ctrl, capture_output=True,
                                check=True).stdout.decode().split()
