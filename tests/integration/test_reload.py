@@ -163,6 +163,49 @@ def test_a_retargeted_symlink_is_matched_by_its_new_resolution_after_reload(daem
         _attach(svc, str(old))
 
 
+def test_a_checkpoint_replaced_on_disk_is_loaded_again_by_a_reload(daemon, tmp_path):
+    """A checkpoint whose file was renamed over (as ``hf download`` and ``rsync`` update one) under a running
+    service: engines refuse the old slab (``cache_key_mismatch``: inode, mtime, ctime) and load from disk.
+    A reload used to keep it ("1 unchanged", still ``ready``) until an evict + preload or a restart; now it
+    replaces it, as it does a retargeted path: freed at once, or retired while an engine holds it."""
+    ck, other = _ckpt(tmp_path / "m", 10), _ckpt(tmp_path / "o", 11)
+    svc = daemon({"m": ck, "o": other})
+    svc.wait_settled()
+
+    def replace_with(seed: int) -> dict:
+        """Renames a new model.safetensors over the checkpoint's; returns its tensors."""
+        new = _ckpt(tmp_path / f"new{seed}", seed)
+        tensors = read_checkpoint(new)
+        os.replace(new / "model.safetensors", ck / "model.safetensors")
+        return tensors
+
+    v2 = replace_with(12)
+    w = attach(str(ck), socket_dir=svc.socket_dir, fallback=True, timeout=60)
+    assert w.source == "disk" and w.fallback_reason.startswith("cache_key_mismatch"), w.fallback_reason
+    w.close()
+    r = svc.request(protocol.Reload())
+    assert (r.added, r.dropped, r.retired, r.kept) == (["m/tp1/rank0"], ["m/tp1/rank0"], [], ["o/tp1/rank0"])
+    svc.wait_settled()
+    with _attach(svc, str(ck)) as w:  # the service's slab again, with the new bytes
+        compare_bytes(w.tensors, v2)
+
+    # Replaced while an engine holds the slab: it keeps its bytes; the new version loads beside it.
+    held = _attach(svc, str(ck))
+    try:
+        v3 = replace_with(13)
+        r = svc.request(protocol.Reload())
+        assert (r.added, r.dropped, r.retired) == (["m/tp1/rank0"], [], ["m/tp1/rank0"])
+        svc.wait_settled()
+        compare_bytes(held.tensors, v2)
+        with _attach(svc, str(ck)) as w:
+            compare_bytes(w.tensors, v3)
+    finally:
+        held.close()
+    # Nothing changed since: a reload keeps everything.
+    r = svc.request(protocol.Reload())
+    assert (r.added, r.dropped, r.retired) == ([], [], [])
+
+
 def test_an_invalid_config_at_start_serves_the_slabs_from_the_fd_store_until_a_reload(tmp_path):
     """systemd hands the fd store back to a restarted service whose file has a typo: it serves them."""
     ck = _ckpt(tmp_path / "m", 10)

@@ -68,6 +68,30 @@ def paths(tmp_path):
 # -- the plan: pure ---------------------------------------------------------------------------------
 
 
+def test_plan_replaces_a_slab_whose_checkpoint_changed_but_not_on_a_stale_check(paths):
+    """``changed`` (what the reload's worker found on disk) makes a kept slot a changed one, as a new path
+    would: dropped (or retired while leased) and loaded again. A check made against another manifest (the
+    slab was evicted and loaded again while the worker ran) changes nothing."""
+    a, b, c = (_model(n, paths[n]) for n in "abc")
+    st = _state(None, a, b, c)
+    sa, sb, sc = st.slots
+    for s, m in ((sa, "ma"), (sb, "mb"), (sc, "mc")):
+        _ready(s)
+        s.manifest = m  # opaque here: plan compares it by identity only
+    st.lease(ME, sb, "zero_copy", 0.0)
+    assert [r[:2] for r in reload.recorded_checkpoints(st.slots)] == [
+        (reload.identity(s.placement), s.placement.model.path) for s in (sa, sb, sc)]
+    cfg = _config(a, b, c)
+    changed = {reload.identity(sa.placement): ("ma", ("files.model.safetensors.inode",)),
+               reload.identity(sb.placement): ("mb", ("files.model.safetensors.inode",)),
+               reload.identity(sc.placement): ("an older manifest", ("files.model.safetensors.inode",))}
+    p = reload.plan(st.slots, cfg.placements(0), ServiceConfig(), cfg.service, changed=changed)
+    assert [s for s, _ in p.keep] == [sc] and [pl.model.name for pl in p.add] == ["a", "b"]
+    assert p.drop == (sa,) and p.retire == (sb,)
+    p = reload.plan(st.slots, cfg.placements(0), ServiceConfig(), cfg.service)  # nothing found on disk
+    assert [s for s, _ in p.keep] == [sa, sb, sc] and p.add == ()
+
+
 def test_plan_keeps_adds_drops_and_retires(paths):
     a, b, c, d, e = (_model(n, paths[n]) for n in "abcde")
     st = _state(None, a, b, c, d)

@@ -100,6 +100,10 @@ class Context:
             (:class:`weightcache.daemon.metrics.Counters`), for ``metrics``.
         tiers (`tiers.Tiers`, *optional*): the memory budget and the host tier (default: from
             ``service_config`` and ``mem_info``'s total, moves without a copy as on the host backend).
+        changed_checkpoints (`dict`): set around a ``reload`` only: slot identity
+            (:func:`weightcache.daemon.reload.identity`) -> (the manifest it was checked against, the changed
+            identity fields), for the resident slabs whose checkpoint files were replaced on disk since
+            their load (found by the reload's worker, :func:`weightcache.daemon.offloop.changed_checkpoints`).
     """
 
     state: ServiceState
@@ -112,6 +116,7 @@ class Context:
     policy: access.Policy | None = None
     counters: Any = None
     tiers: tiers.Tiers | None = None
+    changed_checkpoints: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy is None:  # no operator groups: root and the service user

@@ -499,7 +499,7 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
                     extra=reload.config_rejected_event(e))
         raise
     p = reload.plan(st.slots, config.placements(st.gpu), ctx.service_config, config.service,
-                    realpath=config.realpath_of, running_backend=st.backend)
+                    realpath=config.realpath_of, running_backend=st.backend, changed=ctx.changed_checkpoints)
     done = reload.apply(st, p, config)
     ctx.service_config = config.service
     ctx.tiers.budget_bytes = config.service.budget_bytes(int(ctx.mem_info()[1]))

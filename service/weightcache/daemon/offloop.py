@@ -17,19 +17,19 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import protocol
 from ..config import Config
-from ..errors import ConfigError
-from . import handlers, loads, tiers
+from ..checkpoint import Checkpoint
+from ..errors import ConfigError, WeightcacheError
+from . import handlers, loads, reload, tiers
 from .handlers import Outcome, StartVerify
 from .state import IllegalTransition, Peer, SlotState
 from .transport import Client
 
 
-@dataclass(eq=False)
 @dataclass(eq=False)
 class _ReloadJob:
     """One reload whose files a worker reads: who asked (None: SIGHUP), until when (monotonic s), the result."""
@@ -39,7 +39,33 @@ class _ReloadJob:
     deadline: float
     started: float
     result: Any = None
+    #: Slot identity -> (manifest, fields) of the slabs whose checkpoint files were replaced (changed_checkpoints).
+    changed: dict = field(default_factory=dict)
 
+
+def changed_checkpoints(recorded: list[tuple[tuple[str, int, int, int], str, Any]]) -> dict:
+    """Slot identity -> (manifest, changed fields) for each of ``recorded`` whose checkpoint files are no longer
+    those its slab was filled from: the engines' own check (:meth:`Checkpoint.identity_diff`, ``stat()`` and the
+    small JSON files), so a reload replaces a slab every engine would refuse (``cache_key_mismatch``).
+
+    Reads the file system: run it on the reload's worker thread, never on the serving loop. A checkpoint
+    that cannot be opened now is not reported (its slab stays; a load of it would fail).
+    """
+    out = {}
+    for ident, path, manifest in recorded:
+        try:
+            ck = Checkpoint(path, validate=False)
+        except (WeightcacheError, OSError):
+            continue
+        try:
+            fields = ck.identity_diff(manifest.key["checkpoint"])
+        except (WeightcacheError, OSError, KeyError, TypeError):
+            continue
+        finally:
+            ck.close()
+        if fields:
+            out[ident] = (manifest, tuple(fields))
+    return out
 
 
 class OffLoop:
@@ -144,10 +170,13 @@ class OffLoop:
             self.transport.hold(c)
         job = _ReloadJob(c, peer, time.monotonic() + self.ctx.service_config.reload_timeout_s, time.perf_counter())
         self._reloads.append(job)
+        recorded = reload.recorded_checkpoints(self.state.slots)
 
         def work() -> None:
             try:
-                job.result = self._read_config()
+                config = self._read_config()
+                job.changed = changed_checkpoints(recorded)
+                job.result = config
             except ConfigError as e:
                 job.result = e
             except Exception as e:  # noqa: BLE001 - any failure to read is this reload's error
@@ -177,6 +206,7 @@ class OffLoop:
                 return got
 
             read, self.ctx.load_config = self.ctx.load_config, loaded
+            self.ctx.changed_checkpoints = job.changed
             try:
                 out = handlers.handle(self.ctx, job.peer, protocol.Reload())
                 self.counters.answered(protocol.Reload(), out.replies, time.perf_counter() - job.started)
@@ -185,6 +215,7 @@ class OffLoop:
                 self._break(e)
             finally:
                 self.ctx.load_config = read
+                self.ctx.changed_checkpoints = {}
                 self.ticker.reloaded(time.monotonic())
                 if job.client is not None:
                     self.transport.release(job.client)

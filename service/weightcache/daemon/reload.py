@@ -15,10 +15,11 @@ same identity as its name in systemd's fd store. Per slot:
 old slot / new config                       outcome
 ==========================================  ====================================================
 same identity, same :class:`LoadRequest`    **kept**: slab, leases, state untouched; its
-fields, same checkpoint resolution          placement takes the new allow lists and source
-                                            file; a FAILED one is loaded again
+fields, same checkpoint resolution, same    placement takes the new allow lists and source
+checkpoint files                            file; a FAILED one is loaded again
 identity gone, or fields or the             **dropped** when no lease holds it (a slab is
-resolution of the path changed              freed, a load under way is discarded), else
+resolution of the path changed, or the      freed, a load under way is discarded), else
+files replaced since the load
                                             **retired**: kept until the last lease is
                                             released, attachable by nobody new, out of the
                                             fd store
@@ -92,8 +93,16 @@ class ReloadPlan:
     restart_keys: tuple[str, ...] = ()
 
 
+def recorded_checkpoints(slots: list[Slot]) -> list[tuple[tuple[str, int, int, int], str, Any]]:
+    """(slot identity, checkpoint path, manifest) of each resident slab (READY or HOSTED) that has a manifest:
+    what :func:`weightcache.daemon.offloop.changed_checkpoints` checks off the loop. No I/O."""
+    return [(identity(s.placement), s.placement.model.path, s.manifest) for s in slots
+            if s.state in (SlotState.READY, SlotState.HOSTED) and s.manifest is not None]
+
+
 def plan(slots: list[Slot], placements: list[Placement], old: ServiceConfig, new: ServiceConfig,
-         realpath: Callable[[str], str] = lambda path: "", running_backend: str | None = None) -> ReloadPlan:
+         realpath: Callable[[str], str] = lambda path: "", running_backend: str | None = None,
+         changed: dict | None = None) -> ReloadPlan:
     """The :class:`ReloadPlan` taking ``slots`` to ``placements``; changes nothing.
 
     Args:
@@ -107,16 +116,23 @@ def plan(slots: list[Slot], placements: list[Placement], old: ServiceConfig, new
             ``backend`` is a restart key only if the new value names another one (``auto`` accepts either):
             after a start with rejected files the old value is that of the slabs the fd store kept, not
             what any file said, and a fixed file saying ``auto`` or the same backend changes nothing.
+        changed (`dict`, *optional*): :func:`weightcache.daemon.offloop.changed_checkpoints`' answer, made
+            where the files were read (on the reload's worker, never here): a
+            slot whose checkpoint files were replaced since its load is changed, as if its path were.
     """
     current = {identity(s.placement): s for s in slots if s.state is not SlotState.RETIRED}
     keep, add, kept_ids = [], [], set()
     for p in placements:
         s = current.get(identity(p))
         if s is not None and _slab_fields(s.placement) == _slab_fields(p) and s.realpath == realpath(p.model.path):
-            keep.append((s, p))
-            kept_ids.add(identity(p))
-        else:
-            add.append(p)
+            replaced = (changed or {}).get(identity(p))
+            if replaced is None or replaced[0] is not s.manifest:  # checked against another slab: not this one
+                keep.append((s, p))
+                kept_ids.add(identity(p))
+                continue
+            log.info("checkpoint replaced on disk model=%s tp_size=%d rank=%d fields=%s: loading it again",
+                     p.model.name, p.tp_size, p.tp_rank, ",".join(replaced[1][:8]))
+        add.append(p)
     gone = [s for k, s in current.items() if k not in kept_ids]
     retire = tuple(s for s in gone if s.state is SlotState.READY and s.leases)
     drop = tuple(s for s in gone if s not in retire)
