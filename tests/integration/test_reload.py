@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ torch = pytest.importorskip("torch")
 
 from service_harness import (  # noqa: E402
     FdStoreStandIn,
+    big_checkpoint,
     compare_bytes,
     make_config,
     poll_until,
@@ -204,6 +206,33 @@ def test_a_checkpoint_replaced_on_disk_is_loaded_again_by_a_reload(daemon, tmp_p
     # Nothing changed since: a reload keeps everything.
     r = svc.request(protocol.Reload())
     assert (r.added, r.dropped, r.retired) == ([], [], [])
+
+
+def test_a_checkpoint_replaced_while_it_loads_is_loaded_again_by_a_reload(daemon, tmp_path):
+    """The file renamed over while the service reads it (one reader thread, 512 MiB): the load reads the old
+    file it opened and ends ``ready`` with a key every engine refuses (``cache_key_mismatch``). A reload made meanwhile used to answer
+    "1 unchanged"; it now checks the files against what the load planned from, discards the load and loads the
+    new file. (Should the load end before the reload, the reload replaces the ready slab: same outcome.)"""
+    ck = big_checkpoint(512 * 1024 * 1024, tensors=32)
+    new = big_checkpoint(512 * 1024 * 1024, tensors=32)  # the same bytes in another file (inode, mtime, ctime)
+    try:
+        svc = daemon(make_config({"m": ck}, read_threads=1))
+
+        def reading() -> dict | None:
+            s = _slabs(svc).get("m/tp1/rank0")
+            return s if s is not None and (s["state"] != "loading" or s["done_bytes"] > 0) else None
+
+        poll_until(reading, "the load to read its first bytes", 60, 0.002)
+        os.replace(new / "model.safetensors", ck / "model.safetensors")
+        r = svc.request(protocol.Reload())
+        assert (r.added, r.dropped, r.kept) == (["m/tp1/rank0"], ["m/tp1/rank0"], []), r
+        svc.wait_settled()
+        with _attach(svc, str(ck)) as w:
+            assert w.source == "daemon"
+            compare_bytes(w.tensors, read_checkpoint(ck))
+    finally:
+        shutil.rmtree(ck, ignore_errors=True)
+        shutil.rmtree(new, ignore_errors=True)
 
 
 def test_an_invalid_config_at_start_serves_the_slabs_from_the_fd_store_until_a_reload(tmp_path):

@@ -48,6 +48,13 @@ def _state(tmp_path, *models: ModelConfig) -> ServiceState:
     return ServiceState(0, "host", {}, _config(*models).placements(0), service_uid=os.getuid())
 
 
+class _Manifest:
+    """A stand-in manifest: only its key's checkpoint identity is read."""
+
+    def __init__(self, tag: str) -> None:
+        self.key = {"checkpoint": {"files": {}, "tag": tag}}
+
+
 def _ready(slot) -> Sealed:
     """Moves ``slot`` to READY with a stand-in slab (returned) and manifest file (``slot.manifest_file``)."""
     sealed = Sealed()
@@ -75,21 +82,49 @@ def test_plan_replaces_a_slab_whose_checkpoint_changed_but_not_on_a_stale_check(
     a, b, c = (_model(n, paths[n]) for n in "abc")
     st = _state(None, a, b, c)
     sa, sb, sc = st.slots
-    for s, m in ((sa, "ma"), (sb, "mb"), (sc, "mc")):
+    ma, mb, mc = (_Manifest(n) for n in "abc")
+    for s, m in ((sa, ma), (sb, mb), (sc, mc)):
         _ready(s)
-        s.manifest = m  # opaque here: plan compares it by identity only
+        s.manifest = m  # plan compares it by identity only
     st.lease(ME, sb, "zero_copy", 0.0)
-    assert [r[:2] for r in reload.recorded_checkpoints(st.slots)] == [
-        (reload.identity(s.placement), s.placement.model.path) for s in (sa, sb, sc)]
+    assert reload.recorded_checkpoints(st.slots) == [
+        (reload.identity(s.placement), s.placement.model.path, m, m.key["checkpoint"])
+        for s, m in ((sa, ma), (sb, mb), (sc, mc))]
     cfg = _config(a, b, c)
-    changed = {reload.identity(sa.placement): ("ma", ("files.model.safetensors.inode",)),
-               reload.identity(sb.placement): ("mb", ("files.model.safetensors.inode",)),
-               reload.identity(sc.placement): ("an older manifest", ("files.model.safetensors.inode",))}
+    changed = {reload.identity(sa.placement): (ma, ("files.model.safetensors.inode",)),
+               reload.identity(sb.placement): (mb, ("files.model.safetensors.inode",)),
+               reload.identity(sc.placement): (_Manifest("older"), ("files.model.safetensors.inode",))}
     p = reload.plan(st.slots, cfg.placements(0), ServiceConfig(), cfg.service, changed=changed)
     assert [s for s, _ in p.keep] == [sc] and [pl.model.name for pl in p.add] == ["a", "b"]
     assert p.drop == (sa,) and p.retire == (sb,)
     p = reload.plan(st.slots, cfg.placements(0), ServiceConfig(), cfg.service)  # nothing found on disk
     assert [s for s, _ in p.keep] == [sa, sb, sc] and p.add == ()
+
+
+def test_a_load_under_way_is_checked_against_the_identity_it_planned_from(paths):
+    """A checkpoint replaced while its load runs: the load reads the files it opened (the old ones) and would end
+    ``ready`` with bytes every engine refuses. The reload that finds the files changed since the load's plan
+    discards that load and loads them again, also when the load has ended by the time the reload applies; it
+    used to keep the slot ("1 unchanged") and the slab stayed stale until a second reload."""
+    a, b = _model("a", paths["a"]), _model("b", paths["b"])
+    st = _state(None, a, b)
+    sa, sb = st.slots
+    planned_a, planned_b = {"files": {}, "tag": "a"}, {"files": {}, "tag": "b"}
+    for s, planned in ((sa, planned_a), (sb, planned_b)):
+        s.start(1.0)
+        loads.Planned(s, 64, None, planned).apply(st)
+    assert sa.state is S.LOADING and sa.planned_checkpoint is planned_a
+    assert reload.recorded_checkpoints(st.slots) == [
+        (reload.identity(s.placement), s.placement.model.path, planned, planned)
+        for s, planned in ((sa, planned_a), (sb, planned_b))]
+    cfg = _config(a, b)
+    changed = {reload.identity(sa.placement): (planned_a, ("files.model.safetensors.inode",))}
+    p = reload.plan(st.slots, cfg.placements(0), ServiceConfig(), cfg.service, changed=changed)
+    assert [s for s, _ in p.keep] == [sb] and [pl.model.name for pl in p.add] == ["a"] and p.drop == (sa,)
+    # The load ended (READY) between the worker's check and the plan: its slab is still the stale one.
+    sa.loaded(_Manifest("a"), Sealed(), Sealed())
+    p = reload.plan(st.slots, cfg.placements(0), ServiceConfig(), cfg.service, changed=changed)
+    assert [pl.model.name for pl in p.add] == ["a"] and p.drop == (sa,)
 
 
 def test_plan_keeps_adds_drops_and_retires(paths):

@@ -43,14 +43,18 @@ class Started:
 @dataclass(frozen=True, slots=True)
 class Planned:
     """The plan is made: ``total_bytes`` of payload will be written; ``dtype_served`` says which dtype
-    names the slab serves (see :attr:`weightcache.daemon.state.Slot.dtype_served`)."""
+    names the slab serves (see :attr:`weightcache.daemon.state.Slot.dtype_served`); ``checkpoint`` is the
+    checkpoint identity the plan read (:attr:`weightcache.daemon.state.Slot.planned_checkpoint`)."""
 
     slot: Slot
     total_bytes: int
     dtype_served: dict[str, bool] | None = None
+    checkpoint: dict | None = None
 
     def apply(self, state: ServiceState) -> None:
         self.slot.total_bytes = self.total_bytes
+        if self.checkpoint is not None:
+            self.slot.planned_checkpoint = self.checkpoint
         if self.dtype_served is not None:
             self.slot.dtype_served = dict(self.dtype_served)
 

@@ -310,7 +310,7 @@ class Loader:
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")
-                self._post(Planned(slot, pl.payload_bytes, dtype_served(pl)))
+                self._post(Planned(slot, pl.payload_bytes, dtype_served(pl), pl.key.get("checkpoint")))
             self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
             self._room(slot, pl.slab_size_bytes, tier, started, job)
             t_plan = time.monotonic()

@@ -39,32 +39,35 @@ class _ReloadJob:
     deadline: float
     started: float
     result: Any = None
-    #: Slot identity -> (manifest, fields) of the slabs whose checkpoint files were replaced (changed_checkpoints).
+    #: Slot identity -> (manifest or planned identity, fields) of the slots whose checkpoint files were replaced
+    #: (changed_checkpoints).
     changed: dict = field(default_factory=dict)
 
 
-def changed_checkpoints(recorded: list[tuple[tuple[str, int, int, int], str, Any]]) -> dict:
-    """Slot identity -> (manifest, changed fields) for each of ``recorded`` whose checkpoint files are no longer
-    those its slab was filled from: the engines' own check (:meth:`Checkpoint.identity_diff`, ``stat()`` and the
-    small JSON files), so a reload replaces a slab every engine would refuse (``cache_key_mismatch``).
+def changed_checkpoints(recorded: list[tuple[tuple[str, int, int, int], str, Any, dict]]) -> dict:
+    """Slot identity -> (what it was checked against, changed fields) for each of ``recorded``
+    (:func:`weightcache.daemon.reload.recorded_checkpoints`: identity, path, manifest or planned identity, the
+    checkpoint identity) whose checkpoint files are no longer those its slab was (or is being) filled from: the
+    engines' own check (:meth:`Checkpoint.identity_diff`, ``stat()`` and the small JSON files), so a reload
+    replaces a slab every engine would refuse (``cache_key_mismatch``).
 
     Reads the file system: run it on the reload's worker thread, never on the serving loop. A checkpoint
     that cannot be opened now is not reported (its slab stays; a load of it would fail).
     """
     out = {}
-    for ident, path, manifest in recorded:
+    for ident, path, against, ck_identity in recorded:
         try:
             ck = Checkpoint(path, validate=False)
         except (WeightcacheError, OSError):
             continue
         try:
-            fields = ck.identity_diff(manifest.key["checkpoint"])
+            fields = ck.identity_diff(ck_identity)
         except (WeightcacheError, OSError, KeyError, TypeError):
             continue
         finally:
             ck.close()
         if fields:
-            out[ident] = (manifest, tuple(fields))
+            out[ident] = (against, tuple(fields))
     return out
 
 

@@ -93,11 +93,23 @@ class ReloadPlan:
     restart_keys: tuple[str, ...] = ()
 
 
-def recorded_checkpoints(slots: list[Slot]) -> list[tuple[tuple[str, int, int, int], str, Any]]:
-    """(slot identity, checkpoint path, manifest) of each resident slab (READY or HOSTED) that has a manifest:
-    what :func:`weightcache.daemon.offloop.changed_checkpoints` checks off the loop. No I/O."""
-    return [(identity(s.placement), s.placement.model.path, s.manifest) for s in slots
-            if s.state in (SlotState.READY, SlotState.HOSTED) and s.manifest is not None]
+def recorded_checkpoints(slots: list[Slot]) -> list[tuple[tuple[str, int, int, int], str, Any, dict]]:
+    """What :func:`weightcache.daemon.offloop.changed_checkpoints` checks off the loop, per slot: (slot identity,
+    checkpoint path, what the check is made against, the checkpoint identity it holds). No I/O.
+
+    A slot with a manifest (READY or HOSTED, or a promotion of its host copy under way) is checked against its
+    manifest's key; a LOADING one without, against the identity its load planned from
+    (:attr:`Slot.planned_checkpoint`): a load reads the files it opened, so one replaced meanwhile would end
+    ``ready`` with the old bytes, which every engine refuses.
+    """
+    out = []
+    for s in slots:
+        if s.manifest is not None and s.state in (SlotState.READY, SlotState.HOSTED, SlotState.PENDING,
+                                                  SlotState.LOADING):
+            out.append((identity(s.placement), s.placement.model.path, s.manifest, s.manifest.key["checkpoint"]))
+        elif s.state is SlotState.LOADING and s.planned_checkpoint is not None:
+            out.append((identity(s.placement), s.placement.model.path, s.planned_checkpoint, s.planned_checkpoint))
+    return out
 
 
 def plan(slots: list[Slot], placements: list[Placement], old: ServiceConfig, new: ServiceConfig,
@@ -126,7 +138,9 @@ def plan(slots: list[Slot], placements: list[Placement], old: ServiceConfig, new
         s = current.get(identity(p))
         if s is not None and _slab_fields(s.placement) == _slab_fields(p) and s.realpath == realpath(p.model.path):
             replaced = (changed or {}).get(identity(p))
-            if replaced is None or replaced[0] is not s.manifest:  # checked against another slab: not this one
+            # Checked against another slab (evicted and loaded again meanwhile): not this one. A load under way
+            # when the files were checked may have ended since: its slab holds what that load planned from.
+            if replaced is None or (replaced[0] is not s.manifest and replaced[0] is not s.planned_checkpoint):
                 keep.append((s, p))
                 kept_ids.add(identity(p))
                 continue

@@ -173,6 +173,10 @@ class Slot:
     #: worked out once (each read the checkpoint's headers).
     dtype_served: dict[str, bool] = field(default_factory=dict)
     started_at: float = 0.0
+    #: The checkpoint identity (the cache key's ``checkpoint``, :meth:`Checkpoint.identity`) the last load
+    #: planned from, set when its plan is made (``Planned``): what a reload checks the files against while that
+    #: load runs, before the slab has a manifest (the load reads the files it opened, even if replaced since).
+    planned_checkpoint: dict | None = None
     leases: dict[int, Lease] = field(default_factory=dict)
     #: The host tier's copy (a host SealedSlab: ``fd``, ``size_bytes``) while HOSTED, and while a promotion
     #: from it is PENDING or LOADING; ``manifest``/``manifest_file`` stay with it. While READY, a copy kept
