@@ -245,6 +245,9 @@ def main() -> int:
         for tp in (int(x) for x in args.tps.split(",")):
             tp1_ways = ["whole rows", "whole rows+fd"] if "+fd" in args.ways else ["whole rows"]
             for way in tp1_ways if tp == 1 else args.ways.split(","):
+                if way.removesuffix("+fd") == "uring" and uring_rows.ring() is None:
+                    rows.append({"tp": tp, "way": way, "refused": uring_rows._refused[0]})
+                    continue
                 rates = []
                 for rep in range(args.reps):
                     packed = way.removesuffix("+fd") in ("mmap", "row", "iov", "vmread", "uring")
@@ -263,6 +266,9 @@ def main() -> int:
           f"{os.cpu_count()} CPUs, kernel {os.uname().release}; GB/s of payload, median (min–max) of {args.reps})", "",
           "| TP | way | payload GB | GB/s | vs TP 1 |", "|---|---|---|---|---|"]
     for r in rows:
+        if "refused" in r:  # io_uring refused here (seccomp, kernel.io_uring_disabled): said, not failed
+            md.append(f"| {r['tp']} | {r['way']} | – | refused: {r['refused']} | – |")
+            continue
         s = r["gbps"]
         vs = f"{s['median'] / ref:.2f}x" if ref else "-"
         md.append(f"| {r['tp']} | {r['way']} | {r['payload_gb']:.3f} | {s['median']:.1f} ({s['min']:.1f}–{s['max']:.1f}) "
