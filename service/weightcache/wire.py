@@ -31,7 +31,7 @@ class SlotState(enum.StrEnum):
     READY = "ready"       # sealed slab resident, attachable
     FAILED = "failed"     # the last load failed; ``error`` says why
     EVICTED = "evicted"   # freed by ``evict``; ``preload`` loads it again
-    RETIRED = "retired"   # removed from the config by a reload, kept while leased, attachable by nobody new
+    RETIRED = "retired"   # replaced or removed by a reload, kept while leased, attachable by nobody new
     DROPPED = "dropped"   # removed from the config: out of the service's list (a load under way is discarded)
     HOSTED = "hosted"     # demoted to the host tier (memory budget, ``evict --to host``); an attach promotes it
     ON_DISK = "on_disk"   # not resident, by the memory budget or ``evict --to disk``; an attach loads it

@@ -58,7 +58,7 @@ def state_text(sl: protocol.SlabInfo) -> str:
         case SlotState.EVICTED:
             return "evicted (run `weightcache preload` to load again)"
         case SlotState.RETIRED:
-            return f"retired: removed from the config, freed when its {plural(sl.lease_count, 'lease')} end"
+            return f"retired: replaced or removed by a reload, freed when its {plural(sl.lease_count, 'lease')} end"
         case SlotState.DROPPED:
             return "dropped: removed from the config"
         case SlotState.HOSTED:

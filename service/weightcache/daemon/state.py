@@ -273,7 +273,7 @@ class Slot:
         self.error = None
 
     def retire(self) -> None:
-        """READY -> RETIRED: removed from the config while leased; the slab stays until the last release."""
+        """READY -> RETIRED: replaced or removed by a reload while leased; the slab stays until the last release."""
         self.move(SlotEvent.RETIRE)
         self.drop_host_copy()
 
@@ -515,7 +515,8 @@ class ServiceState:
         line = self._slots_line(now)
         retired = [s for s in self.slots if s.state is SlotState.RETIRED]
         if retired:
-            line += f"; removed from the config, kept while leased: {', '.join(s.label for s in retired)}"
+            # Removed from the config, changed in it, or its checkpoint files replaced on disk: replaced by a reload.
+            line += f"; replaced or removed by a reload, kept while leased: {', '.join(s.label for s in retired)}"
         if self.config_error is not None:
             line += f"; configuration rejected, {describe_config_error(self.config_error)}"
         return line

@@ -162,7 +162,7 @@ class SlabInfo(_SlabRecord):
         model (`str`), path (`str`): the configured name and checkpoint directory.
         tp_size, tp_rank (`int`): the layout and rank.
         state (`SlotState`): ``pending``, ``loading``, ``ready``, ``failed``, ``evicted`` or
-            ``retired`` (removed from the config by a reload, kept while leased); a string is
+            ``retired`` (replaced or removed by a reload, kept while leased); a string is
             parsed into the member.
         done_bytes, total_bytes (`int`): load progress, payload bytes.
         rate_bytes_per_s (`int`): load rate while loading, else 0.
