@@ -10,6 +10,7 @@ previous process in its fd store, as systemd hands them back after a restart.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -223,9 +224,16 @@ def test_a_checkpoint_replaced_while_it_loads_is_loaded_again_by_a_reload(daemon
             return s if s is not None and (s["state"] != "loading" or s["done_bytes"] > 0) else None
 
         poll_until(reading, "the load to read its first bytes", 60, 0.002)
+        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(_attach, svc, str(ck))  # parks while it loads
+        poll_until(lambda: waiting.running() or None, "the engine's attach to start", 60, 0.002)
         os.replace(new / "model.safetensors", ck / "model.safetensors")
         r = svc.request(protocol.Reload())
         assert (r.added, r.dropped, r.kept) == (["m/tp1/rank0"], ["m/tp1/rank0"], []), r
+        # The engine that waited for the discarded load gets the new one's slab (it heard model_not_found,
+        # "removed from the configuration", for a model still in it).
+        with waiting.result(timeout=120) as w:
+            assert w.source == "daemon"
+            compare_bytes(w.tensors, read_checkpoint(ck))
         svc.wait_settled()
         with _attach(svc, str(ck)) as w:
             assert w.source == "daemon"

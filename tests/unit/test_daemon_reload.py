@@ -25,12 +25,15 @@ ME = Peer(10, os.getuid(), os.getgid())
 
 
 class Sealed:
-    """A stand-in SealedSlab: counts ``close()``."""
+    """A stand-in SealedSlab: counts ``close()``; ``fd`` is a number an attach reply carries, never used."""
 
     size_bytes = 64
+    _next_fd = 1000
 
     def __init__(self) -> None:
         self.closed = 0
+        Sealed._next_fd += 1
+        self.fd = Sealed._next_fd
 
     def close(self) -> None:
         self.closed += 1
@@ -262,6 +265,23 @@ def test_a_pending_slot_dropped_by_reload_is_cancelled_and_its_parked_attach_ans
     assert CancelLoad(sb) in out.effects and sb.state is S.DROPPED
     (reply,) = handlers.service_waiting(ctx, ME).replies
     assert reply.msg.code == "model_not_found" and not ME.waiting
+
+
+def test_a_parked_attach_whose_slot_a_reload_replaced_waits_for_the_new_one(ctx, paths):
+    """The load an engine waits for is discarded by a reload that replaces it (checkpoint files replaced, a
+    retargeted path): the engine used to hear ``model_not_found`` ("removed from the configuration") for a
+    model still in it; it now waits for the new slot's load and gets its slab."""
+    st = ctx.state
+    sa, sb = st.slots
+    ctx.holder["config"] = _config(_model("a", paths["a"]), _model("b", paths["c"]))  # b's path changed
+    handlers.handle(ctx, ME, protocol.Attach("b", wait_ms=60_000))  # parked: b is pending
+    handlers.handle(ctx, ME, protocol.Reload())
+    new_b = st.slots[-1]
+    assert sb.state is S.DROPPED and new_b is not sb and new_b.placement.model.name == "b"
+    assert handlers.service_waiting(ctx, ME).replies == () and ME.waiting[0][1] is new_b and new_b.demand
+    sealed = _ready(new_b)
+    (reply,) = handlers.service_waiting(ctx, ME).replies
+    assert isinstance(reply.msg, protocol.AttachReply) and reply.fds[0] == sealed.fd and not ME.waiting
 
 
 def test_refused_reload_changes_nothing_and_is_reported(ctx):

@@ -266,11 +266,27 @@ def _answer_parked(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) -
     return answer_attach(ctx, peer, msg, slot)
 
 
+def _replacement(ctx: Context, msg: protocol.Attach, slot: Slot) -> Slot:
+    """The slot a parked attach waits for now: ``slot``, or when a reload dropped it and added another for the
+    same model (its path retargeted, its checkpoint files replaced: a load under way discarded), that one."""
+    if slot.state is not SlotState.DROPPED:
+        return slot
+    try:
+        new = ctx.state.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming, _dtype_matches)[0]
+    except WeightcacheError:  # removed from the configuration: the dropped slot's answer says so
+        return slot
+    if new.state in UNSETTLED:
+        new.demand = True  # an engine waits for it, as on_attach marks it
+    return new
+
+
 def service_waiting(ctx: Context, peer: Peer) -> Outcome:
-    """Answers the parked attaches of ``peer`` whose slot settled or whose deadline passed."""
+    """Answers the parked attaches of ``peer`` whose slot settled or whose deadline passed (one whose slot a reload
+    replaced waits for the new one: :func:`_replacement`)."""
     now = ctx.monotonic()
     still, replies = [], []
     for msg, slot, deadline in peer.waiting:
+        slot = _replacement(ctx, msg, slot)
         if slot.state in UNSETTLED and now < deadline:
             still.append((msg, slot, deadline))
             continue
