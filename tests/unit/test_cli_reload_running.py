@@ -59,6 +59,17 @@ def test_running_with_no_instance_running_reloads_nothing_and_succeeds(node, cap
     assert capsys.readouterr().out.startswith("no instance runs: nothing to reload")
 
 
+def test_running_with_no_socket_at_all_reloads_nothing_and_succeeds(tmp_path, capsys, monkeypatch):
+    """No instance socket (no model configured, or every instance's socket stopped): no instance runs, so
+    ``systemctl reload weightcache`` succeeds, as with sockets that only listen; it failed with exit 3 ("no
+    weightcache sockets"). The reason is still printed. Without ``--running`` it stays an error."""
+    monkeypatch.setenv("WEIGHTCACHE_CONFIG", str(tmp_path / "absent.toml"))
+    assert main(["reload", "--running", "--socket-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no instance runs: nothing to reload (no weightcache sockets in " + str(tmp_path)), out
+    assert main(["reload", "--socket-dir", str(tmp_path)]) == 3
+
+
 def test_without_running_every_socket_is_asked(node):
     where, _, seen = node
     assert main(["reload", "--socket-dir", str(where)]) == 0

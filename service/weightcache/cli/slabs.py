@@ -66,13 +66,17 @@ def cmd_reload(args: argparse.Namespace) -> int:
     the command returns once each has applied the files or refused them, so ``systemctl reload weightcache``
     does too, and fails when one refused.
 
-    Exit status: 0 applied everywhere (or no instance runs, with ``--running``); 2 an instance refused the files
-    (it keeps serving the previous configuration); 3 an instance did not answer; 1 another refusal.
+    Exit status: 0 applied everywhere (or no instance runs, with ``--running``, also when there is no socket);
+    2 an instance refused the files (it keeps serving the previous configuration); 3 an instance did not
+    answer; 1 another refusal.
     """
     from .unwired import warnings
 
     where = socket_dir_of(args)
     gpus = gpus_of(args, where)
+    if not gpus and getattr(args, "running", False):  # no socket: no instance runs either
+        print(f"no instance runs: nothing to reload ({no_sockets(args)})")
+        return EXIT_OK
     if not gpus:
         print(no_sockets(args), file=sys.stderr)
         return EXIT_UNAVAILABLE
