@@ -70,6 +70,28 @@ def test_running_with_no_socket_at_all_reloads_nothing_and_succeeds(tmp_path, ca
     assert main(["reload", "--socket-dir", str(tmp_path)]) == 3
 
 
+def test_reload_waits_for_the_instances_reload_timeout(node, monkeypatch):
+    """An instance answers a reload once it has read the files and checked its checkpoints, within its
+    ``reload_timeout_s`` (30 s by default): the CLI waited 10 s per answer, so a slow read was reported as an
+    instance not answering (exit 3; systemctl reload weightcache failed) while the reload went on and applied."""
+    where, _, seen = node
+    timeouts = []
+
+    def ask_each(args, where, gpus, make):
+        timeouts.append(args.timeout)
+        yield from ()
+
+    monkeypatch.setattr(slabs, "ask_each", ask_each)
+    config = where / "weightcache.toml"
+    monkeypatch.setenv("WEIGHTCACHE_CONFIG", str(config))
+    config.write_text("[service]\nreload_timeout_s = 120\n")
+    assert main(["reload", "--socket-dir", str(where)]) == 0
+    config.write_text("[service]\nbakend = 1\n")  # invalid: the default reload_timeout_s
+    assert main(["reload", "--socket-dir", str(where)]) == 0
+    assert main(["reload", "--socket-dir", str(where), "--timeout", "3"]) == 0
+    assert timeouts == [130.0, 40.0, 3.0]
+
+
 def test_without_running_every_socket_is_asked(node):
     where, _, seen = node
     assert main(["reload", "--socket-dir", str(where)]) == 0

@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--running", action="store_true",
                     help="only instances whose weightcache@N.service runs (never starts one that only listens); "
                          "systemctl reload weightcache runs this")
-    sp.set_defaults(fn="slabs:cmd_reload")
+    # --timeout: by default the config's reload_timeout_s plus 10 s (slabs.reload_reply_timeout): an instance
+    # answers once it has read the files, which may take up to that long.
+    sp.set_defaults(fn="slabs:cmd_reload", timeout=None)
 
     sp = sub.add_parser("wait", help="wait until loads finish, with progress")
     sp.add_argument("model", nargs="?", default=None, help="only this model (default: every slab)")

@@ -59,6 +59,21 @@ def running_gpus(gpus: list[int], where: str) -> list[int]:
     return [g for g in gpus if states.get(g, "unknown") in RUNNING_STATES]
 
 
+def reload_reply_timeout() -> float:
+    """Seconds ``reload`` waits for each instance's answer when ``--timeout`` is not given: the configuration's
+    ``reload_timeout_s`` (at least its default, 30; the instance answers once it has read the files and checked
+    the checkpoints, within the ``reload_timeout_s`` it runs with) plus 10 s. It waited 10 s, so a reload
+    reading its files for longer was reported as not answering (exit 3) and then applied."""
+    from ..config import ServiceConfig, load_config
+
+    limit = ServiceConfig().reload_timeout_s
+    try:
+        limit = max(limit, load_config(None).service.reload_timeout_s)
+    except ConfigError:  # the instance will say what is wrong with the files
+        pass
+    return limit + 10.0
+
+
 def cmd_reload(args: argparse.Namespace) -> int:
     """``weightcache reload``: each instance reads the configuration again and applies it (``ExecReload=``).
 
@@ -72,6 +87,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
     """
     from .unwired import warnings
 
+    if getattr(args, "timeout", None) is None:
+        args.timeout = reload_reply_timeout()
     where = socket_dir_of(args)
     gpus = gpus_of(args, where)
     if not gpus and getattr(args, "running", False):  # no socket: no instance runs either
