@@ -36,7 +36,7 @@ from service_harness import (  # noqa: E402
     write_checkpoint,
 )
 from weightcache import attach, protocol  # noqa: E402
-from weightcache.errors import ConfigError, DaemonUnavailable, ModelNotFound  # noqa: E402
+from weightcache.errors import ConfigError, DaemonUnavailable, ModelNotFound, WeightcacheError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -207,6 +207,41 @@ def test_a_checkpoint_replaced_on_disk_is_loaded_again_by_a_reload(daemon, tmp_p
     # Nothing changed since: a reload keeps everything.
     r = svc.request(protocol.Reload())
     assert (r.added, r.dropped, r.retired) == ([], [], [])
+
+
+def test_a_touched_checkpoint_is_loaded_again_and_a_broken_replacement_fails_by_file_name(daemon, tmp_path):
+    """What docs/operations.md says of a checkpoint 'replaced' by stat(): a ``touch`` (same bytes, new mtime)
+    is refused by engines, so a reload loads it again, and the same bytes are served. A replacement with a bad
+    header: the engine that holds the old slab keeps its bytes, the model fails with ``checkpoint_corrupt``
+    naming the file (status and engines)."""
+    ck = _ckpt(tmp_path / "m", 20)
+    v1 = read_checkpoint(ck)
+    svc = daemon({"m": ck})
+    svc.wait_settled()
+    os.utime(ck / "model.safetensors")
+    w = attach(str(ck), socket_dir=svc.socket_dir, fallback=True, timeout=60)
+    assert w.fallback_reason.startswith("cache_key_mismatch") and "mtime_ns" in w.fallback_reason
+    w.close()
+    r = svc.request(protocol.Reload())
+    assert (r.added, r.dropped) == (["m/tp1/rank0"], ["m/tp1/rank0"])
+    svc.wait_settled()
+    held = _attach(svc, str(ck))
+    try:
+        compare_bytes(held.tensors, v1)
+        (tmp_path / "bad").write_bytes(b"\xff" * 100)  # its header length points past the end
+        os.replace(tmp_path / "bad", ck / "model.safetensors")
+        r = svc.request(protocol.Reload())
+        assert (r.added, r.retired) == (["m/tp1/rank0"], ["m/tp1/rank0"])
+        svc.wait_settled()
+        st = svc.status()
+        assert sorted(s["state"] for s in st["slabs"]) == ["failed", "retired"]
+        assert "failed: m/tp1/rank0 (checkpoint_corrupt)" in st["status_line"]
+        with pytest.raises(WeightcacheError) as ei:
+            _attach(svc, str(ck))
+        assert ei.value.code == "checkpoint_corrupt" and str(ck / "model.safetensors") in ei.value.message
+        compare_bytes(held.tensors, v1)
+    finally:
+        held.close()
 
 
 def test_a_checkpoint_replaced_while_it_loads_is_loaded_again_by_a_reload(daemon, tmp_path):
