@@ -9,8 +9,11 @@ socket-activate it and all its loads.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+import weightcache.config
 import weightcache.metrics
 from weightcache.cli import slabs
 from weightcache.cli import main
@@ -89,7 +92,16 @@ def test_reload_waits_for_the_instances_reload_timeout(node, monkeypatch):
     config.write_text("[service]\nbakend = 1\n")  # invalid: the default reload_timeout_s
     assert main(["reload", "--socket-dir", str(where)]) == 0
     assert main(["reload", "--socket-dir", str(where), "--timeout", "3"]) == 0
-    assert timeouts == [130.0, 40.0, 3.0]
+    # A file whose read never returns (a hung mount; here a read held until the test ends): the default, not
+    # a hang (the instance answers config_invalid, cause timeout, after its reload_timeout_s).
+    gate = threading.Event()
+    monkeypatch.setattr(weightcache.config, "load_config", lambda path=None: gate.wait(60))
+    monkeypatch.setattr(slabs, "CONFIG_READ_S", 0.2)
+    try:
+        assert main(["reload", "--socket-dir", str(where)]) == 0
+    finally:
+        gate.set()  # the abandoned read returns; its thread ends
+    assert timeouts == [130.0, 40.0, 3.0, 40.0]
 
 
 def test_without_running_every_socket_is_asked(node):

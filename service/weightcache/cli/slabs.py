@@ -59,19 +59,33 @@ def running_gpus(gpus: list[int], where: str) -> list[int]:
     return [g for g in gpus if states.get(g, "unknown") in RUNNING_STATES]
 
 
+#: Seconds ``reload`` gives its own read of the configuration (for ``reload_timeout_s``) before it uses the
+#: default: a file on a hung mount must not hang the command, which the instance answers ``config_invalid``.
+CONFIG_READ_S = 5.0
+
+
 def reload_reply_timeout() -> float:
     """Seconds ``reload`` waits for each instance's answer when ``--timeout`` is not given: the configuration's
     ``reload_timeout_s`` (at least its default, 30; the instance answers once it has read the files and checked
     the checkpoints, within the ``reload_timeout_s`` it runs with) plus 10 s. It waited 10 s, so a reload
-    reading its files for longer was reported as not answering (exit 3) and then applied."""
+    reading its files for longer was reported as not answering (exit 3) and then applied. The files are read
+    on a daemon thread given :data:`CONFIG_READ_S`; unreadable or invalid, the default applies."""
+    import threading
+
     from ..config import ServiceConfig, load_config
 
-    limit = ServiceConfig().reload_timeout_s
-    try:
-        limit = max(limit, load_config(None).service.reload_timeout_s)
-    except ConfigError:  # the instance will say what is wrong with the files
-        pass
-    return limit + 10.0
+    got: list[float] = []
+
+    def read() -> None:
+        try:
+            got.append(load_config(None).service.reload_timeout_s)
+        except Exception:  # noqa: BLE001 - the instance says what is wrong with the files
+            pass
+
+    t = threading.Thread(target=read, name="weightcache-reload-config", daemon=True)
+    t.start()
+    t.join(CONFIG_READ_S)
+    return max([ServiceConfig().reload_timeout_s, *got]) + 10.0
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
