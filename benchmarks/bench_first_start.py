@@ -575,8 +575,12 @@ def _run_instances(args: argparse.Namespace, ck: Path, kind: str, backend: str, 
             out[tp]["torch_free"] = all(r["torch_free"] for r in rs)
             out[tp]["instances"] = [{"ranks": x["ranks"], "payload_bytes": x["payload_bytes"]}
                                     for x in rs[0]["instances"]]
+            out[tp]["instance_stages_s"] = {k: stats([x[k] for r in rs for x in r["instances"]])
+                                            for k in (*STAGES, "total")}
             out[tp]["read_gbps_per_instance"] = stats([x["read_gbps"] for r in rs for x in r["instances"]])
         ratio = out[args.tp]["load_gbps"]["median"] / out[1]["load_gbps"]["median"]
+        stage_rows = [f"| {k} | " + " | ".join(f"{out[tp]['instance_stages_s'][k]['median']:.3f}" for tp in out) + " |"
+                      for k in (*STAGES, "total")]
         res["namings"][naming] = {"tp": out, "rate_vs_tp1": ratio}
         md += [f"### A node's instances started at once: {kind}, naming = \"{naming}\", TP 1 (one instance) and TP "
                f"{args.tp} (one instance per rank, all on GPU 0; {backend} backend, holder activator, "
@@ -588,7 +592,10 @@ def _run_instances(args: argparse.Namespace, ck: Path, kind: str, backend: str, 
                       f"{spread(o['total'])} | {spread(o['load_window'])} | {o['load_gbps']['median']:.1f} | "
                       f"{o['read_gbps_per_instance']['median']:.1f} | {'yes' if o['torch_free'] else 'NO'} |")
         md += ["", f"TP {args.tp} load rate per byte / TP 1's: {ratio:.2f}x (target: the same rate: "
-                   f"{met(ratio >= 0.95)})", ""]
+                   f"{met(ratio >= 0.95)})", "",
+               f"each instance by stage (seconds, median over the instances and reps; total: its own spawn to its "
+               f"READY):", "", "| stage | " + " | ".join(f"TP {tp}" for tp in out) + " |",
+               "|---|" + "---|" * len(out), *stage_rows, ""]
     emit(f"first_start_{args.device}_instances_tp{args.tp}_{'_'.join(namings)}", res, "\n".join(md))
     return 0
 
