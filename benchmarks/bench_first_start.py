@@ -51,6 +51,10 @@ reports the ratio to ``hf``; ``--tp N`` serves every rank of TP ``N`` from
 the one service on GPU 0 (READY once all are loaded; stages and bytes summed
 over the ranks); ``--fp8 tensor|channel`` uses a Llama-3-8B-shaped ModelOpt
 FP8 checkpoint (``benchmarks/modelopt_fp8_checkpoint.py``) instead;
+``--instances`` (with ``--tp N``) starts instead one service per rank, all at once, as
+``weightcache.target`` starts a node's instances (each its own process, its rank on GPU 0 here),
+against one instance loading the whole checkpoint started the same way, interleaved: the node's time to
+the last READY and the load rate per byte, TP N against TP 1;
 ``--cold-attach [N]`` has N fresh processes (default 1) attach rank 0 after the
 last timed READY, each in two orders: *client first* (``import weightcache``,
 ``weightcache.attach`` (the client's import), ``import torch`` + CUDA init,
@@ -68,7 +72,7 @@ another client on ``PYTHONPATH`` (e.g. an older tree, to compare), interleaved
 per sample; the service stays the source tree's.
 
 Usage: bench_first_start.py [--device cuda|cpu] [--size-gb G] [--reps N] [--read-threads N]
-       [--activator systemd|holder] [--naming hf,vllm] [--tp N] [--fp8 none|tensor|channel]
+       [--activator systemd|holder] [--naming hf,vllm] [--tp N [--instances]] [--fp8 none|tensor|channel]
        [--cold-attach [N]] [--cold-attach-clients LABEL=DIR,...] [--bytecode cached|environment] [--dir DIR]
        [--remove]
 """
@@ -204,6 +208,14 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
         for s in (client, listener):
             if s is not None:
                 s.close()
+    out = _parse_trace(trace, t0, t_ready)
+    if cold_attach is not None:
+        out["cold_attach"] = attached
+    return out
+
+
+def _parse_trace(trace: Path, t0: float, t_ready: float) -> dict:
+    """The stage times (seconds) of one start from the wrapper's trace: ``t0`` its spawn, ``t_ready`` its READY=1."""
     ev: dict[str, dict] = {}
     torch_imports = []
     loads = []
@@ -233,10 +245,75 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
         "read_gbps": size / max(total["read"], 1e-9) / 1e9, "payload_bytes": size, "ranks": len(loads),
         "torch_free": all("torch_free=yes" in e["msg"] for e in loads),
         "torch_before_ready": any(e["t"] < t_ready for e in torch_imports),
+        "t_load_start": t_load_start, "t_loaded": t_loaded,
     }
-    if cold_attach is not None:
-        out["cold_attach"] = attached
     return out
+
+
+def instance_configs(work: Path, models: dict, backend: str, tp: int, **service) -> list[Path]:
+    """One config per rank of TP ``tp``, for :func:`concurrent_start`: rank ``k`` on GPU 0, the others on GPUs 1..
+
+    Each instance (``serve --gpu 0``) then loads only its rank, as the instances of a node with one GPU per rank
+    do; the other GPU indices only number instances that are not started (``serve`` does not check them).
+    """
+    out = []
+    for k in range(tp):
+        gpus = [0 if r == k else 1 + r - (r > k) for r in range(tp)]
+        d = work / f"rank{k}"
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = write_config(d / "weightcache.toml", models, backend, tp=tp, **service)
+        text = cfg.read_text().replace(f"gpus = {[0] * tp}", f"gpus = {gpus}")
+        cfg.write_text(text)
+        out.append(cfg)
+    return out
+
+
+def concurrent_start(cfgs: list[Path], backend: str, timeout_s: float, pycache: Path | None = None) -> dict:
+    """Starts one fresh service per config at once (holder activator), waits for every READY=1; returns the node's
+    figures: ``total`` (first spawn to last READY), ``load_window`` (first load start to last load end),
+    ``load_gbps`` (payload summed over that window), and ``instances`` (each one's :func:`_parse_trace`).
+    """
+    runs = []
+    try:
+        for cfg in cfgs:
+            work = cfg.parent
+            sock_path, notify_path, trace = str(work / "0.sock"), str(work / "notify.sock"), work / "trace.jsonl"
+            for q in (sock_path, notify_path, trace):
+                Path(q).unlink(missing_ok=True)
+            nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            nsock.bind(notify_path)
+            env = service_env({"NOTIFY_SOCKET": notify_path, "WC_BENCH_TRACE": str(trace)})
+            if pycache is not None:
+                env.pop("PYTHONDONTWRITEBYTECODE", None)
+                env["PYTHONPYCACHEPREFIX"] = str(pycache)
+            listener = unix_listener(sock_path)
+            env["WC_BENCH_LISTEN_FD"] = str(listener.fileno())
+            runs.append({"work": work, "nsock": nsock, "listener": listener, "trace": trace, "env": env,
+                         "log_path": work / "service.log", "cfg": cfg})
+        for r in runs:  # spawned back to back: what systemd does for the instances of weightcache.target
+            r["log"] = open(r["log_path"], "wb")
+            serve = [sys.executable, "-c", WRAPPER, "serve", "--gpu", "0", "--config", str(r["cfg"]),
+                     "--backend", backend]
+            r["t0"] = time.time()
+            r["proc"] = subprocess.Popen(serve, env=r["env"], pass_fds=[r["listener"].fileno()],
+                                         stdin=subprocess.DEVNULL, stdout=r["log"], stderr=r["log"])
+        for r in runs:
+            r["t_ready"] = _recv_ready(r["nsock"], r["proc"], timeout_s, r["log_path"])
+    finally:
+        for r in runs:
+            if "proc" in r:
+                r["proc"].terminate()
+                r["proc"].wait(60)
+                r["log"].close()
+            r["nsock"].close()
+            r["listener"].close()
+    inst = [_parse_trace(r["trace"], r["t0"], r["t_ready"]) for r in runs]
+    t0, t_ready = min(r["t0"] for r in runs), max(r["t_ready"] for r in runs)
+    window = max(x["t_loaded"] for x in inst) - min(x["t_load_start"] for x in inst)
+    size = sum(x["payload_bytes"] for x in inst)
+    return {"total": t_ready - t0, "load_window": window, "load_gbps": size / max(window, 1e-9) / 1e9,
+            "payload_bytes": size, "instances": inst,
+            "torch_free": all(x["torch_free"] for x in inst)}
 
 
 #: Stage timers for the attaching processes: wraps the client's own functions (no copy of its logic) so that each
@@ -469,6 +546,60 @@ def _checkpoint(args: argparse.Namespace, gb: float) -> tuple[Path, str]:
     return ck, kind
 
 
+def _run_instances(args: argparse.Namespace, ck: Path, kind: str, backend: str, namings: list[str], service: dict,
+                   pycache: Path | None) -> int:
+    """``--instances``: TP 1 (one instance) and TP ``args.tp`` (one instance per rank, started at once), interleaved
+    per rep; reports each one's time to the last READY and its load rate (payload over the window from the first
+    load's start to the last one's end) and the TP-N rate per byte against TP 1's."""
+    res = {"versions": versions(), "device": args.device, "backend": backend, "checkpoint": kind, "tp": args.tp,
+           "reps": args.reps, "cpus": len(os.sched_getaffinity(0)), "namings": {}}
+    md = []
+    for naming in namings:
+        work = Path(tempfile.mkdtemp(prefix="wc-inst-"))
+        try:
+            models = {"m": {"path": ck, "naming": naming}}
+            layouts = {tp: instance_configs(work / f"tp{tp}", models, backend, tp, **service)
+                       for tp in (1, args.tp)}
+            for tp, cfgs in layouts.items():  # warm-up: page cache, bytecode
+                concurrent_start(cfgs, backend, 600, pycache)
+            runs: dict[int, list] = {1: [], args.tp: []}
+            for _ in range(args.reps):
+                for tp, cfgs in layouts.items():
+                    runs[tp].append(concurrent_start(cfgs, backend, 600, pycache))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        out = {}
+        for tp, rs in runs.items():
+            out[tp] = {k: stats([r[k] for r in rs]) for k in ("total", "load_window", "load_gbps")}
+            out[tp]["payload_bytes"] = rs[0]["payload_bytes"]
+            out[tp]["torch_free"] = all(r["torch_free"] for r in rs)
+            out[tp]["instances"] = [{"ranks": x["ranks"], "payload_bytes": x["payload_bytes"]}
+                                    for x in rs[0]["instances"]]
+            out[tp]["instance_stages_s"] = {k: stats([x[k] for r in rs for x in r["instances"]])
+                                            for k in (*STAGES, "total")}
+            out[tp]["read_gbps_per_instance"] = stats([x["read_gbps"] for r in rs for x in r["instances"]])
+        ratio = out[args.tp]["load_gbps"]["median"] / out[1]["load_gbps"]["median"]
+        stage_rows = [f"| {k} | " + " | ".join(f"{out[tp]['instance_stages_s'][k]['median']:.3f}" for tp in out) + " |"
+                      for k in (*STAGES, "total")]
+        res["namings"][naming] = {"tp": out, "rate_vs_tp1": ratio}
+        md += [f"### A node's instances started at once: {kind}, naming = \"{naming}\", TP 1 (one instance) and TP "
+               f"{args.tp} (one instance per rank, all on GPU 0; {backend} backend, holder activator, "
+               f"{res['cpus']} CPUs; median of {args.reps} (min–max), interleaved)", "",
+               "| layout | payload GB | spawn to last READY s | load window s | load GB/s | read GB/s per instance | "
+               "torch-free |", "|---|---|---|---|---|---|---|"]
+        for tp, o in out.items():
+            md.append(f"| TP {tp} ({tp} instance{'s' if tp > 1 else ''}) | {o['payload_bytes'] / GB:.2f} | "
+                      f"{spread(o['total'])} | {spread(o['load_window'])} | {o['load_gbps']['median']:.1f} | "
+                      f"{o['read_gbps_per_instance']['median']:.1f} | {'yes' if o['torch_free'] else 'NO'} |")
+        md += ["", f"TP {args.tp} load rate per byte / TP 1's: {ratio:.2f}x (target: the same rate: "
+                   f"{met(ratio >= 0.95)})", "",
+               f"each instance by stage (seconds, median over the instances and reps; total: its own spawn to its "
+               f"READY):", "", "| stage | " + " | ".join(f"TP {tp}" for tp in out) + " |",
+               "|---|" + "---|" * len(out), *stage_rows, ""]
+    emit(f"first_start_{args.device}_instances_tp{args.tp}_{'_'.join(namings)}", res, "\n".join(md))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if has_cuda() else "cpu")
@@ -480,6 +611,9 @@ def main() -> int:
                     default="systemd" if shutil.which("systemd-socket-activate") else "holder")
     ap.add_argument("--naming", default="hf", help="comma-separated namings to start in turn: hf, vllm (default hf)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size; every rank on GPU 0 (default 1)")
+    ap.add_argument("--instances", action="store_true",
+                    help="with --tp N: one service per rank, all started at once (a node's instances), against one "
+                         "service loading the whole checkpoint (TP 1) started the same way, interleaved")
     ap.add_argument("--fp8", choices=("none", "tensor", "channel"), default="none",
                     help="a ModelOpt FP8 checkpoint (per-tensor or per-channel scales) instead of bf16")
     ap.add_argument("--cold-attach", type=int, nargs="?", const=1, default=0, metavar="N",
@@ -504,6 +638,12 @@ def main() -> int:
     service = {} if args.read_threads is None else {"read_threads": args.read_threads}
     results = {}
     pycache = Path(tempfile.mkdtemp(prefix="wc-pyc-")) if args.bytecode == "cached" else None
+    if args.instances:
+        try:
+            return _run_instances(args, ck, kind, backend, namings, service, pycache)
+        finally:
+            if pycache is not None:
+                shutil.rmtree(pycache, ignore_errors=True)
     try:
         for naming in namings:
             work = Path(tempfile.mkdtemp(prefix="wc-first-"))

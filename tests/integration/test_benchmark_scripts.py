@@ -54,6 +54,26 @@ def test_bench_first_start_splits_the_cold_attaches_into_stages(tmp_path):
     assert "| stage of `attach()` (client first) | first, µs | second, µs | first − second |" in out
 
 
+def test_bench_first_start_instances_load_one_rank_each(tmp_path):
+    """``--tp 2 --instances``: two services started at once, each loading only its own rank (the other on a GPU
+    index no instance serves), against one service loading the whole checkpoint; each instance loads one rank,
+    less than the whole, and the two together at least the whole (norms are in both ranks)."""
+    import json
+
+    _run("bench_first_start.py", "--device", "cpu", "--size-gb", "0.05", "--reps", "1", "--naming", "vllm",
+         "--tp", "2", "--instances", "--dir", str(tmp_path / "data"), "--remove", tmp_path=tmp_path)
+    res = json.loads((tmp_path / "json" / "first_start_cpu_instances_tp2_vllm.json").read_text())
+    tp = res["namings"]["vllm"]["tp"]
+    assert set(tp) == {"1", "2"}, tp
+    whole = tp["1"]["payload_bytes"]
+    assert tp["1"]["instances"] == [{"ranks": 1, "payload_bytes": whole}], tp["1"]
+    ranks = tp["2"]["instances"]
+    assert [x["ranks"] for x in ranks] == [1, 1], ranks
+    assert all(0 < x["payload_bytes"] < whole for x in ranks) and tp["2"]["payload_bytes"] >= whole, (ranks, whole)
+    assert tp["1"]["torch_free"] and tp["2"]["torch_free"]
+    assert tp["2"]["load_gbps"]["median"] > 0 and res["namings"]["vllm"]["rate_vs_tp1"] > 0
+
+
 def test_bench_tp_reads_runs_every_way_and_removes_its_file(tmp_path):
     f = tmp_path / "bench-dir" / "tp.bin"  # gpu-check's $BENCH_DATA_DIR may not exist yet
     out = _run("bench_tp_reads.py", "--file", str(f), "--layers", "1", "--threads", "2", "--reps", "1",
