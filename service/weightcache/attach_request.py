@@ -52,8 +52,8 @@ class AttachOptions:
     timeout: float = 30.0
     socket_dir: str | None = None
     gpu: int | None = None
-    dtype: str = DEFAULT_DTYPE
-    naming: str = DEFAULT_NAMING
+    dtype: str | None = None
+    naming: str | None = None
     kernel: str = DEFAULT_KERNEL
 
 
@@ -70,7 +70,10 @@ class AttachRequest:
         timeout (`float`): seconds to wait for the service, a load in progress included.
         socket_dir (`str | None`): see :func:`resolve_socket_dir`.
         gpu (`int | None`): the service instance; None: the physical index of ``device`` (``CUDA_VISIBLE_DEVICES`` mapped back).
-        dtype, naming, kernel (`str`): what to ask for when attaching by path.
+        dtype, naming (`str | None`): what to ask for. By path: None is ``auto`` and ``hf``
+            (:attr:`path_dtype`, :attr:`path_naming`). By name: None takes what the operator
+            configured; a value given must be what the service holds for that name.
+        kernel (`str`): the kernel layout target of quantized weights (checked against a local checkpoint).
 
     Raises:
         ValueError: ``mode`` is not ``zero_copy`` or ``copy``.
@@ -87,8 +90,8 @@ class AttachRequest:
     timeout: float
     socket_dir: str | None
     gpu: int | None
-    dtype: str
-    naming: str
+    dtype: str | None
+    naming: str | None
     kernel: str
 
     @classmethod
@@ -119,10 +122,21 @@ class AttachRequest:
                    if self.device.startswith("cuda") else 0)
         return os.path.join(resolve_socket_dir(self.socket_dir), f"{gpu}.sock")
 
+    @property
+    def path_dtype(self) -> str:
+        """The dtype asked for by path: the one given, else ``auto`` (as stored)."""
+        return self.dtype or DEFAULT_DTYPE
+
+    @property
+    def path_naming(self) -> str:
+        """The naming asked for by path: the one given, else ``hf`` (as in the checkpoint)."""
+        return self.naming or DEFAULT_NAMING
+
     def load_request(self, path: str, dtype: str | None = None, naming: str | None = None,
                      kernel: str | None = None, revision: str = "") -> LoadRequest:
         """What the pipeline needs for checkpoint ``path``: this request's choices unless overridden."""
-        return load_request(path, dtype or self.dtype, naming or self.naming, kernel or self.kernel, revision)
+        return load_request(path, dtype or self.path_dtype, naming or self.path_naming, kernel or self.kernel,
+                            revision)
 
     def rank_request(self, path: str) -> RankRequest:
         """This engine's :class:`~weightcache.spec.RankRequest` for checkpoint ``path``."""
@@ -157,9 +171,9 @@ def _arg_problems(req: AttachRequest) -> Iterator[tuple[str, str]]:
         yield f"timeout {req.timeout!r} must be a finite number of seconds >= 0", "timeout"
     if req.gpu is not None and (not _is_int(req.gpu) or req.gpu < 0):
         yield f"gpu {req.gpu!r} must be a GPU index (an integer >= 0) or None", "gpu"
-    if req.dtype not in DTYPE_NAMES:
+    if req.dtype is not None and req.dtype not in DTYPE_NAMES:
         yield f"dtype {req.dtype!r} is not one of {', '.join(DTYPE_NAMES)}", "dtype"
-    if req.naming not in NAMINGS:
+    if req.naming is not None and req.naming not in NAMINGS:
         yield f"naming {req.naming!r} is not one of {', '.join(NAMINGS)}", "naming"
     if not isinstance(req.kernel, str):
         yield f"kernel {req.kernel!r} must be a string such as 'cutlass'", "kernel"
