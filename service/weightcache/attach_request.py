@@ -24,7 +24,11 @@ from .session import resolve_socket_dir
 from .spec import DTYPE_NAMES, LoadRequest, RankRequest
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
 
-__all__ = ["AttachOptions", "AttachRequest", "load_request"]
+__all__ = ["AttachOptions", "AttachRequest", "MAX_TIMEOUT_S", "load_request"]
+
+#: The longest ``timeout`` (seconds): a socket timeout past about 9.2e9 s overflows
+#: (``OverflowError``, not a typed error, and no fallback).
+MAX_TIMEOUT_S = 1e9
 
 
 def load_request(path: str, dtype: str, naming: str, kernel: str, revision: str = "") -> LoadRequest:
@@ -67,7 +71,8 @@ class AttachRequest:
         device (`str`): ``cpu`` or ``cuda:N``.
         mode (`AttachMode`): ``zero_copy`` or ``copy`` (a string is parsed into the member).
         fallback (`bool`): load from disk when the service cannot serve.
-        timeout (`float`): seconds to wait for the service, a load in progress included.
+        timeout (`float`): seconds to wait for the service, a load in progress included
+            (0 to :data:`MAX_TIMEOUT_S`).
         socket_dir (`str | None`): see :func:`resolve_socket_dir`.
         gpu (`int | None`): the service instance; None: the physical index of ``device`` (``CUDA_VISIBLE_DEVICES`` mapped back).
         dtype, naming (`str | None`): what to ask for. By path: None is ``auto`` and ``hf``
@@ -167,8 +172,9 @@ def _arg_problems(req: AttachRequest) -> Iterator[tuple[str, str]]:
     if not _is_device(req.device):
         yield f"device {req.device!r} must be 'cpu', 'cuda' or 'cuda:N'", "device"
     if isinstance(req.timeout, bool) or not isinstance(req.timeout, (int, float)) or not (
-            math.isfinite(req.timeout) and req.timeout >= 0):
-        yield f"timeout {req.timeout!r} must be a finite number of seconds >= 0", "timeout"
+            math.isfinite(req.timeout) and 0 <= req.timeout <= MAX_TIMEOUT_S):
+        yield (f"timeout {req.timeout!r} must be a finite number of seconds from 0 to {MAX_TIMEOUT_S:.0e} "
+               f"(about 31 years)"), "timeout"
     if req.gpu is not None and (not _is_int(req.gpu) or req.gpu < 0):
         yield f"gpu {req.gpu!r} must be a GPU index (an integer >= 0) or None", "gpu"
     if req.dtype is not None and req.dtype not in DTYPE_NAMES:

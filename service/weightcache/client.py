@@ -158,7 +158,7 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOpt
         fallback (`bool`, *optional*, defaults to `True`): load from disk
             through the same pipeline when the service cannot serve.
         timeout (`float`, *optional*, defaults to 30): seconds to wait for the
-            service, including a load in progress.
+            service, including a load in progress; 0 to 1e9.
         socket_dir (`str`, *optional*): see :func:`resolve_socket_dir`.
         gpu (`int`, *optional*): service instance; defaults to the physical
             index of ``device`` (``cuda:0`` under ``CUDA_VISIBLE_DEVICES=1``

@@ -23,6 +23,8 @@ from weightcache.errors import ConfigError, DaemonUnavailable  # noqa: E402
     ({"device": "cuda:x"}, "device"),
     ({"timeout": -1}, "timeout"),
     ({"timeout": math.nan}, "timeout"),
+    ({"timeout": 1e12}, "timeout"),  # was OverflowError from the socket's timeout, no fallback
+    ({"timeout": math.inf}, "timeout"),
     ({"gpu": -1}, "gpu"),
     ({"dtype": "fp8"}, "dtype"),
     ({"naming": "vLLM"}, "naming"),
