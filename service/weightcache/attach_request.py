@@ -110,11 +110,13 @@ class AttachRequest:
         except ValueError:
             raise ValueError(f"mode must be one of {', '.join(repr(m.value) for m in AttachMode)}, "
                              f"got {self.mode!r}") from None
-        # A pathlib.Path or a torch.device is as good as its string.
+        # A pathlib.Path, a torch.device or a torch.dtype is as good as its string.
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
         if not isinstance(self.device, str) and type(self.device).__name__ == "device":
             object.__setattr__(self, "device", str(self.device))
+        if type(self.dtype).__name__ == "dtype" and type(self.dtype).__module__ == "torch":
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))  # torch.bfloat16 -> bfloat16
         for problem, key in _arg_problems(self):
             raise ConfigError(f"attach(): {problem}", key=key)
 

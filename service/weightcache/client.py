@@ -163,7 +163,8 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOpt
         gpu (`int`, *optional*): service instance; defaults to the physical
             index of ``device`` (``cuda:0`` under ``CUDA_VISIBLE_DEVICES=1``
             is instance 1, see :func:`physical_gpu`; 0 for ``cpu``).
-        dtype, naming (`str`, *optional*): what to ask for. By path they
+        dtype, naming (`str`, *optional*): what to ask for (``dtype`` may
+            also be a ``torch.dtype``: ``torch.bfloat16`` is ``"bfloat16"``). By path they
             default to ``"auto"`` and ``"hf"`` and must match the service's
             config for that path. By name, left out, the slab is as the
             operator configured it; given, the service must hold the name

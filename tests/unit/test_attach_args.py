@@ -48,6 +48,18 @@ def test_torch_device_is_accepted_like_its_string(tmp_path):
         attach("/srv/models/anything", device=torch.device("cpu"), socket_dir=str(tmp_path), fallback=False)
 
 
+def test_torch_dtype_is_accepted_like_its_name(tmp_path):
+    """What a transformers user passes (``dtype=torch.bfloat16``) is that dtype's name; it was ``config_invalid``."""
+    from weightcache.client import AttachOptions, AttachRequest
+
+    assert AttachRequest.of("/m", 1, 0, AttachOptions(dtype=torch.bfloat16)).dtype == "bfloat16"
+    with pytest.raises(DaemonUnavailable):  # got as far as connecting: the dtype was understood
+        attach("/srv/models/anything", dtype=torch.float16, socket_dir=str(tmp_path), fallback=False)
+    with pytest.raises(ConfigError) as e:  # a torch dtype the service cannot hold names itself
+        attach("/srv/models/anything", dtype=torch.float64, socket_dir=str(tmp_path), fallback=False)
+    assert e.value.details["key"] == "dtype" and "'float64'" in e.value.message
+
+
 def test_fallback_impossible_for_a_model_that_is_not_a_local_directory(tmp_path):
     """``fallback=True`` cannot load a name or a missing path from disk: the error says so."""
     for model in ("minilm", str(tmp_path / "absent")):
