@@ -88,3 +88,15 @@ def test_a_non_ascii_or_missing_device_index_is_config_invalid(tmp_path, device)
     with pytest.raises(ConfigError) as e:
         attach("/srv/models/anything", device=device, socket_dir=str(tmp_path), fallback=False)
     assert e.value.details["key"] == "device"
+
+
+def test_no_socket_names_the_instances_that_listen(tmp_path):
+    """A model placed on instance 1 of a CPU node: the engine asks 0 (its device's); the error says what is there."""
+    (tmp_path / "1.sock").touch()  # a name in the directory is what is listed
+    (tmp_path / "x.sock").touch()
+    with pytest.raises(DaemonUnavailable) as e:
+        attach("/srv/models/anything", socket_dir=str(tmp_path), fallback=False)
+    assert e.value.details == {"socket": str(tmp_path / "0.sock"), "listening": [1]}
+    with pytest.raises(DaemonUnavailable) as e:
+        attach("/srv/models/anything", socket_dir=str(tmp_path / "absent"), fallback=False)
+    assert e.value.details["listening"] == []
