@@ -292,7 +292,7 @@ def _attach(req: AttachRequest) -> Attachment:
         raise unavailable
     reason = f"{unavailable.code}: {unavailable.message}"
     log.warning("fallback to disk checkpoint=%s tp_size=%d tp_rank=%d reason=%s", model, tp_size, tp_rank, reason,
-                extra=event("fallback", model, tp_rank))
+                extra=event("fallback", model, tp_rank, tp_size=tp_size))
     manifest, slab = load_from_disk(req.rank_request(str(local_ck.path)), device)
     views = build_views(slab, manifest)
     return Attachment(views, LayoutMap(manifest), manifest, "disk", reason,

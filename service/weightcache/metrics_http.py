@@ -10,9 +10,14 @@ asking the running instances at that moment (never starting one: see
 
 Any local user can connect (TCP), so one slow client must not stall the
 scrapes: each connection is served on a thread of its own, at most
-:data:`MAX_CONNECTIONS` at once (one more is closed at once; a scraper
-retries), each read waits at most :data:`REQUEST_TIMEOUT_S`, and a connection
-is cut after :data:`CONNECTION_BUDGET_S` in all however it trickles its bytes.
+:data:`MAX_CONNECTIONS` at once, each read waits at most :data:`REQUEST_TIMEOUT_S`,
+and a connection is cut after :data:`CONNECTION_BUDGET_S` in all however it
+trickles its bytes. A connection that arrives while every slot is taken gets
+the slot of the connection that has waited longest for its request (that one
+is cut, unanswered), so connections that never send a request (any local user
+can open ``MAX_CONNECTIONS`` of them, again each time they are cut) cannot
+refuse the scrape; when every slot is answering a request it waits up to
+:data:`REQUEST_TIMEOUT_S` for one.
 What the endpoint shows of restricted models is decided by the service
 (``restricted-N``, no name or path: :func:`weightcache.daemon.handlers.restricted_aliases`).
 
@@ -25,6 +30,7 @@ import logging
 import socket
 import socketserver
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from urllib.parse import urlsplit
 
@@ -38,14 +44,27 @@ log = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 5.0
 #: Seconds one connection may last in all, request and reply: a client trickling its bytes is cut off then.
 CONNECTION_BUDGET_S = 15.0
-#: Connections served at once (a thread each); one more is closed at once.
+#: Connections served at once (a thread each); one more takes the slot of the one waiting longest for its request.
 MAX_CONNECTIONS = 16
+#: Seconds between two warnings about connections cut or refused (each says how many since the last):
+#: any local user can open connections, and one warning each would flood the journal.
+WARN_INTERVAL_S = 60.0
 INDEX = b"weightcache metrics: GET /metrics (Prometheus text format). See weightcache.systemd(7).\n"
 
 
 class _Handler(BaseHTTPRequestHandler):
     timeout = REQUEST_TIMEOUT_S
     server_version = "weightcache-metrics"
+
+    def handle_one_request(self) -> None:
+        self.server.waiting(self.connection)  # until its request line and headers are in
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()  # reads the headers
+        finally:
+            self.server.answering(self.connection)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         path = urlsplit(self.path).path
@@ -100,17 +119,61 @@ class MetricsServer(socketserver.ThreadingMixIn, HTTPServer):
         self.budget_s = budget_s
         self._slots = threading.BoundedSemaphore(max_connections)
         self.max_connections = max_connections
+        #: Connections waiting for their request, longest first (dict order: insertion), under ``_lock``.
+        self._waiting: dict[socket.socket, None] = {}
+        self._lock = threading.Lock()
+        self._dropped = {"cut": 0, "refused": 0}  # since the last warning (serve_forever's thread only)
+        self._warned_at = -WARN_INTERVAL_S
+
+    def _warn_dropped(self, what: str, peer: str) -> None:
+        """Counts a connection cut or refused at max_connections; a warning at most every WARN_INTERVAL_S."""
+        self._dropped[what] += 1
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_INTERVAL_S:
+            log.warning("metrics connections dropped reason=max-connections max_connections=%d cut=%d refused=%d "
+                        "last_peer=%s: a connection arriving with every slot taken takes the slot of the one "
+                        "waiting longest for its request (cut), or is refused when all are answering",
+                        self.max_connections, self._dropped["cut"], self._dropped["refused"], peer)
+            self._dropped = {"cut": 0, "refused": 0}
+            self._warned_at = now
+
+    def waiting(self, request: socket.socket) -> None:
+        """Notes that ``request`` waits for a request (accepted, or kept alive after a reply)."""
+        with self._lock:
+            self._waiting.setdefault(request, None)
+
+    def answering(self, request: socket.socket) -> None:
+        """Notes that ``request`` has sent its request line and headers: it keeps its slot."""
+        with self._lock:
+            self._waiting.pop(request, None)
+
+    def _evict_longest_waiting(self) -> bool:
+        """Cuts the connection that has waited longest for its request; False when none waits."""
+        with self._lock:
+            if not self._waiting:
+                return False
+            victim = next(iter(self._waiting))
+            del self._waiting[victim]
+        _cut(victim)  # its thread's read sees EOF: it ends and frees its slot
+        return True
 
     def process_request(self, request: socket.socket, client_address: tuple) -> None:
-        """Serves ``request`` on a thread of its own, or closes it at once when every slot is taken."""
+        """Serves ``request`` on a thread of its own. With every slot taken, it cuts the connection that has
+        waited longest for its request and takes its slot; when all are answering requests, it waits up to
+        :data:`REQUEST_TIMEOUT_S` for one, then closes ``request``."""
+        peer = client_address[0] if client_address else ""
         if not self._slots.acquire(blocking=False):
-            log.warning("metrics connection refused peer=%s reason=max-connections max_connections=%d",
-                        client_address[0] if client_address else "", self.max_connections)
-            self.shutdown_request(request)
-            return
+            if self._evict_longest_waiting():
+                self._warn_dropped("cut", peer)
+            if not self._slots.acquire(timeout=REQUEST_TIMEOUT_S):
+                self._warn_dropped("refused", peer)
+                self.shutdown_request(request)
+                return
+        self.waiting(request)
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self.answering(request)
             self._slots.release()
             raise
 
@@ -122,6 +185,7 @@ class MetricsServer(socketserver.ThreadingMixIn, HTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             timer.cancel()
+            self.answering(request)
             self._slots.release()
 
 

@@ -347,3 +347,71 @@ def test_launcher_without_a_runtime_holds_the_socket_until_it_is_installed(tmp_p
     pid, listen_pid, listen_fds, fd3, *argv = served.read_text().split()
     assert (pid, listen_pid, listen_fds) == (str(proc.pid),) * 2 + ("1",)
     assert fd3 == f"socket:[{inode}]" and argv == ["-m", "weightcache", "serve", "--gpu", "0"]
+
+
+def test_hold_answers_engines_and_pings_the_watchdog_while_a_client_trickles(tmp_path):
+    """weightcache-hold serves its connections side by side: a client of the socket group that sends its hello
+    one byte a second (or nothing at all) holds neither the answer to a well-behaved engine nor the watchdog
+    ping. It read each connection to the end on its one thread (2 s per recv), so such a client kept every
+    engine in the backlog and, past WatchdogSec=, had systemd abort the unit."""
+    import json
+    import struct
+    import threading
+    import time
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        notify.bind(str(tmp_path / "notify.sock"))
+        listener.bind(str(tmp_path / "0.sock"))
+        listener.listen(8)
+        env = {"PATH": "/usr/bin:/bin", "NOTIFY_SOCKET": str(tmp_path / "notify.sock"),
+               "WEIGHTCACHE_PYTHON": str(tmp_path / "no-venv" / "bin" / "python"),
+               "LISTEN_FDS": "1", "LISTEN_FDNAMES": "listen", "WATCHDOG_USEC": "1000000"}
+        proc = subprocess.Popen(["/bin/sh", "-c", 'LISTEN_PID=$$ WATCHDOG_PID=$$ exec "$0" "$@"',
+                                 UNITS / "weightcache-launch", "0"],
+                                env=env, pass_fds=(3,), stderr=subprocess.DEVNULL,
+                                preexec_fn=lambda: os.dup2(listener.fileno(), 3))
+        stop = threading.Event()
+        clients = []
+        try:
+            notify.settimeout(30)
+            assert notify.recv(4096).decode().startswith("READY=1\nSTATUS=runtime missing: ")
+            # Accepted first (the backlog is FIFO): one connection that never sends, one that trickles a
+            # 64 KiB hello a byte a second, within the 2 s each recv waited.
+            for _ in range(2):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.connect(str(tmp_path / "0.sock"))
+                clients.append(c)
+            clients[1].sendall(struct.pack(">I", 65536))
+
+            def trickle():
+                while not stop.wait(1.0):
+                    try:
+                        clients[1].send(b" ")
+                    except OSError:
+                        return
+            threading.Thread(target=trickle, daemon=True).start()
+            while notify.recv(4096) != b"WATCHDOG=1":  # drain the pings sent before the trickle began
+                pass
+
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as engine:
+                engine.settimeout(20)  # the trickle runs for all of it: without the fix no answer comes
+                engine.connect(str(tmp_path / "0.sock"))
+                hello = json.dumps({"type": "hello", "protocol_version": 3, "client": "test"}).encode()
+                engine.sendall(struct.pack(">I", len(hello)) + hello)
+                (n,) = struct.unpack(">I", engine.recv(4, socket.MSG_WAITALL))
+                reply = json.loads(engine.recv(n, socket.MSG_WAITALL))
+            assert reply["code"] == "daemon_unavailable" and reply["details"] == {"reason": "runtime_missing"}, reply
+            # The watchdog is pinged while the trickle goes on.
+            assert not stop.is_set()
+            pings = 0
+            while pings < 3:
+                assert notify.recv(4096) == b"WATCHDOG=1"
+                pings += 1
+            assert proc.poll() is None
+        finally:
+            stop.set()
+            for c in clients:
+                c.close()
+            proc.kill()
+            proc.wait()

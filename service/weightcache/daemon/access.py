@@ -124,6 +124,7 @@ def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach"
     m, r = slot.placement.model, rights_of(peer, policy)
     log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-on-allow-list", request,
                 m.name, peer.pid, peer.uid, r.user, extra=event("rejected", m.name, slot.placement.tp_rank,
+                                                                 tp_size=slot.placement.tp_size,
                                                                  error_code="access_denied",
                                                                  peer_uid=peer.uid))
     raise AccessDenied(

@@ -199,12 +199,13 @@ class FdStore:
         if mf.backend != self.backend.name:
             diff.append("device.backend")
         if diff:
-            log.info("fd store slab dropped model=%s rank=%d reason=key-mismatch fields=%s",
-                     p.model.name, p.tp_rank, ",".join(diff[:8]))
+            log.info("fd store slab dropped model=%s tp_size=%d rank=%d reason=key-mismatch fields=%s",
+                     p.model.name, p.tp_size, p.tp_rank, ",".join(diff[:8]))
             return None
         adopt = self.backend.adopt_host if tier == "host" else self.backend.adopt
         sealed = adopt(slab_fd, int(mf.fields["size_bytes"]))
         log.info("adopted slab from fd store model=%s tp_size=%d rank=%d size_bytes=%d tier=%s",
                  p.model.name, p.tp_size, p.tp_rank, sealed.size_bytes, tier,
-                 extra=event("adopted", p.model.name, p.tp_rank, size_bytes=sealed.size_bytes, tier=tier))
+                 extra=event("adopted", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=sealed.size_bytes,
+                             tier=tier))
         return Adopted(manifest, sealed, SealedFile(manifest_fd, mf.size_bytes), tier, mf.dtypes_served)

@@ -238,7 +238,7 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
         mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
                  p.model.name, p.tp_size, p.tp_rank, peer.pid, peer.uid, lease.lease_id, msg.mode,
-                 extra=event("attached", p.model.name, p.tp_rank, size_bytes=slot.sealed.size_bytes,
+                 extra=event("attached", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=slot.sealed.size_bytes,
                                peer_pid=peer.pid, lease=lease.lease_id))
         return _one(protocol.AttachReply(lease.lease_id, p.model.path, ctx.state.backend, mf.size_bytes),
                     (slot.sealed.fd, mf.fd))
@@ -314,8 +314,9 @@ def end_lease(state: ServiceState, peer: Peer, lease: Any) -> tuple[FreeSlab, ..
     state.end_lease(peer, lease)
     lease.slot.last_used = time.monotonic()
     p = lease.slot.placement
-    log.info("released model=%s rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_rank, peer.pid, lease.lease_id,
-             extra=event("released", p.model.name, p.tp_rank, duration_ms=(time.time() - lease.since) * 1e3,
+    log.info("released model=%s tp_size=%d rank=%d peer_pid=%d lease=%d", p.model.name, p.tp_size, p.tp_rank, peer.pid,
+             lease.lease_id, extra=event("released", p.model.name, p.tp_rank, tp_size=p.tp_size,
+                                         duration_ms=(time.time() - lease.since) * 1e3,
                          lease=lease.lease_id))
     freed = reload.release_retired(state, lease.slot)
     return (FreeSlab(None, *freed),) if freed is not None else ()
@@ -366,7 +367,8 @@ def verify_reply(peer: Peer, eff: StartVerify) -> Outcome:
             log.log(logging.WARNING if bad else logging.INFO,
                     "verified model=%s tp_size=%d rank=%d tensors=%d mismatched=%d", it.model, it.tp_size,
                     it.tp_rank, n, len(bad),
-                    extra=event("verify", it.model, it.tp_rank, duration_ms=(time.monotonic() - t0) * 1e3,
+                    extra=event("verify", it.model, it.tp_rank, tp_size=it.tp_size,
+                                duration_ms=(time.monotonic() - t0) * 1e3,
                                 tensors=n, mismatched=len(bad)))
             results.append(protocol.VerifyResult(it.model, it.tp_size, it.tp_rank, it.state, bad, n))
         return _one(protocol.VerifyReply([r.to_json() for r in results]))
@@ -412,9 +414,10 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
         sealed, manifest_file = s.evict()
         effects.append(FreeSlab(s.store_id, sealed, manifest_file))
         evicted.append(s.label)
-        log.info("evicted model=%s rank=%d forced=%s size_bytes=%d", s.placement.model.name, s.placement.tp_rank,
-                 msg.force, sealed.size_bytes,
-                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank, size_bytes=sealed.size_bytes))
+        log.info("evicted model=%s tp_size=%d rank=%d forced=%s size_bytes=%d", s.placement.model.name,
+                 s.placement.tp_size, s.placement.tp_rank, msg.force, sealed.size_bytes,
+                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank, size_bytes=sealed.size_bytes,
+                             tp_size=s.placement.tp_size))
     return Outcome((Reply(protocol.EvictReply(evicted)),), tuple(effects))
 
 

@@ -111,7 +111,8 @@ class Loaded:
                      "copy_gbps=%.2f digest_ms=%.0f copied=%s", p.model.name, p.tp_size, p.tp_rank, size, dt * 1e3,
                      st.get("room", 0) * 1e3, copy_s * 1e3, size / max(copy_s, 1e-9) / 1e9, st.get("digest", 0) * 1e3,
                      "no" if self.promoted_from is self.sealed else "yes",
-                     extra=event("promoted", p.model.name, p.tp_rank, size_bytes=size, duration_ms=dt * 1e3))
+                     extra=event("promoted", p.model.name, p.tp_rank, size_bytes=size, duration_ms=dt * 1e3,
+                                 tp_size=p.tp_size))
             return
         st = self.stages_s
         read_s = st.get("read", dt)
@@ -121,7 +122,8 @@ class Loaded:
                  read_s * 1e3, slot.total_bytes / max(read_s, 1e-9) / 1e9, st.get("plan", 0) * 1e3,
                  st.get("allocate", 0) * 1e3, st.get("digest", 0) * 1e3, st.get("seal", 0) * 1e3,
                  "yes" if self.torch_free else "no",
-                 extra=event("loaded", p.model.name, p.tp_rank, size_bytes=slot.total_bytes, duration_ms=dt * 1e3,
+                 extra=event("loaded", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=slot.total_bytes,
+                             duration_ms=dt * 1e3,
                              tensors=len(self.manifest.tensors), read_ms=read_s * 1e3))
 
 
@@ -138,8 +140,9 @@ class Failed:
         self.slot.fail(e)
         state.loads_done += 1
         if not self.logged:
-            log.error("load failed model=%s rank=%d code=%s error=%s", p.model.name, p.tp_rank, e.code, e.message,
-                      extra=event("load_failed", p.model.name, p.tp_rank, error_code=e.code))
+            log.error("load failed model=%s tp_size=%d rank=%d code=%s error=%s", p.model.name, p.tp_size,
+                      p.tp_rank, e.code, e.message,
+                      extra=event("load_failed", p.model.name, p.tp_rank, error_code=e.code, tp_size=p.tp_size))
 
 
 class NeedRoom:
@@ -214,8 +217,8 @@ def discard(result: Started | Planned | Progress | Loaded | Failed | NeedRoom | 
     if isinstance(result, Loaded):
         result.sealed.close()
         result.manifest_file.close()
-        log.info("load discarded model=%s rank=%d reason=removed-by-reload", result.slot.placement.model.name,
-                 result.slot.placement.tp_rank)
+        log.info("load discarded model=%s tp_size=%d rank=%d reason=removed-by-reload",
+                 result.slot.placement.model.name, result.slot.placement.tp_size, result.slot.placement.tp_rank)
 
 
 def apply(state: ServiceState, result: Started | Planned | Progress | Loaded | Failed) -> None:

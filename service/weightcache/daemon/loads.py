@@ -229,9 +229,10 @@ class Loader:
                 return job.result
             job.abandoned = True
         p = slot.placement
-        log.error("load abandoned model=%s rank=%d timeout_s=%g reason=read-did-not-return", p.model.name,
-                  p.tp_rank, self.settings.timeout_s,
-                  extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed", cause="timeout"))
+        log.error("load abandoned model=%s tp_size=%d rank=%d timeout_s=%g reason=read-did-not-return", p.model.name,
+                  p.tp_size, p.tp_rank, self.settings.timeout_s,
+                  extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed", cause="timeout",
+                              tp_size=p.tp_size))
         return Failed(slot, self._timeout(slot, "the read did not return"), logged=True)
 
     def _timeout(self, slot: Slot, what: str) -> ModelLoadFailed:
@@ -357,9 +358,10 @@ class Loader:
             return self._fail(slot, OutOfMemory(f"model {p.model.name}: out of host memory: {e}",
                                                 model=p.model.name), writable)
         except Exception as e:  # noqa: BLE001 - a bug or an unexpected library error: fail this model only
-            log.critical("load crashed model=%s rank=%d error=%r\n%s", p.model.name, p.tp_rank, e,
+            log.critical("load crashed model=%s tp_size=%d rank=%d error=%r\n%s", p.model.name, p.tp_size, p.tp_rank, e,
                          traceback.format_exc(),
-                         extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed"))
+                         extra=event("load_failed", p.model.name, p.tp_rank, error_code="model_load_failed",
+                                     tp_size=p.tp_size))
             return self._fail(slot, ModelLoadFailed(f"model {p.model.name}: internal error while loading: {e!r}",
                                                     model=p.model.name, cause="internal"), writable, logged=True)
         finally:

@@ -193,7 +193,8 @@ def apply(state: ServiceState, p: ReloadPlan, config: Config) -> Applied:
         if sealed is not None or manifest_file is not None:
             free.append((s.store_id, sealed, manifest_file))
         log.info("dropped by reload model=%s tp_size=%d rank=%d", s.placement.model.name, s.placement.tp_size,
-                 s.placement.tp_rank, extra=event("evicted", s.placement.model.name, s.placement.tp_rank))
+                 s.placement.tp_rank,
+                 extra=event("evicted", s.placement.model.name, s.placement.tp_rank, tp_size=s.placement.tp_size))
     for s in p.retire:
         s.retire()
         free.append((s.store_id, None, None))  # out of the fd store now: the changed model's new slab takes its name
@@ -227,5 +228,6 @@ def release_retired(state: ServiceState, slot: Slot, force: bool = False) -> tup
         return None
     state.slots = [s for s in state.slots if s is not slot]
     log.info("freed retired slab model=%s tp_size=%d rank=%d", slot.placement.model.name, slot.placement.tp_size,
-             slot.placement.tp_rank, extra=event("evicted", slot.placement.model.name, slot.placement.tp_rank))
+             slot.placement.tp_rank,
+             extra=event("evicted", slot.placement.model.name, slot.placement.tp_rank, tp_size=slot.placement.tp_size))
     return slot.drop()

@@ -231,8 +231,8 @@ class Tiers:
             return False
         size = slot.hosted.size_bytes
         slot.drop_host_copy()
-        log.info("host tier copy dropped model=%s rank=%d size_bytes=%d reason=room in the host tier",
-                 slot.placement.model.name, slot.placement.tp_rank, size)
+        log.info("host tier copy dropped model=%s tp_size=%d rank=%d size_bytes=%d reason=room in the host tier",
+                 slot.placement.model.name, slot.placement.tp_size, slot.placement.tp_rank, size)
         return True
 
     def demote(self, state: ServiceState, slot: Slot, reason: str) -> Moved | Demoting:
@@ -285,14 +285,14 @@ class Tiers:
         if error is not None:
             if isinstance(error, WeightcacheError):
                 return self._copy_failed(state, slot, error, eff.reason), ()
-            log.critical("demotion crashed model=%s rank=%d error=%r: dropped to disk instead", p.model.name,
-                         p.tp_rank, error)
+            log.critical("demotion crashed model=%s tp_size=%d rank=%d error=%r: dropped to disk instead",
+                         p.model.name, p.tp_size, p.tp_rank, error)
             return self.shelve(state, slot, f"{eff.reason}; the copy to the host tier crashed"), ()
         return self._demoted(slot, copy, eff.sealed, None, eff.started, eff.reason), ()
 
     def _copy_failed(self, state: ServiceState, slot: Slot, e: WeightcacheError, reason: str) -> Moved:
-        log.warning("demotion failed model=%s rank=%d code=%s error=%s: dropped to disk instead",
-                    slot.placement.model.name, slot.placement.tp_rank, e.code, e.message)
+        log.warning("demotion failed model=%s tp_size=%d rank=%d code=%s error=%s: dropped to disk instead",
+                    slot.placement.model.name, slot.placement.tp_size, slot.placement.tp_rank, e.code, e.message)
         return self.shelve(state, slot, f"{reason}; the copy to the host tier failed ({e.code})")
 
     @staticmethod
@@ -304,7 +304,8 @@ class Tiers:
         log.info("demoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f copied=%s to=host reason=%s",
                  p.model.name, p.tp_size, p.tp_rank, copy.size_bytes, dt * 1e3,
                  "no" if copy is kept or _same(copy, sealed) else "yes", reason,
-                 extra=event("demoted", p.model.name, p.tp_rank, size_bytes=copy.size_bytes, duration_ms=dt * 1e3,
+                 extra=event("demoted", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=copy.size_bytes,
+                             duration_ms=dt * 1e3,
                              reason=reason, to="host"))
         return Moved(slot, slot.store_id, "host", () if _same(copy, sealed) else (sealed,))
 
@@ -316,7 +317,8 @@ class Tiers:
         p = slot.placement
         log.info("shelved model=%s tp_size=%d rank=%d size_bytes=%d from=%s to=disk reason=%s", p.model.name,
                  p.tp_size, p.tp_rank, size, was, reason,
-                 extra=event("shelved", p.model.name, p.tp_rank, size_bytes=size, reason=reason, tier_from=was))
+                 extra=event("shelved", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=size, reason=reason,
+                             tier_from=was))
         close = (sealed,) + (() if _same(hosted, sealed) else (hosted,)) + (manifest_file,)
         return Moved(slot, slot.store_id, "disk", tuple(f for f in close if f is not None))
 
@@ -327,7 +329,8 @@ class Tiers:
         size = slot.sealed.size_bytes if slot.sealed is not None else 0
         log.info("promoted model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f gbps=%.2f", p.model.name,
                  p.tp_size, p.tp_rank, size, duration_s * 1e3, size / max(duration_s, 1e-9) / 1e9,
-                 extra=event("promoted", p.model.name, p.tp_rank, size_bytes=size, duration_ms=duration_s * 1e3,
+                 extra=event("promoted", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=size,
+                             duration_ms=duration_s * 1e3,
                              reason="attach"))
 
 
