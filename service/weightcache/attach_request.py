@@ -24,7 +24,11 @@ from .session import resolve_socket_dir
 from .spec import DTYPE_NAMES, LoadRequest, RankRequest
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
 
-__all__ = ["AttachOptions", "AttachRequest", "load_request"]
+__all__ = ["AttachOptions", "AttachRequest", "MAX_TIMEOUT_S", "load_request"]
+
+#: The longest ``timeout`` (seconds): a socket timeout past about 9.2e9 s overflows
+#: (``OverflowError``, not a typed error, and no fallback).
+MAX_TIMEOUT_S = 1e9
 
 
 def load_request(path: str, dtype: str, naming: str, kernel: str, revision: str = "") -> LoadRequest:
@@ -52,8 +56,8 @@ class AttachOptions:
     timeout: float = 30.0
     socket_dir: str | None = None
     gpu: int | None = None
-    dtype: str = DEFAULT_DTYPE
-    naming: str = DEFAULT_NAMING
+    dtype: str | None = None
+    naming: str | None = None
     kernel: str = DEFAULT_KERNEL
 
 
@@ -67,10 +71,14 @@ class AttachRequest:
         device (`str`): ``cpu`` or ``cuda:N``.
         mode (`AttachMode`): ``zero_copy`` or ``copy`` (a string is parsed into the member).
         fallback (`bool`): load from disk when the service cannot serve.
-        timeout (`float`): seconds to wait for the service, a load in progress included.
+        timeout (`float`): seconds to wait for the service, a load in progress included
+            (0 to :data:`MAX_TIMEOUT_S`).
         socket_dir (`str | None`): see :func:`resolve_socket_dir`.
         gpu (`int | None`): the service instance; None: the physical index of ``device`` (``CUDA_VISIBLE_DEVICES`` mapped back).
-        dtype, naming, kernel (`str`): what to ask for when attaching by path.
+        dtype, naming (`str | None`): what to ask for. By path: None is ``auto`` and ``hf``
+            (:attr:`path_dtype`, :attr:`path_naming`). By name: None takes what the operator
+            configured; a value given must be what the service holds for that name.
+        kernel (`str`): the kernel layout target of quantized weights (checked against a local checkpoint).
 
     Raises:
         ValueError: ``mode`` is not ``zero_copy`` or ``copy``.
@@ -87,8 +95,8 @@ class AttachRequest:
     timeout: float
     socket_dir: str | None
     gpu: int | None
-    dtype: str
-    naming: str
+    dtype: str | None
+    naming: str | None
     kernel: str
 
     @classmethod
@@ -102,11 +110,13 @@ class AttachRequest:
         except ValueError:
             raise ValueError(f"mode must be one of {', '.join(repr(m.value) for m in AttachMode)}, "
                              f"got {self.mode!r}") from None
-        # A pathlib.Path or a torch.device is as good as its string.
+        # A pathlib.Path, a torch.device or a torch.dtype is as good as its string.
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
         if not isinstance(self.device, str) and type(self.device).__name__ == "device":
             object.__setattr__(self, "device", str(self.device))
+        if type(self.dtype).__name__ == "dtype" and type(self.dtype).__module__ == "torch":
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))  # torch.bfloat16 -> bfloat16
         for problem, key in _arg_problems(self):
             raise ConfigError(f"attach(): {problem}", key=key)
 
@@ -119,10 +129,21 @@ class AttachRequest:
                    if self.device.startswith("cuda") else 0)
         return os.path.join(resolve_socket_dir(self.socket_dir), f"{gpu}.sock")
 
+    @property
+    def path_dtype(self) -> str:
+        """The dtype asked for by path: the one given, else ``auto`` (as stored)."""
+        return self.dtype or DEFAULT_DTYPE
+
+    @property
+    def path_naming(self) -> str:
+        """The naming asked for by path: the one given, else ``hf`` (as in the checkpoint)."""
+        return self.naming or DEFAULT_NAMING
+
     def load_request(self, path: str, dtype: str | None = None, naming: str | None = None,
                      kernel: str | None = None, revision: str = "") -> LoadRequest:
         """What the pipeline needs for checkpoint ``path``: this request's choices unless overridden."""
-        return load_request(path, dtype or self.dtype, naming or self.naming, kernel or self.kernel, revision)
+        return load_request(path, dtype or self.path_dtype, naming or self.path_naming, kernel or self.kernel,
+                            revision)
 
     def rank_request(self, path: str) -> RankRequest:
         """This engine's :class:`~weightcache.spec.RankRequest` for checkpoint ``path``."""
@@ -153,13 +174,14 @@ def _arg_problems(req: AttachRequest) -> Iterator[tuple[str, str]]:
     if not _is_device(req.device):
         yield f"device {req.device!r} must be 'cpu', 'cuda' or 'cuda:N'", "device"
     if isinstance(req.timeout, bool) or not isinstance(req.timeout, (int, float)) or not (
-            math.isfinite(req.timeout) and req.timeout >= 0):
-        yield f"timeout {req.timeout!r} must be a finite number of seconds >= 0", "timeout"
+            math.isfinite(req.timeout) and 0 <= req.timeout <= MAX_TIMEOUT_S):
+        yield (f"timeout {req.timeout!r} must be a finite number of seconds from 0 to {MAX_TIMEOUT_S:.0e} "
+               f"(about 31 years)"), "timeout"
     if req.gpu is not None and (not _is_int(req.gpu) or req.gpu < 0):
         yield f"gpu {req.gpu!r} must be a GPU index (an integer >= 0) or None", "gpu"
-    if req.dtype not in DTYPE_NAMES:
+    if req.dtype is not None and req.dtype not in DTYPE_NAMES:
         yield f"dtype {req.dtype!r} is not one of {', '.join(DTYPE_NAMES)}", "dtype"
-    if req.naming not in NAMINGS:
+    if req.naming is not None and req.naming not in NAMINGS:
         yield f"naming {req.naming!r} is not one of {', '.join(NAMINGS)}", "naming"
     if not isinstance(req.kernel, str):
         yield f"kernel {req.kernel!r} must be a string such as 'cutlass'", "kernel"

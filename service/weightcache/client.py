@@ -158,13 +158,20 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOpt
         fallback (`bool`, *optional*, defaults to `True`): load from disk
             through the same pipeline when the service cannot serve.
         timeout (`float`, *optional*, defaults to 30): seconds to wait for the
-            service, including a load in progress.
+            service, including a load in progress; 0 to 1e9.
         socket_dir (`str`, *optional*): see :func:`resolve_socket_dir`.
         gpu (`int`, *optional*): service instance; defaults to the physical
             index of ``device`` (``cuda:0`` under ``CUDA_VISIBLE_DEVICES=1``
             is instance 1, see :func:`physical_gpu`; 0 for ``cpu``).
-        dtype, naming, kernel (`str`, *optional*): what to ask for when
-            attaching by path (must match the service's config for that path).
+        dtype, naming (`str`, *optional*): what to ask for (``dtype`` may
+            also be a ``torch.dtype``: ``torch.bfloat16`` is ``"bfloat16"``). By path they
+            default to ``"auto"`` and ``"hf"`` and must match the service's
+            config for that path. By name, left out, the slab is as the
+            operator configured it; given, the service must hold the name
+            with that dtype and naming, else ``model_not_found`` (never a slab
+            of another dtype or naming).
+        kernel (`str`, *optional*, defaults to ``"cutlass"``): the kernel
+            layout target of quantized weights.
 
     Returns:
         `Attachment`.
@@ -236,8 +243,10 @@ def _attach(req: AttachRequest) -> Attachment:
         session = Session(sock_path, timeout=max(0.001, timeout), hello=False)
         session.send([session.hello_message(), protocol.Attach(
             model=os.path.realpath(model) if is_path else model, tp_size=tp_size, tp_rank=tp_rank,
-            wait_ms=int(max(0.0, deadline - time.monotonic() - 0.25) * 1000), dtype=req.dtype if is_path else None,
-            naming=req.naming if is_path else None, mode=req.mode)])
+            wait_ms=int(max(0.0, deadline - time.monotonic() - 0.25) * 1000),
+            # By name, only what the engine gave: the service then refuses a slab held otherwise.
+            dtype=req.path_dtype if is_path else req.dtype,
+            naming=req.path_naming if is_path else req.naming, mode=req.mode)])
     except WeightcacheError as e:
         if session is not None:
             session.close()

@@ -96,6 +96,25 @@ def _denied_text(path: str, e: OSError) -> str:
             f"or run the engine with that group")
 
 
+def _missing_text(path: str, e: OSError) -> tuple[str, dict[str, Any]]:
+    """Why connecting to ``path`` gave ``ENOENT``, and the details: which sockets its directory has instead.
+
+    An engine asks the instance of its device's GPU (0 on CPU); a model placed on
+    another instance, or another socket directory, is the usual cause.
+    """
+    where = os.path.dirname(path) or "."
+    text = f"no weightcache service at {path}: {e.strerror}"
+    if not os.path.isdir(where):
+        return (f"{text}; the socket directory {where} does not exist (attach's socket_dir, "
+                f"$WEIGHTCACHE_SOCKET_DIR, the config's [service] socket_dir)"), {"listening": []}
+    listening = listening_gpus(where)
+    if not listening:
+        return f"{text}; no instance has a socket in {where}", {"listening": []}
+    return (f"{text}; {where} has the sockets of instances {listening}: an engine asks the instance of its "
+            f"device's GPU (0 on CPU), where the model's layout places its rank; pass gpu= to attach() "
+            f"(vLLM: \"gpu\" in --model-loader-extra-config) to ask another"), {"listening": listening}
+
+
 class Session:
     """A blocking client connection to one service socket (one per attach).
 
@@ -107,7 +126,9 @@ class Session:
 
     Raises:
         DaemonUnavailable (`daemon_unavailable`): nothing listens, connection
-            refused, or no reply in time.
+            refused, or no reply in time. No socket file at ``path``:
+            ``details["listening"]`` lists the instances whose sockets its
+            directory has (the message says which to ask).
     """
 
     def __init__(self, path: str, timeout: float = 30.0, client: str = "", hello: bool = True) -> None:
@@ -119,6 +140,10 @@ class Session:
         except PermissionError as e:
             self.sock.close()
             raise DaemonUnavailable(_denied_text(path, e), socket=path) from None
+        except FileNotFoundError as e:
+            self.sock.close()
+            text, details = _missing_text(path, e)
+            raise DaemonUnavailable(text, socket=path, **details) from None
         except (FileNotFoundError, ConnectionRefusedError, socket.timeout, OSError) as e:
             self.sock.close()
             raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None

@@ -456,7 +456,7 @@ def test_parse_extra_config_defaults_and_rejections():
     assert parse_extra_config({"mode": "copy"})["mode"] == "copy"
     # dtype is vLLM's own --dtype, no longer a loader option.
     for bad in ({"sockets": "/run"}, {"fallback": "yes"}, {"mode": "mmap"}, {"gpu": True}, {"timeout_s": 0},
-                {"dtype": "auto"}):
+                {"timeout_s": 1e12}, {"timeout_s": float("nan")}, {"gpu": -1}, {"dtype": "auto"}):
         with pytest.raises(ConfigError) as ei:
             parse_extra_config(bad)
         assert ei.value.code == "config_invalid"

@@ -23,6 +23,8 @@ from weightcache.errors import ConfigError, DaemonUnavailable  # noqa: E402
     ({"device": "cuda:x"}, "device"),
     ({"timeout": -1}, "timeout"),
     ({"timeout": math.nan}, "timeout"),
+    ({"timeout": 1e12}, "timeout"),  # was OverflowError from the socket's timeout, no fallback
+    ({"timeout": math.inf}, "timeout"),
     ({"gpu": -1}, "gpu"),
     ({"dtype": "fp8"}, "dtype"),
     ({"naming": "vLLM"}, "naming"),
@@ -44,6 +46,18 @@ def test_empty_model_is_config_invalid(tmp_path):
 def test_torch_device_is_accepted_like_its_string(tmp_path):
     with pytest.raises(DaemonUnavailable):  # got as far as connecting: the device was understood
         attach("/srv/models/anything", device=torch.device("cpu"), socket_dir=str(tmp_path), fallback=False)
+
+
+def test_torch_dtype_is_accepted_like_its_name(tmp_path):
+    """What a transformers user passes (``dtype=torch.bfloat16``) is that dtype's name; it was ``config_invalid``."""
+    from weightcache.client import AttachOptions, AttachRequest
+
+    assert AttachRequest.of("/m", 1, 0, AttachOptions(dtype=torch.bfloat16)).dtype == "bfloat16"
+    with pytest.raises(DaemonUnavailable):  # got as far as connecting: the dtype was understood
+        attach("/srv/models/anything", dtype=torch.float16, socket_dir=str(tmp_path), fallback=False)
+    with pytest.raises(ConfigError) as e:  # a torch dtype the service cannot hold names itself
+        attach("/srv/models/anything", dtype=torch.float64, socket_dir=str(tmp_path), fallback=False)
+    assert e.value.details["key"] == "dtype" and "'float64'" in e.value.message
 
 
 def test_fallback_impossible_for_a_model_that_is_not_a_local_directory(tmp_path):
@@ -74,3 +88,15 @@ def test_a_non_ascii_or_missing_device_index_is_config_invalid(tmp_path, device)
     with pytest.raises(ConfigError) as e:
         attach("/srv/models/anything", device=device, socket_dir=str(tmp_path), fallback=False)
     assert e.value.details["key"] == "device"
+
+
+def test_no_socket_names_the_instances_that_listen(tmp_path):
+    """A model placed on instance 1 of a CPU node: the engine asks 0 (its device's); the error says what is there."""
+    (tmp_path / "1.sock").touch()  # a name in the directory is what is listed
+    (tmp_path / "x.sock").touch()
+    with pytest.raises(DaemonUnavailable) as e:
+        attach("/srv/models/anything", socket_dir=str(tmp_path), fallback=False)
+    assert e.value.details == {"socket": str(tmp_path / "0.sock"), "listening": [1]}
+    with pytest.raises(DaemonUnavailable) as e:
+        attach("/srv/models/anything", socket_dir=str(tmp_path / "absent"), fallback=False)
+    assert e.value.details["listening"] == []

@@ -168,7 +168,7 @@ def test_options_record_and_keywords_are_the_same_request(tmp_path):
 
     opts = AttachOptions(device="cpu", fallback=False, timeout=2.0, socket_dir=str(tmp_path), naming="vllm")
     a = AttachRequest.of("/m", 2, 1, opts)
-    b = AttachRequest("/m", 2, 1, "cpu", "zero_copy", False, 2.0, str(tmp_path), None, "auto", "vllm", "cutlass")
+    b = AttachRequest("/m", 2, 1, "cpu", "zero_copy", False, 2.0, str(tmp_path), None, None, "vllm", "cutlass")
     assert a == b and a.socket_path == str(tmp_path / "0.sock")
     import weightcache
 

@@ -87,6 +87,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from .. import quant, sharding
 from ..checkpoint import Checkpoint
+from ..attach_request import MAX_TIMEOUT_S
 from ..client import Attachment, attach, physical_gpu
 from ..errors import ConfigError, ShapeMismatch, WeightcacheError
 from ..wire import DEFAULT_KERNEL, DEFAULT_MODE, AttachMode
@@ -130,7 +131,7 @@ def parse_extra_config(extra: dict[str, Any] | None) -> dict[str, Any]:
     Raises:
         ConfigError (`config_invalid`): an unknown key (``dtype`` included:
             the dtype is vLLM's ``--dtype``), a value of the wrong type, a
-            ``mode`` not in :data:`MODES`, or ``timeout_s <= 0``.
+            ``mode`` not in :data:`MODES`, ``timeout_s`` not in ``(0, 1e9]``, or ``gpu < 0``.
 
     Example:
         >>> parse_extra_config({"fallback": False})["mode"]
@@ -155,9 +156,12 @@ def parse_extra_config(extra: dict[str, Any] | None) -> dict[str, Any]:
         raise ConfigError(
             f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: mode must be one of {list(MODES)}, "
             f"got {out['mode']!r}", key="mode")
-    if out["timeout_s"] <= 0:
-        raise ConfigError(f"--model-loader-extra-config: timeout_s must be > 0, got {out['timeout_s']!r}",
-                          key="timeout_s")
+    if not 0 < out["timeout_s"] <= MAX_TIMEOUT_S:  # NaN included
+        raise ConfigError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: timeout_s must be > 0 and "
+                          f"at most {MAX_TIMEOUT_S:.0e}, got {out['timeout_s']!r}", key="timeout_s")
+    if out["gpu"] is not None and out["gpu"] < 0:
+        raise ConfigError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: gpu must be a service "
+                          f"instance (a GPU index >= 0), got {out['gpu']!r}", key="gpu")
     return out
 
 
