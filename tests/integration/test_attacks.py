@@ -135,6 +135,12 @@ def test_unread_replies_are_capped_per_connection(daemon, ok_ck):
         sent += flood(s, one * 10_000, len(one) * 10_000) // len(one)
     compared = ok_attach(svc, expected)
     assert svc.status()["slabs"][0]["state"] == "ready"  # `weightcache status` still answers
+    # The service serves each connection a few requests per turn (REQUESTS_PER_TURN), so it reaches the caps
+    # over several loop passes, not in one burst: wait until each attacker's outbox holds its 64 unread
+    # replies (128 dup'ed fds), before reading unblocks them.
+    poll_until(lambda: sum(proc_fds(svc.pid).values()) - sum(before["fds"].values()) >= 3 * 128,
+               "the three attackers' outboxes to reach max_unread_replies", timeout=60,
+               detail=lambda: str(proc_fds(svc.pid)))
     held = sum(proc_fds(svc.pid).values()) - sum(before["fds"].values())
     assert held <= 3 * (128 + 1) + 4, held  # max_held_fds per connection, and its socket
     for s in attackers:

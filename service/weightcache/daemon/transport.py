@@ -65,6 +65,10 @@ from .state import Peer
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 256 * 1024
+#: Requests of one connection served in a row; then the others' turn (each loop pass gives every
+#: connection with requests waiting one more turn). A connection pipelining many requests was served to
+#: the end of what it had sent, so one uid's connections could hold every other engine's attach for seconds.
+REQUESTS_PER_TURN = 4
 MAX_FDS_IN = protocol.MAX_FDS_PER_FRAME
 #: ``SO_PEERGROUPS`` (Linux >= 4.13, asm-generic/socket.h); Python 3.11's socket module lacks the name.
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
@@ -117,7 +121,9 @@ class Client:
     ``outbox_fds`` their totals. ``paused``: reading stopped until the client
     reads its replies (a cap of :class:`Limits` was reached).
     ``partial_since``: ``time.monotonic()`` at which an incomplete request
-    frame started to wait, else None.
+    frame started to wait, else None. ``yielded``: it was served
+    :data:`REQUESTS_PER_TURN` requests in a row and has more buffered; reading
+    stops until its next turn (:meth:`Transport.poll`).
     """
 
     sock: socket.socket
@@ -133,6 +139,7 @@ class Client:
     counted_bytes: int = 0
     #: Reading stopped while a request of it runs off the loop (``verify``): see :meth:`Transport.hold`.
     held: bool = False
+    yielded: bool = False
     #: Fds handed to the kernel on this connection since the peer was last seen to have read everything.
     inflight_fds: int = 0
 
@@ -187,6 +194,8 @@ class Transport(Outbox):
         #: Bytes of incomplete requests held across all connections.
         self.buffered_bytes = 0
         self._resume: list[Client] = []
+        #: Connections that yielded with requests still buffered, served again at the end of the next pass.
+        self._turns: list[Client] = []
         self.listener = listener
         listener.setblocking(False)
         self.on_open = callbacks.on_open
@@ -209,7 +218,7 @@ class Transport(Outbox):
 
     def poll(self, timeout: float) -> None:
         """Waits up to ``timeout`` seconds (none while a resumed client waits) and serves what became ready."""
-        for key, events in self.sel.select(0 if self._resume else timeout):
+        for key, events in self.sel.select(0 if self._resume or self._turns else timeout):
             if key.data == "listen":
                 self._accept()
             elif key.data == "reader":
@@ -223,6 +232,7 @@ class Transport(Outbox):
             c = self._resume.pop()
             if not c.closed:
                 self._process(c)
+        _serve_turns(self)
 
     def expire(self, now: float) -> None:
         """Closes connections whose incomplete request frame waited past ``partial_frame_timeout_s``."""
@@ -314,8 +324,12 @@ class Transport(Outbox):
         return None
 
     def _process(self, c: Client) -> None:
-        """Serves the whole requests buffered for ``c`` until none is left or a cap pauses it."""
+        """Serves ``c``'s buffered requests, :data:`REQUESTS_PER_TURN` in a row, until none is left or a cap pauses it."""
+        served = 0
         while not c.closed and not c.paused:
+            if served == REQUESTS_PER_TURN and c.conn.buffered_bytes:
+                _yield_turn(self, c)
+                break
             try:
                 ev = c.conn.next_message()
             except RemoteProtocolError as e:
@@ -324,6 +338,7 @@ class Transport(Outbox):
             if ev is protocol.NEED_DATA:
                 break
             msg, _ = ev  # no fds: _recv refused any before they reached the protocol
+            served += 1
             cap = self._over_cap(c)
             if cap is None:
                 self.on_message(c, msg)
@@ -331,9 +346,12 @@ class Transport(Outbox):
                 self.exhausted(c, *cap, close=False)
         if c.closed:
             return
-        self.buffered_bytes += c.conn.buffered_bytes - c.counted_bytes
-        c.counted_bytes = c.conn.buffered_bytes
-        incomplete = c.conn.buffered_bytes > 0 and not c.paused
+        # A yielded client's bytes are whole requests waiting for its turn, at most one read's worth (it is not
+        # read meanwhile): they do not count against max_buffered_bytes, which is about incomplete ones.
+        counted = 0 if c.yielded else c.conn.buffered_bytes
+        self.buffered_bytes += counted - c.counted_bytes
+        c.counted_bytes = counted
+        incomplete = c.conn.buffered_bytes > 0 and not c.paused and not c.yielded  # yielded: whole requests wait
         if not incomplete:
             c.partial_since = None
         elif c.partial_since is None:
@@ -389,7 +407,7 @@ class Transport(Outbox):
 
     def _want(self, c: Client) -> None:
         """Registers ``c`` for what it needs: reading unless paused, writing while its outbox holds frames."""
-        want = (0 if c.paused else selectors.EVENT_READ) | (selectors.EVENT_WRITE if c.outbox else 0)
+        want = (0 if c.paused or c.yielded else selectors.EVENT_READ) | (selectors.EVENT_WRITE if c.outbox else 0)
         try:
             if not want:
                 self.sel.unregister(c.sock)
@@ -444,3 +462,22 @@ class Transport(Outbox):
             self.sel.register(self.listener, selectors.EVENT_READ, "listen")
             log.info("accept resumed clients=%d", len(self.clients))
         log.debug("connection closed peer_pid=%d reason=%s", c.peer.pid, reason)
+
+
+def _yield_turn(tr: Transport, c: Client) -> None:
+    """``c`` was served :data:`REQUESTS_PER_TURN` requests in a row and has more: the others go first. It is
+    not read meanwhile (the kernel's socket buffer holds what it sends, not the service's memory)."""
+    c.yielded = True
+    tr._turns.append(c)
+    tr._want(c)
+
+
+def _serve_turns(tr: Transport) -> None:
+    """Gives each connection that yielded at the last pass one more turn, in the order they yielded."""
+    turns, tr._turns = tr._turns, []
+    for c in dict.fromkeys(turns):
+        if c.closed or not c.yielded:
+            continue
+        c.yielded = False
+        tr._want(c)
+        tr._process(c)
