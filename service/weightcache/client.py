@@ -41,6 +41,7 @@ from .checkpoint import Checkpoint
 from .device import device_info, local_backend, physical_gpu  # noqa: F401 (physical_gpu re-exported)
 from .errors import (
     CacheKeyMismatch,
+    CheckpointNotFound,
     DaemonUnavailable,
     ManifestInvalid,
     ManifestSlabMismatch,
@@ -193,7 +194,9 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOpt
         TypeError: a keyword that is not a field of :class:`AttachOptions`.
         ModuleNotFoundError: torch is not installed in this interpreter (the message names the runtime to use).
         UnsupportedQuantization (`unsupported_quantization`): always, whatever ``fallback`` says.
-        CheckpointNotFound, CheckpointCorrupt: the disk load failed.
+        CheckpointNotFound, CheckpointCorrupt: the disk load failed; or
+            (``checkpoint_not_found``) by name, this engine cannot open the
+            checkpoint directory the service holds it from (the key check needs it).
 
     Example:
         >>> w = attach("/srv/models/all-MiniLM-L6-v2", device="cpu")
@@ -389,6 +392,8 @@ def _expected_fields(req: AttachRequest, local_ck: Checkpoint | None, mf: Manife
     Raises:
         UnsupportedQuantization, CheckpointCorrupt: the slab is quantized and
             the checkpoint's scheme cannot be served with ``req.kernel``.
+        CheckpointNotFound (`checkpoint_not_found`): by name, the checkpoint the service
+            holds is not at that path for this engine (``details["model"]`` is the name).
     """
     from . import identity
 
@@ -396,7 +401,14 @@ def _expected_fields(req: AttachRequest, local_ck: Checkpoint | None, mf: Manife
     if local_ck is not None:
         rank, ck = req.rank_request(str(local_ck.path)), local_ck
     else:
-        ck = Checkpoint(checkpoint_path, validate=False)
+        try:
+            ck = Checkpoint(checkpoint_path, validate=False)
+        except CheckpointNotFound as e:
+            raise CheckpointNotFound(
+                f"attach by name {req.model!r}: the service holds it from {checkpoint_path}, which this engine "
+                f"cannot open ({e.message}); the client checks the slab's cache key against the checkpoint's files "
+                f"(stat() and config.json), so the engine must see that directory at the same path (mount it there, "
+                f"docs/deployment.md)", model=req.model, **e.details) from None
         rank = mf.request
         if rank is None:
             rank = RankRequest(load_request(str(ck.path), key.get("dtype", DEFAULT_DTYPE),

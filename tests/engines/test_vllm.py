@@ -463,6 +463,20 @@ def test_parse_extra_config_defaults_and_rejections():
         assert ei.value.details["key"] == (next(iter(bad)))
 
 
+def test_model_that_is_not_a_local_directory_is_checkpoint_not_found(tmp_path):
+    """``vllm serve ORG/NAME --load-format weightcache``: said so, with the fix, before anything is attached."""
+    from types import SimpleNamespace
+
+    from weightcache.errors import CheckpointNotFound
+    from weightcache.integrations.vllm import checkpoint_dir
+
+    assert checkpoint_dir(SimpleNamespace(model=str(tmp_path), model_weights="")) == str(tmp_path)
+    for model in ("Qwen/Qwen2.5-0.5B", str(tmp_path / "absent")):
+        with pytest.raises(CheckpointNotFound) as e:
+            checkpoint_dir(SimpleNamespace(model=model, model_weights=""))
+        assert (e.value.code, e.value.details["path"]) == ("checkpoint_not_found", model)
+
+
 def test_dtype_name_is_vllms_dtype():
     import torch
 

@@ -8,6 +8,9 @@ never silently replaced by the operator's choice.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -44,3 +47,16 @@ def test_by_name_options_the_slab_has_attach(vllm_named, asked):
     with attach("llama", socket_dir=str(vllm_named.socket_dir), fallback=False, **asked) as w:
         assert (w.source, w.manifest.key["naming"]) == ("daemon", "vllm")
         assert w.tensors["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float32
+
+
+def test_by_name_the_engine_must_see_the_checkpoint(daemon, tiny_llama, tmp_path):
+    """The key check stat()s the files the service loaded: an engine that cannot see them is told so, by name."""
+    copy = Path(shutil.copytree(tiny_llama, tmp_path / "llama"))
+    svc = daemon({"llama": {"path": str(copy)}})
+    svc.wait_settled()
+    copy.rename(tmp_path / "elsewhere")  # as from an engine (a container) without that mount
+    for fallback in (False, True):  # a name has no disk fallback
+        with pytest.raises(errors.CheckpointNotFound) as e:
+            attach("llama", socket_dir=svc.socket_dir, fallback=fallback)
+        assert e.value.code == "checkpoint_not_found"
+        assert e.value.details == {"model": "llama", "path": str(copy)}

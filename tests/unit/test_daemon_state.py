@@ -121,3 +121,26 @@ def test_find_slots_by_name_path_and_layout(tmp_path):
         with pytest.raises(ModelNotFound) as ei:
             st.find_slots(*bad)
         assert ei.value.code == "model_not_found" and ei.value.details["gpu"] == 3
+
+
+def test_find_slots_names_the_values_a_held_checkpoint_has_when_only_they_differ(tmp_path):
+    """An engine asking by name for ``naming=hf dtype=bfloat16`` where the operator configured the checkpoint as
+    ``vllm``/``float32`` hears which values the slab has, not only "it holds: llama/tp1/rank0"."""
+    (tmp_path / "ck").mkdir()
+    st = ServiceState(0, "host", {}, [
+        Placement(ModelConfig("llama", str(tmp_path / "ck"), dtype="float32", naming="vllm"), 1, 0, 0),
+        Placement(ModelConfig("other", "/srv/other"), 1, 0, 0)])
+    with pytest.raises(ModelNotFound) as ei:
+        st.find_slots("llama", 1, 0, dtype="bfloat16", naming="hf")
+    msg = ei.value.message
+    assert msg.startswith("GPU 0 has no model 'llama' with tp_size=1 tp_rank=0 dtype=bfloat16 naming=hf; it holds: "
+                          "llama/tp1/rank0, other/tp1/rank0; this checkpoint is held here with other values: "
+                          "llama/tp1/rank0 (dtype=float32, naming=vllm): ask for those"), msg
+    assert ei.value.details["held_otherwise"] == [{"slab": "llama/tp1/rank0", "dtype": "float32", "naming": "vllm"}]
+    with pytest.raises(ModelNotFound) as ei:  # by path, another layout: only the field that differs
+        st.find_slots(str(tmp_path / "ck"), 2, 0)
+    assert ei.value.details["held_otherwise"] == [{"slab": "llama/tp1/rank0", "tp_size": 1}]
+    assert "llama/tp1/rank0 (tp_size=1)" in ei.value.message
+    with pytest.raises(ModelNotFound) as ei:  # a model this GPU does not hold at all: no such hint
+        st.find_slots("absent")
+    assert "held_otherwise" not in ei.value.details and "other values" not in ei.value.message

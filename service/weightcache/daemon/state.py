@@ -473,7 +473,10 @@ class ServiceState:
             RemoteProtocolError (`protocol_violation`): ``model`` is longer than
                 :data:`~weightcache.daemon.limits.MAX_MODEL_BYTES` (``PATH_MAX``).
             ModelNotFound (`model_not_found`): nothing matches; the message lists
-                what this GPU holds.
+                what this GPU holds and, where the model's name or path matches a
+                slab whose layout, dtype or naming differs, each such slab with
+                the values it has (``details["held_otherwise"]``: ``[{"slab": label,
+                "dtype": ..., ...}]``, only the fields that differ).
         """
         if len(model) > MAX_MODEL_BYTES or len(model.encode("utf-8", "surrogatepass")) > MAX_MODEL_BYTES:
             raise RemoteProtocolError(f"model is {len(model.encode('utf-8', 'surrogatepass'))} bytes long; names "
@@ -483,31 +486,43 @@ class ServiceState:
             raise ModelNotFound(f"GPU {self.gpu} has no model {model[:200]!r}: names and paths contain no NUL byte",
                                 model=model[:200], gpu=self.gpu)
         norm = os.path.normpath(model) if os.sep in model else None
-        out = []
+        out, same = [], []
         for s in self.slots:
             m = s.placement.model
             if s.state is SlotState.RETIRED and not retired:
                 continue
             if m.name != model and (norm is None or norm not in (s.realpath, os.path.normpath(m.path))):
                 continue
+            differs = []
             if tp_size is not None and s.placement.tp_size != tp_size:
-                continue
+                differs.append(("tp_size", s.placement.tp_size))
             if tp_rank is not None and s.placement.tp_rank != tp_rank:
-                continue
+                differs.append(("tp_rank", s.placement.tp_rank))
             if dtype is not None and not (dtype_matches(s, dtype) if dtype_matches else m.dtype == dtype):
-                continue
+                differs.append(("dtype", m.dtype))
             if naming is not None and m.naming != naming:
-                continue
-            out.append(s)
+                differs.append(("naming", m.naming))
+            if differs:
+                same.append((s, differs))
+            else:
+                out.append(s)
         if not out:
             held = ", ".join(s.label for s in self.slots if s.state is not SlotState.RETIRED) or "nothing"
             rejected = "" if self.config_error is None else (
                 f"; its configuration was rejected ({describe_config_error(self.config_error)}): fix it and run "
                 f"`systemctl reload weightcache@{self.gpu}`")
+            near = [{"slab": s.label, **dict(d)} for s, d in same if s.state is not SlotState.RETIRED]
+            hint = "" if not near else (
+                "; this checkpoint is held here with other values: "
+                + ", ".join(f"{n['slab']} (" + ", ".join(f"{k}={v}" for k, v in n.items() if k != "slab") + ")"
+                            for n in near)
+                + ": ask for those, or add the layout, dtype or naming you asked for to the model's entry in the "
+                  "configuration")
             raise ModelNotFound(
                 f"GPU {self.gpu} has no model {model!r} with tp_size={tp_size} tp_rank={tp_rank}"
                 f"{'' if dtype is None else ' dtype=' + dtype}{'' if naming is None else ' naming=' + naming}; "
-                f"it holds: {held}{rejected}", model=model, tp_size=tp_size, tp_rank=tp_rank, gpu=self.gpu)
+                f"it holds: {held}{rejected}{hint}", model=model, tp_size=tp_size, tp_rank=tp_rank, gpu=self.gpu,
+                **({"held_otherwise": near} if near else {}))
         return out
 
     def status_line(self, now: float) -> str:

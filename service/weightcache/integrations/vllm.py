@@ -89,7 +89,7 @@ from .. import quant, sharding
 from ..checkpoint import Checkpoint
 from ..attach_request import MAX_TIMEOUT_S
 from ..client import Attachment, attach, physical_gpu
-from ..errors import ConfigError, ShapeMismatch, WeightcacheError
+from ..errors import CheckpointNotFound, ConfigError, ShapeMismatch, WeightcacheError
 from ..wire import DEFAULT_KERNEL, DEFAULT_MODE, AttachMode
 from . import vllm_zero_copy as zc
 
@@ -218,6 +218,27 @@ def checkpoint_form(name: str, tensor: torch.Tensor, layout: dict[str, Any],
     return out
 
 
+def checkpoint_dir(model_config: ModelConfig) -> str:
+    """The checkpoint directory to attach: vLLM's ``--model`` (its ``model_weights`` when set), as given.
+
+    Raises:
+        CheckpointNotFound (`checkpoint_not_found`): it is not a directory on
+            this machine (a Hugging Face repo id, a typo): weightcache serves
+            and falls back from local checkpoint directories only.
+
+    Example:
+        >>> checkpoint_dir(SimpleNamespace(model="/srv/models/llama", model_weights=""))
+        '/srv/models/llama'
+    """
+    path = model_config.model_weights or model_config.model
+    if not os.path.isdir(path):
+        raise CheckpointNotFound(
+            f"load format {LOAD_FORMAT!r}: --model {path!r} is not a checkpoint directory on this machine; the "
+            f"service holds local checkpoints by path (a Hugging Face repo id is not one: give the directory the "
+            f"service's config names, e.g. a snapshot .../models--ORG--NAME/snapshots/REVISION)", path=path)
+    return path
+
+
 @dataclasses.dataclass(frozen=True)
 class _Rank:
     """What this worker attaches: checkpoint, tensor-parallel rank, device, service instance, dtype."""
@@ -280,6 +301,8 @@ class WeightcacheModelLoader(BaseModelLoader):
             ShapeMismatch (`shape_mismatch`): the slab does not fit vLLM's model
                 (names, shapes, a tensor left on meta), or the canary found a
                 difference with ``fallback = false``.
+            CheckpointNotFound (`checkpoint_not_found`): ``--model`` is not a local
+                checkpoint directory (:func:`checkpoint_dir`), whatever ``fallback`` says.
             DaemonUnavailable, CacheKeyMismatch, ModelLoading, ... : from
                 :func:`weightcache.attach` when ``fallback`` is false.
         """
@@ -414,7 +437,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         else:
             raise ConfigError(f"load format {LOAD_FORMAT!r} supports cpu and cuda devices, the model is on {dev}",
                               key="device")
-        return _Rank(model_config.model_weights or model_config.model, get_tensor_model_parallel_world_size(),
+        return _Rank(checkpoint_dir(model_config), get_tensor_model_parallel_world_size(),
                      get_tensor_model_parallel_rank(), device, gpu, dtype_name(model_config.dtype))
 
     def _attach(self, rank: _Rank, naming: str, fallback: bool) -> Attachment:
