@@ -124,10 +124,10 @@ def test_socket_and_service_keys():
 # -- generator ------------------------------------------------------------------------------
 
 
-def _generate(tmp_path: Path, config: Path, sysfs: Path) -> list[str]:
+def _generate(tmp_path: Path, config: Path, sysfs: Path, socket_dir: Path | None = None) -> list[str]:
     out = tmp_path / "normal"
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "WEIGHTCACHE_CONFIG": str(config),
-           "WEIGHTCACHE_SYSFS": str(sysfs)}
+           "WEIGHTCACHE_SYSFS": str(sysfs), "WEIGHTCACHE_SOCKET_DIR": str(socket_dir or tmp_path / "no-run")}
     r = subprocess.run(["/usr/bin/python3", UNITS / "weightcache-generator", out, tmp_path / "early", tmp_path / "late"],
                        env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
@@ -211,6 +211,31 @@ def test_generator_survives_a_broken_config(tmp_path, text, encoding):
     main.write_text(text, encoding=encoding)
     sysfs = _fake_pci(tmp_path / "sys", {"0000:17:00.0": ("0x10de", "0x030200")})
     assert _generate(tmp_path, main, sysfs) == ["weightcache@0.socket"]
+
+
+def test_generator_keeps_the_listening_instances_when_the_config_does_not_load(tmp_path):
+    """A typo, then ``systemctl daemon-reload`` (a package upgrade runs one): the generator wired the GPUs of PCI
+    sysfs instead, none on a host-backend node, so the running instances dropped out of weightcache.target
+    (the next stop and start of the target, or a reboot, left them off) and, on a GPU node, every GPU came in,
+    disabled ones included. It keeps the instances whose socket listens now; with none (at boot), sysfs."""
+    main = tmp_path / "weightcache.toml"
+    main.write_text('[models.a]\npath = "/srv/a"\nlayouts = [{ tp = 2, gpus = [0, 2] }]\noops = [\n')
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("0.sock", "2.sock"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(run / name))
+        s.close()
+    (run / "5.sock").write_text("")  # not a socket
+    (run / "0").mkdir()  # RuntimeDirectory= of weightcache@0
+    sysfs = _fake_pci(tmp_path / "sys", {"0000:17:00.0": ("0x10de", "0x030200"), "0000:18:00.0": ("0x10de", "0x030200")})
+    assert _generate(tmp_path / "reload", main, sysfs, run) == ["weightcache@0.socket", "weightcache@2.socket"]
+    # Nothing listens (boot): PCI sysfs, as before.
+    assert _generate(tmp_path / "boot", main, sysfs, tmp_path / "empty-run") == ["weightcache@0.socket",
+                                                                                 "weightcache@1.socket"]
+    # No config at all (fresh install): sysfs, whatever listens.
+    assert _generate(tmp_path / "fresh", tmp_path / "missing.toml", sysfs, run) == ["weightcache@0.socket",
+                                                                                    "weightcache@1.socket"]
 
 
 def test_generator_skips_gpu_indices_outside_the_configs_range(tmp_path):
