@@ -80,3 +80,20 @@ def test_a_policy_without_resolved_names_allows_by_id_only(monkeypatch):
     assert not access.may_attach(Peer(2, 2002, 100), slot, policy)
     assert access.is_operator(Peer(3, 2003, 3002), policy)
     assert access.may_attach(Peer(4, 999, 100), slot, policy)  # the service user, always
+
+
+def test_a_refusal_does_not_tell_the_stranger_who_is_allowed(caplog):
+    """A socket-group member off a model's allow lists may learn that it is refused, not whom the lists name
+    (the threat model: it sees nothing of a restricted model; status and list hide it). The refusal quoted
+    both lists to it; they go to the journal's warning, for the operator."""
+    names = AccountNames(uids={"alice": 2001}, gids={"inference": 3001})
+    policy = access.Policy(service_uid=999, names=names)
+    slot = _slot(allow_users=("alice",), allow_groups=("inference",))
+    caplog.set_level("WARNING", logger="weightcache.daemon.access")
+    with pytest.raises(Exception) as e:
+        access.check_attach(Peer(4, 2004, 100), slot, policy)
+    told = e.value.message + repr(e.value.details)
+    assert e.value.code == "access_denied" and "alice" not in told and "inference" not in told, told
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "allow_users=['alice']" in logged[0] and "allow_groups=['inference']" in logged[0], \
+        logged

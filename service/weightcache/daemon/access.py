@@ -122,14 +122,16 @@ def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach"
     if may_attach(peer, slot, policy):
         return
     m, r = slot.placement.model, rights_of(peer, policy)
-    log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-on-allow-list", request,
-                m.name, peer.pid, peer.uid, r.user, extra=event("rejected", m.name, slot.placement.tp_rank,
-                                                                 tp_size=slot.placement.tp_size,
-                                                                 error_code="access_denied",
-                                                                 peer_uid=peer.uid))
+    log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-on-allow-list allow_users=%s "
+                "allow_groups=%s source=%s", request, m.name, peer.pid, peer.uid, r.user, list(m.allow_users),
+                list(m.allow_groups), m.source,
+                extra=event("rejected", m.name, slot.placement.tp_rank, tp_size=slot.placement.tp_size,
+                            error_code="access_denied", peer_uid=peer.uid))
+    # The lists themselves stay in the journal: the refused client learns that it is refused, not whom they name.
     raise AccessDenied(
-        f"{_who(r)} may not {request} model {m.name!r}: not in allow_users "
-        f"{list(m.allow_users)} or allow_groups {list(m.allow_groups)} of {m.source}",
+        f"{_who(r)} may not {request} model {m.name!r}: neither the user nor a group the process holds is on the "
+        f"model's allow_users or allow_groups in {m.source}; ask the operator to add one (the refusal in the "
+        f"service's journal lists them), then systemctl reload weightcache",
         model=m.name, uid=peer.uid, request=request)
 
 
