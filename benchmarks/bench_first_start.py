@@ -593,8 +593,8 @@ def _run_instances(args: argparse.Namespace, ck: Path, kind: str, backend: str, 
                       f"{o['read_gbps_per_instance']['median']:.1f} | {'yes' if o['torch_free'] else 'NO'} |")
         md += ["", f"TP {args.tp} load rate per byte / TP 1's: {ratio:.2f}x (target: the same rate: "
                    f"{met(ratio >= 0.95)})", "",
-               f"each instance by stage (seconds, median over the instances and reps; total: its own spawn to its "
-               f"READY):", "", "| stage | " + " | ".join(f"TP {tp}" for tp in out) + " |",
+               "each instance by stage (seconds, median over the instances and reps; total: its own spawn to its "
+               "READY):", "", "| stage | " + " | ".join(f"TP {tp}" for tp in out) + " |",
                "|---|" + "---|" * len(out), *stage_rows, ""]
     emit(f"first_start_{args.device}_instances_tp{args.tp}_{'_'.join(namings)}", res, "\n".join(md))
     return 0
