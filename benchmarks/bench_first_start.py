@@ -152,15 +152,10 @@ def _recv_ready(nsock: socket.socket, proc: subprocess.Popen, timeout_s: float, 
             return time.time()
 
 
-def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: float,
-              cold_attach: dict | None = None, pycache: Path | None = None) -> dict:
-    """Starts a fresh service, waits for READY=1, stops it; returns the stage times in seconds.
-
-    With ``cold_attach`` (the keywords of :func:`_cold_attach`), fresh processes attach rank 0 before the service
-    stops. With ``pycache``, the service reads and writes its bytecode there (``PYTHONPYCACHEPREFIX``).
-    """
-    sock_path, notify_path = str(work / "0.sock"), str(work / "notify.sock")
-    trace, log_path = work / "trace.jsonl", work / "service.log"
+def _start_env(work: Path, pycache: Path | None) -> tuple[str, socket.socket, Path, dict[str, str]]:
+    """A start's files in ``work``, cleared: its socket path, a bound notify socket (``notify.sock``), the trace
+    path, and the service's environment (``NOTIFY_SOCKET``, the trace; bytecode under ``pycache`` when given)."""
+    sock_path, notify_path, trace = str(work / "0.sock"), str(work / "notify.sock"), work / "trace.jsonl"
     for p in (sock_path, notify_path, trace):
         Path(p).unlink(missing_ok=True)
     nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -169,6 +164,18 @@ def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: fl
     if pycache is not None:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    return sock_path, nsock, trace, env
+
+
+def one_start(work: Path, cfg: Path, backend: str, activator: str, timeout_s: float,
+              cold_attach: dict | None = None, pycache: Path | None = None) -> dict:
+    """Starts a fresh service, waits for READY=1, stops it; returns the stage times in seconds.
+
+    With ``cold_attach`` (the keywords of :func:`_cold_attach`), fresh processes attach rank 0 before the service
+    stops. With ``pycache``, the service reads and writes its bytecode there (``PYTHONPYCACHEPREFIX``).
+    """
+    sock_path, nsock, trace, env = _start_env(work, pycache)
+    log_path = work / "service.log"
     serve = [sys.executable, "-c", WRAPPER, "serve", "--gpu", "0", "--config", str(cfg), "--backend", backend]
     log = open(log_path, "wb")
     listener = client = proc = None
@@ -277,15 +284,7 @@ def concurrent_start(cfgs: list[Path], backend: str, timeout_s: float, pycache: 
     try:
         for cfg in cfgs:
             work = cfg.parent
-            sock_path, notify_path, trace = str(work / "0.sock"), str(work / "notify.sock"), work / "trace.jsonl"
-            for q in (sock_path, notify_path, trace):
-                Path(q).unlink(missing_ok=True)
-            nsock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            nsock.bind(notify_path)
-            env = service_env({"NOTIFY_SOCKET": notify_path, "WC_BENCH_TRACE": str(trace)})
-            if pycache is not None:
-                env.pop("PYTHONDONTWRITEBYTECODE", None)
-                env["PYTHONPYCACHEPREFIX"] = str(pycache)
+            sock_path, nsock, trace, env = _start_env(work, pycache)
             listener = unix_listener(sock_path)
             env["WC_BENCH_LISTEN_FD"] = str(listener.fileno())
             runs.append({"work": work, "nsock": nsock, "listener": listener, "trace": trace, "env": env,
@@ -593,8 +592,8 @@ def _run_instances(args: argparse.Namespace, ck: Path, kind: str, backend: str, 
                       f"{o['read_gbps_per_instance']['median']:.1f} | {'yes' if o['torch_free'] else 'NO'} |")
         md += ["", f"TP {args.tp} load rate per byte / TP 1's: {ratio:.2f}x (target: the same rate: "
                    f"{met(ratio >= 0.95)})", "",
-               f"each instance by stage (seconds, median over the instances and reps; total: its own spawn to its "
-               f"READY):", "", "| stage | " + " | ".join(f"TP {tp}" for tp in out) + " |",
+               "each instance by stage (seconds, median over the instances and reps; total: its own spawn to its "
+               "READY):", "", "| stage | " + " | ".join(f"TP {tp}" for tp in out) + " |",
                "|---|" + "---|" * len(out), *stage_rows, ""]
     emit(f"first_start_{args.device}_instances_tp{args.tp}_{'_'.join(namings)}", res, "\n".join(md))
     return 0

@@ -96,3 +96,13 @@ def test_bench_concurrency_runs_and_times_every_stage(tmp_path):
     cells = dict(zip([c.strip() for c in header.split("|")[2:-1]], [c.strip() for c in row.split("|")[2:-1]]))
     for stage in ("connect", "reply wait", "manifest file", "key check", "import + map", "views"):
         assert float(cells[stage].split("/")[0]) > 0, (stage, cells)
+
+
+def test_bench_row_copy_copies_every_view_and_checks_the_rows(tmp_path):
+    import json
+
+    _run("bench_row_copy.py", "--gib", "0.03", "--threads", "1,2", "--reps", "1", tmp_path=tmp_path)
+    res = json.loads((tmp_path / "json" / "row_copy.json").read_text())
+    got = {(r["pitch"], r["threads"], r["view"]) for r in res["rates"]}
+    assert got == {(p, t, v) for p in (22016, 8192) for t in (1, 2) for v in ("u1", "u8", "void")}, got
+    assert all(set(r["gbps"]) == {"1", "2", "8"} and min(r["gbps"].values()) > 0 for r in res["rates"])
