@@ -96,6 +96,21 @@ def _denied_text(path: str, e: OSError) -> str:
             f"or run the engine with that group")
 
 
+def sockets_in(where: str) -> tuple[str, list[int]]:
+    """Which instance sockets the socket directory ``where`` has, for an error message, and their GPU indices.
+
+    Returns:
+        `tuple[str, list[int]]`: ``("<where> has the sockets of instances [0, 1]", [0, 1])``, or ``"no instance
+        has a socket in <where>"`` / ``"the socket directory <where> does not exist"`` with ``[]``.
+    """
+    if not os.path.isdir(where):
+        return f"the socket directory {where} does not exist", []
+    listening = listening_gpus(where)
+    if not listening:
+        return f"no instance has a socket in {where}", []
+    return f"{where} has the sockets of instances {listening}", listening
+
+
 def _missing_text(path: str, e: OSError) -> tuple[str, dict[str, Any]]:
     """Why connecting to ``path`` gave ``ENOENT``, and the details: which sockets its directory has instead.
 
@@ -103,16 +118,14 @@ def _missing_text(path: str, e: OSError) -> tuple[str, dict[str, Any]]:
     another instance, or another socket directory, is the usual cause.
     """
     where = os.path.dirname(path) or "."
-    text = f"no weightcache service at {path}: {e.strerror}"
-    if not os.path.isdir(where):
-        return (f"{text}; the socket directory {where} does not exist (attach's socket_dir, "
-                f"$WEIGHTCACHE_SOCKET_DIR, the config's [service] socket_dir)"), {"listening": []}
-    listening = listening_gpus(where)
-    if not listening:
-        return f"{text}; no instance has a socket in {where}", {"listening": []}
-    return (f"{text}; {where} has the sockets of instances {listening}: an engine asks the instance of its "
-            f"device's GPU (0 on CPU), where the model's layout places its rank; pass gpu= to attach() "
-            f"(vLLM: \"gpu\" in --model-loader-extra-config) to ask another"), {"listening": listening}
+    found, listening = sockets_in(where)
+    text = f"no weightcache service at {path}: {e.strerror}; {found}"
+    if listening:
+        text += (": an engine asks the instance of its device's GPU (0 on CPU), where the model's layout places its "
+                 "rank; pass gpu= to attach() (vLLM: \"gpu\" in --model-loader-extra-config) to ask another")
+    elif not os.path.isdir(where):
+        text += " (attach's socket_dir, $WEIGHTCACHE_SOCKET_DIR, the config's [service] socket_dir)"
+    return text, {"listening": listening}
 
 
 class Session:

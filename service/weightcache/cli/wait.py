@@ -6,11 +6,15 @@ Forbidden imports: torch, weightcache.daemon, weightcache.client, weightcache.pi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
 
 from .. import protocol
+from ..config import Config, load_config
+from ..errors import ConfigError
+from ..session import sockets_in
 from ..wire import UNSETTLED, SlotState
 from .common import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, collect_status, no_sockets, per_gpu_request, socket_dir_of
 from .status import larger_than_budget, state_text
@@ -34,11 +38,48 @@ class _Lines:
         print(f"{label}: {state_text(sl)}", flush=True)
 
 
+def _config_of(where: str) -> Config | None:
+    """The configuration that describes the instances of socket directory ``where``: the one that loads
+    (``$WEIGHTCACHE_CONFIG`` or the default file) when its ``[service] socket_dir`` is ``where``; ``None`` when
+    none loads (a client-only node, a typo reported elsewhere) or it describes another directory."""
+    try:
+        cfg = load_config(None)
+    except ConfigError:
+        return None
+    return cfg if os.path.normpath(cfg.service.socket_dir) == os.path.normpath(where) else None
+
+
+def never_served(gpu: int, where: str, cfg: Config | None) -> str | None:
+    """Why no instance of GPU ``gpu`` will answer in socket directory ``where``, or ``None`` while one may.
+
+    One may: its socket ``<where>/<gpu>.sock`` exists, ``cfg`` places a model on ``gpu`` (its instance has not
+    started yet: ``serve ... &`` then ``wait``, or a target still starting), or no configuration describes
+    ``where`` (``cfg`` is ``None``: nothing tells which GPUs will come). Otherwise the text names the
+    configured GPUs and the sockets that listen (:func:`weightcache.session.sockets_in`).
+    """
+    if cfg is None:
+        return None
+    placed = cfg.gpus()
+    off = cfg.service.disabled_gpus
+    if gpu in placed and gpu not in off:
+        return None
+    found, listening = sockets_in(where)
+    if gpu in listening:
+        return None
+    why = ("is in [service] disabled_gpus, so weightcache.target does not start its instance (start it by hand: "
+           f"systemctl start weightcache@{gpu}.socket)" if gpu in placed else "has no model placed on it")
+    served = [g for g in placed if g not in off]
+    return (f"no instance will serve GPU {gpu}: {os.path.join(where, f'{gpu}.sock')} does not exist and GPU {gpu} "
+            f"{why} in {', '.join(cfg.files)}, which places models on GPUs {served}; {found}")
+
+
 def wait_for(args: argparse.Namespace, model: str | None, asked: frozenset[tuple[int, str]] = frozenset()) -> int:
     """Polls status until no matching slab is pending or loading, showing progress.
 
     While no service answers (none started yet, or its socket not bound yet) it polls for one until
-    ``args.wait_timeout`` (seconds), then returns :data:`EXIT_UNAVAILABLE` (3) with why none answers.
+    ``args.wait_timeout`` (seconds), then returns :data:`EXIT_UNAVAILABLE` (3) with why none answers;
+    at once when ``--gpu`` names a GPU that no socket serves and the configuration places no model on
+    (:func:`never_served`).
     Returns 1 when a slab failed, is larger than the whole ``memory_budget_bytes``, or ended on disk although
     ``preload`` started its load (``asked``: (GPU index, ``model/tpN/rankR``) pairs, as its reply names them), naming each with its error on stderr.
 
@@ -54,9 +95,13 @@ def wait_for(args: argparse.Namespace, model: str | None, asked: frozenset[tuple
         progress.start()
     tasks: dict[str, Any] = {}
     where = socket_dir_of(args)  # once, not a config read per poll
+    cfg = _config_of(where) if args.gpu is not None else None
     try:
         while True:
             statuses, errors = collect_status(args, where)
+            if not statuses and args.gpu is not None and (why := never_served(args.gpu, where, cfg)):
+                print(why, file=sys.stderr)
+                return EXIT_UNAVAILABLE
             if not statuses:  # not up yet (``serve ... &`` then ``wait``): poll until the deadline
                 if time.monotonic() < deadline:
                     time.sleep(0.2)
