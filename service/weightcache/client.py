@@ -194,6 +194,9 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOpt
         TypeError: a keyword that is not a field of :class:`AttachOptions`.
         ModuleNotFoundError: torch is not installed in this interpreter (the message names the runtime to use).
         UnsupportedQuantization (`unsupported_quantization`): always, whatever ``fallback`` says.
+        DeviceError (`device_error`): ``device`` cannot be set up (a CUDA driver call failed), whatever
+            ``fallback`` says: the disk fallback loads onto that device, so it is not tried (the log says
+            ``no fallback to disk, the device fails``).
         CheckpointNotFound, CheckpointCorrupt: the disk load failed; or
             (``checkpoint_not_found``) by name, this engine cannot open the
             checkpoint directory the service holds it from (the key check needs it).
@@ -294,6 +297,12 @@ def _attach(req: AttachRequest) -> Attachment:
     if not req.fallback:
         raise unavailable
     reason = f"{unavailable.code}: {unavailable.message}"
+    try:  # the fallback loads onto the engine's own device: a device that fails is not a disk load
+        device_info(device)
+    except WeightcacheError as e:
+        log.warning("no fallback to disk, the device fails checkpoint=%s tp_size=%d tp_rank=%d device=%s code=%s "
+                    "reason=%s", model, tp_size, tp_rank, device, e.code, reason)
+        raise
     log.warning("fallback to disk checkpoint=%s tp_size=%d tp_rank=%d reason=%s", model, tp_size, tp_rank, reason,
                 extra=event("fallback", model, tp_rank, tp_size=tp_size))
     manifest, slab = load_from_disk(req.rank_request(str(local_ck.path)), device)
