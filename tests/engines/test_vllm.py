@@ -324,9 +324,36 @@ def test_service_stopped_fallback_true_same_tokens_and_reason_logged(stopped_ser
     result, out = run_engine(llama, load_format="weightcache",
                              extra={"socket_dir": stopped_service.socket_dir, "fallback": True})
     assert tokens_of(result, out) == reference["tokens"]
-    (fallback,) = log_lines(out, "weightcache fallback to disk")
-    assert "reason=daemon_unavailable" in fallback and "WARNING" in fallback
+    (fallback,) = log_lines(out, "fallback to disk")  # once: no bare last-resort line besides vLLM's
+    assert "weightcache fallback to disk" in fallback and "reason=daemon_unavailable" in fallback
+    assert "WARNING" in fallback, fallback
     attached_line(out, source="disk", mode="zero_copy")
+
+
+def test_client_warnings_show_once_in_vllms_log(tmp_path):
+    """The client's own warnings in a process that imported the plugin: once, in vLLM's format, prefixed
+    ``weightcache``. A disk fallback printed a bare ``fallback to disk ...`` line from Python's last-resort
+    handler (nothing handled the ``weightcache`` logger), then the loader's own line."""
+    from safetensors.torch import save_file
+    import torch
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, str(ck / "model.safetensors"))
+    (ck / "config.json").write_text(json.dumps({"architectures": ["Toy"], "model_type": "toy"}))
+    code = (f"import weightcache.integrations.vllm\n"  # as vLLM's plugin entry point imports it
+            f"from vllm.config.logging import LoggingConfig\n"
+            f"from vllm.logger import configure_logging\n"
+            f"configure_logging(LoggingConfig())\n"  # as vLLM's engine does when it starts
+            f"from weightcache import attach\n"
+            f"w = attach({str(ck)!r}, socket_dir={str(tmp_path / 'run')!r}, fallback=True)\n"
+            f"print('SOURCE', w.source)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S,
+                       env=harness.service_env(), stdin=subprocess.DEVNULL)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "SOURCE disk" in p.stdout, out[-4000:]
+    (line,) = log_lines(out, "fallback to disk")
+    assert " WARNING " in line and f"weightcache fallback to disk checkpoint={ck} " in line, line
 
 
 def test_service_stopped_fallback_false_fails_with_client_error(stopped_service, llama):
@@ -344,7 +371,7 @@ def test_cache_key_mismatch_falls_back_to_disk(service, llama_moved, reference):
     result, out = run_engine(llama_moved, load_format="weightcache",
                              extra={"socket_dir": service.socket_dir, "fallback": True})
     assert tokens_of(result, out) == reference["tokens"]
-    (fallback,) = log_lines(out, "weightcache fallback to disk")
+    (fallback,) = log_lines(out, "fallback to disk")
     assert "reason=cache_key_mismatch" in fallback and shard.name in fallback, fallback
     attached_line(out, source="disk", mode="zero_copy", private="0")
 

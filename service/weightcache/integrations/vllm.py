@@ -56,16 +56,22 @@ kernel         ``"cutlass"``    kernel layout target of quantized weights
 
 Log lines go to vLLM's logger tree (``vllm.weightcache...``) so that they show
 in vLLM's own log: one ``weightcache attached`` line with ``source=daemon|disk``
-and ``mode=zero_copy|copy``; a WARNING with the reason on a disk fallback
-(``weightcache fallback to disk``) and on a fall back to copy mode
-(``weightcache zero-copy refused``).
+and ``mode=zero_copy|copy``; a WARNING with the reason on a fall back to copy mode
+(``weightcache zero-copy refused``). The client's own records (the ``weightcache``
+logger tree: a WARNING ``weightcache fallback to disk`` with the reason, before the
+disk load starts) are handed to that tree too, prefixed ``weightcache``, by
+:class:`_IntoVllmLog`: each shows once, as vLLM's log shows it (with vLLM's
+handler, or the root logger's under ``VLLM_CONFIGURE_LOGGING=0``), never as a bare
+line from Python's last-resort handler.
 
 Forbidden imports: weightcache.daemon.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -96,6 +102,36 @@ from . import vllm_zero_copy as zc
 # vLLM attaches its handler to the "vllm" logger only; a child of it shows in
 # vLLM's log with vLLM's format (getLogger(__name__) would be silent there).
 log = init_logger("vllm." + __name__)
+
+
+class _IntoVllmLog(logging.Handler):
+    """Hands the records of the ``weightcache`` logger tree (the client's: the disk fallback and its reason,
+    a full service backlog) to :data:`log`, vLLM's logger tree, prefixed ``weightcache``.
+
+    Without it a vLLM process printed the client's warnings twice in two forms: a bare line from Python's
+    last-resort handler (nothing handles ``weightcache``), then the loader's own line in vLLM's format.
+    Installed once per process by :func:`_route_client_logs`; the ``weightcache`` logger's own level still
+    decides what is emitted (WARNING and up unless the engine sets it), and vLLM's level what is shown.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not log.isEnabledFor(record.levelno):
+            return
+        record = copy.copy(record)  # another handler of the tree sees the client's own text
+        record.msg = f"weightcache {record.msg}"
+        log.handle(record)
+
+
+def _route_client_logs() -> None:
+    """Installs :class:`_IntoVllmLog` on the ``weightcache`` logger (once) and stops its records from also
+    propagating to the root logger, so that each shows once, through vLLM's logger tree."""
+    tree = logging.getLogger("weightcache")
+    if not any(isinstance(h, _IntoVllmLog) for h in tree.handlers):
+        tree.addHandler(_IntoVllmLog())
+    tree.propagate = False
+
+
+_route_client_logs()
 
 #: Attachments made by :meth:`WeightcacheModelLoader.get_external_weight_memory`, kept for the
 #: zero-copy load of the same rank in this process. vLLM asks each question of a fresh loader
@@ -344,7 +380,6 @@ class WeightcacheModelLoader(BaseModelLoader):
             if w is None:
                 w = self._attach(rank, "vllm", self.options["fallback"])
             try:
-                self._log_fallback(rank, w)
                 diff = zc.canary(vllm_config, model_config, prefix, ck, w, target, plain_cpu)
                 if diff is not None:
                     undo()
@@ -408,7 +443,6 @@ class WeightcacheModelLoader(BaseModelLoader):
                     f"quantization={model_config.quantization!r}: use tp_size 1 or the default loader",
                     key="tensor_parallel_size")
             w = self._attach(rank, "vllm" if named else "hf", self.options["fallback"])
-            self._log_fallback(rank, w)
         try:
             if w.manifest.key.get("naming") == "vllm":
                 self._copy_into(model, w)
@@ -445,11 +479,6 @@ class WeightcacheModelLoader(BaseModelLoader):
         return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode=AttachMode.ZERO_COPY,
                       fallback=fallback, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
                       dtype=rank.dtype, naming=naming, kernel=o["kernel"])
-
-    def _log_fallback(self, rank: _Rank, w: Attachment) -> None:
-        if w.fallback_reason is not None:
-            log.warning("weightcache fallback to disk checkpoint=%s tp_rank=%d reason=%s",
-                        rank.path, rank.tp_rank, w.fallback_reason)
 
     def _log_attached(self, rank: _Rank, w: Attachment, mode: str, t0: float, **extra: Any) -> None:
         log.info("weightcache attached checkpoint=%s source=%s mode=%s tp_size=%d tp_rank=%d device=%s gpu=%s "
