@@ -264,3 +264,26 @@ def test_systemd_7_lists_every_journal_event():
     for kind, message_id in MESSAGE_IDS.items():
         assert re.search(rf"^{kind}\t{message_id}\t", text, re.M), f"{kind} {message_id} not in weightcache.systemd(7)"
     assert "weightcache (1)" in text and "weightcache (8)" not in text
+
+
+def test_quickstart_checkpoint_step_says_save_pretrained_files_need_chmod(tmp_path):
+    """transformers' ``save_pretrained`` writes its ``*.safetensors`` at mode 0600, which the service user cannot
+    read (a checkpoint the reader built itself failed with ``checkpoint_unreadable``; only ``check-config``
+    named it). The quickstart's checkpoint step says so, and its ``chmod`` makes such a checkpoint readable."""
+    import os
+    import subprocess
+
+    import transformers
+
+    text = (DOCS / "quickstart.md").read_text()
+    step = text[text.index("## 2. "):text.index("## 3. ")]
+    m = re.search(r"`(chmod -R o\+rX) /srv/models/[^`]+`", step)
+    assert "save_pretrained" in step and "0600" in step and m, "quickstart step 2 does not say it"
+    cfg = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=64)
+    ck = tmp_path / "ck"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(ck)
+    shards = sorted(ck.glob("*.safetensors"))
+    assert shards  # 0600 with transformers 5.24 (not asserted: another release may differ)
+    subprocess.run([*m.group(1).split(), str(ck)], check=True)
+    assert all(os.stat(f).st_mode & 0o004 for f in shards)
