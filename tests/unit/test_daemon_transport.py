@@ -242,3 +242,80 @@ def test_a_client_pipelining_many_requests_takes_turns_with_the_others(tmp_path)
         b.close()
         tr.close_all("test over")
         listener.close()
+
+
+@pytest.fixture
+def turns(tmp_path):
+    """A transport with ``max_buffered_bytes = 1000`` and room for many unread replies; ``connect()`` (once)
+    returns a client socket and its accepted :class:`Client`."""
+    path = str(tmp_path / "t.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    tr: Transport
+
+    def on_message(c, msg):
+        tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []) if isinstance(msg, protocol.Hello)
+                else protocol.StatusReply({}))
+
+    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None),
+                   Limits.defaults(max_buffered_bytes=1000, max_unread_replies=1000), Clock(1000.0),
+                   trusted_uids=frozenset())
+    tr.start()
+    socks: list[socket.socket] = []
+
+    def connect():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        s.settimeout(5)
+        socks.append(s)
+        _pump(tr)
+        (c,) = tr.clients.values()
+        return s, c
+
+    yield tr, connect
+    for s in socks:
+        s.close()
+    tr.close_all("test over")
+    listener.close()
+
+
+def _whole_then_partial(count: int, tail_bytes: int) -> bytes:
+    """A hello, ``count`` status requests, then the first ``tail_bytes`` of a 5000-byte frame (4-byte prefix
+    included): more than :data:`REQUESTS_PER_TURN`, so the connection yields with the tail buffered."""
+    return frame(HELLO) + frame({"type": "status"}) * count + struct.pack(">I", 4996) + b"{" * (tail_bytes - 4)
+
+
+def test_a_yielded_client_with_a_partial_frame_is_held_to_max_buffered_bytes(turns):
+    """The incomplete frame at the end of a yielded connection's bytes counts against max_buffered_bytes on the
+    pass it yields. Only its whole requests wait for a turn; the tail was left out of the count while it
+    waited (as much as one 256 KiB read per connection, on every connection at once)."""
+    tr, connect = turns
+    s, c = connect()
+    s.sendall(_whole_then_partial(10, 2000))
+    tr.poll(0.5)  # one read takes it all: served REQUESTS_PER_TURN, yielded, the 2000-byte tail buffered
+    assert c.closed and not tr.clients and tr.buffered_bytes == 0
+    replies = []
+    while True:
+        obj, _ = read_reply(s)
+        replies.append(obj)
+        if obj["type"] == "error":
+            break
+    assert [r["type"] for r in replies[:-1]] == ["hello_reply"] + ["status_reply"] * 3
+    assert (replies[-1]["code"], replies[-1]["details"]["limit"]) == ("resource_exhausted", "max_buffered_bytes")
+    assert replies[-1]["details"]["actual"] == 2000
+
+
+def test_a_yielded_clients_partial_frame_is_counted_and_given_back(turns):
+    """Under the cap, the tail of a yielded connection is counted while it waits for its turn, and given back
+    once the rest of the frame arrives and is served."""
+    tr, connect = turns
+    s, c = connect()
+    s.sendall(_whole_then_partial(10, 600))
+    tr.poll(0.5)
+    assert c.yielded and tr.buffered_bytes == 600
+    _pump(tr, 5)  # its turns: the rest of its whole requests; then the tail alone, counted as before
+    assert not c.yielded and not c.closed and tr.buffered_bytes == 600
+    s.sendall(b"}" * 4400)  # completes the frame (invalid JSON: a protocol violation closes it)
+    _pump(tr)
+    assert c.closed and tr.buffered_bytes == 0

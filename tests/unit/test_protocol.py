@@ -151,6 +151,26 @@ def test_oversize_length_prefix_rejected_before_buffering():
     assert e.value.details["size_bytes"] == protocol.MAX_FRAME_BYTES + 1
 
 
+def test_incomplete_bytes_is_what_follows_the_whole_frames():
+    """The bytes of the incomplete frame after the whole ones (the transport counts them against
+    max_buffered_bytes while a connection's whole requests wait for their turn)."""
+    hello = _frame({"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION})
+    status = _frame({"type": "status"})
+    srv = Connection(SERVER, max_frame_bytes=100)
+    assert srv.incomplete_bytes == 0
+    srv.receive(hello + status)
+    assert (srv.buffered_bytes, srv.incomplete_bytes) == (len(hello + status), 0)
+    srv.receive(status[:3])  # not even a whole length prefix
+    assert srv.incomplete_bytes == 3
+    srv.receive(status[3:] + status[:7])
+    assert srv.incomplete_bytes == 7
+    srv.next_message()  # taking whole frames from the front leaves the tail as it is
+    assert (srv.buffered_bytes, srv.incomplete_bytes) == (len(status) * 2 + 7, 7)
+    srv = Connection(SERVER, max_frame_bytes=100)
+    srv.receive(hello + struct.pack(">I", 101) + b"x" * 200)  # a length over max_frame_bytes: no frame follows
+    assert srv.incomplete_bytes == 204
+
+
 def test_state_machine_hello_first_and_only_once():
     srv = Connection(SERVER)
     srv.receive(_frame({"type": "status"}))

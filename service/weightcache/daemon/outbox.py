@@ -47,8 +47,8 @@ def unread_bytes(sock: socket.socket) -> int:
 class Outbox:
     """The send path and fds-in-flight accounting of :class:`~weightcache.daemon.transport.Transport` (module
     docstring). A base class, not used alone: ``Transport`` sets ``limits``, ``trusted_uids``, ``on_unsent``,
-    ``fds_in_flight``, ``lingering``, ``clients`` and ``_resume``, and provides ``drop``, ``_want`` and
-    ``_over_cap``, which these methods use.
+    ``fds_in_flight``, ``lingering``, ``clients`` and ``_resume``, and provides ``drop`` and ``_want``,
+    which these methods use.
     """
 
     def _forget(self, uid: int, n: int) -> None:
@@ -179,7 +179,7 @@ class Outbox:
                 c.outbox[0] = [data[n:], [], None]
                 break
             c.outbox.popleft()
-        if c.paused and not c.held and self._over_cap(c) is None:
+        if c.paused and not c.held and c.cap_reached(self.limits) is None:
             c.paused = False
             self._resume.append(c)  # served by poll(), never from inside a handler's send
         self._want(c)

@@ -143,6 +143,31 @@ class Client:
     #: Fds handed to the kernel on this connection since the peer was last seen to have read everything.
     inflight_fds: int = 0
 
+    @classmethod
+    def accepted(cls, sock: socket.socket) -> "Client | None":
+        """The client of a socket just accepted (made non-inheritable and non-blocking, its peer's credentials
+        read); None, with ``sock`` closed, when the credentials cannot be read (the peer is gone)."""
+        sock.set_inheritable(False)
+        try:
+            pid, uid, gid = peer_credentials(sock)
+            groups = peer_groups(sock)
+        except OSError:
+            sock.close()
+            return None
+        sock.setblocking(False)  # replies queue in the client's outbox; a slow reader blocks no one
+        return cls(sock, protocol.Connection(protocol.SERVER, MAX_REQUEST_BYTES), Peer(pid, uid, gid, groups=groups))
+
+    def cap_reached(self, lim: Limits) -> tuple[str, int, int] | None:
+        """The first per-connection cap of ``lim`` this client has reached: ``(limit, value, actual)``, else None."""
+        waiting = len(self.peer.waiting)
+        parked_fds = waiting * protocol.AttachReply.FD_COUNT  # what the parked attaches will hold when answered
+        for name, value, actual in (("max_unread_replies", lim.max_unread_replies, len(self.outbox) + waiting),
+                                    ("max_queued_bytes", lim.max_queued_bytes, self.outbox_bytes),
+                                    ("max_held_fds", lim.max_held_fds, self.outbox_fds + parked_fds)):
+            if actual >= value:
+                return name, value, actual
+        return None
+
 
 
 @dataclass(frozen=True)
@@ -232,7 +257,24 @@ class Transport(Outbox):
             c = self._resume.pop()
             if not c.closed:
                 self._process(c)
-        _serve_turns(self)
+        self._serve_turns()
+
+    def _yield_turn(self, c: Client) -> None:
+        """``c`` was served :data:`REQUESTS_PER_TURN` requests in a row and has more: the others go first. It is
+        not read meanwhile (the kernel's socket buffer holds what it sends, not the service's memory)."""
+        c.yielded = True
+        self._turns.append(c)
+        self._want(c)
+
+    def _serve_turns(self) -> None:
+        """Gives each connection that yielded at the last pass one more turn, in the order they yielded."""
+        turns, self._turns = self._turns, []
+        for c in dict.fromkeys(turns):
+            if c.closed or not c.yielded:
+                continue
+            c.yielded = False
+            self._want(c)
+            self._process(c)
 
     def expire(self, now: float) -> None:
         """Closes connections whose incomplete request frame waited past ``partial_frame_timeout_s``."""
@@ -263,16 +305,10 @@ class Transport(Outbox):
                 self.sel.unregister(self.listener)
                 self._accept_paused = True
                 return
-            sock.set_inheritable(False)
-            try:
-                pid, uid, gid = peer_credentials(sock)
-                groups = peer_groups(sock)
-            except OSError:
-                sock.close()
+            c = Client.accepted(sock)
+            if c is None:
                 continue
-            sock.setblocking(False)  # replies queue in the client's outbox; a slow reader blocks no one
-            c = Client(sock, protocol.Connection(protocol.SERVER, MAX_REQUEST_BYTES),
-                       Peer(pid, uid, gid, groups=groups))
+            uid = c.peer.uid
             self.clients[sock.fileno()] = c
             self.sel.register(sock, selectors.EVENT_READ, c)
             self.on_open(c)
@@ -312,23 +348,12 @@ class Transport(Outbox):
         c.conn.receive(data)
         self._process(c)
 
-    def _over_cap(self, c: Client) -> tuple[str, int, int] | None:
-        """The first per-connection cap ``c`` has reached: ``(limit, value, actual)``, else None."""
-        lim, waiting = self.limits, len(c.peer.waiting)
-        parked_fds = waiting * protocol.AttachReply.FD_COUNT  # what the parked attaches will hold when answered
-        for name, value, actual in (("max_unread_replies", lim.max_unread_replies, len(c.outbox) + waiting),
-                                    ("max_queued_bytes", lim.max_queued_bytes, c.outbox_bytes),
-                                    ("max_held_fds", lim.max_held_fds, c.outbox_fds + parked_fds)):
-            if actual >= value:
-                return name, value, actual
-        return None
-
     def _process(self, c: Client) -> None:
         """Serves ``c``'s buffered requests, :data:`REQUESTS_PER_TURN` in a row, until none is left or a cap pauses it."""
         served = 0
         while not c.closed and not c.paused:
             if served == REQUESTS_PER_TURN and c.conn.buffered_bytes:
-                _yield_turn(self, c)
+                self._yield_turn(c)
                 break
             try:
                 ev = c.conn.next_message()
@@ -339,24 +364,26 @@ class Transport(Outbox):
                 break
             msg, _ = ev  # no fds: _recv refused any before they reached the protocol
             served += 1
-            cap = self._over_cap(c)
+            cap = c.cap_reached(self.limits)
             if cap is None:
                 self.on_message(c, msg)
             else:  # answered, not dropped: the client learns which request was refused and why
                 self.exhausted(c, *cap, close=False)
         if c.closed:
             return
-        # A yielded client's bytes are whole requests waiting for its turn, at most one read's worth (it is not
-        # read meanwhile): they do not count against max_buffered_bytes, which is about incomplete ones.
-        counted = 0 if c.yielded else c.conn.buffered_bytes
+        # A yielded client's whole requests wait for its turn, at most one read's worth (it is not read meanwhile):
+        # they do not count against max_buffered_bytes, which is about incomplete ones. The incomplete frame
+        # after them, if any, does count, from the pass it yields.
+        counted = c.conn.incomplete_bytes if c.yielded else c.conn.buffered_bytes
         self.buffered_bytes += counted - c.counted_bytes
         c.counted_bytes = counted
-        incomplete = c.conn.buffered_bytes > 0 and not c.paused and not c.yielded  # yielded: whole requests wait
+        # Its partial_frame_timeout_s runs once its turns are over: it cannot send the rest while it is not read.
+        incomplete = c.conn.buffered_bytes > 0 and not c.paused and not c.yielded
         if not incomplete:
             c.partial_since = None
         elif c.partial_since is None:
             c.partial_since = self.clock()
-        if incomplete and self.buffered_bytes > self.limits.max_buffered_bytes:
+        if (incomplete or (counted and c.yielded)) and self.buffered_bytes > self.limits.max_buffered_bytes:
             self.exhausted(c, "max_buffered_bytes", self.limits.max_buffered_bytes, self.buffered_bytes, close=True)
 
     def exhausted(self, c: Client, limit: str, value: float, actual: float, close: bool) -> None:
@@ -400,7 +427,7 @@ class Transport(Outbox):
         if c.closed:
             return
         c.held = False
-        if self._over_cap(c) is None:
+        if c.cap_reached(self.limits) is None:
             c.paused = False
             self._resume.append(c)
         self._want(c)
@@ -463,21 +490,3 @@ class Transport(Outbox):
             log.info("accept resumed clients=%d", len(self.clients))
         log.debug("connection closed peer_pid=%d reason=%s", c.peer.pid, reason)
 
-
-def _yield_turn(tr: Transport, c: Client) -> None:
-    """``c`` was served :data:`REQUESTS_PER_TURN` requests in a row and has more: the others go first. It is
-    not read meanwhile (the kernel's socket buffer holds what it sends, not the service's memory)."""
-    c.yielded = True
-    tr._turns.append(c)
-    tr._want(c)
-
-
-def _serve_turns(tr: Transport) -> None:
-    """Gives each connection that yielded at the last pass one more turn, in the order they yielded."""
-    turns, tr._turns = tr._turns, []
-    for c in dict.fromkeys(turns):
-        if c.closed or not c.yielded:
-            continue
-        c.yielded = False
-        tr._want(c)
-        tr._process(c)

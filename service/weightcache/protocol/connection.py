@@ -54,6 +54,9 @@ class Connection:
         self.state = START
         self._buf = bytearray()
         self._fds: list[int] = []
+        #: :attr:`incomplete_bytes` as last worked out; None after :meth:`receive` (taking whole frames from
+        #: the front never changes it).
+        self._tail: int | None = 0
 
     def receive(self, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
         """Buffers bytes and fds just read from the socket. ``b""`` means EOF."""
@@ -62,11 +65,27 @@ class Connection:
             return
         self._buf += data
         self._fds.extend(fds)
+        self._tail = None
 
     @property
     def buffered_bytes(self) -> int:
         """Bytes received but not yet returned as messages (an incomplete frame, or frames not yet taken)."""
         return len(self._buf)
+
+    @property
+    def incomplete_bytes(self) -> int:
+        """Bytes of the incomplete frame at the end of the buffer, after its whole frames (0 when it ends on a
+        frame boundary); from a length prefix over ``max_frame_bytes`` on, the rest of the buffer (an error once
+        :meth:`next_message` reaches it). Worked out once per :meth:`receive`."""
+        if self._tail is None:
+            pos, end = 0, len(self._buf)
+            while end - pos >= 4:
+                (n,) = _LEN.unpack_from(self._buf, pos)
+                if n > self.max_frame_bytes or end - pos < 4 + n:
+                    break
+                pos += 4 + n
+            self._tail = end - pos
+        return self._tail
 
     def take_all_fds(self) -> list[int]:
         """Hands back every fd received but not yet matched to a frame."""
