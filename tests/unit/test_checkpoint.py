@@ -71,6 +71,17 @@ def test_garbage_header(tmp_path):
     assert e.value.code == "checkpoint_corrupt"
 
 
+def test_a_runtime_that_cannot_import_numpy_is_not_a_corrupt_checkpoint(tmp_path, monkeypatch):
+    """safetensors' ``safe_open(framework="numpy")`` imports numpy on first use; when that import fails (a
+    broken runtime, or ``check-config --as-user`` in a child that may not read the interpreter's files) the
+    ImportError propagates. It was caught with safetensors' own errors and every good checkpoint was
+    ``checkpoint_corrupt``."""
+    d, _ = _sharded(tmp_path)
+    monkeypatch.setitem(__import__("sys").modules, "numpy", None)
+    with pytest.raises(ImportError):
+        Checkpoint(d)
+
+
 def test_missing_directory_and_index_entry(tmp_path):
     with pytest.raises(Exception) as e:
         Checkpoint(tmp_path / "absent")
