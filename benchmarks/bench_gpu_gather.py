@@ -263,6 +263,19 @@ def write_file(path: Path, size: int) -> None:
             pass
 
 
+def gpu_count() -> int:
+    """GPUs the CUDA driver sees through ``cuda-bindings`` (0 without the bindings, the driver or a GPU)."""
+    try:
+        from cuda.bindings import driver as cu
+
+        if int(cu.cuInit(0)[0]) != 0:
+            return 0
+        err, n = cu.cuDeviceGetCount()
+        return int(n) if int(err) == 0 else 0
+    except Exception:  # noqa: BLE001 - no driver library is "no GPU" here
+        return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=4.0)
@@ -274,6 +287,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=16, help="reader threads of the cpu mode")
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
+    if not gpu_count():
+        print("bench_gpu_gather.py needs a CUDA GPU (the driver reports none here): nothing measured", flush=True)
+        return 0
     size = int(args.gib * (1 << 30))
     path = Path(args.dir) / "rows.bin"
     write_file(path, size)
