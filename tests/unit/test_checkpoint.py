@@ -198,6 +198,26 @@ def test_hub_snapshot_links_into_blobs_are_allowed(tmp_path):
     assert _read_all(ck) == {"w": t["w"].numpy().tobytes()}
 
 
+@pytest.mark.parametrize("hub", [False, True])
+def test_a_link_to_a_missing_file_says_so(tmp_path, hub):
+    """``model.safetensors`` is a link (``ls`` lists it) to a file that is gone: ``checkpoint_not_found``
+    names the link's target (``details["link_target"]``); it said the link itself 'does not exist'."""
+    if hub:  # a hub snapshot whose blob is missing
+        (tmp_path / "models--org--tiny" / "blobs").mkdir(parents=True)
+        d = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+        d.mkdir(parents=True)
+        target = "../../blobs/sha256-0001"
+    else:
+        d = tmp_path / "ck"
+        d.mkdir()
+        target = "model-renamed.safetensors"
+    (d / "model.safetensors").symlink_to(target)
+    with pytest.raises(CheckpointNotFound) as e:
+        Checkpoint(d)
+    assert e.value.code == "checkpoint_not_found"
+    assert (e.value.details["file"], e.value.details["link_target"]) == ("model.safetensors", target)
+
+
 @pytest.mark.parametrize("how", ["dotdot", "absolute", "subdir", "symlink_out", "fifo", "directory"])
 def test_files_outside_the_directory_or_not_regular_are_refused(tmp_path, how):
     """Index entries that are not plain names, a shard symlinked out of the directory, a FIFO or a directory
