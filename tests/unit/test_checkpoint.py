@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightcache.checkpoint import Checkpoint
-from weightcache.errors import CheckpointCorrupt
+from weightcache.errors import CheckpointCorrupt, CheckpointNotFound
 
 
 def _sharded(tmp_path):
@@ -69,6 +69,35 @@ def test_garbage_header(tmp_path):
     with pytest.raises(Exception) as e:
         Checkpoint(d)
     assert e.value.code == "checkpoint_corrupt"
+
+
+def test_a_runtime_that_cannot_import_numpy_is_not_a_corrupt_checkpoint(tmp_path, monkeypatch):
+    """safetensors' ``safe_open(framework="numpy")`` imports numpy on first use; when that import fails (a
+    broken runtime, or ``check-config --as-user`` in a child that may not read the interpreter's files) the
+    ImportError propagates. It was caught with safetensors' own errors and every good checkpoint was
+    ``checkpoint_corrupt``."""
+    d, _ = _sharded(tmp_path)
+    monkeypatch.setitem(__import__("sys").modules, "numpy", None)
+    with pytest.raises(ImportError):
+        Checkpoint(d)
+
+
+@pytest.mark.parametrize("entries, found", [
+    (["config.json", "pytorch_model.bin"], ["pytorch_model.bin"]),  # a checkpoint saved without safetensors
+    (["blobs/", "refs/", "snapshots/"], ["snapshots"]),  # the hub cache's repository, not its snapshot
+    ([], []),
+])
+def test_a_directory_without_safetensors_says_what_it_holds(tmp_path, entries, found):
+    """``checkpoint_not_found`` for a directory with no ``*.safetensors`` names what is there instead
+    (``details["found"]``): weights in another format, or a hub cache repository whose snapshot was meant."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    for e in entries:
+        (d / e.rstrip("/")).mkdir() if e.endswith("/") else (d / e).write_bytes(b"x")
+    with pytest.raises(CheckpointNotFound) as e:
+        Checkpoint(d)
+    assert e.value.code == "checkpoint_not_found"
+    assert e.value.details["path"] == str(d) and e.value.details["found"] == found
 
 
 def test_missing_directory_and_index_entry(tmp_path):
