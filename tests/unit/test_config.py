@@ -163,6 +163,20 @@ def test_utf16_file_is_config_invalid(tmp_path):
     assert (e.value.details["file"], e.value.details["cause"]) == (str(p), "not_utf8")
 
 
+def test_utf8_bom_is_named(tmp_path):
+    """A file saved as 'UTF-8 with BOM' (EF BB BF, invisible in the editor) was 'invalid TOML: Invalid
+    statement (at line 1, column 1)' under a first line that reads [service]; the error now says it is the BOM."""
+    p = tmp_path / "weightcache.toml"
+    p.write_bytes(b'\xef\xbb\xbf[service]\r\nbackend = "host"\r\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.code == "config_invalid"
+    d = e.value.details
+    assert (d["file"], d["cause"], d["line"], d.get("utf8_bom")) == (str(p), "toml_syntax", 1, True)
+    p.write_bytes(b'[service]\r\nbackend = "host"\r\n')  # the same file without it (CRLF is fine)
+    assert load_config(p).service.backend == "host"
+
+
 def test_directory_is_config_invalid(tmp_path):
     (tmp_path / "weightcache.toml").mkdir()
     with pytest.raises(ConfigError) as e:
