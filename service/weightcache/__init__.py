@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 #: Public name -> the submodule that defines it, imported on first access.
-_LAZY = {"attach": "client", "Attachment": "client", "AttachOptions": "client", "WeightcacheError": "errors"}
+_LAZY = {"attach": "client", "Attachment": "client", "AttachOptions": "client", "Retry": "client",
+         "WeightcacheError": "errors"}
 
-__all__ = ["attach", "Attachment", "AttachOptions", "WeightcacheError"]
+__all__ = ["attach", "Attachment", "AttachOptions", "Retry", "WeightcacheError"]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .client import AttachOptions, Attachment, attach
+    from .client import AttachOptions, Attachment, Retry, attach
     from .errors import WeightcacheError
 
 

@@ -24,7 +24,7 @@ from .session import resolve_socket_dir
 from .spec import DTYPE_NAMES, LoadRequest, RankRequest
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
 
-__all__ = ["AttachOptions", "AttachRequest", "MAX_TIMEOUT_S", "load_request"]
+__all__ = ["AttachOptions", "AttachRequest", "MAX_TIMEOUT_S", "Retry", "load_request"]
 
 #: The longest ``timeout`` (seconds): a socket timeout past about 9.2e9 s overflows
 #: (``OverflowError``, not a typed error, and no fallback).
@@ -35,6 +35,53 @@ def load_request(path: str, dtype: str, naming: str, kernel: str, revision: str 
     """The :class:`~weightcache.spec.LoadRequest` of checkpoint directory ``path`` (named after its last component)."""
     return LoadRequest(name=os.path.basename(os.path.normpath(path)) or path, path=path, dtype=dtype,
                        naming=naming, kernel=kernel, revision=revision)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """When :func:`attach` asks the service again before it falls back to disk or raises: off unless given.
+
+    An attach caught in a restart of its service instance (``systemctl restart``,
+    an upgrade: the service went away with the request, or its socket is not
+    bound yet) or refused for a while (a per-client cap, no room in the budget
+    until an engine releases a lease) gets an error whose ``retryable`` flag is
+    set. With a policy, the attach waits ``backoff_s`` (doubling each time, at
+    most ``max_backoff_s``) and sends the whole request again, up to
+    ``retries`` times, never past its ``timeout``; each retry is logged at
+    WARNING with the error that caused it. ``model_loading`` is not retried
+    (the attach already waited for the load for its whole ``timeout``), nor is
+    an error whose ``retryable`` flag is clear (``access_denied``,
+    ``cache_key_mismatch``, ``model_not_found``...).
+
+    Attributes:
+        retries (`int`): extra attempts after the first, 1 to 1000.
+        backoff_s (`float`): seconds before the first retry, 0 to 60.
+        max_backoff_s (`float`): the longest wait between two attempts, ``backoff_s`` to 60.
+
+    Example:
+        >>> w = attach("/srv/models/Qwen2.5-7B-Instruct", device="cuda:0", retry=Retry(retries=5))
+    """
+
+    retries: int = 3
+    backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (1 is the first): ``backoff_s * 2**(attempt - 1)``,
+        at most ``max_backoff_s``."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** min(attempt - 1, 60))
+
+    def problems(self) -> Iterator[str]:
+        """What makes this policy unusable, one message per field (none: usable)."""
+        if not _is_int(self.retries) or not 1 <= self.retries <= 1000:
+            yield f"retry.retries {self.retries!r} must be an integer from 1 to 1000"
+        for name in ("backoff_s", "max_backoff_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 60):
+                yield f"retry.{name} {v!r} must be a finite number of seconds from 0 to 60"
+                return
+        if self.max_backoff_s < self.backoff_s:
+            yield f"retry.max_backoff_s {self.max_backoff_s!r} must be at least retry.backoff_s {self.backoff_s!r}"
 
 
 @dataclass(frozen=True)
@@ -59,6 +106,7 @@ class AttachOptions:
     dtype: str | None = None
     naming: str | None = None
     kernel: str = DEFAULT_KERNEL
+    retry: Retry | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +127,7 @@ class AttachRequest:
             (:attr:`path_dtype`, :attr:`path_naming`). By name: None takes what the operator
             configured; a value given must be what the service holds for that name.
         kernel (`str`): the kernel layout target of quantized weights (checked against a local checkpoint).
+        retry (`Retry | None`): when to ask the service again before falling back or raising; None: never.
 
     Raises:
         ValueError: ``mode`` is not ``zero_copy`` or ``copy``.
@@ -98,6 +147,7 @@ class AttachRequest:
     dtype: str | None
     naming: str | None
     kernel: str
+    retry: Retry | None = None
 
     @classmethod
     def of(cls, model: str, tp_size: int, tp_rank: int, options: AttachOptions) -> AttachRequest:
@@ -185,3 +235,9 @@ def _arg_problems(req: AttachRequest) -> Iterator[tuple[str, str]]:
         yield f"naming {req.naming!r} is not one of {', '.join(NAMINGS)}", "naming"
     if not isinstance(req.kernel, str):
         yield f"kernel {req.kernel!r} must be a string such as 'cutlass'", "kernel"
+    if req.retry is not None:
+        if not isinstance(req.retry, Retry):
+            yield f"retry {req.retry!r} must be a weightcache.Retry policy or None", "retry"
+        else:
+            for problem in req.retry.problems():
+                yield problem, "retry"

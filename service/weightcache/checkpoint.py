@@ -51,6 +51,35 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+#: Weight files of other formats, which weightcache never reads (pickle in particular).
+_OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+def _no_safetensors_hint(names: list[str]) -> tuple[str, list[str]]:
+    """What a directory without safetensors files holds instead, for the ``checkpoint_not_found`` message.
+
+    Args:
+        names (`list[str]`): the directory's entries.
+
+    Returns:
+        The text to append to the message (starting with ``": "``, or empty), and the entries it
+        names (``details["found"]``): weight files of other formats, or a Hugging Face cache
+        repository's ``snapshots``.
+    """
+    other = sorted(n for n in names if n.endswith(_OTHER_WEIGHT_SUFFIXES) and not n.startswith("."))
+    if other:
+        shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+        return (f": it holds {shown}, weights in another format; weightcache reads safetensors only (it never "
+                f"unpickles): convert the checkpoint to safetensors, or download the repository's *.safetensors "
+                f"files"), other
+    if "snapshots" in names and "blobs" in names:
+        return (": it is a Hugging Face cache repository (blobs/, snapshots/); give the snapshot directory, "
+                "<this directory>/snapshots/<revision>"), ["snapshots"]
+    if not [n for n in names if not n.startswith(".")]:
+        return ": the directory is empty", []
+    return "", []
+
+
 class Checkpoint(CheckpointFiles, CheckpointIdentity):
     """A checkpoint directory, opened from its headers (no tensor data read).
 
@@ -192,7 +221,9 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
         else:
             files = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith("."))
         if not files:
-            raise CheckpointNotFound(f"no *.safetensors files in checkpoint directory {self.path}", path=str(self.path))
+            hint, found = _no_safetensors_hint(names)
+            raise CheckpointNotFound(f"no *.safetensors files in checkpoint directory {self.path}{hint}",
+                                     path=str(self.path), found=found)
         for fname in files:  # non-regular files and escapes are refused before any byte is read
             self.file_path(fname)
         return files

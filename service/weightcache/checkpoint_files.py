@@ -343,13 +343,15 @@ class CheckpointFiles:
             CheckpointCorrupt (`checkpoint_corrupt`): ``fname`` is not a plain
                 file name, leads outside the checkpoint directory, or is not
                 a regular file.
-            CheckpointNotFound (`checkpoint_not_found`): it does not exist.
+            CheckpointNotFound (`checkpoint_not_found`): it does not exist, or it is a link
+                to a file that does not exist (``details["link_target"]``).
         """
         real = self._resolved.get(fname)
         if real is not None:
             return MemberPath(real, self, fname)
         _check_plain(fname, self._index)
         dfd, name, where = self._dirfd, fname, str(self.path)
+        target = None
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
@@ -368,6 +370,11 @@ class CheckpointFiles:
                         path=str(self.path))
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
+            if target is not None:  # the link is there (ls lists it); what it names is not
+                raise CheckpointNotFound(
+                    f"checkpoint file {self.path / fname} is a symbolic link to {target}, which does not exist "
+                    f"(an interrupted download or copy, or a file moved away): restore {os.path.join(where, name)} "
+                    f"or download the checkpoint again", file=fname, link_target=target) from None
             raise CheckpointNotFound(f"checkpoint file {self.path / fname} does not exist", file=fname) from None
         except PermissionError:
             raise unreadable(self.path / fname) from None

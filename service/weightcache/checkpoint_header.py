@@ -151,6 +151,20 @@ def _read_header(path: Path) -> tuple[bytes, dict[str, Any], int]:
     return raw, _parse_header(path, raw, data_start, st.st_size), data_start
 
 
+def import_validation_modules() -> None:
+    """Imports the modules the header check loads lazily (safetensors, and numpy for ``safe_open``).
+
+    ``weightcache check-config`` calls it before it drops to the service user, so that the child
+    checks what that user may read of the checkpoints, not of the interpreter's own installation
+    (a source tree's Python under ``/root`` is unreadable to ``nobody``).
+
+    Raises:
+        ImportError: safetensors or numpy is not importable (a broken runtime, not a checkpoint fault).
+    """
+    import numpy  # noqa: F401
+    import safetensors  # noqa: F401
+
+
 def warm_validation() -> threading.Thread:
     """Imports what the header check needs (numpy, for ``safe_open``) on a background thread; returns it started.
 
@@ -162,7 +176,7 @@ def warm_validation() -> threading.Thread:
     """
     def run() -> None:
         try:
-            import numpy  # noqa: F401
+            import_validation_modules()
         except ImportError:  # pragma: no cover - numpy is a dependency; the check reports it
             pass
 
@@ -176,6 +190,11 @@ def _validate_with_safetensors(path: Path | str) -> None:
 
     A :class:`MemberPath` is opened beneath its directory fd first and handed to
     safetensors as ``/proc/self/fd/N`` (the file already checked, not the path again).
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): safetensors rejects the file.
+        ImportError: numpy, which ``safe_open`` imports on first use, cannot be imported (the runtime's
+            fault, not the checkpoint's).
     """
     from safetensors import safe_open
 
@@ -184,6 +203,8 @@ def _validate_with_safetensors(path: Path | str) -> None:
         # framework="numpy": the same header checks without importing torch (fast restarts).
         with safe_open(f"/proc/self/fd/{fd}" if fd >= 0 else str(path), framework="numpy") as f:
             f.keys()
+    except ImportError:  # numpy (safe_open imports it on first use) is missing: the runtime's fault, not the file's
+        raise
     except Exception as e:  # safetensors raises SafetensorError and friends
         raise CheckpointCorrupt(f"safetensors rejects {path}: {e}".replace(f"/proc/self/fd/{fd}", str(path)),
                                 file=str(path)) from None

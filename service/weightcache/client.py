@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from . import attach_imports, protocol
-from .attach_request import AttachOptions, AttachRequest, load_request  # noqa: F401 (re-exported)
+from .attach_request import AttachOptions, AttachRequest, Retry, load_request  # noqa: F401 (re-exported)
 from .checkpoint import Checkpoint
 from .device import device_info, local_backend, physical_gpu  # noqa: F401 (physical_gpu re-exported)
 from .errors import (
@@ -173,6 +173,10 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOpt
             of another dtype or naming).
         kernel (`str`, *optional*, defaults to ``"cutlass"``): the kernel
             layout target of quantized weights.
+        retry (`Retry`, *optional*): ask the service again after a retryable
+            error (it went away in a restart, a cap, no room in the budget)
+            before falling back or raising, within ``timeout``; each retry is
+            logged at WARNING. Off by default (see :class:`Retry`).
 
     Returns:
         `Attachment`.
@@ -237,11 +241,49 @@ def _require_torch() -> None:
                                   f"({e}); {RUNTIME_HINT}", name="torch") from None
 
 
+class _RetryAttach(Exception):
+    """Raised by :func:`_attach_once` when the attach's :class:`Retry` policy asks for another attempt."""
+
+    def __init__(self, error: WeightcacheError, delay_s: float) -> None:
+        super().__init__(error.message)
+        self.error, self.delay_s = error, delay_s
+
+
 def _attach(req: AttachRequest) -> Attachment:
-    model, tp_size, tp_rank, device, timeout = req.model, req.tp_size, req.tp_rank, req.device, req.timeout
+    """:func:`_attach_once`, again after each error the request's :class:`Retry` policy retries (logged at WARNING)."""
+    deadline = time.monotonic() + req.timeout
+    attempt = 1
+    while True:
+        policy = req.retry if req.retry is not None and attempt <= req.retry.retries else None
+
+        def retry_in(e: WeightcacheError) -> float | None:
+            """Seconds to wait before the next attempt after ``e``; None: no more attempts (the caller goes on)."""
+            if policy is None or not e.retryable or isinstance(e, ModelLoading):
+                return None
+            delay = policy.delay(attempt)
+            return delay if time.monotonic() + delay < deadline else None
+
+        try:
+            return _attach_once(req, deadline, retry_in)
+        except _RetryAttach as r:
+            log.warning("attach retry checkpoint=%s tp_size=%d tp_rank=%d attempt=%d attempts=%d delay_s=%.3f "
+                        "reason=%s: %s", req.model, req.tp_size, req.tp_rank, attempt + 1, req.retry.retries + 1,
+                        r.delay_s, r.error.code, r.error.message,
+                        extra=event("attach_retry", req.model, req.tp_rank, tp_size=req.tp_size))
+            time.sleep(r.delay_s)
+            attempt += 1
+
+
+def _attach_once(req: AttachRequest, deadline: float, retry_in: Any) -> Attachment:
+    """One attempt: the request to the service, then its reply, the disk fallback, or the error.
+
+    ``retry_in(error)`` says whether an error from the service is retried
+    (:class:`_RetryAttach`) rather than fallen back from or raised.
+    """
+    model, tp_size, tp_rank, device = req.model, req.tp_size, req.tp_rank, req.device
+    timeout = max(0.0, deadline - time.monotonic())
     is_path = os.path.isdir(model)
     sock_path = req.socket_path
-    deadline = time.monotonic() + timeout
     # The request goes out first; the local cache key is computed while the service answers.
     session: Session | None = None
     unavailable: WeightcacheError | None = None  # why the service cannot serve (raised, or the fallback's reason)
@@ -257,6 +299,8 @@ def _attach(req: AttachRequest) -> Attachment:
         if session is not None:
             session.close()
             session = None
+        if (delay := retry_in(e)) is not None:
+            raise _RetryAttach(e, delay) from None
         if not is_path:
             if req.fallback and isinstance(e, DaemonUnavailable):
                 raise DaemonUnavailable(f"{e.message}; no disk fallback: {model[:200]!r} is not a checkpoint "
@@ -287,6 +331,8 @@ def _attach(req: AttachRequest) -> Attachment:
         except UnsupportedQuantization:
             raise
         except WeightcacheError as e:
+            if (delay := retry_in(e)) is not None:
+                raise _RetryAttach(e, delay) from None
             if local_ck is None:
                 raise
             unavailable = e

@@ -116,6 +116,11 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], str]:
         raise ConfigError(f"{path}: arrays or tables nested too deeply to parse (at most {MAX_CONFIG_DEPTH} levels)",
                           file=str(path), key="", cause="too_deep") from None
     except tomllib.TOMLDecodeError as e:
+        if text.startswith("\ufeff"):  # Notepad and some editors' "UTF-8 with BOM": invisible, and not TOML
+            raise ConfigError(f"{path}: invalid TOML: the file starts with a UTF-8 byte order mark (bytes EF BB BF, "
+                              f"invisible in most editors), which TOML does not allow: save it as UTF-8 without a "
+                              f"BOM, or remove it with sed -i '1s/^\\xEF\\xBB\\xBF//' {path}", file=str(path), key="",
+                              cause="toml_syntax", line=1, utf8_bom=True) from None
         at = re.search(r"at line (\d+)", str(e))
         raise ConfigError(f"{path}: invalid TOML: {e}", file=str(path), key="", cause="toml_syntax",
                           line=int(at.group(1)) if at else None) from None

@@ -35,6 +35,7 @@ MESSAGE_IDS = {
     "adopted": "f3fc5d86cced450b90db137a1ee94d81",
     "verify": "8155f7ddb1d54d5d9e079155da4d441e",
     "fallback": "4b523c7d13ff4c70b6900ef60d96c209",
+    "attach_retry": "c85f453bae144486ad95db78efacb6f9",
     "rejected": "d62fa5f1c03d4c50b2b8645956695356",
     "reloaded": "7a2112c2cf224a43bcec0e7cd261cd25",
     "demoted": "4cefb35f14ad4756bb021c774a9ab0f3",

@@ -479,11 +479,13 @@ def test_parse_extra_config_defaults_and_rejections():
     from weightcache.integrations.vllm import parse_extra_config
 
     assert parse_extra_config(None) == {"socket_dir": None, "fallback": True, "mode": "zero_copy", "timeout_s": 30.0,
-                                        "gpu": None, "kernel": "cutlass"}
+                                        "gpu": None, "kernel": "cutlass", "retries": 0}
     assert parse_extra_config({"mode": "copy"})["mode"] == "copy"
+    assert parse_extra_config({"retries": 5})["retries"] == 5
     # dtype is vLLM's own --dtype, no longer a loader option.
     for bad in ({"sockets": "/run"}, {"fallback": "yes"}, {"mode": "mmap"}, {"gpu": True}, {"timeout_s": 0},
-                {"timeout_s": 1e12}, {"timeout_s": float("nan")}, {"gpu": -1}, {"dtype": "auto"}):
+                {"timeout_s": 1e12}, {"timeout_s": float("nan")}, {"gpu": -1}, {"dtype": "auto"}, {"retries": -1},
+                {"retries": 1001}, {"retries": True}, {"retries": 2.0}):
         with pytest.raises(ConfigError) as ei:
             parse_extra_config(bad)
         assert ei.value.code == "config_invalid"

@@ -106,3 +106,16 @@ def test_bench_row_copy_copies_every_view_and_checks_the_rows(tmp_path):
     got = {(r["pitch"], r["threads"], r["view"]) for r in res["rates"]}
     assert got == {(p, t, v) for p in (22016, 8192) for t in (1, 2) for v in ("u1", "u8", "void")}, got
     assert all(set(r["gbps"]) == {"1", "2", "8"} and min(r["gbps"].values()) > 0 for r in res["rates"])
+
+
+def test_bench_gpu_gather_says_it_needs_a_gpu_and_measures_nothing_without_one(tmp_path):
+    """CI has no GPU: the script imports, says why it measured nothing, writes no file and no results."""
+    from weightcache.memory import cuda_driver
+
+    if cuda_driver.load_driver() is not None:
+        import pytest
+
+        pytest.skip("a CUDA driver is present: the GPU check runs this benchmark")
+    out = _run("bench_gpu_gather.py", "--dir", str(tmp_path / "gather"), tmp_path=tmp_path)
+    assert "needs a CUDA GPU (the driver reports none here): nothing measured" in out
+    assert not (tmp_path / "gather").exists() and not (tmp_path / "json").exists()

@@ -603,3 +603,25 @@ def test_status_and_list_show_a_slab_adopted_from_the_fd_store(capsys, tmp_path)
         assert rc == 0 and ": ok, " in out, err
         with attach(str(minilm_path()), socket_dir=str(run), fallback=False) as w:
             assert_equal_to_checkpoint(w.tensors)
+
+
+def test_preload_after_the_path_was_fixed_in_the_file_says_to_reload(capsys, daemon, monkeypatch, tmp_path):
+    """troubleshooting.md's checkpoint_not_found: fix ``path`` in the file; ``preload`` alone loads the running
+    configuration (the old path) again and failed the same way, without a word on why. It now says the file
+    gives another path and that ``weightcache reload`` applies it; the reload then loads the model."""
+    wrong = tmp_path / "no-such-checkpoint"
+    svc = daemon(make_config({"minilm": wrong}))
+    svc.wait_settled()
+    monkeypatch.setenv("WEIGHTCACHE_CONFIG", str(svc.config_path))
+    s = ("--socket-dir", str(svc.socket_dir))
+    rc, _, err = cli(capsys, "preload", "minilm", *s)
+    assert rc == 1 and "checkpoint_not_found" in err and "note:" not in err  # the file agrees: nothing to add
+    svc.write_config(make_config({"minilm": minilm_path()}))
+    rc, _, err = cli(capsys, "preload", "minilm", *s)
+    assert rc == 1 and "checkpoint_not_found" in err
+    assert f'{svc.config_path} now gives model minilm path = "{minilm_path()}"' in err, err
+    assert f"still runs with {wrong}" in err and "weightcache reload" in err, err
+    rc, _, err = cli(capsys, "reload", *s)
+    assert rc == 0, err
+    rc, out, err = cli(capsys, "wait", "minilm", *s)
+    assert (rc, out.splitlines()[-1]) == (0, "GPU 0 minilm tp=1 rank=0: ready"), err

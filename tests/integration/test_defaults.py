@@ -176,6 +176,23 @@ def test_check_config_as_root_checks_as_the_service_user(unreadable_ck, tmp_path
     assert str(unreadable_ck / "model.safetensors") in as_user.stderr and "user nobody" in as_user.stderr
 
 
+def test_check_config_as_another_user_passes_a_readable_checkpoint(unreadable_ck):
+    """A checkpoint the user may read passes ``--as-user nobody`` even when nobody may not read this
+    interpreter's own files (a source tree's Python under ``/root``, mode 0700): numpy, which safetensors'
+    header check imports on first use, failed to import in the child and every readable model was reported
+    ``checkpoint_corrupt`` ('safetensors rejects ...: Importing the numpy C-extensions failed')."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    (unreadable_ck / "model.safetensors").chmod(0o644)
+    cfg = unreadable_ck.parent / "weightcache.toml"
+    cfg.write_text(f'[models.minilm]\npath = "{unreadable_ck}"\n')
+    cfg.chmod(0o644)
+    r = subprocess.run([PY, "-m", "weightcache", "check-config", "--config", str(cfg), "--as-user", "nobody"],
+                       capture_output=True, text=True, timeout=120, env=service_env(), cwd="/")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "checkpoint_corrupt" not in r.stdout + r.stderr and "104 tensors" in r.stdout, r.stdout + r.stderr
+
+
 def test_check_config_as_another_user_reports_an_impossible_path():
     """Run by root, the checks happen in a child as the service user: its findings must reach the
     terminal (a path too long to stat once ended the child silently with status 1)."""

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from weightcache.checkpoint import Checkpoint
-from weightcache.errors import CheckpointCorrupt
+from weightcache.errors import CheckpointCorrupt, CheckpointNotFound
 
 
 def _sharded(tmp_path):
@@ -69,6 +69,35 @@ def test_garbage_header(tmp_path):
     with pytest.raises(Exception) as e:
         Checkpoint(d)
     assert e.value.code == "checkpoint_corrupt"
+
+
+def test_a_runtime_that_cannot_import_numpy_is_not_a_corrupt_checkpoint(tmp_path, monkeypatch):
+    """safetensors' ``safe_open(framework="numpy")`` imports numpy on first use; when that import fails (a
+    broken runtime, or ``check-config --as-user`` in a child that may not read the interpreter's files) the
+    ImportError propagates. It was caught with safetensors' own errors and every good checkpoint was
+    ``checkpoint_corrupt``."""
+    d, _ = _sharded(tmp_path)
+    monkeypatch.setitem(__import__("sys").modules, "numpy", None)
+    with pytest.raises(ImportError):
+        Checkpoint(d)
+
+
+@pytest.mark.parametrize("entries, found", [
+    (["config.json", "pytorch_model.bin"], ["pytorch_model.bin"]),  # a checkpoint saved without safetensors
+    (["blobs/", "refs/", "snapshots/"], ["snapshots"]),  # the hub cache's repository, not its snapshot
+    ([], []),
+])
+def test_a_directory_without_safetensors_says_what_it_holds(tmp_path, entries, found):
+    """``checkpoint_not_found`` for a directory with no ``*.safetensors`` names what is there instead
+    (``details["found"]``): weights in another format, or a hub cache repository whose snapshot was meant."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    for e in entries:
+        (d / e.rstrip("/")).mkdir() if e.endswith("/") else (d / e).write_bytes(b"x")
+    with pytest.raises(CheckpointNotFound) as e:
+        Checkpoint(d)
+    assert e.value.code == "checkpoint_not_found"
+    assert e.value.details["path"] == str(d) and e.value.details["found"] == found
 
 
 def test_missing_directory_and_index_entry(tmp_path):
@@ -167,6 +196,26 @@ def test_hub_snapshot_links_into_blobs_are_allowed(tmp_path):
     (snap / "model.safetensors").symlink_to("../../blobs/sha256-0001")
     ck = Checkpoint(snap)
     assert _read_all(ck) == {"w": t["w"].numpy().tobytes()}
+
+
+@pytest.mark.parametrize("hub", [False, True])
+def test_a_link_to_a_missing_file_says_so(tmp_path, hub):
+    """``model.safetensors`` is a link (``ls`` lists it) to a file that is gone: ``checkpoint_not_found``
+    names the link's target (``details["link_target"]``); it said the link itself 'does not exist'."""
+    if hub:  # a hub snapshot whose blob is missing
+        (tmp_path / "models--org--tiny" / "blobs").mkdir(parents=True)
+        d = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+        d.mkdir(parents=True)
+        target = "../../blobs/sha256-0001"
+    else:
+        d = tmp_path / "ck"
+        d.mkdir()
+        target = "model-renamed.safetensors"
+    (d / "model.safetensors").symlink_to(target)
+    with pytest.raises(CheckpointNotFound) as e:
+        Checkpoint(d)
+    assert e.value.code == "checkpoint_not_found"
+    assert (e.value.details["file"], e.value.details["link_target"]) == ("model.safetensors", target)
 
 
 @pytest.mark.parametrize("how", ["dotdot", "absolute", "subdir", "symlink_out", "fifo", "directory"])

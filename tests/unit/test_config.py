@@ -163,6 +163,20 @@ def test_utf16_file_is_config_invalid(tmp_path):
     assert (e.value.details["file"], e.value.details["cause"]) == (str(p), "not_utf8")
 
 
+def test_utf8_bom_is_named(tmp_path):
+    """A file saved as 'UTF-8 with BOM' (EF BB BF, invisible in the editor) was 'invalid TOML: Invalid
+    statement (at line 1, column 1)' under a first line that reads [service]; the error now says it is the BOM."""
+    p = tmp_path / "weightcache.toml"
+    p.write_bytes(b'\xef\xbb\xbf[service]\r\nbackend = "host"\r\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.code == "config_invalid"
+    d = e.value.details
+    assert (d["file"], d["cause"], d["line"], d.get("utf8_bom")) == (str(p), "toml_syntax", 1, True)
+    p.write_bytes(b'[service]\r\nbackend = "host"\r\n')  # the same file without it (CRLF is fine)
+    assert load_config(p).service.backend == "host"
+
+
 def test_directory_is_config_invalid(tmp_path):
     (tmp_path / "weightcache.toml").mkdir()
     with pytest.raises(ConfigError) as e:
@@ -189,6 +203,28 @@ def test_key_under_commented_service_header_says_so(tmp_path):
     header = example.splitlines().index("# [service]") + 1
     assert e.value.details["line"] == example.splitlines().index('# backend = "auto"') + 1
     assert e.value.details["commented_header_line"] == header
+
+
+def test_shipped_example_shows_every_key_commented_out_and_loads_uncommented(tmp_path):
+    """The shipped /etc/weightcache/weightcache.toml says every key is shown commented out: each field of
+    [service], [metrics], [models.NAME] and its layouts is there, and uncommenting every key and header
+    gives a file that loads (12 [service] keys, operator_groups and the client limits among them, were
+    missing)."""
+    import dataclasses
+    import re
+
+    from weightcache import config
+
+    example = (Path(__file__).parents[2] / "examples" / "weightcache.toml").read_text()
+    shown = re.findall(r"^# ([a-z_]+) = ", example, re.M) + list(re.findall(r"\{ (tp) = \d+, (gpus) = ", example)[0])
+    for cls in (config.ServiceConfig, config.MetricsConfig, config.ModelConfig, config.Layout):
+        for f in dataclasses.fields(cls):
+            if f.name not in ("name", "source"):  # the table's NAME and the file it came from
+                assert f.name in shown, (cls.__name__, f.name)
+    text = re.sub(r"^# (\[[a-z.]+\]|[a-z_]+ = .*)$", r"\1", example, flags=re.M)
+    cfg = load_config(_write(tmp_path, text))
+    assert list(cfg.service.operator_groups) == [] and cfg.service.max_connections == 4096
+    assert [(lay.tp, list(lay.gpus)) for lay in cfg.models["qwen"].layouts] == [(1, [0]), (2, [2, 3])]
 
 
 def test_key_outside_a_table_without_a_commented_header(tmp_path):

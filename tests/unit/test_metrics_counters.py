@@ -165,7 +165,7 @@ def test_alert_rules_and_dashboard_use_exposed_names():
 def test_every_event_has_a_random_id_and_a_catalog_entry():
     catalog = (REPO / "units" / "weightcache.catalog").read_text()
     assert set(MESSAGE_IDS) == {"serving", "ready", "config_rejected", "loaded", "load_failed", "attached",
-                                "released", "evicted", "adopted", "verify", "fallback", "rejected", "reloaded",
+                                "released", "evicted", "adopted", "verify", "fallback", "attach_retry", "rejected", "reloaded",
                                 "demoted", "promoted", "shelved", "backend"}
     assert len(set(MESSAGE_IDS.values())) == len(MESSAGE_IDS)
     for kind, mid in MESSAGE_IDS.items():

@@ -16,6 +16,7 @@ import sys
 import traceback
 from typing import Any
 
+from ..checkpoint_header import import_validation_modules
 from ..config import Config, Placement, config_path, load_config
 from ..errors import ConfigError, WeightcacheError
 from . import SERVICE_USER
@@ -54,6 +55,10 @@ def _check_as(args: argparse.Namespace) -> int | None:
         raise ConfigError(f"--as-user {user}: no such user (the service runs as {SERVICE_USER})",
                           key="--as-user") from None
     print(f"checking as user {user} (uid {pw.pw_uid}), as weightcache@.service reads the files")
+    try:  # the child checks what the user may read of the checkpoints, not of this interpreter's install
+        import_validation_modules()
+    except ImportError:  # the child's check reports it
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()

@@ -159,5 +159,38 @@ def cmd_preload(args: argparse.Namespace) -> int:
         if not reply.started:
             print(f"GPU {gpu}: {args.model} is already resident or loading", flush=True)
     if rc == EXIT_OK and not args.no_wait:
-        return wait_for(args, args.model, frozenset((gpu, label) for gpu, reply in results for label in reply.started))
+        rc = wait_for(args, args.model, frozenset((gpu, label) for gpu, reply in results for label in reply.started))
+        if rc == EXIT_FAILED:
+            for note in _edited_since_read(args, args.model):
+                print(note, file=sys.stderr)
     return rc
+
+
+def _edited_since_read(args: argparse.Namespace, model: str) -> list[str]:
+    """Notes for each failed slab of ``model`` whose checkpoint path in the configuration files differs from
+    the one the service runs with: ``preload`` loads the running configuration again, so a path fixed in the
+    file (as troubleshooting.md's ``checkpoint_not_found`` says to) needs ``weightcache reload`` first.
+
+    Returns one line per model (empty when the files do not load, or agree with the service).
+    """
+    try:
+        cfg = load_config(None)
+    except ConfigError:
+        return []
+    statuses, _ = collect_status(args, socket_dir_of(args))
+    notes: dict[str, str] = {}
+    for st in statuses:
+        for sl in st.slabs:
+            if sl.state is not SlotState.FAILED or model not in (sl.model, sl.path) or sl.model in notes:
+                continue
+            m = cfg.models.get(sl.model)
+            if m is None:
+                notes[sl.model] = (f"note: model {sl.model} is no longer in {', '.join(cfg.files)}; the service runs "
+                                   f"the configuration it read at its start or last reload: apply the files with "
+                                   f"`weightcache reload` (systemctl reload weightcache)")
+            elif os.path.normpath(str(m.path)) != os.path.normpath(sl.path):
+                notes[sl.model] = (f"note: {m.source} now gives model {sl.model} path = \"{m.path}\", the service "
+                                   f"still runs with {sl.path} (read at its start or last reload), and preload loads "
+                                   f"that again: apply the file with `weightcache reload` (systemctl reload "
+                                   f"weightcache)")
+    return list(notes.values())

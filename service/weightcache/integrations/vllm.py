@@ -52,6 +52,10 @@ timeout_s      ``30``           seconds to wait for the service (a load in progr
 gpu            derived          service instance; default: the physical index of the
                                 model's CUDA device (``CUDA_VISIBLE_DEVICES``), 0 on CPU
 kernel         ``"cutlass"``    kernel layout target of quantized weights
+retries        ``0``            ask the service again up to this many times after a
+                                retryable error (it went away in a restart or an
+                                upgrade, a cap, a full budget) before falling back;
+                                ``weightcache.Retry``'s backoff, within ``timeout_s``
 =============  ===============  =====================================================
 
 Log lines go to vLLM's logger tree (``vllm.weightcache...``) so that they show
@@ -93,7 +97,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from .. import quant, sharding
 from ..checkpoint import Checkpoint
-from ..attach_request import MAX_TIMEOUT_S
+from ..attach_request import MAX_TIMEOUT_S, Retry
 from ..client import Attachment, attach, physical_gpu
 from ..errors import CheckpointNotFound, ConfigError, ShapeMismatch, WeightcacheError
 from ..wire import DEFAULT_KERNEL, DEFAULT_MODE, AttachMode
@@ -152,6 +156,7 @@ EXTRA_CONFIG: dict[str, tuple[tuple[type, ...], Any]] = {
     "timeout_s": ((int, float), 30.0),
     "gpu": ((int, type(None)), None),
     "kernel": ((str,), DEFAULT_KERNEL),
+    "retries": ((int,), 0),
 }
 
 
@@ -167,7 +172,8 @@ def parse_extra_config(extra: dict[str, Any] | None) -> dict[str, Any]:
     Raises:
         ConfigError (`config_invalid`): an unknown key (``dtype`` included:
             the dtype is vLLM's ``--dtype``), a value of the wrong type, a
-            ``mode`` not in :data:`MODES`, ``timeout_s`` not in ``(0, 1e9]``, or ``gpu < 0``.
+            ``mode`` not in :data:`MODES`, ``timeout_s`` not in ``(0, 1e9]``, ``retries`` not in
+            ``[0, 1000]``, or ``gpu < 0``.
 
     Example:
         >>> parse_extra_config({"fallback": False})["mode"]
@@ -195,6 +201,9 @@ def parse_extra_config(extra: dict[str, Any] | None) -> dict[str, Any]:
     if not 0 < out["timeout_s"] <= MAX_TIMEOUT_S:  # NaN included
         raise ConfigError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: timeout_s must be > 0 and "
                           f"at most {MAX_TIMEOUT_S:.0e}, got {out['timeout_s']!r}", key="timeout_s")
+    if not 0 <= out["retries"] <= 1000:
+        raise ConfigError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: retries must be an integer "
+                          f"from 0 (off) to 1000, got {out['retries']!r}", key="retries")
     if out["gpu"] is not None and out["gpu"] < 0:
         raise ConfigError(f"--model-loader-extra-config for load format {LOAD_FORMAT!r}: gpu must be a service "
                           f"instance (a GPU index >= 0), got {out['gpu']!r}", key="gpu")
@@ -478,7 +487,8 @@ class WeightcacheModelLoader(BaseModelLoader):
         o = self.options
         return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode=AttachMode.ZERO_COPY,
                       fallback=fallback, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
-                      dtype=rank.dtype, naming=naming, kernel=o["kernel"])
+                      dtype=rank.dtype, naming=naming, kernel=o["kernel"],
+                      retry=Retry(retries=o["retries"]) if o["retries"] else None)
 
     def _log_attached(self, rank: _Rank, w: Attachment, mode: str, t0: float, **extra: Any) -> None:
         log.info("weightcache attached checkpoint=%s source=%s mode=%s tp_size=%d tp_rank=%d device=%s gpu=%s "
