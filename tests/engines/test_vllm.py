@@ -330,10 +330,12 @@ def test_service_stopped_fallback_true_same_tokens_and_reason_logged(stopped_ser
     attached_line(out, source="disk", mode="zero_copy")
 
 
-def test_client_warnings_show_once_in_vllms_log(tmp_path):
+@pytest.mark.parametrize("reload", [False, True], ids=["imported", "reloaded"])
+def test_client_warnings_show_once_in_vllms_log(tmp_path, reload):
     """The client's own warnings in a process that imported the plugin: once, in vLLM's format, prefixed
     ``weightcache``. A disk fallback printed a bare ``fallback to disk ...`` line from Python's last-resort
-    handler (nothing handled the ``weightcache`` logger), then the loader's own line."""
+    handler (nothing handled the ``weightcache`` logger), then the loader's own line. Reloaded, the plugin
+    installed a second handler (another class object passed the isinstance check) and each line showed twice."""
     from safetensors.torch import save_file
     import torch
 
@@ -342,6 +344,7 @@ def test_client_warnings_show_once_in_vllms_log(tmp_path):
     save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, str(ck / "model.safetensors"))
     (ck / "config.json").write_text(json.dumps({"architectures": ["Toy"], "model_type": "toy"}))
     code = (f"import weightcache.integrations.vllm\n"  # as vLLM's plugin entry point imports it
+            + ("import importlib; importlib.reload(weightcache.integrations.vllm)\n" if reload else "") +
             f"from vllm.config.logging import LoggingConfig\n"
             f"from vllm.logger import configure_logging\n"
             f"configure_logging(LoggingConfig())\n"  # as vLLM's engine does when it starts

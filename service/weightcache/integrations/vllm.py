@@ -118,6 +118,14 @@ class _IntoVllmLog(logging.Handler):
     decides what is emitted (WARNING and up unless the engine sets it), and vLLM's level what is shown.
     """
 
+    #: The handler's name: how :func:`_route_client_logs` finds one already installed, also one of another
+    #: copy of this class (a reload of this module, or the module imported twice under two names).
+    NAME = "weightcache-into-vllm"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_name(self.NAME)
+
     def emit(self, record: logging.LogRecord) -> None:
         if not log.isEnabledFor(record.levelno):
             return
@@ -130,7 +138,9 @@ def _route_client_logs() -> None:
     """Installs :class:`_IntoVllmLog` on the ``weightcache`` logger (once) and stops its records from also
     propagating to the root logger, so that each shows once, through vLLM's logger tree."""
     tree = logging.getLogger("weightcache")
-    if not any(isinstance(h, _IntoVllmLog) for h in tree.handlers):
+    # By name, not by class: a reload creates another _IntoVllmLog class, and an isinstance check let a second
+    # handler in, each line then shown twice.
+    if not any(h.get_name() == _IntoVllmLog.NAME for h in tree.handlers):
         tree.addHandler(_IntoVllmLog())
     tree.propagate = False
 
