@@ -284,6 +284,20 @@ def test_profiler_attachment_is_the_loads_one_attach_per_start(service, llama, r
     assert daemon_attaches(service, "llama") - before == 1
 
 
+def test_retries_are_spent_once_per_engine_start(stopped_service, llama):
+    """``retries`` with the service down: vLLM's GPU worker asks get_external_weight_memory, then loads; the
+    profiler's attach spends the retries and the load asks once more, then falls back. The load retried as
+    many times again (twice the retries in the log, up to twice timeout_s before the disk load)."""
+    result, out = run_engine(llama, load_format="weightcache", profile_first=True,
+                             extra={"socket_dir": stopped_service.socket_dir, "fallback": True, "retries": 2})
+    attached_line(out, source="disk", mode="zero_copy")
+    assert result["external_weight_bytes"] == 0
+    retries = log_lines(out, "attach retry")
+    assert [ln.split(" attempts=")[0].rsplit("attempt=", 1)[1] for ln in retries] == ["2", "3"], retries
+    (fallback,) = log_lines(out, "fallback to disk")
+    assert "reason=daemon_unavailable" in fallback, fallback
+
+
 def test_zero_copy_qwen2_tied_and_read_only(service, qwen2, qwen2_reference):
     result, out = run_engine(qwen2, load_format="weightcache", faults=True, probe=True, write_after=True,
                              extra={"socket_dir": service.socket_dir, "fallback": False})

@@ -152,6 +152,11 @@ _route_client_logs()
 #: (``get_model_loader`` builds one per call), so the handoff cannot live on the loader.
 _PROFILED: dict["_Rank", Attachment] = {}
 
+#: Ranks whose attach in :meth:`WeightcacheModelLoader.get_external_weight_memory` spent the ``retries``
+#: of this engine start (the service could not serve, a retryable error): the load's attach asks once more,
+#: without retrying again (``retries`` is per engine start, not per question).
+_RETRIES_SPENT: set["_Rank"] = set()
+
 #: The ``--load-format`` value.
 LOAD_FORMAT = "weightcache"
 
@@ -337,9 +342,12 @@ class WeightcacheModelLoader(BaseModelLoader):
             return 0
         rank = self._rank(vllm_config.model_config, self._target(vllm_config))
         _drop_profiled(rank)
+        _RETRIES_SPENT.discard(rank)  # this question is a new engine start's: its attach has the retries
         try:
             w = self._attach(rank, "vllm", fallback=False)
         except WeightcacheError as e:
+            if e.retryable and self.options["retries"]:
+                _RETRIES_SPENT.add(rank)
             log.info("weightcache external weight memory 0 checkpoint=%s tp_rank=%d reason=%s: %s",
                      rank.path, rank.tp_rank, e.code, e.message)
             return 0
@@ -494,11 +502,15 @@ class WeightcacheModelLoader(BaseModelLoader):
                      get_tensor_model_parallel_rank(), device, gpu, dtype_name(model_config.dtype))
 
     def _attach(self, rank: _Rank, naming: str, fallback: bool) -> Attachment:
+        """:func:`weightcache.attach` of ``rank`` with this loader's options: ``retries`` retries unless the
+        profiler's attach of this engine start spent them (:data:`_RETRIES_SPENT`: one attempt)."""
         o = self.options
+        retries = 0 if rank in _RETRIES_SPENT else o["retries"]
+        _RETRIES_SPENT.discard(rank)
         return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode=AttachMode.ZERO_COPY,
                       fallback=fallback, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
                       dtype=rank.dtype, naming=naming, kernel=o["kernel"],
-                      retry=Retry(retries=o["retries"]) if o["retries"] else None)
+                      retry=Retry(retries=retries) if retries else None)
 
     def _log_attached(self, rank: _Rank, w: Attachment, mode: str, t0: float, **extra: Any) -> None:
         log.info("weightcache attached checkpoint=%s source=%s mode=%s tp_size=%d tp_rank=%d device=%s gpu=%s "
