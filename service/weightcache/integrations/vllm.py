@@ -55,7 +55,9 @@ kernel         ``"cutlass"``    kernel layout target of quantized weights
 retries        ``0``            ask the service again up to this many times after a
                                 retryable error (it went away in a restart or an
                                 upgrade, a cap, a full budget) before falling back;
-                                ``weightcache.Retry``'s backoff, within ``timeout_s``
+                                ``weightcache.Retry``'s backoff, within ``timeout_s``;
+                                once per engine start (the GPU worker's memory
+                                question spends them, the load then asks once)
 =============  ===============  =====================================================
 
 Log lines go to vLLM's logger tree (``vllm.weightcache...``) so that they show
