@@ -51,7 +51,9 @@ class Retry:
     WARNING with the error that caused it. ``model_loading`` is not retried
     (the attach already waited for the load for its whole ``timeout``), nor is
     an error whose ``retryable`` flag is clear (``access_denied``,
-    ``cache_key_mismatch``, ``model_not_found``...).
+    ``cache_key_mismatch``, ``model_not_found``...), nor anything when the
+    engine's device cannot be set up (``device_error``: every attempt and the
+    disk fallback need it).
 
     Attributes:
         retries (`int`): extra attempts after the first, 1 to 1000.

@@ -261,7 +261,13 @@ def _attach(req: AttachRequest) -> Attachment:
             if policy is None or not e.retryable or isinstance(e, ModelLoading):
                 return None
             delay = policy.delay(attempt)
-            return delay if time.monotonic() + delay < deadline else None
+            if time.monotonic() + delay >= deadline:
+                return None
+            try:  # a device that cannot be set up fails every attempt and the disk fallback alike: no retry
+                device_info(req.device)
+            except WeightcacheError:
+                return None
+            return delay
 
         try:
             return _attach_once(req, deadline, retry_in)

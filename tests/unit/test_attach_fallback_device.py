@@ -80,3 +80,19 @@ def test_a_working_device_still_falls_back(tmp_path, caplog):
         assert a.source == "disk" and torch.equal(a.tensors["w"], w)
     (line,) = _fallback_lines(caplog)
     assert line.startswith(f"fallback to disk checkpoint={ck} tp_size=1 tp_rank=0 reason=daemon_unavailable: "), line
+
+
+def test_a_failing_device_is_not_retried(tmp_path, broken_device, caplog):
+    """With a retry policy and no service, a device that cannot be set up raises at once: every attempt (the
+    attach maps the slab onto it) and the disk fallback need it. It retried until the policy or the timeout
+    was spent, each retry logged, and then raised the same device_error."""
+    ck = tmp_path / "ck"
+    _toy(ck)
+    caplog.set_level(logging.INFO, logger="weightcache")
+    with pytest.raises(DeviceError) as e:
+        client.attach(str(ck), device=_BROKEN, gpu=0, socket_dir=str(tmp_path / "run"), fallback=True, timeout=60,
+                      retry=client.Retry(retries=3, backoff_s=0.01))
+    assert e.value.code == "device_error"
+    assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("attach retry")]
+    (line,) = _fallback_lines(caplog)
+    assert line.startswith(f"no fallback to disk, the device fails checkpoint={ck} "), line
