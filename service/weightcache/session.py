@@ -16,6 +16,7 @@ import logging
 import os
 import pwd
 import socket
+import stat
 import time
 from typing import Any
 
@@ -128,6 +129,20 @@ def _missing_text(path: str, e: OSError) -> tuple[str, dict[str, Any]]:
     return text, {"listening": listening}
 
 
+def _not_a_socket(path: str) -> str | None:
+    """What ``path`` is when it exists and is not a socket (``regular file``, ``directory``...), else None.
+
+    Connecting to such a path fails with ``ECONNREFUSED``, as to a socket left by a stopped service.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a regular file" if stat.S_ISREG(mode) else "a directory" if stat.S_ISDIR(mode) else "not a socket file"
+
+
 class Session:
     """A blocking client connection to one service socket (one per attach).
 
@@ -157,7 +172,16 @@ class Session:
             self.sock.close()
             text, details = _missing_text(path, e)
             raise DaemonUnavailable(text, socket=path, **details) from None
-        except (FileNotFoundError, ConnectionRefusedError, socket.timeout, OSError) as e:
+        except ConnectionRefusedError as e:
+            self.sock.close()
+            if (kind := _not_a_socket(path)) is not None:
+                raise DaemonUnavailable(
+                    f"no weightcache service at {path}: it is {kind}, not a socket; nothing serves there (check the "
+                    f"socket directory: attach's socket_dir, $WEIGHTCACHE_SOCKET_DIR, the config's [service] "
+                    f"socket_dir; a service started on that path replaces a regular file)", socket=path,
+                    file_type=kind) from None
+            raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None
+        except (socket.timeout, OSError) as e:
             self.sock.close()
             raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None
         self.conn = protocol.Connection(protocol.CLIENT)
