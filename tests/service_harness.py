@@ -597,6 +597,16 @@ def write_checkpoint(dest: Path, tensors: dict[str, Any], config: dict[str, Any]
     return dest
 
 
+def toy_checkpoint(dest: Path) -> Any:
+    """A one-tensor checkpoint at ``dest``: ``w``, float32 ``(2, 3)`` holding 0..5, and a ``Toy`` config.json;
+    returns ``w``."""
+    import torch
+
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    write_checkpoint(dest, {"w": w}, {"architectures": ["Toy"], "model_type": "toy"})
+    return w
+
+
 LLAMA = dict(hidden=64, heads=4, kv_heads=2, inter=128, vocab=96, layers=2)
 
 

@@ -8,10 +8,9 @@ on the client module, the name both of the attach's calls use.
 
 from __future__ import annotations
 
-import json
 
 import pytest
-from service_harness import daemon, poll_until  # noqa: F401 - pytest fixture (a host-backend service)
+from service_harness import daemon, poll_until, toy_checkpoint  # noqa: F401 - daemon: pytest fixture
 
 torch = pytest.importorskip("torch")
 
@@ -19,20 +18,10 @@ from weightcache import client  # noqa: E402
 from weightcache.errors import ConfigError, ModelNotFound  # noqa: E402
 
 
-def _toy(path):
-    from safetensors.torch import save_file
-
-    path.mkdir()
-    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    save_file({"w": w}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({"architectures": ["Toy"], "model_type": "toy"}))
-    return w
-
-
 def test_backend_is_set_up_before_the_reply_is_read(daemon, tmp_path, monkeypatch):  # noqa: F811 - the fixture
     """The backend and torch's view operations are set up between sending the request and reading the reply."""
     ck = tmp_path / "ck"
-    w = _toy(ck)
+    w = toy_checkpoint(ck)
     svc = daemon({"toy": str(ck)})
     events = []
     real_backend, real_replies, real_warm_up = client.local_backend, client.Session.replies, client.warm_up_views
@@ -73,7 +62,7 @@ def test_a_backend_that_fails_raises_after_the_reply_and_leaves_no_lease(daemon,
     """The early set-up's error is not raised early: the attach's own call after the reply raises it, and the
     session (the lease) is closed as before."""
     ck = tmp_path / "ck"
-    _toy(ck)
+    toy_checkpoint(ck)
     svc = daemon({"toy": str(ck)})
     svc.wait_settled()
     calls = []
@@ -87,7 +76,7 @@ def test_a_backend_that_fails_raises_after_the_reply_and_leaves_no_lease(daemon,
 def test_the_services_refusal_wins_over_a_failing_backend(daemon, tmp_path, monkeypatch):  # noqa: F811
     """A model the service does not hold: its ``model_not_found``, not the backend's error set up meanwhile."""
     ck = tmp_path / "ck"
-    _toy(ck)
+    toy_checkpoint(ck)
     svc = daemon({"toy": str(ck)})
     monkeypatch.setattr(client, "local_backend", _failing_backend)
     with pytest.raises(ModelNotFound):

@@ -9,11 +9,10 @@ load that never happened. The device is now set up before the fallback is announ
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
-from service_harness import daemon  # noqa: F401 - pytest fixture (a host-backend service)
+from service_harness import daemon, toy_checkpoint  # noqa: F401 - daemon: pytest fixture (a host-backend service)
 
 torch = pytest.importorskip("torch")
 
@@ -22,16 +21,6 @@ from weightcache import client  # noqa: E402
 from weightcache.errors import DeviceError  # noqa: E402
 
 _BROKEN = "cuda:7"
-
-
-def _toy(path):
-    from safetensors.torch import save_file
-
-    path.mkdir()
-    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    save_file({"w": w}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({"architectures": ["Toy"], "model_type": "toy"}))
-    return w
 
 
 @pytest.fixture
@@ -56,7 +45,7 @@ def _fallback_lines(caplog) -> list[str]:
 def test_a_failing_device_raises_without_claiming_a_fallback(daemon, tmp_path, broken_device, caplog,  # noqa: F811
                                                              service):
     ck = tmp_path / "ck"
-    _toy(ck)
+    toy_checkpoint(ck)
     if service:
         svc = daemon({"toy": str(ck)})
         svc.wait_settled()
@@ -74,7 +63,7 @@ def test_a_failing_device_raises_without_claiming_a_fallback(daemon, tmp_path, b
 
 def test_a_working_device_still_falls_back(tmp_path, caplog):
     ck = tmp_path / "ck"
-    w = _toy(ck)
+    w = toy_checkpoint(ck)
     caplog.set_level(logging.INFO, logger="weightcache")
     with client.attach(str(ck), socket_dir=str(tmp_path / "run"), fallback=True, timeout=60) as a:
         assert a.source == "disk" and torch.equal(a.tensors["w"], w)
