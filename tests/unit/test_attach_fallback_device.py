@@ -76,7 +76,7 @@ def test_a_failing_device_is_not_retried(tmp_path, broken_device, caplog):
     attach maps the slab onto it) and the disk fallback need it. It retried until the policy or the timeout
     was spent, each retry logged, and then raised the same device_error."""
     ck = tmp_path / "ck"
-    _toy(ck)
+    toy_checkpoint(ck)
     caplog.set_level(logging.INFO, logger="weightcache")
     with pytest.raises(DeviceError) as e:
         client.attach(str(ck), device=_BROKEN, gpu=0, socket_dir=str(tmp_path / "run"), fallback=True, timeout=60,
