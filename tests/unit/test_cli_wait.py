@@ -70,3 +70,12 @@ def test_without_a_configuration_for_the_directory_it_waits(node, monkeypatch, t
     monkeypatch.setenv("WEIGHTCACHE_CONFIG", str(node[1]))
     with pytest.raises(_Polled):
         main(["wait", "--gpu", "3", "--socket-dir", str(tmp_path), "--timeout", "1"])
+
+
+def test_a_config_that_places_no_model_at_all_says_nothing_of_the_gpus_and_it_waits(node):
+    """The shipped example file (no models), as in an engine container with the package installed and the
+    host's /run/weightcache mounted: it describes no instance, so ``wait --gpu 0`` waits for the host's."""
+    run, cfg = node
+    cfg.write_text(f'[service]\nsocket_dir = "{run}"\n')
+    with pytest.raises(_Polled):
+        main(["wait", "--gpu", "3", "--timeout", "1"])

@@ -54,12 +54,14 @@ def never_served(gpu: int, where: str, cfg: Config | None) -> str | None:
 
     One may: its socket ``<where>/<gpu>.sock`` exists, ``cfg`` places a model on ``gpu`` (its instance has not
     started yet: ``serve ... &`` then ``wait``, or a target still starting), or no configuration describes
-    ``where`` (``cfg`` is ``None``: nothing tells which GPUs will come). Otherwise the text names the
+    ``where`` (``cfg`` is ``None``, or it places no model at all, as the shipped example file does: an engine
+    container with the package installed and the host's socket directory mounted has that file, and it says
+    nothing of the host's GPUs). Otherwise the text names the
     configured GPUs and the sockets that listen (:func:`weightcache.session.sockets_in`).
     """
-    if cfg is None:
+    placed = cfg.gpus() if cfg is not None else ()
+    if not placed:
         return None
-    placed = cfg.gpus()
     off = cfg.service.disabled_gpus
     if gpu in placed and gpu not in off:
         return None
