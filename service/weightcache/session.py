@@ -172,17 +172,14 @@ class Session:
             self.sock.close()
             text, details = _missing_text(path, e)
             raise DaemonUnavailable(text, socket=path, **details) from None
-        except ConnectionRefusedError as e:
+        except (socket.timeout, OSError) as e:
             self.sock.close()
-            if (kind := _not_a_socket(path)) is not None:
+            if isinstance(e, ConnectionRefusedError) and (kind := _not_a_socket(path)) is not None:
                 raise DaemonUnavailable(
                     f"no weightcache service at {path}: it is {kind}, not a socket; nothing serves there (check the "
                     f"socket directory: attach's socket_dir, $WEIGHTCACHE_SOCKET_DIR, the config's [service] "
                     f"socket_dir; a service started on that path replaces a regular file)", socket=path,
                     file_type=kind) from None
-            raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None
-        except (socket.timeout, OSError) as e:
-            self.sock.close()
             raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None
         self.conn = protocol.Connection(protocol.CLIENT)
         self.client = client or f"pid={os.getpid()}"
