@@ -70,7 +70,7 @@ def test_verify_has_no_warnings(tmp_path):
 
 
 @needs_analyze
-@pytest.mark.parametrize("unit", ["weightcache@0.service", "weightcache-metrics.service"])
+@pytest.mark.parametrize("unit", ["weightcache@0.service", "weightcache-metrics.service", "weightcache.service"])
 def test_security_exposure_is_low(tmp_path, unit):
     _instantiate(tmp_path)
     r = subprocess.run(
@@ -113,6 +113,9 @@ def test_socket_and_service_keys():
     umbrella = (UNITS / "weightcache.service").read_text()
     assert re.search(r"^ExecReload=/usr/bin/weightcache reload --running --socket-dir /run/weightcache$", umbrella,
                      re.M)
+    # Issue 39: the umbrella ran its reload as root (9.6 UNSAFE); it needs only the instances' sockets.
+    for line in ("User=weightcache", "Group=weightcache", "ProtectSystem=strict", "PrivateNetwork=yes"):
+        assert re.search(rf"^{re.escape(line)}$", umbrella, re.M), line
     # Booleans are only yes/no (STYLE.md).
     for text in (sock, svc):
         assert not re.search(r"^\w+=(true|false|on|off|1|0)$", text, re.M | re.I)
