@@ -107,10 +107,16 @@ class Container:
         binds_rw (`list`): the same, read-write.
         directory (`str`, *optional*, defaults to ``"/"``): the root to boot;
             ``"/"`` is booted ``--volatile=yes``.
+        private_network (`bool`, *optional*, defaults to ``True``): no network;
+            ``False`` shares the host's (scripts/newcomer-check downloads).
+        lifetime_s (`int`, *optional*, defaults to :data:`LIFETIME_S`): when it kills itself.
     """
 
-    def __init__(self, name: str, binds_ro=(), binds_rw=(), directory: str = "/") -> None:
+    def __init__(self, name: str, binds_ro=(), binds_rw=(), directory: str = "/", private_network: bool = True,
+                 lifetime_s: int = LIFETIME_S) -> None:
         self.name = name
+        self.private_network = private_network
+        self.lifetime_s = lifetime_s
         self.binds_ro = [_bind(p) for p in binds_ro]
         self.binds_rw = [_bind(p) for p in binds_rw]
         self.directory = directory
@@ -137,9 +143,10 @@ class Container:
 
     def start(self) -> "Container":
         cmd = [
-            "timeout", "-k", "10", str(LIFETIME_S),
+            "timeout", "-k", "10", str(self.lifetime_s),
             "systemd-nspawn", "-D", self.directory,
-            "--private-network", "--register=no", "--keep-unit", "--console=passive",
+            *(["--private-network"] if self.private_network else []),
+            "--register=no", "--keep-unit", "--console=passive",
             "-M", self.name,
         ]
         if self.directory == "/":
