@@ -416,6 +416,22 @@ def test_the_umbrella_reloads_every_instance_and_stop_waits_for_them(box, tmp_pa
         c.run(["rm", "-rf", "/srv/wc-tiny"])
 
 
+def test_stopping_the_umbrella_stops_every_instance_and_its_socket(box):
+    """Issue 39: "systemctl stop weightcache" stopped the instances and left their sockets listening, so the
+    next engine started the instance again and loaded from disk. Now nothing listens until the target starts."""
+    c = box
+    c.run(["systemctl", "start", "weightcache.target", "weightcache@0.service"])
+    assert c.show("weightcache@1.socket", "ActiveState") == {"ActiveState": "active"}
+    c.run(["systemctl", "stop", "weightcache"], timeout=120)
+    for unit in ("weightcache@0.service", "weightcache@0.socket", "weightcache@1.socket", "weightcache.service"):
+        assert c.show(unit, "ActiveState") == {"ActiveState": "inactive"}, unit
+    assert c.run(["test", "-e", "/run/weightcache/0.sock"], check=False).returncode == 1
+    c.run(["systemctl", "start", "weightcache.target"])
+    for unit in ("weightcache@0.socket", "weightcache@1.socket", "weightcache.service"):
+        assert c.show(unit, "ActiveState") == {"ActiveState": "active"}, unit
+    assert c.show("weightcache@0.service", "ActiveState") == {"ActiveState": "inactive"}  # socket-activated again
+
+
 def test_only_the_clients_group_may_connect(box):
     c = box
     c.run(["systemctl", "start", "weightcache@0.socket"])
