@@ -221,6 +221,18 @@ layouts = [ {{ tp = 2, gpus = [1, 0] }}, {{ tp = 1, gpus = [0] }} ]
     assert counts == {0: 3, 1: 2}
 
 
+def test_check_config_shows_disabled_gpus(capsys, tmp_path):
+    """Issue 39: [service] disabled_gpus was invisible to check-config."""
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(f'[service]\ndisabled_gpus = [1]\n\n[models.minilm]\npath = "{minilm_path()}"\n'
+                   f'layouts = [ {{ tp = 1, gpus = [0] }}, {{ tp = 1, gpus = [1] }} ]\n')
+    rc, out, err = cli(capsys, "check-config", "--config", str(cfg))
+    assert rc == 0, err
+    assert "disabled_gpus=[1]: weightcache.target starts no instance for these GPUs" in out, out
+    assert re.search(r"^GPU 1: 1 slab, .* planned \(disabled_gpus: not started by weightcache.target\)$", out, re.M)
+    assert re.search(r"^GPU 0: 1 slab, .* planned$", out, re.M), out
+
+
 def test_check_config_fails_on_a_missing_checkpoint(capsys, tmp_path):
     missing = tmp_path / "gone"
     cfg = tmp_path / "weightcache.toml"
