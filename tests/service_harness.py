@@ -364,8 +364,12 @@ def serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notif
                           gpu: int = 0) -> subprocess.Popen:
     """Starts ``serve --gpu N`` (a :class:`ServiceProcess`) as systemd would after a restart: the fd
     store's fds (``FDNAME`` -> fd) at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``,
-    and ``$NOTIFY_SOCKET`` set to ``notify``; its output appended to ``log``. Returns at once."""
-    svc = ServiceProcess(Path(listen).parent, Path(cfg), gpu, "host", env={"NOTIFY_SOCKET": notify})
+    and ``$NOTIFY_SOCKET`` set to ``notify``, ``$RUNTIME_DIRECTORY`` a directory beside it kept from one
+    start to the next (``RuntimeDirectoryPreserve=restart``); its output appended to ``log``. Returns at once."""
+    runtime = Path(notify).parent / f"runtime-{gpu}"
+    runtime.mkdir(exist_ok=True)
+    svc = ServiceProcess(Path(listen).parent, Path(cfg), gpu, "host",
+                         env={"NOTIFY_SOCKET": notify, "RUNTIME_DIRECTORY": str(runtime)})
     svc.socket_path, svc.log_path, svc.listen_fds = str(listen), Path(log), dict(stored)
     return svc.launch().proc
 

@@ -43,7 +43,7 @@ from ..loader import LoaderOptions
 from ..memory import Backend
 from ..spec import DTYPE_NAMES
 from . import access, handlers, loads, lograte, tiers
-from .fdstore import FdStore
+from .fdstore import FdStore, record_released, released_at_last_stop
 from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
 from .limits import Limits
 from .loads import Loader, LoadSettings
@@ -122,7 +122,9 @@ class Daemon(OffLoop):
         #: (client, replies, demotions): a request (``evict --to host``) answered once its demotions are done.
         self._answers: list[tuple[Client, tuple, tuple]] = []
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
+        released = released_at_last_stop()
         for slot, got in stored.items():
+            slot.leases_unknown = slot.store_id not in released
             if got.tier == "host":
                 slot.stash(got.manifest, got.sealed, got.manifest_file)
             else:
@@ -333,6 +335,7 @@ class Daemon(OffLoop):
                 self._break(e)
         self.ticker.stopping()
         log.info("stopping gpu=%d", self.gpu)
+        record_released(self.state.slots)
         self.loader.stop()
         self.transport.close_all("service stopping")
         return EXIT_INVARIANT if self._broken is not None else 0
