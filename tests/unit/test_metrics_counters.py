@@ -234,3 +234,20 @@ def test_promtool_unit_tests_of_every_alert_rule():
     r = subprocess.run([promtool, "test", "rules", "weightcache-alerts.test.yml"], cwd=where, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+def test_promtool_dcgm_join_rules():
+    """examples/prometheus/weightcache-dcgm.yml: the GPU UUID lands on weightcache's per-GPU series, and a query
+    joins them with a dcgm-exporter series on (UUID) alone (issue 39: the join needed group_left on build_info)."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus, in the Makefile's APT_PKGS)")
+    where = REPO / "examples" / "prometheus"
+    r = subprocess.run([promtool, "test", "rules", "weightcache-dcgm.test.yml"], cwd=where, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    rules = (where / "weightcache-dcgm.yml").read_text()
+    assert all(_exposed(n) for n in _names_in(rules)), _names_in(rules)
