@@ -192,6 +192,26 @@ def test_enabling_the_target_listens_on_every_configured_gpu(box):
         c.run(["systemctl", "disable", "weightcache.target"])
 
 
+def test_add_wants_loads_a_gpu_when_the_target_starts(box):
+    """Issue 39: after a reboot nothing warmed the weights until the first engine connected. The documented way
+    (weightcache.systemd(7), operations.md "Loading at boot"): systemctl add-wants weightcache.target
+    weightcache@N.service; the target then starts that instance (an eager load) at boot, the others only listen."""
+    c = box
+    c.run(["systemctl", "add-wants", "weightcache.target", "weightcache@0.service"])
+    try:
+        assert c.run(["test", "-L", "/etc/systemd/system/weightcache.target.wants/weightcache@0.service"],
+                     check=False).returncode == 0
+        c.run(["systemctl", "start", "weightcache.target"], timeout=120)  # what the boot does
+        s = c.wait_for("weightcache@0.service", lambda s: s["StatusText"].startswith("ready: 1/1"), timeout=120)
+        assert active(s), s
+        assert c.show("weightcache@1.service", "ActiveState") == {"ActiveState": "inactive"}  # only listens
+        assert c.show("weightcache@1.socket", "ActiveState") == {"ActiveState": "active"}
+        assert len(journal(c, "weightcache@0.service", "loaded", s["MainPID"])) == 1  # loaded with no client
+    finally:
+        c.run(["rm", "-f", "/etc/systemd/system/weightcache.target.wants/weightcache@0.service"])
+        c.run(["systemctl", "daemon-reload"])
+
+
 def test_first_connect_activates_the_service(box):
     c = box
     c.run(["systemctl", "start", "weightcache@0.socket"])
