@@ -443,3 +443,48 @@ def test_hold_answers_engines_and_pings_the_watchdog_while_a_client_trickles(tmp
                 c.close()
             proc.kill()
             proc.wait()
+
+
+# -- the container helper (tests/system/nspawn.py), without booting ----------------------------
+
+
+def test_a_checkout_others_cannot_read_is_refused_with_the_reason(tmp_path):
+    """Issue 39: a checkout the service and test users cannot read (a clone under umask 077) failed every
+    systemd test with "control process exited with error code"; the session now fails at once, saying why.
+    (A checkout under /root is fine: the container's directories above the mount points are opened.)"""
+    import nspawn
+
+    ok, closed = tmp_path / "ok", tmp_path / "closed"
+    ok.mkdir(mode=0o755)
+    closed.mkdir(mode=0o700)
+    assert nspawn.unreadable_reason([ok]) is None
+    why = nspawn.unreadable_reason([ok, closed])
+    assert why.startswith(f"{closed} is mode 0700") and "chmod o+rX" in why, why
+
+
+def test_a_failed_systemctl_shows_the_journal_of_its_units(monkeypatch):
+    """Issue 39: a unit that failed to start showed only systemctl's "control process exited with error code";
+    the assertion now carries the last journal lines of the units the command named."""
+    import nspawn
+
+    box = nspawn.Container("not-started")
+    box.leader = 1
+    calls = []
+
+    def run(argv, **kw):
+        calls.append(argv)
+        if "journalctl" in argv:
+            return subprocess.CompletedProcess(argv, 0, "weightcache-launch: runtime missing\n", "")
+        return subprocess.CompletedProcess(argv, 1, "", "Job for weightcache@0.service failed")
+
+    monkeypatch.setattr(nspawn.subprocess, "run", run)
+    with pytest.raises(AssertionError) as e:
+        box.run(["systemctl", "start", "--no-block", "weightcache@0.socket", "weightcache@0.service"])
+    text = str(e.value)
+    assert "journal of weightcache@0.socket weightcache@0.service:" in text and "runtime missing" in text, text
+    journal = calls[-1]
+    assert journal[journal.index("journalctl"):][-4:] == ["-u", "weightcache@0.socket", "-u", "weightcache@0.service"]
+    calls.clear()
+    with pytest.raises(AssertionError):
+        box.run(["test", "-e", "/x"])  # not systemctl: no journal asked
+    assert not any("journalctl" in c for c in calls)
