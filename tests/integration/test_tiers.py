@@ -192,8 +192,9 @@ def test_reload_lowering_the_budget_demotes_only_unleased_slabs(daemon, tmp_path
     try:
         cfg["service"]["memory_budget_bytes"] = SLAB + SLAB // 2
         svc.write_config(cfg)
-        svc.request(protocol.Reload())
+        reply = svc.request(protocol.Reload())
         assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}
+        assert reply.moved == ["b/tp1/rank0 -> disk"], reply  # issue 39: the report says what the budget moved
         cfg["service"]["memory_budget_bytes"] = SLAB // 2  # below the leased slab: it stays all the same
         svc.write_config(cfg)
         svc.request(protocol.Reload())
