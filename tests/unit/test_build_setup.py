@@ -67,3 +67,17 @@ def test_vllm_stamp_imports_the_cpu_extension_and_apt_has_libnuma():
     makefile = (REPO / "Makefile").read_text()
     pkgs = re.search(r"^APT_PKGS\s*:=((?:.*\\\n)*.*)$", makefile, re.M).group(1).split()
     assert "libnuma1" in pkgs and "prometheus" in pkgs, pkgs
+
+
+def test_the_newcomer_check_finds_the_readmes_commands():
+    """scripts/newcomer-check runs what the README says, read from it: the prerequisites block of a fresh
+    Debian 12 (apt-get, then the clone with its placeholder) and the make targets of its first block."""
+    import runpy
+
+    script = runpy.run_path(str(REPO / "scripts" / "newcomer-check"), run_name="newcomer_check")
+    prereq, targets = script["readme_steps"]((REPO / "README.md").read_text())
+    assert targets == ["demo", "test"]
+    assert prereq[0].startswith("apt-get update && apt-get install -y ") and {"git", "make", "python3"} <= set(
+        prereq[0].split()), prereq
+    assert script["CLONE_PLACEHOLDER"] in prereq[1] and prereq[1].endswith("&& cd weightcache"), prereq
+    assert script["ORIGIN"].endswith("/weightcache")  # git clone file://.../weightcache makes weightcache/
