@@ -222,7 +222,7 @@ def baseline_figures(before: dict, after: dict) -> dict:
 
 _HUNG_CONFIG = '''
 import os
-from weightcache import config_files as _config  # where the config reader lives
+from weightcache.config import _files as _config  # where the config reader lives
 
 _gate = os.environ["WC_TEST_HUNG_CONFIG"].split("=", 1)
 _read_bytes = _config._read_bytes

@@ -267,7 +267,7 @@ class ServiceProcess:
 
     def session(self, timeout: float = 30.0):
         """A connected :class:`weightcache.client.Session` (after ``hello``)."""
-        from weightcache.client import Session
+        from weightcache.session import Session
 
         return Session(self.socket_path, timeout=timeout, client="tests")
 

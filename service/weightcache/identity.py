@@ -24,10 +24,8 @@ from typing import Any
 
 from .checkpoint import Checkpoint
 from .errors import WeightcacheError
-from .spec import DTYPE_NAMES, RankRequest
+from .spec import DETECT, DTYPE_NAMES, RankRequest
 
-#: Default of the ``scheme`` arguments below: detect it from the checkpoint (also ``weightcache.quant.DETECT``).
-DETECT: Any = object()
 
 #: Bumped whenever the bytes produced for the same inputs change (the cache key's ``pipeline_version``).
 PIPELINE_VERSION = 1

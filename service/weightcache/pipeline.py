@@ -30,9 +30,10 @@ from typing import Any, Callable
 from . import digest, identity, placement, quant, sharding
 from .checkpoint import Checkpoint
 from .errors import ShapeMismatch
-from .loader import LoaderOptions, direct_task, read_direct, read_into_slab
+from .reader import LoaderOptions, direct_task, read_direct, read_into_slab
 from .manifest import ALIGNMENT_BYTES, Manifest, TensorRecord, align, contiguous_stride, itemsize, torch_dtype
-from .spec import DTYPE_NAMES, LoadRequest, RankRequest, SourceRef, TensorSpec
+from .spec import DTYPE_NAMES, LoadRequest, RankRequest
+from .tensor_spec import SourceRef, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ def fill(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
     vocab padding, ModelOpt FP8 weights padded to the kernel's multiples, their
     fused scales and the requantisation of fused per-tensor parts) is filled
     by the parallel reader (:mod:`weightcache.placement`,
-    :func:`weightcache.loader.read_direct`) when the slab offers torch-free
+    :func:`weightcache.reader.read_direct`) when the slab offers torch-free
     access (a host memfd's ``buffer``; a CUDA slab's ``stager()`` with its
     NVRTC kernels, :mod:`weightcache.memory.kernels`). Otherwise (a dtype cast,
     or no NVRTC) this is :func:`execute` on ``slab.tensor``. Both give the same
@@ -289,7 +290,7 @@ def _placement(p: Plan, slab) -> placement.Placement | None:
     host = getattr(slab, "buffer", None) is not None
     if not host and not hasattr(slab, "stager"):
         return None
-    placed = placement.place_all(p.specs, p.records, p.checkpoint)
+    placed = placement.place_all(p.specs, p.records, p.checkpoint, quant.placer)
     if placed is None:
         return None
     if not host and hasattr(slab, "prepare_kernels"):
@@ -406,7 +407,7 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
 
     Tensors that are a contiguous byte range of a file (whole tensors, dim-0
     shards, no dtype change) are read by the parallel loader straight to their
-    offsets (:mod:`weightcache.loader`); the others are read, sliced,
+    offsets (:mod:`weightcache.reader`); the others are read, sliced,
     concatenated and processed (``OPS``) and then packed. Finally a content
     digest of every stored tensor is taken from the slab (:mod:`weightcache.digest`).
 

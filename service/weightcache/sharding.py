@@ -40,12 +40,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import Checkpoint
+from .checkpoint.header import TensorInfo
 from .errors import ConfigError, ShapeMismatch, UnsupportedArchitecture
 from .quant import registry
 from .quant.registry import SideTensor
 from .sizes import round_up
-from .spec import FUSED_PARTS, SourceRef, TensorSpec
+from .spec import FUSED_PARTS
+from .tensor_spec import SourceRef, TensorSpec
 from .wire import NAMINGS
 
 log = logging.getLogger(__name__)

@@ -127,7 +127,8 @@ def test_client_killed_mid_attach_cuda_leaks_nothing(service, tmp_path):
 def test_verify_reports_change_through_read_write_remap(service, tmp_path):
     from weightcache import protocol
     from weightcache.client import read_manifest_file
-    from weightcache.memory.cuda import CudaBackend, _map_fd  # a deliberate read-write import (test only)
+    from weightcache.memory.cuda import CudaBackend
+from weightcache.memory.cuda_mapping import _map_fd  # a deliberate read-write import (test only)
 
     t0 = time.monotonic()
     a = H.llama_checkpoint(tmp_path / "a", seed=63, hidden=256, inter=512, vocab=512)

@@ -44,11 +44,13 @@ def _bf16_checkpoint(dest: Path) -> Path:
 
 @pytest.mark.parametrize("o_direct", [False, True])
 def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
-    from weightcache import digest, loader, pipeline
+    from weightcache import digest, pipeline
+    from weightcache.reader import _loader as loader
     from weightcache.config import ModelConfig
     from weightcache.spec import RankRequest
     from weightcache.manifest import build_views
-    from weightcache.memory.cuda import CudaBackend, _map_fd
+    from weightcache.memory.cuda import CudaBackend
+from weightcache.memory.cuda_mapping import _map_fd
 
     ck = _bf16_checkpoint(tmp_path / "ck")
     if o_direct:

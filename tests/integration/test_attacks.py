@@ -38,7 +38,7 @@ from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, make
 from attackers import (NOBODY, back_to_baseline, fork_as, flood, hung_read_env, ok_attach,  # noqa: E402
                        open_socket_to_all, reap, release_read, replies, result, send_quietly, wait_read_hung)
 from weightcache import attach, protocol  # noqa: E402
-from weightcache.client import Session  # noqa: E402
+from weightcache.session import Session  # noqa: E402
 from weightcache.errors import DaemonUnavailable, WeightcacheError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

@@ -37,7 +37,7 @@ from attackers import (NOBODY, SERVICE_UID, back_to_baseline, baseline_figures, 
 from service_harness import (HELLO, frame, llama_checkpoint, make_config, proc_fds, raw_connect,  # noqa: E402
                              read_checkpoint, record_figures)
 from weightcache import protocol  # noqa: E402
-from weightcache.client import Session  # noqa: E402
+from weightcache.session import Session  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

@@ -32,7 +32,7 @@ from attackers import (NOBODY, back_to_baseline, baseline_figures, fork_as, hung
 from service_harness import (compare_bytes, llama_checkpoint, make_config, read_checkpoint,  # noqa: E402
                              record_figures, service_env)
 from weightcache import attach, protocol  # noqa: E402
-from weightcache.client import Session  # noqa: E402
+from weightcache.session import Session  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

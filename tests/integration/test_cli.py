@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from weightcache import attach, protocol
 from weightcache.cli import main
-from weightcache.client import Session
+from weightcache.session import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service_harness import FdStoreStandIn, ServiceProcess, make_config, poll_until  # noqa: E402

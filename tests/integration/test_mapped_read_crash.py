@@ -2,7 +2,7 @@
 truncated while it is being read"): a real ``weightcache serve`` subprocess and the fd store stood in for.
 
 The cut is made deterministic by a ``sitecustomize`` hook in the service process: the first time the reader
-probes the page cache for a piece of the chosen file (:func:`weightcache.row_reads.in_page_cache`, called once the
+probes the page cache for a piece of the chosen file (:func:`weightcache.reader._rows.in_page_cache`, called once the
 piece's span is mapped and just before its rows are copied), the hook truncates that file to 0 bytes, as
 ``cp new.safetensors model.safetensors`` does (``O_TRUNC``) to a file being read.
 """
@@ -29,7 +29,7 @@ from service_harness import (  # noqa: E402
     to_toml,
 )
 from weightcache import attach, protocol  # noqa: E402
-from weightcache.client import Session  # noqa: E402
+from weightcache.session import Session  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,7 +37,7 @@ HOOK = """\
 import os
 target = os.environ.get("WC_TEST_CUT_WHEN_MAPPED")
 if target:
-    import weightcache.row_reads as row_reads
+    import weightcache.reader._rows as row_reads
     probe = row_reads.in_page_cache
 
     def cut_then_probe(fd, offset):

@@ -286,7 +286,7 @@ def test_an_invalid_config_at_start_serves_the_slabs_from_the_fd_store_until_a_r
     cfg.write_text(good)
 
     def status() -> dict:
-        from weightcache.client import Session
+        from weightcache.session import Session
 
         s = Session(str(listen), timeout=10)
         try:

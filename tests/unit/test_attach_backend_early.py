@@ -14,7 +14,7 @@ from service_harness import daemon, poll_until, toy_checkpoint  # noqa: F401 - d
 
 torch = pytest.importorskip("torch")
 
-from weightcache import client  # noqa: E402
+from weightcache.client import _attach as client  # noqa: E402
 from weightcache.errors import ConfigError, ModelNotFound  # noqa: E402
 
 

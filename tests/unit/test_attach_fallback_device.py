@@ -17,7 +17,7 @@ from service_harness import daemon, toy_checkpoint  # noqa: F401 - daemon: pytes
 torch = pytest.importorskip("torch")
 
 import weightcache.memory  # noqa: E402
-from weightcache import client  # noqa: E402
+from weightcache.client import _attach as client  # noqa: E402
 from weightcache.errors import DeviceError  # noqa: E402
 
 _BROKEN = "cuda:7"

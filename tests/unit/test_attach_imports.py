@@ -1,4 +1,4 @@
-"""The CUDA attach path imported ahead on a thread (``weightcache.attach_imports``): when, what, fork-safety.
+"""The CUDA attach path imported ahead on a thread (``weightcache.client._imports``): when, what, fork-safety.
 
 Each run is a fresh interpreter of the test venv with ``$WEIGHTCACHE_IMPORT_AHEAD``
 set, so that the outcome does not depend on whether this machine has an
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from weightcache import attach_imports
-from weightcache.attach_imports import ENV, MODULES, plausible
+from weightcache.client import _imports as attach_imports
+from weightcache.client._imports import ENV, MODULES, plausible
 
 
 def _run(code: str, ahead: str) -> subprocess.CompletedProcess:

@@ -18,15 +18,15 @@ import torch
 from daemon_helpers import Clock, close_slabs
 from service_harness import compare_bytes, read_checkpoint, write_checkpoint
 from weightcache import identity, protocol
-from weightcache.accounts import AccountNames
+from weightcache.config import AccountNames
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import access, handlers, loads
 from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
 from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent, SlotState
-from weightcache.loader import LoaderOptions
-from weightcache import manifest_file as manifest_module
+from weightcache.reader import LoaderOptions
+from weightcache.manifest import _file as manifest_module
 from weightcache.manifest import build_views
-from weightcache.manifest_file import unpack_file
+from weightcache.manifest import unpack_file
 from weightcache.memory.host import HostBackend
 from weightcache.spec import DTYPE_NAMES
 

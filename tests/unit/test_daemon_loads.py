@@ -21,7 +21,7 @@ from service_harness import poll_until, write_checkpoint
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import loads
 from weightcache.daemon.state import ServiceState, SlotState
-from weightcache.loader import LoaderOptions
+from weightcache.reader import LoaderOptions
 from weightcache.memory.host import HostBackend
 
 pytestmark = pytest.mark.timeout(60)

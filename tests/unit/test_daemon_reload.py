@@ -18,7 +18,7 @@ from weightcache.daemon.handlers import CancelLoad, Context, FreeSlab, Reconfigu
 from weightcache.daemon.state import Peer, ServiceState, SlotState
 from weightcache.daemon.ticker import Ticker
 from weightcache.errors import ConfigError
-from weightcache.loader import LoaderOptions
+from weightcache.reader import LoaderOptions
 
 S = SlotState
 ME = Peer(10, os.getuid(), os.getgid())

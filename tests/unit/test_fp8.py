@@ -28,7 +28,8 @@ from weightcache.errors import UnsupportedQuantization  # noqa: E402
 from weightcache.manifest import build_views  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
 from weightcache.quant import modelopt_fp8  # noqa: E402
-from weightcache.spec import RankRequest, SourceRef, TensorSpec  # noqa: E402
+from weightcache.spec import RankRequest
+from weightcache.tensor_spec import SourceRef, TensorSpec  # noqa: E402
 
 ALGOS = [F.PER_TENSOR, F.PER_CHANNEL]
 PROMPTS = [[1, 5, 9, 33], [7, 7, 100, 2, 64]]

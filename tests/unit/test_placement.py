@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp8_fixtures as F  # noqa: E402
 from tiny_models import tiny_llama, tiny_qwen2  # noqa: E402,F401  (fixtures)
 
-from weightcache import loader, pipeline, placement  # noqa: E402
+from weightcache import pipeline, placement  # noqa: E402
+from weightcache.reader import _loader as loader  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
 from weightcache.spec import RankRequest  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402

@@ -27,12 +27,13 @@ from weightcache.daemon import handlers, loads
 from weightcache.daemon.handlers import Context
 from weightcache.daemon.state import Peer, ServiceState
 from weightcache.errors import UnsupportedQuantization
-from weightcache.loader import LoaderOptions
+from weightcache.reader import LoaderOptions
 from weightcache.manifest import build_views
-from weightcache.manifest_file import read_file
+from weightcache.manifest import read_file
 from weightcache.memory.host import HostBackend
 from weightcache.quant.capabilities import Capability
-from weightcache.spec import RankRequest, SourceRef, TensorSpec
+from weightcache.spec import RankRequest
+from weightcache.tensor_spec import SourceRef, TensorSpec
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

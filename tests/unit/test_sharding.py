@@ -24,7 +24,7 @@ from tiny_models import (  # noqa: E402
 from weightcache import sharding  # noqa: E402
 from weightcache.checkpoint import Checkpoint  # noqa: E402
 from weightcache.errors import ConfigError, ShapeMismatch, UnsupportedArchitecture  # noqa: E402
-from weightcache.spec import SourceRef  # noqa: E402
+from weightcache.tensor_spec import SourceRef  # noqa: E402
 
 FAMILIES = ("tiny_llama", "tiny_qwen2", "tiny_mistral")
 

@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp8_fixtures as F  # noqa: E402
 from service_harness import llama_checkpoint, read_checkpoint  # noqa: E402
 
-from weightcache import digest, loader, pipeline, row_reads  # noqa: E402
+from weightcache import digest, pipeline  # noqa: E402
+from weightcache.reader import _loader as loader  # noqa: E402
+from weightcache.reader import _rows as row_reads  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
 from weightcache.spec import RankRequest  # noqa: E402
 from weightcache.errors import CheckpointCorrupt  # noqa: E402
@@ -130,7 +132,7 @@ def test_default_threads_follow_the_cpus_we_may_run_on(monkeypatch, cpus, want):
 
 
 class _FakeStager:
-    """:class:`weightcache.memory.cuda.CudaStager`'s contract over host memory: the copy is done at ``wait``
+    """:class:`weightcache.memory.cuda_staging.CudaStager`'s contract over host memory: the copy is done at ``wait``
     (a late copy would show as wrong bytes if the reader reused a buffer too early)."""
 
     def __init__(self, slab: bytearray, buffer_bytes: int) -> None:
@@ -176,7 +178,7 @@ class _FakeStager:
 
 
 class _FakeCudaSlab:
-    """A writable slab offering what :class:`~weightcache.memory.cuda.CudaWritableSlab` offers a torch-free fill
+    """A writable slab offering what :class:`~weightcache.memory.cuda_slabs.CudaWritableSlab` offers a torch-free fill
     (``stager()``, ``zero``, ``write``, ``apply_lut``, ``digests``) over host memory; its digests are torch's
     ``sum64`` over the bytes (what the GPU kernel computes, compared on the GPU in tests/gpu)."""
 

@@ -31,7 +31,7 @@ The loader reads only a slot's ``placement`` (immutable) and the set of
 slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
 slot is skipped, or its load stops at the next progress report; whatever it
 still posts for a DROPPED slot the serving loop passes to :func:`discard`. It also writes the
-slab's manifest file (:func:`weightcache.manifest_file.pack_file`, a sealed memfd):
+slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
 a manifest over the limit fails the load (``manifest_too_large``), so no
 slab is ever READY that an engine could not attach. With the plan it posts
 which dtype names the slab serves (:func:`dtype_served`: the plan's
@@ -65,9 +65,9 @@ from .. import pipeline
 from ..checkpoint import Checkpoint
 from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
-from ..loader import LoaderOptions
+from ..reader import LoaderOptions
 from ..manifest import Manifest
-from ..manifest_file import pack_file
+from ..manifest import pack_file
 from ..memory.host import SealedFile
 from ..spec import DTYPE_NAMES
 from .state import Slot

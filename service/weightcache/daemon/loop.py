@@ -39,7 +39,7 @@ from .. import protocol
 from ..config import Config
 from ..errors import ConfigError
 from ..journal import event
-from ..loader import LoaderOptions
+from ..reader import LoaderOptions
 from ..memory import Backend
 from ..spec import DTYPE_NAMES
 from . import access, handlers, loads, lograte, tiers

@@ -234,7 +234,7 @@ class AttachReply(Message):
     """A lease on one slab; two fds travel with this frame: the slab, then its manifest file.
 
     The manifest file is a sealed memfd holding the slab's packed manifest
-    (:func:`weightcache.manifest_file.pack_file`, docs/protocol.md), the same for
+    (:func:`weightcache.manifest.pack_file`, docs/protocol.md), the same for
     every attach of the slab; it travels beside the frame so that a manifest
     of any tensor count fits (at most ``MAX_MANIFEST_BYTES`` of
     :mod:`weightcache.manifest`, checked when the slab is loaded).
@@ -287,7 +287,7 @@ ATTACH_EXCHANGE = (Hello, Attach, HelloReply, AttachReply, Loading, Error)
 def prepare(classes: tuple[type[Message], ...] = ATTACH_EXCHANGE) -> None:
     """Works out the wire tag and the field specs of each of ``classes`` now, not when its first message is built
     or decoded (``dataclasses.fields`` and the annotations' text: about 10 µs a class). The import ahead of an
-    engine's attach path (:mod:`weightcache.attach_imports`) prepares :data:`ATTACH_EXCHANGE` on its thread."""
+    engine's attach path (:mod:`weightcache.client._imports`) prepares :data:`ATTACH_EXCHANGE` on its thread."""
     for cls in classes:
         cls.tag()
         _specs(cls)

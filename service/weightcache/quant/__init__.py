@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..checkpoint import Checkpoint
-from ..identity import DETECT as _DETECT
-from ..spec import TensorSpec
+from ..spec import DETECT
+from ..tensor_spec import TensorSpec
 from . import capabilities, modelopt_fp8, registry
 from .capabilities import Capability
 from .quant_config import QuantConfig, capability, config_hash, read_config
@@ -67,9 +67,6 @@ class Scheme:
     rules: SchemeRules | None = None
 
 
-#: Default of the ``scheme`` arguments below: detect it from the checkpoint (the same object as
-#: :data:`weightcache.identity.DETECT`, which needs no import of this package).
-DETECT: Any = _DETECT
 
 
 def detect(ck: Checkpoint, kernel: str | None = None) -> Scheme | None:
@@ -130,6 +127,12 @@ def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, scheme: 
 def op(name: str) -> registry.Op | None:
     """The registered processing op ``name`` (a spec's ``op``), or ``None``."""
     return registry.op(name)
+
+
+def placer(name: str) -> Callable[..., Any] | None:
+    """The registered torch-free placement of op ``name`` (:attr:`SchemeRules.placers`), or ``None``; the
+    pipeline hands it to :func:`weightcache.placement.place_all`."""
+    return registry.placer(name)
 
 
 def checkpoint_form(tensor: Any, layout: Mapping[str, Any]) -> Any:

@@ -37,7 +37,7 @@ from .capabilities import Capability
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
-    from ..spec import TensorSpec
+    from ..tensor_spec import TensorSpec
 
 #: A processing op: ``fn(spec, parts, fetch) -> tensor`` of ``spec.stored_shape`` and ``spec.dtype``.
 #: ``parts`` are the spec's sources, already sliced; ``fetch(name)`` returns any whole checkpoint tensor.

@@ -173,7 +173,7 @@ def _run() -> None:
             __import__(name)
         except Exception as e:  # noqa: BLE001 - the attach imports it again and raises there
             log.debug("import ahead of %s failed (the attach imports it itself): %s: %s", name, type(e).__name__, e)
-    from .protocol import messages  # imported by the client already
+    from ..protocol import messages  # imported by the client already
 
     messages.prepare(messages.ATTACH_EXCHANGE)
     driver = sys.modules.get(DRIVER_MODULE)
