@@ -45,7 +45,7 @@ def test_import_weightcache_and_attach_skip_the_pipeline(ahead):
     """The client's modules, never the pipeline's; the CUDA attach path only when imported ahead (``1``: on a thread,
     waited for here so that the list is whole)."""
     mods = _imported("import weightcache; weightcache.attach; weightcache.AttachOptions; "
-                     "from weightcache import attach_imports; attach_imports.wait()", ahead)
+                     "from weightcache.client import _imports as attach_imports; attach_imports.wait()", ahead)
     assert {"weightcache", "weightcache.client", "weightcache.protocol"} <= mods
     for name in PIPELINE + OPERATOR_PROTOCOL + NOT_ATTACHING + ("numpy", "torch", "safetensors"):
         assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported: {sorted(mods)}"
@@ -84,7 +84,7 @@ def test_first_attach_to_a_service_imports_no_pipeline(daemon, tmp_path, by, ahe
     code = (
         "import sys, json, weightcache\n"
         f"a = weightcache.attach({model!r}, socket_dir={svc.socket_dir!r}, fallback=False, timeout=60)\n"
-        "from weightcache import attach_imports\nattach_imports.wait()\n"
+        "from weightcache.client import _imports as attach_imports\nattach_imports.wait()\n"
         "mods = sorted(m for m in sys.modules if m.startswith('weightcache.'))\n"
         "print(json.dumps([mods, a.source, {k: [str(v.dtype), v.float().tolist()] for k, v in a.tensors.items()}]))\n"
         "a.close()\n")

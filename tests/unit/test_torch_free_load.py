@@ -437,12 +437,12 @@ def test_in_page_cache_answers_for_a_written_file_and_a_piece_read_ahead_gives_t
             os.preadv(fd, [bytearray(1)], 1000, os.RWF_NOWAIT)
         except OSError as e:  # the temporary directory is on tmpfs or overlayfs
             assert e.errno == errno.EOPNOTSUPP, e
-            assert loader.in_page_cache(fd, 1000) is False
+            assert row_reads.in_page_cache(fd, 1000) is False
         else:
-            assert loader.in_page_cache(fd, 1000) is True
+            assert row_reads.in_page_cache(fd, 1000) is True
         asked = []
         monkeypatch.setattr(row_reads, "in_page_cache", lambda fd, offset: asked.append(offset) or False)
-        t = loader.ReadTask(str(path), 100, 24, 0, "w", rows=300, src_pitch=200, dst_pitch=24)
+        t = row_reads.ReadTask(str(path), 100, 24, 0, "w", rows=300, src_pitch=200, dst_pitch=24)
         out = bytearray(300 * 24)
         loader.copy_mapped_rows(fd, t, memoryview(out), 0, 24)
         assert asked == [100 + 299 * 200]

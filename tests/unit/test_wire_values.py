@@ -107,9 +107,11 @@ def test_the_written_out_state_table_names_every_message():
 
 
 def test_one_definition_of_namings_and_request_defaults():
-    from weightcache import client, config, sharding, spec, wire
+    from weightcache import sharding, spec, wire
+    from weightcache.client import _request
+    from weightcache.config import _config
 
-    assert config.NAMINGS is sharding.NAMINGS is client.NAMINGS is wire.NAMINGS
+    assert _config.NAMINGS is sharding.NAMINGS is _request.NAMINGS is wire.NAMINGS
     req = spec.LoadRequest("m", "/m")
     assert (req.dtype, req.naming, req.kernel) == (wire.DEFAULT_DTYPE, wire.DEFAULT_NAMING, wire.DEFAULT_KERNEL)
     assert protocol.SlotState is wire.SlotState

@@ -54,7 +54,7 @@ once, it waits for them, as long as it would have taken to import them (and
 for the driver's entry points on cuda-bindings' own lock).
 
 Forbidden imports: torch, weightcache.memory at module level, weightcache.identity at module level,
-weightcache.pipeline, weightcache.daemon, weightcache.client.
+weightcache.pipeline, weightcache.daemon.
 """
 
 from __future__ import annotations

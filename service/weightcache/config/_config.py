@@ -32,7 +32,7 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     priority = 0                # higher stays on the GPU longer (and loads first at start)
     preload = "gpu"             # gpu | host (into the host tier) | disk (loaded at the first attach)
 
-Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.reader.
+Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.pipeline.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A leaf that both :mod:`weightcache.config` (the default of
 ``service.read_threads``) and :mod:`weightcache.reader` (its reader threads)
 import, so that reading the configuration does not import the loader.
 
-Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.reader.
+Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
 """
 
 from __future__ import annotations
