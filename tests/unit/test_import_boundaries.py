@@ -80,7 +80,7 @@ def test_forbidden_imports_absent(path, text):
 def test_rule_parsing_and_detection(tmp_path):
     assert _rules(" torch at module level, socket, daemon, weightcache.client.") == [
         ("torch", True), ("socket", False), ("weightcache.daemon", False), ("weightcache.client", False)]
-    bad = PKG / "protocol" / "codec.py"
+    bad = PKG / "protocol" / "_codec.py"
     imports = dict(_imports(bad))
     assert "weightcache.errors" in imports and "socket" not in imports
 

@@ -101,9 +101,10 @@ def test_attach_frame_bytes_unchanged_by_the_mode_enum():
 
 
 def test_the_written_out_state_table_names_every_message():
-    assert protocol.REQUEST_TYPES == tuple(c.tag() for c in protocol.REQUESTS[1:])
-    assert protocol.REPLY_TYPES == tuple(c.tag() for c in protocol.REPLIES)
-    assert protocol.REQUESTS[0] is protocol.Hello
+    assert protocol.REQUEST_TYPES == tuple(c.tag() for c in protocol.requests()[1:])
+    assert protocol.REPLY_TYPES == tuple(c.tag() for c in protocol.replies())
+    assert protocol.requests()[0] is protocol.Hello
+    assert tuple(protocol.TAGS) == ("hello",) + protocol.REQUEST_TYPES + protocol.REPLY_TYPES
 
 
 def test_one_definition_of_namings_and_request_defaults():
