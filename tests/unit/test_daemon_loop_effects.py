@@ -21,7 +21,7 @@ from weightcache.config import Config, ModelConfig
 from weightcache.daemon import handlers
 from weightcache.daemon.loop import Daemon
 from weightcache.daemon.state import Peer
-from weightcache.daemon.transport import Client
+from weightcache.daemon.clients import Client
 from weightcache.memory.host import HostBackend
 
 pytestmark = pytest.mark.timeout(60)

@@ -26,6 +26,8 @@ module                    owns
 :mod:`.limits`            the per-client caps (:class:`~.limits.Limits`)
 :mod:`.transport`         listener, connections, backpressure, caps
 :mod:`.outbox`            the send path: outboxes, fds in flight per uid
+:mod:`.clients`           one accepted connection (Client), the peer's
+                          credentials (SO_PEERCRED, SO_PEERGROUPS)
 :mod:`.ticker`            STATUS, EXTEND_TIMEOUT, READY, WATCHDOG, gc.freeze
 :mod:`.metrics`           the counters of the ``metrics`` reply (attaches,
                           their service times, loads, verifies)

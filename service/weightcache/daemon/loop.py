@@ -51,7 +51,8 @@ from .metrics import Counters
 from .offloop import OffLoop, _ReloadJob
 from .state import IllegalTransition, ServiceState, SlotState
 from .ticker import Ticker
-from .transport import Callbacks, Client, Transport
+from .clients import Client
+from .transport import Callbacks, Transport
 
 log = logging.getLogger(__name__)
 

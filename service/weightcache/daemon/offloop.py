@@ -27,7 +27,7 @@ from ..errors import ConfigError, WeightcacheError
 from . import handlers, loads, reload, tiers
 from .handlers import Outcome, StartVerify
 from .state import IllegalTransition, Peer, SlotState
-from .transport import Client
+from .clients import Client
 
 
 @dataclass(eq=False)
