@@ -88,7 +88,7 @@ def test_a_reload_applies_the_caps_and_the_operator_groups(tmp_path):
     import dataclasses
 
     from weightcache.config import ServiceConfig
-    from weightcache.daemon.handlers import Reconfigure
+    from weightcache.daemon.effects import Reconfigure
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(tmp_path / "0.sock"))

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightcache import metrics, protocol
-from weightcache.daemon.state import SlotState
+from weightcache.wire import SlotState
 from weightcache.errors import LocalProtocolError, RemoteProtocolError
 
 

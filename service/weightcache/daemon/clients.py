@@ -91,7 +91,8 @@ class Client:
     partial_since: float | None = None
     #: This client's share of :attr:`~weightcache.daemon.transport.Transport.buffered_bytes`.
     counted_bytes: int = 0
-    #: Reading stopped while a request of it runs off the loop (``verify``): see :meth:`~weightcache.daemon.transport.Transport.hold`.
+    #: Reading stopped while a request of it runs off the loop (``verify``): see
+    #: :meth:`~weightcache.daemon.transport.Transport.hold`.
     held: bool = False
     yielded: bool = False
     #: Fds handed to the kernel on this connection since the peer was last seen to have read everything.
