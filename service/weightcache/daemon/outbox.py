@@ -16,14 +16,14 @@ weightcache.daemon.ticker, weightcache.daemon.loop, weightcache.daemon.transport
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import fcntl
 import logging
 import os
 import socket
 import struct
-import collections
-import contextlib
 import termios
 from typing import Callable
 

@@ -20,8 +20,8 @@ and their dataclasses cost about 14 ms to build at import
 (tests/unit/test_lazy_imports.py). Every other name is imported here.
 
 The values both ends share (slab states, attach modes, namings, request
-defaults) live in :mod:`weightcache.wire`; ``AttachMode`` and ``SlotState``
-are offered here too, as the messages' field types. See ``docs/protocol.md``.
+defaults) live in :mod:`weightcache.wire` and are imported from there. See
+``docs/protocol.md``.
 
 No I/O: it never opens or closes an fd; the I/O code in :mod:`weightcache.daemon`
 and :mod:`weightcache.client` owns them.
@@ -30,7 +30,6 @@ Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weight
 weightcache.daemon, weightcache.pipeline.
 """
 
-from ..wire import AttachMode, SlotState
 from ._codec import (CLIENT, CLOSED, IN, MAX_FDS_PER_FRAME, MAX_FRAME_BYTES, OUT, PROTOCOL_VERSION, READY,
                      REPLY_TYPES, REQUEST_TYPES, SERVER, START, TABLE, TAGS, TRANSITIONS, Transition, decode, encode,
                      message_class, replies, requests)
@@ -54,7 +53,6 @@ __all__ = [
     "ATTACH_EXCHANGE", "INT_MAX", "INT_MIN", "Attach", "AttachReply", "Error", "Hello", "HelloReply", "Loading",
     "Message", "prepare",
     *_LATER,
-    "AttachMode", "SlotState",
 ]
 
 
