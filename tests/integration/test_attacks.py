@@ -457,7 +457,7 @@ def test_client_waits_out_a_full_backlog(tmp_path):
 def test_peer_groups_beyond_python_getsockopt_buffer(tmp_path):
     """SO_PEERGROUPS of a peer with 300 supplementary groups (more than Python's 1024-byte getsockopt buffer
     holds) are all read (through libc)."""
-    from weightcache.daemon.transport import peer_groups
+    from weightcache.daemon.clients import peer_groups
 
     d = tempfile.mkdtemp(prefix="wc-g-", dir="/tmp")
     os.chmod(d, 0o755)

@@ -31,9 +31,9 @@ from weightcache.errors import RemoteProtocolError  # noqa: E402
 pytestmark = pytest.mark.timeout(240)
 
 MiB = 1 << 20
-REPLY_TAGS = {c.tag() for c in protocol.REPLIES}
-REQUESTS = protocol.REQUESTS
-KNOWN_TAGS = sorted(protocol.Message.TYPES)
+REPLY_TAGS = {c.tag() for c in protocol.replies()}
+REQUESTS = protocol.requests()
+KNOWN_TAGS = sorted(protocol.TAGS)
 FIGURES: dict[str, int] = {"connection_examples": 0, "live_frames": 0}
 FIRST: dict[str, dict] = {}
 RSS_GROWTH_LIMIT_BYTES = 64 * MiB

@@ -171,14 +171,14 @@ def test_a_driver_load_that_raises_stays_on_the_thread():
 def test_on_prepares_the_attach_messages_on_the_thread():
     """The tags and field specs of the attach's messages are worked out on the thread, none on the main thread."""
     code = ("import json, threading\n"
-            "from weightcache.protocol import messages\n"
+            "from weightcache.protocol import _messages as messages\n"
             "done = []\n"
-            "real = messages._specs\n"
+            "real = messages.field_specs\n"
             "def specs(cls):\n"
             "    if cls not in messages._SPECS:\n"
             "        done.append([cls.__name__, threading.current_thread().name])\n"
             "    return real(cls)\n"
-            "messages._specs = specs\n"
+            "messages.field_specs = specs\n"
             "import weightcache\nweightcache.attach\nfrom weightcache.client import _imports as a\nassert a.wait(120)\n"
             "print(json.dumps([sorted(done), sorted(c.tag() for c in messages.ATTACH_EXCHANGE)]))\n")
     r = _run(code, "1")

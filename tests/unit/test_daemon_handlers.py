@@ -20,9 +20,10 @@ from service_harness import compare_bytes, read_checkpoint, write_checkpoint
 from weightcache import identity, protocol
 from weightcache.config import AccountNames
 from weightcache.config import ModelConfig, Placement
-from weightcache.daemon import access, handlers, loads
-from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
-from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent, SlotState
+from weightcache.daemon import access, handlers, load_results, loads
+from weightcache.daemon.effects import Context, FreeSlab, Outcome, Refuse, StartLoad, StartVerify
+from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent
+from weightcache.wire import SlotState
 from weightcache.reader import LoaderOptions
 from weightcache.manifest import _file as manifest_module
 from weightcache.manifest import build_views
@@ -53,7 +54,7 @@ def svc(tmp_path):
     def load(slot):
         final = loader._supervise(slot)  # the loader thread's body, run here
         for result in loader.results() + [final]:
-            loads.apply(st, result)
+            load_results.apply(st, result)
 
     yield ctx, st, load, backend, ck, clock
     close_slabs(st)
@@ -93,7 +94,7 @@ def test_attach_loading_parks_then_answers_with_the_bytes(svc):
     peer = Peer(10, os.getuid(), os.getgid())
     (reply,) = handlers.handle(ctx, peer, protocol.Attach("m")).replies
     assert reply.msg == protocol.Loading("m", 0, 0, "pending")
-    assert handlers.handle(ctx, peer, protocol.Attach("m", wait_ms=5000)) == handlers.Outcome()
+    assert handlers.handle(ctx, peer, protocol.Attach("m", wait_ms=5000)) == Outcome()
     assert len(peer.waiting) == 1 and handlers.service_waiting(ctx, peer).replies == ()
     load(st.slots[0])
     assert st.slots[0].state is SlotState.READY and st.loads_done == 1
@@ -212,7 +213,7 @@ def _verify(ctx, peer, model):
     out = handlers.handle(ctx, peer, protocol.Verify(model))
     if out.replies:  # refused before any hashing
         return out
-    assert not out.replies and [type(e) for e in out.effects] == [handlers.StartVerify]
+    assert not out.replies and [type(e) for e in out.effects] == [StartVerify]
     return handlers.verify_reply(peer, out.effects[0])
 
 

@@ -21,7 +21,7 @@ PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding",
             "weightcache.reader._rows")
 #: The operator's messages, the records inside their replies, and ``release`` (the client ends a lease by closing
 #: its connection): an engine's attach never exchanges them.
-OPERATOR_PROTOCOL = ("weightcache.protocol.admin", "weightcache.protocol.records", "weightcache.protocol.lease")
+OPERATOR_PROTOCOL = ("weightcache.protocol._admin", "weightcache.protocol._records", "weightcache.protocol._lease")
 #: The planning stages' tensor specs and the safetensors header reads: an attach served by the service builds no
 #: spec and reads no header (the key's checkpoint identity is checked by ``stat()``).
 NOT_ATTACHING = ("weightcache.tensor_spec", "weightcache.checkpoint.header")

@@ -34,24 +34,25 @@ def test_golden_attach_reply_frame_declares_its_fds():
     assert fds == [42, 43]
 
 
-@pytest.mark.parametrize("cls", protocol.REQUESTS + protocol.REPLIES)
+@pytest.mark.parametrize("cls", protocol.requests() + protocol.replies())
 def test_tag_is_snake_case_of_class_name(cls):
     import re
 
     assert cls.tag() == re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
-    assert protocol.Message.TYPES[cls.tag()] is cls
+    assert protocol.message_class(cls.tag()) is cls
+    assert protocol.TAGS[cls.tag()][1] == cls.__name__
 
 
 @pytest.mark.parametrize("name", ["AttachReply", "Hello", "ABC", "XMLReply", "A1B2", "aB", "Ab_Cd", "\u00c9t\u00e9X",
                                   "Z", "", "GPUInfoReply"])
 def test_snake_case_is_the_documented_pattern(name):
-    """``_snake`` (no pattern compiled when a process first tags a message) is ``re.sub(r"(?<!^)(?=[A-Z])", "_",
+    """``snake_case`` (no pattern compiled when a process first tags a message) is ``re.sub(r"(?<!^)(?=[A-Z])", "_",
     name).lower()``: an underscore before every ASCII capital but the first character."""
     import re
 
-    from weightcache.protocol.messages import _snake
+    from weightcache.protocol._messages import snake_case
 
-    assert _snake(name) == re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    assert snake_case(name) == re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 def _example(cls):
@@ -67,7 +68,7 @@ def _example(cls):
     return cls(**vals)
 
 
-@pytest.mark.parametrize("cls", protocol.REQUESTS + protocol.REPLIES)
+@pytest.mark.parametrize("cls", protocol.requests() + protocol.replies())
 def test_round_trip_every_message(cls):
     msg = _example(cls)
     frame = protocol.encode(msg)
@@ -185,14 +186,14 @@ def test_state_machine_hello_first_and_only_once():
 
 def test_transition_table_exhaustive():
     """Every (role, state, direction, type) is either in the table or refused."""
-    tags = list(protocol.Message.TYPES)
+    tags = list(protocol.TAGS)
     for role in (CLIENT, SERVER):
         for state in (protocol.START, protocol.READY, protocol.CLOSED):
             for direction in ("in", "out"):
                 for tag in tags:
                     key = (role, state, direction, tag)
                     allowed = key in protocol.TRANSITIONS
-                    requests = {c.tag() for c in protocol.REQUESTS}
+                    requests = {c.tag() for c in protocol.requests()}
                     incoming_request = (role == SERVER) == (direction == "in")
                     if state == protocol.CLOSED:
                         assert not allowed

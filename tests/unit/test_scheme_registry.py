@@ -23,8 +23,8 @@ from service_harness import llama_config, llama_tensors, write_checkpoint
 from weightcache import pipeline, protocol, quant
 from weightcache.checkpoint import Checkpoint
 from weightcache.config import ModelConfig, Placement
-from weightcache.daemon import handlers, loads
-from weightcache.daemon.handlers import Context
+from weightcache.daemon import handlers, load_results, loads
+from weightcache.daemon.effects import Context
 from weightcache.daemon.state import Peer, ServiceState
 from weightcache.errors import UnsupportedQuantization
 from weightcache.reader import LoaderOptions
@@ -161,7 +161,7 @@ def test_toy_scheme_loads_shards_and_attaches_through_the_service(toy, int8_llam
         for slot in st.slots:
             final = loader._supervise(slot)  # the loader thread's body, run here
             for result in loader.results() + [final]:
-                loads.apply(st, result)
+                load_results.apply(st, result)
         peer = Peer(10, os.getuid(), os.getgid())
         for p in placements:
             (reply,) = handlers.handle(ctx, peer, protocol.Attach(p.model.name, p.tp_size, p.tp_rank)).replies

@@ -2,11 +2,11 @@
 
 Owns the loader thread, its queue, the load timeout
 (``service.load_timeout_s``) and the result records it posts (defined in
-:mod:`weightcache.daemon.load_results`, re-exported here: :class:`Started`, :class:`Planned`, :class:`Progress`, :class:`Loaded`,
-:class:`Failed`). The thread never writes the service's state: it appends a
-result to a queue and writes one byte to the serving loop's wake-up pipe; the
-serving loop calls :func:`apply`, so only its thread moves a slot through the
-transition table.
+:mod:`weightcache.daemon.load_results`: ``Started``, ``Planned``, ``Progress``,
+``Loaded``, ``Failed``...). The thread never writes the service's state: it
+appends a result to a queue and writes one byte to the serving loop's wake-up
+pipe; the serving loop calls :func:`~weightcache.daemon.load_results.apply`, so
+only its thread moves a slot through the transition table.
 
 ``load_timeout_s`` holds whatever the read does: each load runs on a worker
 thread of its own, and the loader thread waits for it at most until the
@@ -30,7 +30,8 @@ slab hashes its mapping, of a CUDA slab runs an NVRTC kernel).
 The loader reads only a slot's ``placement`` (immutable) and the set of
 slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
 slot is skipped, or its load stops at the next progress report; whatever it
-still posts for a DROPPED slot the serving loop passes to :func:`discard`. It also writes the
+still posts for a DROPPED slot the serving loop passes to
+:func:`~weightcache.daemon.load_results.discard`. It also writes the
 slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
 a manifest over the limit fails the load (``manifest_too_large``), so no
 slab is ever READY that an engine could not attach. With the plan it posts
@@ -71,8 +72,7 @@ from ..manifest import pack_file
 from ..memory.host import SealedFile
 from ..spec import DTYPE_NAMES
 from .state import Slot
-from .load_results import (  # noqa: F401 - re-exported: the loop and tests import them from here
-    Failed, Loaded, NeedRoom, Planned, Progress, Refused, Skipped, Started, _discard, apply, discard)
+from .load_results import Failed, Loaded, NeedRoom, Planned, Progress, Refused, Skipped, Started, close_abandoned
 
 #: Owners whose symlinks on the way to a checkpoint directory the service follows: root and itself.
 TRUSTED_LINK_OWNERS = frozenset({0, os.getuid()})
@@ -210,7 +210,7 @@ class Loader:
                     job.result = result
                     job.done.set()
                     return
-            _discard(result)  # the loader gave up on it: nothing of it reaches the state
+            close_abandoned(result)  # the loader gave up on it: nothing of it reaches the state
 
         # Planning and packing allocate a few objects per tensor and create no cycles; the cyclic
         # GC's full passes over a heap that grows by 150k records made a 150k-tensor load 2x slower.
