@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from service_harness import poll_until
+from service_harness import poll_until, service_env
 from weightcache import attach, errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,10 +52,14 @@ class Activated:
         self.notify_path = tmp / "notify.sock"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(self.notify_path))
-        env = dict(os.environ, NOTIFY_SOCKET=str(self.notify_path), WEIGHTCACHE_CONFIG=str(self.cfg))
+        # PYTHONPATH: the source tree this test is in first (service_env), not the one the venv's editable
+        # install points to (another worktree's, under a shared venv).
+        env = dict(os.environ, NOTIFY_SOCKET=str(self.notify_path), WEIGHTCACHE_CONFIG=str(self.cfg),
+                   PYTHONPATH=service_env()["PYTHONPATH"])
         self.log = open(tmp / "service.log", "w+")
         self.proc = subprocess.Popen([ACTIVATE, "-l", str(self.dir / "0.sock"), "--fdname=listen",
-                                      "-E", "NOTIFY_SOCKET", "-E", "WEIGHTCACHE_CONFIG", WEIGHTCACHE, "serve",
+                                      "-E", "NOTIFY_SOCKET", "-E", "WEIGHTCACHE_CONFIG", "-E", "PYTHONPATH",
+                                      WEIGHTCACHE, "serve",
                                       "--gpu", "0"], env=env, stderr=self.log)
         poll_until(lambda: (self.dir / "0.sock").exists(), "the activation socket to appear", 10)
 
@@ -161,11 +165,12 @@ def test_socket_activation_status_then_ready_in_order(service):
         assert b"serve" in f.read()  # the same PID exec'd the service
     msgs = svc.messages(until="READY=1")
     lines = [line for m in msgs for line in m.split("\n")]
-    ready = [i for i, line in enumerate(lines) if line == "READY=1"]
-    status = [i for i, line in enumerate(lines) if line.startswith("STATUS=")]
-    assert ready and status and status[0] < ready[0], lines
-    assert any("loading minilm" in lines[i] for i in status if i < ready[0]) or any(
-        "ready" in lines[i] for i in status), lines
+    # READY=1 comes once the load settled, in a datagram whose STATUS= says so; every STATUS= before it is
+    # the load's progress or that same line (sent first, on its own, when the status changed).
+    assert msgs[-1].split("\n") == ["READY=1", "STATUS=ready: 1/1 slabs resident"], lines
+    before = [line.removeprefix("STATUS=") for m in msgs[:-1] for line in m.split("\n") if line.startswith("STATUS=")]
+    assert before and before[-1] == "ready: 1/1 slabs resident", lines
+    assert all(line.startswith("loading minilm/tp1/rank0: ") for line in before[:-1]), lines
 
 
 def test_fallback_false_without_service_raises_daemon_unavailable(tmp_path):

@@ -10,6 +10,7 @@ piece's span is mapped and just before its rows are copied), the hook truncates 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -90,10 +91,18 @@ def test_a_file_cut_during_the_mapped_copy_kills_the_service_and_the_restart_kee
         store.procs.append(proc)
         store.collect(2, log=log.read_text)  # a's slab and manifest
         request(protocol.Preload("b"))
-        assert proc.wait(timeout=60) == -signal.SIGBUS, log.read_text()
+        rc = proc.wait(timeout=60)
         assert b_file.stat().st_size == 0  # the hook did cut it
         crash = log.read_text()
-        assert "Fatal Python error: Bus error" in crash and "copy_mapped_rows" in crash, crash[-3000:]
+        fatal = re.findall(r"^Fatal Python error: (.*)$", crash, re.M)
+        # The bus error comes first, in the reader's copy. faulthandler then dumps every thread's stack while
+        # the other reader threads run on, which it documents as unsafe: under load that dump was once seen to
+        # fault itself (SIGSEGV, a second "Fatal Python error: Segmentation fault"). Either way the service
+        # died of the bus error of the mapped copy, which is what this test is about.
+        assert fatal and fatal[0] == "Bus error", crash[-3000:]
+        assert rc == -signal.SIGBUS or (rc == -signal.SIGSEGV and fatal[1:2] == ["Segmentation fault"]), (
+            rc, crash[-3000:])
+        assert "copy_mapped_rows" in crash, crash[-3000:]
 
         second = store.serve(cfg, listen, log)
         st = poll_until(slabs, "the restarted service to answer", 90, detail=log.read_text)

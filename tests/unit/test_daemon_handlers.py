@@ -218,10 +218,24 @@ def _verify(ctx, peer, model):
 
 
 def test_verify_reports_a_changed_tensor(svc):
+    """An unchanged slab verifies with no mismatch; once a byte of tensor ``w`` differs from what was loaded (the
+    slot's slab swapped for a copy with one bit flipped), verify names ``w`` and only ``w``; a slot not loaded is
+    reported in its state, unhashed. (More cases: tests/unit/test_guards_identity.py.)"""
+    from weightcache.memory.host import HostWritableSlab
+
     ctx, st, load, *_ = svc
-    load(st.slots[0])
+    slot = st.slots[0]
+    load(slot)
     (reply,) = _verify(ctx, Peer(1, 0, 0), "m").replies
     assert [(r.state, r.tensors, r.mismatched) for r in reply.msg.typed()] == [("ready", 2, [])]
+    (w,) = [r for r in slot.manifest.tensors if r.name == "w"]
+    copy = HostWritableSlab(slot.sealed.size_bytes, "flipped")
+    copy.buffer[:] = os.pread(slot.sealed.fd, slot.sealed.size_bytes, 0)
+    copy.buffer[w.offset_bytes] ^= 0x80
+    slot.sealed.close()
+    slot.sealed = copy.seal()
+    (reply,) = _verify(ctx, Peer(1, 0, 0), "m").replies
+    assert [(r.state, r.tensors, r.mismatched) for r in reply.msg.typed()] == [("ready", 2, ["w"])]
     (reply,) = _verify(ctx, Peer(1, 0, 0), "locked").replies
     assert [(r.state, r.mismatched) for r in reply.msg.typed()] == [("pending", [])]
 
