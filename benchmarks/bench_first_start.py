@@ -325,19 +325,19 @@ import functools, gc, sys, time
 STAGES = (  # module, owner (class or None), attribute, stage name
     ("weightcache.session", "Session", "__init__", "connect"),
     ("weightcache.session", "Session", "send", "send hello + attach"),
-    ("weightcache.client", None, "_prepare_backend", "backend set-up while the service answers"),
-    ("weightcache.client", None, "local_backend", "local_backend (the first: the backend's set-up)"),
+    ("weightcache.client._attach", None, "_prepare_backend", "backend set-up while the service answers"),
+    ("weightcache.client._attach", None, "local_backend", "local_backend (the first: the backend's set-up)"),
     ("weightcache.memory.cuda", "CudaBackend", "__init__", "CudaBackend(): primary context, granularity"),
     ("weightcache.memory.cuda_driver", None, "_init_driver", "cuInit (driver symbols resolved here if not ahead)"),
     ("weightcache.memory.cuda", "CudaBackend", "device_info", "device_info: attributes + UUID"),
     ("weightcache.session", "Session", "replies", "waiting for the reply (recvmsg) + decode"),
-    ("weightcache.client", None, "read_file", "manifest file: pread + JSON + packed columns"),
-    ("weightcache.client", None, "_expected_fields", "expected key fields (the checkpoint's config.json)"),
+    ("weightcache.client._attach", None, "read_file", "manifest file: pread + JSON + packed columns"),
+    ("weightcache.client._attach", None, "_expected_fields", "expected key fields (the checkpoint's config.json)"),
     ("weightcache.identity", None, "check_key", "key check: fields + stat() of the files"),
     ("weightcache.memory.cuda", "CudaBackend", "import_fd", "fd import + map + set access + tensor wrap"),
     ("weightcache.memory.cuda_mapping", "_Mapping", "tensor", "torch.as_tensor of the mapping"),
     ("weightcache.memory.host", "HostBackend", "import_fd", "fd import + map + set access + tensor wrap"),
-    ("weightcache.client", None, "build_views", "views: build_views"),
+    ("weightcache.client._attach", None, "build_views", "views: build_views"),
 )
 STAGE_TIMES = {}
 _stack = []

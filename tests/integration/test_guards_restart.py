@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 from service_harness import (FdStoreStandIn, compare_bytes, make_config, poll_until, read_checkpoint,  # noqa: E402
                              to_toml, write_checkpoint)
 from weightcache import attach, protocol  # noqa: E402
-from weightcache.client import Session  # noqa: E402
+from weightcache.session import Session  # noqa: E402
 from weightcache.errors import DaemonUnavailable  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

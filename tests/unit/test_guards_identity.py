@@ -27,12 +27,13 @@ from daemon_helpers import close_slabs
 from service_harness import write_checkpoint
 from weightcache import identity
 from weightcache.config import ModelConfig, Placement
-from weightcache.daemon import handlers, loads
+from weightcache import protocol
+from weightcache.daemon import handlers, load_results, loads
 from weightcache.daemon.fdstore import REQUIRED_SEALS, FdStore
-from weightcache.daemon.handlers import Context
+from weightcache.daemon.effects import Context
 from weightcache.daemon.state import Peer, ServiceState
-from weightcache.loader import LoaderOptions
-from weightcache.manifest_file import pack_file, unpack_file
+from weightcache.reader import LoaderOptions
+from weightcache.manifest import pack_file, unpack_file
 from weightcache.memory.host import (F_ADD_SEALS, F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE,
                                      HostBackend, HostWritableSlab, sealed_memfd)
 
@@ -51,7 +52,7 @@ def loaded(tmp_path):
     loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"), w)
     final = loader._supervise(st.slots[0])  # the loader thread's body, run here
     for result in loader.results() + [final]:
-        loads.apply(st, result)
+        load_results.apply(st, result)
     assert st.slots[0].sealed is not None
     yield ctx, st, backend
     close_slabs(st)
@@ -192,7 +193,7 @@ def test_verify_names_the_tensor_whose_resident_bytes_changed(loaded, tensor):
     peer = Peer(1, 0, 0)
 
     def verify():
-        out = handlers.handle(ctx, peer, handlers.protocol.Verify("m"))
+        out = handlers.handle(ctx, peer, protocol.Verify("m"))
         (eff,) = out.effects
         (reply,) = handlers.verify_reply(peer, eff).replies
         return [(r.state, r.tensors, r.mismatched) for r in reply.msg.typed()]
