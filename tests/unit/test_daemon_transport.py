@@ -15,7 +15,7 @@ import struct
 import pytest
 
 from daemon_helpers import Clock
-from service_harness import frame, read_reply
+from wire_helpers import frame, read_reply
 from weightcache import protocol
 from weightcache.daemon.limits import Limits
 from weightcache.daemon.transport import Callbacks, Transport

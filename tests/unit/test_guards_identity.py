@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from daemon_helpers import close_slabs
-from service_harness import write_checkpoint
+from checkpoints import write_checkpoint
 from weightcache import identity
 from weightcache.config import ModelConfig, Placement
 from weightcache import protocol

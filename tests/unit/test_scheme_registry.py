@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from daemon_helpers import Clock, close_slabs
-from service_harness import llama_config, llama_tensors, write_checkpoint
+from checkpoints import llama_config, llama_tensors, write_checkpoint
 from weightcache import pipeline, protocol, quant
 from weightcache.checkpoint import Checkpoint
 from weightcache.config import ModelConfig, Placement
