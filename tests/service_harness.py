@@ -1,4 +1,4 @@
-"""Shared helpers for integration tests: a live service subprocess, checkpoints, figures.
+"""Shared helpers for integration tests: a live service subprocess and its figures.
 
 The service runs as a real subprocess (``python -m weightcache serve``) on a
 Unix socket in ``tmp_path``; tests talk to it over real sockets and receive
@@ -16,14 +16,12 @@ Fixtures:
 - ``module_daemon``: the same factory, module-scoped (one service shared by
   several tests of a module).
 
-Plain functions (``tests/gpu`` loads this file with
-``importlib.util.spec_from_file_location`` under a private name):
-:func:`start_service`, :func:`poll_until` (the one deadline loop: every wait
-of the tests goes through it), :func:`write_checkpoint`,
-:func:`llama_checkpoint`, :func:`big_checkpoint`, :func:`read_checkpoint`,
-:func:`compare_bytes`, :func:`record_figures`, :func:`proc_fds`,
-:func:`proc_rss_bytes`, :func:`raw_connect`, :func:`doomed_client`,
-:func:`blocked_torch_env`, :func:`torch_import_attempts`.
+Plain functions: :func:`start_service`, :func:`poll_until` (the one deadline loop: every wait of the
+tests goes through it), :func:`record_figures`, :func:`proc_fds`, :func:`proc_rss_bytes`,
+:func:`blocked_torch_env`, :func:`torch_import_attempts`. Checkpoints are ``tests/checkpoints.py``'s
+(:func:`write_checkpoint`, :func:`llama_checkpoint`, :func:`big_checkpoint`, :func:`read_checkpoint`,
+:func:`compare_bytes`, :func:`minilm_path`); raw frames ``tests/wire_helpers.py``'s (:func:`raw_connect`,
+:func:`frame`, :func:`read_reply`, :func:`doomed_client`).
 
 Figures: each reliability scenario calls :func:`record_figures` once its
 assertions passed; they are merged into ``.cache/reliability.json``, from
