@@ -57,9 +57,9 @@ def _engine(cfg: dict, items_q, result_q) -> None:
     import torch
 
     from weightcache import attach, protocol
-    from weightcache.client import Session
+    from weightcache.session import Session
     from weightcache.manifest import build_views
-    from weightcache.manifest_file import unpack_file
+    from weightcache.manifest import unpack_file
     from weightcache.memory import get_backend
 
     dev = cfg["device"]
@@ -212,7 +212,8 @@ def main() -> int:
             for m, name in zip(models, ("llama7b-vllm", "llama70b-tp8-rank")):
                 # Shapes of the served manifest: ask the service for it once.
                 from weightcache import protocol
-                from weightcache.client import Session, read_manifest_file
+                from weightcache.client import read_manifest_file
+                from weightcache.session import Session
 
                 s = Session(sock)
                 rep = s.request(protocol.Attach(model=name, tp_size=1, tp_rank=0, wait_ms=0, mode="zero_copy"))

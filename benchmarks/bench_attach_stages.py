@@ -69,7 +69,8 @@ def main() -> int:
 def _measure(ck: str, socket_dir: str, device: str, iters: int, warmup: int) -> dict:
     import torch
 
-    from weightcache import client, identity, session  # the client imports identity on first use
+    from weightcache import identity, session  # the client imports identity on first use
+    from weightcache.client import _attach as client  # the room whose names the stages patch
 
     if device.startswith("cuda"):
         torch.empty(1, device=device)

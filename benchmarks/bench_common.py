@@ -250,7 +250,7 @@ def write_config(path: Path, models: dict[str, dict[str, Any]], backend: str, tp
 def wait_ready(sock_path: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> dict:
     """Polls ``status`` on ``sock_path`` until every slab is ready; returns the status dict."""
     from weightcache import protocol
-    from weightcache.client import Session
+    from weightcache.session import Session
     from weightcache.errors import WeightcacheError
 
     deadline = time.monotonic() + timeout_s

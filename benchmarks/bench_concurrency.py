@@ -51,7 +51,8 @@ STAGES = ("connect", "send", "reply wait", "manifest file", "key check", "import
 
 def _instrument(acc: dict[str, float], device: str) -> None:
     """Wraps the client's steps with timers adding seconds into ``acc`` (this process only)."""
-    from weightcache import client, identity  # the client imports identity on first use: not its attribute
+    from weightcache import identity  # the client imports identity on first use: not its attribute
+    from weightcache.client import _attach as client  # the room whose names the stages patch
 
     backend = client.local_backend(device)
     patch_timers([(client.Session, "__init__", "connect"), (client.Session, "send", "send"),

@@ -59,7 +59,7 @@ the last READY and the load rate per byte, TP N against TP 1;
 last timed READY, each in two orders: *client first* (``import weightcache``,
 ``weightcache.attach`` (the client's import), ``import torch`` + CUDA init,
 then the first and a second ``attach()``, each timed apart; the CUDA attach
-path is imported ahead on a thread meanwhile, see ``weightcache.attach_imports``)
+path is imported ahead on a thread meanwhile, see ``weightcache.client._imports``)
 and *torch first* (``import torch`` + CUDA init, then the client's import and
 at once the first ``attach()``: what the client's import costs in a process
 that has torch already, and a first attach with no time for the import ahead);
@@ -325,19 +325,19 @@ import functools, gc, sys, time
 STAGES = (  # module, owner (class or None), attribute, stage name
     ("weightcache.session", "Session", "__init__", "connect"),
     ("weightcache.session", "Session", "send", "send hello + attach"),
-    ("weightcache.client", None, "_prepare_backend", "backend set-up while the service answers"),
-    ("weightcache.client", None, "local_backend", "local_backend (the first: the backend's set-up)"),
+    ("weightcache.client._attach", None, "_prepare_backend", "backend set-up while the service answers"),
+    ("weightcache.client._attach", None, "local_backend", "local_backend (the first: the backend's set-up)"),
     ("weightcache.memory.cuda", "CudaBackend", "__init__", "CudaBackend(): primary context, granularity"),
     ("weightcache.memory.cuda_driver", None, "_init_driver", "cuInit (driver symbols resolved here if not ahead)"),
     ("weightcache.memory.cuda", "CudaBackend", "device_info", "device_info: attributes + UUID"),
     ("weightcache.session", "Session", "replies", "waiting for the reply (recvmsg) + decode"),
-    ("weightcache.client", None, "read_file", "manifest file: pread + JSON + packed columns"),
-    ("weightcache.client", None, "_expected_fields", "expected key fields (the checkpoint's config.json)"),
+    ("weightcache.client._attach", None, "read_file", "manifest file: pread + JSON + packed columns"),
+    ("weightcache.client._attach", None, "_expected_fields", "expected key fields (the checkpoint's config.json)"),
     ("weightcache.identity", None, "check_key", "key check: fields + stat() of the files"),
     ("weightcache.memory.cuda", "CudaBackend", "import_fd", "fd import + map + set access + tensor wrap"),
     ("weightcache.memory.cuda_mapping", "_Mapping", "tensor", "torch.as_tensor of the mapping"),
     ("weightcache.memory.host", "HostBackend", "import_fd", "fd import + map + set access + tensor wrap"),
-    ("weightcache.client", None, "build_views", "views: build_views"),
+    ("weightcache.client._attach", None, "build_views", "views: build_views"),
 )
 STAGE_TIMES = {}
 _stack = []
@@ -387,14 +387,14 @@ import weightcache
 t1 = time.perf_counter()
 attach = weightcache.attach  # the lazy package imports the client here
 t1b = time.perf_counter()
-heavy = [m for m in ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader")
+heavy = [m for m in ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.reader")
          if m in sys.modules]
 import torch
 device = sys.argv[2]
 if device.startswith("cuda"):
     torch.cuda.init()
     torch.empty(1, device=device)
-thread = getattr(sys.modules.get("weightcache.attach_imports"), "_thread", None)
+thread = getattr(sys.modules.get("weightcache.client._imports"), "_thread", None)
 ahead_done = thread is not None and not thread.is_alive()
 install_stage_timers()
 t2 = time.perf_counter()
@@ -420,7 +420,7 @@ out = {"import_weightcache_s": t1 - t0, "import_client_s": t1b - t1, "import_tor
 if sys.argv[5] == "verify":
     import os
     from weightcache import protocol
-    from weightcache.client import Session
+    from weightcache.session import Session
     s = Session(os.path.join(sys.argv[1], "0.sock"))
     t4 = time.perf_counter()
     reply = s.request(protocol.Verify("m"), timeout=300)

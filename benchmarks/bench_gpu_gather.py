@@ -8,7 +8,7 @@ short rows at 0.3–0.75x the rate of whole rows even out of anonymous memory
 (``bench_row_copy.py``). This benchmark asks whether the GPU can take the
 gather off the CPU, reading the file's pages where they are:
 
-- ``cpu``: what the service does (:func:`weightcache.row_reads.copy_mapped_rows`
+- ``cpu``: what the service does (:func:`weightcache.reader._rows.copy_mapped_rows`
   into a :class:`~weightcache.memory.cuda_staging.CudaStager` buffer, then
   ``cuMemcpyHtoDAsync``), ``--threads`` reader threads, pieces of one staging
   buffer;
@@ -139,9 +139,9 @@ class Bench:
 
     def cpu(self, pitch: int, tp: int, threads: int) -> dict[str, float]:
         """The service's path: rows copied from a mapping into pinned staging, then one copy per piece."""
-        from weightcache.loader import ReadTask
+        from weightcache.reader import ReadTask
         from weightcache.memory.cuda_staging import CudaStager
-        from weightcache.row_reads import copy_mapped_rows
+        from weightcache.reader._rows import copy_mapped_rows
 
         rows, width = self.size // pitch, pitch // tp
         buf = 16 << 20

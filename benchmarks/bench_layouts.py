@@ -72,7 +72,8 @@ def _scaled(shape: LlamaShape, gb: float, cls=LlamaShape) -> LlamaShape:
 
 def _fill_once(ck: Path, naming: str, tp: int, backend: Any, device: dict, threads: int | None,
                oracle: bool) -> dict:
-    from weightcache import loader, pipeline
+    from weightcache import pipeline
+    from weightcache.reader import _loader as loader
     from weightcache.spec import LoadRequest, RankRequest
 
     opts = loader.LoaderOptions() if threads is None else loader.LoaderOptions(threads=threads)

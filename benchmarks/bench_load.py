@@ -53,7 +53,7 @@ def main() -> int:
     from weightcache import pipeline
     from weightcache.config import ModelConfig
     from weightcache.spec import RankRequest
-    from weightcache.loader import LoaderOptions
+    from weightcache.reader import LoaderOptions
     from weightcache.manifest import build_views
     from weightcache.memory import get_backend
 

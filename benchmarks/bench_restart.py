@@ -175,7 +175,7 @@ def main() -> int:
     backend = "cuda" if cuda else "host"
 
     from weightcache import protocol
-    from weightcache.client import Session
+    from weightcache.session import Session
 
     floors = []
     for _ in range(2):

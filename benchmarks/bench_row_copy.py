@@ -9,7 +9,7 @@ each copy their share of ``--gib`` GiB of rows of ``--pitches`` bytes, keeping
 ``pitch / TP`` bytes of each row, into their own buffer of packed rows, with
 numpy ``copyto`` over three views of the same bytes:
 
-- ``u1``: ``(rows, bytes)`` of ``uint8`` (what :func:`weightcache.row_reads.copy_mapped_rows`
+- ``u1``: ``(rows, bytes)`` of ``uint8`` (what :func:`weightcache.reader._rows.copy_mapped_rows`
   does);
 - ``u8``: ``(rows, bytes / 8)`` of ``uint64``;
 - ``void``: ``(rows,)`` of one ``V<bytes>`` item per row.

@@ -37,7 +37,7 @@ from bench_common import (GB, LLAMA2_7B, emit, has_cuda, layers_for, met, servic
                           warm_page_cache, write_checkpoint, write_config)
 
 from weightcache import attach, protocol  # noqa: E402
-from weightcache.client import Session  # noqa: E402
+from weightcache.session import Session  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402
 
 

@@ -10,10 +10,10 @@ and has ``--threads`` threads fill a TP rank's rows into their own
 copy), by each of:
 
 - ``span``: ``preadv`` from the first row to the last, then
-  :func:`weightcache.row_reads.compact_rows` (the reader's ``O_DIRECT`` way);
+  :func:`weightcache.reader._rows.compact_rows` (the reader's ``O_DIRECT`` way);
 - ``iov``: ``preadv`` with one iovec per row and a scratch iovec for the bytes
   between rows (iovec lists built once per thread and shape);
-- ``mmap``: :func:`weightcache.row_reads.copy_mapped_rows` from a read-only
+- ``mmap``: :func:`weightcache.reader._rows.copy_mapped_rows` from a read-only
   mapping of the piece's span, unmapped after it (the reader's way without
   ``O_DIRECT``);
 - ``row``: one ``pread`` per row;
@@ -83,8 +83,8 @@ def write_file(path: Path, layers: int) -> list[tuple[int, int, int]]:
 
 
 def rank_tasks(path: str, tensors: list[tuple[int, int, int]], tp: int, rank: int, packed: bool) -> list[Any]:
-    """The rank's rows as :class:`weightcache.loader.ReadTask` pieces that fit one staging buffer."""
-    from weightcache.loader import ReadTask
+    """The rank's rows as :class:`weightcache.reader.ReadTask` pieces that fit one staging buffer."""
+    from weightcache.reader import ReadTask
 
     out = []
     for off, rows, pitch in tensors:
@@ -146,7 +146,7 @@ def fill(way: str, tasks: list[Any], fd: int, threads: int, own_fd: str | None =
     """Runs ``tasks`` on ``threads`` threads by ``way``; returns the wall time in seconds."""
     import numpy as np
 
-    from weightcache import loader
+    from weightcache.reader import _loader as loader
 
     work: queue.SimpleQueue = queue.SimpleQueue()
     for t in tasks:
@@ -232,7 +232,7 @@ def main() -> int:
     ap.add_argument("--ways", default="span,iov,mmap,row")
     ap.add_argument("--keep", action="store_true", help="keep the file")
     args = ap.parse_args()
-    from weightcache.cpus import default_threads
+    from weightcache.reader import default_threads
 
     threads = args.threads or default_threads()
     path = Path(args.file)

@@ -41,7 +41,8 @@ def child(fd: int, size_bytes: int, iters: int) -> None:
     import torch
     from cuda.bindings import driver as cu
 
-    from weightcache.memory.cuda import CudaBackend, _check
+    from weightcache.memory.cuda import CudaBackend
+    from weightcache.memory.cuda_driver import _check
 
     backend = CudaBackend(0)
     dev = backend._device(0)

@@ -57,7 +57,7 @@ TIMED = {
     "weightcache.daemon.loop": ["Daemon.__init__"],
     "weightcache.daemon.loads": ["Loader._room"],
     "weightcache.pipeline": ["plan", "fill"],
-    "weightcache.checkpoint_header": ["_validate_with_safetensors", "warm_validation"],
+    "weightcache.checkpoint.header": ["_validate_with_safetensors", "warm_validation"],
     "weightcache.checkpoint": ["Checkpoint.__init__"],
     "cuda.bindings.driver": ["cuInit", "cuDeviceGetCount", "cuDevicePrimaryCtxRetain", "cuMemGetInfo",
                              "cuDeviceGetUuid", "cuMemCreate"],

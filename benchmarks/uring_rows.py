@@ -1,7 +1,7 @@
 """Strided row reads through one io_uring per thread: a ``read`` per row, one system call per batch (benchmark only).
 
 ``bench_tp_reads.py --ways uring`` measures this way against the reader's
-mapped copy (:func:`weightcache.row_reads.copy_mapped_rows`). A TP rank's
+mapped copy (:func:`weightcache.reader._rows.copy_mapped_rows`). A TP rank's
 row-parallel shard is ``rows`` rows of ``length`` bytes (1–5 KB at TP 8),
 ``pitch`` apart in the file; an io_uring (Linux 5.6+, ``IORING_OP_READ``)
 takes a batch of row reads in one ``io_uring_enter``, the kernel copying each

@@ -15,7 +15,9 @@ import os
 import socket
 import time
 
-from service_harness import compare_bytes, poll_until, proc_fds, read_reply  # noqa: F401 - proc_fds re-exported
+from service_harness import poll_until, proc_fds  # noqa: F401 - proc_fds re-exported
+from wire_helpers import read_reply  # noqa: F401 - proc_fds re-exported
+from checkpoints import compare_bytes  # noqa: F401 - proc_fds re-exported
 from weightcache import attach
 
 MiB = 1 << 20
@@ -222,7 +224,7 @@ def baseline_figures(before: dict, after: dict) -> dict:
 
 _HUNG_CONFIG = '''
 import os
-from weightcache import config_files as _config  # where the config reader lives
+from weightcache.config import _files as _config  # where the config reader lives
 
 _gate = os.environ["WC_TEST_HUNG_CONFIG"].split("=", 1)
 _read_bytes = _config._read_bytes

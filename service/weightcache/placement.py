@@ -9,9 +9,9 @@ written at the padded pitch over zeros. :func:`place` turns one
 :class:`~weightcache.spec.TensorSpec` and its record into a
 :class:`Placement`:
 
-- ``reads``: :class:`~weightcache.loader.ReadTask` s (contiguous or strided),
+- ``reads``: :class:`~weightcache.reader.ReadTask` s (contiguous or strided),
   run by the parallel reader like any other tensor
-  (:func:`weightcache.loader.read_direct`, host and CUDA backends);
+  (:func:`weightcache.reader.read_direct`, host and CUDA backends);
 - ``zeros``: ``(slab_offset, size_bytes)`` ranges set to zero before the reads;
 - ``small``: tensors computed on the host from a few scalars (a fused
   per-tensor scale is the max of its parts', per-channel scales are
@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from . import quant
 from .checkpoint import Checkpoint
-from .loader import ReadTask
 from .manifest import TensorRecord, itemsize
-from .spec import SourceRef, TensorSpec
+from .reader import ReadTask
+from .tensor_spec import SourceRef, TensorSpec
 
 #: ``fn(values) -> bytes``: ``values(name)`` is a checkpoint tensor as a 1-D ``float32`` numpy array.
 Compute = Callable[[Callable[[str], object]], bytes]
@@ -139,24 +138,36 @@ def _place_copy(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> Placemen
 PLACERS: dict[str, Callable[[TensorSpec, TensorRecord, Checkpoint], Placement | None]] = {"copy": _place_copy}
 
 
-def place(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint) -> Placement | None:
+#: A lookup of the placers of ops this module does not own: op name -> placer, or ``None``.
+PlacerLookup = Callable[[str], Callable[..., Any] | None]
+
+
+def _no_placer(op: str) -> None:
+    return None
+
+
+def place(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint, placers: PlacerLookup = _no_placer) -> Placement | None:
     """The placement of one planned tensor, or ``None`` when it needs the torch path (a dtype cast).
 
     Args:
         spec (`TensorSpec`), rec (`TensorRecord`): from :func:`weightcache.pipeline.plan` (not an alias).
         ck (`Checkpoint`): the plan's checkpoint (headers).
+        placers (`callable`, *optional*): the placers of the scheme ops (``weightcache.quant.placer``; the
+            pipeline passes it, so this module never imports ``quant``); by default only :data:`PLACERS`.
     """
-    fn = PLACERS.get(spec.op) or quant.registry.placer(spec.op)
+    fn = PLACERS.get(spec.op) or placers(spec.op)
     return None if fn is None else fn(spec, rec, ck)
 
 
-def place_all(specs: list[TensorSpec], records: list[TensorRecord], ck: Checkpoint) -> Placement | None:
-    """The placement of every stored tensor of a plan, or ``None`` when one of them has none."""
+def place_all(specs: list[TensorSpec], records: list[TensorRecord], ck: Checkpoint,
+              placers: PlacerLookup = _no_placer) -> Placement | None:
+    """The placement of every stored tensor of a plan, or ``None`` when one of them has none (``placers``: as
+    :func:`place`)."""
     out = Placement()
     for spec, rec in zip(specs, records):
         if spec.alias_of is not None:
             continue
-        p = place(spec, rec, ck)
+        p = place(spec, rec, ck, placers)
         if p is None:
             return None
         out.extend(p)

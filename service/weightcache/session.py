@@ -6,7 +6,7 @@ connection is the lease: closing it ends every lease taken on it). Used by
 :mod:`weightcache.metrics`), which need nothing else of the client.
 
 Forbidden imports: torch, numpy, asyncio, weightcache.config, weightcache.daemon, weightcache.pipeline,
-weightcache.quant, weightcache.sharding, weightcache.loader, weightcache.memory.
+weightcache.quant, weightcache.sharding, weightcache.reader, weightcache.memory.
 """
 
 from __future__ import annotations

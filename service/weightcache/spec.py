@@ -3,9 +3,9 @@
 The planning stages speak in :class:`TensorSpec`: an output tensor of the slab,
 built from slices of checkpoint tensors (:class:`SourceRef`), concatenated
 along ``cat_dim`` and then passed through a named processing ``op``. Those two
-live in :mod:`weightcache.tensor_spec` and are re-exported here on first use
-(PEP 562): an engine's attach builds requests, never specs, and each frozen
-dataclass costs about a millisecond of code generation at import.
+live in :mod:`weightcache.tensor_spec`, which an engine's attach never imports:
+it builds requests, never specs, and each frozen dataclass costs about a
+millisecond of code generation at import.
 
 - ``sharding`` turns checkpoint tensors into per-rank specs (op ``copy``,
   fused names, tied aliases);
@@ -24,6 +24,10 @@ from typing import Any
 
 from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING
 
+
+#: Default of the ``scheme`` arguments of :func:`weightcache.identity.key_fields` and
+#: :func:`weightcache.quant.process_specs`: detect the scheme from the checkpoint.
+DETECT: Any = object()
 
 #: ``dtype`` names -> safetensors dtype code of the slab (``auto``: the checkpoint's own).
 DTYPE_NAMES = {"auto": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -114,12 +118,3 @@ class RankRequest:
             return cls(LoadRequest.from_json(d["model"]), tp_size, tp_rank)
         except (KeyError, TypeError) as e:
             raise ValueError(f"rank request {d!r:.200} is damaged: {e!r}") from None
-
-
-def __getattr__(name: str) -> Any:
-    """:class:`TensorSpec` and :class:`SourceRef`, imported from :mod:`weightcache.tensor_spec` on first use."""
-    if name in ("TensorSpec", "SourceRef"):
-        from . import tensor_spec
-
-        return getattr(tensor_spec, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

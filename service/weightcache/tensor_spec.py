@@ -1,9 +1,8 @@
 """One tensor of a slab as the planning stages describe it: :class:`TensorSpec` and its :class:`SourceRef` slices.
 
 ``sharding`` builds them, ``quant`` rewrites those of quantized layers,
-``placement``/``pipeline`` place and execute them. Re-exported by
-:mod:`weightcache.spec` (``from weightcache.spec import TensorSpec`` works),
-which an engine's attach imports without these.
+``placement``/``pipeline`` place and execute them. Apart from
+:mod:`weightcache.spec`, which an engine's attach imports without these.
 
 Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
 """

@@ -56,10 +56,12 @@ def _cases(tmp_path: Path):
 
 @pytest.mark.parametrize("o_direct", [False, True])
 def test_cuda_placements_equal_the_torch_pipeline_on_the_gpu(tmp_path, o_direct):
-    from weightcache import loader, pipeline
+    from weightcache import pipeline
+    from weightcache.reader import _loader as loader
     from weightcache.config import ModelConfig
     from weightcache.spec import RankRequest
-    from weightcache.memory.cuda import CudaBackend, _map_fd
+    from weightcache.memory.cuda import CudaBackend
+    from weightcache.memory.cuda_mapping import _map_fd
 
     backend = CudaBackend(0)
     for kind, ck in _cases(tmp_path).items():

@@ -6,7 +6,7 @@
 - TP = 2 with both ranks' slabs on one GPU: the shards reassemble to the
   checkpoint byte for byte.
 - A fresh engine's first CUDA attach finds the CUDA attach path imported
-  ahead (``weightcache.attach_imports``) and imports nothing itself; the
+  ahead (``weightcache.client._imports``) and imports nothing itself; the
   thread loads the driver library without initialising the driver.
 """
 
@@ -148,7 +148,7 @@ import hashlib, json, sys
 import weightcache
 attach = weightcache.attach
 import torch
-from weightcache import attach_imports
+from weightcache.client import _imports as attach_imports
 device = sys.argv[3]
 if device.startswith("cuda"):
     torch.cuda.init()
@@ -201,7 +201,7 @@ import json, logging, sys
 logging.basicConfig(level=logging.DEBUG)  # the thread says what it loaded
 import weightcache
 weightcache.attach
-from weightcache import attach_imports
+from weightcache.client import _imports as attach_imports
 assert attach_imports.wait(120)
 from cuda.bindings import driver as cu
 err, _ = cu.cuDeviceGetCount()

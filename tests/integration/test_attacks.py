@@ -33,12 +33,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, make_config, poll_until,  # noqa: E402
-                             proc_fds, proc_rss_bytes, raw_connect, read_checkpoint, read_reply, record_figures)
+from service_harness import make_config, poll_until, proc_fds, proc_rss_bytes, record_figures  # noqa: E402
+from wire_helpers import HELLO, frame, raw_connect, read_reply  # noqa: E402
+from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint  # noqa: E402
 from attackers import (NOBODY, back_to_baseline, fork_as, flood, hung_read_env, ok_attach,  # noqa: E402
                        open_socket_to_all, reap, release_read, replies, result, send_quietly, wait_read_hung)
 from weightcache import attach, protocol  # noqa: E402
-from weightcache.client import Session  # noqa: E402
+from weightcache.session import Session  # noqa: E402
 from weightcache.errors import DaemonUnavailable, WeightcacheError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -457,7 +458,7 @@ def test_client_waits_out_a_full_backlog(tmp_path):
 def test_peer_groups_beyond_python_getsockopt_buffer(tmp_path):
     """SO_PEERGROUPS of a peer with 300 supplementary groups (more than Python's 1024-byte getsockopt buffer
     holds) are all read (through libc)."""
-    from weightcache.daemon.transport import peer_groups
+    from weightcache.daemon.clients import peer_groups
 
     d = tempfile.mkdtemp(prefix="wc-g-", dir="/tmp")
     os.chmod(d, 0o755)

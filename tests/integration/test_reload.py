@@ -23,18 +23,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (  # noqa: E402
-    FdStoreStandIn,
-    big_checkpoint,
-    compare_bytes,
-    make_config,
-    poll_until,
-    proc_fds,
-    read_checkpoint,
-    service_env,
-    to_toml,
-    write_checkpoint,
-)
+from service_harness import FdStoreStandIn, make_config, poll_until, proc_fds, service_env, to_toml  # noqa: E402
+from checkpoints import big_checkpoint, compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.errors import ConfigError, DaemonUnavailable, ModelNotFound, WeightcacheError  # noqa: E402
 
@@ -286,7 +276,7 @@ def test_an_invalid_config_at_start_serves_the_slabs_from_the_fd_store_until_a_r
     cfg.write_text(good)
 
     def status() -> dict:
-        from weightcache.client import Session
+        from weightcache.session import Session
 
         s = Session(str(listen), timeout=10)
         try:

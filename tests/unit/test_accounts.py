@@ -2,7 +2,7 @@
 
 ``allow_users``, ``allow_groups`` and ``service.operator_groups`` name accounts; NSS
 (``/etc/passwd``, sssd, LDAP) answers those names, and may take seconds. The checks
-on the serving loop compare ids only (weightcache.accounts, weightcache.daemon.access).
+on the serving loop compare ids only (weightcache.config, weightcache.daemon.access).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pwd
 
 import pytest
 
-from weightcache import accounts
-from weightcache.accounts import AccountNames
+from weightcache.config import _accounts as accounts
+from weightcache.config import AccountNames
 from weightcache.config import ModelConfig, Placement, load_config
 from weightcache.daemon import access
 from weightcache.daemon.state import Peer, Slot

@@ -77,7 +77,7 @@ def test_device_check_accepts_what_the_documented_pattern_accepts(device):
     ``re.fullmatch(r"cpu|cuda(:[0-9]+)?", device)`` accepts: ASCII digits only."""
     import re
 
-    from weightcache.attach_request import _is_device
+    from weightcache.client._request import _is_device
 
     want = isinstance(device, str) and re.fullmatch(r"cpu|cuda(:[0-9]+)?", device) is not None
     assert _is_device(device) is want

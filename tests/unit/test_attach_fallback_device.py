@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 
 import pytest
-from service_harness import daemon, toy_checkpoint  # noqa: F401 - daemon: pytest fixture (a host-backend service)
+from service_harness import daemon  # noqa: F401 - daemon: pytest fixture (a host-backend service)
+from checkpoints import toy_checkpoint  # noqa: F401 - daemon: pytest fixture (a host-backend service)
 
 torch = pytest.importorskip("torch")
 
 import weightcache.memory  # noqa: E402
-from weightcache import client  # noqa: E402
+from weightcache.client import _attach as client  # noqa: E402
 from weightcache.errors import DeviceError  # noqa: E402
 
 _BROKEN = "cuda:7"

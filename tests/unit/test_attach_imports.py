@@ -1,4 +1,4 @@
-"""The CUDA attach path imported ahead on a thread (``weightcache.attach_imports``): when, what, fork-safety.
+"""The CUDA attach path imported ahead on a thread (``weightcache.client._imports``): when, what, fork-safety.
 
 Each run is a fresh interpreter of the test venv with ``$WEIGHTCACHE_IMPORT_AHEAD``
 set, so that the outcome does not depend on whether this machine has an
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from weightcache import attach_imports
-from weightcache.attach_imports import ENV, MODULES, plausible
+from weightcache.client import _imports as attach_imports
+from weightcache.client._imports import ENV, MODULES, plausible
 
 
 def _run(code: str, ahead: str) -> subprocess.CompletedProcess:
@@ -53,7 +53,7 @@ def test_an_unknown_override_is_named_in_a_warning(caplog):
 
 
 def test_off_imports_nothing_ahead():
-    code = ("import sys, json, weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\n"
+    code = ("import sys, json, weightcache\nweightcache.attach\nfrom weightcache.client import _imports as a\n"
             "print(json.dumps([a._thread is None, a.start(), sorted(m for m in sys.modules if m.startswith("
             "('weightcache.memory', 'weightcache.identity', 'cuda.bindings.driver')))]))\n")
     r = _run(code, "0")
@@ -65,7 +65,7 @@ def test_on_imports_the_cuda_attach_path_on_a_thread():
     """The client's import starts the thread; once it is done the attach path's modules are whole, the pipeline
     untouched."""
     code = ("import sys, json, threading, weightcache\nweightcache.attach\n"
-            "from weightcache import attach_imports as a\n"
+            "from weightcache.client import _imports as a\n"
             "name = a._thread.name\nassert a.wait(120)\n"
             "print(json.dumps([name, sorted(m for m in sys.modules if m in a.MODULES or m == 'cuda.bindings.driver' "
             "or m.startswith(('weightcache.pipeline', 'weightcache.quant', 'torch')))]))\n")
@@ -86,7 +86,7 @@ def test_fork_during_the_imports_waits_for_them():
     """A fork right after the client's import (the thread mid-import) waits for the imports: the child imports
     the same modules at once instead of blocking forever on a lock held by a thread it does not have."""
     code = ("import os, signal, sys, weightcache\nweightcache.attach\n"
-            "from weightcache import attach_imports as a\nstarted = a._thread is not None\n"
+            "from weightcache.client import _imports as a\nstarted = a._thread is not None\n"
             "pid = os.fork()\n"
             "if pid == 0:\n"
             "    signal.alarm(20)  # a child stuck on an import lock dies of SIGALRM\n"
@@ -102,7 +102,7 @@ def test_fork_during_the_imports_waits_for_them():
 def test_a_failing_import_is_left_to_the_attach():
     """The thread logs a failed import at DEBUG and goes on; the attach's own import raises as it did without it."""
     code = ("import sys\nsys.modules['weightcache.memory.cuda'] = None  # as if the import failed\n"
-            "import weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\nassert a.wait(120)\n"
+            "import weightcache\nweightcache.attach\nfrom weightcache.client import _imports as a\nassert a.wait(120)\n"
             "print('identity', 'weightcache.identity' in sys.modules)\n"
             "try:\n    import weightcache.memory.cuda\nexcept ImportError as e:\n    print('raised', e.name)\n")
     r = _run(code, "1")
@@ -121,7 +121,7 @@ def test_a_thread_that_cannot_start_leaves_the_client_importable():
     code = ("import os, sys, threading\n"
             "def refused(self):\n    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
             "threading.Thread.start = refused\n"
-            "import weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\n"
+            "import weightcache\nweightcache.attach\nfrom weightcache.client import _imports as a\n"
             "pid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
             "print(a._thread is None, a.wait(0), a.start(), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
             "import weightcache.memory.cuda, weightcache.identity\n")
@@ -138,7 +138,7 @@ _RECORD_LOAD = (
     "    calls.append(threading.current_thread().name)\n"
     "    return 13000\n"
     "cuda_driver.load_driver = load_driver\n"
-    "import weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\nassert a.wait(120)\n")
+    "import weightcache\nweightcache.attach\nfrom weightcache.client import _imports as a\nassert a.wait(120)\n")
 
 
 def test_on_loads_the_driver_library_on_the_thread_after_the_imports():
@@ -161,7 +161,7 @@ def test_a_driver_load_that_raises_stays_on_the_thread():
     code = ("from weightcache.memory import cuda_driver\n"
             "def load_driver():\n    raise RuntimeError('no libcuda')\n"
             "cuda_driver.load_driver = load_driver\n"
-            "import weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\n"
+            "import weightcache\nweightcache.attach\nfrom weightcache.client import _imports as a\n"
             "print(a.wait(120))\n")
     r = _run(code, "1")
     assert r.returncode == 0 and "Traceback" not in r.stderr and "Exception in thread" not in r.stderr, r.stderr
@@ -171,15 +171,15 @@ def test_a_driver_load_that_raises_stays_on_the_thread():
 def test_on_prepares_the_attach_messages_on_the_thread():
     """The tags and field specs of the attach's messages are worked out on the thread, none on the main thread."""
     code = ("import json, threading\n"
-            "from weightcache.protocol import messages\n"
+            "from weightcache.protocol import _messages as messages\n"
             "done = []\n"
-            "real = messages._specs\n"
+            "real = messages.field_specs\n"
             "def specs(cls):\n"
             "    if cls not in messages._SPECS:\n"
             "        done.append([cls.__name__, threading.current_thread().name])\n"
             "    return real(cls)\n"
-            "messages._specs = specs\n"
-            "import weightcache\nweightcache.attach\nfrom weightcache import attach_imports as a\nassert a.wait(120)\n"
+            "messages.field_specs = specs\n"
+            "import weightcache\nweightcache.attach\nfrom weightcache.client import _imports as a\nassert a.wait(120)\n"
             "print(json.dumps([sorted(done), sorted(c.tag() for c in messages.ATTACH_EXCHANGE)]))\n")
     r = _run(code, "1")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -16,17 +16,18 @@ import pytest
 import torch
 
 from daemon_helpers import Clock, close_slabs
-from service_harness import compare_bytes, read_checkpoint, write_checkpoint
+from checkpoints import compare_bytes, read_checkpoint, write_checkpoint
 from weightcache import identity, protocol
-from weightcache.accounts import AccountNames
+from weightcache.config import AccountNames
 from weightcache.config import ModelConfig, Placement
-from weightcache.daemon import access, handlers, loads
-from weightcache.daemon.handlers import Context, FreeSlab, Refuse, StartLoad
-from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent, SlotState
-from weightcache.loader import LoaderOptions
-from weightcache import manifest_file as manifest_module
+from weightcache.daemon import access, handlers, load_results, loads
+from weightcache.daemon.effects import Context, FreeSlab, Outcome, Refuse, StartLoad, StartVerify
+from weightcache.daemon.state import IllegalTransition, Peer, ServiceState, SlotEvent
+from weightcache.wire import SlotState
+from weightcache.reader import LoaderOptions
+from weightcache.manifest import _file as manifest_module
 from weightcache.manifest import build_views
-from weightcache.manifest_file import unpack_file
+from weightcache.manifest import unpack_file
 from weightcache.memory.host import HostBackend
 from weightcache.spec import DTYPE_NAMES
 
@@ -53,7 +54,7 @@ def svc(tmp_path):
     def load(slot):
         final = loader._supervise(slot)  # the loader thread's body, run here
         for result in loader.results() + [final]:
-            loads.apply(st, result)
+            load_results.apply(st, result)
 
     yield ctx, st, load, backend, ck, clock
     close_slabs(st)
@@ -93,7 +94,7 @@ def test_attach_loading_parks_then_answers_with_the_bytes(svc):
     peer = Peer(10, os.getuid(), os.getgid())
     (reply,) = handlers.handle(ctx, peer, protocol.Attach("m")).replies
     assert reply.msg == protocol.Loading("m", 0, 0, "pending")
-    assert handlers.handle(ctx, peer, protocol.Attach("m", wait_ms=5000)) == handlers.Outcome()
+    assert handlers.handle(ctx, peer, protocol.Attach("m", wait_ms=5000)) == Outcome()
     assert len(peer.waiting) == 1 and handlers.service_waiting(ctx, peer).replies == ()
     load(st.slots[0])
     assert st.slots[0].state is SlotState.READY and st.loads_done == 1
@@ -212,15 +213,29 @@ def _verify(ctx, peer, model):
     out = handlers.handle(ctx, peer, protocol.Verify(model))
     if out.replies:  # refused before any hashing
         return out
-    assert not out.replies and [type(e) for e in out.effects] == [handlers.StartVerify]
+    assert not out.replies and [type(e) for e in out.effects] == [StartVerify]
     return handlers.verify_reply(peer, out.effects[0])
 
 
 def test_verify_reports_a_changed_tensor(svc):
+    """An unchanged slab verifies with no mismatch; once a byte of tensor ``w`` differs from what was loaded (the
+    slot's slab swapped for a copy with one bit flipped), verify names ``w`` and only ``w``; a slot not loaded is
+    reported in its state, unhashed. (More cases: tests/unit/test_guards_identity.py.)"""
+    from weightcache.memory.host import HostWritableSlab
+
     ctx, st, load, *_ = svc
-    load(st.slots[0])
+    slot = st.slots[0]
+    load(slot)
     (reply,) = _verify(ctx, Peer(1, 0, 0), "m").replies
     assert [(r.state, r.tensors, r.mismatched) for r in reply.msg.typed()] == [("ready", 2, [])]
+    (w,) = [r for r in slot.manifest.tensors if r.name == "w"]
+    copy = HostWritableSlab(slot.sealed.size_bytes, "flipped")
+    copy.buffer[:] = os.pread(slot.sealed.fd, slot.sealed.size_bytes, 0)
+    copy.buffer[w.offset_bytes] ^= 0x80
+    slot.sealed.close()
+    slot.sealed = copy.seal()
+    (reply,) = _verify(ctx, Peer(1, 0, 0), "m").replies
+    assert [(r.state, r.tensors, r.mismatched) for r in reply.msg.typed()] == [("ready", 2, ["w"])]
     (reply,) = _verify(ctx, Peer(1, 0, 0), "locked").replies
     assert [(r.state, r.mismatched) for r in reply.msg.typed()] == [("pending", [])]
 

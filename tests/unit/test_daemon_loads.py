@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from daemon_helpers import close_slabs
-from service_harness import poll_until, write_checkpoint
+from service_harness import poll_until
+from checkpoints import write_checkpoint
 from weightcache.config import ModelConfig, Placement
-from weightcache.daemon import loads
-from weightcache.daemon.state import ServiceState, SlotState
-from weightcache.loader import LoaderOptions
+from weightcache.daemon import load_results, loads
+from weightcache.daemon.state import ServiceState
+from weightcache.wire import SlotState
+from weightcache.reader import LoaderOptions
 from weightcache.memory.host import HostBackend
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,9 +72,9 @@ def test_blocked_read_fails_with_timeout_and_the_next_model_loads(tmp_path, monk
 
         def loaded() -> bool:
             for res in loader.results():
-                loads.apply(st, res)
+                load_results.apply(st, res)
                 seen.append(res)
-            return bool(seen) and isinstance(seen[-1], loads.Loaded)
+            return bool(seen) and isinstance(seen[-1], load_results.Loaded)
 
         poll_until(loaded, "the next slab to load", 20, 0.01, detail=lambda: repr(seen))
         stuck, nxt = st.slots

@@ -15,13 +15,15 @@ import threading
 import pytest
 import torch
 
-from service_harness import poll_until, read_reply, write_checkpoint
+from service_harness import poll_until
+from wire_helpers import read_reply
+from checkpoints import write_checkpoint
 from weightcache import protocol
 from weightcache.config import Config, ModelConfig
 from weightcache.daemon import handlers
 from weightcache.daemon.loop import Daemon
 from weightcache.daemon.state import Peer
-from weightcache.daemon.transport import Client
+from weightcache.daemon.clients import Client
 from weightcache.memory.host import HostBackend
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,7 +90,7 @@ def test_a_reload_applies_the_caps_and_the_operator_groups(tmp_path):
     import dataclasses
 
     from weightcache.config import ServiceConfig
-    from weightcache.daemon.handlers import Reconfigure
+    from weightcache.daemon.effects import Reconfigure
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(tmp_path / "0.sock"))

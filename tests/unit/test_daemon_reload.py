@@ -13,12 +13,13 @@ import pytest
 
 from weightcache import protocol
 from weightcache.config import Config, Layout, ModelConfig, Placement, ServiceConfig
-from weightcache.daemon import handlers, loads, reload
-from weightcache.daemon.handlers import CancelLoad, Context, FreeSlab, Reconfigure
-from weightcache.daemon.state import Peer, ServiceState, SlotState
+from weightcache.daemon import handlers, load_results, loads, reload
+from weightcache.daemon.effects import CancelLoad, Context, FreeSlab, Reconfigure
+from weightcache.daemon.state import Peer, ServiceState
+from weightcache.wire import SlotState
 from weightcache.daemon.ticker import Ticker
 from weightcache.errors import ConfigError
-from weightcache.loader import LoaderOptions
+from weightcache.reader import LoaderOptions
 
 S = SlotState
 ME = Peer(10, os.getuid(), os.getgid())
@@ -115,7 +116,7 @@ def test_a_load_under_way_is_checked_against_the_identity_it_planned_from(paths)
     planned_a, planned_b = {"files": {}, "tag": "a"}, {"files": {}, "tag": "b"}
     for s, planned in ((sa, planned_a), (sb, planned_b)):
         s.start(1.0)
-        loads.Planned(s, 64, None, planned).apply(st)
+        load_results.Planned(s, 64, None, planned).apply(st)
     assert sa.state is S.LOADING and sa.planned_checkpoint is planned_a
     assert reload.recorded_checkpoints(st.slots) == [
         (reload.identity(s.placement), s.placement.model.path, planned, planned)
@@ -359,8 +360,8 @@ def test_discard_closes_a_slab_loaded_for_a_dropped_slot(paths):
     slot = st.slots[0]
     slot.drop()
     sealed, manifest_file = Sealed(), Sealed()
-    loads.discard(loads.Loaded(slot, None, sealed, manifest_file, 1.0))
-    loads.discard(loads.Started(slot, 1.0))
+    load_results.discard(load_results.Loaded(slot, None, sealed, manifest_file, 1.0))
+    load_results.discard(load_results.Started(slot, 1.0))
     assert sealed.closed == manifest_file.closed == 1 and slot.state is S.DROPPED
 
 
@@ -386,7 +387,7 @@ def test_a_load_cancelled_midway_stops_and_frees_its_partial_slab(tmp_path, monk
     """The progress report after the cancel ends the load: the writable slab is aborted, nothing sealed."""
     import torch
 
-    from service_harness import write_checkpoint
+    from checkpoints import write_checkpoint
     from weightcache.memory.host import HostBackend
 
     ck = write_checkpoint(tmp_path / "ck", {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)})
@@ -407,7 +408,7 @@ def test_a_load_cancelled_midway_stops_and_frees_its_partial_slab(tmp_path, monk
         loader = loads.Loader(loads.LoadSettings(backend, {}, 60.0, LoaderOptions(threads=1), "t.toml"), w)
         loader.cancel(st.slots[0])
         result = loader._supervise(st.slots[0])  # the loader thread's body for one slot (a worker runs it)
-        assert isinstance(result, loads.Failed) and result.error.details["cause"] == "cancelled"
+        assert isinstance(result, load_results.Failed) and result.error.details["cause"] == "cancelled"
         assert aborted == [True]
     finally:
         os.close(r)

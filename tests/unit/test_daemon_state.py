@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from weightcache.config import ModelConfig, Placement
-from weightcache.daemon.state import (TRANSITIONS, IllegalTransition, ServiceState, Slot, SlotEvent, SlotState)
+from weightcache.daemon.state import TRANSITIONS, IllegalTransition, ServiceState, Slot, SlotEvent
+from weightcache.wire import SlotState
 from weightcache.errors import ModelNotFound
 
 S, E = SlotState, SlotEvent

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from weightcache.config import ModelConfig, Placement
-from weightcache.daemon.state import Lease, ServiceState, SlotState
+from weightcache.daemon.state import Lease, ServiceState
+from weightcache.wire import SlotState
 from weightcache.daemon.tiers import Moved, Tiers
 from weightcache.errors import OutOfMemory
 

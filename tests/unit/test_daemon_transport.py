@@ -15,7 +15,7 @@ import struct
 import pytest
 
 from daemon_helpers import Clock
-from service_harness import frame, read_reply
+from wire_helpers import frame, read_reply
 from weightcache import protocol
 from weightcache.daemon.limits import Limits
 from weightcache.daemon import outbox
@@ -142,7 +142,7 @@ def test_fds_in_flight_are_capped_per_uid_and_given_back_once_read(tmp_path):
     s.sendall(frame(HELLO) + frame({"type": "attach", "model": "m"}) * 10)
     _pump(tr, 10)
     uid = os.getuid()
-    assert tr.fds_in_flight[uid] == 8 and len(unsent) == 6  # 4 replies with 2 fds each, 6 withheld
+    assert tr.outbox.fds_in_flight[uid] == 8 and len(unsent) == 6  # 4 replies with 2 fds each, 6 withheld
     got, received = [], 0
     for _ in range(11):
         obj, fds = read_reply(s)  # fds come with whichever read picks up their frame's first byte
@@ -155,12 +155,12 @@ def test_fds_in_flight_are_capped_per_uid_and_given_back_once_read(tmp_path):
     s.sendall(frame({"type": "attach", "model": "m"}))
     _pump(tr)
     obj, fds = read_reply(s)
-    assert (obj["type"], len(fds)) == ("attach_reply", 2) and tr.fds_in_flight[uid] == 2
+    assert (obj["type"], len(fds)) == ("attach_reply", 2) and tr.outbox.fds_in_flight[uid] == 2
     for fd in fds:
         os.close(fd)
     s.close()
     _pump(tr)
-    assert not tr.fds_in_flight and not tr.lingering
+    assert not tr.outbox.fds_in_flight and not tr.outbox.lingering
     tr.close_all("test over")
     listener.close()
     os.close(r)
@@ -191,10 +191,10 @@ def test_a_dropped_connection_is_counted_until_its_peer_reads_or_closes(tmp_path
     _pump(tr, 10)
     (c,) = tr.clients.values()
     tr.drop(c, "test")
-    assert len(tr.lingering) == 1 and tr.fds_in_flight[os.getuid()] == 6
+    assert len(tr.outbox.lingering) == 1 and tr.outbox.fds_in_flight[os.getuid()] == 6
     s.close()
     tr.expire(0.0)
-    assert not tr.lingering and not tr.fds_in_flight
+    assert not tr.outbox.lingering and not tr.outbox.fds_in_flight
     tr.close_all("test over")
     listener.close()
     os.close(r)

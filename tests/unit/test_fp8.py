@@ -27,8 +27,9 @@ from weightcache.config import ModelConfig  # noqa: E402
 from weightcache.errors import UnsupportedQuantization  # noqa: E402
 from weightcache.manifest import build_views  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
-from weightcache.quant import modelopt_fp8  # noqa: E402
-from weightcache.spec import RankRequest, SourceRef, TensorSpec  # noqa: E402
+from weightcache.quant import fp8_layout, modelopt_fp8, quant_config  # noqa: E402
+from weightcache.spec import RankRequest
+from weightcache.tensor_spec import SourceRef, TensorSpec  # noqa: E402
 
 ALGOS = [F.PER_TENSOR, F.PER_CHANNEL]
 PROMPTS = [[1, 5, 9, 33], [7, 7, 100, 2, 64]]
@@ -111,7 +112,7 @@ def test_detect_both_config_files(ckpts, tmp_path, algo, name, style):
     assert scheme.name == name
     used = cfg["quantization_config"] if style != "hf_quant_config" else hq
     assert scheme.config == used
-    assert scheme.config_hash == modelopt_fp8.config_hash(used)
+    assert scheme.config_hash == quant_config.config_hash(used)
     assert scheme.source.endswith("config.json" if style != "hf_quant_config" else "hf_quant_config.json")
 
 
@@ -125,7 +126,7 @@ def test_unquantized_checkpoint_is_untouched(tmp_path):
 
 
 def test_exclusion_rules_match_vllm():
-    ex = modelopt_fp8.is_excluded
+    ex = quant_config.is_excluded
     assert ex("lm_head", ["lm_head"])  # exact
     assert ex("model.lm_head", ["lm_head"])  # substring
     assert ex("language_model.model.embed_tokens", ["model.embed_tokens"])
@@ -288,7 +289,7 @@ def test_dequantized_weights_match_checkpoint(ckpts, algo, tp, naming):
                 got = stored[:n, :k].float() * ws
             else:
                 assert ws.shape == (1, stored.shape[0]) and ws.dtype == torch.float32
-                assert torch.all(ws[0, n:] == modelopt_fp8.SCALE_PAD_VALUE)
+                assert torch.all(ws[0, n:] == fp8_layout.SCALE_PAD_VALUE)
                 got = stored[:n, :k].float() * ws[0, :n, None]
             base = rec.name[: -len(".weight")]
             parts = lay.get("fused_parts") or [{"source": f"{base}.weight", "offset": 0, "size": n,
@@ -352,7 +353,7 @@ def test_hand_built_fused_spec(ckpts, algo, padded):
     for s in out:
         parts = [raw[r.name] if r.dim is None else raw[r.name].narrow(r.dim, r.start, r.stop - r.start)
                  for r in s.sources]
-        res[s.name] = pipeline.OPS[s.op](s, parts, raw.__getitem__)
+        res[s.name] = quant.REGISTRY.op(s.op)(s, parts, raw.__getitem__)
     w, ws = res[name], res[f"{base}.weight_scale"]
     assert w.shape == (n_pad, 64) and w.dtype == torch.float8_e4m3fn
     assert torch.all(w[n:].view(torch.uint8) == 0)

@@ -80,7 +80,7 @@ def test_forbidden_imports_absent(path, text):
 def test_rule_parsing_and_detection(tmp_path):
     assert _rules(" torch at module level, socket, daemon, weightcache.client.") == [
         ("torch", True), ("socket", False), ("weightcache.daemon", False), ("weightcache.client", False)]
-    bad = PKG / "protocol" / "codec.py"
+    bad = PKG / "protocol" / "_codec.py"
     imports = dict(_imports(bad))
     assert "weightcache.errors" in imports and "socket" not in imports
 
@@ -103,7 +103,9 @@ DAEMON_ROOMS = {
     "transport.py": {"threading", "torch", "weightcache.pipeline", "weightcache.daemon.handlers",
                      "weightcache.daemon.loads"},
     "outbox.py": {"threading", "torch", "weightcache.pipeline", "weightcache.daemon.handlers",
-                  "weightcache.daemon.loads"},
+                  "weightcache.daemon.loads", "weightcache.daemon.transport"},
+    "clients.py": {"threading", "torch", "weightcache.pipeline", "weightcache.daemon.handlers",
+                   "weightcache.daemon.loads", "weightcache.daemon.transport", "weightcache.daemon.outbox"},
     "ticker.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.handlers"},
     "limits.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
                   "weightcache.daemon.handlers"},

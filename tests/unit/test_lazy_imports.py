@@ -17,14 +17,14 @@ import pytest
 from service_harness import daemon  # noqa: F401 - pytest fixture (a host-backend service)
 
 #: The load pipeline and what only it needs: never imported by ``import weightcache; weightcache.attach``.
-PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.loader",
-            "weightcache.row_reads")
+PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.reader",
+            "weightcache.reader._rows")
 #: The operator's messages, the records inside their replies, and ``release`` (the client ends a lease by closing
 #: its connection): an engine's attach never exchanges them.
-OPERATOR_PROTOCOL = ("weightcache.protocol.admin", "weightcache.protocol.records", "weightcache.protocol.lease")
+OPERATOR_PROTOCOL = ("weightcache.protocol._admin", "weightcache.protocol._records", "weightcache.protocol._lease")
 #: The planning stages' tensor specs and the safetensors header reads: an attach served by the service builds no
 #: spec and reads no header (the key's checkpoint identity is checked by ``stat()``).
-NOT_ATTACHING = ("weightcache.tensor_spec", "weightcache.checkpoint_header")
+NOT_ATTACHING = ("weightcache.tensor_spec", "weightcache.checkpoint.header")
 
 
 def _imported(code: str, ahead: str = "0") -> set[str]:
@@ -36,7 +36,7 @@ def _imported(code: str, ahead: str = "0") -> set[str]:
             and "|" in line} - {"package"}
 
 
-#: What only the CUDA attach path needs: imported by the first CUDA attach, or ahead by weightcache.attach_imports.
+#: What only the CUDA attach path needs: imported by the first CUDA attach, or ahead by weightcache.client._imports.
 CUDA_PATH = ("weightcache.memory.cuda", "weightcache.identity", "cuda.bindings")
 
 
@@ -45,7 +45,7 @@ def test_import_weightcache_and_attach_skip_the_pipeline(ahead):
     """The client's modules, never the pipeline's; the CUDA attach path only when imported ahead (``1``: on a thread,
     waited for here so that the list is whole)."""
     mods = _imported("import weightcache; weightcache.attach; weightcache.AttachOptions; "
-                     "from weightcache import attach_imports; attach_imports.wait()", ahead)
+                     "from weightcache.client import _imports as attach_imports; attach_imports.wait()", ahead)
     assert {"weightcache", "weightcache.client", "weightcache.protocol"} <= mods
     for name in PIPELINE + OPERATOR_PROTOCOL + NOT_ATTACHING + ("numpy", "torch", "safetensors"):
         assert not any(m == name or m.startswith(name + ".") for m in mods), f"{name} imported: {sorted(mods)}"
@@ -84,7 +84,7 @@ def test_first_attach_to_a_service_imports_no_pipeline(daemon, tmp_path, by, ahe
     code = (
         "import sys, json, weightcache\n"
         f"a = weightcache.attach({model!r}, socket_dir={svc.socket_dir!r}, fallback=False, timeout=60)\n"
-        "from weightcache import attach_imports\nattach_imports.wait()\n"
+        "from weightcache.client import _imports as attach_imports\nattach_imports.wait()\n"
         "mods = sorted(m for m in sys.modules if m.startswith('weightcache.'))\n"
         "print(json.dumps([mods, a.source, {k: [str(v.dtype), v.float().tolist()] for k, v in a.tensors.items()}]))\n"
         "a.close()\n")
@@ -180,15 +180,14 @@ def test_options_record_and_keywords_are_the_same_request(tmp_path):
     assert Path(tmp_path).is_dir()
 
 
-def test_names_moved_off_the_attach_path_import_from_where_they_were():
-    """``spec`` re-exports the tensor specs and ``checkpoint`` the header names on first use, as the same objects."""
-    from weightcache import checkpoint, checkpoint_header, spec, tensor_spec
-    from weightcache.checkpoint import TensorInfo, pread_exact, warm_validation
-    from weightcache.spec import SourceRef, TensorSpec
+def test_the_attach_path_modules_offer_no_names_of_the_planning_stages():
+    """Each name has one import path: ``spec`` has no tensor specs and ``checkpoint`` no header names (no PEP 562
+    re-export); they are :mod:`weightcache.tensor_spec`'s and :mod:`weightcache.checkpoint.header`'s, which an
+    attach never imports (``test_import_weightcache_and_attach_skip_the_pipeline``)."""
+    from weightcache import checkpoint, spec, tensor_spec
+    from weightcache.checkpoint import header
 
-    assert (TensorSpec, SourceRef) == (tensor_spec.TensorSpec, tensor_spec.SourceRef)
-    assert (TensorInfo, pread_exact, warm_validation) == (
-        checkpoint_header.TensorInfo, checkpoint_header.pread_exact, checkpoint_header.warm_validation)
-    for module in (spec, checkpoint):
-        with pytest.raises(AttributeError):
-            module.no_such_name  # noqa: B018
+    assert tensor_spec.TensorSpec and tensor_spec.SourceRef and header.TensorInfo and header.pread_exact
+    for module, names in ((spec, ("TensorSpec", "SourceRef")), (checkpoint, ("TensorInfo", "pread_exact"))):
+        for name in names:
+            assert not hasattr(module, name), f"{module.__name__}.{name}"

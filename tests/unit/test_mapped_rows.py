@@ -1,4 +1,4 @@
-"""Row-parallel shards copied from a mapping of the checkpoint file (:func:`weightcache.row_reads.copy_mapped_rows`):
+"""Row-parallel shards copied from a mapping of the checkpoint file (:func:`weightcache.reader._rows.copy_mapped_rows`):
 what an operator or an attacker can do to the file around and during the load.
 
 Real safetensors files written by the test, the real host backend and the fake CUDA stager of
@@ -21,9 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service_harness import llama_checkpoint  # noqa: E402
+from checkpoints import llama_checkpoint  # noqa: E402
 
-from weightcache import loader, pipeline, protocol, row_reads  # noqa: E402
+from weightcache import pipeline, protocol  # noqa: E402
+from weightcache.reader import _loader as loader  # noqa: E402
+from weightcache.reader import _rows as row_reads  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
 from weightcache.errors import CheckpointCorrupt  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
@@ -162,7 +164,7 @@ import mmap, os, sys
 import numpy as np
 sys.path.insert(0, sys.argv[2])
 import bench_tp_reads as b
-from weightcache.loader import ReadTask
+from weightcache.reader import ReadTask
 path = sys.argv[1]
 real = mmap.mmap
 

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp8_fixtures as F  # noqa: E402
 from tiny_models import tiny_llama, tiny_qwen2  # noqa: E402,F401  (fixtures)
 
-from weightcache import loader, pipeline, placement  # noqa: E402
+from weightcache import pipeline, placement, quant  # noqa: E402
+from weightcache.reader import _loader as loader  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
 from weightcache.spec import RankRequest  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
@@ -81,7 +82,7 @@ def test_row_parallel_shards_copied_from_the_mapping_or_read_as_spans(tiny_llama
     if not from_mapping:
         monkeypatch.setattr(loader, "mapped", lambda t, o_direct: False)
     p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(tiny_llama), naming="vllm"), 4, 3), DEVICE)
-    placed = placement.place_all(p.specs, p.records, p.checkpoint)
+    placed = placement.place_all(p.specs, p.records, p.checkpoint, quant.placer)
     strided = [t for t in placed.reads if t.rows > 1]
     assert {t.tensor.rsplit(".", 2)[-2] for t in strided} == {"o_proj", "down_proj"}
     assert all(t.src_pitch == 4 * t.length for t in strided)
@@ -97,7 +98,7 @@ def test_modelopt_fp8_layers_equal_the_current_processing(tmp_path, algo, naming
     for rank in range(tp):
         p, filled, got, want_manifest, want = _both(ck, naming, tp, rank, threads=2, staging_bytes=1 << 15)
         _assert_same(filled, got, want_manifest, want)
-        placed = placement.place_all(p.specs, p.records, p.checkpoint)
+        placed = placement.place_all(p.specs, p.records, p.checkpoint, quant.placer)
         values = placement.scalar_values(p.checkpoint, placed.scalars)
         tables = [fn(values) for _, fn in placed.luts]
         if algo == F.PER_TENSOR and naming == "vllm":
@@ -154,14 +155,14 @@ def test_decode_encode_round_trip_every_code():
 def test_a_cast_has_no_placement(tiny_llama):
     p = pipeline.plan(RankRequest(ModelConfig(name="m", path=str(tiny_llama), naming="vllm", dtype="bfloat16"), 2, 0),
                       DEVICE)
-    assert placement.place_all(p.specs, p.records, p.checkpoint) is None
+    assert placement.place_all(p.specs, p.records, p.checkpoint, quant.placer) is None
 
 
 def test_placement_imports_no_torch(tiny_qwen2):
     """The planner, the table and the host fill import no torch (the daemon's first load runs before it)."""
     code = (
         "import sys\n"
-        "from weightcache import pipeline, loader\n"
+        "from weightcache import pipeline\nfrom weightcache.reader import _loader as loader\n"
         "from weightcache.spec import LoadRequest, RankRequest\n"
         "from weightcache.memory import host\n"
         f"p = pipeline.plan(RankRequest(LoadRequest('m', {str(tiny_qwen2)!r}, naming='vllm'), 2, 1), "

@@ -1,20 +1,15 @@
 """Sans-I/O protocol: golden frames, round trips, fd matching, the state table."""
 
 import dataclasses
-import json
 import struct
 
 import pytest
+from wire_helpers import frame  # noqa: E402
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightcache import errors, protocol
 from weightcache.protocol import CLIENT, NEED_DATA, SERVER, Connection
-
-
-def _frame(obj) -> bytes:
-    body = json.dumps(obj).encode()
-    return struct.pack(">I", len(body)) + body
 
 
 def test_golden_hello_frame():
@@ -34,24 +29,25 @@ def test_golden_attach_reply_frame_declares_its_fds():
     assert fds == [42, 43]
 
 
-@pytest.mark.parametrize("cls", protocol.REQUESTS + protocol.REPLIES)
+@pytest.mark.parametrize("cls", protocol.requests() + protocol.replies())
 def test_tag_is_snake_case_of_class_name(cls):
     import re
 
     assert cls.tag() == re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
-    assert protocol.Message.TYPES[cls.tag()] is cls
+    assert protocol.message_class(cls.tag()) is cls
+    assert protocol.TAGS[cls.tag()][1] == cls.__name__
 
 
 @pytest.mark.parametrize("name", ["AttachReply", "Hello", "ABC", "XMLReply", "A1B2", "aB", "Ab_Cd", "\u00c9t\u00e9X",
                                   "Z", "", "GPUInfoReply"])
 def test_snake_case_is_the_documented_pattern(name):
-    """``_snake`` (no pattern compiled when a process first tags a message) is ``re.sub(r"(?<!^)(?=[A-Z])", "_",
+    """``snake_case`` (no pattern compiled when a process first tags a message) is ``re.sub(r"(?<!^)(?=[A-Z])", "_",
     name).lower()``: an underscore before every ASCII capital but the first character."""
     import re
 
-    from weightcache.protocol.messages import _snake
+    from weightcache.protocol._messages import snake_case
 
-    assert _snake(name) == re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    assert snake_case(name) == re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 def _example(cls):
@@ -67,7 +63,7 @@ def _example(cls):
     return cls(**vals)
 
 
-@pytest.mark.parametrize("cls", protocol.REQUESTS + protocol.REPLIES)
+@pytest.mark.parametrize("cls", protocol.requests() + protocol.replies())
 def test_round_trip_every_message(cls):
     msg = _example(cls)
     frame = protocol.encode(msg)
@@ -98,7 +94,7 @@ def test_frames_split_across_reads_and_fds_matched_by_count():
 def test_fewer_fds_than_declared_is_remote_violation():
     cli = Connection(CLIENT)
     cli.send(protocol.Hello(1))
-    cli.receive(_frame({"type": "attach_reply", "lease_id": 1, "checkpoint_path": "/", "backend": "host",
+    cli.receive(frame({"type": "attach_reply", "lease_id": 1, "checkpoint_path": "/", "backend": "host",
                         "manifest_size_bytes": 1, "fd_count": 2}), [7])
     with pytest.raises(errors.RemoteProtocolError) as e:
         cli.next_message()
@@ -108,7 +104,7 @@ def test_fewer_fds_than_declared_is_remote_violation():
 
 def test_unexpected_fds_are_a_violation_and_handed_back():
     srv = Connection(SERVER)
-    srv.receive(_frame({"type": "hello", "protocol_version": 1}), [5, 6])
+    srv.receive(frame({"type": "hello", "protocol_version": 1}), [5, 6])
     with pytest.raises(errors.RemoteProtocolError):
         srv.next_message()
     assert sorted(srv.take_all_fds()) == [5, 6]
@@ -129,7 +125,7 @@ def test_unexpected_fds_are_a_violation_and_handed_back():
 )
 def test_invalid_messages_rejected_with_code(obj):
     srv = Connection(SERVER)
-    srv.receive(_frame(obj))
+    srv.receive(frame(obj))
     with pytest.raises(errors.RemoteProtocolError) as e:
         srv.next_message()
     assert e.value.code == "protocol_violation"
@@ -154,8 +150,8 @@ def test_oversize_length_prefix_rejected_before_buffering():
 def test_incomplete_bytes_is_what_follows_the_whole_frames():
     """The bytes of the incomplete frame after the whole ones (the transport counts them against
     max_buffered_bytes while a connection's whole requests wait for their turn)."""
-    hello = _frame({"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION})
-    status = _frame({"type": "status"})
+    hello = frame({"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION})
+    status = frame({"type": "status"})
     srv = Connection(SERVER, max_frame_bytes=100)
     assert srv.incomplete_bytes == 0
     srv.receive(hello + status)
@@ -173,11 +169,11 @@ def test_incomplete_bytes_is_what_follows_the_whole_frames():
 
 def test_state_machine_hello_first_and_only_once():
     srv = Connection(SERVER)
-    srv.receive(_frame({"type": "status"}))
+    srv.receive(frame({"type": "status"}))
     with pytest.raises(errors.RemoteProtocolError):
         srv.next_message()
     srv = Connection(SERVER)
-    srv.receive(_frame({"type": "hello", "protocol_version": 1}) * 2)
+    srv.receive(frame({"type": "hello", "protocol_version": 1}) * 2)
     srv.next_message()
     with pytest.raises(errors.RemoteProtocolError):
         srv.next_message()
@@ -185,14 +181,14 @@ def test_state_machine_hello_first_and_only_once():
 
 def test_transition_table_exhaustive():
     """Every (role, state, direction, type) is either in the table or refused."""
-    tags = list(protocol.Message.TYPES)
+    tags = list(protocol.TAGS)
     for role in (CLIENT, SERVER):
         for state in (protocol.START, protocol.READY, protocol.CLOSED):
             for direction in ("in", "out"):
                 for tag in tags:
                     key = (role, state, direction, tag)
                     allowed = key in protocol.TRANSITIONS
-                    requests = {c.tag() for c in protocol.REQUESTS}
+                    requests = {c.tag() for c in protocol.requests()}
                     incoming_request = (role == SERVER) == (direction == "in")
                     if state == protocol.CLOSED:
                         assert not allowed
@@ -208,7 +204,7 @@ def test_transition_table_exhaustive():
 
 def test_send_checks_fd_count_locally():
     srv = Connection(SERVER)
-    srv.receive(_frame({"type": "hello", "protocol_version": 1}))
+    srv.receive(frame({"type": "hello", "protocol_version": 1}))
     srv.next_message()
     with pytest.raises(errors.LocalProtocolError) as e:
         srv.send(protocol.AttachReply(1, "/", "host", 1), [3])

@@ -22,7 +22,7 @@ from weightcache.checkpoint import Checkpoint
 from weightcache.config import ModelConfig, Placement
 from weightcache.errors import ManifestInvalid
 from weightcache.manifest import Manifest, TensorRecord
-from weightcache.manifest_file import FILE_FORMAT, pack_file, read_file
+from weightcache.manifest import FILE_FORMAT, pack_file, read_file
 from weightcache.quant.fp8_layout import Fp8ScaleLayout, Fp8WeightLayout, layout_of
 from weightcache.spec import DTYPE_NAMES, LoadRequest, RankRequest
 

@@ -20,9 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8_fixtures as F  # noqa: E402
-from service_harness import llama_checkpoint, read_checkpoint  # noqa: E402
+from checkpoints import llama_checkpoint, read_checkpoint  # noqa: E402
 
-from weightcache import digest, loader, pipeline, row_reads  # noqa: E402
+from weightcache import digest, pipeline  # noqa: E402
+from weightcache.reader import _loader as loader  # noqa: E402
+from weightcache.reader import _rows as row_reads  # noqa: E402
 from weightcache.config import ModelConfig  # noqa: E402
 from weightcache.spec import RankRequest  # noqa: E402
 from weightcache.errors import CheckpointCorrupt  # noqa: E402
@@ -130,7 +132,7 @@ def test_default_threads_follow_the_cpus_we_may_run_on(monkeypatch, cpus, want):
 
 
 class _FakeStager:
-    """:class:`weightcache.memory.cuda.CudaStager`'s contract over host memory: the copy is done at ``wait``
+    """:class:`weightcache.memory.cuda_staging.CudaStager`'s contract over host memory: the copy is done at ``wait``
     (a late copy would show as wrong bytes if the reader reused a buffer too early)."""
 
     def __init__(self, slab: bytearray, buffer_bytes: int) -> None:
@@ -176,7 +178,7 @@ class _FakeStager:
 
 
 class _FakeCudaSlab:
-    """A writable slab offering what :class:`~weightcache.memory.cuda.CudaWritableSlab` offers a torch-free fill
+    """A writable slab offering what :class:`~weightcache.memory.cuda_slabs.CudaWritableSlab` offers a torch-free fill
     (``stager()``, ``zero``, ``write``, ``apply_lut``, ``digests``) over host memory; its digests are torch's
     ``sum64`` over the bytes (what the GPU kernel computes, compared on the GPU in tests/gpu)."""
 
@@ -435,12 +437,12 @@ def test_in_page_cache_answers_for_a_written_file_and_a_piece_read_ahead_gives_t
             os.preadv(fd, [bytearray(1)], 1000, os.RWF_NOWAIT)
         except OSError as e:  # the temporary directory is on tmpfs or overlayfs
             assert e.errno == errno.EOPNOTSUPP, e
-            assert loader.in_page_cache(fd, 1000) is False
+            assert row_reads.in_page_cache(fd, 1000) is False
         else:
-            assert loader.in_page_cache(fd, 1000) is True
+            assert row_reads.in_page_cache(fd, 1000) is True
         asked = []
         monkeypatch.setattr(row_reads, "in_page_cache", lambda fd, offset: asked.append(offset) or False)
-        t = loader.ReadTask(str(path), 100, 24, 0, "w", rows=300, src_pitch=200, dst_pitch=24)
+        t = row_reads.ReadTask(str(path), 100, 24, 0, "w", rows=300, src_pitch=200, dst_pitch=24)
         out = bytearray(300 * 24)
         loader.copy_mapped_rows(fd, t, memoryview(out), 0, 24)
         assert asked == [100 + 299 * 200]

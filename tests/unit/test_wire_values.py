@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightcache import metrics, protocol
-from weightcache.daemon.state import SlotState
+from weightcache.wire import AttachMode, SlotState
 from weightcache.errors import LocalProtocolError, RemoteProtocolError
 
 
@@ -65,7 +65,7 @@ def test_records_parse_states_and_modes_into_members():
     sl = protocol.SlabInfo.from_json(_slab(SlotState.RETIRED, "m").to_json())
     assert sl.state is SlotState.RETIRED and sl.to_json()["state"] == "retired"
     le = protocol.LeaseInfo.from_json({"lease_id": 1, "pid": 2, "uid": 3, "gid": 4, "since": 0.0, "mode": "copy"})
-    assert le.mode is protocol.AttachMode.COPY
+    assert le.mode is AttachMode.COPY
     vr = protocol.VerifyResult.from_json({"model": "m", "tp_size": 1, "tp_rank": 0, "state": "ready", "mismatched": []})
     assert vr.state is SlotState.READY
 
@@ -83,8 +83,8 @@ def test_a_state_no_service_has_is_a_remote_protocol_violation(record, field):
 
 
 def test_attach_mode_is_checked_once_when_built_or_decoded():
-    assert protocol.Attach("m", mode="copy").mode is protocol.AttachMode.COPY
-    assert protocol.Attach("m").mode is protocol.AttachMode.ZERO_COPY
+    assert protocol.Attach("m", mode="copy").mode is AttachMode.COPY
+    assert protocol.Attach("m").mode is AttachMode.ZERO_COPY
     with pytest.raises(LocalProtocolError) as e:
         protocol.Attach("m", mode="mmap")
     assert (e.value.code, e.value.details["field"]) == ("local_protocol_violation", "mode")
@@ -94,25 +94,27 @@ def test_attach_mode_is_checked_once_when_built_or_decoded():
 
 
 def test_attach_frame_bytes_unchanged_by_the_mode_enum():
-    frame = protocol.encode(protocol.Attach("m", mode=protocol.AttachMode.COPY))
+    frame = protocol.encode(protocol.Attach("m", mode=AttachMode.COPY))
     body = (b'{"model":"m","tp_size":1,"tp_rank":0,"wait_ms":0,"dtype":null,"naming":null,"mode":"copy",'
             b'"type":"attach"}')
     assert frame == struct.pack(">I", len(body)) + body
 
 
 def test_the_written_out_state_table_names_every_message():
-    assert protocol.REQUEST_TYPES == tuple(c.tag() for c in protocol.REQUESTS[1:])
-    assert protocol.REPLY_TYPES == tuple(c.tag() for c in protocol.REPLIES)
-    assert protocol.REQUESTS[0] is protocol.Hello
+    assert protocol.REQUEST_TYPES == tuple(c.tag() for c in protocol.requests()[1:])
+    assert protocol.REPLY_TYPES == tuple(c.tag() for c in protocol.replies())
+    assert protocol.requests()[0] is protocol.Hello
+    assert tuple(protocol.TAGS) == ("hello",) + protocol.REQUEST_TYPES + protocol.REPLY_TYPES
 
 
 def test_one_definition_of_namings_and_request_defaults():
-    from weightcache import client, config, sharding, spec, wire
+    from weightcache import sharding, spec, wire
+    from weightcache.client import _request
+    from weightcache.config import _config
 
-    assert config.NAMINGS is sharding.NAMINGS is client.NAMINGS is wire.NAMINGS
+    assert _config.NAMINGS is sharding.NAMINGS is _request.NAMINGS is wire.NAMINGS
     req = spec.LoadRequest("m", "/m")
     assert (req.dtype, req.naming, req.kernel) == (wire.DEFAULT_DTYPE, wire.DEFAULT_NAMING, wire.DEFAULT_KERNEL)
-    assert protocol.SlotState is wire.SlotState
 
 
 def test_loading_reply_state_is_a_member():

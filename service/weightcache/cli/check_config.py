@@ -16,7 +16,7 @@ import sys
 import traceback
 from typing import Any
 
-from ..checkpoint_header import import_validation_modules
+from ..checkpoint.header import import_validation_modules
 from ..config import Config, Placement, config_path, load_config
 from ..errors import ConfigError, WeightcacheError
 from . import SERVICE_USER

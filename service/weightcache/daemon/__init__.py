@@ -26,13 +26,23 @@ module                    owns
 :mod:`.limits`            the per-client caps (:class:`~.limits.Limits`)
 :mod:`.transport`         listener, connections, backpressure, caps
 :mod:`.outbox`            the send path: outboxes, fds in flight per uid
+:mod:`.clients`           one accepted connection (Client), the peer's
+                          credentials (SO_PEERCRED, SO_PEERGROUPS)
 :mod:`.ticker`            STATUS, EXTEND_TIMEOUT, READY, WATCHDOG, gc.freeze
 :mod:`.metrics`           the counters of the ``metrics`` reply (attaches,
                           their service times, loads, verifies)
-:mod:`.loop`              :class:`Daemon`: wires the rooms, carries out effects
-:mod:`.offloop`           work the loop hands to threads (demotion copies,
-                          reload reads, verify hashing) and applying it
+:mod:`.loop`              :class:`~.loop.Daemon`: the serving loop; holds the
+                          rooms, carries out effects
+:mod:`.offloop`           :class:`~.offloop.OffLoop`: work the loop hands to
+                          threads (demotion copies, reload reads, verify
+                          hashing) and applying it
+:mod:`.bootstrap`         ``weightcache serve``: the backend, the listener,
+                          the fd store's entries, then :class:`~.loop.Daemon`
 ========================  =====================================================
+
+Each room is imported where it lives (``weightcache.daemon.loop.Daemon``);
+this face re-exports nothing, so importing one room (``daemon.state``) loads
+only that room.
 
 Trust boundary: a malformed frame, a protocol violation or a dead client ends
 that connection only; a bad model fails alone; a failure inside one request
@@ -42,21 +52,3 @@ slabs).
 
 Forbidden imports: torch.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .loop import Daemon
-
-__all__ = ["Daemon"]
-
-
-def __getattr__(name: str) -> Any:
-    """``Daemon`` on first use (PEP 562): importing one room (``daemon.state``) loads only that room."""
-    if name == "Daemon":
-        from .loop import Daemon
-
-        return Daemon
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

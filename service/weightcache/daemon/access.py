@@ -19,7 +19,7 @@ Groups are the peer's primary gid (``SO_PEERCRED``) and the supplementary
 groups it really holds (``SO_PEERGROUPS``, taken at ``connect()`` by the
 transport), never what ``/etc/group`` says about its user name. The checks
 compare ids only: the configured user and group names were resolved where the
-configuration was read (:class:`~weightcache.accounts.AccountNames`,
+configuration was read (:class:`~weightcache.config.AccountNames`,
 ``Policy.names``), so no check asks NSS (``/etc/passwd``, sssd, LDAP) on the
 serving loop, however many peers connect.
 
@@ -34,7 +34,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from ..accounts import METRICS_USER, AccountNames
+from ..config import METRICS_USER, AccountNames
 from ..errors import AccessDenied
 from ..journal import event
 from .state import Peer, Slot

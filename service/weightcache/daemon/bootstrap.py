@@ -33,7 +33,7 @@ from typing import Any
 
 from .. import notify
 from ..config import Config, ServiceConfig, account_names, config_path, load_config
-from ..config_files import resolve_paths
+from ..config import resolve_paths
 from ..errors import ConfigError, WeightcacheError
 from ..journal import event
 
@@ -188,7 +188,7 @@ def serve(opts: ServeOptions) -> int:
     limit removes it). ``systemctl reload`` applies the fixed file. With neither
     (run by hand), it returns :data:`EXIT_CONFIG` (78).
     """
-    from ..checkpoint_header import warm_validation
+    from ..checkpoint.header import warm_validation
     from ..journal import setup_logging
 
     setup_logging(opts.gpu, logging.DEBUG if opts.verbose else logging.INFO)

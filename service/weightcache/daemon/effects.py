@@ -5,8 +5,7 @@ handlers return what the I/O layer must do): :class:`Reply` frames for the
 requester and the effects (:class:`StartLoad`, :class:`FreeSlab`,
 :class:`CancelLoad`, :class:`Reconfigure`, :class:`Refuse`,
 :class:`StartVerify`), gathered in an :class:`Outcome`; and :class:`Context`,
-what handlers read besides the state. ``weightcache.daemon.handlers``
-re-exports every name.
+what handlers read besides the state.
 
 Forbidden imports: socket, selectors, threading, torch, weightcache.notify, weightcache.fdpass,
 weightcache.daemon.transport, weightcache.daemon.loads, weightcache.daemon.fdstore,
@@ -126,7 +125,8 @@ class Context:
                                      self.service_config.host_tier_bytes)
 
 
-def _one(msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
+def one_reply(msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
+    """An outcome of one reply and no effect."""
     return Outcome((Reply(msg, fds),))
 
 

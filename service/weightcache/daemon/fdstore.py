@@ -3,7 +3,7 @@
 Owns the names (``FDNAME=slab-<id>`` and ``FDNAME=manifest-<id>``, ``<id>``
 being :attr:`~weightcache.daemon.state.Slot.store_id`). Beside each slab the
 store keeps the slab's manifest file, the very sealed memfd every attach sends
-(:mod:`weightcache.manifest_file`; its JSON carries ``backend``,
+(:mod:`weightcache.manifest`; its JSON carries ``backend``,
 ``size_bytes``, ``checkpoint_path``, ``dtypes_served`` and the slot's ``placement``,
 :meth:`~weightcache.config.Placement.to_json`, so that a service whose config
 no longer loads can serve the slab as it was configured: :func:`stored_placements`). At start a stored slab is adopted
@@ -34,7 +34,7 @@ from ..config import Placement
 from ..errors import WeightcacheError
 from ..journal import event
 from ..manifest import Manifest
-from ..manifest_file import read_file
+from ..manifest import read_file
 from ..memory.host import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE, SealedFile
 from .state import Slot
 

@@ -17,7 +17,7 @@ Handlers change the state directly (they run on the serving loop's thread)
 and *return* what the I/O layer must do (h11's way): :class:`Reply` frames
 for the requester and effects (:class:`StartLoad`, :class:`FreeSlab`,
 :class:`Refuse`, :class:`CancelLoad`, :class:`Reconfigure`; defined with :class:`Context` in
-:mod:`weightcache.daemon.effects`, re-exported here). They never touch a
+:mod:`weightcache.daemon.effects`). They never touch a
 socket, the fd store or the loader, so tests call them in-process
 (tests/unit/test_daemon_handlers.py, tests/unit/test_daemon_reload.py).
 
@@ -39,11 +39,12 @@ from ..spec import DTYPE_NAMES
 from ..errors import (AccessDenied, ConfigError, InsufficientMemory, InternalError, LeaseBusy, ModelLoadFailed,
                       ModelNotFound, RemoteProtocolError, ResourceExhausted, WeightcacheError)
 from ..journal import event
+from ..wire import UNSETTLED, SlotState
 from . import access, reload, tiers
-from .effects import (  # noqa: F401 - re-exported: the loop, loads and tests import them from here
-    CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, Reply, StartLoad, StartVerify, VerifyItem, _one)
-from .state import (ON_DEMAND, IllegalTransition, Peer, ServiceState, Slot, SlotState, UNSETTLED,
-                    describe_config_error, lease_holders)
+from .effects import (CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, Reply, StartLoad, StartVerify,
+                      VerifyItem, one_reply)
+from .state import (ON_DEMAND, IllegalTransition, Peer, ServiceState, Slot, describe_config_error,
+                    lease_holders)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def on_hello(ctx: Context, peer: Peer, msg: protocol.Hello) -> Outcome:
         return Outcome(effects=(Refuse(RemoteProtocolError(
             f"protocol version {msg.protocol_version} is not supported; this service speaks "
             f"{protocol.PROTOCOL_VERSION}: upgrade the client or the service", field="protocol_version")),))
-    return _one(protocol.HelloReply(protocol.PROTOCOL_VERSION, st.gpu, st.device.get("gpu_uuid", ""),
+    return one_reply(protocol.HelloReply(protocol.PROTOCOL_VERSION, st.gpu, st.device.get("gpu_uuid", ""),
                                     st.backend, list(CAPABILITIES)))
 
 
@@ -128,7 +129,7 @@ def _counters_for(ctx: Context, peer: Peer, counters: protocol.ServiceCounters,
 
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
     """``list``: one :class:`~weightcache.protocol.SlabInfo` per slot ``peer`` may see (see :func:`status`)."""
-    return _one(protocol.ListReply([i.to_json() for i in _visible(ctx, peer, ctx.monotonic())]))
+    return one_reply(protocol.ListReply([i.to_json() for i in _visible(ctx, peer, ctx.monotonic())]))
 
 
 def status(ctx: Context, peer: Peer | None = None, every_slab: bool = False) -> protocol.ServiceStatus:
@@ -151,7 +152,7 @@ def status(ctx: Context, peer: Peer | None = None, every_slab: bool = False) -> 
 
 def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
     """``status``: see :func:`status`."""
-    return _one(protocol.StatusReply(status(ctx, peer).to_json()))
+    return one_reply(protocol.StatusReply(status(ctx, peer).to_json()))
 
 
 def _dtype_matches(slot: Slot, requested: str) -> bool:
@@ -240,7 +241,7 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
                  p.model.name, p.tp_size, p.tp_rank, peer.pid, peer.uid, lease.lease_id, msg.mode,
                  extra=event("attached", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=slot.sealed.size_bytes,
                                peer_pid=peer.pid, lease=lease.lease_id))
-        return _one(protocol.AttachReply(lease.lease_id, p.model.path, ctx.state.backend, mf.size_bytes),
+        return one_reply(protocol.AttachReply(lease.lease_id, p.model.path, ctx.state.backend, mf.size_bytes),
                     (slot.sealed.fd, mf.fd))
     if slot.state is SlotState.FAILED:
         e = slot.error
@@ -256,7 +257,7 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
                               f"{p.model.name}` to load it again", model=p.model.name, cause="evicted")
     if slot.state in ON_DEMAND and slot.refusal is not None:
         raise slot.refusal
-    return _one(protocol.Loading(p.model.name, slot.done_bytes, slot.total_bytes, slot.state.value))
+    return one_reply(protocol.Loading(p.model.name, slot.done_bytes, slot.total_bytes, slot.state.value))
 
 
 def _answer_parked(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) -> Outcome:
@@ -371,7 +372,7 @@ def verify_reply(peer: Peer, eff: StartVerify) -> Outcome:
                                 duration_ms=(time.monotonic() - t0) * 1e3,
                                 tensors=n, mismatched=len(bad)))
             results.append(protocol.VerifyResult(it.model, it.tp_size, it.tp_rank, it.state, bad, n))
-        return _one(protocol.VerifyReply([r.to_json() for r in results]))
+        return one_reply(protocol.VerifyReply([r.to_json() for r in results]))
 
     return _guarded(peer, eff.request, run)
 
@@ -493,7 +494,7 @@ def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
     every_slab = access.may_observe_all(peer, ctx.policy)
     counters = ctx.counters.record() if ctx.counters is not None else protocol.ServiceCounters("", 0.0)
     record = status(ctx, peer, every_slab=every_slab)
-    return _one(protocol.MetricsReply(record.to_json(), _counters_for(ctx, peer, counters, every_slab).to_json()))
+    return one_reply(protocol.MetricsReply(record.to_json(), _counters_for(ctx, peer, counters, every_slab).to_json()))
 
 
 def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
@@ -559,13 +560,13 @@ def _guarded(peer: Peer, msg: protocol.Message, fn: Callable[[], Outcome]) -> Ou
     try:
         return fn()
     except WeightcacheError as e:
-        return _one(protocol.Error.from_exc(e))
+        return one_reply(protocol.Error.from_exc(e))
     except IllegalTransition:
         raise
     except Exception as e:  # noqa: BLE001 - one request must never take the service down
         log.critical("request failed peer_pid=%d type=%s error=%r\n%s", peer.pid, msg.tag(), e,
                      traceback.format_exc())
-        return _one(protocol.Error.from_exc(InternalError(
+        return one_reply(protocol.Error.from_exc(InternalError(
             f"the service failed to handle {msg.tag()!r}: {e!r}"[:4096], request=msg.tag())))
 
 

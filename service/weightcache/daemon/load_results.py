@@ -4,8 +4,8 @@ Owns the result records (:class:`Started`, :class:`Planned`, :class:`Progress`,
 :class:`Loaded`, :class:`Failed`, :class:`NeedRoom`, :class:`Refused`,
 :class:`Skipped`), each of which knows how it moves its slot through the
 transition table (``apply``, serving loop only), :func:`apply` and
-:func:`discard` (a result for a slot a reload removed).
-:mod:`weightcache.daemon.loads` re-exports every name.
+:func:`discard` (a result for a slot a reload removed) and
+:func:`close_abandoned` (a result of a load the loader gave up on).
 
 Forbidden imports: socket, selectors, torch, weightcache.protocol directly, weightcache.fdpass,
 weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.ticker,
@@ -192,7 +192,7 @@ class Skipped:
         pass
 
 
-def _discard(result: Loaded | Failed) -> None:
+def close_abandoned(result: Loaded | Failed) -> None:
     """Frees what an abandoned load produced (its partial slab was aborted already by :meth:`Loader._fail`)."""
     if isinstance(result, Loaded):
         try:

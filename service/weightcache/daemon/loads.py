@@ -2,11 +2,11 @@
 
 Owns the loader thread, its queue, the load timeout
 (``service.load_timeout_s``) and the result records it posts (defined in
-:mod:`weightcache.daemon.load_results`, re-exported here: :class:`Started`, :class:`Planned`, :class:`Progress`, :class:`Loaded`,
-:class:`Failed`). The thread never writes the service's state: it appends a
-result to a queue and writes one byte to the serving loop's wake-up pipe; the
-serving loop calls :func:`apply`, so only its thread moves a slot through the
-transition table.
+:mod:`weightcache.daemon.load_results`: ``Started``, ``Planned``, ``Progress``,
+``Loaded``, ``Failed``...). The thread never writes the service's state: it
+appends a result to a queue and writes one byte to the serving loop's wake-up
+pipe; the serving loop calls :func:`~weightcache.daemon.load_results.apply`, so
+only its thread moves a slot through the transition table.
 
 ``load_timeout_s`` holds whatever the read does: each load runs on a worker
 thread of its own, and the loader thread waits for it at most until the
@@ -30,8 +30,9 @@ slab hashes its mapping, of a CUDA slab runs an NVRTC kernel).
 The loader reads only a slot's ``placement`` (immutable) and the set of
 slots a reload cancelled (:meth:`Loader.cancel`, under a lock): a cancelled
 slot is skipped, or its load stops at the next progress report; whatever it
-still posts for a DROPPED slot the serving loop passes to :func:`discard`. It also writes the
-slab's manifest file (:func:`weightcache.manifest_file.pack_file`, a sealed memfd):
+still posts for a DROPPED slot the serving loop passes to
+:func:`~weightcache.daemon.load_results.discard`. It also writes the
+slab's manifest file (:func:`weightcache.manifest.pack_file`, a sealed memfd):
 a manifest over the limit fails the load (``manifest_too_large``), so no
 slab is ever READY that an engine could not attach. With the plan it posts
 which dtype names the slab serves (:func:`dtype_served`: the plan's
@@ -61,18 +62,16 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from .. import pipeline
+from .. import pipeline, quant
 from ..checkpoint import Checkpoint
 from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
-from ..loader import LoaderOptions
-from ..manifest import Manifest
-from ..manifest_file import pack_file
+from ..manifest import Manifest, pack_file
+from ..reader import LoaderOptions
 from ..memory.host import SealedFile
 from ..spec import DTYPE_NAMES
 from .state import Slot
-from .load_results import (  # noqa: F401 - re-exported: the loop and tests import them from here
-    Failed, Loaded, NeedRoom, Planned, Progress, Refused, Skipped, Started, _discard, apply, discard)
+from .load_results import Failed, Loaded, NeedRoom, Planned, Progress, Refused, Skipped, Started, close_abandoned
 
 #: Owners whose symlinks on the way to a checkpoint directory the service follows: root and itself.
 TRUSTED_LINK_OWNERS = frozenset({0, os.getuid()})
@@ -101,6 +100,7 @@ class LoadSettings:
         config_source (`str`): the config file, named in the timeout error.
         ask_room (`bool`): post a :class:`NeedRoom` before each allocation and wait for the serving loop's
             answer (the memory budget); False (in-process tests) allocates without asking.
+        registry (`quant.Registry`): the quantization scheme families plans are made with.
     """
 
     backend: Any
@@ -109,6 +109,7 @@ class LoadSettings:
     options: LoaderOptions
     config_source: str
     ask_room: bool = False
+    registry: quant.Registry = quant.REGISTRY
 
 
 class Loader:
@@ -210,7 +211,7 @@ class Loader:
                     job.result = result
                     job.done.set()
                     return
-            _discard(result)  # the loader gave up on it: nothing of it reaches the state
+            close_abandoned(result)  # the loader gave up on it: nothing of it reaches the state
 
         # Planning and packing allocate a few objects per tensor and create no cycles; the cyclic
         # GC's full passes over a heap that grows by 150k records made a 150k-tensor load 2x slower.
@@ -307,7 +308,7 @@ class Loader:
             # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
             # configuration was read, symlinks followed only when root or the service user owns them.
             ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)
-            pl = pipeline.plan(p, st.device, checkpoint=ck)
+            pl = pipeline.plan(p, st.device, checkpoint=ck, registry=st.registry)
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")

@@ -5,11 +5,13 @@ signal handling, the wake-up pipe, and carrying out what handlers and the
 loader return: replies go to :mod:`~weightcache.daemon.transport`,
 :class:`~weightcache.daemon.handlers.StartLoad` to the loader,
 :class:`~weightcache.daemon.handlers.FreeSlab` to the fd store and the
-backend, loader results into the state (:func:`weightcache.daemon.loads.apply`),
-:class:`~weightcache.daemon.tiers.Demoting` to a worker thread that copies the
-slab to the host tier (applied here by :meth:`~weightcache.daemon.tiers.Tiers.finish_demote`
-once sealed; the loader's request for room and an ``evict --to host`` reply wait
-for it, other clients do not). Only this module's thread changes the state.
+backend, loader results into the state (:func:`weightcache.daemon.load_results.apply`),
+:class:`~weightcache.daemon.tiers.Demoting` (and ``verify``'s hashing, a reload's
+reads) to :class:`~weightcache.daemon.offloop.OffLoop`, which runs them on worker
+threads and applies their results on this loop (a demotion by
+:meth:`~weightcache.daemon.tiers.Tiers.finish_demote` once sealed; the loader's
+request for room and an ``evict --to host`` reply wait for it, other clients do
+not). Only this module's thread changes the state.
 
 ``SIGHUP`` and a ``reload`` request both run
 :func:`~weightcache.daemon.handlers.on_reload`, between ``RELOADING=1``
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import socket
 import time
@@ -39,19 +40,21 @@ from .. import protocol
 from ..config import Config
 from ..errors import ConfigError
 from ..journal import event
-from ..loader import LoaderOptions
+from ..reader import LoaderOptions
 from ..memory import Backend
 from ..spec import DTYPE_NAMES
-from . import access, handlers, loads, lograte, tiers
+from ..wire import SlotState
+from . import access, handlers, load_results, lograte, tiers
 from .fdstore import FdStore, record_released, released_at_last_stop
-from .handlers import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
+from .effects import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
 from .limits import Limits
 from .loads import Loader, LoadSettings
 from .metrics import Counters
-from .offloop import OffLoop, _ReloadJob
-from .state import IllegalTransition, ServiceState, SlotState
+from .offloop import OffLoop
+from .state import IllegalTransition, ServiceState
 from .ticker import Ticker
-from .transport import Callbacks, Client, Transport
+from .clients import Client
+from .transport import Callbacks, Transport
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +62,9 @@ log = logging.getLogger(__name__)
 EXIT_INVARIANT = 70
 
 
-class Daemon(OffLoop):
-    """The service for one GPU.
+class Daemon:
+    """The service for one GPU: the serving loop, which holds its rooms (transport, loader, fd store, ticker, and
+    :class:`~weightcache.daemon.offloop.OffLoop` for the work it hands to threads).
 
     Args:
         config (`Config`): the merged configuration.
@@ -105,22 +109,11 @@ class Daemon(OffLoop):
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
-        #: Reloads whose files a worker reads (see _start_reload); the real reader of the files.
-        self._reloads: list[_ReloadJob] = []
-        self._read_config = self.ctx.load_config
         self._broken: IllegalTransition | None = None
-        #: Verifies done on their threads: (client, request, outcome, seconds, the slabs they read).
-        self._verified: queue.SimpleQueue = queue.SimpleQueue()
-        #: id(sealed slab) -> verifies reading it; the FreeSlab of one evicted meanwhile waits for the last.
-        self._reading: dict[int, int] = {}
-        self._close_later: dict[int, Any] = {}
-        #: Demotions whose copy runs on a worker (tiers.Demoting), and what they post: (effect, copy, error).
-        self._demoting: list[tiers.Demoting] = []
-        self._demoted: queue.SimpleQueue = queue.SimpleQueue()
-        #: The loader's requests for room that wait for the demotions under way.
-        self._room_waits: list[loads.NeedRoom] = []
-        #: (client, replies, demotions): a request (``evict --to host``) answered once its demotions are done.
-        self._answers: list[tuple[Client, tuple, tuple]] = []
+        #: Demotions, reloads and verifies, run on threads; they post through the wake-up pipe.
+        self.offloop = OffLoop(self.state, self.tiers, self.ctx, self.counters, self.transport, self.ticker,
+                               self._wake_w, read_config=self.ctx.load_config, carry_out=self._carry_out,
+                               effect=self._effect, broken=self._break)
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
         released = released_at_last_stop()
         for slot, got in stored.items():
@@ -144,7 +137,7 @@ class Daemon(OffLoop):
         t0 = time.perf_counter()
         reloading = type(msg) is protocol.Reload
         if reloading and c.peer.uid in (0, self.state.service_uid):
-            self._start_reload(c, c.peer)  # the files are read on a worker; others get access_denied below
+            self.offloop.start_reload(c, c.peer)  # the files are read on a worker; others get access_denied below
             return
         if reloading:
             self.ticker.reloading()
@@ -153,8 +146,7 @@ class Daemon(OffLoop):
             self.counters.answered(msg, out.replies, time.perf_counter() - t0)
             demotions = tuple(e for e in out.effects if isinstance(e, tiers.Demoting))
             if demotions:  # answered when the copies are done; the client's later requests wait, others don't
-                self.transport.hold(c)
-                self._answers.append((c, out.replies, demotions))
+                self.offloop.answer_after(c, out.replies, demotions)
                 self._carry_out(c, Outcome((), out.effects))
             else:
                 self._carry_out(c, out)
@@ -178,8 +170,8 @@ class Daemon(OffLoop):
 
     def _effect(self, c: Client | None, eff: Any) -> None:
         {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse, CancelLoad: self._cancel_load,
-         Reconfigure: self._reconfigure, StartVerify: self._start_verify, tiers.Moved: self._moved,
-         tiers.Demoting: self._start_demotion}[type(eff)](c, eff)
+         Reconfigure: self._reconfigure, StartVerify: self.offloop.start_verify, tiers.Moved: self._moved,
+         tiers.Demoting: self.offloop.start_demotion}[type(eff)](c, eff)
 
     def _moved(self, c: Client | None, eff: tiers.Moved) -> None:
         """A slab changed tier: the fd store follows it (host tier, or nothing), then what it left is closed."""
@@ -220,8 +212,7 @@ class Daemon(OffLoop):
     def _free_slab(self, c: Client | None, eff: FreeSlab) -> None:
         if eff.store_id is not None:
             self.fdstore.remove(eff.store_id)
-        if eff.sealed is not None and self._reading.get(id(eff.sealed)):
-            self._close_later[id(eff.sealed)] = eff  # a verify still reads the slab
+        if eff.sealed is not None and self.offloop.close_when_read(eff):  # a verify or a demotion still reads it
             return
         for f in (eff.sealed, eff.manifest_file):
             if f is not None:
@@ -249,27 +240,27 @@ class Daemon(OffLoop):
             os.read(self._wake_r, 4096)
         except BlockingIOError:
             pass
-        self._finish_demotions()
+        self.offloop.finish_demotions()
         for result in self.loader.results():
             if result.slot.state is SlotState.DROPPED:  # a reload removed it while it loaded
-                loads.discard(result)
+                load_results.discard(result)
                 continue
-            if isinstance(result, loads.NeedRoom):
-                self._admit(result)
+            if isinstance(result, load_results.NeedRoom):
+                self.offloop.admit(result)
                 continue
-            if isinstance(result, (loads.Refused, loads.Skipped)):  # _admit moved the slot back already; or nothing ran
+            if isinstance(result, (load_results.Refused, load_results.Skipped)):  # admit moved the slot back, or none ran
                 continue
-            if isinstance(result, loads.Loaded):  # stored before it is reported ready
+            if isinstance(result, load_results.Loaded):  # stored before it is reported ready
                 put = self.fdstore.put_host if result.tier == "host" else self.fdstore.put
                 put(result.slot, result.sealed, result.manifest_file)
-            loads.apply(self.state, result)
-            if isinstance(result, loads.Loaded):
+            load_results.apply(self.state, result)
+            if isinstance(result, load_results.Loaded):
                 self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes)
-            elif isinstance(result, loads.Failed):
+            elif isinstance(result, load_results.Failed):
                 self.counters.load_settled(result.slot.placement, result.error.code)
-        self._finish_verifies()
-        if self._reloads:
-            self._finish_reloads(time.monotonic())
+        self.offloop.finish_verifies()
+        if self.offloop.reloads:
+            self.offloop.finish_reloads(time.monotonic())
 
     def _service_waiting(self) -> None:
         for c in list(self.transport.clients.values()):
@@ -321,12 +312,13 @@ class Daemon(OffLoop):
         while not self._stop:
             try:
                 if self._reload_asked:
-                    self._reload_from_signal()
+                    self._reload_asked = False
+                    self.offloop.reload_from_signal()
                 now = time.monotonic()
                 self.ticker.tick(now)
                 self.transport.expire(now)
-                if self._reloads:
-                    self._finish_reloads(now)
+                if self.offloop.reloads:
+                    self.offloop.finish_reloads(now)
                 lograte.flush(now)
                 waiting = any(c.peer.waiting for c in self.transport.clients.values())
                 self.transport.poll(0.2 if waiting else 0.5)

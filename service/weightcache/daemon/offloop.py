@@ -1,12 +1,14 @@
 """What the serving loop hands to worker threads, and applying what they post: demotions, reloads, verifies.
 
-Owns :class:`OffLoop`, the part of :class:`~weightcache.daemon.loop.Daemon`
-that starts work which must not run on the serving loop (a demotion's copy,
+Owns :class:`OffLoop`, the object the serving loop (:class:`~weightcache.daemon.loop.Daemon`)
+holds to start work which must not run on the loop (a demotion's copy,
 reading the configuration files for a reload, hashing slabs for ``verify``)
-on a daemon thread, holds the requester's later requests meanwhile, and
-applies each result on the loop once the thread has written a byte to the
-wake-up pipe; and the loader's requests for room (:meth:`OffLoop._admit`),
-which wait for the demotions under way.
+on a daemon thread, hold the requester's later requests meanwhile, and
+apply each result on the loop once the thread has written a byte to the
+wake-up pipe it is given; and the loader's requests for room (:meth:`OffLoop.admit`),
+which wait for the demotions under way. It owns the queues of that work
+(what threads post, the slabs they read, the replies and requests for room
+that wait for them).
 
 Forbidden imports: torch, weightcache.pipeline directly, weightcache.fdpass directly, weightcache.daemon.loop.
 """
@@ -18,16 +20,21 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .. import protocol
 from ..config import Config
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError, WeightcacheError
-from . import handlers, loads, reload, tiers
-from .handlers import Outcome, StartVerify
-from .state import IllegalTransition, Peer, SlotState
-from .transport import Client
+from ..wire import SlotState
+from . import handlers, load_results, reload, tiers
+from .effects import Context, FreeSlab, Outcome, StartVerify
+from .metrics import Counters
+from .state import IllegalTransition, Peer, ServiceState
+from .ticker import Ticker
+from .tiers import Demoting, Tiers
+from .transport import Transport
+from .clients import Client
 
 
 @dataclass(eq=False)
@@ -72,15 +79,69 @@ def changed_checkpoints(recorded: list[tuple[tuple[str, int, int, int], str, Any
 
 
 class OffLoop:
-    """The off-loop work of :class:`~weightcache.daemon.loop.Daemon` (module docstring). A base class, not used
-    alone: ``Daemon`` sets the state, tiers, transport, ticker, counters, context and the queues these methods
-    use (``_reading``, ``_demoting``, ``_demoted``, ``_room_waits``, ``_answers``, ``_reloads``, ``_verified``,
-    ``_wake_w``) and provides ``_carry_out``, ``_effect``, ``_moved`` and ``_break``.
+    """The off-loop work of the serving loop (module docstring). Its methods run on the loop's thread; only the
+    work they start runs on threads, which post to this object's queues and write a byte to ``wake_w``.
+
+    Args:
+        state (`ServiceState`), tiers (`Tiers`), ctx (`Context`), counters (`Counters`), transport (`Transport`),
+            ticker (`Ticker`): the loop's.
+        wake_w (`int`): the write end of the loop's wake-up pipe.
+        read_config (`callable`): ``() -> Config``, reads the configuration files (on a worker thread).
+        carry_out (`callable`): ``(client or None, Outcome) -> None``, the loop's: sends replies, carries out effects.
+        effect (`callable`): ``(client or None, effect) -> None``, the loop's: carries out one effect.
+        broken (`callable`): ``(IllegalTransition) -> None``, the loop's: logs CRITICAL and stops it.
     """
 
-    def _start_demotion(self, c: Client | None, eff: tiers.Demoting) -> None:
-        """Runs the copy of a demotion on a worker thread (:meth:`Tiers.copy`); :meth:`_finish_demotions`
-        applies it. The GPU slab counts as read meanwhile: an evict or reload that frees it waits for the copy."""
+    def __init__(self, state: ServiceState, tiers: Tiers, ctx: Context, counters: Counters,
+                 transport: Transport, ticker: Ticker, wake_w: int, read_config: Callable[[], Config],
+                 carry_out: Callable[[Any, Outcome], None], effect: Callable[[Any, Any], None],
+                 broken: Callable[[IllegalTransition], None]) -> None:
+        self.state = state
+        self.tiers = tiers
+        self.ctx = ctx
+        self.counters = counters
+        self.transport = transport
+        self.ticker = ticker
+        self._wake_w = wake_w
+        #: The real reader of the files (``ctx.load_config`` is swapped while a reload's result is applied).
+        self._read_config = read_config
+        self._carry_out = carry_out
+        self._effect = effect
+        self._break = broken
+        #: Reloads whose files a worker reads (see start_reload).
+        self.reloads: list[_ReloadJob] = []
+        #: Verifies done on their threads: (client, request, outcome, seconds, the slabs they read).
+        self._verified: queue.SimpleQueue = queue.SimpleQueue()
+        #: id(sealed slab) -> verifies and demotions reading it; the FreeSlab of one evicted meanwhile waits for
+        #: the last.
+        self._reading: dict[int, int] = {}
+        self._close_later: dict[int, FreeSlab] = {}
+        #: Demotions whose copy runs on a worker (tiers.Demoting), and what they post: (effect, copy, error).
+        self._demoting: list[Demoting] = []
+        self._demoted: queue.SimpleQueue = queue.SimpleQueue()
+        #: The loader's requests for room that wait for the demotions under way.
+        self._room_waits: list[load_results.NeedRoom] = []
+        #: (client, replies, demotions): a request (``evict --to host``) answered once its demotions are done.
+        self._answers: list[tuple[Client, tuple, tuple]] = []
+
+    def answer_after(self, c: Client, replies: tuple, demotions: tuple[Demoting, ...]) -> None:
+        """Holds ``c``'s ``replies`` (and its later requests) until ``demotions`` are done; other clients are
+        served meanwhile."""
+        self.transport.hold(c)
+        self._answers.append((c, replies, demotions))
+
+    def close_when_read(self, eff: FreeSlab) -> bool:
+        """Whether a verify or a demotion still reads the slab ``eff`` frees: then its files are closed when the
+        last reader is done (True), else now by the caller (False)."""
+        if not self._reading.get(id(eff.sealed)):
+            return False
+        self._close_later[id(eff.sealed)] = eff
+        return True
+
+    def start_demotion(self, c: Client | None, eff: tiers.Demoting) -> None:
+        """Runs the copy of a demotion on a worker thread (:meth:`~weightcache.daemon.tiers.Tiers.copy`);
+        :meth:`finish_demotions` applies it. The GPU slab counts as read meanwhile: an evict or reload that frees
+        it waits for the copy."""
         self._reading[id(eff.sealed)] = self._reading.get(id(eff.sealed), 0) + 1
         self._demoting.append(eff)
 
@@ -93,7 +154,7 @@ class OffLoop:
 
         threading.Thread(target=work, name=f"weightcache-demote-{eff.slot.label}", daemon=True).start()
 
-    def _finish_demotions(self) -> None:
+    def finish_demotions(self) -> None:
         """Applies the demotions whose copy is done (the GPU slab is freed only now), then answers the requests
         that waited for them: replies held back, and the loader's requests for room (asked again)."""
         finished = False
@@ -107,7 +168,7 @@ class OffLoop:
             moved, close = self.tiers.finish_demote(self.state, eff, copy, error)
             self._done_reading(eff.sealed)
             if moved is not None:
-                self._moved(None, moved)
+                self._effect(None, moved)
             for f in close:
                 f.close()
         if not finished:
@@ -121,9 +182,9 @@ class OffLoop:
             waits, self._room_waits = self._room_waits, []
             for req in waits:
                 if req.slot.state is not SlotState.LOADING:  # dropped by a reload, or its load gave up waiting
-                    loads.discard(req)
+                    load_results.discard(req)
                 else:
-                    self._admit(req)
+                    self.admit(req)
 
     def _done_reading(self, sealed: Any) -> None:
         """A verify or a demotion stopped reading ``sealed``: a FreeSlab that waited for the last reader runs."""
@@ -136,8 +197,8 @@ class OffLoop:
                     if f is not None:
                         f.close()
 
-    def _admit(self, req: loads.NeedRoom) -> None:
-        """Answers the loader's request for room (:class:`~weightcache.daemon.loads.NeedRoom`): the budget's
+    def admit(self, req: load_results.NeedRoom) -> None:
+        """Answers the loader's request for room (:class:`~weightcache.daemon.load_results.NeedRoom`): the budget's
         moves are carried out before the loader allocates, so the GPU never holds more than the budget. While
         demotions are under way the request waits for them (their GPU slabs are freed only when copied), then
         is asked again."""
@@ -159,20 +220,19 @@ class OffLoop:
                          "no room in the memory budget" + ("" if slot.demand else " at start: waits for an attach"))
         req.answer(refusal)
 
-    def _reload_from_signal(self) -> None:
+    def reload_from_signal(self) -> None:
         """SIGHUP: the same reload as a request from the service's own user (no reply to send)."""
-        self._reload_asked = False
-        self._start_reload(None, Peer(os.getpid(), os.getuid(), os.getgid()))
+        self.start_reload(None, Peer(os.getpid(), os.getuid(), os.getgid()))
 
-    def _start_reload(self, c: Client | None, peer: Peer) -> None:
+    def start_reload(self, c: Client | None, peer: Peer) -> None:
         """Reads the configuration files on a worker thread (never on the serving loop: a file on a hung mount
-        would freeze every client); the requester's later requests wait. :meth:`_finish_reloads` applies the
+        would freeze every client); the requester's later requests wait. :meth:`finish_reloads` applies the
         result, or answers ``config_invalid`` (cause ``timeout``) past ``service.reload_timeout_s``."""
         self.ticker.reloading()
         if c is not None:
             self.transport.hold(c)
         job = _ReloadJob(c, peer, time.monotonic() + self.ctx.service_config.reload_timeout_s, time.perf_counter())
-        self._reloads.append(job)
+        self.reloads.append(job)
         recorded = reload.recorded_checkpoints(self.state.slots)
 
         def work() -> None:
@@ -192,11 +252,11 @@ class OffLoop:
 
         threading.Thread(target=work, name="weightcache-reload", daemon=True).start()
 
-    def _finish_reloads(self, now: float) -> None:
+    def finish_reloads(self, now: float) -> None:
         """Applies the reloads whose files were read, and refuses those past their deadline (the read is
         abandoned: its result is ignored)."""
-        for job in [j for j in self._reloads if j.result is not None or now >= j.deadline]:
-            self._reloads.remove(job)
+        for job in [j for j in self.reloads if j.result is not None or now >= j.deadline]:
+            self.reloads.remove(job)
             got = job.result
             if got is None:
                 got = ConfigError(f"reading the configuration took longer than service.reload_timeout_s = "
@@ -223,7 +283,7 @@ class OffLoop:
                 if job.client is not None:
                     self.transport.release(job.client)
 
-    def _start_verify(self, c: Client, eff: StartVerify) -> None:
+    def start_verify(self, c: Client, eff: StartVerify) -> None:
         """Runs the hashing on a thread; the client's later requests wait (replies stay in order)."""
         slabs = [it.sealed for it in eff.items if it.sealed is not None]
         for sealed in slabs:
@@ -241,7 +301,7 @@ class OffLoop:
 
         threading.Thread(target=work, name="weightcache-verify", daemon=True).start()
 
-    def _finish_verifies(self) -> None:
+    def finish_verifies(self) -> None:
         while True:
             try:
                 c, request, out, seconds, slabs = self._verified.get_nowait()

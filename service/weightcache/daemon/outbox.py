@@ -1,8 +1,8 @@
 """The send path of the transport: each client's outbox, and the fds in flight per uid.
 
-Owns :class:`Outbox`, the half of :class:`~weightcache.daemon.transport.Transport`
-that queues replies (with dups of their fds), writes what each socket takes,
-and counts the fds the kernel holds for a peer that has not read them yet
+Owns :class:`Outbox`, the object that :class:`~weightcache.daemon.transport.Transport`
+holds to queue replies (with dups of their fds), write what each socket takes,
+and count the fds the kernel holds for a peer that has not read them yet
 (``fds_in_flight`` per uid, ``lingering`` dropped connections): a reply whose
 fds would take a uid past ``max_fds_in_flight_per_uid``, or whose ``sendmsg``
 the kernel refuses (``ETOOMANYREFS``, ``ENOMEM``...), goes out as
@@ -11,11 +11,12 @@ the kernel refuses (``ETOOMANYREFS``, ``ENOMEM``...), goes out as
 
 Forbidden imports: threading, torch, weightcache.pipeline, weightcache.memory,
 weightcache.daemon.handlers, weightcache.daemon.loads, weightcache.daemon.fdstore,
-weightcache.daemon.ticker, weightcache.daemon.loop.
+weightcache.daemon.ticker, weightcache.daemon.loop, weightcache.daemon.transport.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -24,16 +25,14 @@ import os
 import socket
 import struct
 import termios
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from .. import protocol
 from ..errors import ResourceExhausted, WeightcacheError
 from ..fdpass import send_some
 from ..journal import event
+from .clients import Client
 from .lograte import warn_peer
-
-if TYPE_CHECKING:  # annotations only: transport imports this module
-    from .transport import Client
 
 log = logging.getLogger("weightcache.daemon.transport")  # the transport's logger, as before the split
 
@@ -44,20 +43,36 @@ def unread_bytes(sock: socket.socket) -> int:
     return struct.unpack("i", raw)[0]
 
 
-
 class Outbox:
-    """The send path and fds-in-flight accounting of :class:`~weightcache.daemon.transport.Transport` (module
-    docstring). A base class, not used alone: ``Transport`` sets ``limits``, ``trusted_uids``, ``on_unsent``,
-    ``fds_in_flight``, ``lingering``, ``clients`` and ``_resume``, and provides ``drop`` and ``_want``,
-    which these methods use.
+    """The send path and fds-in-flight accounting of a :class:`~weightcache.daemon.transport.Transport` (module
+    docstring).
+
+    Args:
+        clients (`dict[int, Client]`): the transport's open connections by socket fd (read here, never changed).
+        trusted_uids (`frozenset[int]`): uids exempt from ``max_fds_in_flight_per_uid``.
+        drop (`callable`): ``(client, reason) -> None``, the transport's: closes a connection whose send failed
+            (it calls :meth:`discard` and :meth:`retire`).
+        on_unsent (`callable`, *optional*): ``(client, message) -> None`` for a reply whose fds were not sent.
     """
+
+    def __init__(self, clients: dict[int, Client], trusted_uids: frozenset[int],
+                 drop: Callable[[Client, str], None],
+                 on_unsent: Callable[[Client, protocol.Message], None] | None = None) -> None:
+        self.clients = clients
+        self.trusted_uids = trusted_uids
+        self.drop = drop
+        self.on_unsent = on_unsent
+        #: uid -> fds queued or sent to its connections that the peer may not have read.
+        self.fds_in_flight: collections.Counter = collections.Counter()
+        #: Dropped connections whose peer still has fds of ours to read (counted in fds_in_flight).
+        self.lingering: list[Client] = []
 
     def _forget(self, uid: int, n: int) -> None:
         self.fds_in_flight[uid] -= n
         if self.fds_in_flight[uid] <= 0:
             del self.fds_in_flight[uid]
 
-    def _settle_lingering(self) -> None:
+    def settle_lingering(self) -> None:
         """Closes the dropped connections whose peer has read (or closed) what they carried."""
         keep = []
         for c in self.lingering:
@@ -85,20 +100,21 @@ class Outbox:
                     self._forget(uid, c.inflight_fds)
                     c.inflight_fds = 0
         if self.lingering:
-            self._settle_lingering()
+            self.settle_lingering()
         return self.fds_in_flight.get(uid, 0)
 
-    def send(self, c: Client, msg: protocol.Message, fds: tuple[int, ...] | list[int] = ()) -> bool:
+    def send(self, c: Client, msg: protocol.Message, fds: tuple[int, ...] | list[int], max_fds_in_flight: int) -> bool:
         """Queues ``msg`` (and dups of ``fds``) in the client's outbox and writes what the socket takes.
 
         A client that does not read its replies only fills its own outbox, which
-        the caps of :class:`Limits` bound (checked before each request). Returns
+        the caps of :class:`~weightcache.daemon.limits.Limits` bound (checked before each request).
+        ``max_fds_in_flight``: the cap ``max_fds_in_flight_per_uid`` (for uids not trusted). Returns
         False if the client was dropped.
         """
         if c.closed:
             return False
         if fds and c.peer.uid not in self.trusted_uids:
-            cap, uid = self.limits.max_fds_in_flight_per_uid, c.peer.uid
+            cap, uid = max_fds_in_flight, c.peer.uid
             if self.fds_in_flight.get(uid, 0) + len(fds) > cap and self._refresh_in_flight(uid) + len(fds) > cap:
                 return self._without_fds(c, msg, ResourceExhausted(
                     f"reply withheld: service.max_fds_in_flight_per_uid = {cap} reached (uid {uid} has "
@@ -166,7 +182,8 @@ class Outbox:
         return self._queue(c, protocol.Error.from_exc(err))
 
     def flush(self, c: Client) -> bool:
-        """Writes queued frames until the socket would block; returns False if the client was dropped."""
+        """Writes queued frames until the socket would block; returns False if the client was dropped (the
+        transport then resumes reading a paused client and re-arms its selector)."""
         while c.outbox:
             data, fds, msg = c.outbox[0]
             try:
@@ -194,10 +211,6 @@ class Outbox:
                 c.outbox[0] = [data[n:], [], None]
                 break
             c.outbox.popleft()
-        if c.paused and not c.held and c.cap_reached(self.limits) is None:
-            c.paused = False
-            self._resume.append(c)  # served by poll(), never from inside a handler's send
-        self._want(c)
         return True
 
     def _unsend(self, c: Client, msg: protocol.Message | None, fds: list[int], e: OSError) -> None:
@@ -223,3 +236,32 @@ class Outbox:
         raw, _ = c.conn.send(err, ())
         c.outbox.appendleft([memoryview(raw), [], err])
         c.outbox_bytes += len(raw)
+
+    def discard(self, c: Client) -> None:
+        """Closes the frames ``c`` (being dropped) did not send: their dup'ed fds, no longer in flight."""
+        for _, fds, _ in c.outbox:
+            for fd in fds:
+                os.close(fd)
+        if c.outbox_fds:
+            self._forget(c.peer.uid, c.outbox_fds)
+        c.outbox.clear()
+        c.outbox_bytes = c.outbox_fds = 0
+
+    def retire(self, c: Client) -> None:
+        """Closes the socket of ``c`` (dropped), or keeps it shut down but counted in :attr:`lingering` while its
+        peer may still hold our fds unread (until it reads or closes them)."""
+        lingers = False
+        if c.inflight_fds:
+            try:
+                lingers = unread_bytes(c.sock) > 0
+            except OSError:
+                lingers = False
+        if lingers:
+            with contextlib.suppress(OSError):
+                c.sock.shutdown(socket.SHUT_RDWR)
+            self.lingering.append(c)
+        else:
+            if c.inflight_fds:
+                self._forget(c.peer.uid, c.inflight_fds)
+            c.inflight_fds = 0
+            c.sock.close()

@@ -47,7 +47,8 @@ from ..config import Config, Placement, ServiceConfig
 from ..errors import ConfigError
 from ..journal import event
 from ..spec import LoadRequest
-from .state import ServiceState, Slot, SlotState
+from ..wire import SlotState
+from .state import ServiceState, Slot
 
 log = logging.getLogger(__name__)
 

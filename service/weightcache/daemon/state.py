@@ -8,7 +8,7 @@ Owns:
   a move the table does not hold raises :class:`IllegalTransition` (a broken
   invariant of the service itself: the serving loop logs CRITICAL and exits).
   The states are :class:`~weightcache.wire.SlotState` (one definition for the
-  service, the protocol's records, the CLI and the metrics), re-exported here.
+  service, the protocol's records, the CLI and the metrics).
 - :class:`Slot` (one (model, layout, rank) on this GPU and its slab),
   :class:`Lease`, :class:`Peer` (one connection's identity, leases and parked
   attaches, without its socket) and :class:`ServiceState` (all of them, the

@@ -28,7 +28,8 @@ from typing import Callable
 
 from .. import notify
 from ..journal import event
-from .state import ServiceState, SlotState
+from ..wire import SlotState
+from .state import ServiceState
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,9 @@ from typing import Any, Callable
 
 from ..errors import InsufficientMemory, WeightcacheError
 from ..journal import event
+from ..wire import SlotState
 from . import budget
-from .state import ON_DEMAND, ServiceState, Slot, SlotState
+from .state import ON_DEMAND, ServiceState, Slot
 
 log = logging.getLogger(__name__)
 

@@ -41,26 +41,24 @@ weightcache.daemon.ticker, weightcache.daemon.loop.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import logging
 import os
 import selectors
 import socket
-import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from .. import protocol
 from ..errors import RemoteProtocolError, ResourceExhausted
 from ..fdpass import recv_with_fds, send_some
 from ..journal import event
-from .limits import MAX_REQUEST_BYTES, Limits
+from .clients import Client
+from .limits import Limits
 from .lograte import warn_peer
-from .outbox import Outbox, unread_bytes
-from .state import Peer
+from .outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -75,104 +73,6 @@ REQUESTS_PER_TURN = 4
 #: until the service ran out of fds (2,577 sockets held for 64 clients; at 1,024 fds every client was dropped).
 ACCEPTS_PER_PASS = 64
 MAX_FDS_IN = protocol.MAX_FDS_PER_FRAME
-#: ``SO_PEERGROUPS`` (Linux >= 4.13, asm-generic/socket.h); Python 3.11's socket module lacks the name.
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-#: Room for the peer's supplementary groups (NGROUPS_MAX is 65536 gids of 4 bytes).
-_PEERGROUPS_BYTES = 65536 * 4
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the peer, from ``SO_PEERCRED``."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
-
-
-def peer_groups(sock: socket.socket) -> tuple[int, ...]:
-    """The peer's supplementary gids at ``connect()``, from ``SO_PEERGROUPS`` (what the kernel checked).
-
-    These are the groups the peer process really holds (``docker --group-add``,
-    Kubernetes ``supplementalGroups``, a group dropped with ``setgroups``),
-    not what ``/etc/group`` lists for its user name. Python's ``getsockopt``
-    takes at most 1024 bytes (256 groups); a peer with more is asked again
-    through libc with room for ``NGROUPS_MAX``.
-    """
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)
-    except OSError as e:
-        if e.errno != errno.ERANGE:
-            raise
-        raw = _peergroups_libc(sock.fileno())
-    return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
-
-
-def _peergroups_libc(fd: int) -> bytes:
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(_PEERGROUPS_BYTES)
-    n = ctypes.c_uint32(_PEERGROUPS_BYTES)
-    if libc.getsockopt(fd, socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(n)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return buf.raw[: n.value]
-
-
-@dataclass(eq=False)
-class Client:
-    """One accepted connection: socket, protocol state, the state's :class:`Peer`, and the outbox.
-
-    ``outbox`` holds ``[memoryview of bytes not yet written, dup'ed fds to
-    attach to their first byte]`` per frame; ``outbox_bytes`` and
-    ``outbox_fds`` their totals. ``paused``: reading stopped until the client
-    reads its replies (a cap of :class:`Limits` was reached).
-    ``partial_since``: ``time.monotonic()`` at which an incomplete request
-    frame started to wait, else None. ``yielded``: it was served
-    :data:`REQUESTS_PER_TURN` requests in a row and has more buffered; reading
-    stops until its next turn (:meth:`Transport.poll`).
-    """
-
-    sock: socket.socket
-    conn: protocol.Connection
-    peer: Peer
-    closed: bool = False
-    outbox: collections.deque = field(default_factory=collections.deque)
-    outbox_bytes: int = 0
-    outbox_fds: int = 0
-    paused: bool = False
-    partial_since: float | None = None
-    #: This client's share of :attr:`Transport.buffered_bytes`.
-    counted_bytes: int = 0
-    #: Reading stopped while a request of it runs off the loop (``verify``): see :meth:`Transport.hold`.
-    held: bool = False
-    yielded: bool = False
-    #: Fds handed to the kernel on this connection since the peer was last seen to have read everything.
-    inflight_fds: int = 0
-
-    @classmethod
-    def accepted(cls, sock: socket.socket) -> "Client | None":
-        """The client of a socket just accepted (made non-inheritable and non-blocking, its peer's credentials
-        read); None, with ``sock`` closed, when the credentials cannot be read (the peer is gone)."""
-        sock.set_inheritable(False)
-        try:
-            pid, uid, gid = peer_credentials(sock)
-            groups = peer_groups(sock)
-        except OSError:
-            sock.close()
-            return None
-        sock.setblocking(False)  # replies queue in the client's outbox; a slow reader blocks no one
-        return cls(sock, protocol.Connection(protocol.SERVER, MAX_REQUEST_BYTES), Peer(pid, uid, gid, groups=groups))
-
-    def cap_reached(self, lim: Limits) -> tuple[str, int, int] | None:
-        """The first per-connection cap of ``lim`` this client has reached: ``(limit, value, actual)``, else None."""
-        waiting = len(self.peer.waiting)
-        parked_fds = waiting * protocol.AttachReply.FD_COUNT  # what the parked attaches will hold when answered
-        for name, value, actual in (("max_unread_replies", lim.max_unread_replies, len(self.outbox) + waiting),
-                                    ("max_queued_bytes", lim.max_queued_bytes, self.outbox_bytes),
-                                    ("max_held_fds", lim.max_held_fds, self.outbox_fds + parked_fds)):
-            if actual >= value:
-                return name, value, actual
-        return None
-
 
 
 @dataclass(frozen=True)
@@ -194,10 +94,11 @@ class Callbacks:
     on_unsent: Callable[[Client, protocol.Message], None] | None = None
 
 
-class Transport(Outbox):
+class Transport:
     """The listener and the clients, multiplexed with ``selectors``.
 
-    The send path (outboxes, fds in flight per uid) is :class:`~weightcache.daemon.outbox.Outbox`'s.
+    The send path (outboxes, fds in flight per uid) is its :attr:`outbox`, an
+    :class:`~weightcache.daemon.outbox.Outbox`.
 
     Args:
         listener (`socket.socket`): the listening Unix stream socket.
@@ -214,11 +115,6 @@ class Transport(Outbox):
     def __init__(self, listener: socket.socket, callbacks: Callbacks, limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic, trusted_uids: frozenset[int] | None = None) -> None:
         self.limits = limits or Limits.defaults()
-        self.on_unsent = callbacks.on_unsent
-        #: uid -> fds queued or sent to its connections that the peer may not have read.
-        self.fds_in_flight: collections.Counter = collections.Counter()
-        #: Dropped connections whose peer still has fds of ours to read (counted in fds_in_flight).
-        self.lingering: list[Client] = []
         self.trusted_uids = frozenset({0, os.getuid()}) if trusted_uids is None else trusted_uids
         self.clock = clock
         #: Bytes of incomplete requests held across all connections.
@@ -236,6 +132,8 @@ class Transport(Outbox):
         self.stopping = False
         self._accept_paused = False
         self._readers: dict[int, Callable[[], None]] = {}
+        #: The send path: outboxes, fds in flight per uid, dropped connections that linger.
+        self.outbox = Outbox(self.clients, self.trusted_uids, self.drop, callbacks.on_unsent)
 
     def start(self) -> None:
         """Starts accepting."""
@@ -286,8 +184,8 @@ class Transport(Outbox):
         limit = self.limits.partial_frame_timeout_s
         for c in [c for c in self.clients.values() if c.partial_since is not None and now - c.partial_since > limit]:
             self.exhausted(c, "partial_frame_timeout_s", limit, round(now - c.partial_since, 3), close=True)
-        if self.lingering:
-            self._settle_lingering()
+        if self.outbox.lingering:
+            self.outbox.settle_lingering()
 
     def close_all(self, reason: str) -> None:
         """Drops every client (service stopping)."""
@@ -318,9 +216,10 @@ class Transport(Outbox):
             self.sel.register(sock, selectors.EVENT_READ, c)
             self.on_open(c)
             trusted = uid in self.trusted_uids
-            if not trusted and len(self.clients) + len(self.lingering) > self.limits.max_connections:
+            lingering = len(self.outbox.lingering)
+            if not trusted and len(self.clients) + lingering > self.limits.max_connections:
                 self.exhausted(c, "max_connections", self.limits.max_connections,
-                               len(self.clients) + len(self.lingering), close=True)
+                               len(self.clients) + lingering, close=True)
                 continue
             same_uid = 0 if trusted else sum(1 for o in self.clients.values() if o.peer.uid == uid)
             if same_uid > self.limits.max_connections_per_uid:
@@ -422,6 +321,25 @@ class Transport(Outbox):
                 send_some(c.sock, protocol.encode(protocol.Error.from_exc(e)))
         self.drop(c, "protocol violation")
 
+    def send(self, c: Client, msg: protocol.Message, fds: tuple[int, ...] | list[int] = ()) -> bool:
+        """Queues ``msg`` (and dups of ``fds``) in the client's outbox and writes what the socket takes
+        (:meth:`Outbox.send <weightcache.daemon.outbox.Outbox.send>`). Returns False if the client was dropped."""
+        return self._written(c, self.outbox.send(c, msg, fds, self.limits.max_fds_in_flight_per_uid))
+
+    def flush(self, c: Client) -> bool:
+        """Writes ``c``'s queued frames until the socket would block; returns False if the client was dropped."""
+        return self._written(c, self.outbox.flush(c))
+
+    def _written(self, c: Client, sent: bool) -> bool:
+        """After a write to ``c`` (``sent``: not dropped): a client paused by a cap it no longer reaches is served
+        again, and its selector wants what it needs now."""
+        if sent:
+            if c.paused and not c.held and c.cap_reached(self.limits) is None:
+                c.paused = False
+                self._resume.append(c)  # served by poll(), never from inside a handler's send
+            self._want(c)
+        return sent
+
     def hold(self, c: Client) -> None:
         """Stops serving ``c``'s requests until :meth:`release` (one of them runs off the loop)."""
         c.held = c.paused = True
@@ -459,13 +377,7 @@ class Transport(Outbox):
         c.closed = True
         for fd in c.conn.take_all_fds():
             os.close(fd)
-        for _, fds, _ in c.outbox:
-            for fd in fds:
-                os.close(fd)
-        if c.outbox_fds:
-            self._forget(c.peer.uid, c.outbox_fds)
-        c.outbox.clear()
-        c.outbox_bytes = c.outbox_fds = 0
+        self.outbox.discard(c)
         self.buffered_bytes -= c.counted_bytes
         c.counted_bytes = 0
         self.on_close(c)
@@ -474,21 +386,7 @@ class Transport(Outbox):
         except (KeyError, ValueError):
             pass
         self.clients.pop(c.sock.fileno(), None)
-        lingers = False
-        if c.inflight_fds:  # the peer may still hold our fds unread: keep counting them until it reads or closes
-            try:
-                lingers = unread_bytes(c.sock) > 0
-            except OSError:
-                lingers = False
-        if lingers:
-            with contextlib.suppress(OSError):
-                c.sock.shutdown(socket.SHUT_RDWR)
-            self.lingering.append(c)
-        else:
-            if c.inflight_fds:
-                self._forget(c.peer.uid, c.inflight_fds)
-            c.inflight_fds = 0
-            c.sock.close()
+        self.outbox.retire(c)  # the peer may still hold our fds unread: counted until it reads or closes them
         if self._accept_paused and not self.stopping:
             self._accept_paused = False
             self.sel.register(self.listener, selectors.EVENT_READ, "listen")

@@ -99,8 +99,8 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from .. import quant, sharding
 from ..checkpoint import Checkpoint
-from ..attach_request import MAX_TIMEOUT_S, Retry
-from ..client import Attachment, attach, physical_gpu
+
+from ..client import MAX_TIMEOUT_S, Attachment, Retry, attach, physical_gpu
 from ..errors import CheckpointNotFound, ConfigError, ShapeMismatch, WeightcacheError
 from ..wire import DEFAULT_KERNEL, DEFAULT_MODE, AttachMode
 from . import vllm_zero_copy as zc

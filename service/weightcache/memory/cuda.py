@@ -60,23 +60,12 @@ import threading
 from typing import Any
 
 from ..sizes import round_up
-# Re-exported: tests, benchmarks, kernels and cuda_tier import these from here.
-from .cuda_driver import (  # noqa: F401
-    CudaDriverError, _check, _Device, _error_string, _format_uuid, _init_driver, _require_driver, _uuid_bytes, cu,
-    gpu_uuid)
-from .cuda_mapping import _map_fd, _Mapping, _unmap  # noqa: F401
-from .cuda_slabs import CudaImportedSlab, CudaSealedSlab, CudaWritableSlab, _digests  # noqa: F401
-from .cuda_staging import CudaStager, StagingPool  # noqa: F401
+from .cuda_driver import CudaDriverError, _check, _Device, _require_driver, cu, gpu_uuid
+from .cuda_mapping import _map_fd, _Mapping
+from .cuda_slabs import CudaImportedSlab, CudaSealedSlab, CudaWritableSlab
+from .cuda_staging import StagingPool
 
-__all__ = [
-    "CudaBackend",
-    "CudaDriverError",
-    "CudaWritableSlab",
-    "CudaSealedSlab",
-    "CudaImportedSlab",
-    "CudaStager",
-    "gpu_uuid",
-]
+__all__ = ["CudaBackend"]
 
 
 class CudaBackend:

@@ -94,7 +94,7 @@ def load_driver() -> int | None:
     answers from the library alone: no ``cuInit`` (which starts the driver's
     threads, may run ``nvidia-modprobe``, and leaves a process that forks
     afterwards with children whose CUDA is broken), no context, no device.
-    :mod:`weightcache.attach_imports` calls it on its thread, so that an
+    :mod:`weightcache.client._imports` calls it on its thread, so that an
     engine's first attach finds the entry points resolved. What cuda-bindings
     reads when it resolves them (``$CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM``)
     is read then, not at the first attach; the client uses no default stream.

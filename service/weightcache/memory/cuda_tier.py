@@ -28,8 +28,8 @@ import time
 from typing import Any, Callable
 
 from ..errors import OutOfMemory
-from . import cuda
-from .cuda import _check, cu
+
+from .cuda_driver import _check, _error_string, cu
 from .host import HostWritableSlab
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class HostTierSlab:
             _libc.munmap(self.ptr, self.size_bytes)
             self.ptr = 0
             raise OutOfMemory(f"host tier: cuMemHostRegister of {self.size_bytes} bytes failed with "
-                              f"{cuda._error_string(ret[0])}; raise the unit's LimitMEMLOCK= or lower "
+                              f"{_error_string(ret[0])}; raise the unit's LimitMEMLOCK= or lower "
                               f"host_tier_bytes", size_bytes=self.size_bytes)
         log.debug("host tier slab registered size_bytes=%d duration_ms=%.0f", self.size_bytes,
                   (time.monotonic() - t0) * 1e3)

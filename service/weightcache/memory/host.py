@@ -177,7 +177,7 @@ class HostWritableSlab(_MappedTensor):
 
         A view still held keeps the mapping, and Python's duplicate of the fd,
         until it dies (the reader clears its failed threads' frames for that:
-        :func:`weightcache.loader._run_threads`); this fd is closed either way.
+        :func:`weightcache.reader._loader._run_threads`); this fd is closed either way.
         """
         try:
             self._unmap()

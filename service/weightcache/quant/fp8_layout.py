@@ -20,6 +20,16 @@ from ..errors import ManifestInvalid
 #: The scheme names whose layouts these records describe (per tensor, per channel).
 SCHEMES = ("modelopt_fp8", "modelopt_fp8_per_channel")
 
+#: The ops of the ModelOpt FP8 family (a spec's ``op``), run by :mod:`weightcache.quant.modelopt_fp8` and
+#: placed torch-free by :mod:`weightcache.quant.modelopt_fp8_placement`.
+OP_WEIGHT = "modelopt_fp8_weight"
+OP_WEIGHT_SCALE = "modelopt_fp8_weight_scale"
+OP_INPUT_SCALE = "modelopt_fp8_input_scale"
+#: Value the padded tail of a per-channel ``weight_scale`` is filled with. The
+#: padded weight rows are zero, so any finite scale gives exactly 0 there; 1.0
+#: (not 0) keeps every scale positive and invertible for engines that divide.
+SCALE_PAD_VALUE = 1.0
+
 
 @dataclass(frozen=True)
 class Fp8WeightLayout:
@@ -134,7 +144,7 @@ class Fp8ScaleLayout:
         logical_output_width (`int | None`): ``N`` (``weight_scale`` only).
         pad_output (`int | None`): padded tail length of a per-channel
             ``[1, N_pad]`` scale, filled with ``pad_value``; ``None`` otherwise.
-        pad_value (`float | None`): ``weightcache.quant.modelopt_fp8.SCALE_PAD_VALUE`` (1.0) for a per-channel scale.
+        pad_value (`float | None`): :data:`SCALE_PAD_VALUE` (1.0) for a per-channel scale.
     """
 
     scheme: str

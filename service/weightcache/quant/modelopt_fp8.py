@@ -44,20 +44,11 @@ from typing import Any, Mapping
 from ..checkpoint import Checkpoint
 from ..errors import UnsupportedQuantization
 from ..sizes import round_up
-from ..spec import SourceRef, TensorSpec
+from ..tensor_spec import SourceRef, TensorSpec
 from .capabilities import Capability
-from .quant_config import (  # noqa: F401 - re-exported: the names this module has always offered
-    QuantConfig,
-    capability,
-    config_hash,
-    exclude_list,
-    first_quantized_layer,
-    is_excluded,
-    kv_algo,
-    natural_key,
-    read_config,
-)
-from .fp8_layout import SCHEMES, Fp8ScaleLayout, Fp8WeightLayout, layout_of  # noqa: F401 - the layout records
+from .quant_config import exclude_list, is_excluded, kv_algo, natural_key, QuantConfig
+from .fp8_layout import (OP_INPUT_SCALE, OP_WEIGHT, OP_WEIGHT_SCALE, SCALE_PAD_VALUE, SCHEMES, Fp8ScaleLayout,
+                         Fp8WeightLayout, layout_of)
 from . import modelopt_fp8_placement
 from .registry import SchemeRules, SideTensor
 
@@ -67,15 +58,8 @@ log = logging.getLogger(__name__)
 FP8_E4M3_MAX = 448.0
 #: CUTLASS / cuBLASLt scaled-mm needs K and N to be multiples of this.
 ALIGN_ELEMENTS = 16
-#: Value the padded tail of a per-channel ``weight_scale`` is filled with. The
-#: padded weight rows are zero, so any finite scale gives exactly 0 there; 1.0
-#: (not 0) keeps every scale positive and invertible for engines that divide.
-SCALE_PAD_VALUE = 1.0
 QUANT_FILE = "hf_quant_config.json"
 
-OP_WEIGHT = "modelopt_fp8_weight"
-OP_WEIGHT_SCALE = "modelopt_fp8_weight_scale"
-OP_INPUT_SCALE = "modelopt_fp8_input_scale"
 
 #: This family's capability rows: ``(quant_method, QUANT_ALGO)`` -> capability.
 CAPABILITIES: dict[tuple[str, str], Capability] = {

@@ -20,7 +20,10 @@ from typing import Callable
 
 from ..checkpoint import Checkpoint
 from ..manifest import TensorRecord
-from ..spec import TensorSpec
+from ..placement import Placement, source_task
+from ..tensor_spec import TensorSpec
+from . import fp8_codes
+from .fp8_layout import OP_INPUT_SCALE, SCALE_PAD_VALUE
 
 
 def _f32_bytes(values) -> bytes:
@@ -31,8 +34,6 @@ def _f32_bytes(values) -> bytes:
 
 def place_weight(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint):
     """The placement of an FP8 weight (see the module docstring), or ``None``."""
-    from ..placement import Placement, source_task
-
     a = spec.op_args
     n, k = a["n"], a["k"]
     n_pad, k_pad = spec.stored_shape
@@ -71,8 +72,6 @@ def place_weight(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint):
 
 def _requant(mine: str, names: list[str]) -> Callable:
     def table(values) -> bytes | None:
-        from . import fp8_codes
-
         scales = [float(values(x)[0]) for x in names]
         s, smax = float(values(mine)[0]), max(scales)
         return None if s == smax else fp8_codes.requant_table(s, smax)
@@ -82,9 +81,6 @@ def _requant(mine: str, names: list[str]) -> Callable:
 
 def place_scale(spec: TensorSpec, rec: TensorRecord, ck: Checkpoint):
     """The placement of a fused ``weight_scale`` / ``input_scale`` (host-computed bytes), or ``None``."""
-    from ..placement import Placement
-    from .modelopt_fp8 import OP_INPUT_SCALE, SCALE_PAD_VALUE
-
     names = [r.name for r in spec.sources]
     if any(n not in ck.tensors for n in names):
         return None

@@ -31,10 +31,8 @@ checkpoint may only make it read files of that checkpoint.
 A client (the disk fallback) passes neither ``root`` nor ``trusted_link_owners``:
 it reads with its own rights, and follows the symlinks of the path it was given.
 
-Owns the module functions above and :class:`CheckpointFiles`, the part of
-:class:`~weightcache.checkpoint.Checkpoint` that opens its members
-(:meth:`~CheckpointFiles.file_path`, :meth:`~CheckpointFiles.open_member`,
-:meth:`~CheckpointFiles.read_side_file`).
+Owns the module functions above; :class:`~weightcache.checkpoint.Checkpoint` opens its members with
+them (:meth:`~weightcache.checkpoint.Checkpoint.file_path`, ``open_member``, ``read_side_file``).
 
 Forbidden imports: socket, weightcache.daemon, weightcache.client.
 """
@@ -49,7 +47,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointCorrupt, CheckpointNotFound, CheckpointUnreadable
+from ..errors import CheckpointCorrupt, CheckpointNotFound, CheckpointUnreadable
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Largest side file (``config.json``, the index, ``hf_quant_config.json``) read, bytes.
@@ -273,163 +271,6 @@ def _check_plain(fname: Any, index: Path) -> None:
         f"index {index} maps tensors to {str(fname)[:200]!r}, which is not a plain file name in the checkpoint "
         f"directory; weight_map values must be names like 'model-00001-of-00002.safetensors'",
         file=str(fname)[:200], index=str(index))
-
-
-class CheckpointFiles:
-    """The containment half of :class:`~weightcache.checkpoint.Checkpoint`: its members, opened beneath its
-    directory fd (module docstring). A base class, not used alone: ``Checkpoint`` sets the attributes
-    ``_dirfd``, ``_blobs_fd``, ``path``, ``_roots``, ``_resolved``, ``_members``, ``_index`` and
-    ``_stats`` (each file's ``fstat`` when its header was read) that these methods use.
-    """
-
-    def close(self) -> None:
-        """Closes the directory fds (also when the object is collected)."""
-        for name in ("_dirfd", "_blobs_fd"):
-            fd = getattr(self, name, -1)
-            if fd >= 0:
-                setattr(self, name, -1)
-                os.close(fd)
-
-    def __del__(self) -> None:
-        self.close()
-
-    def _exists(self, name: str) -> bool:
-        """Whether ``name`` (a plain name) is in the directory (a symlink counts), looked up beneath its fd."""
-        try:
-            os.stat(name, dir_fd=self._dirfd, follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
-
-    def read_side_file(self, name: str) -> bytes | None:
-        """The bytes of side file ``name`` (``config.json``...), None when absent; opened beneath the directory fd.
-
-        Raises:
-            CheckpointCorrupt (`checkpoint_corrupt`): not a regular file, a link out of the
-                checkpoint, or larger than :data:`MAX_SIDE_FILE_BYTES`.
-            CheckpointUnreadable (`checkpoint_unreadable`): it may not be read.
-        """
-        if not self._exists(name):
-            return None
-        self.file_path(name)
-        fd = self.open_member(name, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            if size > MAX_SIDE_FILE_BYTES:
-                raise CheckpointCorrupt(f"{self.path / name} is {size} bytes; side files of a checkpoint are at "
-                                        f"most {MAX_SIDE_FILE_BYTES} bytes", file=name)
-            chunks, got = [], 0
-            while got <= size:
-                b = os.read(fd, min(1 << 20, size + 1 - got))
-                if not b:
-                    break
-                chunks.append(b)
-                got += len(b)
-            if got > size:  # it grew while read
-                raise CheckpointCorrupt(f"{self.path / name} grew while it was read", file=name)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def file_path(self, fname: str) -> str:
-        """The resolved path of checkpoint file ``fname``, checked to stay inside the checkpoint (module docstring).
-
-        Checked once per name (at plan time), beneath the directory fd: a symlink is
-        followed only to a plain name in the directory or, in a hub snapshot, to
-        ``../../blobs/<name>``. The result is a :class:`MemberPath`: :func:`open_file`
-        opens it beneath that directory's fd with ``O_NOFOLLOW`` (:meth:`open_member`).
-
-        Raises:
-            CheckpointCorrupt (`checkpoint_corrupt`): ``fname`` is not a plain
-                file name, leads outside the checkpoint directory, or is not
-                a regular file.
-            CheckpointNotFound (`checkpoint_not_found`): it does not exist, or it is a link
-                to a file that does not exist (``details["link_target"]``).
-        """
-        real = self._resolved.get(fname)
-        if real is not None:
-            return MemberPath(real, self, fname)
-        _check_plain(fname, self._index)
-        dfd, name, where = self._dirfd, fname, str(self.path)
-        target = None
-        try:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):
-                target = os.readlink(name, dir_fd=dfd)
-                blob = _BLOB_LINK.fullmatch(target)
-                if "/" not in target and target not in (".", ".."):
-                    name = target
-                elif blob is not None and len(self._roots) > 1:
-                    dfd, name, where = self._blobs(), blob.group(1), self._roots[1]
-                else:
-                    real = os.path.realpath(self.path / fname)
-                    raise CheckpointCorrupt(
-                        f"checkpoint file {self.path / fname} resolves to {real}, outside the checkpoint directory "
-                        f"{self.path}; the service reads only files inside it (a Hugging Face snapshot's links "
-                        f"into its repository's blobs/ are allowed): copy the file into the checkpoint", file=fname,
-                        path=str(self.path))
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            if target is not None:  # the link is there (ls lists it); what it names is not
-                raise CheckpointNotFound(
-                    f"checkpoint file {self.path / fname} is a symbolic link to {target}, which does not exist "
-                    f"(an interrupted download or copy, or a file moved away): restore {os.path.join(where, name)} "
-                    f"or download the checkpoint again", file=fname, link_target=target) from None
-            raise CheckpointNotFound(f"checkpoint file {self.path / fname} does not exist", file=fname) from None
-        except PermissionError:
-            raise unreadable(self.path / fname) from None
-        if stat.S_ISLNK(st.st_mode):
-            raise CheckpointCorrupt(f"checkpoint file {self.path / fname} is a chain of symbolic links; the "
-                                    f"service follows one link, to a file in the checkpoint", file=fname,
-                                    path=str(self.path))
-        if not stat.S_ISREG(st.st_mode):
-            raise not_regular(str(self.path / fname), st.st_mode)
-        real = os.path.join(where, name)
-        self._members[fname] = (dfd, name)
-        self._resolved[fname] = real
-        return MemberPath(real, self, fname)
-
-    def _blobs(self) -> int:
-        """The fd of a hub snapshot's ``<repo>/blobs`` directory (opened without following symlinks)."""
-        if self._blobs_fd < 0:
-            self._blobs_fd = _open_dir(self._roots[1], read=False)
-        return self._blobs_fd
-
-    def open_member(self, fname: str, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int:
-        """Opens checked member ``fname`` (see :meth:`file_path`) beneath its directory fd.
-
-        Opens with ``O_NOFOLLOW | O_NONBLOCK`` added, checks ``fstat`` says a regular
-        file and, once its header was read, that it is that file: same ``st_dev``,
-        ``st_ino``, ``st_size`` and ``st_mtime_ns``.
-
-        Raises:
-            CheckpointCorrupt (`checkpoint_corrupt`): a symlink or a non-regular
-                file now, or another file than the one whose header was read.
-            CheckpointNotFound, CheckpointUnreadable: gone, or not readable.
-        """
-        if fname not in self._members:
-            self.file_path(fname)
-        dfd, name = self._members[fname]
-        shown = self._resolved[fname]
-        fd = _open_checked(lambda: os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd),
-                           shown, fname, "checked name")
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise not_regular(shown, st.st_mode)
-            was = self._stats.get(fname)
-            if was is not None:
-                changed = [k for k in ("st_dev", "st_ino", "st_size", "st_mtime_ns")
-                           if getattr(st, k) != getattr(was, k)]
-                if changed:
-                    raise CheckpointCorrupt(
-                        f"checkpoint file {shown} is not the file whose header was read ({', '.join(changed)} "
-                        f"changed): it was replaced or rewritten during the load; the load is refused rather "
-                        f"than serve bytes of another file", file=fname, changed=changed)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
 
 
 def _open_checked(open_fd, shown, file: str, by: str) -> int:

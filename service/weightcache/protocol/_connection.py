@@ -14,8 +14,8 @@ weightcache.daemon.
 from __future__ import annotations
 
 from ..errors import LocalProtocolError, RemoteProtocolError
-from .codec import _LEN, CLOSED, IN, MAX_FRAME_BYTES, OUT, START, TRANSITIONS, decode, encode
-from .messages import Message
+from ._codec import CLOSED, IN, LENGTH_PREFIX, MAX_FRAME_BYTES, OUT, START, TRANSITIONS, decode, encode
+from ._messages import Message
 
 
 class _NeedData:
@@ -80,7 +80,7 @@ class Connection:
         if self._tail is None:
             pos, end = 0, len(self._buf)
             while end - pos >= 4:
-                (n,) = _LEN.unpack_from(self._buf, pos)
+                (n,) = LENGTH_PREFIX.unpack_from(self._buf, pos)
                 if n > self.max_frame_bytes or end - pos < 4 + n:
                     break
                 pos += 4 + n
@@ -100,7 +100,7 @@ class Connection:
         """
         if len(self._buf) < 4:
             return default
-        (n,) = _LEN.unpack_from(self._buf)
+        (n,) = LENGTH_PREFIX.unpack_from(self._buf)
         return max(1, min(4 + n - len(self._buf), self.max_frame_bytes))
 
     def _transition(self, direction: str, tag: str, exc: type) -> None:
@@ -122,7 +122,7 @@ class Connection:
             return NEED_DATA
         if len(self._buf) < 4:
             return NEED_DATA
-        (n,) = _LEN.unpack_from(self._buf)
+        (n,) = LENGTH_PREFIX.unpack_from(self._buf)
         if n > self.max_frame_bytes:
             self.state = CLOSED
             raise RemoteProtocolError(f"frame length {n} exceeds the {self.max_frame_bytes}-byte limit",

@@ -23,9 +23,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ManifestInvalid, ManifestTooLarge
-from .manifest import Manifest
-from .spec import DTYPE_NAMES, RankRequest
+from ..errors import ManifestInvalid, ManifestTooLarge
+from ..spec import DTYPE_NAMES, RankRequest
+from ._manifest import Manifest
 
 #: ``format`` of a manifest file (:func:`pack_file`).
 FILE_FORMAT = "weightcache-manifest-1"

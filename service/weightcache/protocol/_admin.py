@@ -1,9 +1,8 @@
 """The operator's wire messages: ``list``, ``status``, ``verify``, ``evict``, ``preload``, ``reload``, ``metrics``
-and their replies, frozen self-validating dataclasses as in :mod:`.messages`.
+and their replies, frozen self-validating dataclasses as in :mod:`._messages`.
 
-Imported on first use (a lookup in :attr:`~weightcache.protocol.messages.Message.TYPES`,
-``protocol.List``...), never by an engine's attach, which exchanges only the
-messages of :mod:`.messages`. Also holds :data:`REQUESTS` and :data:`REPLIES`.
+Imported on first use (the first of its wire types decoded by :mod:`._codec`, ``protocol.List``...), never by an
+engine's attach, which exchanges only the messages of :mod:`._messages`.
 
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
 weightcache.daemon.
@@ -13,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .lease import Release, ReleaseReply
-from .messages import Attach, AttachReply, Error, Hello, HelloReply, Loading, Message
-from .records import ServiceCounters, ServiceStatus, SlabInfo, VerifyResult
+from ._messages import Message
+from ._records import ServiceCounters, ServiceStatus, SlabInfo, VerifyResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +147,3 @@ class MetricsReply(Message):
         """The typed records."""
         return ServiceStatus.from_json(self.status), ServiceCounters.from_json(self.counters)
 
-
-#: Every request class, ``hello`` first (the order of their wire tags in the codec's state table).
-REQUESTS = (Hello, List, Status, Attach, Release, Verify, Evict, Preload, Reload, Metrics)
-#: Every reply class.
-REPLIES = (HelloReply, ListReply, StatusReply, AttachReply, Loading, ReleaseReply, VerifyReply, EvictReply,
-           PreloadReply, ReloadReply, Error, MetricsReply)

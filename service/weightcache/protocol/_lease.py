@@ -1,10 +1,10 @@
 """Ending a lease before its connection: ``release`` and ``release_reply``, frozen self-validating dataclasses as in
-:mod:`.messages`.
+:mod:`._messages`.
 
 A lease also ends with its connection, which is how weightcache's own client
 ends them (:meth:`weightcache.client.Attachment.close` closes the session), so
-an engine's attach never builds these: imported on first use (a lookup in
-:attr:`~weightcache.protocol.messages.Message.TYPES`, ``protocol.Release``...).
+an engine's attach never builds these: imported on first use (the first ``release`` or ``release_reply``
+decoded by :mod:`._codec`, ``protocol.Release``...).
 
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
 weightcache.daemon.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .messages import Message
+from ._messages import Message
 
 
 @dataclass(frozen=True, slots=True)

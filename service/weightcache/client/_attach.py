@@ -1,4 +1,4 @@
-"""The engine side: ``attach()``, its typed errors, and the disk fallback.
+"""The engine side: ``attach()``: the request to the service, its reply checked and mapped.
 
 ``attach()`` asks the GPU's service for the slab, checks the cache key of the
 reply against the checkpoint as it is now (its ``config.json`` and ``stat()``
@@ -10,15 +10,16 @@ pipeline (:mod:`weightcache.pipeline`), so the tensors are bit-identical; the
 reason is logged and kept in :attr:`Attachment.fallback_reason`.
 
 The load pipeline (:mod:`weightcache.pipeline`, :mod:`weightcache.quant`,
-:mod:`weightcache.sharding`, :mod:`weightcache.loader`), numpy and torch are
+:mod:`weightcache.sharding`, :mod:`weightcache.reader`), numpy and torch are
 imported by the functions that use them, never when this module is imported:
 an engine that only attaches pays for what attaching needs (tests/unit/test_lazy_imports.py).
 What only a CUDA attach needs (``cuda.bindings.driver``...) is imported on a thread from
-this module's import on, where plausible (:mod:`weightcache.attach_imports`). The options and
-the checked request of an attach are :mod:`weightcache.attach_request`'s (re-exported here).
+this module's import on, where plausible (:mod:`weightcache.client._imports`). The options and
+the checked request of an attach are :mod:`weightcache.client._request`'s; the disk fallback is
+:mod:`weightcache.client._fallback`'s.
 
 Forbidden imports: weightcache.config, weightcache.daemon, asyncio, weightcache.pipeline at module level,
-weightcache.quant at module level, weightcache.sharding at module level, weightcache.loader at module level,
+weightcache.quant at module level, weightcache.sharding at module level, weightcache.reader at module level,
 numpy at module level, torch at module level.
 """
 
@@ -35,11 +36,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from . import attach_imports, protocol
-from .attach_request import AttachOptions, AttachRequest, Retry, load_request  # noqa: F401 (re-exported)
-from .checkpoint import Checkpoint
-from .device import device_info, local_backend, physical_gpu  # noqa: F401 (physical_gpu re-exported)
-from .errors import (
+from .. import protocol
+from ..checkpoint import Checkpoint
+from ..errors import (
     CacheKeyMismatch,
     CheckpointNotFound,
     DaemonUnavailable,
@@ -50,100 +49,31 @@ from .errors import (
     UnsupportedQuantization,
     WeightcacheError,
 )
-from .journal import event
-from .manifest import LayoutMap, Manifest, build_views, warm_up_views
-from .manifest_file import ManifestFile, read_file
-from .spec import RankRequest
-from .session import DEFAULT_SOCKET_DIR, Session, listening_gpus, resolve_socket_dir  # noqa: F401 (re-exported)
-from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, NAMINGS, AttachMode  # noqa: F401 (NAMINGS re-exported)
+from ..journal import event
+from ..manifest import LayoutMap, Manifest, ManifestFile, build_views, read_file, warm_up_views
+from ..session import Session
+from ..spec import RankRequest
+from ..wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, AttachMode
+from . import _imports
+from ._attachment import Attachment, copy_views
+from ._device import device_info, local_backend
+from ._fallback import check_files, detect_scheme, fall_back
+from ._request import AttachOptions, AttachRequest, Retry, load_request
 
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class Attachment:
-    """Weights of one (model, layout, rank), from the service or from disk.
-
-    Attributes:
-        tensors (`dict[str, torch.Tensor]`): name -> tensor. ``zero_copy`` from
-            the service: read-only views of the shared slab (a write faults),
-            valid until :meth:`close`; ``copy``: private writable copies.
-            Tied weights are the same tensor object under both names.
-        layouts (`Mapping[str, dict]`): processing metadata per tensor (fused
-            parts, FP8 view, padding, scale granularity...), decoded on first access.
-        manifest (`Manifest`): the full manifest.
-        source (`str`): ``"daemon"`` or ``"disk"``.
-        fallback_reason (`str | None`): why the disk was used.
-        resident_bytes (`int`): bytes of the shared slab mapped into this
-            process outside the engine's own allocator (``torch.cuda.memory_allocated()``
-            does not see them): subtract them from the memory budget before
-            sizing the KV cache. 0 for the disk fallback and ``copy`` mode,
-            whose bytes live in torch's allocator.
-    """
-
-    tensors: dict[str, Any]
-    layouts: Mapping[str, dict]
-    manifest: Manifest
-    source: str
-    fallback_reason: str | None
-    resident_bytes: int
-    _session: Session | None = None
-    _slab: Any = None
-    lease_id: int | None = None
-
-    def close(self) -> None:
-        """Ends the lease. Zero-copy views must not be used afterwards."""
-        if self._session is not None:
-            self._session.close()
-            self._session = None
-
-    def __enter__(self) -> "Attachment":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+log = logging.getLogger(__package__)  # the package's logger: a room is no logger name of its own
 
 
-def load_from_disk(rank: RankRequest, device: str) -> tuple[Manifest, Any]:
-    """Runs the shared pipeline into private memory on ``device``.
-
-    Args:
-        rank (`RankRequest`): what to load, and the rank.
-        device (`str`): ``cpu`` or ``cuda:N``.
-
-    Returns:
-        ``(manifest, slab)``: the slab is a private 1-D ``uint8`` tensor.
-
-    Raises:
-        The errors of :func:`weightcache.pipeline.plan` and :func:`weightcache.pipeline.execute`.
-    """
-    import torch
-
-    from . import pipeline  # the disk fallback's pipeline, imported when it runs
-
-    pl = pipeline.plan(rank, device_info(device))
-    slab = torch.empty(pl.slab_size_bytes, dtype=torch.uint8, device=device)
-    manifest = pipeline.execute(pl, slab, with_digests=False)
-    return manifest, slab
-
-
-def _copy_views(views: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    by_id: dict[int, Any] = {}
-    for name, t in views.items():
-        if id(t) not in by_id:
-            by_id[id(t)] = t.clone()
-        out[name] = by_id[id(t)]
-    return out
-
-
-def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOptions | None = None,
-           **keywords: Any) -> Attachment:
+def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, device: str = "cpu",
+           mode: AttachMode | str = DEFAULT_MODE, fallback: bool = True, timeout: float = 30.0,
+           socket_dir: str | None = None, gpu: int | None = None, dtype: Any = None, naming: str | None = None,
+           kernel: str = DEFAULT_KERNEL, retry: Retry | None = None,
+           options: AttachOptions | None = None) -> Attachment:
     """Attaches the weights of one tensor-parallel rank.
 
     The options after ``tp_rank`` are keywords, the fields of
     :class:`AttachOptions`: give them one by one (``device="cuda:0"``), or as
-    one ``options=`` record, or both (the keywords override the record's fields).
+    one ``options=`` record, or both: a keyword given with a value other than
+    its default overrides the record's field (one left at its default keeps the record's).
 
     Args:
         model (`str`): checkpoint directory (recommended), or a model name
@@ -212,12 +142,13 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOpt
         >>> w.source, w.fallback_reason
         ('daemon', None)
     """
-    try:
-        opts = dataclasses.replace(options or _DEFAULT_OPTIONS, **keywords)
-    except TypeError:
-        unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(AttachOptions)})
-        raise TypeError(f"attach() got unexpected keyword arguments {unknown}; the options are "
-                        f"{[f.name for f in dataclasses.fields(AttachOptions)]}") from None
+    given = {"device": device, "mode": mode, "fallback": fallback, "timeout": timeout, "socket_dir": socket_dir,
+             "gpu": gpu, "dtype": dtype, "naming": naming, "kernel": kernel, "retry": retry}
+    if options is None:
+        opts = AttachOptions(**given)
+    else:  # a keyword left at its default keeps the record's field
+        opts = dataclasses.replace(options, **{k: v for k, v in given.items()
+                                               if not _is_default(v, getattr(_DEFAULT_OPTIONS, k))})
     req = AttachRequest.of(model, tp_size, tp_rank, opts)
     _require_torch()
     with _gc_paused():
@@ -225,6 +156,11 @@ def attach(model: str, tp_size: int = 1, tp_rank: int = 0, *, options: AttachOpt
 
 
 _DEFAULT_OPTIONS = AttachOptions()
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """``value`` is the default ``default`` itself (``True == 1``, so the type is compared too)."""
+    return value is default or (type(value) is type(default) and value == default)
 
 #: What to say when torch is missing: the interpreter an engine (or a check) should run under.
 RUNTIME_HINT = ("run it with the interpreter of the torch runtime (weightcache-setup-runtime creates "
@@ -326,7 +262,7 @@ def _attach_once(req: AttachRequest, deadline: float, retry_in: Any) -> Attachme
         try:
             local_ck = Checkpoint(model, validate=False)
             if session is None:
-                _detect_scheme(local_ck, req.kernel)  # configuration errors are not cache misses
+                detect_scheme(local_ck, req.kernel)  # configuration errors are not cache misses
         except BaseException:
             if session is not None:
                 session.close()
@@ -342,25 +278,8 @@ def _attach_once(req: AttachRequest, deadline: float, retry_in: Any) -> Attachme
             if local_ck is None:
                 raise
             unavailable = e
-            _detect_scheme(local_ck, req.kernel)  # configuration errors raise whatever the service said
-    # The service cannot serve. A broken checkpoint is the engine's problem whatever the service
-    # said (and no fallback could load it): its own error, not a cache miss.
-    _check_files(local_ck)
-    if not req.fallback:
-        raise unavailable
-    reason = f"{unavailable.code}: {unavailable.message}"
-    try:  # the fallback loads onto the engine's own device: a device that fails is not a disk load
-        device_info(device)
-    except WeightcacheError as e:
-        log.warning("no fallback to disk, the device fails checkpoint=%s tp_size=%d tp_rank=%d device=%s code=%s "
-                    "reason=%s", model, tp_size, tp_rank, device, e.code, reason)
-        raise
-    log.warning("fallback to disk checkpoint=%s tp_size=%d tp_rank=%d reason=%s", model, tp_size, tp_rank, reason,
-                extra=event("fallback", model, tp_rank, tp_size=tp_size))
-    manifest, slab = load_from_disk(req.rank_request(str(local_ck.path)), device)
-    views = build_views(slab, manifest)
-    return Attachment(views, LayoutMap(manifest), manifest, "disk", reason,
-                      0, _slab=slab)  # private memory inside torch's own allocator
+            detect_scheme(local_ck, req.kernel)  # configuration errors raise whatever the service said
+    return fall_back(req, local_ck, unavailable)
 
 
 def _prepare_backend(device: str) -> None:
@@ -380,18 +299,6 @@ def _prepare_backend(device: str) -> None:
     except Exception:  # noqa: BLE001 - raised again, in its place, by the attach's own call
         pass
     warm_up_views()
-
-
-def _check_files(ck: Checkpoint) -> None:
-    """Reads ``ck``'s file list and safetensors headers (no tensor data).
-
-    Raises:
-        CheckpointNotFound (`checkpoint_not_found`): no safetensors file, or
-            one the index lists is missing.
-        CheckpointCorrupt (`checkpoint_corrupt`): an invalid index, a stray
-            shard, or a file too short for its header.
-    """
-    ck.raw_headers  # noqa: B018 - lists the files and reads each header, raising on the first problem
 
 
 @contextlib.contextmanager
@@ -421,18 +328,6 @@ def read_manifest_file(fd: int, size_bytes: int) -> Manifest:
     return read_file(fd, size_bytes).manifest
 
 
-def _detect_scheme(ck: Checkpoint, kernel: str | None) -> Any:
-    """:func:`weightcache.quant.detect` of ``ck`` for ``kernel`` (``None``: no kernel check; imports
-    :mod:`weightcache.quant`).
-
-    Raises:
-        UnsupportedQuantization, CheckpointCorrupt: as :func:`weightcache.quant.detect`.
-    """
-    from . import quant
-
-    return quant.detect(ck, kernel)
-
-
 def _expected_fields(req: AttachRequest, local_ck: Checkpoint | None, mf: ManifestFile, checkpoint_path: str,
                      device: dict[str, Any]) -> tuple[dict, Checkpoint, bool]:
     """The key fields this engine expects of the slab, the checkpoint to check its identity against, and
@@ -456,7 +351,7 @@ def _expected_fields(req: AttachRequest, local_ck: Checkpoint | None, mf: Manife
         CheckpointNotFound (`checkpoint_not_found`): by name, the checkpoint the service
             holds is not at that path for this engine (``details["model"]`` is the name).
     """
-    from . import identity
+    from .. import identity
 
     key = mf.manifest.key
     if local_ck is not None:
@@ -479,7 +374,7 @@ def _expected_fields(req: AttachRequest, local_ck: Checkpoint | None, mf: Manife
         else:  # the checkpoint as the service names it now (its path as the reply gives it)
             rank = RankRequest(dataclasses.replace(rank.model, path=str(ck.path)), rank.tp_size, rank.tp_rank)
     detected = bool(key.get("quant_scheme"))
-    scheme = _detect_scheme(ck, req.kernel if local_ck is not None else None) if detected else None
+    scheme = detect_scheme(ck, req.kernel if local_ck is not None else None) if detected else None
     expected = identity.key_fields(rank, ck, device, scheme, dtype="auto")
     if local_ck is not None:
         expected["revision"] = key.get("revision", "")
@@ -503,7 +398,7 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
     (:meth:`Checkpoint.identity_diff`).
     Closes ``session`` on any error.
     """
-    from . import identity  # the cache key check
+    from .. import identity  # the cache key check
 
     sock_path, model, tp_size, tp_rank, device, mode = session.path, req.model, req.tp_size, req.tp_rank, \
         req.device, req.mode
@@ -536,8 +431,8 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
                 raise RemoteProtocolError(f"attach_reply from {sock_path} has a malformed cache key: {e!r}") from None
             if diff:
                 if not detected:  # configuration errors are not cache misses
-                    _detect_scheme(ck, req.kernel if local_ck is not None else None)
-                _check_files(ck)  # a broken checkpoint is reported as such, not as a key mismatch
+                    detect_scheme(ck, req.kernel if local_ck is not None else None)
+                check_files(ck)  # a broken checkpoint is reported as such, not as a key mismatch
                 raise CacheKeyMismatch(
                     f"service at {sock_path} holds a different {model!r}: differing key fields "
                     f"{', '.join(diff[:10])}", fields=diff, socket=sock_path)
@@ -555,7 +450,7 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
                                        socket=sock_path, slab_size_bytes=manifest.slab_size_bytes) from None
         layouts = LayoutMap(manifest)
         if mode is AttachMode.COPY:
-            views = _copy_views(views)
+            views = copy_views(views)
             session.close()
             slab.close()
             return Attachment(views, layouts, manifest, "daemon", None, 0,
@@ -568,4 +463,4 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
 
 
 # Last, the client whole: the CUDA attach path's imports on a thread (none without an NVIDIA device node).
-attach_imports.start()
+_imports.start()

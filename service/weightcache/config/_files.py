@@ -24,7 +24,7 @@ from typing import Any
 
 import tomllib
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 #: Largest configuration file read (bytes): a drop-in linked to /dev/zero or a huge file is refused, not read.
 MAX_CONFIG_BYTES = 4 * 1024 * 1024

@@ -5,7 +5,7 @@ which dtype, engine-facing shape and stride, and the layout metadata of any
 processing (fused parts, FP8 transposed view, padding). Its packed form
 (:meth:`Manifest.to_wire`: a JSON header and binary columns) travels on the
 wire and into systemd's fd store, inside the manifest file
-(:mod:`weightcache.manifest_file`).
+(:mod:`weightcache.manifest`).
 
 Forbidden imports: socket, selectors, weightcache.daemon, weightcache.client.
 """
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Iterator
 
-from .errors import ManifestInvalid
-from .sizes import round_up
+from ..errors import ManifestInvalid
+from ..sizes import round_up
 
 # safetensors dtype code -> (torch dtype attribute name, item size in bytes).
 # Source: safetensors `Dtype` enum (safetensors/src/tensor.rs).

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint_files import MemberPath, open_file
-from .errors import CheckpointCorrupt
+from ..errors import CheckpointCorrupt
+from ._files import MemberPath, open_file
 
 #: Same cap as the safetensors Rust core (100 MB header).
 MAX_HEADER_BYTES = 100_000_000

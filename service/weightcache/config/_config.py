@@ -32,7 +32,7 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     priority = 0                # higher stays on the GPU longer (and loads first at start)
     preload = "gpu"             # gpu | host (into the host tier) | disk (loaded at the first attach)
 
-Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.loader.
+Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.pipeline.
 """
 
 from __future__ import annotations
@@ -44,15 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config_files import (  # noqa: F401 - MAX_CONFIG_*: re-exported
-    MAX_CONFIG_BYTES, MAX_CONFIG_DEPTH, _commented_header, _drop_ins, _line_of, _locate, _read_toml,
-    resolve_paths)
-from .accounts import AccountNames
-from .accounts import resolve as resolve_accounts
-from .errors import ConfigError
-from .cpus import default_threads
-from .spec import DTYPE_NAMES, LoadRequest, RankRequest
-from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, NAMINGS
+from ..errors import ConfigError
+from ..reader import default_threads
+from ..spec import DTYPE_NAMES, LoadRequest, RankRequest
+from ..wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_NAMING, NAMINGS
+from ._accounts import AccountNames
+from ._accounts import resolve as resolve_accounts
+from ._files import _commented_header, _drop_ins, _line_of, _locate, _read_toml, resolve_paths
 
 DEFAULT_CONFIG = "/etc/weightcache/weightcache.toml"
 BACKENDS = ("auto", "cuda", "host")
@@ -193,7 +191,7 @@ class ServiceConfig:
     ``load_timeout_s`` (seconds per model), ``staging_bytes`` (pinned staging
     memory of the CUDA loader, bytes), ``read_threads`` (loader threads;
     by default the CPUs the service may run on, 4 to 32:
-    :func:`weightcache.cpus.default_threads`), ``operator_groups`` (who may
+    :func:`weightcache.reader.default_threads`), ``operator_groups`` (who may
     evict, preload and verify), the per-client caps (``max_*``,
     ``partial_frame_timeout_s``: docs/configuration.md), ``memory_budget_bytes``
     (bytes of slabs on the GPU; None: :func:`default_budget_bytes` of the device)
@@ -309,7 +307,7 @@ class Config:
         realpaths (`dict[str, str]`): configured checkpoint path -> its ``os.path.realpath``, resolved
             when the files were read (off the serving loop); see :meth:`realpath_of`.
         names (`AccountNames`): the user and group names of the allow lists and ``operator_groups``,
-            resolved to ids when the files were read (off the serving loop; :mod:`weightcache.accounts`).
+            resolved to ids when the files were read (off the serving loop; :mod:`weightcache.config`).
     """
 
     service: ServiceConfig = field(default_factory=ServiceConfig)
@@ -519,7 +517,7 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
 
 def account_names(operator_groups: Any, models: Any) -> AccountNames:
     """The names of ``operator_groups`` and of the ``models``' allow lists resolved to ids (NSS; where the
-    configuration is read, never on the serving loop: :mod:`weightcache.accounts`)."""
+    configuration is read, never on the serving loop: :mod:`weightcache.config`)."""
     models = list(models)
     return resolve_accounts([u for m in models for u in m.allow_users],
                             [*operator_groups, *(g for m in models for g in m.allow_groups)])

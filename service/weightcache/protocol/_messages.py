@@ -6,20 +6,20 @@ give (``int`` fields hold signed 64-bit integers). A message checks its field
 types when built, and a field with a closed set of values (``Attach.mode``)
 is parsed into its :mod:`weightcache.wire` enum there, once: built here, a bad
 value raises :class:`~weightcache.errors.LocalProtocolError`; decoded from a
-peer's frame (:mod:`weightcache.protocol.codec`), the same check raises
+peer's frame (:mod:`._codec`), the same check raises
 :class:`~weightcache.errors.RemoteProtocolError`. Replies that carry records
-(:mod:`weightcache.protocol.records`) give them typed through ``typed()``.
+(:mod:`._records`) give them typed through ``typed()``.
 
-This module holds what an engine's attach exchanges (``hello``, ``attach``,
+This room holds what an engine's attach exchanges (``hello``, ``attach``,
 their replies, ``loading``, ``error``); ``release`` and its reply (a lease
 ended before its connection, which weightcache's client never does: it closes
-the connection) live in :mod:`.lease`, and the operator's messages (``list``,
+the connection) live in :mod:`._lease`, and the operator's messages (``list``,
 ``status``, ``verify``, ``evict``, ``preload``, ``reload``, ``metrics`` and
-their replies) in :mod:`.admin`; both are imported on the first lookup of
-their wire type in :attr:`Message.TYPES`, of their names here, or of
-:data:`REQUESTS` / :data:`REPLIES`, so that ``weightcache.attach`` does not
-build (nor import the records of) messages it never sends: each frozen
-slotted dataclass costs about a millisecond of code generation at import
+their replies) in :mod:`._admin`. Neither is imported here: the tag table of
+:mod:`._codec` says which room defines each wire type and imports the
+operator's rooms on first use, so that ``weightcache.attach`` does not build
+(nor import the records of) messages it never sends: each frozen slotted
+dataclass costs about a millisecond of code generation at import
 (tests/unit/test_lazy_imports.py).
 
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
@@ -38,59 +38,14 @@ from ..wire import DEFAULT_MODE, AttachMode, SlotState
 #: Integers on the wire are signed 64-bit, so that any client language can hold them.
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 
-def _snake(name: str) -> str:
+
+def snake_case(name: str) -> str:
     """``re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()`` without compiling a pattern (an engine's first attach
     tags its messages; a pattern's compilation was a tenth of a millisecond of it)."""
     return "".join("_" + c if i and "A" <= c <= "Z" else c for i, c in enumerate(name)).lower()
 
 
 _JSON_TYPES = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list, "float": (int, float)}
-
-
-class _Registry(dict):
-    """:attr:`Message.TYPES`: wire type -> message class, complete whenever it is read.
-
-    Looking up a type not defined yet, or listing the registry, imports
-    :mod:`.admin` (the operator's messages) first.
-    """
-
-    def _complete(self) -> None:
-        if not dict.__contains__(self, "list"):
-            from . import admin  # noqa: F401 - its classes (and, through it, those of .lease) register themselves
-
-    def __missing__(self, key: str) -> type:
-        self._complete()
-        return dict.__getitem__(self, key)
-
-    def get(self, key: Any, default: Any = None) -> Any:  # noqa: D102
-        if not dict.__contains__(self, key):
-            self._complete()
-        return dict.get(self, key, default)
-
-    def __contains__(self, key: object) -> bool:
-        if not dict.__contains__(self, key):
-            self._complete()
-        return dict.__contains__(self, key)
-
-    def __iter__(self) -> Any:
-        self._complete()
-        return dict.__iter__(self)
-
-    def __len__(self) -> int:
-        self._complete()
-        return dict.__len__(self)
-
-    def keys(self) -> Any:  # noqa: D102
-        self._complete()
-        return dict.keys(self)
-
-    def values(self) -> Any:  # noqa: D102
-        self._complete()
-        return dict.values(self)
-
-    def items(self) -> Any:  # noqa: D102
-        self._complete()
-        return dict.items(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,23 +56,18 @@ class Message:
     """
 
     FD_COUNT: ClassVar[int] = 0
-    TYPES: ClassVar[dict[str, type["Message"]]] = _Registry()
-
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super(Message, cls).__init_subclass__(**kw)
-        Message.TYPES[_snake(cls.__name__)] = cls
 
     @classmethod
     def tag(cls) -> str:
         """The wire ``type``: the class name in snake_case (``AttachReply`` -> ``attach_reply``)."""
         tag = _TAGS.get(cls)
         if tag is None:
-            tag = _TAGS[cls] = _snake(cls.__name__)
+            tag = _TAGS[cls] = snake_case(cls.__name__)
         return tag
 
     def to_json(self) -> dict[str, Any]:
         """The message's JSON fields, with ``type`` (and ``fd_count``)."""
-        d = {name: getattr(self, name) for name, _, _ in _specs(type(self))}
+        d = {name: getattr(self, name) for name, _, _ in field_specs(type(self))}
         d["type"] = self.tag()
         if self.FD_COUNT:
             d["fd_count"] = self.FD_COUNT
@@ -125,15 +75,15 @@ class Message:
 
     def __post_init__(self) -> None:
         tag = type(self).tag()
-        for spec in _specs(type(self)):
-            _check_field(tag, spec, getattr(self, spec[0]), LocalProtocolError)
+        for spec in field_specs(type(self)):
+            check_field(tag, spec, getattr(self, spec[0]), LocalProtocolError)
 
 
 _SPECS: dict[type, tuple[tuple[str, str, bool], ...]] = {}
 _TAGS: dict[type, str] = {}
 
 
-def _specs(cls: type) -> tuple[tuple[str, str, bool], ...]:
+def field_specs(cls: type) -> tuple[tuple[str, str, bool], ...]:
     """``(field name, JSON base type, optional)`` of each field of message class ``cls``, computed once."""
     specs = _SPECS.get(cls)
     if specs is None:
@@ -145,7 +95,9 @@ def _specs(cls: type) -> tuple[tuple[str, str, bool], ...]:
     return specs
 
 
-def _check_field(tag: str, spec: tuple[str, str, bool], value: Any, exc: type) -> None:
+def check_field(tag: str, spec: tuple[str, str, bool], value: Any, exc: type) -> None:
+    """Raises ``exc`` (LocalProtocolError or RemoteProtocolError) unless ``value`` fits field ``spec`` (of
+    :func:`field_specs`) of a message of wire type ``tag``."""
     name, base, optional = spec
     if value is None and optional:
         return
@@ -163,7 +115,7 @@ def _parse(msg: Message, name: str, enum: type) -> None:
 
     Raises:
         LocalProtocolError (`local_protocol_violation`): the value is not one of the enum's
-            (:func:`~weightcache.protocol.codec.decode` turns it into RemoteProtocolError).
+            (:func:`._codec.decode` turns it into RemoteProtocolError).
     """
     value = getattr(msg, name)
     if isinstance(value, enum):
@@ -234,7 +186,7 @@ class AttachReply(Message):
     """A lease on one slab; two fds travel with this frame: the slab, then its manifest file.
 
     The manifest file is a sealed memfd holding the slab's packed manifest
-    (:func:`weightcache.manifest_file.pack_file`, docs/protocol.md), the same for
+    (:func:`weightcache.manifest.pack_file`, docs/protocol.md), the same for
     every attach of the slab; it travels beside the frame so that a manifest
     of any tensor count fits (at most ``MAX_MANIFEST_BYTES`` of
     :mod:`weightcache.manifest`, checked when the slab is loaded).
@@ -287,31 +239,7 @@ ATTACH_EXCHANGE = (Hello, Attach, HelloReply, AttachReply, Loading, Error)
 def prepare(classes: tuple[type[Message], ...] = ATTACH_EXCHANGE) -> None:
     """Works out the wire tag and the field specs of each of ``classes`` now, not when its first message is built
     or decoded (``dataclasses.fields`` and the annotations' text: about 10 µs a class). The import ahead of an
-    engine's attach path (:mod:`weightcache.attach_imports`) prepares :data:`ATTACH_EXCHANGE` on its thread."""
+    engine's attach path (:mod:`weightcache.client._imports`) prepares :data:`ATTACH_EXCHANGE` on its thread."""
     for cls in classes:
         cls.tag()
-        _specs(cls)
-
-
-#: The operator's messages, defined in :mod:`.admin` (imported on first use).
-_ADMIN = ("List", "Status", "Verify", "Evict", "Preload", "Reload", "Metrics", "ListReply", "StatusReply",
-          "VerifyReply", "EvictReply", "PreloadReply", "ReloadReply", "MetricsReply")
-
-
-def __getattr__(name: str) -> Any:
-    """:data:`REQUESTS` (every request class, ``hello`` first: the order of their wire tags in the codec's
-    state table), :data:`REPLIES` (every reply class) and the classes of :mod:`.admin` and :mod:`.lease`,
-    imported on first use."""
-    if name in ("Release", "ReleaseReply"):
-        from . import lease
-
-        return getattr(lease, name)
-    if name in _ADMIN:
-        from . import admin
-
-        return getattr(admin, name)
-    if name in ("REQUESTS", "REPLIES"):
-        from . import admin
-
-        return getattr(admin, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        field_specs(cls)

@@ -1,10 +1,10 @@
 """The CPUs this process may run on, and the default reader thread count they give.
 
 A leaf that both :mod:`weightcache.config` (the default of
-``service.read_threads``) and :mod:`weightcache.loader` (its reader threads)
+``service.read_threads``) and :mod:`weightcache.reader` (its reader threads)
 import, so that reading the configuration does not import the loader.
 
-Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.loader.
+Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
 """
 
 from __future__ import annotations

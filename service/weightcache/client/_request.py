@@ -18,11 +18,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .device import physical_gpu
-from .errors import ConfigError
-from .session import resolve_socket_dir
-from .spec import DTYPE_NAMES, LoadRequest, RankRequest
-from .wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
+from ._device import physical_gpu
+from ..errors import ConfigError
+from ..session import resolve_socket_dir
+from ..spec import DTYPE_NAMES, LoadRequest, RankRequest
+from ..wire import DEFAULT_DTYPE, DEFAULT_KERNEL, DEFAULT_MODE, DEFAULT_NAMING, NAMINGS, AttachMode
 
 __all__ = ["AttachOptions", "AttachRequest", "MAX_TIMEOUT_S", "Retry", "load_request"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def physical_gpu(index: int, visible: str | None) -> int:
@@ -58,7 +58,7 @@ def local_backend(device: str):
     """
     backend = _BACKENDS.get(device)
     if backend is None:
-        from .memory import get_backend
+        from ..memory import get_backend
 
         if device.startswith("cuda"):
             backend = get_backend("cuda", int(device.split(":", 1)[1]) if ":" in device else 0)

@@ -10,9 +10,10 @@ length N, N bytes of JSON, then the data; ``data_offsets`` are relative to the
 end of the header). Source: https://github.com/huggingface/safetensors#format.
 
 Containment (docs/reliability.md, "Threat model") is by file descriptor, not by
-path: see :mod:`weightcache.checkpoint_files`. Headers: :mod:`weightcache.checkpoint_header`.
-Identity: :mod:`weightcache.checkpoint_identity`. This module keeps :class:`Checkpoint` and
-re-exports the public names of those three.
+path: see :mod:`weightcache.checkpoint._files`. Headers: :mod:`weightcache.checkpoint.header`, imported
+on first use (an engine's attach checks a checkpoint's identity by ``stat()`` and reads no header).
+Identity: :mod:`weightcache.checkpoint._identity`. :class:`Checkpoint` is one class; its parts are the
+functions of those modules.
 
 A client (the disk fallback) passes neither ``root`` nor ``trusted_link_owners``:
 it reads with its own rights, and follows the symlinks of the path it was given.
@@ -27,28 +28,16 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# Re-exported: the rest of the package, tests and benchmarks import these from here.
-from .checkpoint_files import (  # noqa: F401
-    INDEX_NAME, MAX_SIDE_FILE_BYTES, MAX_SYMLINKS, CheckpointFiles, MemberPath, _check_plain, _may, _open_dir,
-    _read_small, _roots, not_regular, open_file, resolve_dir, unreadable)
-from .checkpoint_identity import CheckpointIdentity, _stat_identity  # noqa: F401
-from .errors import CheckpointCorrupt, CheckpointNotFound
+from ..errors import CheckpointCorrupt, CheckpointNotFound
+from ..hashes import blake2b_hex
+from ._files import (_BLOB_LINK, INDEX_NAME, MAX_SIDE_FILE_BYTES, MemberPath, _check_plain, _may, _open_checked,
+                     _open_dir, _roots, not_regular, open_file, resolve_dir, unreadable)
+from ._identity import _stat_identity
 
-#: Re-exported from :mod:`weightcache.checkpoint_header` on first use (PEP 562): an engine's attach checks
-#: a checkpoint's identity by ``stat()`` and reads no header, so it does not import the header module.
-_HEADER_NAMES = ("MAX_HEADER_BYTES", "TensorInfo", "_parse_header", "_read_header", "_read_raw_header",
-                 "_validate_with_safetensors", "pread_exact", "warm_validation")
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :mod:`weightcache.checkpoint_header` re-exported here, imported on first use."""
-    if name in _HEADER_NAMES:
-        from . import checkpoint_header
-
-        return getattr(checkpoint_header, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if TYPE_CHECKING:
+    from .header import TensorInfo
 
 
 #: Weight files of other formats, which weightcache never reads (pickle in particular).
@@ -80,7 +69,7 @@ def _no_safetensors_hint(names: list[str]) -> tuple[str, list[str]]:
     return "", []
 
 
-class Checkpoint(CheckpointFiles, CheckpointIdentity):
+class Checkpoint:
     """A checkpoint directory, opened from its headers (no tensor data read).
 
     Args:
@@ -164,7 +153,7 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
         self._tensors: dict[str, TensorInfo] | None = None
         self._metadata: dict[str, dict] = {}
         if validate:
-            from .checkpoint_header import _validate_with_safetensors
+            from .header import _validate_with_safetensors
 
             self._parse()  # our errors name the tensor; then safetensors' own checks
             for fname in self.files:
@@ -208,7 +197,7 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
             self._weight_map = weight_map
             for stray in sorted(self.path / n for n in names if n.endswith(".safetensors") and "-of-" in n):
                 if stray.name not in files and re.fullmatch(r".+-\d+-of-\d+\.safetensors", stray.name):
-                    from .checkpoint_header import _read_header
+                    from .header import _read_header
 
                     _, stray_header, _ = _read_header(self.file_path(stray.name))
                     names = sorted(k for k in stray_header if k != "__metadata__")
@@ -236,7 +225,7 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
             CheckpointCorrupt (`checkpoint_corrupt`): a file too short for its header.
         """
         if self._raw_headers is None:
-            from .checkpoint_header import _read_raw_header
+            from .header import _read_raw_header
 
             raw_headers = {}
             for fname in self.files:
@@ -270,7 +259,7 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
             CheckpointNotFound (`checkpoint_not_found`): a tensor of the index
                 missing from its file.
         """
-        from .checkpoint_header import TensorInfo, _parse_header
+        from .header import TensorInfo, _parse_header
 
         tensors: dict[str, TensorInfo] = {}
         raw_headers = self.raw_headers
@@ -316,7 +305,7 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
         Raises:
             CheckpointCorrupt (`checkpoint_corrupt`): the file ended early.
         """
-        from .checkpoint_header import pread_exact
+        from .header import pread_exact
 
         path = self.file_path(info.file)
         fd = open_file(path)
@@ -325,3 +314,227 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
                         info.offset_bytes + info.size_bytes)
         finally:
             os.close(fd)
+
+    # -- members, opened beneath the directory fd (containment: weightcache.checkpoint._files) --
+
+    def close(self) -> None:
+        """Closes the directory fds (also when the object is collected)."""
+        for name in ("_dirfd", "_blobs_fd"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                setattr(self, name, -1)
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _exists(self, name: str) -> bool:
+        """Whether ``name`` (a plain name) is in the directory (a symlink counts), looked up beneath its fd."""
+        try:
+            os.stat(name, dir_fd=self._dirfd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def read_side_file(self, name: str) -> bytes | None:
+        """The bytes of side file ``name`` (``config.json``...), None when absent; opened beneath the directory fd.
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): not a regular file, a link out of the
+                checkpoint, or larger than :data:`MAX_SIDE_FILE_BYTES`.
+            CheckpointUnreadable (`checkpoint_unreadable`): it may not be read.
+        """
+        if not self._exists(name):
+            return None
+        self.file_path(name)
+        fd = self.open_member(name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_SIDE_FILE_BYTES:
+                raise CheckpointCorrupt(f"{self.path / name} is {size} bytes; side files of a checkpoint are at "
+                                        f"most {MAX_SIDE_FILE_BYTES} bytes", file=name)
+            chunks, got = [], 0
+            while got <= size:
+                b = os.read(fd, min(1 << 20, size + 1 - got))
+                if not b:
+                    break
+                chunks.append(b)
+                got += len(b)
+            if got > size:  # it grew while read
+                raise CheckpointCorrupt(f"{self.path / name} grew while it was read", file=name)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def file_path(self, fname: str) -> str:
+        """The resolved path of checkpoint file ``fname``, checked to stay inside the checkpoint (module docstring).
+
+        Checked once per name (at plan time), beneath the directory fd: a symlink is
+        followed only to a plain name in the directory or, in a hub snapshot, to
+        ``../../blobs/<name>``. The result is a :class:`MemberPath`: :func:`open_file`
+        opens it beneath that directory's fd with ``O_NOFOLLOW`` (:meth:`open_member`).
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): ``fname`` is not a plain
+                file name, leads outside the checkpoint directory, or is not
+                a regular file.
+            CheckpointNotFound (`checkpoint_not_found`): it does not exist, or it is a link
+                to a file that does not exist (``details["link_target"]``).
+        """
+        real = self._resolved.get(fname)
+        if real is not None:
+            return MemberPath(real, self, fname)
+        _check_plain(fname, self._index)
+        dfd, name, where = self._dirfd, fname, str(self.path)
+        target = None
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(name, dir_fd=dfd)
+                blob = _BLOB_LINK.fullmatch(target)
+                if "/" not in target and target not in (".", ".."):
+                    name = target
+                elif blob is not None and len(self._roots) > 1:
+                    dfd, name, where = self._blobs(), blob.group(1), self._roots[1]
+                else:
+                    real = os.path.realpath(self.path / fname)
+                    raise CheckpointCorrupt(
+                        f"checkpoint file {self.path / fname} resolves to {real}, outside the checkpoint directory "
+                        f"{self.path}; the service reads only files inside it (a Hugging Face snapshot's links "
+                        f"into its repository's blobs/ are allowed): copy the file into the checkpoint", file=fname,
+                        path=str(self.path))
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            if target is not None:  # the link is there (ls lists it); what it names is not
+                raise CheckpointNotFound(
+                    f"checkpoint file {self.path / fname} is a symbolic link to {target}, which does not exist "
+                    f"(an interrupted download or copy, or a file moved away): restore {os.path.join(where, name)} "
+                    f"or download the checkpoint again", file=fname, link_target=target) from None
+            raise CheckpointNotFound(f"checkpoint file {self.path / fname} does not exist", file=fname) from None
+        except PermissionError:
+            raise unreadable(self.path / fname) from None
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointCorrupt(f"checkpoint file {self.path / fname} is a chain of symbolic links; the "
+                                    f"service follows one link, to a file in the checkpoint", file=fname,
+                                    path=str(self.path))
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(str(self.path / fname), st.st_mode)
+        real = os.path.join(where, name)
+        self._members[fname] = (dfd, name)
+        self._resolved[fname] = real
+        return MemberPath(real, self, fname)
+
+    def _blobs(self) -> int:
+        """The fd of a hub snapshot's ``<repo>/blobs`` directory (opened without following symlinks)."""
+        if self._blobs_fd < 0:
+            self._blobs_fd = _open_dir(self._roots[1], read=False)
+        return self._blobs_fd
+
+    def open_member(self, fname: str, flags: int = os.O_RDONLY | os.O_CLOEXEC) -> int:
+        """Opens checked member ``fname`` (see :meth:`file_path`) beneath its directory fd.
+
+        Opens with ``O_NOFOLLOW | O_NONBLOCK`` added, checks ``fstat`` says a regular
+        file and, once its header was read, that it is that file: same ``st_dev``,
+        ``st_ino``, ``st_size`` and ``st_mtime_ns``.
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`): a symlink or a non-regular
+                file now, or another file than the one whose header was read.
+            CheckpointNotFound, CheckpointUnreadable: gone, or not readable.
+        """
+        if fname not in self._members:
+            self.file_path(fname)
+        dfd, name = self._members[fname]
+        shown = self._resolved[fname]
+        fd = _open_checked(lambda: os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd),
+                           shown, fname, "checked name")
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular(shown, st.st_mode)
+            was = self._stats.get(fname)
+            if was is not None:
+                changed = [k for k in ("st_dev", "st_ino", "st_size", "st_mtime_ns")
+                           if getattr(st, k) != getattr(was, k)]
+                if changed:
+                    raise CheckpointCorrupt(
+                        f"checkpoint file {shown} is not the file whose header was read ({', '.join(changed)} "
+                        f"changed): it was replaced or rewritten during the load; the load is refused rather "
+                        f"than serve bytes of another file", file=fname, changed=changed)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    # -- identity (DESIGN §5): stat() and headers only --
+
+    def identity(self) -> dict[str, Any]:
+        """Checkpoint identity of DESIGN §5, from ``stat()`` and headers only.
+
+        Returns:
+            `dict`: ``files``: per file ``{size, mtime_ns, ctime_ns, inode,
+            header_blake2b}``; ``index``: ``{size, mtime_ns, ctime_ns, inode}``
+            of ``model.safetensors.index.json``, or ``None`` without one;
+            ``config_json_blake2b``; ``quant_config_blake2b``.
+        """
+        raw_headers = self.raw_headers
+        files = {}
+        for fname in self.files:
+            # The fstat taken before the header was read: a rewrite after it moves ctime, so a later
+            # identity_diff sees it (a stat taken after the read could pair a new stat with an old header).
+            files[fname] = {**_stat_identity(self._stats[fname]),
+                            "header_blake2b": blake2b_hex(raw_headers[fname])}
+        return {
+            "files": files,
+            "index": self._index_identity(),
+            **self._side_file_hashes(),
+        }
+
+    def _side_file_hashes(self) -> dict[str, str]:
+        """blake2b-128 of ``config.json`` and ``hf_quant_config.json`` (empty bytes when absent)."""
+        return {
+            "config_json_blake2b": blake2b_hex(self.config_bytes),
+            "quant_config_blake2b": blake2b_hex(self._extra.get("hf_quant_config.json", b"")),
+        }
+
+    def _index_identity(self) -> dict[str, int] | None:
+        try:
+            if self._dirfd >= 0:
+                return _stat_identity(os.stat(INDEX_NAME, dir_fd=self._dirfd))
+            return _stat_identity(os.stat(self._index))
+        except FileNotFoundError:
+            return None
+
+    def identity_diff(self, identity: dict[str, Any]) -> list[str]:
+        """Fields in which this checkpoint, as it is now, differs from ``identity`` (an :meth:`identity`).
+
+        The engine's check of a service's slab, from ``stat()`` alone (plus the
+        small JSON files): no index is parsed and no header read. A ``write()``
+        moves ``ctime`` and no syscall sets it back, so equal ``inode, size,
+        mtime_ns, ctime_ns`` mean the file was not rewritten and
+        ``header_blake2b`` is not recomputed; an unchanged index implies the
+        same file list. Like the whole key (which never hashes tensor bytes),
+        this misses writes that move no timestamp: through a shared ``mmap``
+        to an already dirty page, until writeback (docs/protocol.md).
+
+        Returns:
+            `list[str]`: dotted field names (``files.model.safetensors.mtime_ns``,
+            ``index``...); empty when the identity holds.
+        """
+        if identity.get("index", "absent") != self._index_identity():
+            return ["index"]  # the file list may have changed: nothing else is comparable cheaply
+        want = identity.get("files") or {}
+        names = sorted(want) if identity["index"] is not None else self.files
+        if sorted(want) != names:
+            return ["files"]
+        diff = []
+        root = str(self.path)
+        for fname in names:
+            try:
+                now = _stat_identity(os.stat(os.path.join(root, fname)))
+            except FileNotFoundError:
+                diff.append(f"files.{fname}")
+                continue
+            diff += [f"files.{fname}.{k}" for k, v in now.items() if want[fname].get(k) != v]
+        diff += [key for key, h in self._side_file_hashes().items() if identity.get(key) != h]
+        return diff

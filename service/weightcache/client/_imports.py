@@ -27,7 +27,7 @@ and ``true``/``yes``/``on`` (any case) are read as ``0`` and ``1``, anything els
 ignored with a warning (the device node decides).
 
 Then the thread works out the wire tags and field specs of the attach's
-messages (:func:`weightcache.protocol.messages.prepare`), and loads the
+messages (:func:`weightcache.protocol.prepare`), and loads the
 driver library ahead too (:func:`weightcache.memory.cuda_driver.load_driver`: ``cuDriverGetVersion`` as
 the process's first driver call, so cuda-bindings ``dlopen``s ``libcuda.so.1``
 and resolves its several hundred entry points there, not in the first attach).
@@ -54,7 +54,7 @@ once, it waits for them, as long as it would have taken to import them (and
 for the driver's entry points on cuda-bindings' own lock).
 
 Forbidden imports: torch, weightcache.memory at module level, weightcache.identity at module level,
-weightcache.pipeline, weightcache.daemon, weightcache.client.
+weightcache.pipeline, weightcache.daemon.
 """
 
 from __future__ import annotations
@@ -173,9 +173,9 @@ def _run() -> None:
             __import__(name)
         except Exception as e:  # noqa: BLE001 - the attach imports it again and raises there
             log.debug("import ahead of %s failed (the attach imports it itself): %s: %s", name, type(e).__name__, e)
-    from .protocol import messages  # imported by the client already
+    from .. import protocol  # imported by the client already
 
-    messages.prepare(messages.ATTACH_EXCHANGE)
+    protocol.prepare(protocol.ATTACH_EXCHANGE)
     driver = sys.modules.get(DRIVER_MODULE)
     if driver is None:  # its import failed (or was refused): left to the attach as above
         return

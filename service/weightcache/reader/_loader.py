@@ -44,50 +44,18 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
-from . import digest
-from .checkpoint import Checkpoint, open_file
-from .errors import ConfigError
-from .cpus import MAX_DEFAULT_THREADS, MIN_DEFAULT_THREADS, default_threads  # noqa: F401 - re-exported
-from .manifest import TensorRecord, itemsize
-from .row_reads import compact_rows, copy_mapped_rows, mapped  # noqa: F401 - re-exported
-from .row_reads import in_page_cache, read_rows_by_spans  # noqa: F401 - re-exported
-from .row_reads import pread_task as _pread_exact
-from .sizes import round_up
-from .spec import TensorSpec
+from .. import digest
+from ..checkpoint import Checkpoint, open_file
+from ..errors import ConfigError
+from ..manifest import TensorRecord, itemsize
+from ..sizes import round_up
+from ..tensor_spec import TensorSpec
+from ._cpus import default_threads
+from ._rows import compact_rows, copy_mapped_rows, mapped, read_rows_by_spans
+from ._rows import pread_task as _pread_exact
+from ._task import DIRECT_ALIGN, ReadTask
 
-log = logging.getLogger(__name__)
-
-DIRECT_ALIGN = 4096
-@dataclass(frozen=True)
-class ReadTask:
-    """``length`` bytes at ``file_offset`` of ``path`` go to ``slab_offset``; ``rows`` times when strided.
-
-    A strided task places ``rows`` rows of ``length`` bytes: row ``i`` is read
-    at ``file_offset + i * src_pitch`` and written at ``slab_offset + i *
-    dst_pitch`` (a row-parallel shard: ``src_pitch`` is the checkpoint row,
-    ``length`` the rank's part of it; an FP8 weight whose rows are padded:
-    ``dst_pitch`` is the padded row). ``rows == 1`` is one contiguous range.
-    """
-
-    path: str
-    file_offset: int
-    length: int
-    slab_offset: int
-    tensor: str
-    rows: int = 1
-    src_pitch: int = 0
-    dst_pitch: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the task writes into the slab."""
-        return self.length * self.rows
-
-    @property
-    def file_span(self) -> int:
-        """Bytes from the first row's start to the last row's end in the file."""
-        return self.length if self.rows == 1 else (self.rows - 1) * self.src_pitch + self.length
-
+log = logging.getLogger(__package__)  # the package's logger: a room is no logger name of its own
 
 @dataclass
 class LoaderOptions:

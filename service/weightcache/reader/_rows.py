@@ -6,7 +6,7 @@ whether a piece of it is copied from a read-only mapping of the file
 (:func:`copy_mapped_rows`, only the rank's bytes leave the page cache), read
 as spans where the file system will not map it (:func:`read_rows_by_spans`),
 or, with ``O_DIRECT``, read as one span and packed in the staging buffer
-(:func:`compact_rows`). The reader (:mod:`weightcache.loader`) calls these
+(:func:`compact_rows`). The reader (:mod:`weightcache.reader._loader`) calls these
 from its threads; measured in ``benchmarks/bench_tp_reads.py``.
 
 Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
@@ -18,14 +18,10 @@ import logging
 import mmap
 import os
 import threading
-from typing import TYPE_CHECKING
+from ..checkpoint.header import pread_exact, truncated
+from ._task import ReadTask
 
-from .checkpoint_header import pread_exact, truncated
-
-if TYPE_CHECKING:
-    from .loader import ReadTask
-
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)  # the package's logger: a room is no logger name of its own
 
 
 def pread_task(fd: int, buf: memoryview, offset: int, need: int, t: ReadTask) -> None:
