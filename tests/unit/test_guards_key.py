@@ -66,6 +66,7 @@ def test_the_key_carries_the_effective_dtype(plain, dtype, want):
     p = _placement(plain, 1, 0, dtype=dtype)
     assert identity.key_fields(p, ck, DEVICE)["dtype"] == want
     assert identity.key_fields(p, ck, DEVICE, dtype="float16")["dtype"] == "float16"
+    assert identity.cache_key(p, ck, DEVICE, dtype="float16")["dtype"] == "float16"  # a dtype given is used
 
 
 def test_key_fields_of_an_fp8_checkpoint_name_its_scheme_config_and_kernel(tmp_path):
@@ -83,6 +84,9 @@ def test_key_fields_of_an_fp8_checkpoint_name_its_scheme_config_and_kernel(tmp_p
         "modelopt_fp8", scheme.config_hash, p.model.kernel)
     assert len(scheme.config_hash) == len(blake2b_hex(b"")) and fields["kernel"] == "cutlass"
     assert identity.key_fields(p, ck, DEVICE, scheme=None)["quant_scheme"] == ""
+    key = identity.cache_key(p, ck, DEVICE)  # the scheme detected here too, unless given
+    assert (key["quant_scheme"], key["kernel"]) == ("modelopt_fp8", "cutlass")
+    assert identity.cache_key(p, ck, DEVICE, scheme=None)["quant_scheme"] == ""
 
 
 @pytest.mark.parametrize("a, b, want", [
@@ -90,6 +94,7 @@ def test_key_fields_of_an_fp8_checkpoint_name_its_scheme_config_and_kernel(tmp_p
     ({"a": [1]}, {"a": [2]}, ["a"]),
     ({"d": {"x": 1}}, {"d": {"x": 2}}, ["d.x"]),
     ({1: "a", 2: "b"}, {1: "a"}, ["2"]),
+    ({1: 0, "a": 0}, {}, ["1", "a"]),  # keys of mixed types are ordered by their text
 ])
 def test_diff_keys_names_what_differs(a, b, want):
     """The dotted path of each difference; ``<key>`` when the two keys themselves are not dicts."""
@@ -129,6 +134,11 @@ def test_dtype_matches_follows_the_effective_dtype(plain, tmp_path):
     assert not identity.dtype_matches(_placement(plain, 1, 0, dtype="float16"), "auto", {"dtype": "float16"})
     gone = _placement(tmp_path / "missing", 1, 0, dtype="bfloat16")
     assert identity.dtype_matches(gone, "float16")
+    # With the slab's key: auto is served only by a key whose dtype is auto, whatever the checkpoint is now.
+    assert identity.dtype_matches(f32, "auto", {"dtype": "auto"})
+    assert not identity.dtype_matches(gone, "auto", {"dtype": "bfloat16"})
+    # The key's effective dtype decides, not the one the configuration gives now.
+    assert identity.dtype_matches(bf16, "float32", {"dtype": "auto"})
 
 
 def test_served_dtypes_and_effective_dtype_written_out():
