@@ -32,6 +32,7 @@ STAMP_APT  := .cache/apt.stamp
 STAMP_VENV := $(VENV)/.stamp
 
 include mk/vllm.mk
+include mk/mutate.mk
 
 .PHONY: all setup demo test test-fast gpu-check bench clean
 all: test
