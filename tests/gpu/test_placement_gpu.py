@@ -45,7 +45,7 @@ def test_kernels_equal_torch():
 
 def _cases(tmp_path: Path):
     import fp8_fixtures as F
-    from service_harness import llama_checkpoint
+    from checkpoints import llama_checkpoint
 
     return {
         "llama": llama_checkpoint(tmp_path / "ll", seed=3, files=2, hidden=256, inter=768),

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from service_harness import write_checkpoint
+from checkpoints import write_checkpoint
 from weightcache import identity
 from weightcache.checkpoint import Checkpoint
 from weightcache.config import ModelConfig, Placement
