@@ -18,13 +18,10 @@ import socket
 import pytest
 import torch
 
-from daemon_helpers import close_slabs
+from daemon_helpers import loaded_state
 from service_harness import write_checkpoint
-from weightcache.config import ModelConfig, Placement
-from weightcache.daemon import loads
 from weightcache.daemon.fdstore import FdStore, stored_placements
 from weightcache.daemon.state import ServiceState
-from weightcache.loader import LoaderOptions
 from weightcache.manifest_file import pack_file, unpack_file
 from weightcache.memory.host import HostBackend, sealed_memfd
 
@@ -34,19 +31,9 @@ TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
 @pytest.fixture
 def loaded(tmp_path):
     """``(state, backend)``: model ``m``'s one slot loaded into a host slab (the loader's own code)."""
-    ck = write_checkpoint(tmp_path / "ck", TENSORS)
     backend = HostBackend()
-    st = ServiceState(0, "host", backend.device_info(), [Placement(ModelConfig("m", str(ck)), 1, 0, 0)],
-                      service_uid=os.getuid() + 1)
-    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"), w)
-    final = loader._supervise(st.slots[0])
-    for result in loader.results() + [final]:
-        loads.apply(st, result)
-    yield st, backend
-    close_slabs(st)
-    os.close(r)
-    os.close(w)
+    with loaded_state(write_checkpoint(tmp_path / "ck", TENSORS), backend) as st:
+        yield st, backend
 
 
 @pytest.fixture
@@ -119,7 +106,8 @@ def test_put_stores_the_slab_and_its_manifest_and_a_tier_move_replaces_them(load
     store.put(slot, slot.sealed, slot.manifest_file)
     assert notify_socket() == [(f"FDSTORE=1\nFDNAME=slab-{sid}", 1), (f"FDSTORE=1\nFDNAME=manifest-{sid}", 1)]
     store.put_host(slot, slot.sealed, slot.manifest_file)
-    assert notify_socket() == [(f"FDSTOREREMOVE=1\nFDNAME=slab-{sid}", 0), (f"FDSTOREREMOVE=1\nFDNAME=manifest-{sid}", 0),
+    assert notify_socket() == [(f"FDSTOREREMOVE=1\nFDNAME=slab-{sid}", 0),
+                               (f"FDSTOREREMOVE=1\nFDNAME=manifest-{sid}", 0),
                                (f"FDSTORE=1\nFDNAME=host-{sid}", 1), (f"FDSTORE=1\nFDNAME=manifest-{sid}", 1)]
     store.remove(sid)
     assert notify_socket() == [(f"FDSTOREREMOVE=1\nFDNAME=host-{sid}", 0),
