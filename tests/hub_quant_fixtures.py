@@ -24,6 +24,8 @@ layout is the exporter's:
   ``weight_block_size [128, 128]``): ``M.weight`` ``F8_E4M3 [N, K]``,
   ``M.weight_scale_inv`` ``F32 [ceil(N / 128), ceil(K / 128)]``.
 
+Each scheme draws its own random model, and the quantized layers' scales are
+large enough that they decide the greedy tokens (the schemes' tokens differ).
 Everything is deterministic for a given ``seed``.
 """
 
@@ -99,11 +101,11 @@ def _fp8(g: torch.Generator, n: int, k: int) -> torch.Tensor:
 def _linear(scheme: str, g: torch.Generator, n: int, k: int) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one quantized ``[N, K]`` linear, by suffix."""
     if scheme == "ct_fp8":
-        return {"weight": _fp8(g, n, k), "weight_scale": torch.rand(n, 1, generator=g) * 1e-4 + 5e-5}
+        return {"weight": _fp8(g, n, k), "weight_scale": torch.rand(n, 1, generator=g) * 2e-3 + 2e-3}
     if scheme == "fp8_block":
         return {"weight": _fp8(g, n, k),
-                "weight_scale_inv": torch.rand(-(-n // 128), -(-k // 128), generator=g) * 1e-4 + 5e-5}
-    scales = (torch.rand(k // GROUP, n, generator=g) * 2e-3 + 1e-3).to(torch.float16)
+                "weight_scale_inv": torch.rand(-(-n // 128), -(-k // 128), generator=g) * 2e-3 + 2e-3}
+    scales = (torch.rand(k // GROUP, n, generator=g) * 2e-2 + 2e-2).to(torch.float16)
     if scheme == "awq":
         return {"qweight": _int32(g, k, n // 8), "qzeros": _int32(g, k // GROUP, n // 8), "scales": scales}
     if scheme == "gptq":
@@ -134,7 +136,7 @@ def write_hub_checkpoint(dest: str | Path, scheme: str, *, where: str = "quantiz
         raise ValueError(f"scheme {scheme!r}: where must be one of {WHERE.get(scheme)}, got {where!r}")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed * len(SCHEMES) + SCHEMES.index(scheme))  # each scheme its own model
     plain = torch.bfloat16 if scheme in ("ct_fp8", "fp8_block") else torch.float16
     t: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": (torch.randn(VOCAB, HIDDEN, generator=g) * 0.5).to(plain),

@@ -1,0 +1,201 @@
+"""vLLM's own default loader as the plugin's fallback, and the plugin's vLLM version branches (issue 35).
+
+With ``fallback = true`` (the default) the ``weightcache`` load format never
+stops an engine that vLLM's default loader starts: every reason weightcache
+cannot serve a rank ends in vLLM's own ``DefaultModelLoader`` (the checkpoint
+read by vLLM, ``process_weights_after_loading`` as without the plugin), the
+reason logged once in vLLM's log (``weightcache cannot serve, loading with
+vLLM's default loader ... reason=CODE: MESSAGE``). With ``fallback = false``
+the same reason is raised, a typed error naming the cause. Reasons:
+
+- found from the checkpoint's files before the service is asked
+  (:func:`unservable`): a quantization scheme weightcache cannot pre-process
+  (compressed-tensors, AWQ, GPTQ, block FP8, ...: ``unsupported_quantization``,
+  ``details["scheme"]``; the config read where vLLM reads it,
+  :func:`weightcache.quant.quant_config.read_config`); ``tp_size > 1`` with a
+  quantized model (ModelOpt FP8 included) or an architecture without vLLM
+  naming rules (``config_invalid``, ``details["key"] == "tensor_parallel_size"``);
+- met on the way (:func:`default_loader_reason`): any other weightcache error
+  the loader cannot get round (``--model`` not a local directory: vLLM's
+  loader downloads it; a slab that does not fit vLLM's model).
+
+A service that is absent, full or old (or holds another key) is not one of
+these: the client loads the rank from disk itself (``source=disk``, its
+``weightcache fallback to disk`` warning), as before, for the models its
+pipeline lays out.
+
+Version branches (vLLM 0.32 to 0.34; ``tests/unit/test_vllm_surface.py``
+checks every vLLM name the plugin uses against each wheel):
+
+- 0.34 keeps an account of the external weight bytes a loader reports
+  (``ExternalWeightCharges`` around ``get_external_weight_memory`` and the
+  load): :func:`record_charge` records the slab's bytes and
+  :func:`record_fallback` gives them back to the KV-cache budget when the
+  rank does not map the slab after all. On 0.32 and 0.33 there is no account
+  (the answer of ``get_external_weight_memory`` is all the worker keeps);
+  both are no-ops.
+- 0.33 wraps the model class for expert substitution inside
+  ``initialize_model``, and 0.34 zero-fills ``materialize_meta_tensor`` and
+  adds ``BaseModelLoader.get_all_weights``: the plugin calls them the same way
+  on every version (no branch), and answers ``get_all_weights`` itself.
+
+Forbidden imports: weightcache.daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from .. import quant, sharding
+from ..checkpoint import Checkpoint
+from ..errors import ConfigError, WeightcacheError
+
+log = init_logger("vllm." + __name__)
+
+#: ``is_draft`` of the plugin's charges in vLLM 0.34's account (the plugin loads target models only).
+_NOT_DRAFT = False
+
+#: Ranks whose slab ``get_external_weight_memory`` charged (:func:`charge`): given back (:func:`uncharge`)
+#: when the load does not map it. A fresh loader answers each of vLLM's questions, so it lives here.
+_CHARGED: set[Any] = set()
+
+
+def plain_load_config(load_config: LoadConfig) -> LoadConfig:
+    """``load_config`` as vLLM's default loader takes it: ``load_format="auto"``, no extra config."""
+    return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
+
+
+def unservable(path: str, tp_size: int, kernel: str, quantization: str | None) -> WeightcacheError | None:
+    """Why weightcache cannot serve this rank at all, from the checkpoint's files; ``None`` when it can.
+
+    Args:
+        path (`str`): the checkpoint directory (a local directory).
+        tp_size (`int`): vLLM's tensor-parallel size.
+        kernel (`str`): the loader's kernel layout target of quantized weights.
+        quantization (`str | None`): vLLM's ``model_config.quantization``.
+
+    Returns:
+        `WeightcacheError | None`: ``UnsupportedQuantization`` (`unsupported_quantization`) from
+        :func:`weightcache.quant.detect`; ``ConfigError`` (`config_invalid`, key ``tensor_parallel_size``)
+        for ``tp_size > 1`` with a quantized model or an architecture without vLLM naming rules.
+    """
+    ck = Checkpoint(path, validate=False)
+    try:
+        scheme = quant.detect(ck, kernel)
+    except WeightcacheError as e:
+        if e.code != "unsupported_quantization":
+            raise
+        return e
+    if tp_size > 1:
+        quantized = scheme is not None or quantization is not None
+        family = sharding.family_of(ck.config)
+        if quantized or family is None:
+            what = (f"quantization={scheme.name if scheme is not None else quantization!r}" if quantized
+                    else f"architecture {ck.config.get('architectures')} has no vLLM naming rules in weightcache")
+            return ConfigError(
+                f"tensor parallelism (tp_size={tp_size}) needs an unquantized model of a family with vLLM naming "
+                f"rules ({', '.join(sharding.FAMILIES)}); {what}: start the engine with fallback true (vLLM's "
+                f"default loader loads it), or with another --load-format", key="tensor_parallel_size")
+    return None
+
+
+def check_servable(rank: Any, kernel: str, quantization: str | None) -> None:
+    """Raises :func:`unservable`'s reason for ``rank`` (``path``, ``tp_size``), if any."""
+    reason = unservable(rank.path, rank.tp_size, kernel, quantization)
+    if reason is not None:
+        raise reason
+
+
+def default_loader_reason(error: WeightcacheError) -> bool:
+    """Whether ``error`` (met while loading with ``fallback = true``) is handed to vLLM's default loader.
+
+    Every weightcache error is, but those that are the engine's configuration, which vLLM's loader would
+    not change (``config_invalid`` for a feature that writes into the weights, an extra-config key).
+    """
+    return not (error.code == "config_invalid" and error.details.get("key") in ("mode", "extra_config"))
+
+
+def load_with_default(loader_config: LoadConfig, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+                      rank: Any, error: WeightcacheError) -> nn.Module:
+    """Logs ``error`` once (WARNING, vLLM's log) and loads the model with vLLM's own ``DefaultModelLoader``.
+
+    Args:
+        loader_config (`LoadConfig`): the plugin loader's config (:func:`plain_load_config` is applied).
+        rank: the plugin's rank (``path``, ``tp_size``, ``tp_rank``), or ``None`` when it could not be worked out.
+        error (`WeightcacheError`): why weightcache cannot serve.
+
+    Returns:
+        `nn.Module`: what ``DefaultModelLoader.load_model`` returns.
+    """
+    if rank is None:  # the rank could not be worked out (--model is not a local directory, a device...)
+        path = model_config.model_weights or model_config.model
+        tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    else:
+        path, tp_size, tp_rank = rank.path, rank.tp_size, rank.tp_rank
+    log.warning("weightcache cannot serve, loading with vLLM's default loader checkpoint=%s tp_size=%d tp_rank=%d "
+                "reason=%s: %s", path, tp_size, tp_rank, error.code, error.message)
+    return DefaultModelLoader(plain_load_config(loader_config)).load_model(vllm_config, model_config, prefix)
+
+
+def charge_key(rank: Any) -> str:
+    """The key of ``rank``'s charge in vLLM 0.34's account of external weight bytes."""
+    return f"weightcache:{rank.gpu}:{rank.path}:tp{rank.tp_size}:rank{rank.tp_rank}"
+
+
+def record_charge(rank: Any, size_bytes: int) -> None:
+    """vLLM >= 0.34: records ``size_bytes`` of ``rank``'s slab as held outside vLLM's allocator; else nothing."""
+    try:
+        from vllm.model_executor.model_loader.weight_cache.utils import record_external_weight_charge
+    except ImportError:  # vLLM 0.32, 0.33: no account
+        return
+    record_external_weight_charge(charge_key(rank), _NOT_DRAFT, size_bytes)
+
+
+def record_fallback(rank: Any) -> None:
+    """vLLM >= 0.34: ``rank`` does not map its slab after all; its charge goes back to the KV-cache budget."""
+    try:
+        from vllm.model_executor.model_loader.weight_cache.utils import record_external_weight_fallback
+    except ImportError:  # vLLM 0.32, 0.33: no account
+        return
+    record_external_weight_fallback(charge_key(rank), _NOT_DRAFT)
+
+
+def charge(rank: Any, size_bytes: int) -> None:
+    """:func:`record_charge`, remembered for :func:`uncharge`."""
+    record_charge(rank, size_bytes)
+    _CHARGED.add(rank)
+
+
+def uncharge(rank: Any) -> None:
+    """``rank``'s slab was charged and is not mapped after all: :func:`record_fallback`, once; else nothing."""
+    if rank in _CHARGED:
+        _CHARGED.discard(rank)
+        record_fallback(rank)
+
+
+def get_all_weights(loader: Any, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The loader's ``get_all_weights`` (vLLM 0.34's partial reloads): vLLM's default loader's, from the checkpoint.
+
+    Args:
+        loader (`WeightcacheModelLoader`): the loader (its ``load_config``; this is its method).
+
+    Raises:
+        ConfigError (`config_invalid`): ``model`` is zero-copy (its weights are the service's read-only
+            memory; a reload would write into them).
+    """
+    if getattr(model, "_weightcache", None) is not None:
+        raise ConfigError(
+            "get_all_weights: the weights of this model are the weightcache service's read-only memory (load "
+            "format 'weightcache', mode 'zero_copy') and cannot be reloaded; start the engine with mode 'copy' to "
+            "reload weights in place", key="mode")
+    return DefaultModelLoader(plain_load_config(loader.load_config)).get_all_weights(model_config, model)
