@@ -136,3 +136,96 @@ def test_fallback_false_is_a_typed_error_naming_the_scheme(service, checkpoints,
         raised = log_lines(out, "weightcache.errors.UnsupportedQuantization: ")
         assert raised and all(hub.QUANT_METHOD[scheme] in ln for ln in raised), out[-6000:]
     assert not log_lines(out, DEFAULT_LINE)
+
+
+# --- TP 2 without rules: ModelOpt FP8 and an architecture weightcache has no vLLM naming for ---------------
+
+
+def _fp8(dest: Path) -> Path:
+    """test_vllm.py's ModelOpt FP8_PER_CHANNEL_PER_TOKEN checkpoint (hidden 128, head_dim 32) at ``dest``."""
+    if not dest.exists():
+        mp = pytest.MonkeyPatch()
+        mp.setattr(engines.fp8_fixtures, "tiny_llama_config", engines._fp8_config)
+        try:
+            engines.fp8_fixtures.write_fp8_per_channel(dest)
+        finally:
+            mp.undo()
+    return dest
+
+
+@pytest.fixture(scope="module")
+def qwen3(workdir: Path) -> Path:
+    """A tiny Qwen3ForCausalLM by transformers (float32): no vLLM naming rules in weightcache."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(workdir / "qwen3")
+    return workdir / "qwen3"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["fp8", "qwen3"])
+def test_tp2_without_rules_starts_with_vllms_default_loader(request, workdir, which):
+    """ModelOpt FP8 per-channel (vLLM 0.32 cannot take it pre-processed, copy mode shards no quantized model)
+    and Qwen3 (no vLLM naming rules) at TP 2 with no service running: the engine did not start
+    (``ConfigError: ... tensor parallelism (tp_size=2) needs ...``); now the default loader's tokens, one
+    ``tensor_parallel_size`` reason per rank. ``fallback: false``: that ``config_invalid``."""
+    path = _fp8(workdir / "fp8pc") if which == "fp8" else request.getfixturevalue("qwen3")
+    dtype = "bfloat16" if which == "fp8" else "float32"
+    expected = tokens_of(*run_engine(path, dtype=dtype, tp=2, multiprocess=True))
+    extra = {"socket_dir": str(workdir / "nowhere"), "fallback": True}
+    result, out = run_engine(path, load_format="weightcache", dtype=dtype, tp=2, multiprocess=True, extra=extra)
+    assert tokens_of(result, out) == expected
+    lines = log_lines(out, DEFAULT_LINE)
+    assert len(lines) == 2 and all("reason=config_invalid: tensor parallelism (tp_size=2)" in ln for ln in lines), \
+        out[-6000:]
+    assert not log_lines(out, "zero-copy refused")  # one reason per rank, not a copy mode that cannot follow
+    result, out = run_engine(path, load_format="weightcache", dtype=dtype, tp=2, multiprocess=True,
+                             extra={**extra, "fallback": False})
+    assert "error" in result and log_lines(out, "weightcache.errors.ConfigError: "), out[-6000:]
+
+
+# --- the reasons, in this process ---------------------------------------------------------------------------
+
+
+def test_unservable_reasons(tmp_path, checkpoints, qwen3):
+    from weightcache.integrations.vllm_fallback import default_loader_reason, unservable
+    from weightcache.errors import ConfigError
+
+    for scheme in SCHEMES:
+        for tp, zero_copy in ((1, True), (2, True), (2, False)):
+            e = unservable(str(checkpoints[scheme]), tp, "cutlass", None, zero_copy)
+            assert e.code == "unsupported_quantization" and hub.QUANT_METHOD[scheme] in e.details["scheme"]
+    assert unservable(str(qwen3), 1, "cutlass", None, True) is None  # TP 1: copy mode with naming hf
+    e = unservable(str(qwen3), 2, "cutlass", None, True)
+    assert (e.code, e.details["key"]) == ("config_invalid", "tensor_parallel_size")
+    fp8 = _fp8(tmp_path / "fp8pc")
+    assert unservable(str(fp8), 2, "cutlass", "modelopt", True) is None  # zero-copy may take it (vLLM 0.34)
+    assert unservable(str(fp8), 2, "cutlass", "modelopt", False).details["key"] == "tensor_parallel_size"
+    assert unservable(str(fp8), 1, "cutlass", "modelopt", False) is None
+    assert not default_loader_reason(ConfigError("LoRA writes into the weights", key="mode"))
+    assert default_loader_reason(ConfigError("tp", key="tensor_parallel_size"))
+
+
+def test_naming_vllm_without_rules_advice_that_works(workdir, qwen3):
+    """The README's ``naming = "vllm"`` for an architecture without rules: the slab fails
+    (``unsupported_architecture``) and the engine (TP 1: copy mode, ``naming=hf``) loads from disk with the
+    default loader's tokens. The reason's advice was "held here with other values: qwen3/tp1/rank0
+    (naming=vllm): ask for those", which fails the same way; it now says to configure what was asked."""
+    svc = harness.start_service(workdir / "q3", {"qwen3": {"path": qwen3, "naming": "vllm", "dtype": "float32"}})
+    try:
+        (slab,) = svc.wait_settled()["slabs"]
+        assert slab["state"] == "failed" and slab["error"]["code"] == "unsupported_architecture", slab
+        expected = tokens_of(*run_engine(qwen3))
+        result, out = run_engine(qwen3, load_format="weightcache", extra={"socket_dir": svc.socket_dir})
+        assert tokens_of(result, out) == expected
+        (fallback,) = log_lines(out, "weightcache fallback to disk")
+        assert "reason=model_not_found" in fallback and "ask for those" not in fallback, fallback
+        assert "give the model's entry in the configuration the values asked for (naming=hf)" in fallback, fallback
+    finally:
+        svc.kill()

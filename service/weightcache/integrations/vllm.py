@@ -43,11 +43,9 @@ key            default          meaning
 =============  ===============  =====================================================
 socket_dir     ``None``         service socket directory (else ``$WEIGHTCACHE_SOCKET_DIR``,
                                 else ``/run/weightcache``)
-fallback       ``true``         load from disk through weightcache's pipeline when the
-                                service cannot serve, from ``zero_copy`` to ``copy``
-                                when vLLM cannot share the slab, and with vLLM's own
-                                default loader when weightcache cannot serve the model
-                                at all (:mod:`.vllm_fallback`; the reason is logged)
+fallback       ``true``         when weightcache cannot serve: its own disk load, ``copy``
+                                mode, or vLLM's default loader (:mod:`.vllm_fallback`);
+                                the reason is logged. ``false``: the reason is the error
 mode           ``"zero_copy"``  ``zero_copy`` or ``copy`` (above)
 timeout_s      ``30``           seconds to wait for the service (a load in progress included)
 gpu            derived          service instance; default: the physical index of the
@@ -345,7 +343,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             rank = self._rank(vllm_config.model_config, self._target(vllm_config))
             _drop_profiled(rank)
             _RETRIES_SPENT.discard(rank)  # this question is a new engine start's: its attach has the retries
-            fb.check_servable(rank, self.options["kernel"], vllm_config.model_config.quantization)
+            fb.check_servable(rank, self.options["kernel"], vllm_config.model_config.quantization, zero_copy=True)
             w = self._attach(rank, "vllm", fallback=False)
         except WeightcacheError as e:  # the load says it too (falls back or raises)
             if rank is not None and e.retryable and self.options["retries"]:
@@ -369,8 +367,8 @@ class WeightcacheModelLoader(BaseModelLoader):
         rank: _Rank | None = None
         try:
             rank = self._rank(model_config, self._target(vllm_config))
-            fb.check_servable(rank, self.options["kernel"], model_config.quantization)
             zero_copy = self.options["mode"] == AttachMode.ZERO_COPY
+            fb.check_servable(rank, self.options["kernel"], model_config.quantization, zero_copy=zero_copy)
             model = self._load_zero_copy(vllm_config, model_config, prefix) if zero_copy else None
             if model is None:
                 model = super().load_model(vllm_config, model_config, prefix)
@@ -379,9 +377,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                 raise
             error = e.with_traceback(None)  # the frames of the failed load (its model) are not kept
         else:
-            if getattr(model, "_weightcache", None) is None:
-                fb.uncharge(rank)
-            return model
+            return model if getattr(model, "_weightcache", None) is not None else fb.uncharged(rank, model)
         undo()  # the failed load's layers leave vLLM's registries: the default loader registers its own
         if rank is not None:
             _drop_profiled(rank)
@@ -417,6 +413,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             if reason is not None:
                 undo()
                 _drop_profiled(rank)
+                fb.check_servable(rank, self.options["kernel"], model_config.quantization, zero_copy=False)
                 return self._refused(rank, reason, ConfigError, key="mode")
             w: Attachment | None = _PROFILED.pop(rank, None)  # the profiler's attachment: not attached twice
             if w is None:
@@ -474,7 +471,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         t0 = time.monotonic()
         w, self._handoff = self._handoff, None
         if w is None:
-            fb.check_servable(rank, self.options["kernel"], model_config.quantization)
+            fb.check_servable(rank, self.options["kernel"], model_config.quantization, zero_copy=False)
             quantized = model_config.quantization is not None
             named = not quantized and sharding.family_of(Checkpoint(rank.path, validate=False).config) is not None
             w = self._attach(rank, "vllm" if named else "hf", self.options["fallback"])

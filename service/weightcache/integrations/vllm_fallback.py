@@ -12,9 +12,11 @@ the same reason is raised, a typed error naming the cause. Reasons:
   (:func:`unservable`): a quantization scheme weightcache cannot pre-process
   (compressed-tensors, AWQ, GPTQ, block FP8, ...: ``unsupported_quantization``,
   ``details["scheme"]``; the config read where vLLM reads it,
-  :func:`weightcache.quant.quant_config.read_config`); ``tp_size > 1`` with a
-  quantized model (ModelOpt FP8 included) or an architecture without vLLM
-  naming rules (``config_invalid``, ``details["key"] == "tensor_parallel_size"``);
+  :func:`weightcache.quant.quant_config.read_config`); ``tp_size > 1`` with an
+  architecture without vLLM naming rules, or with a quantized model (ModelOpt
+  FP8) that cannot be zero-copy (vLLM 0.32 and 0.33 do not take ModelOpt FP8
+  pre-processed; copy mode shards unquantized models only): ``config_invalid``,
+  ``details["key"] == "tensor_parallel_size"``;
 - met on the way (:func:`default_loader_reason`): any other weightcache error
   the loader cannot get round (``--model`` not a local directory: vLLM's
   loader downloads it; a slab that does not fit vLLM's model).
@@ -75,7 +77,8 @@ def plain_load_config(load_config: LoadConfig) -> LoadConfig:
     return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
 
 
-def unservable(path: str, tp_size: int, kernel: str, quantization: str | None) -> WeightcacheError | None:
+def unservable(path: str, tp_size: int, kernel: str, quantization: str | None,
+               zero_copy: bool) -> WeightcacheError | None:
     """Why weightcache cannot serve this rank at all, from the checkpoint's files; ``None`` when it can.
 
     Args:
@@ -83,11 +86,14 @@ def unservable(path: str, tp_size: int, kernel: str, quantization: str | None) -
         tp_size (`int`): vLLM's tensor-parallel size.
         kernel (`str`): the loader's kernel layout target of quantized weights.
         quantization (`str | None`): vLLM's ``model_config.quantization``.
+        zero_copy (`bool`): the load may still be zero-copy (``naming = "vllm"`` at any ``tp_size``, a
+            quantized model too where vLLM takes its weights pre-processed: ModelOpt FP8 on vLLM 0.34);
+            ``False``: copy mode, which shards only unquantized models of a family with rules.
 
     Returns:
         `WeightcacheError | None`: ``UnsupportedQuantization`` (`unsupported_quantization`) from
         :func:`weightcache.quant.detect`; ``ConfigError`` (`config_invalid`, key ``tensor_parallel_size``)
-        for ``tp_size > 1`` with a quantized model or an architecture without vLLM naming rules.
+        for ``tp_size > 1`` with an architecture without vLLM naming rules, or (copy mode) a quantized model.
     """
     ck = Checkpoint(path, validate=False)
     try:
@@ -98,20 +104,22 @@ def unservable(path: str, tp_size: int, kernel: str, quantization: str | None) -
         return e
     if tp_size > 1:
         quantized = scheme is not None or quantization is not None
-        family = sharding.family_of(ck.config)
-        if quantized or family is None:
-            what = (f"quantization={scheme.name if scheme is not None else quantization!r}" if quantized
-                    else f"architecture {ck.config.get('architectures')} has no vLLM naming rules in weightcache")
+        named = sharding.family_of(ck.config) is not None
+        if not named or (quantized and not zero_copy):
+            what = (f"architecture {ck.config.get('architectures')} has no vLLM naming rules in weightcache"
+                    if not named else f"quantization={scheme.name if scheme is not None else quantization!r} "
+                                      f"needs vLLM to take its weights pre-processed (zero-copy), which it does not")
             return ConfigError(
-                f"tensor parallelism (tp_size={tp_size}) needs an unquantized model of a family with vLLM naming "
-                f"rules ({', '.join(sharding.FAMILIES)}); {what}: start the engine with fallback true (vLLM's "
-                f"default loader loads it), or with another --load-format", key="tensor_parallel_size")
+                f"tensor parallelism (tp_size={tp_size}) needs a family with vLLM naming rules "
+                f"({', '.join(sharding.FAMILIES)}), unquantized outside zero-copy; {what}: start the engine with "
+                f"fallback true (vLLM's default loader loads it), or with another --load-format",
+                key="tensor_parallel_size")
     return None
 
 
-def check_servable(rank: Any, kernel: str, quantization: str | None) -> None:
+def check_servable(rank: Any, kernel: str, quantization: str | None, zero_copy: bool) -> None:
     """Raises :func:`unservable`'s reason for ``rank`` (``path``, ``tp_size``), if any."""
-    reason = unservable(rank.path, rank.tp_size, kernel, quantization)
+    reason = unservable(rank.path, rank.tp_size, kernel, quantization, zero_copy)
     if reason is not None:
         raise reason
 
@@ -181,6 +189,12 @@ def uncharge(rank: Any) -> None:
     if rank in _CHARGED:
         _CHARGED.discard(rank)
         record_fallback(rank)
+
+
+def uncharged(rank: Any, model: nn.Module) -> nn.Module:
+    """:func:`uncharge` of ``rank`` (its load did not map the slab: copy mode); returns ``model``."""
+    uncharge(rank)
+    return model
 
 
 def get_all_weights(loader: Any, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
