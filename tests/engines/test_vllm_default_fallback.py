@@ -214,9 +214,10 @@ def test_unservable_reasons(tmp_path, checkpoints, qwen3):
 
 def test_naming_vllm_without_rules_advice_that_works(workdir, qwen3):
     """The README's ``naming = "vllm"`` for an architecture without rules: the slab fails
-    (``unsupported_architecture``) and the engine (TP 1: copy mode, ``naming=hf``) loads from disk with the
-    default loader's tokens. The reason's advice was "held here with other values: qwen3/tp1/rank0
-    (naming=vllm): ask for those", which fails the same way; it now says to configure what was asked."""
+    (``unsupported_architecture``); the engine (TP 1: copy mode asks ``naming=hf``) hears ``model_not_found``
+    and starts with vLLM's default loader. The reason's advice was "held here with other values:
+    qwen3/tp1/rank0 (naming=vllm): ask for those", which fails the same way; it now says to configure what
+    was asked."""
     svc = harness.start_service(workdir / "q3", {"qwen3": {"path": qwen3, "naming": "vllm", "dtype": "float32"}})
     try:
         (slab,) = svc.wait_settled()["slabs"]
@@ -224,8 +225,34 @@ def test_naming_vllm_without_rules_advice_that_works(workdir, qwen3):
         expected = tokens_of(*run_engine(qwen3))
         result, out = run_engine(qwen3, load_format="weightcache", extra={"socket_dir": svc.socket_dir})
         assert tokens_of(result, out) == expected
-        (fallback,) = log_lines(out, "weightcache fallback to disk")
+        (fallback,) = log_lines(out, DEFAULT_LINE)
         assert "reason=model_not_found" in fallback and "ask for those" not in fallback, fallback
         assert "give the model's entry in the configuration the values asked for (naming=hf)" in fallback, fallback
     finally:
         svc.kill()
+
+
+def test_charges_follow_vllm_034s_account(monkeypatch):
+    """vLLM 0.34's account of external weight bytes: the slab's bytes are recorded when
+    ``get_external_weight_memory`` attaches, and given back once when the load does not map the slab (the
+    0.34 functions are stood in on vLLM 0.32's module, which lacks them: then nothing is recorded)."""
+    from collections import namedtuple
+
+    from vllm.model_executor.model_loader.weight_cache import utils
+
+    from weightcache.integrations import vllm_fallback as fb
+
+    rank = namedtuple("Rank", "gpu path tp_size tp_rank")(0, "/srv/m", 2, 1)  # hashable, as the loader's _Rank
+    assert not hasattr(utils, "record_external_weight_charge")  # vLLM 0.32: no account, no-ops
+    fb.charge(rank, 4096)
+    fb.uncharge(rank)
+    calls = []
+    monkeypatch.setattr(utils, "record_external_weight_charge", lambda *a: calls.append(("charge", *a)),
+                        raising=False)
+    monkeypatch.setattr(utils, "record_external_weight_fallback", lambda *a: calls.append(("fallback", *a)),
+                        raising=False)
+    fb.charge(rank, 4096)
+    fb.uncharge(rank)
+    fb.uncharge(rank)  # once
+    key = "weightcache:0:/srv/m:tp2:rank1"
+    assert calls == [("charge", key, False, 4096), ("fallback", key, False)], calls

@@ -43,9 +43,9 @@ key            default          meaning
 =============  ===============  =====================================================
 socket_dir     ``None``         service socket directory (else ``$WEIGHTCACHE_SOCKET_DIR``,
                                 else ``/run/weightcache``)
-fallback       ``true``         when weightcache cannot serve: its own disk load, ``copy``
-                                mode, or vLLM's default loader (:mod:`.vllm_fallback`);
-                                the reason is logged. ``false``: the reason is the error
+fallback       ``true``         when weightcache cannot serve: ``copy`` mode, or vLLM's
+                                default loader (:mod:`.vllm_fallback`); the reason is
+                                logged. ``false``: the reason is the error
 mode           ``"zero_copy"``  ``zero_copy`` or ``copy`` (above)
 timeout_s      ``30``           seconds to wait for the service (a load in progress included)
 gpu            derived          service instance; default: the physical index of the
@@ -60,14 +60,12 @@ retries        ``0``            ask the service again up to this many times afte
 =============  ===============  =====================================================
 
 Log lines go to vLLM's logger tree (``vllm.weightcache...``) so that they show
-in vLLM's own log: one ``weightcache attached`` line with ``source=daemon|disk``
-and ``mode=zero_copy|copy``; a WARNING with the reason on a fall back to copy mode
-(``weightcache zero-copy refused``). The client's own records (the ``weightcache``
-logger tree: a WARNING ``weightcache fallback to disk`` with the reason, before the
-disk load starts) are handed to that tree too, prefixed ``weightcache``, by
-:class:`_IntoVllmLog`: each shows once, as vLLM's log shows it (with vLLM's
-handler, or the root logger's under ``VLLM_CONFIGURE_LOGGING=0``), never as a bare
-line from Python's last-resort handler.
+in vLLM's own log: one ``weightcache attached`` line with ``source=daemon`` and
+``mode=zero_copy|copy``; a WARNING with the reason on a fall back to copy mode
+(``weightcache zero-copy refused``) or to vLLM's default loader (``weightcache
+cannot serve``). The client's own records (the ``weightcache`` logger tree: each
+retry) are handed to that tree, prefixed ``weightcache``, by :class:`_IntoVllmLog`:
+once, as vLLM's log shows them, never as a bare last-resort line.
 
 Forbidden imports: weightcache.daemon.
 """
@@ -344,7 +342,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             _drop_profiled(rank)
             _RETRIES_SPENT.discard(rank)  # this question is a new engine start's: its attach has the retries
             fb.check_servable(rank, self.options["kernel"], vllm_config.model_config.quantization, zero_copy=True)
-            w = self._attach(rank, "vllm", fallback=False)
+            w = self._attach(rank, "vllm")
         except WeightcacheError as e:  # the load says it too (falls back or raises)
             if rank is not None and e.retryable and self.options["retries"]:
                 _RETRIES_SPENT.add(rank)
@@ -417,7 +415,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                 return self._refused(rank, reason, ConfigError, key="mode")
             w: Attachment | None = _PROFILED.pop(rank, None)  # the profiler's attachment: not attached twice
             if w is None:
-                w = self._attach(rank, "vllm", self.options["fallback"])
+                w = self._attach(rank, "vllm")
             try:
                 diff = zc.canary(vllm_config, model_config, prefix, ck, w, target, plain_cpu)
                 if diff is not None:
@@ -474,7 +472,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             fb.check_servable(rank, self.options["kernel"], model_config.quantization, zero_copy=False)
             quantized = model_config.quantization is not None
             named = not quantized and sharding.family_of(Checkpoint(rank.path, validate=False).config) is not None
-            w = self._attach(rank, "vllm" if named else "hf", self.options["fallback"])
+            w = self._attach(rank, "vllm" if named else "hf")
         try:
             if w.manifest.key.get("naming") == "vllm":
                 self._copy_into(model, w)
@@ -506,14 +504,15 @@ class WeightcacheModelLoader(BaseModelLoader):
         return _Rank(checkpoint_dir(model_config), get_tensor_model_parallel_world_size(),
                      get_tensor_model_parallel_rank(), device, gpu, dtype_name(model_config.dtype))
 
-    def _attach(self, rank: _Rank, naming: str, fallback: bool) -> Attachment:
-        """:func:`weightcache.attach` of ``rank`` with this loader's options: ``retries`` retries unless the
-        profiler's attach of this engine start spent them (:data:`_RETRIES_SPENT`: one attempt)."""
+    def _attach(self, rank: _Rank, naming: str) -> Attachment:
+        """:func:`weightcache.attach` of ``rank`` with this loader's options, ``fallback=False`` (vLLM's default
+        loader is the plugin's fallback): ``retries`` retries unless the profiler's attach of this engine start
+        spent them (:data:`_RETRIES_SPENT`: one attempt)."""
         o = self.options
         retries = 0 if rank in _RETRIES_SPENT else o["retries"]
         _RETRIES_SPENT.discard(rank)
         return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode=AttachMode.ZERO_COPY,
-                      fallback=fallback, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
+                      fallback=False, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
                       dtype=rank.dtype, naming=naming, kernel=o["kernel"],
                       retry=Retry(retries=retries) if retries else None)
 

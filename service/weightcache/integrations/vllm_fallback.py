@@ -17,14 +17,15 @@ the same reason is raised, a typed error naming the cause. Reasons:
   FP8) that cannot be zero-copy (vLLM 0.32 and 0.33 do not take ModelOpt FP8
   pre-processed; copy mode shards unquantized models only): ``config_invalid``,
   ``details["key"] == "tensor_parallel_size"``;
-- met on the way (:func:`default_loader_reason`): any other weightcache error
-  the loader cannot get round (``--model`` not a local directory: vLLM's
-  loader downloads it; a slab that does not fit vLLM's model).
-
-A service that is absent, full or old (or holds another key) is not one of
-these: the client loads the rank from disk itself (``source=disk``, its
-``weightcache fallback to disk`` warning), as before, for the models its
-pipeline lays out.
+- met on the way (:func:`default_loader_reason`): every other weightcache
+  error, the service's included: absent (``daemon_unavailable``), full
+  (``resource_exhausted``, ``insufficient_memory``), old
+  (``protocol_violation``: another protocol version), holding another key (``cache_key_mismatch``) or not the model
+  (``model_not_found``), after the loader's ``retries``; ``--model`` not a
+  local directory (vLLM's loader downloads it); a slab that does not fit
+  vLLM's model (``shape_mismatch``). The plugin asks the client with
+  ``fallback=False``: vLLM's loader, not the client's own disk load, reads
+  the checkpoint.
 
 Version branches (vLLM 0.32 to 0.34; ``tests/unit/test_vllm_surface.py``
 checks every vLLM name the plugin uses against each wheel):
@@ -61,6 +62,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from .. import quant, sharding
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError, WeightcacheError
+from ..journal import event
 
 log = init_logger("vllm." + __name__)
 
@@ -150,8 +152,10 @@ def load_with_default(loader_config: LoadConfig, vllm_config: VllmConfig, model_
         tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
     else:
         path, tp_size, tp_rank = rank.path, rank.tp_size, rank.tp_rank
+    # The journal's `fallback` event (MESSAGE_ID), as the client's own disk fallback logs it.
     log.warning("weightcache cannot serve, loading with vLLM's default loader checkpoint=%s tp_size=%d tp_rank=%d "
-                "reason=%s: %s", path, tp_size, tp_rank, error.code, error.message)
+                "reason=%s: %s", path, tp_size, tp_rank, error.code, error.message,
+                extra=event("fallback", path, tp_rank, tp_size=tp_size, error_code=error.code))
     return DefaultModelLoader(plain_load_config(loader_config)).load_model(vllm_config, model_config, prefix)
 
 
