@@ -129,10 +129,11 @@ def check_servable(rank: Any, kernel: str, quantization: str | None, zero_copy: 
 def default_loader_reason(error: WeightcacheError) -> bool:
     """Whether ``error`` (met while loading with ``fallback = true``) is handed to vLLM's default loader.
 
-    Every weightcache error is, but those that are the engine's configuration, which vLLM's loader would
-    not change (``config_invalid`` for a feature that writes into the weights, an extra-config key).
+    Every weightcache error is, but the engine's own contradiction that vLLM's loader would hide:
+    ``config_invalid`` with key ``mode`` (a feature that writes into the weights in ``zero_copy`` mode, or
+    ``zero_copy`` refused with ``fallback = false``). Extra-config errors are raised when the loader is built.
     """
-    return not (error.code == "config_invalid" and error.details.get("key") in ("mode", "extra_config"))
+    return not (error.code == "config_invalid" and error.details.get("key") == "mode")
 
 
 def load_with_default(loader_config: LoadConfig, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
