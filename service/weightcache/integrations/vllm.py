@@ -19,11 +19,10 @@ The loader asks the service for vLLM's own model dtype (``--dtype``, e.g.
   memory profiler the attached bytes; the attachment (the lease) is kept as
   ``model._weightcache`` and closed when the model goes or the process exits.
   Where vLLM cannot take the slab's tensors as they are (a quant method
-  without ``supports_pre_processed_weights``, a failed start-up canary, an
-  architecture without vLLM naming rules) the loader logs the reason and
-  loads in ``copy`` mode; ``fallback = false`` makes that an error. Features
-  that write into weights (LoRA, sleep mode, weight transfer,
-  ``reload_weights``) are refused with ``config_invalid``.
+  without ``supports_pre_processed_weights``, a failed canary, an architecture
+  without vLLM naming rules) it loads in ``copy`` mode, the reason logged;
+  ``fallback = false`` makes that an error. Features that write into weights
+  (LoRA, sleep mode, weight transfer, reloads) are ``config_invalid``.
 - ``copy``: vLLM builds the model as usual (its own parameters, on its own
   device) and the attached tensors are copied in; vLLM's own
   ``process_weights_after_loading`` runs unchanged. Unquantized models of a
@@ -44,9 +43,9 @@ key            default          meaning
 =============  ===============  =====================================================
 socket_dir     ``None``         service socket directory (else ``$WEIGHTCACHE_SOCKET_DIR``,
                                 else ``/run/weightcache``)
-fallback       ``true``         load from disk through weightcache's pipeline when the
-                                service cannot serve, and from ``zero_copy`` to ``copy``
-                                when vLLM cannot share the slab (the reason is logged)
+fallback       ``true``         when weightcache cannot serve: ``copy`` mode, or vLLM's
+                                default loader (:mod:`.vllm_fallback`); the reason is
+                                logged. ``false``: the reason is the error
 mode           ``"zero_copy"``  ``zero_copy`` or ``copy`` (above)
 timeout_s      ``30``           seconds to wait for the service (a load in progress included)
 gpu            derived          service instance; default: the physical index of the
@@ -61,14 +60,12 @@ retries        ``0``            ask the service again up to this many times afte
 =============  ===============  =====================================================
 
 Log lines go to vLLM's logger tree (``vllm.weightcache...``) so that they show
-in vLLM's own log: one ``weightcache attached`` line with ``source=daemon|disk``
-and ``mode=zero_copy|copy``; a WARNING with the reason on a fall back to copy mode
-(``weightcache zero-copy refused``). The client's own records (the ``weightcache``
-logger tree: a WARNING ``weightcache fallback to disk`` with the reason, before the
-disk load starts) are handed to that tree too, prefixed ``weightcache``, by
-:class:`_IntoVllmLog`: each shows once, as vLLM's log shows it (with vLLM's
-handler, or the root logger's under ``VLLM_CONFIGURE_LOGGING=0``), never as a bare
-line from Python's last-resort handler.
+in vLLM's own log: one ``weightcache attached`` line with ``source=daemon`` and
+``mode=zero_copy|copy``; a WARNING with the reason on a fall back to copy mode
+(``weightcache zero-copy refused``) or to vLLM's default loader (``weightcache
+cannot serve``). The client's own records (the ``weightcache`` logger tree: each
+retry) are handed to that tree, prefixed ``weightcache``, by :class:`_IntoVllmLog`:
+once, as vLLM's log shows them, never as a bare last-resort line.
 
 Forbidden imports: weightcache.daemon.
 """
@@ -99,10 +96,10 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from .. import quant, sharding
 from ..checkpoint import Checkpoint
-
 from ..client import MAX_TIMEOUT_S, Attachment, Retry, attach, physical_gpu
 from ..errors import CheckpointNotFound, ConfigError, ShapeMismatch, WeightcacheError
 from ..wire import DEFAULT_KERNEL, DEFAULT_MODE, AttachMode
+from . import vllm_fallback as fb
 from . import vllm_zero_copy as zc
 
 # vLLM attaches its handler to the "vllm" logger only; a child of it shows in
@@ -111,13 +108,11 @@ log = init_logger("vllm." + __name__)
 
 
 class _IntoVllmLog(logging.Handler):
-    """Hands the records of the ``weightcache`` logger tree (the client's: the disk fallback and its reason,
-    a full service backlog) to :data:`log`, vLLM's logger tree, prefixed ``weightcache``.
+    """Hands the records of the ``weightcache`` logger tree (the client's) to :data:`log`, vLLM's logger tree,
+    prefixed ``weightcache``: once, in vLLM's format (without it, also as a bare last-resort line).
 
-    Without it a vLLM process printed the client's warnings twice in two forms: a bare line from Python's
-    last-resort handler (nothing handles ``weightcache``), then the loader's own line in vLLM's format.
-    Installed once per process by :func:`_route_client_logs`; the ``weightcache`` logger's own level still
-    decides what is emitted (WARNING and up unless the engine sets it), and vLLM's level what is shown.
+    Installed once per process by :func:`_route_client_logs`; the ``weightcache`` logger's level decides
+    what is emitted (WARNING and up unless the engine sets it), vLLM's level what is shown.
     """
 
     #: The handler's name: how :func:`_route_client_logs` finds one already installed, also one of another
@@ -149,14 +144,12 @@ def _route_client_logs() -> None:
 
 _route_client_logs()
 
-#: Attachments made by :meth:`WeightcacheModelLoader.get_external_weight_memory`, kept for the
-#: zero-copy load of the same rank in this process. vLLM asks each question of a fresh loader
-#: (``get_model_loader`` builds one per call), so the handoff cannot live on the loader.
+#: Attachments made by :meth:`WeightcacheModelLoader.get_external_weight_memory`, kept for the zero-copy load
+#: of the same rank in this process (vLLM asks each question of a fresh loader: not on the loader).
 _PROFILED: dict["_Rank", Attachment] = {}
 
-#: Ranks whose attach in :meth:`WeightcacheModelLoader.get_external_weight_memory` spent the ``retries``
-#: of this engine start (the service could not serve, a retryable error): the load's attach asks once more,
-#: without retrying again (``retries`` is per engine start, not per question).
+#: Ranks whose profiling attach spent this engine start's ``retries`` (a retryable error): the load's attach
+#: asks once more without retrying (``retries`` is per engine start, not per question).
 _RETRIES_SPENT: set["_Rank"] = set()
 
 #: The ``--load-format`` value.
@@ -342,40 +335,53 @@ class WeightcacheModelLoader(BaseModelLoader):
         """
         if self.options["mode"] != AttachMode.ZERO_COPY:
             return 0
-        rank = self._rank(vllm_config.model_config, self._target(vllm_config))
-        _drop_profiled(rank)
-        _RETRIES_SPENT.discard(rank)  # this question is a new engine start's: its attach has the retries
+        rank = None
         try:
-            w = self._attach(rank, "vllm", fallback=False)
-        except WeightcacheError as e:
-            if e.retryable and self.options["retries"]:
+            rank = self._rank(vllm_config.model_config, self._target(vllm_config))
+            _drop_profiled(rank)
+            _RETRIES_SPENT.discard(rank)  # this question is a new engine start's: its attach has the retries
+            fb.check_servable(rank, self.options["kernel"], vllm_config.model_config.quantization, zero_copy=True)
+            w = self._attach(rank, "vllm")
+        except WeightcacheError as e:  # the load says it too (falls back or raises)
+            if rank is not None and e.retryable and self.options["retries"]:
                 _RETRIES_SPENT.add(rank)
-            log.info("weightcache external weight memory 0 checkpoint=%s tp_rank=%d reason=%s: %s",
-                     rank.path, rank.tp_rank, e.code, e.message)
+            log.info("weightcache external weight memory 0 checkpoint=%s reason=%s: %s",
+                     getattr(rank, "path", None), e.code, e.message)
             return 0
         _PROFILED[rank] = w
+        fb.charge(rank, w.resident_bytes)
         return w.resident_bytes
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        """Builds the model: zero-copy when possible (and asked for), else vLLM's usual way plus a copy.
+        """Zero-copy when possible (and asked for), else vLLM's usual way plus a copy; with ``fallback = true``,
+        vLLM's own default loader when weightcache cannot serve (:mod:`.vllm_fallback`).
 
         Raises:
-            ConfigError (`config_invalid`): a feature that writes into weights
-                in ``zero_copy`` mode; ``zero_copy`` impossible for this model
-                with ``fallback = false``; ``tp_size > 1`` with a quantized model.
-            ShapeMismatch (`shape_mismatch`): the slab does not fit vLLM's model
-                (names, shapes, a tensor left on meta), or the canary found a
-                difference with ``fallback = false``.
-            CheckpointNotFound (`checkpoint_not_found`): ``--model`` is not a local
-                checkpoint directory (:func:`checkpoint_dir`), whatever ``fallback`` says.
-            DaemonUnavailable, CacheKeyMismatch, ModelLoading, ... : from
-                :func:`weightcache.attach` when ``fallback`` is false.
+            WeightcacheError: with ``fallback = false``, why weightcache cannot serve (:mod:`.vllm_fallback`),
+                typed; ``config_invalid`` for a feature that writes into weights in ``zero_copy`` mode.
         """
-        if self.options["mode"] == AttachMode.ZERO_COPY:
-            model = self._load_zero_copy(vllm_config, model_config, prefix)
-            if model is not None:
-                return model
-        return super().load_model(vllm_config, model_config, prefix)
+        undo = zc.registry_undo(vllm_config)
+        rank: _Rank | None = None
+        try:
+            rank = self._rank(model_config, self._target(vllm_config))
+            zero_copy = self.options["mode"] == AttachMode.ZERO_COPY
+            fb.check_servable(rank, self.options["kernel"], model_config.quantization, zero_copy=zero_copy)
+            model = self._load_zero_copy(vllm_config, model_config, prefix) if zero_copy else None
+            if model is None:
+                model = super().load_model(vllm_config, model_config, prefix)
+        except WeightcacheError as e:
+            if not self.options["fallback"] or not fb.default_loader_reason(e):
+                raise
+            error = e.with_traceback(None)  # the frames of the failed load (its model) are not kept
+        else:
+            return model if getattr(model, "_weightcache", None) is not None else fb.uncharged(rank, model)
+        undo()  # the failed load's layers leave vLLM's registries: the default loader registers its own
+        if rank is not None:
+            _drop_profiled(rank)
+            fb.uncharge(rank)
+        return fb.load_with_default(self.load_config, vllm_config, model_config, prefix, rank, error)
+
+    get_all_weights = fb.get_all_weights  # vLLM 0.34's partial reloads
 
     # --- zero-copy -----------------------------------------------------------------------
 
@@ -404,10 +410,11 @@ class WeightcacheModelLoader(BaseModelLoader):
             if reason is not None:
                 undo()
                 _drop_profiled(rank)
+                fb.check_servable(rank, self.options["kernel"], model_config.quantization, zero_copy=False)
                 return self._refused(rank, reason, ConfigError, key="mode")
             w: Attachment | None = _PROFILED.pop(rank, None)  # the profiler's attachment: not attached twice
             if w is None:
-                w = self._attach(rank, "vllm", self.options["fallback"])
+                w = self._attach(rank, "vllm")
             try:
                 diff = zc.canary(vllm_config, model_config, prefix, ck, w, target, plain_cpu)
                 if diff is not None:
@@ -448,10 +455,8 @@ class WeightcacheModelLoader(BaseModelLoader):
         """Copy mode: attaches the rank's weights and copies them into ``model``'s parameters.
 
         Raises:
-            ConfigError (`config_invalid`): ``model`` is zero-copy (its weights
-                are the service's read-only memory: no reload); ``tp_size > 1``
-                with a quantized model or an architecture without vLLM naming
-                rules.
+            ConfigError (`config_invalid`): ``model`` is zero-copy (read-only weights: no reload).
+            UnsupportedQuantization, ConfigError: :func:`.vllm_fallback.unservable`'s reasons.
             ShapeMismatch (`shape_mismatch`): a tensor that fits no parameter.
             DaemonUnavailable, CacheKeyMismatch, ModelLoading, ... : from
                 :func:`weightcache.attach` when ``fallback`` is false.
@@ -463,15 +468,10 @@ class WeightcacheModelLoader(BaseModelLoader):
         t0 = time.monotonic()
         w, self._handoff = self._handoff, None
         if w is None:
+            fb.check_servable(rank, self.options["kernel"], model_config.quantization, zero_copy=False)
             quantized = model_config.quantization is not None
             named = not quantized and sharding.family_of(Checkpoint(rank.path, validate=False).config) is not None
-            if rank.tp_size > 1 and not named:
-                raise ConfigError(
-                    f"load format {LOAD_FORMAT!r}: tensor parallelism (tp_size={rank.tp_size}) needs an "
-                    f"unquantized model of a family with vLLM naming rules ({', '.join(sharding.FAMILIES)}); "
-                    f"quantization={model_config.quantization!r}: use tp_size 1 or the default loader",
-                    key="tensor_parallel_size")
-            w = self._attach(rank, "vllm" if named else "hf", self.options["fallback"])
+            w = self._attach(rank, "vllm" if named else "hf")
         try:
             if w.manifest.key.get("naming") == "vllm":
                 self._copy_into(model, w)
@@ -503,14 +503,15 @@ class WeightcacheModelLoader(BaseModelLoader):
         return _Rank(checkpoint_dir(model_config), get_tensor_model_parallel_world_size(),
                      get_tensor_model_parallel_rank(), device, gpu, dtype_name(model_config.dtype))
 
-    def _attach(self, rank: _Rank, naming: str, fallback: bool) -> Attachment:
-        """:func:`weightcache.attach` of ``rank`` with this loader's options: ``retries`` retries unless the
-        profiler's attach of this engine start spent them (:data:`_RETRIES_SPENT`: one attempt)."""
+    def _attach(self, rank: _Rank, naming: str) -> Attachment:
+        """:func:`weightcache.attach` of ``rank`` with this loader's options, ``fallback=False`` (vLLM's default
+        loader is the plugin's fallback): ``retries`` retries unless the profiler's attach of this engine start
+        spent them (:data:`_RETRIES_SPENT`: one attempt)."""
         o = self.options
         retries = 0 if rank in _RETRIES_SPENT else o["retries"]
         _RETRIES_SPENT.discard(rank)
         return attach(rank.path, tp_size=rank.tp_size, tp_rank=rank.tp_rank, device=rank.device, mode=AttachMode.ZERO_COPY,
-                      fallback=fallback, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
+                      fallback=False, timeout=float(o["timeout_s"]), socket_dir=o["socket_dir"], gpu=rank.gpu,
                       dtype=rank.dtype, naming=naming, kernel=o["kernel"],
                       retry=Retry(retries=retries) if retries else None)
 

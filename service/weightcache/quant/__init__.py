@@ -30,7 +30,8 @@ from ..spec import DETECT
 from ..tensor_spec import TensorSpec
 from . import capabilities, modelopt_fp8, registry
 from .capabilities import Capability
-from .quant_config import QuantConfig, capability, config_hash, read_config
+from . import quant_config
+from .quant_config import QuantConfig, capability, config_hash
 from .registry import Registry, SchemeRules, SideTensor
 
 __all__ = ["FAMILIES", "REGISTRY", "Registry", "Scheme", "SchemeRules", "SideTensor", "QuantConfig", "detect",
@@ -73,6 +74,17 @@ class Scheme:
 
 
 
+def read_config(ck: Checkpoint, registry: Registry = REGISTRY) -> QuantConfig | None:
+    """The checkpoint's quantization config, read where vLLM reads it, or ``None`` when it has none
+    (:func:`weightcache.quant.quant_config.read_config` over ``registry``'s families).
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): a malformed config.
+        UnsupportedQuantization (`unsupported_quantization`): quantized tensors and no config.
+    """
+    return quant_config.read_config(ck, registry.families)
+
+
 def detect(ck: Checkpoint, kernel: str | None = None, registry: Registry = REGISTRY) -> Scheme | None:
     """The checkpoint's quantization scheme, or ``None`` when unquantized.
 
@@ -94,7 +106,7 @@ def detect(ck: Checkpoint, kernel: str | None = None, registry: Registry = REGIS
             from the safetensors headers.
         CheckpointCorrupt (`checkpoint_corrupt`): a malformed quantization config.
     """
-    qc = read_config(ck, registry.families)
+    qc = read_config(ck, registry)
     if qc is None:
         return None
     cap = capability(ck, qc, registry.capabilities, kernel)

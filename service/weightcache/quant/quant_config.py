@@ -1,8 +1,11 @@
 """A checkpoint's quantization config, normalised, and the checks every scheme shares.
 
-:func:`read_config` reads ``config.json``'s ``quantization_config`` (any
-``quant_method``, the Hugging Face convention), else asks each registered
-scheme family for its own file (ModelOpt: ``hf_quant_config.json``).
+:func:`read_config` reads the quantization config where vLLM reads it:
+``config.json``'s ``quantization_config`` (any ``quant_method``, the Hugging
+Face convention), each registered scheme family's own file (ModelOpt:
+``hf_quant_config.json``), ``text_config.quantization_config``,
+``compression_config``, then ``quantize_config.json`` / ``quant_config.json``
+(GPTQ, AWQ); a checkpoint with quantized tensors and none of these is refused.
 :func:`capability` finds the config's capability row (or rejects it, naming
 the first quantized layer); :func:`is_excluded` applies ``exclude_modules`` /
 ``ignore`` as vLLM does. Headers and JSON only.
@@ -93,36 +96,114 @@ def kv_algo(value: Any) -> str | None:
     return str(value).upper()
 
 
+#: Files of other toolchains that vLLM reads for the method's own config
+#: (``get_config_filenames``: ``AutoGPTQConfig`` ``quantize_config.json``, ``AutoAWQConfig`` also
+#: ``quant_config.json``; GPTQ's and AWQ's classic exports), in vLLM's order.
+TOOLCHAIN_FILES = ("quantize_config.json", "quant_config.json")
+
+#: Tensor name suffixes that only a quantized checkpoint stores, which no engine loads without the
+#: scheme's config (packed integer weights, their zero points and group indices, compressed-tensors' packed
+#: weights, block FP8's inverse scales): a checkpoint that has one and no quantization config is refused
+#: rather than planned as unquantized. ModelOpt-style ``weight_scale`` and ``F8_E4M3`` weights are not on
+#: the list: vLLM loads those as plain tensors when no config says otherwise, and so does the service.
+QUANTIZED_ONLY = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_zero_point", ".weight_scale_inv")
+
+
+def _from_config_object(qc: Any, file: str, key: str) -> QuantConfig:
+    """A ``quantization_config``-style object (``quant_method`` and its keys) as a :class:`QuantConfig`."""
+    if not isinstance(qc, dict):
+        raise CheckpointCorrupt(f"{file}: {key} must be an object, got {qc!r:.200}; fix the checkpoint's "
+                                f"quantization config", file=file, key=key)
+    method = str(qc.get("quant_method", "")).lower().replace("compressed_tensors", "compressed-tensors")
+    if method.startswith("modelopt"):
+        method = "modelopt"
+    inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+    algo = str(inner.get("quant_algo") or "").upper()
+    exclude = inner.get("ignore", inner.get("exclude_modules"))
+    kv = inner.get("kv_cache_quant_algo", inner.get("kv_cache_scheme"))
+    return QuantConfig(file, method, algo, kv_algo(kv), exclude_list(exclude, file, f"{key}.ignore"), qc)
+
+
+def _toolchain_method(cfg: dict) -> str:
+    """``quant_method`` of a ``quantize_config.json`` / ``quant_config.json``: its own ``quant_method``
+    when it has one, else ``awq`` for AutoAWQ's keys (``w_bit``, ``q_group_size``, ``zero_point``), else
+    ``gptq`` (AutoGPTQ's ``bits``, ``group_size``, ``desc_act``)."""
+    method = cfg.get("quant_method")
+    if isinstance(method, str) and method:
+        return method.lower()
+    return "awq" if {"w_bit", "q_group_size", "zero_point"} & set(cfg) else "gptq"
+
+
 def read_config(ck: Checkpoint, families: Iterable[SchemeRules] = ()) -> QuantConfig | None:
     """The checkpoint's quantization config, or ``None`` when it has none.
 
-    Source: ``config.json`` → ``quantization_config`` first (as vLLM's
-    ``get_quant_config``), else each registered family's own file
-    (:meth:`weightcache.quant.registry.SchemeRules.read_config`), asked in the order of ``families``.
+    Read where vLLM reads it (``transformers_utils/config.py``,
+    ``model_arch_config_convertor.py`` and ``weight_utils.get_quant_config``
+    of vLLM 0.32 to 0.34), first found wins:
+
+    1. ``config.json`` → ``quantization_config`` (the Hugging Face convention, any ``quant_method``);
+    2. each family's own file, in the order of ``families``
+       (:meth:`weightcache.quant.registry.SchemeRules.read_config`;
+       ModelOpt: ``hf_quant_config.json``, which vLLM reads when 1 is absent);
+    3. ``config.json`` → ``text_config`` → ``quantization_config`` (vision-language models);
+    4. ``config.json`` → ``compression_config`` (older compressed-tensors exports);
+    5. ``quantize_config.json``, then ``quant_config.json`` (AutoGPTQ and AutoAWQ exports, which vLLM
+       reads with ``--quantization gptq|awq``): ``quant_method`` from the file, else guessed from its
+       keys (:func:`_toolchain_method`).
+
+    A checkpoint with none of these whose tensors are quantized (:func:`quantized_tensor`) is refused:
+    planning it as unquantized would give a slab no engine can use.
 
     Raises:
         CheckpointCorrupt (`checkpoint_corrupt`): the config is not a JSON
             object, or ``exclude_modules`` / ``ignore`` is not a list of strings.
+        UnsupportedQuantization (`unsupported_quantization`): no quantization config, yet quantized
+            tensors (``details["tensor"]`` names the first).
     """
+    config_file = str(ck.path / "config.json")
     qc = ck.config.get("quantization_config")
     if qc:
-        file = str(ck.path / "config.json")
-        if not isinstance(qc, dict):
-            raise CheckpointCorrupt(f"{file}: quantization_config must be an object, got {qc!r}", file=file)
-        method = str(qc.get("quant_method", "")).lower()
-        if method.startswith("modelopt"):
-            method = "modelopt"
-        inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
-        algo = str(inner.get("quant_algo") or "").upper()
-        exclude = inner.get("ignore", inner.get("exclude_modules"))
-        kv = inner.get("kv_cache_quant_algo", inner.get("kv_cache_scheme"))
-        return QuantConfig(file, method, algo, kv_algo(kv),
-                           exclude_list(exclude, file, "quantization_config.ignore"), qc)
+        return _from_config_object(qc, config_file, "quantization_config")
     for rules in families:
         found = rules.read_config(ck)
         if found is not None:
             return found
+    text = ck.config.get("text_config")
+    if isinstance(text, dict) and text.get("quantization_config"):
+        return _from_config_object(text["quantization_config"], config_file, "text_config.quantization_config")
+    if ck.config.get("compression_config"):
+        return _from_config_object(ck.config["compression_config"], config_file, "compression_config")
+    for name in TOOLCHAIN_FILES:
+        raw = ck.read_side_file(name)
+        if raw is None:
+            continue
+        file = str(ck.path / name)
+        try:
+            cfg = json.loads(raw)
+        except ValueError as e:
+            raise CheckpointCorrupt(f"{file} is not valid JSON: {e}", file=file) from None
+        if not isinstance(cfg, dict):
+            raise CheckpointCorrupt(f"{file}: expected a JSON object, got {cfg!r:.200}", file=file)
+        return _from_config_object({**cfg, "quant_method": _toolchain_method(cfg)}, file, name)
+    tensor = quantized_tensor(ck)
+    if tensor is not None:
+        info = ck.tensors[tensor]
+        raise UnsupportedQuantization(
+            f"{ck.path}: tensor {tensor!r} ({info.dtype}) is quantized, but the checkpoint has no quantization "
+            f"config (config.json quantization_config or compression_config, hf_quant_config.json, "
+            f"quantize_config.json, quant_config.json); weightcache cannot tell its scheme and will not serve it as "
+            f"unquantized. Add the exporter's config file, or serve this model without weightcache",
+            scheme="unknown", tensor=tensor, file=config_file)
     return None
+
+
+def quantized_tensor(ck: Checkpoint) -> str | None:
+    """The first tensor (natural order) that only a quantized checkpoint stores, or ``None``.
+
+    A name ending in :data:`QUANTIZED_ONLY` (headers only).
+    """
+    hits = [n for n in ck.tensors if n.endswith(QUANTIZED_ONLY)]
+    return min(hits, key=natural_key) if hits else None
 
 
 def is_excluded(module: str, patterns: tuple[str, ...] | list[str]) -> bool:
