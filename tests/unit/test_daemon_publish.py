@@ -19,7 +19,7 @@ from daemon_helpers import Clock, close_slabs
 from service_harness import write_checkpoint
 from weightcache import digest, errors, identity, protocol
 from weightcache.config import AccountNames, ModelConfig, Placement
-from weightcache.daemon import access, handlers
+from weightcache.daemon import access, handlers, publish
 from weightcache.daemon.effects import Context, StoreSlab
 from weightcache.daemon.state import Peer, ServiceState
 from weightcache.manifest import Manifest, TensorRecord, pack_file, read_file
@@ -67,16 +67,30 @@ def _manifest_fd() -> tuple[int, int]:
     return sealed_memfd(data, "man"), len(data)
 
 
-def _publish(ctx, uid: int, model: str = "m", key=None, mapped: bool = False):
-    fd, mm = _memfd(mapped)
-    mfd, n = _manifest_fd()
+def _finish(ctx, peer, out):
+    """What the serving loop does with a :class:`StartPublish`: the worker's part here, then the commit."""
+    (eff,) = [e for e in out.effects if isinstance(e, publish.StartPublish)] or [None]
+    if eff is None:
+        return out
+    assert out.replies == () and eff.slot.state is SlotState.PENDING and eff.slot in ctx.state.slots
     try:
-        out = handlers.handle(ctx, Peer(1, uid, uid), protocol.Publish(model, 1, 0, key or KEY, 4096, n), (fd, mfd))
-        return out, fd
+        prepared, error = publish.prepare(eff, ctx.state.device, ctx.state.backend), None
+    except Exception as e:  # noqa: BLE001 - answered by commit, as the loop does
+        prepared, error = None, e
+    return handlers.finish_publish(ctx, peer, eff, prepared, error)
+
+
+def _publish(ctx, uid: int, model: str = "m", key=None, mapped: bool = False, manifest=None):
+    fd, mm = _memfd(mapped)
+    mfd, n = manifest or _manifest_fd()
+    peer = Peer(1, uid, uid)
+    try:
+        out = handlers.handle(ctx, peer, protocol.Publish(model, 1, 0, key or KEY, 4096, n), (fd, mfd))
     finally:
         if mm is not None:
             mm.close()
         os.close(mfd)
+    return _finish(ctx, peer, out), fd
 
 
 def test_publish_seals_digests_and_keys_the_slab(svc):
@@ -175,3 +189,28 @@ def test_a_publication_over_the_budget_is_refused(svc):
     out, fd = _publish(ctx, ENGINE)
     os.close(fd)
     assert out.replies[0].msg.code == "insufficient_memory" and all(s.publication is None for s in st.slots)
+
+
+def test_a_manifest_outside_the_memfd_is_refused_after_the_worker_and_nothing_is_kept(svc):
+    """The worker's checks fail: the PENDING slot goes, its slab is closed, the publisher hears why."""
+    ctx, st, _ = svc
+    data = pack_file(Manifest("m", 1, 0, {}, 8192, [TensorRecord("w", "F32", (4,), (1,), 0, 16)]))
+    out, fd = _publish(ctx, ENGINE, manifest=(sealed_memfd(data, "man"), len(data)))
+    os.close(fd)
+    assert out.replies[0].msg.code == "publication_invalid" and out.replies[0].msg.details["reason"] == "manifest"
+    assert all(s.publication is None for s in st.slots)
+
+
+def test_an_identical_publication_under_way_is_answered_created_false(svc):
+    ctx, st, _ = svc
+    fd, _ = _memfd()
+    mfd, n = _manifest_fd()
+    peer = Peer(1, ENGINE, ENGINE)
+    first = handlers.handle(ctx, peer, protocol.Publish("m", 1, 0, KEY, 4096, n), (fd, mfd))
+    (pending,) = [s for s in st.slots if s.publication is not None]
+    assert pending.state is SlotState.PENDING and pending.gpu_bytes == 4096  # counted in the budget meanwhile
+    second, fd2 = _publish(ctx, ENGINE)
+    assert not second.replies[0].msg.created and second.replies[0].msg.label == pending.label
+    assert _finish(ctx, peer, first).replies[0].msg.created and pending.state is SlotState.READY
+    for f in (fd, fd2, mfd):
+        os.close(f)

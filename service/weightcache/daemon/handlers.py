@@ -593,6 +593,12 @@ def _guarded(peer: Peer, msg: protocol.Message, fn: Callable[[], Outcome]) -> Ou
             f"the service failed to handle {msg.tag()!r}: {e!r}"[:4096], request=msg.tag())))
 
 
+def finish_publish(ctx: Context, peer: Peer, eff: publish.StartPublish, prepared: publish.Prepared | None,
+                   error: BaseException | None) -> Outcome:
+    """:func:`weightcache.daemon.publish.commit` of a publication whose worker is done, under the failure rule."""
+    return _guarded(peer, eff.request, lambda: publish.commit(ctx, eff, prepared, error))
+
+
 def handle(ctx: Context, peer: Peer, msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
     """Dispatches one request of ``peer`` and applies the failure rule (module docstring).
 

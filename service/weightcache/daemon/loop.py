@@ -45,7 +45,7 @@ from ..reader import LoaderOptions
 from ..memory import Backend
 from ..spec import DTYPE_NAMES
 from ..wire import SlotState
-from . import access, handlers, load_results, lograte, tiers
+from . import access, handlers, load_results, lograte, publish, tiers
 from .fdstore import FdStore
 from .effects import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify, StoreSlab
 from .limits import Limits
@@ -184,7 +184,7 @@ class Daemon:
     def _effect(self, c: Client | None, eff: Any) -> None:
         {StoreSlab: self._store_slab, StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse, CancelLoad: self._cancel_load,
          Reconfigure: self._reconfigure, StartVerify: self.offloop.start_verify, tiers.Moved: self._moved,
-         tiers.Demoting: self.offloop.start_demotion}[type(eff)](c, eff)
+         tiers.Demoting: self.offloop.start_demotion, publish.StartPublish: self.offloop.start_publish}[type(eff)](c, eff)
 
     def _moved(self, c: Client | None, eff: tiers.Moved) -> None:
         """A slab changed tier: the fd store follows it (host tier, or nothing), then what it left is closed."""
@@ -275,6 +275,7 @@ class Daemon:
             elif isinstance(result, load_results.Failed):
                 self.counters.load_settled(result.slot.placement, result.error.code)
         self.offloop.finish_verifies()
+        self.offloop.finish_publishes()
         if self.offloop.reloads:
             self.offloop.finish_reloads(time.monotonic())
 

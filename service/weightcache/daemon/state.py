@@ -297,6 +297,7 @@ class Slot:
         """PENDING -> READY with a published slab the service sealed, its manifest and its manifest file."""
         self.move(SlotEvent.PUBLISH)
         self.manifest, self.sealed, self.manifest_file = manifest, sealed, manifest_file
+        self.reserved_bytes = 0
         self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
     def fail(self, error: WeightcacheError) -> None:
