@@ -120,6 +120,13 @@ def test_publish_then_attach_by_key_gives_the_published_bytes_zero_copy(served):
         s.close()
     checked = [r for r in res if r["tensors"] == 8]
     assert checked and checked[0]["mismatched"] == []
+    # metrics: the attach by key is counted as an attach served by the service
+    s = Session(svc.socket_path, timeout=10)
+    try:
+        counters = s.request(protocol.Metrics()).counters
+    finally:
+        s.close()
+    assert {"model": "m", "outcome": "daemon", "code": "", "count": 1} in counters["attaches"]
 
 
 def test_the_service_owns_the_bytes_sealed(served):

@@ -87,7 +87,8 @@ class Counters:
         """The configured name for a name or checkpoint path a client sent, else :data:`OTHER_MODEL`."""
         return self._names.get(requested) or self._names.get(os.path.normpath(requested), OTHER_MODEL)
 
-    def attach_answered(self, msg: protocol.Attach, reply: protocol.Message, seconds: float) -> None:
+    def attach_answered(self, msg: protocol.Attach | protocol.AttachPublished, reply: protocol.Message,
+                        seconds: float) -> None:
         """Counts one attach answered with ``reply`` after ``seconds`` (read to reply queued)."""
         model = self.model_label(msg.model)
         if isinstance(reply, protocol.AttachReply):
@@ -104,7 +105,7 @@ class Counters:
         first = next(iter(replies), None)
         if first is None:
             return  # a parked attach: counted by waited() when it is answered
-        if isinstance(msg, protocol.Attach):
+        if isinstance(msg, (protocol.Attach, protocol.AttachPublished)):  # by engine key, an attach all the same
             self.attach_answered(msg, first.msg, seconds)
         elif isinstance(first.msg, protocol.VerifyReply):
             self.verified(first.msg)
