@@ -30,7 +30,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import FdStoreStandIn, make_config, poll_until, to_toml, write_checkpoint  # noqa: E402
+from service_harness import (FdStoreStandIn, make_config, poll_until, service_env, to_toml,  # noqa: E402
+                             write_checkpoint)
 from weightcache import errors, protocol  # noqa: E402
 from weightcache.client import attach_published, publish  # noqa: E402
 from weightcache.client._publish import pack  # noqa: E402
@@ -111,8 +112,17 @@ def test_publish_then_attach_by_key_gives_the_published_bytes_zero_copy(served):
         assert w.tensors["qk_proj.weight_t"].data_ptr() == w.tensors["qk_proj.weight"].data_ptr()
     # the slab is a slab like any other: status lists it, verify checks the digests recorded at commit
     st = _status(svc)
-    (pub,) = [s for s in st["slabs"] if s["state"] == "ready" and s["tensors"] == 8]
-    assert pub["resident_bytes"] > 0
+    (pub,) = [s for s in st["slabs"] if s.get("publication")]
+    assert pub["resident_bytes"] > 0 and pub["state"] == "ready" and pub["tensors"] == 8
+    assert pub["publication"]["engine"] == "test-engine" and pub["publication"]["shared"] is True
+    assert pub["publication"]["engine_key_blake2b"] == got.engine_key_blake2b
+    # the operator's view: weightcache status names the publication
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "weightcache", "status", "--socket-dir", svc.socket_dir, "--gpu", "0"],
+                         capture_output=True, text=True, timeout=60, env=service_env()).stdout
+    assert f"m tp=1 rank=0 published:{got.engine_key_blake2b[:8]}" in out and "published by test-engine 1.0" in out, out
     s = Session(svc.socket_path, timeout=30)
     try:
         res = s.request(protocol.Verify("m")).results

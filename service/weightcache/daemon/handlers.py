@@ -87,7 +87,8 @@ def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = Fal
 
     def named(i: protocol.SlabInfo) -> protocol.SlabInfo:
         alias = aliases.get(i.model)
-        return i if alias is None else dataclasses.replace(i, model=alias, path="", error=None, key=None)
+        return i if alias is None else dataclasses.replace(i, model=alias, path="", error=None, key=None,
+                                                            publication=None)
 
     return tuple(named(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases),
                                            lease_holders=lease_holders(s.leases.values(), hidden)))

@@ -413,7 +413,12 @@ class Slot:
                    if (self.error or self.refusal) is not None else None),
             key=key, leases=tuple(lease.info() for lease in itertools.islice(self.leases.values(),
                                                                                protocol.MAX_LEASES_SHOWN)),
-            lease_count=len(self.leases), lease_holders=lease_holders(self.leases.values()))
+            lease_count=len(self.leases), lease_holders=lease_holders(self.leases.values()),
+            publication=None if self.publication is None else {
+                "engine": self.publication.engine_key.get("engine"),
+                "engine_version": self.publication.engine_key.get("engine_version"),
+                "engine_key_blake2b": self.publication.engine_key_blake2b, "shared": self.publication.shared,
+                "publisher_uid": self.publication.publisher_uid})
 
 
 def lease_holders(leases: Any, hide: Callable[[int], bool] = lambda uid: False) -> tuple[protocol.LeaseHolder, ...]:
