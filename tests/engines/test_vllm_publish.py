@@ -1,0 +1,129 @@
+"""``--load-format weightcache_publish`` against vLLM's CPU build (issue 35, part 1): vLLM's own load is published,
+and the next engine start attaches it by its engine key.
+
+Run by the ``.venv-vllm`` interpreter, like test_vllm.py (each engine in its own subprocess, float32, greedy),
+with a real host-backend service. The model is a tiny Qwen3 (q/k norms, an architecture without weightcache's
+own layout rules): the first start loads with vLLM's default loader, publishes (its log says so) and gives the
+default loader's tokens with its parameters moved onto the service's slab; the second start attaches the
+publication (``weightcache attached published``), every parameter inside the service's memfd mapping, the same
+tokens; the service lists the publication. ``weightcache publish`` does the first start's part on its own.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this interpreter; `make test` runs these under .venv-vllm next")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from test_vllm import harness, log_lines, run_engine, tokens_of  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    d = Path(tempfile.mkdtemp(prefix="wc-vpub-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3(workdir: Path) -> Path:
+    """Tiny Qwen3ForCausalLM by transformers, float32, tied embeddings, q/k norms; head_dim 32."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151,
+                                      max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                      initializer_range=0.1, architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    dest = workdir / "qwen3"
+    model.save_pretrained(dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def service(workdir: Path, qwen3: Path):
+    svc = harness.start_service(workdir / "up", {"qwen3": {"path": qwen3, "dtype": "float32"}})
+    try:
+        svc.wait_settled()
+        yield svc
+    finally:
+        svc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3: Path) -> list[list[int]]:
+    """vLLM's default loader's greedy tokens."""
+    return tokens_of(*run_engine(qwen3))
+
+
+def test_first_start_publishes_second_attaches_the_publication(service, qwen3, reference):
+    extra = {"socket_dir": service.socket_dir}
+    first, out1 = run_engine(qwen3, load_format="weightcache_publish", extra=extra, probe=True)
+    assert tokens_of(first, out1) == reference
+    assert len(log_lines(out1, "weightcache published")) == 1, out1[-6000:]
+    assert " created=True " in log_lines(out1, "weightcache published")[0]
+    (probe1,) = first["probe"]
+    assert probe1["params"] > 0 and probe1["outside"] == [], probe1  # the publisher moved onto the slab
+    pubs = [s for s in harness_status(service)["slabs"] if s["tensors"] and s["state"] == "ready"
+            and s["model"] == "qwen3" and s.get("adopted") is False]
+    assert len(pubs) == 2, pubs  # the service's own slab of the checkpoint, and the publication
+    second, out2 = run_engine(qwen3, load_format="weightcache_publish", extra=extra, probe=True)
+    assert tokens_of(second, out2) == reference
+    assert len(log_lines(out2, "weightcache attached published")) == 1, out2[-6000:]
+    assert not log_lines(out2, "weightcache published ")
+    (probe2,) = second["probe"]
+    assert probe2["params"] == probe1["params"] and probe2["outside"] == [], probe2
+
+
+def test_no_service_is_vllms_default_load(workdir, qwen3, reference):
+    """The loader never stops an engine the default loader starts: no service, the reason logged, same tokens."""
+    result, out = run_engine(qwen3, load_format="weightcache_publish", extra={"socket_dir": str(workdir / "none")})
+    assert tokens_of(result, out) == reference
+    assert log_lines(out, "daemon_unavailable"), out[-4000:]
+
+
+def test_cli_publish_then_an_engine_attaches(workdir, qwen3, reference):
+    """``weightcache publish MODEL --tp 1`` (the engine's interpreter, the plugin's code path) publishes; an engine
+    started afterwards attaches the publication and gives the default loader's tokens."""
+    import os
+    import subprocess
+
+    svc = harness.start_service(workdir / "cli", {"qwen3": {"path": qwen3, "dtype": "float32"}})
+    try:
+        svc.wait_settled()
+        env = harness.service_env({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                   "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="wc-vllm-rpc-")})
+        p = subprocess.run([sys.executable, "-m", "weightcache", "publish", str(qwen3), "--tp", "1", "--dtype",
+                            "float32", "--socket-dir", svc.socket_dir], capture_output=True, text=True, env=env,
+                           timeout=600, stdin=subprocess.DEVNULL, cwd=os.getcwd())
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-6000:]
+        assert "qwen3 tp=1 rank=0 published:" in p.stdout, p.stdout[-2000:]
+        assert log_lines(p.stdout + p.stderr, "weightcache published")
+        result, out = run_engine(qwen3, load_format="weightcache_publish", extra={"socket_dir": svc.socket_dir})
+        assert tokens_of(result, out) == reference
+        assert len(log_lines(out, "weightcache attached published")) == 1, out[-6000:]
+    finally:
+        svc.kill()
+
+
+def harness_status(svc) -> dict:
+    from weightcache import protocol
+
+    return svc.request(protocol.Status()).status
