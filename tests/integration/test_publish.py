@@ -349,3 +349,37 @@ def test_pack_plans_aliases_shared_storages_and_unaligned_views():
     assert by["w_t"].stride == (1, 16)
     assert by["odd"].offset_bytes % 256 == 0 and by["odd"].offset_bytes >= by["w"].offset_bytes + 1024
     assert len(copies) == 2 and size % 256 == 0
+
+
+def test_a_publication_whose_checkpoint_changed_while_stopped_is_not_adopted(tmp_path):
+    """The adoption recomputes the checkpoint identity from the files: a checkpoint rewritten while the service was
+    stopped drops the kept publication (the engine loads and publishes again)."""
+    ck = _ckpt(tmp_path / "ck")
+    cfg, listen, log = tmp_path / "weightcache.toml", tmp_path / "0.sock", tmp_path / "serve.log"
+    cfg.write_text(to_toml(make_config({"m": ck})))
+    with FdStoreStandIn(tmp_path / "notify") as store:
+        first = store.serve(cfg, listen, log)
+        store.collect(2, log=log.read_text)
+        publish(str(ck), _key(), _processed(ck), socket_dir=str(tmp_path))
+        store.collect(4, log=log.read_text)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 0, log.read_text()
+        g = torch.Generator().manual_seed(8)  # same names, shapes and config; other values: another identity
+        write_checkpoint(ck, {"q.weight": torch.randn(4, 8, generator=g), "k.weight": torch.randn(4, 8, generator=g),
+                              "embed.weight": torch.randn(16, 8, generator=g)},
+                         config={"architectures": ["TinyForCausalLM"], "model_type": "tiny"})
+        second = store.serve(cfg, listen, log)
+
+        def settled() -> dict | None:
+            assert second.poll() is None, log.read_text()
+            try:
+                st = _status(listen) if listen.exists() else None
+            except errors.DaemonUnavailable:
+                return None
+            return st if st and st["slabs"] and all(s["state"] == "ready" for s in st["slabs"]) else None
+
+        st = poll_until(settled, "the restarted service to settle", 90, detail=log.read_text)
+        assert [s.get("publication") for s in st["slabs"]] == [None], st["slabs"]
+        with pytest.raises(errors.ModelNotFound) as e:
+            attach_published(str(ck), _key(), socket_dir=str(tmp_path))
+        assert e.value.details["publication"] == "none"

@@ -214,3 +214,33 @@ def test_an_identical_publication_under_way_is_answered_created_false(svc):
     assert _finish(ctx, peer, first).replies[0].msg.created and pending.state is SlotState.READY
     for f in (fd, fd2, mfd):
         os.close(f)
+
+
+def _config(*models):
+    from weightcache.config import Config, ServiceConfig
+
+    return Config(ServiceConfig(), {m.name: m for m in models}, ("/etc/weightcache/weightcache.toml",))
+
+
+def test_a_reload_keeps_a_publication_while_its_model_keeps_its_path(svc):
+    """A reload applies new allow lists and publishers to a publication and keeps it (slab, state, fd store
+    entry); a model removed, or given another path, drops it (its fd store entry removed, its slab freed)."""
+    from weightcache.config import ServiceConfig
+    from weightcache.daemon import reload
+
+    ctx, st, ck = svc
+    out, fd = _publish(ctx, ENGINE)
+    os.close(fd)
+    (pub,) = [s for s in st.slots if s.publication is not None]
+    sid, sealed = pub.store_id, pub.sealed
+    same = _config(ModelConfig("m", str(ck), publishers=("alice",)), ModelConfig("strict", str(ck)))
+    plan = reload.plan(st.slots, same.placements(0), ServiceConfig(), same.service)
+    done = reload.apply(st, plan, same)
+    assert pub in st.slots and pub.state is SlotState.READY and pub.sealed is sealed and pub.store_id == sid
+    assert pub.placement.model.publishers == ("alice",) and not done.free
+    gone = _config(ModelConfig("strict", str(ck)))
+    done = reload.apply(st, reload.plan(st.slots, gone.placements(0), ServiceConfig(), gone.service), gone)
+    assert pub not in st.slots and pub.state is SlotState.DROPPED
+    assert [f[0] for f in done.free] == [sid] and done.free[0][1] is sealed
+    sealed.close()
+    done.free[0][2].close()
