@@ -127,3 +127,28 @@ def harness_status(svc) -> dict:
     from weightcache import protocol
 
     return svc.request(protocol.Status()).status
+
+
+@pytest.mark.slow
+def test_tp2_every_rank_publishes_its_own_slab_and_attaches_it(workdir, qwen3):
+    """TP 2 (two CPU workers, both ranks on instance 0): each rank publishes its own slab under its own engine key
+    (tp_rank differs); the second start attaches both, the default loader's tokens at TP 2."""
+    svc = harness.start_service(workdir / "tp2", {"qwen3": {"path": qwen3, "dtype": "float32"}})
+    try:
+        svc.wait_settled()
+        expected = tokens_of(*run_engine(qwen3, multiprocess=True, tp=2))
+        extra = {"socket_dir": svc.socket_dir}
+        first, out1 = run_engine(qwen3, load_format="weightcache_publish", multiprocess=True, tp=2, extra=extra)
+        assert tokens_of(first, out1) == expected
+        assert len(log_lines(out1, "weightcache published")) == 2, out1[-6000:]
+        pubs = [s for s in harness_status(svc)["slabs"] if s.get("publication")]
+        assert sorted((s["tp_size"], s["tp_rank"]) for s in pubs) == [(2, 0), (2, 1)], pubs
+        assert len({s["publication"]["engine_key_blake2b"] for s in pubs}) == 2
+        second, out2 = run_engine(qwen3, load_format="weightcache_publish", multiprocess=True, tp=2, extra=extra,
+                                  probe=True)
+        assert tokens_of(second, out2) == expected
+        attached = log_lines(out2, "weightcache attached published")
+        assert sorted("tp_rank=1" in ln for ln in attached) == [False, True], out2[-6000:]
+        assert len(second["probe"]) == 2 and all(p["params"] > 0 and p["outside"] == [] for p in second["probe"])
+    finally:
+        svc.kill()
