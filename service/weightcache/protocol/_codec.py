@@ -217,11 +217,11 @@ def decode(body: bytes) -> tuple[Message, int]:
     unknown = set(obj) - names
     if unknown:
         raise RemoteProtocolError(f"message {tag!r} has unknown field {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
-    if fd_count != cls.FD_COUNT:
-        raise RemoteProtocolError(f"message {tag!r} must carry {cls.FD_COUNT} fds, frame declares {fd_count}")
-    for spec in specs:
+    for spec in specs:  # a mistyped field is named first, whatever else is wrong
         if spec[0] in obj:
             check_field(tag, spec, obj[spec[0]], RemoteProtocolError)
+    if fd_count != cls.FD_COUNT:
+        raise RemoteProtocolError(f"message {tag!r} must carry {cls.FD_COUNT} fds, frame declares {fd_count}")
     try:
         return cls(**obj), fd_count
     except TypeError as e:
