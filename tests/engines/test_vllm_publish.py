@@ -152,3 +152,54 @@ def test_tp2_every_rank_publishes_its_own_slab_and_attaches_it(workdir, qwen3):
         assert len(second["probe"]) == 2 and all(p["params"] > 0 and p["outside"] == [] for p in second["probe"])
     finally:
         svc.kill()
+
+
+#: Tiny configs of architectures weightcache has no layout rules for: a MoE (Qwen3-MoE), a checkpoint that stores
+#: fused tensors (Phi-3: qkv_proj, gate_up_proj), OLMoE (MoE with q/k norms).
+OTHERS = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+                                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         vocab_size=151, max_position_embeddings=64, decoder_sparse_step=1,
+                                         tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])),
+    "phi3": ("Phi3Config", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=4, vocab_size=151, max_position_embeddings=64, pad_token_id=0,
+                                bos_token_id=1, eos_token_id=2, architectures=["Phi3ForCausalLM"])),
+    "olmoe": ("OlmoeConfig", dict(hidden_size=128, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                  vocab_size=151, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, architectures=["OlmoeForCausalLM"])),
+}
+
+
+def _tiny(dest: Path, family: str) -> Path:
+    import torch
+    import transformers
+
+    cls, fields = OTHERS[family]
+    config = getattr(transformers, cls)(initializer_range=0.1, **fields)
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(dest)
+    return dest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(OTHERS))
+def test_other_architectures_publish_then_attach(workdir, family):
+    ck = _tiny(workdir / family, family)
+    svc = harness.start_service(workdir / f"s-{family}", {family: {"path": ck, "dtype": "float32"}})
+    try:
+        svc.wait_settled()
+        expected = tokens_of(*run_engine(ck))
+        extra = {"socket_dir": svc.socket_dir}
+        first, out1 = run_engine(ck, load_format="weightcache_publish", extra=extra)
+        assert tokens_of(first, out1) == expected
+        assert len(log_lines(out1, "weightcache published")) == 1, out1[-6000:]
+        second, out2 = run_engine(ck, load_format="weightcache_publish", extra=extra, probe=True)
+        assert tokens_of(second, out2) == expected
+        assert len(log_lines(out2, "weightcache attached published")) == 1, out2[-6000:]
+        (probe,) = second["probe"]
+        assert probe["params"] > 0 and probe["outside"] == [], probe
+    finally:
+        svc.kill()

@@ -17,7 +17,7 @@ import torch
 
 from daemon_helpers import Clock, close_slabs
 from service_harness import write_checkpoint
-from weightcache import digest, errors, identity, protocol
+from weightcache import digest, identity, protocol
 from weightcache.config import AccountNames, ModelConfig, Placement
 from weightcache.daemon import access, handlers, publish
 from weightcache.daemon.effects import Context, StoreSlab
@@ -165,7 +165,7 @@ def test_trust_private_publications_and_publishers(svc):
 
 def test_a_differing_key_is_cache_key_mismatch_naming_the_fields(svc):
     ctx, _, _ = svc
-    out, fd = _publish(ctx, ENGINE)
+    _, fd = _publish(ctx, ENGINE)
     os.close(fd)
     other = {**KEY, "dtype": "bfloat16", "quantization": {"method": "fp8", "config_blake2b": "ab"}}
     att = handlers.handle(ctx, Peer(2, ENGINE, ENGINE), protocol.AttachPublished("m", 1, 0, other))
@@ -229,7 +229,7 @@ def test_a_reload_keeps_a_publication_while_its_model_keeps_its_path(svc):
     from weightcache.daemon import reload
 
     ctx, st, ck = svc
-    out, fd = _publish(ctx, ENGINE)
+    _, fd = _publish(ctx, ENGINE)
     os.close(fd)
     (pub,) = [s for s in st.slots if s.publication is not None]
     sid, sealed = pub.store_id, pub.sealed

@@ -27,12 +27,13 @@ from typing import Any
 
 from .. import protocol
 from ..checkpoint import Checkpoint
-from ..errors import CacheKeyMismatch, ManifestSlabMismatch, RemoteProtocolError, WeightcacheError
+from ..errors import CacheKeyMismatch, RemoteProtocolError
 from ..journal import event
-from ..manifest import DTYPES, LayoutMap, Manifest, TensorRecord, align, build_views, pack_file, read_file
+from ..manifest import DTYPES, Manifest, TensorRecord, align, pack_file, read_file
 from ..session import Session
 from ..wire import DEFAULT_MODE, AttachMode
-from ._attachment import Attachment, copy_views
+from ._attach import attachment_of, import_slab
+from ._attachment import Attachment
 from ._device import local_backend
 from ._request import AttachOptions, AttachRequest
 
@@ -211,7 +212,9 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
         >>> p.created, p.label
         (True, 'qwen3/tp1/rank0+pub:3f2a9c1d')
     """
-    from .. import identity  # the engine key's check (not at module level: a plain attach never needs it)
+    from .. import (
+        identity,  # the engine key's check (not at module level: a plain attach never needs it)
+    )
 
     sock_path = _socket_path(model, tp_size, tp_rank, device, socket_dir, gpu, timeout)
     identity.engine_key(key_fields, tp_size, tp_rank)  # refused here as the service would
@@ -284,25 +287,12 @@ def attach_published(model: str, key_fields: dict[str, Any], tp_size: int = 1, t
                 os.close(manifest_fd)
             backend = local_backend(device)
             _check_key(model, reply.checkpoint_path, key_fields, manifest, backend.device_info(), sock_path)
-            size = os.fstat(fd).st_size if reply.backend == "host" else manifest.slab_size_bytes
-            slab = backend.import_fd(fd, size, device)
+            slab = import_slab(backend, fd, reply, manifest, device)
         finally:
             os.close(fd)
-        try:
-            views = build_views(slab.tensor, manifest)
-        except (WeightcacheError, ValueError, IndexError, RuntimeError) as e:
-            slab.close()
-            raise ManifestSlabMismatch(f"attach_reply from {sock_path}: manifest does not fit the slab: {e}",
-                                       socket=sock_path, slab_size_bytes=manifest.slab_size_bytes) from None
         log.info("attached published checkpoint=%s tp_size=%d tp_rank=%d mode=%s", model, tp_size, tp_rank,
                  mode.value, extra=event("attached", model, tp_rank, tp_size=tp_size))
-        if mode is AttachMode.COPY:
-            views = copy_views(views)
-            session.close()
-            slab.close()
-            return Attachment(views, LayoutMap(manifest), manifest, "daemon", None, 0, lease_id=reply.lease_id)
-        return Attachment(views, LayoutMap(manifest), manifest, "daemon", None, slab.size_bytes, session, slab,
-                          reply.lease_id)
+        return attachment_of(slab, manifest, reply, mode, session)
     except BaseException:
         session.close()
         raise

@@ -196,7 +196,7 @@ def commit(ctx: Context, eff: StartPublish, prepared: Prepared | None, error: Ba
     """The serving loop's end of a publication: READY with its manifest (reply ``created: true`` and
     :class:`StoreSlab`), or, when :func:`prepare` failed or a reload dropped the slot meanwhile, the slot gone
     and its slab closed (reply: the error)."""
-    slot, msg, st = eff.slot, eff.request, ctx.state
+    slot, st = eff.slot, ctx.state
     if prepared is None or slot.state is not SlotState.PENDING:
         if slot.state is SlotState.PENDING:
             slot.drop()

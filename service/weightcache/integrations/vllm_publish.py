@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 import weakref
@@ -144,7 +145,7 @@ def engine_key(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[str, 
 
 def _jsonable(v: Any) -> bool:
     if isinstance(v, (bool, int, float, str)) or v is None:
-        return not isinstance(v, float) or v == v
+        return not isinstance(v, float) or math.isfinite(v)  # JSON has no NaN or infinity
     if isinstance(v, (list, tuple)):
         return all(_jsonable(x) for x in v)
     return False
@@ -209,7 +210,8 @@ class WeightcachePublishLoader(DefaultModelLoader):
             return self._own_load(vllm_config, model_config, prefix, target)
         key = engine_key(vllm_config, model_config)
         par = key["parallel"]
-        where = dict(device=device, socket_dir=self.options["socket_dir"], gpu=gpu, timeout=float(self.options["timeout_s"]))
+        where = {"device": device, "socket_dir": self.options["socket_dir"], "gpu": gpu,
+                 "timeout": float(self.options["timeout_s"])}
         t0 = time.monotonic()
         try:
             w = attach_published(path, key, par["tp_size"], par["tp_rank"], **where)
