@@ -229,6 +229,21 @@ def test_identical_publications_end_with_one_slab_and_evict_frees_it(served):
     assert len(_status(svc)["slabs"]) == before + 1
     s = Session(svc.socket_path, timeout=10)
     try:
+        counters = s.request(protocol.Metrics()).counters
+    finally:
+        s.close()
+    assert sorted((p["outcome"], p["count"]) for p in counters["publishes"]) == [("held", 1), ("published", 1)]
+    # and `weightcache metrics` exposes them (where no systemd runs: it asks only running units there)
+    if not os.path.isdir("/run/systemd/system"):
+        import subprocess
+        import sys
+
+        text = subprocess.run([sys.executable, "-m", "weightcache", "metrics", "--socket-dir", svc.socket_dir],
+                              capture_output=True, text=True, timeout=60, env=service_env(), check=False).stdout
+        assert ('weightcache_publishes_total{code="",gpu="0",model="m",outcome="held",tp_rank="0",tp_size="1"} 1.0'
+                in text), text[-3000:]
+    s = Session(svc.socket_path, timeout=10)
+    try:
         evicted = s.request(protocol.Evict("m", force=True)).evicted
     finally:
         s.close()

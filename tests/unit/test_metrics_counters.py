@@ -102,6 +102,7 @@ def test_exposition_names_types_and_values():
     c = Counters([_placement("qwen")], started_at=123.0)
     c.answered(protocol.Attach("qwen"), [_Reply(protocol.AttachReply(1, "/srv/qwen", "host", 4096))], 0.003)
     c.load_settled(_placement("qwen"), None, 2.0, 2048)
+    c.answered(protocol.Publish("qwen", 1, 0, {}, 4096, 10), [_Reply(protocol.PublishReply("x", True, 4096, "k"))], 0.1)
     st = _status([_slab("qwen", "ready", 2048, leases=2), _slab("bad", "failed", 0)])
     fams = _exposition([metrics.Instance(0, True, "active", st, c.record()),
                         metrics.Instance(1, True, "inactive")])
@@ -122,6 +123,7 @@ def test_exposition_names_types_and_values():
         return v
 
     assert val("weightcache_slab_resident_bytes", gpu=0, model="qwen") == 2048
+    assert val("weightcache_publishes_total", gpu=0, model="qwen", tp_size=1, tp_rank=0, outcome="published") == 1
     assert val("weightcache_slab_leases", gpu=0, model="qwen") == 2
     assert val("weightcache_slab_state", gpu=0, model="bad", state="failed") == 1
     assert val("weightcache_slab_state", gpu=0, model="bad", state="ready") == 0

@@ -329,7 +329,9 @@ class OffLoop:
                 c, eff, prepared, error = self._published.get_nowait()
             except queue.Empty:
                 return
-            self._carry_out(c, handlers.finish_publish(self.ctx, c.peer, eff, prepared, error))
+            out = handlers.finish_publish(self.ctx, c.peer, eff, prepared, error)
+            self.counters.answered(eff.request, out.replies, prepared.seconds if prepared is not None else 0.0)
+            self._carry_out(c, out)
             self.transport.release(c)
 
     def finish_verifies(self) -> None:

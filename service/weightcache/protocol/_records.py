@@ -416,6 +416,26 @@ class LoadCount(_Record):
 
 
 @dataclass(frozen=True, slots=True)
+class PublishCount(_Record):
+    """Publications of one (model, layout, rank) answered one way since the service started.
+
+    Attributes:
+        model (`str`), tp_size, tp_rank (`int`): which rank (``model``: as in :class:`AttachCount`).
+        outcome (`str`): ``published`` (a new slab), ``held`` (an identical publication was already held) or
+            ``refused`` (an ``error`` reply).
+        code (`str`): the error's code when refused, else empty.
+        count (`int`): how many.
+    """
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    outcome: str
+    code: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class SlabCounters(_Record):
     """Counters of one (model, layout, rank) since the service started.
 
@@ -444,7 +464,8 @@ class ServiceCounters(_Record):
         version (`str`): weightcache's version.
         started_at (`float`): when the service started, Unix time in seconds.
         attaches (`tuple[AttachCount]`), attach_times (`tuple[AttachTimes]`),
-        loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`): see there.
+        loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`), publishes (`tuple[PublishCount]`): see
+        there (``publishes`` absent from older services' replies).
     """
 
     version: str
@@ -453,11 +474,13 @@ class ServiceCounters(_Record):
     attach_times: tuple[AttachTimes, ...] = ()
     loads: tuple[LoadCount, ...] = ()
     slabs: tuple[SlabCounters, ...] = ()
+    publishes: tuple[PublishCount, ...] = ()
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ServiceCounters":
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
-        nested = {"attaches": AttachCount, "attach_times": AttachTimes, "loads": LoadCount, "slabs": SlabCounters}
+        nested = {"attaches": AttachCount, "attach_times": AttachTimes, "loads": LoadCount, "slabs": SlabCounters,
+                  "publishes": PublishCount}
         if not isinstance(d, dict):
             raise RemoteProtocolError(f"ServiceCounters: expected a JSON object, got {type(d).__name__}")
         return _from_json(cls, {k: v for k, v in d.items() if k not in nested},
