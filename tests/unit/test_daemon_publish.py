@@ -244,3 +244,23 @@ def test_a_reload_keeps_a_publication_while_its_model_keeps_its_path(svc):
     assert [f[0] for f in done.free] == [sid] and done.free[0][1] is sealed
     sealed.close()
     done.free[0][2].close()
+
+
+def test_a_reload_that_removes_the_model_while_a_publication_is_checked_refuses_it(svc):
+    """The worker's result comes back for a slot a reload dropped meanwhile: the publisher hears model_not_found,
+    the slab is closed, nothing is kept (and the loader is asked to cancel nothing: no load ran)."""
+    from weightcache.config import ServiceConfig
+    from weightcache.daemon import reload
+
+    ctx, st, ck = svc
+    fd, _ = _memfd()
+    mfd, n = _manifest_fd()
+    peer = Peer(1, ENGINE, ENGINE)
+    started = handlers.handle(ctx, peer, protocol.Publish("m", 1, 0, KEY, 4096, n), (fd, mfd))
+    gone = _config(ModelConfig("strict", str(ck)))
+    done = reload.apply(st, reload.plan(st.slots, gone.placements(0), ServiceConfig(), gone.service), gone)
+    assert all(s.publication is None for s in done.cancel) and all(s.publication is None for s in st.slots)
+    out = _finish(ctx, peer, started)
+    assert out.replies[0].msg.code == "model_not_found" and out.effects == ()
+    for f in (fd, mfd):
+        os.close(f)

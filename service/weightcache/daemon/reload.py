@@ -203,7 +203,7 @@ def apply(state: ServiceState, p: ReloadPlan, config: Config) -> Applied:
     """
     load, cancel, free = [], [], []
     for s in p.drop:
-        if s.state in (SlotState.PENDING, SlotState.LOADING):
+        if s.state in (SlotState.PENDING, SlotState.LOADING) and s.publication is None:  # a publication: no load
             cancel.append(s)
         sealed, manifest_file = s.drop()
         if sealed is not None or manifest_file is not None:
