@@ -154,8 +154,9 @@ def test_tp2_every_rank_publishes_its_own_slab_and_attaches_it(workdir, qwen3):
         svc.kill()
 
 
-#: Tiny configs of architectures weightcache has no layout rules for: a MoE (Qwen3-MoE), a checkpoint that stores
-#: fused tensors (Phi-3: qkv_proj, gate_up_proj), OLMoE (MoE with q/k norms).
+#: Tiny configs of architectures weightcache has no layout rules for: MoE (Qwen3-MoE; OLMoE, with q/k norms;
+#: DeepSeek-V3, with MLA), a checkpoint that stores fused tensors (Phi-3: qkv_proj, gate_up_proj), Gemma 2
+#: (soft-capping, sliding window), Granite (scaled residuals).
 OTHERS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
                                          num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
@@ -169,6 +170,20 @@ OTHERS = {
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                   vocab_size=151, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
                                   eos_token_id=2, architectures=["OlmoeForCausalLM"])),
+    "deepseek_v3": ("DeepseekV3Config", dict(hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=64,
+                                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                             v_head_dim=128, vocab_size=151, max_position_embeddings=64,
+                                             rope_scaling=None, tie_word_embeddings=False, topk_method="noaux_tc",
+                                             architectures=["DeepseekV3ForCausalLM"])),
+    "gemma2": ("Gemma2Config", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151,
+                                    max_position_embeddings=64, sliding_window=32, architectures=["Gemma2ForCausalLM"])),
+    "granite": ("GraniteConfig", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=151,
+                                      max_position_embeddings=64, architectures=["GraniteForCausalLM"])),
 }
 
 
@@ -188,17 +203,55 @@ def _tiny(dest: Path, family: str) -> Path:
 @pytest.mark.parametrize("family", sorted(OTHERS))
 def test_other_architectures_publish_then_attach(workdir, family):
     ck = _tiny(workdir / family, family)
-    svc = harness.start_service(workdir / f"s-{family}", {family: {"path": ck, "dtype": "float32"}})
+    dtype = "bfloat16" if family == "deepseek_v3" else "float32"  # vLLM CPU's MLA MoE kernel takes bf16 weights
+    svc = harness.start_service(workdir / f"s-{family}", {family: {"path": ck, "dtype": dtype}})
     try:
         svc.wait_settled()
-        expected = tokens_of(*run_engine(ck))
+        expected = tokens_of(*run_engine(ck, dtype=dtype))
         extra = {"socket_dir": svc.socket_dir}
-        first, out1 = run_engine(ck, load_format="weightcache_publish", extra=extra)
+        first, out1 = run_engine(ck, dtype=dtype, load_format="weightcache_publish", extra=extra)
         assert tokens_of(first, out1) == expected
         assert len(log_lines(out1, "weightcache published")) == 1, out1[-6000:]
-        second, out2 = run_engine(ck, load_format="weightcache_publish", extra=extra, probe=True)
+        second, out2 = run_engine(ck, dtype=dtype, load_format="weightcache_publish", extra=extra, probe=True)
         assert tokens_of(second, out2) == expected
-        assert len(log_lines(out2, "weightcache attached published")) == 1, out2[-6000:]
+        if family == "deepseek_v3":  # vLLM 0.32's MLA processing cannot take them pre-processed: its own load, moved
+            assert log_lines(out2, "weightcache publication not usable"), out2[-6000:]
+            assert " created=False " in log_lines(out2, "weightcache published")[0]
+        else:
+            assert len(log_lines(out2, "weightcache attached published")) == 1, out2[-6000:]
+        (probe,) = second["probe"]
+        # vLLM's MLA processing empties kv_b_proj.weight (its absorbed matrices replace it): no bytes to share
+        emptied = [n for n in probe["outside"] if family == "deepseek_v3" and n.endswith("kv_b_proj.weight")]
+        assert probe["params"] > 0 and probe["outside"] == emptied, probe
+    finally:
+        svc.kill()
+
+
+@pytest.mark.slow
+def test_modelopt_fp8_publishes_and_the_next_start_moves_onto_it(workdir):
+    """ModelOpt FP8 per-channel (vLLM 0.32's method cannot take pre-processed weights): the first start publishes;
+    the second hears why the publication cannot be registered before processing, loads with vLLM's own loader
+    (same tokens), finds its publication already held (created=False) and moves onto it."""
+    from test_vllm import _fp8_config, fp8_fixtures
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fp8_fixtures, "tiny_llama_config", _fp8_config)
+    try:
+        ck = fp8_fixtures.write_fp8_per_channel(workdir / "fp8pc")
+    finally:
+        mp.undo()
+    svc = harness.start_service(workdir / "s-fp8", {"fp8pc": {"path": ck, "dtype": "bfloat16"}})
+    try:
+        svc.wait_settled()
+        expected = tokens_of(*run_engine(ck, dtype="bfloat16"))
+        extra = {"socket_dir": svc.socket_dir}
+        first, out1 = run_engine(ck, dtype="bfloat16", load_format="weightcache_publish", extra=extra)
+        assert tokens_of(first, out1) == expected
+        assert " created=True " in log_lines(out1, "weightcache published")[0]
+        second, out2 = run_engine(ck, dtype="bfloat16", load_format="weightcache_publish", extra=extra, probe=True)
+        assert tokens_of(second, out2) == expected
+        assert log_lines(out2, "weightcache publication not usable"), out2[-6000:]
+        assert " created=False " in log_lines(out2, "weightcache published")[0]
         (probe,) = second["probe"]
         assert probe["params"] > 0 and probe["outside"] == [], probe
     finally:

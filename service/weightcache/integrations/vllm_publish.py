@@ -276,6 +276,15 @@ class WeightcachePublishLoader(DefaultModelLoader):
             log.warning("weightcache publication not usable, loading with vLLM's default loader reason=%s: %s",
                         e.code, e.message)
             return None
+        except Exception as e:  # noqa: BLE001 - vLLM's processing refused the published tensors: its own load runs
+            # E.g. vLLM 0.32's MLA attention derives its absorbed matrices from kv_b_proj while processing, which
+            # the CPU build emptied after the publisher's processing: vLLM's default load runs instead (and the
+            # engine still moves onto the publication afterwards, _move_onto).
+            undo()
+            w.close()
+            log.warning("weightcache publication not usable, loading with vLLM's default loader reason=%s: %r",
+                        type(e).__name__, e)
+            return None
         _keep_lease(model, w)
         return model.eval()
 
