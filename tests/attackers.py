@@ -15,7 +15,9 @@ import os
 import socket
 import time
 
-from service_harness import compare_bytes, poll_until, proc_fds, read_reply  # noqa: F401 - proc_fds re-exported
+from service_harness import poll_until, proc_fds  # noqa: F401 - proc_fds re-exported
+from wire_helpers import read_reply  # noqa: F401 - proc_fds re-exported
+from checkpoints import compare_bytes  # noqa: F401 - proc_fds re-exported
 from weightcache import attach
 
 MiB = 1 << 20

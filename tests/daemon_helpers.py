@@ -3,7 +3,8 @@ teardown that closes what loads left in a service state."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 
 class Clock:
@@ -23,3 +24,30 @@ def close_slabs(state: Any) -> None:
         if s.sealed is not None:
             s.sealed.close()
             s.manifest_file.close()
+
+
+@contextlib.contextmanager
+def loaded_state(ck: Any, backend: Any, model: str = "m") -> Iterator[Any]:
+    """A ServiceState (GPU 0, host backend ``backend``) with one slot, model ``model`` of checkpoint ``ck`` at
+    TP 1, loaded into a slab through the loader's own code run in this thread; its slabs closed on exit."""
+    import os
+
+    from weightcache.config import ModelConfig, Placement
+    from weightcache.daemon import load_results, loads
+    from weightcache.daemon.state import ServiceState
+    from weightcache.reader import LoaderOptions
+
+    st = ServiceState(0, "host", backend.device_info(), [Placement(ModelConfig(model, str(ck)), 1, 0, 0)],
+                      service_uid=os.getuid() + 1)
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"), w)
+        final = loader._supervise(st.slots[0])  # the loader thread's body, run here
+        for result in loader.results() + [final]:
+            load_results.apply(st, result)
+        assert st.slots[0].sealed is not None, st.slots[0].error
+        yield st
+    finally:
+        close_slabs(st)
+        os.close(r)
+        os.close(w)

@@ -1,4 +1,4 @@
-"""Shared helpers for integration tests: a live service subprocess, checkpoints, figures.
+"""Shared helpers for integration tests: a live service subprocess and its figures.
 
 The service runs as a real subprocess (``python -m weightcache serve``) on a
 Unix socket in ``tmp_path``; tests talk to it over real sockets and receive
@@ -16,14 +16,12 @@ Fixtures:
 - ``module_daemon``: the same factory, module-scoped (one service shared by
   several tests of a module).
 
-Plain functions (``tests/gpu`` loads this file with
-``importlib.util.spec_from_file_location`` under a private name):
-:func:`start_service`, :func:`poll_until` (the one deadline loop: every wait
-of the tests goes through it), :func:`write_checkpoint`,
-:func:`llama_checkpoint`, :func:`big_checkpoint`, :func:`read_checkpoint`,
-:func:`compare_bytes`, :func:`record_figures`, :func:`proc_fds`,
-:func:`proc_rss_bytes`, :func:`raw_connect`, :func:`doomed_client`,
-:func:`blocked_torch_env`, :func:`torch_import_attempts`.
+Plain functions: :func:`start_service`, :func:`poll_until` (the one deadline loop: every wait of the
+tests goes through it), :func:`record_figures`, :func:`proc_fds`, :func:`proc_rss_bytes`,
+:func:`blocked_torch_env`, :func:`torch_import_attempts`. Checkpoints are ``tests/checkpoints.py``'s
+(:func:`write_checkpoint`, :func:`llama_checkpoint`, :func:`big_checkpoint`, :func:`read_checkpoint`,
+:func:`compare_bytes`, :func:`minilm_path`); raw frames ``tests/wire_helpers.py``'s (:func:`raw_connect`,
+:func:`frame`, :func:`read_reply`, :func:`doomed_client`).
 
 Figures: each reliability scenario calls :func:`record_figures` once its
 assertions passed; they are merged into ``.cache/reliability.json``, from
@@ -38,12 +36,10 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -364,8 +360,12 @@ def serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notif
                           gpu: int = 0) -> subprocess.Popen:
     """Starts ``serve --gpu N`` (a :class:`ServiceProcess`) as systemd would after a restart: the fd
     store's fds (``FDNAME`` -> fd) at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``,
-    and ``$NOTIFY_SOCKET`` set to ``notify``; its output appended to ``log``. Returns at once."""
-    svc = ServiceProcess(Path(listen).parent, Path(cfg), gpu, "host", env={"NOTIFY_SOCKET": notify})
+    and ``$NOTIFY_SOCKET`` set to ``notify``, ``$RUNTIME_DIRECTORY`` a directory beside it kept from one
+    start to the next (``RuntimeDirectoryPreserve=restart``); its output appended to ``log``. Returns at once."""
+    runtime = Path(notify).parent / f"runtime-{gpu}"
+    runtime.mkdir(exist_ok=True)
+    svc = ServiceProcess(Path(listen).parent, Path(cfg), gpu, "host",
+                         env={"NOTIFY_SOCKET": notify, "RUNTIME_DIRECTORY": str(runtime)})
     svc.socket_path, svc.log_path, svc.listen_fds = str(listen), Path(log), dict(stored)
     return svc.launch().proc
 
@@ -404,6 +404,26 @@ class FdStoreStandIn:
             for fd in fds[len(keep):]:
                 os.close(fd)
         return dict(self.fds)
+
+    def drain(self) -> None:
+        """Reads every datagram waiting, keeping ``FDSTORE=1`` fds as :meth:`collect` does: a service's
+        notifications block once the socket holds ``net.unix.max_dgram_qlen`` (10) unread datagrams, which a
+        restart that drops and stores several entries reaches (systemd reads them at once)."""
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    msg, fds, _, _ = socket.recv_fds(self.sock, 65536, 4)
+                except BlockingIOError:
+                    return
+                fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
+                keep = fds[:1] if fields.get("FDSTORE") == "1" else []
+                if keep:
+                    self.fds[fields["FDNAME"]] = keep[0]
+                for fd in fds[len(keep):]:
+                    os.close(fd)
+        finally:
+            self.sock.setblocking(True)
 
     def serve(self, cfg: Path, listen: Path, log: Path, gpu: int = 0) -> subprocess.Popen:
         """Starts ``serve`` with the fds stored so far (:func:`serve_with_stored_fds`)."""
@@ -489,222 +509,6 @@ def module_daemon():
 
 
 # --- raw sockets ----------------------------------------------------------------
-
-
-def raw_connect(socket_path: str, timeout: float = 10.0) -> socket.socket:
-    """A connected Unix stream socket, no ``hello`` sent."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    s.settimeout(timeout)
-    s.connect(socket_path)
-    return s
-
-
-def frame(obj: Any) -> bytes:
-    """A frame: 4-byte big-endian length + JSON (``obj`` may already be bytes)."""
-    body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-    return struct.pack(">I", len(body)) + body
-
-
-_UNREAD: "weakref.WeakKeyDictionary[socket.socket, bytes]" = weakref.WeakKeyDictionary()
-
-
-def read_reply(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """Reads one frame; returns ``(json, fds)``, or ``(None, fds)`` on EOF/reset.
-
-    A binary payload (after the JSON and a NUL byte) is returned under ``"payload"``.
-    Bytes of later frames that arrived with this one are kept for the next call
-    on the same socket (pipelined requests get their replies back to back).
-    """
-    buf, fds = _UNREAD.pop(s, b""), []
-    try:
-        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
-            data, anc, _, _ = s.recvmsg(1 << 20, socket.CMSG_SPACE(8 * 4), socket.MSG_CMSG_CLOEXEC)
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds += list(struct.unpack(f"{len(payload) // 4}i", payload[: len(payload) // 4 * 4]))
-            if not data:
-                return None, fds
-            buf += data
-    except (ConnectionResetError, BrokenPipeError):
-        return None, fds
-    n = struct.unpack(">I", buf[:4])[0]
-    if len(buf) > 4 + n:
-        _UNREAD[s] = buf[4 + n:]
-    body, nul, payload = buf[4: 4 + n].partition(b"\x00")
-    obj = json.loads(body)
-    if nul:
-        obj["payload"] = payload
-    return obj, fds
-
-
-HELLO = {"type": "hello", "protocol_version": 3, "client": "tests"}
-
-# A client that sends hello + attach and then never reads (nor takes the fd): the test SIGKILLs it.
-_DOOMED_CLIENT = r"""
-import json, socket, struct, sys, time
-path, model, wait_ms = sys.argv[1], sys.argv[2], int(sys.argv[3])
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(path)
-def send(o):
-    b = json.dumps(o).encode()
-    s.sendall(struct.pack(">I", len(b)) + b)
-send({"type": "hello", "protocol_version": 3, "client": "doomed"})
-n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
-s.recv(n, socket.MSG_WAITALL)
-send({"type": "attach", "model": model, "wait_ms": wait_ms})
-print("sent", flush=True)
-time.sleep(3600)
-"""
-
-
-def doomed_client(svc: "ServiceProcess", model: str, wait_ms: int) -> subprocess.Popen:
-    """Starts a raw client that sends ``hello`` and ``attach(model, wait_ms)``, then never reads.
-
-    Returns once the attach is on the wire; the caller kills it (``SIGKILL``) and reaps it.
-    """
-    p = subprocess.Popen([sys.executable, "-c", _DOOMED_CLIENT, svc.socket_path, model, str(wait_ms)],
-                         stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "sent"
-    return p
-
-
-# --- checkpoints ----------------------------------------------------------------
-
-
-def write_checkpoint(dest: Path, tensors: dict[str, Any], config: dict[str, Any] | None = None,
-                     files: int = 1) -> Path:
-    """Saves ``tensors`` with safetensors: one ``model.safetensors``, or ``files`` shards plus an index.
-
-    Shards are named ``model-0000i-of-0000N.safetensors``; tensors go round-robin by sorted name.
-    """
-    from safetensors.torch import save_file
-
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    names = sorted(tensors)
-    if files == 1:
-        save_file({n: tensors[n].contiguous() for n in names}, str(dest / "model.safetensors"))
-    else:
-        weight_map = {}
-        for i in range(files):
-            fname = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
-            part = {n: tensors[n].contiguous() for n in names[i::files]}
-            save_file(part, str(dest / fname))
-            weight_map.update({n: fname for n in part})
-        (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    if config is not None:
-        (dest / "config.json").write_text(json.dumps(config))
-    return dest
-
-
-def toy_checkpoint(dest: Path) -> Any:
-    """A one-tensor checkpoint at ``dest``: ``w``, float32 ``(2, 3)`` holding 0..5, and a ``Toy`` config.json;
-    returns ``w``."""
-    import torch
-
-    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    write_checkpoint(dest, {"w": w}, {"architectures": ["Toy"], "model_type": "toy"})
-    return w
-
-
-LLAMA = dict(hidden=64, heads=4, kv_heads=2, inter=128, vocab=96, layers=2)
-
-
-def llama_config(hidden: int = 64, heads: int = 4, kv_heads: int = 2, inter: int = 128, vocab: int = 96,
-                 layers: int = 2) -> dict[str, Any]:
-    """``config.json`` of a tiny LlamaForCausalLM (untied)."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads, "vocab_size": vocab, "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": False, "torch_dtype": "float32"}
-
-
-def llama_tensors(seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2, inter: int = 128,
-                  vocab: int = 96, layers: int = 2) -> dict[str, Any]:
-    """Random F32 tensors with Hugging Face Llama names and shapes (no transformers needed).
-
-    Shapes: ``q_proj``/``o_proj`` ``(hidden, hidden)``, ``k_proj``/``v_proj``
-    ``(kv_heads * hidden // heads, hidden)``, ``gate``/``up`` ``(inter, hidden)``,
-    ``down`` ``(hidden, inter)``, embeddings and ``lm_head`` ``(vocab, hidden)``.
-    """
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    hd = hidden // heads
-    t: dict[str, Any] = {}
-
-    def r(*shape: int) -> Any:
-        return torch.randn(*shape, generator=g)
-
-    t["model.embed_tokens.weight"] = r(vocab, hidden)
-    t["model.norm.weight"] = r(hidden)
-    t["lm_head.weight"] = r(vocab, hidden)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = r(heads * hd, hidden)
-        t[p + "self_attn.k_proj.weight"] = r(kv_heads * hd, hidden)
-        t[p + "self_attn.v_proj.weight"] = r(kv_heads * hd, hidden)
-        t[p + "self_attn.o_proj.weight"] = r(hidden, heads * hd)
-        t[p + "mlp.gate_proj.weight"] = r(inter, hidden)
-        t[p + "mlp.up_proj.weight"] = r(inter, hidden)
-        t[p + "mlp.down_proj.weight"] = r(hidden, inter)
-        t[p + "input_layernorm.weight"] = r(hidden)
-        t[p + "post_attention_layernorm.weight"] = r(hidden)
-    return t
-
-
-def llama_checkpoint(dest: Path, seed: int = 0, files: int = 2, **dims: Any) -> Path:
-    """A tiny sharded Llama checkpoint (F32, ``files`` shards + index, ``config.json``)."""
-    d = {**LLAMA, **dims}
-    return write_checkpoint(dest, llama_tensors(seed, **d), llama_config(**d), files=files)
-
-
-def big_checkpoint(size_bytes: int, tensors: int = 8, seed: int = 0, base: str = "/dev/shm") -> Path:
-    """A checkpoint of about ``size_bytes`` on tmpfs (a real, slow-enough load); caller removes it.
-
-    ``tensors`` U8 tensors ``[size_bytes // tensors]`` of a repeating pattern
-    (no config.json: loaded as-is at TP = 1).
-    """
-    import torch
-
-    d = Path(tempfile.mkdtemp(prefix="wc-big-", dir=base if os.path.isdir(base) else None))
-    n = size_bytes // tensors
-    pattern = torch.arange(256, dtype=torch.uint8)
-    data = {f"blob.{i:03d}": (pattern.repeat(n // 256 + 1)[:n] + i).contiguous() for i in range(tensors)}
-    write_checkpoint(d, data)
-    return d
-
-
-def checkpoint_bytes(path: Path) -> int:
-    """Bytes of a checkpoint directory's safetensors files (headers included)."""
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-
-
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Every tensor of a checkpoint directory as safetensors reads it from disk (private copies:
-    ``load_file`` may map the file, and tests rewrite files in place)."""
-    from safetensors.torch import load_file
-
-    out: dict[str, Any] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update({k: v.clone() for k, v in load_file(str(f)).items()})
-    return out
-
-
-def compare_bytes(got: dict[str, Any], expected: dict[str, Any]) -> int:
-    """Asserts ``got`` holds exactly ``expected``'s names and bytes; returns bytes compared."""
-    import torch
-
-    assert sorted(got) == sorted(expected), f"tensor names differ: {sorted(set(got) ^ set(expected))[:5]}"
-    n = 0
-    for name, want in expected.items():
-        have = got[name]
-        assert have.dtype == want.dtype and tuple(have.shape) == tuple(want.shape), name
-        a = have.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        b = want.contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(a, b), f"bytes of {name} differ"
-        n += b.numel()
-    return n
 
 
 # --- figures ----------------------------------------------------------------------

@@ -15,14 +15,13 @@ seed, float32, saved as *sharded* safetensors checkpoints):
 - ``tiny_mistral``: MistralForCausalLM, 8 heads / 1 KV head (MQA), ``head_dim``
   16 (so ``q_proj`` is [128, 64] with hidden 64), vocab 100, untied.
 
-Helpers: :func:`build_tiny_model`, :func:`write_checkpoint`,
+Helpers: :func:`build_tiny_model`,
 :func:`checkpoint_tensors`, :func:`load_rank`, :func:`reassemble`,
 :func:`unfuse`, :func:`tp_forward`, :func:`reference_logits`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -86,28 +85,6 @@ def build_tiny_model(dest: Path, family: str, *, seed: int = 0, max_shard_size: 
                 param.normal_(1.0, config.initializer_range)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest, max_shard_size=max_shard_size)
-    return dest
-
-
-def write_checkpoint(dest: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                     files: int = 2) -> Path:
-    """Writes ``tensors`` as a sharded safetensors checkpoint with ``config.json`` (no transformers).
-
-    Tensors are spread round-robin over ``files`` files, with an index.
-    """
-    from safetensors.torch import save_file
-
-    dest.mkdir(parents=True, exist_ok=True)
-    names = sorted(tensors)
-    weight_map = {}
-    for i in range(files):
-        fname = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
-        part = {n: tensors[n].contiguous() for n in names[i::files]}
-        if part:
-            save_file(part, str(dest / fname))
-            weight_map.update({n: fname for n in part})
-    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (dest / "config.json").write_text(json.dumps(config))
     return dest
 
 

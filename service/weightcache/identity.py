@@ -66,11 +66,14 @@ def served_dtypes(configured: str, cast_from: frozenset[str]) -> frozenset[str]:
     return frozenset(r for r in DTYPE_NAMES if r == configured or effective_dtype(r, cast_from) == have)
 
 
-def rank_cast_dtypes(rank: RankRequest, ck: Checkpoint) -> frozenset[str]:
-    """:func:`weightcache.sharding.cast_dtypes` of ``rank`` (headers only)."""
+def rank_cast_dtypes(rank: RankRequest, ck: Checkpoint, registry: Any = None) -> frozenset[str]:
+    """:func:`weightcache.sharding.cast_dtypes` of ``rank`` (headers only); ``registry``: the
+    ``quant.Registry`` whose side tensors keep their dtype (None: ``quant.REGISTRY``)."""
     from . import sharding  # reads headers: only when a dtype must be worked out
 
-    return sharding.cast_dtypes(ck, rank.tp_size, rank.tp_rank, rank.model.naming)
+    if registry is None:
+        return sharding.cast_dtypes(ck, rank.tp_size, rank.tp_rank, rank.model.naming)
+    return sharding.cast_dtypes(ck, rank.tp_size, rank.tp_rank, rank.model.naming, registry)
 
 
 def key_fields(rank: RankRequest, ck: Checkpoint, device: dict[str, Any], scheme: Any = DETECT,

@@ -41,7 +41,7 @@ import logging
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest, write_to_textfile
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
@@ -70,6 +70,9 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "weightcache_socket_listening": ("gauge", ("gpu",),
                                      "1 when N.sock exists in the socket directory ([service] socket_dir, "
                                      "/run/weightcache by default; weightcache@N.socket listens)"),
+    "weightcache_configured_slabs": ("gauge", ("gpu",),
+                                     "Slabs ((model, layout, rank)) the configuration files place on GPU N; 0 for a "
+                                     "GPU of [service] disabled_gpus or one they place nothing on"),
     "weightcache_service_state": ("gauge", ("gpu", "state"),
                                   "1 for the systemd ActiveState of weightcache@N.service (unknown: not asked)"),
     "weightcache_instance_up": ("gauge", ("gpu",),
@@ -125,6 +128,8 @@ class Instance:
         status (`ServiceStatus | None`), counters (`ServiceCounters | None`): its
             ``metrics`` reply, when it was asked and answered.
         error (`str`): why an asked instance did not answer (empty otherwise).
+        configured_slabs (`int | None`): slabs the configuration places on the GPU
+            (0 for one of ``disabled_gpus``); ``None`` when the configuration was not read.
     """
 
     gpu: int
@@ -133,6 +138,7 @@ class Instance:
     status: protocol.ServiceStatus | None = None
     counters: protocol.ServiceCounters | None = None
     error: str = ""
+    configured_slabs: int | None = None
 
 
 def _systemd_running() -> bool:
@@ -173,12 +179,15 @@ def service_states(gpus: list[int], socket_dir: str) -> dict[int, str]:
             for g in gpus}
 
 
-def collect(socket_dir: str, configured_gpus: list[int] | tuple[int, ...] = (), timeout: float = 5.0) -> list[Instance]:
+def collect(socket_dir: str, configured_gpus: Mapping[int, int] | Sequence[int] = (),
+            timeout: float = 5.0) -> list[Instance]:
     """Asks every running instance of the node for its metrics; never starts one.
 
     Args:
         socket_dir (`str`): where the ``N.sock`` sockets are (``/run/weightcache``).
-        configured_gpus (`list[int]`): GPUs the config places models on.
+        configured_gpus (`Mapping[int, int] | list[int]`): GPUs the config places models on; as a mapping,
+            GPU -> slabs placed there (0 for one of ``disabled_gpus``), which every instance then carries as
+            ``configured_slabs`` (0 where the mapping has no entry).
         timeout (`float`): seconds to connect and for each reply, per instance.
 
     Returns:
@@ -187,11 +196,13 @@ def collect(socket_dir: str, configured_gpus: list[int] | tuple[int, ...] = (), 
     listening = set(listening_gpus(socket_dir))
     gpus = sorted(listening | set(configured_gpus))
     states = service_states(gpus, socket_dir)
+    counts = configured_gpus if isinstance(configured_gpus, Mapping) else None
     out = []
     for g in gpus:
         state = states.get(g, "unknown")
+        placed = None if counts is None else int(counts.get(g, 0))
         if g not in listening or (state not in ASKABLE and state != "unknown"):
-            out.append(Instance(g, g in listening, state))
+            out.append(Instance(g, g in listening, state, configured_slabs=placed))
             continue
         try:
             s = Session(os.path.join(socket_dir, f"{g}.sock"), timeout=timeout, client="weightcache-metrics")
@@ -201,9 +212,9 @@ def collect(socket_dir: str, configured_gpus: list[int] | tuple[int, ...] = (), 
                 s.close()
         except WeightcacheError as e:
             log.warning("metrics request failed gpu=%d code=%s error=%s", g, e.code, e.message)
-            out.append(Instance(g, True, state, error=f"{e.code}: {e.message}"))
+            out.append(Instance(g, True, state, error=f"{e.code}: {e.message}", configured_slabs=placed))
             continue
-        out.append(Instance(g, True, state, status, counters))
+        out.append(Instance(g, True, state, status, counters, configured_slabs=placed))
     return out
 
 
@@ -225,6 +236,8 @@ class _Families:
 def _add_instance(fam: _Families, inst: Instance) -> None:
     g = str(inst.gpu)
     fam.add("weightcache_socket_listening", (g,), int(inst.socket_listening))
+    if inst.configured_slabs is not None:
+        fam.add("weightcache_configured_slabs", (g,), inst.configured_slabs)
     for state in UNIT_STATES:
         fam.add("weightcache_service_state", (g, state), int(inst.service_state == state))
     fam.add("weightcache_instance_up", (g,), int(inst.status is not None))
@@ -279,12 +292,13 @@ class NodeCollector:
 
     Args:
         socket_dir (`str`), timeout (`float`): see :func:`collect`.
-        configured_gpus (`callable`): ``() -> list[int]``, the GPUs the config
-            places models on, called at each scrape (a long-running endpoint
-            sees a changed config without a restart).
+        configured_gpus (`callable`): ``() -> dict[int, int] | list[int]``, the GPUs
+            the config places models on (see :func:`collect`), called at each scrape
+            (a long-running endpoint sees a changed config without a restart).
     """
 
-    def __init__(self, socket_dir: str, configured_gpus: Callable[[], list[int]] = list, timeout: float = 5.0):
+    def __init__(self, socket_dir: str, configured_gpus: Callable[[], Mapping[int, int] | Sequence[int]] = list,
+                 timeout: float = 5.0):
         self.socket_dir = socket_dir
         self.configured_gpus = configured_gpus
         self.timeout = timeout
@@ -297,7 +311,8 @@ class NodeCollector:
         yield from (m for m in fam.f.values() if m.samples)
 
 
-def registry(socket_dir: str, configured_gpus: Callable[[], list[int]] = list, timeout: float = 5.0) -> CollectorRegistry:
+def registry(socket_dir: str, configured_gpus: Callable[[], Mapping[int, int] | Sequence[int]] = list,
+             timeout: float = 5.0) -> CollectorRegistry:
     """A registry holding only :class:`NodeCollector` (no process or platform metrics of the caller)."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(NodeCollector(socket_dir, configured_gpus, timeout))

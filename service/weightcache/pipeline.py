@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from . import digest, identity, placement, quant, sharding
@@ -62,28 +62,8 @@ def _op_copy(spec: TensorSpec, parts: list, fetch) -> Any:
     return t
 
 
-class _Ops(Mapping):
-    """``name -> op``: the pipeline's own ``copy``, then every registered quantization scheme's
-    (:func:`weightcache.quant.op`), looked up when asked (a scheme registered later is found)."""
-
-    def __init__(self, own: dict[str, Op]) -> None:
-        self._own = own
-
-    def __getitem__(self, name: str) -> Op:
-        fn = self._own.get(name) or quant.op(name)
-        if fn is None:
-            raise KeyError(f"processing op {name!r} is neither the pipeline's nor a registered quantization scheme's")
-        return fn
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([*self._own, *(n for r in quant.registry.families() for n in r.ops)])
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
-
-
-#: Processing ops by name (``TensorSpec.op``): ``copy`` and the registered schemes' ops.
-OPS: Mapping[str, Op] = _Ops({"copy": _op_copy})
+#: The pipeline's own ops; a plan's scheme ops come from its registry (:attr:`Plan.registry`).
+OPS: Mapping[str, Op] = {"copy": _op_copy}
 
 
 @dataclass
@@ -99,6 +79,7 @@ class Plan:
         key (`dict`): the cache key (DESIGN §5), derived once (:func:`weightcache.identity.cache_key`).
         dtypes_served (`frozenset[str]`): the dtype names an engine may ask
             for and get this slab (:func:`weightcache.identity.served_dtypes`).
+        registry (`quant.Registry`): the scheme families the plan was made with (their ops run it).
     """
 
     rank: RankRequest
@@ -108,6 +89,18 @@ class Plan:
     slab_size_bytes: int
     key: dict[str, Any]
     dtypes_served: frozenset[str]
+    registry: quant.Registry = quant.REGISTRY
+
+    def op(self, name: str) -> Op:
+        """The op ``name`` of a spec of this plan: the pipeline's own, else its registry's.
+
+        Raises:
+            KeyError: neither has it.
+        """
+        fn = OPS.get(name) or self.registry.op(name)
+        if fn is None:
+            raise KeyError(f"processing op {name!r} is neither the pipeline's nor a quantization scheme's")
+        return fn
 
     @property
     def model(self) -> LoadRequest:
@@ -129,13 +122,15 @@ class Plan:
         return sum(r.size_bytes for r in self.records if r.alias_of is None)
 
 
-def plan(rank: RankRequest, device: dict[str, Any], checkpoint: Checkpoint | None = None) -> Plan:
+def plan(rank: RankRequest, device: dict[str, Any], checkpoint: Checkpoint | None = None,
+         registry: quant.Registry = quant.REGISTRY) -> Plan:
     """Plans one slab from the checkpoint's headers alone.
 
     Args:
         rank (`RankRequest`): what to load (a :class:`weightcache.config.Placement` is one).
         device (`dict`): ``{backend, gpu_uuid, compute_capability}`` of the slab's device (cache key).
         checkpoint (`Checkpoint`, *optional*): ``rank.model.path`` already opened.
+        registry (`quant.Registry`, *optional*): the quantization scheme families; ``quant.REGISTRY`` by default.
 
     Raises:
         CheckpointNotFound, CheckpointCorrupt: from opening the checkpoint.
@@ -146,11 +141,12 @@ def plan(rank: RankRequest, device: dict[str, Any], checkpoint: Checkpoint | Non
     model = rank.model
     ck = checkpoint or Checkpoint(model.path)
     # Once, first: UnsupportedQuantization wins over sharding's shape errors, before any read.
-    scheme = quant.detect(ck, model.kernel)
-    cast_specs = sharding.shard_specs(ck, rank.tp_size, rank.tp_rank, model.naming, DTYPE_NAMES[model.dtype])
+    scheme = quant.detect(ck, model.kernel, registry)
+    cast_specs = sharding.shard_specs(ck, rank.tp_size, rank.tp_rank, model.naming, DTYPE_NAMES[model.dtype],
+                                      registry)
     specs = quant.process_specs(ck, cast_specs, model.kernel, scheme)
     # The slab's identity, once: the dtypes it serves and the key's (effective) dtype.
-    cast_from = identity.rank_cast_dtypes(rank, ck)
+    cast_from = identity.rank_cast_dtypes(rank, ck, registry)
     served = identity.served_dtypes(model.dtype, cast_from)
     key = identity.cache_key(rank, ck, device, scheme, identity.effective_dtype(model.dtype, cast_from))
     records, offset = [], 0
@@ -173,7 +169,7 @@ def plan(rank: RankRequest, device: dict[str, Any], checkpoint: Checkpoint | Non
             tgt = by_name[s.alias_of]
             records.append(TensorRecord(s.name, tgt.dtype, tgt.shape, tgt.stride, tgt.offset_bytes, tgt.size_bytes,
                                         layout=dict(s.layout), alias_of=s.alias_of))
-    return Plan(rank, ck, specs, records, max(offset, ALIGNMENT_BYTES), key, served)
+    return Plan(rank, ck, specs, records, max(offset, ALIGNMENT_BYTES), key, served, registry)
 
 
 @dataclass(frozen=True)
@@ -290,7 +286,7 @@ def _placement(p: Plan, slab) -> placement.Placement | None:
     host = getattr(slab, "buffer", None) is not None
     if not host and not hasattr(slab, "stager"):
         return None
-    placed = placement.place_all(p.specs, p.records, p.checkpoint, quant.placer)
+    placed = placement.place_all(p.specs, p.records, p.checkpoint, p.registry.placer)
     if placed is None:
         return None
     if not host and hasattr(slab, "prepare_kernels"):
@@ -450,7 +446,7 @@ def execute(p: Plan, slab, progress: Callable[[int, int], None] | None = None,
             if failure:
                 break
             parts = [reader.slice(r) for r in spec.sources]
-            out = OPS[spec.op](spec, parts, reader.tensor)
+            out = p.op(spec.op)(spec, parts, reader.tensor)
             if tuple(out.shape) != tuple(spec.stored_shape) or out.dtype != torch_dtype(spec.dtype):
                 raise ShapeMismatch(
                     f"tensor {spec.name!r} of {p.checkpoint.path}: processing gave {tuple(out.shape)} "

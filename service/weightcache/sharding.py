@@ -35,16 +35,17 @@ Forbidden imports: torch at module level, socket, weightcache.daemon, weightcach
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import quant
 from .checkpoint import Checkpoint
 from .checkpoint.header import TensorInfo
 from .errors import ConfigError, ShapeMismatch, UnsupportedArchitecture
-from .quant import registry
-from .quant.registry import SideTensor
+from .quant import SideTensor
 from .sizes import round_up
 from .spec import FUSED_PARTS
 from .tensor_spec import SourceRef, TensorSpec
@@ -98,24 +99,18 @@ class _Patterns:
     side: dict[str, SideTensor]
 
 
-_patterns_cache: list[tuple[int, _Patterns]] = []
-
-
-def _patterns() -> _Patterns:
-    """The patterns for the registered side tensors (rebuilt when the scheme registry changes)."""
-    version = registry.version()
-    if _patterns_cache and _patterns_cache[0][0] == version:
-        return _patterns_cache[0][1]
-    side = registry.side_tensors()
+@functools.lru_cache(maxsize=4)
+def _patterns(registry: quant.Registry) -> _Patterns:
+    """The patterns for ``registry``'s side tensors, built once per registry."""
+    side = registry.side_tensors
     params = "|".join(["weight", "bias", *(re.escape(p) for p in side)])
     vocab = "|".join(["weight", *(re.escape(p) for p, s in side.items() if s.shard == "output")])
     pats = _Patterns(
         re.compile(r"^(?P<prefix>(?:.+\.)?)(?P<module>q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
                    rf"\.(?P<param>{params})$"),
         re.compile(rf"^(?:.+\.)?(?:embed_tokens|lm_head)\.(?:{vocab})$"),
-        side,
+        dict(side),
     )
-    _patterns_cache[:] = [(version, pats)]
     return pats
 
 
@@ -446,7 +441,8 @@ def _fused_spec(ck: Checkpoint, name: str, pieces: list[tuple[str, _Piece]], dty
                       layout=layout)
 
 
-def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: str | None) -> list[TensorSpec]:
+def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: str | None,
+                registry: quant.Registry = quant.REGISTRY) -> list[TensorSpec]:
     """Specs of the rank's slab, from headers and ``config.json`` only.
 
     Shapes below use ``T = tp_size``, ``H = hidden_size``, ``I = intermediate_size``,
@@ -479,6 +475,8 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
         dtype (`str | None`): safetensors code floating-point tensors are cast
             to, or ``None`` to keep the stored dtype. FP8 tensors and the
             registered side tensors (scales) keep theirs.
+        registry (`quant.Registry`, *optional*): whose side tensors (scales) are sharded by their rules;
+            ``quant.REGISTRY`` by default.
 
     Returns:
         `list[TensorSpec]`, sorted by name; tied ``lm_head.weight`` as an
@@ -501,7 +499,7 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
             for name, info in sorted(ck.tensors.items())
         ]
     check_supported(ck.config, tp_size, naming, where=str(ck.path))
-    pats = _patterns()
+    pats = _patterns(registry)
     rules = _Rules(ck, _Dims.of(ck.config, str(ck.path)), tp_size, tp_rank, pad_vocab=tp_size > 1 or naming == "vllm")
 
     embed = next((n for n in sorted(ck.tensors) if n.endswith("embed_tokens.weight")), None)
@@ -551,7 +549,8 @@ def shard_specs(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str, dtype: 
     return [specs[n] for n in sorted(specs)]
 
 
-def cast_dtypes(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str) -> frozenset[str]:
+def cast_dtypes(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str,
+                registry: quant.Registry = quant.REGISTRY) -> frozenset[str]:
     """The stored dtypes of the rank's tensors that a configured ``dtype`` would cast (headers only).
 
     Casting to a dtype changes nothing on this rank exactly when every one of
@@ -566,5 +565,5 @@ def cast_dtypes(ck: Checkpoint, tp_size: int, tp_rank: int, naming: str) -> froz
         >>> cast_dtypes(Checkpoint("/srv/models/llama-f32"), 2, 0, "vllm")  # doctest: +SKIP
         frozenset({'F32'})
     """
-    specs = shard_specs(ck, tp_size, tp_rank, naming, _PROBE)
+    specs = shard_specs(ck, tp_size, tp_rank, naming, _PROBE, registry)
     return frozenset(s.dtype[len(_PROBE):] for s in specs if s.dtype.startswith(_PROBE))

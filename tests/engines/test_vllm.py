@@ -47,6 +47,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import checkpoints  # noqa: E402 - tests/ is on sys.path (pyproject's pythonpath)
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this interpreter; `make test` runs these under .venv-vllm next")
 
@@ -259,7 +260,7 @@ def test_zero_copy_llama_shares_every_parameter(service, llama, reference):
     (default,) = reference["probe"]
     assert default["outside"], "the default loader's parameters should be its own memory"
     saved = (anonymous_kb(default) - anonymous_kb(probe)) * 1024
-    assert saved >= PRIVATE_SAVING * harness.checkpoint_bytes(llama), (saved, harness.checkpoint_bytes(llama),
+    assert saved >= PRIVATE_SAVING * checkpoints.checkpoint_bytes(llama), (saved, checkpoints.checkpoint_bytes(llama),
                                                                         default, probe)
     assert probe["memory_kb"]["RssShmem"] > default["memory_kb"]["RssShmem"], (default, probe)
 

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 import pytest
+import checkpoints  # noqa: E402 - tests/ is on sys.path (pyproject's pythonpath)
+import wire_helpers  # noqa: E402 - tests/ is on sys.path (pyproject's pythonpath)
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
@@ -77,14 +79,14 @@ def test_service_killed_cuda_views_stay_valid_and_restart_serves(service, tmp_pa
     from weightcache import attach
 
     t0 = time.monotonic()
-    a = H.llama_checkpoint(tmp_path / "a", seed=61, hidden=256, inter=512, vocab=512)
-    ref = H.read_checkpoint(a)
+    a = checkpoints.llama_checkpoint(tmp_path / "a", seed=61, hidden=256, inter=512, vocab=512)
+    ref = checkpoints.read_checkpoint(a)
     svc = service({"a": a})
     svc.wait_settled()
     w = attach(str(a), device=f"cuda:{GPU}", socket_dir=svc.socket_dir, fallback=False)
     assert w.source == "daemon" and all(t.is_cuda for t in w.tensors.values())
     svc.kill()
-    n = H.compare_bytes(w.tensors, ref)
+    n = checkpoints.compare_bytes(w.tensors, ref)
     q = "model.layers.0.self_attn.q_proj.weight"
     x = torch.randn(4, 256, device=f"cuda:{GPU}")
     assert torch.equal(x @ w.tensors[q].T, x @ ref[q].to(f"cuda:{GPU}").T)
@@ -92,7 +94,7 @@ def test_service_killed_cuda_views_stay_valid_and_restart_serves(service, tmp_pa
     svc.wait_settled()
     w2 = attach(str(a), device=f"cuda:{GPU}", socket_dir=svc.socket_dir, fallback=False)
     assert w2.source == "daemon"
-    n += H.compare_bytes(w2.tensors, ref) + H.compare_bytes(w.tensors, ref)
+    n += checkpoints.compare_bytes(w2.tensors, ref) + checkpoints.compare_bytes(w.tensors, ref)
     w2.close()
     w.close()
     H.record_figures(
@@ -103,14 +105,14 @@ def test_service_killed_cuda_views_stay_valid_and_restart_serves(service, tmp_pa
 
 def test_client_killed_mid_attach_cuda_leaks_nothing(service, tmp_path):
     t0 = time.monotonic()
-    a = H.llama_checkpoint(tmp_path / "a", seed=62, hidden=256, inter=512, vocab=512)
+    a = checkpoints.llama_checkpoint(tmp_path / "a", seed=62, hidden=256, inter=512, vocab=512)
     svc = service({"a": a})
     svc.wait_settled()
     base = svc.snapshot()
     free0 = _free_bytes()
     kills = 5
     for _ in range(kills):
-        p = H.doomed_client(svc, "a", wait_ms=10_000)
+        p = wire_helpers.doomed_client(svc, "a", wait_ms=10_000)
         _poll(lambda: p.pid in {le["pid"] for sl in svc.status()["slabs"] for le in sl["leases"]}, "the lease")
         p.send_signal(signal.SIGKILL)
         assert p.wait(30) == -signal.SIGKILL
@@ -128,10 +130,10 @@ def test_verify_reports_change_through_read_write_remap(service, tmp_path):
     from weightcache import protocol
     from weightcache.client import read_manifest_file
     from weightcache.memory.cuda import CudaBackend
-from weightcache.memory.cuda_mapping import _map_fd  # a deliberate read-write import (test only)
+    from weightcache.memory.cuda_mapping import _map_fd  # a deliberate read-write import (test only)
 
     t0 = time.monotonic()
-    a = H.llama_checkpoint(tmp_path / "a", seed=63, hidden=256, inter=512, vocab=512)
+    a = checkpoints.llama_checkpoint(tmp_path / "a", seed=63, hidden=256, inter=512, vocab=512)
     svc = service({"a": a})
     svc.wait_settled()
     assert svc.request(protocol.Verify("a")).results[0]["mismatched"] == []
@@ -188,7 +190,7 @@ def test_gpu_out_of_memory_fails_alone(service, tmp_path):
     t0 = time.monotonic()
     free0 = _free_bytes()
     huge = _sparse_checkpoint(tmp_path / "huge", free0 + 16 * GiB)
-    a = H.llama_checkpoint(tmp_path / "a", seed=64, hidden=256, inter=512, vocab=512)
+    a = checkpoints.llama_checkpoint(tmp_path / "a", seed=64, hidden=256, inter=512, vocab=512)
     # A budget above the free memory, so that the allocation itself is tried and fails (issue 24's default budget,
     # the device's memory less a reserve, would keep `huge` on disk: the next test).
     svc = service({"huge": huge, "a": a}, service_keys={"memory_budget_bytes": free0 + 64 * GiB})
@@ -201,7 +203,7 @@ def test_gpu_out_of_memory_fails_alone(service, tmp_path):
     assert held < 4 * GiB, held
     w = attach(str(a), device=f"cuda:{GPU}", socket_dir=svc.socket_dir, fallback=False)
     assert w.source == "daemon"
-    n = H.compare_bytes(w.tensors, H.read_checkpoint(a))
+    n = checkpoints.compare_bytes(w.tensors, checkpoints.read_checkpoint(a))
     w.close()
     # Trying again fails the same way and leaves the same memory.
     svc.request(protocol.Preload("huge"))
@@ -228,7 +230,7 @@ def test_gpu_model_over_the_default_budget_waits_on_disk(service, tmp_path):
 
     free0 = _free_bytes()
     huge = _sparse_checkpoint(tmp_path / "huge", free0 + 16 * GiB)
-    a = H.llama_checkpoint(tmp_path / "a", seed=65, hidden=256, inter=512, vocab=512)
+    a = checkpoints.llama_checkpoint(tmp_path / "a", seed=65, hidden=256, inter=512, vocab=512)
     svc = service({"huge": huge, "a": a})
     svc.wait_settled()
     sl = svc.slab("huge")
@@ -236,7 +238,7 @@ def test_gpu_model_over_the_default_budget_waits_on_disk(service, tmp_path):
     assert free0 - _free_bytes() < 4 * GiB
     w = attach(str(a), device=f"cuda:{GPU}", socket_dir=svc.socket_dir, fallback=False)
     assert w.source == "daemon"
-    H.compare_bytes(w.tensors, H.read_checkpoint(a))
+    checkpoints.compare_bytes(w.tensors, checkpoints.read_checkpoint(a))
     w.close()
     with pytest.raises(Exception) as ei:
         attach("huge", device=f"cuda:{GPU}", socket_dir=svc.socket_dir, fallback=False, timeout=60)

@@ -45,7 +45,7 @@ def test_kernels_equal_torch():
 
 def _cases(tmp_path: Path):
     import fp8_fixtures as F
-    from service_harness import llama_checkpoint
+    from checkpoints import llama_checkpoint
 
     return {
         "llama": llama_checkpoint(tmp_path / "ll", seed=3, files=2, hidden=256, inter=768),
@@ -61,7 +61,7 @@ def test_cuda_placements_equal_the_torch_pipeline_on_the_gpu(tmp_path, o_direct)
     from weightcache.config import ModelConfig
     from weightcache.spec import RankRequest
     from weightcache.memory.cuda import CudaBackend
-from weightcache.memory.cuda_mapping import _map_fd
+    from weightcache.memory.cuda_mapping import _map_fd
 
     backend = CudaBackend(0)
     for kind, ck in _cases(tmp_path).items():

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import checkpoints  # noqa: E402 - tests/ is on sys.path (pyproject's pythonpath)
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -37,9 +38,9 @@ def _harness():
 def _bf16_checkpoint(dest: Path) -> Path:
     h = _harness()
     # inter=2304: the MLP weights are 1.125 MiB, so a staged piece and an xxh3c chunk split them.
-    tensors = {k: v.to(torch.bfloat16) for k, v in h.llama_tensors(seed=11, hidden=256, inter=2304, vocab=320).items()}
-    cfg = {**h.llama_config(hidden=256, inter=2304, vocab=320), "torch_dtype": "bfloat16"}
-    return h.write_checkpoint(dest, tensors, cfg, files=2)
+    tensors = {k: v.to(torch.bfloat16) for k, v in checkpoints.llama_tensors(seed=11, hidden=256, inter=2304, vocab=320).items()}
+    cfg = {**checkpoints.llama_config(hidden=256, inter=2304, vocab=320), "torch_dtype": "bfloat16"}
+    return checkpoints.write_checkpoint(dest, tensors, cfg, files=2)
 
 
 @pytest.mark.parametrize("o_direct", [False, True])
@@ -50,7 +51,7 @@ def test_cuda_fill_without_torch_equals_the_torch_pipeline(tmp_path, o_direct):
     from weightcache.spec import RankRequest
     from weightcache.manifest import build_views
     from weightcache.memory.cuda import CudaBackend
-from weightcache.memory.cuda_mapping import _map_fd
+    from weightcache.memory.cuda_mapping import _map_fd
 
     ck = _bf16_checkpoint(tmp_path / "ck")
     if o_direct:
@@ -72,7 +73,7 @@ from weightcache.memory.cuda_mapping import _map_fd
         assert r.digest == digest.digest(sealed.tensor[r.offset_bytes : r.offset_bytes + r.size_bytes]), r.name
     assert pipeline.verify(filled.manifest, sealed) == []
 
-    ref = _harness().read_checkpoint(ck)
+    ref = checkpoints.read_checkpoint(ck)
     views = build_views(sealed.tensor, filled.manifest)
     assert sorted(views) == sorted(ref)
     for name, want in ref.items():
@@ -116,7 +117,7 @@ def test_cuda_service_reaches_ready_without_torch(tmp_path):
         w = attach("m", device="cuda:0", socket_dir=svc.socket_dir, fallback=False)
         try:
             assert w.source == "daemon"
-            h.compare_bytes(dict(w.tensors), h.read_checkpoint(ck))
+            checkpoints.compare_bytes(dict(w.tensors), checkpoints.read_checkpoint(ck))
         finally:
             w.close()
     finally:

@@ -25,7 +25,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import llama_checkpoint, read_checkpoint, record_figures  # noqa: E402
+from service_harness import record_figures  # noqa: E402
+from checkpoints import llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import attach  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402
 

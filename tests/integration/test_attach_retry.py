@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service_harness import ServiceProcess, make_config, poll_until, read_checkpoint
+from service_harness import ServiceProcess, make_config, poll_until
+from checkpoints import read_checkpoint
 from tiny_models import tiny_llama  # noqa: F401 (fixture)
 from weightcache import AttachOptions, Retry, attach, errors
 

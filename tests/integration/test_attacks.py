@@ -33,8 +33,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, make_config, poll_until,  # noqa: E402
-                             proc_fds, proc_rss_bytes, raw_connect, read_checkpoint, read_reply, record_figures)
+from service_harness import make_config, poll_until, proc_fds, proc_rss_bytes, record_figures  # noqa: E402
+from wire_helpers import HELLO, frame, raw_connect, read_reply  # noqa: E402
+from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint  # noqa: E402
 from attackers import (NOBODY, back_to_baseline, fork_as, flood, hung_read_env, ok_attach,  # noqa: E402
                        open_socket_to_all, reap, release_read, replies, result, send_quietly, wait_read_hung)
 from weightcache import attach, protocol  # noqa: E402

@@ -34,8 +34,9 @@ torch = pytest.importorskip("torch")
 
 from attackers import (NOBODY, SERVICE_UID, back_to_baseline, baseline_figures, fork_as, flood,  # noqa: E402
                        ok_attach, open_socket_to_all, reap, replies, result)
-from service_harness import (HELLO, frame, llama_checkpoint, make_config, proc_fds, raw_connect,  # noqa: E402
-                             read_checkpoint, record_figures)
+from service_harness import make_config, proc_fds, record_figures  # noqa: E402
+from wire_helpers import HELLO, frame, raw_connect  # noqa: E402
+from checkpoints import llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import protocol  # noqa: E402
 from weightcache.session import Session  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402

@@ -22,7 +22,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import llama_checkpoint, make_config, record_figures, service_env, to_toml  # noqa: E402
+from service_harness import make_config, record_figures, service_env, to_toml  # noqa: E402
+from checkpoints import llama_checkpoint  # noqa: E402
 from weightcache import metrics, metrics_http  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

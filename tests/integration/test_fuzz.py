@@ -23,8 +23,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from service_harness import (HELLO, compare_bytes, frame, llama_checkpoint, poll_until, raw_connect,  # noqa: E402
-                             read_checkpoint, record_figures)
+from service_harness import poll_until, record_figures  # noqa: E402
+from wire_helpers import HELLO, frame, raw_connect  # noqa: E402
+from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.errors import RemoteProtocolError  # noqa: E402
 

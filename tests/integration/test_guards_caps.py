@@ -18,7 +18,9 @@ import time
 import pytest
 
 from attackers import NOBODY, fork_as, open_socket_to_all, reap, result  # noqa: E402
-from service_harness import HELLO, frame, read_reply, toy_checkpoint, make_config  # noqa: E402
+from service_harness import make_config  # noqa: E402
+from wire_helpers import HELLO, frame, read_reply  # noqa: E402
+from checkpoints import toy_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -29,8 +29,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (SERVICE_DIR, compare_bytes, make_config, poll_until, read_checkpoint,  # noqa: E402
-                             service_env, write_checkpoint)
+from service_harness import SERVICE_DIR, make_config, poll_until, service_env  # noqa: E402
+from checkpoints import compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
 from weightcache import attach  # noqa: E402
 from weightcache.errors import ModelLoadFailed  # noqa: E402
 

@@ -25,8 +25,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (FdStoreStandIn, compare_bytes, make_config, poll_until, read_checkpoint,  # noqa: E402
-                             to_toml, write_checkpoint)
+from service_harness import FdStoreStandIn, make_config, poll_until, to_toml  # noqa: E402
+from checkpoints import compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.session import Session  # noqa: E402
 from weightcache.errors import DaemonUnavailable  # noqa: E402

@@ -16,7 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import llama_checkpoint, proc_fds, proc_rss_bytes, read_checkpoint, record_figures  # noqa: E402
+from service_harness import proc_fds, proc_rss_bytes, record_figures  # noqa: E402
+from checkpoints import llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import attach  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -90,6 +91,10 @@ def test_64_clients_attach_release_loop(daemon, tmp_path):
     duration = time.monotonic() - t0
 
     assert stats["errors"] == []
+    # Issue 39: the connections the engines closed are reaped while others keep connecting. An unbounded
+    # accept loop held 2,577 sockets for these 64 clients on a CPU-starved node (562 on an idle one), and at
+    # a 1,024-fd limit dropped every client ("closed the connection").
+    assert stats["max_fds"] <= sum(base["fds"].values()) + 4 * CLIENTS, stats["max_fds"]
     assert stats["per_model"]["a"] > 0 and stats["per_model"]["b"] > 0
     after = svc.snapshot()
     assert after["leases"] == 0

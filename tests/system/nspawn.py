@@ -107,10 +107,16 @@ class Container:
         binds_rw (`list`): the same, read-write.
         directory (`str`, *optional*, defaults to ``"/"``): the root to boot;
             ``"/"`` is booted ``--volatile=yes``.
+        private_network (`bool`, *optional*, defaults to ``True``): no network;
+            ``False`` shares the host's (scripts/newcomer-check downloads).
+        lifetime_s (`int`, *optional*, defaults to :data:`LIFETIME_S`): when it kills itself.
     """
 
-    def __init__(self, name: str, binds_ro=(), binds_rw=(), directory: str = "/") -> None:
+    def __init__(self, name: str, binds_ro=(), binds_rw=(), directory: str = "/", private_network: bool = True,
+                 lifetime_s: int = LIFETIME_S) -> None:
         self.name = name
+        self.private_network = private_network
+        self.lifetime_s = lifetime_s
         self.binds_ro = [_bind(p) for p in binds_ro]
         self.binds_rw = [_bind(p) for p in binds_rw]
         self.directory = directory
@@ -137,9 +143,10 @@ class Container:
 
     def start(self) -> "Container":
         cmd = [
-            "timeout", "-k", "10", str(LIFETIME_S),
+            "timeout", "-k", "10", str(self.lifetime_s),
             "systemd-nspawn", "-D", self.directory,
-            "--private-network", "--register=no", "--keep-unit", "--console=passive",
+            *(["--private-network"] if self.private_network else []),
+            "--register=no", "--keep-unit", "--console=passive",
             "-M", self.name,
         ]
         if self.directory == "/":
@@ -236,8 +243,24 @@ class Container:
             shown = cmd if isinstance(cmd, str) else shlex.join(cmd)
             raise AssertionError(
                 f"in container: {shown} exited {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
+                f"{self._journal_of(cmd)}"
             )
         return r
+
+    def _journal_of(self, cmd) -> str:
+        """For a failed ``systemctl VERB UNIT...``: the last lines of those units' journals ("control
+        process exited with error code" alone says nothing of why)."""
+        if isinstance(cmd, str) or len(cmd) < 3 or cmd[0] != "systemctl":
+            return ""
+        units = [a for a in cmd[2:] if not a.startswith("-")]
+        argv = ["journalctl", "--no-pager", "-n", "60", "-o", "short-monotonic"]
+        for u in units:
+            argv += ["-u", u]
+        try:
+            j = subprocess.run(self._argv(argv, None), capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return "\njournal: journalctl timed out"
+        return f"\njournal of {' '.join(units)}:\n{j.stdout}{j.stderr}"
 
     def popen(self, cmd, env: dict | None = None) -> subprocess.Popen:
         """Starts ``cmd`` inside without waiting; text pipes on stdin and stdout. The caller ends it."""
@@ -328,7 +351,7 @@ def install_weightcache(c: Container, python: Path | None = None) -> None:
         "/etc/systemd/system/weightcache.service.d/50-source-tree.conf",
         "# tests/system/nspawn.py: the tree's command line (/usr/bin/weightcache is not installed here).\n"
         f"[Service]\nExecReload=\nExecReload={REPO / 'packaging' / 'weightcache.sh'} reload --running "
-        "--socket-dir /run/weightcache\n",
+        "--socket-dir /run/weightcache\n# The source tree and its venv may be under /tmp (CI checkouts).\nPrivateTmp=no\n",
     )
     c.write(
         "/etc/systemd/system/weightcache-metrics.service.d/50-source-tree.conf",
@@ -338,9 +361,10 @@ def install_weightcache(c: Container, python: Path | None = None) -> None:
     )
     c.write("/etc/default/weightcache", f"WEIGHTCACHE_PYTHON={python}\n")
     c.run(["systemd-sysusers"])
-    # The volatile /root is 0700; a pyenv interpreter bind-mounted below it must
-    # be reachable by the weightcache user and the test users.
-    for p in python_binds(python):
+    # The volatile /root is 0700; a checkout (a root user's clone lands in /root), its venv or a pyenv
+    # interpreter bind-mounted below it must be reachable by the weightcache user and the test users. Only
+    # the container's own directories above the mount points change (the host's /root stays 0700).
+    for p in default_binds(python):
         for parent in p.parents:
             if parent == Path("/"):
                 break
@@ -349,8 +373,27 @@ def install_weightcache(c: Container, python: Path | None = None) -> None:
 
 
 def default_binds(python: Path | None = None) -> list[Path]:
+    """The tree, the venv's own directory where it lies outside the tree (``.venv`` a symlink), and
+    :func:`python_binds`."""
     python = python or REPO / ".venv" / "bin" / "python"
-    return [REPO, *python_binds(python)]
+    venv = Path(os.path.realpath(python.parent.parent))
+    outside = [] if venv == REPO or REPO in venv.parents else [venv]
+    return [REPO, *outside, *python_binds(python)]
+
+
+def unreadable_reason(paths=None) -> str | None:
+    """Why the service user and the test users could not read the tree or its venv (``None`` when they can).
+
+    In the container the directories above a bind mount are opened up (:func:`install_weightcache`), but the
+    bound directories keep the host's modes: a tree that others may not read and search (``git clone`` under
+    ``umask 077``) fails every unit with "control process exited with error code".
+    """
+    for p in paths or default_binds():
+        mode = os.stat(p).st_mode
+        if mode & 0o005 != 0o005:
+            return (f"{p} is mode {mode & 0o777:04o}: the service user and the test users in the container cannot "
+                    f"read it; chmod o+rX it (or clone the repository with umask 022)")
+    return None
 
 
 if __name__ == "__main__":  # manual use: python tests/system/nspawn.py  (a shell inside)

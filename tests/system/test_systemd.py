@@ -192,6 +192,26 @@ def test_enabling_the_target_listens_on_every_configured_gpu(box):
         c.run(["systemctl", "disable", "weightcache.target"])
 
 
+def test_add_wants_loads_a_gpu_when_the_target_starts(box):
+    """Issue 39: after a reboot nothing warmed the weights until the first engine connected. The documented way
+    (weightcache.systemd(7), operations.md "Loading at boot"): systemctl add-wants weightcache.target
+    weightcache@N.service; the target then starts that instance (an eager load) at boot, the others only listen."""
+    c = box
+    c.run(["systemctl", "add-wants", "weightcache.target", "weightcache@0.service"])
+    try:
+        assert c.run(["test", "-L", "/etc/systemd/system/weightcache.target.wants/weightcache@0.service"],
+                     check=False).returncode == 0
+        c.run(["systemctl", "start", "weightcache.target"], timeout=120)  # what the boot does
+        s = c.wait_for("weightcache@0.service", lambda s: s["StatusText"].startswith("ready: 1/1"), timeout=120)
+        assert active(s), s
+        assert c.show("weightcache@1.service", "ActiveState") == {"ActiveState": "inactive"}  # only listens
+        assert c.show("weightcache@1.socket", "ActiveState") == {"ActiveState": "active"}
+        assert len(journal(c, "weightcache@0.service", "loaded", s["MainPID"])) == 1  # loaded with no client
+    finally:
+        c.run(["rm", "-f", "/etc/systemd/system/weightcache.target.wants/weightcache@0.service"])
+        c.run(["systemctl", "daemon-reload"])
+
+
 def test_first_connect_activates_the_service(box):
     c = box
     c.run(["systemctl", "start", "weightcache@0.socket"])
@@ -414,6 +434,22 @@ def test_the_umbrella_reloads_every_instance_and_stop_waits_for_them(box, tmp_pa
         c.run(["systemctl", "daemon-reload"])
         c.write(conf, _config(c.ckpt))
         c.run(["rm", "-rf", "/srv/wc-tiny"])
+
+
+def test_stopping_the_umbrella_stops_every_instance_and_its_socket(box):
+    """Issue 39: "systemctl stop weightcache" stopped the instances and left their sockets listening, so the
+    next engine started the instance again and loaded from disk. Now nothing listens until the target starts."""
+    c = box
+    c.run(["systemctl", "start", "weightcache.target", "weightcache@0.service"])
+    assert c.show("weightcache@1.socket", "ActiveState") == {"ActiveState": "active"}
+    c.run(["systemctl", "stop", "weightcache"], timeout=120)
+    for unit in ("weightcache@0.service", "weightcache@0.socket", "weightcache@1.socket", "weightcache.service"):
+        assert c.show(unit, "ActiveState") == {"ActiveState": "inactive"}, unit
+    assert c.run(["test", "-e", "/run/weightcache/0.sock"], check=False).returncode == 1
+    c.run(["systemctl", "start", "weightcache.target"])
+    for unit in ("weightcache@0.socket", "weightcache@1.socket", "weightcache.service"):
+        assert c.show(unit, "ActiveState") == {"ActiveState": "active"}, unit
+    assert c.show("weightcache@0.service", "ActiveState") == {"ActiveState": "inactive"}  # socket-activated again
 
 
 def test_only_the_clients_group_may_connect(box):

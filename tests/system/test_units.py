@@ -70,7 +70,7 @@ def test_verify_has_no_warnings(tmp_path):
 
 
 @needs_analyze
-@pytest.mark.parametrize("unit", ["weightcache@0.service", "weightcache-metrics.service"])
+@pytest.mark.parametrize("unit", ["weightcache@0.service", "weightcache-metrics.service", "weightcache.service"])
 def test_security_exposure_is_low(tmp_path, unit):
     _instantiate(tmp_path)
     r = subprocess.run(
@@ -113,6 +113,9 @@ def test_socket_and_service_keys():
     umbrella = (UNITS / "weightcache.service").read_text()
     assert re.search(r"^ExecReload=/usr/bin/weightcache reload --running --socket-dir /run/weightcache$", umbrella,
                      re.M)
+    # Issue 39: the umbrella ran its reload as root (9.6 UNSAFE); it needs only the instances' sockets.
+    for line in ("User=weightcache", "Group=weightcache", "ProtectSystem=strict", "PrivateNetwork=yes"):
+        assert re.search(rf"^{re.escape(line)}$", umbrella, re.M), line
     # Booleans are only yes/no (STYLE.md).
     for text in (sock, svc):
         assert not re.search(r"^\w+=(true|false|on|off|1|0)$", text, re.M | re.I)
@@ -440,3 +443,48 @@ def test_hold_answers_engines_and_pings_the_watchdog_while_a_client_trickles(tmp
                 c.close()
             proc.kill()
             proc.wait()
+
+
+# -- the container helper (tests/system/nspawn.py), without booting ----------------------------
+
+
+def test_a_checkout_others_cannot_read_is_refused_with_the_reason(tmp_path):
+    """Issue 39: a checkout the service and test users cannot read (a clone under umask 077) failed every
+    systemd test with "control process exited with error code"; the session now fails at once, saying why.
+    (A checkout under /root is fine: the container's directories above the mount points are opened.)"""
+    import nspawn
+
+    ok, closed = tmp_path / "ok", tmp_path / "closed"
+    ok.mkdir(mode=0o755)
+    closed.mkdir(mode=0o700)
+    assert nspawn.unreadable_reason([ok]) is None
+    why = nspawn.unreadable_reason([ok, closed])
+    assert why.startswith(f"{closed} is mode 0700") and "chmod o+rX" in why, why
+
+
+def test_a_failed_systemctl_shows_the_journal_of_its_units(monkeypatch):
+    """Issue 39: a unit that failed to start showed only systemctl's "control process exited with error code";
+    the assertion now carries the last journal lines of the units the command named."""
+    import nspawn
+
+    box = nspawn.Container("not-started")
+    box.leader = 1
+    calls = []
+
+    def run(argv, **kw):
+        calls.append(argv)
+        if "journalctl" in argv:
+            return subprocess.CompletedProcess(argv, 0, "weightcache-launch: runtime missing\n", "")
+        return subprocess.CompletedProcess(argv, 1, "", "Job for weightcache@0.service failed")
+
+    monkeypatch.setattr(nspawn.subprocess, "run", run)
+    with pytest.raises(AssertionError) as e:
+        box.run(["systemctl", "start", "--no-block", "weightcache@0.socket", "weightcache@0.service"])
+    text = str(e.value)
+    assert "journal of weightcache@0.socket weightcache@0.service:" in text and "runtime missing" in text, text
+    journal = calls[-1]
+    assert journal[journal.index("journalctl"):][-4:] == ["-u", "weightcache@0.socket", "-u", "weightcache@0.service"]
+    calls.clear()
+    with pytest.raises(AssertionError):
+        box.run(["test", "-e", "/x"])  # not systemctl: no journal asked
+    assert not any("journalctl" in c for c in calls)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 
 import pytest
-from service_harness import daemon, poll_until, toy_checkpoint  # noqa: F401 - daemon: pytest fixture
+from service_harness import daemon, poll_until  # noqa: F401 - daemon: pytest fixture
+from checkpoints import toy_checkpoint  # noqa: F401 - daemon: pytest fixture
 
 torch = pytest.importorskip("torch")
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from service_harness import daemon, toy_checkpoint  # noqa: F401 - daemon: pytest fixture (a host-backend service)
+from service_harness import daemon  # noqa: F401 - daemon: pytest fixture (a host-backend service)
+from checkpoints import toy_checkpoint  # noqa: F401 - daemon: pytest fixture (a host-backend service)
 
 torch = pytest.importorskip("torch")
 

@@ -21,7 +21,7 @@ from weightcache.cli import main
 
 class _Reply:
     files = ("/etc/weightcache/weightcache.toml",)
-    added, dropped, retired, kept, restart_keys = (), (), (), ("m/tp1/rank0",), ()
+    added, dropped, retired, kept, restart_keys, moved = (), (), (), ("m/tp1/rank0",), (), ()
 
 
 @pytest.fixture

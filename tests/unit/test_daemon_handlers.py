@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from daemon_helpers import Clock, close_slabs
-from service_harness import compare_bytes, read_checkpoint, write_checkpoint
+from checkpoints import compare_bytes, read_checkpoint, write_checkpoint
 from weightcache import identity, protocol
 from weightcache.config import AccountNames
 from weightcache.config import ModelConfig, Placement

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from daemon_helpers import close_slabs
-from service_harness import poll_until, write_checkpoint
+from service_harness import poll_until
+from checkpoints import write_checkpoint
 from weightcache.config import ModelConfig, Placement
 from weightcache.daemon import load_results, loads
 from weightcache.daemon.state import ServiceState

@@ -15,7 +15,9 @@ import threading
 import pytest
 import torch
 
-from service_harness import poll_until, read_reply, write_checkpoint
+from service_harness import poll_until
+from wire_helpers import read_reply
+from checkpoints import write_checkpoint
 from weightcache import protocol
 from weightcache.config import Config, ModelConfig
 from weightcache.daemon import handlers

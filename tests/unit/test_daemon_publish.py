@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from daemon_helpers import Clock, close_slabs
-from service_harness import write_checkpoint
+from checkpoints import write_checkpoint
 from weightcache import digest, identity, protocol
 from weightcache.config import AccountNames, ModelConfig, Placement
 from weightcache.daemon import access, handlers, publish

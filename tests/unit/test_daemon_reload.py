@@ -387,7 +387,7 @@ def test_a_load_cancelled_midway_stops_and_frees_its_partial_slab(tmp_path, monk
     """The progress report after the cancel ends the load: the writable slab is aborted, nothing sealed."""
     import torch
 
-    from service_harness import write_checkpoint
+    from checkpoints import write_checkpoint
     from weightcache.memory.host import HostBackend
 
     ck = write_checkpoint(tmp_path / "ck", {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)})

@@ -159,3 +159,23 @@ def test_a_lease_taken_during_the_copy_abandons_the_demotion(copies):
     moved, close = t.finish_demote(st, eff, copy, error)
     assert moved is None and close == (copy,) and a.state is SlotState.READY and a.demoting is None
     assert t.host_used(st) == 0
+
+
+def test_a_slab_adopted_after_a_restart_counts_as_leased(copies):
+    """Issue 39: after a restart, adopted slabs have unknown leases (engines that attached before may still
+    map them). evict refused them without --force, but the budget demoted them to make room, which on CUDA
+    frees nothing an engine still maps. The budget now moves the other slab, or refuses naming the unknown
+    leases and the way out; once an operator has evicted it with --force the room is there."""
+    made, to_host = copies
+    st = _state("a", "b", "c")
+    st.slots[0].adopted = True  # a: least recently used, the one that was demoted
+    moves, refusal = Tiers(12, 12, to_host).admit(st, _loading(st, "c"), 6, evict=True)
+    assert refusal is None and made == ["b/tp1/rank0"] and st.slots[0].state is SlotState.READY
+    st = _state("a", "b", "c")
+    st.slots[0].adopted = st.slots[1].adopted = True
+    moves, refusal = Tiers(12, 12, to_host).admit(st, _loading(st, "c"), 6, evict=True)
+    assert moves == [] and refusal.code == "insufficient_memory" and made == ["b/tp1/rank0"]
+    assert "unknown ones: adopted after a restart" in refusal.message and "evict --force" in refusal.message
+    st.slots[0].adopted = False  # what evict --force leaves behind: the slab is known and movable again
+    moves, refusal = Tiers(12, 12, to_host).admit(st, _loading(st, "c"), 6, evict=True)
+    assert refusal is None and [m.slot.label for m in moves] == ["a/tp1/rank0"]

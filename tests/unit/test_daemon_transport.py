@@ -15,10 +15,11 @@ import struct
 import pytest
 
 from daemon_helpers import Clock
-from service_harness import frame, read_reply
+from wire_helpers import frame, read_reply
 from weightcache import protocol
 from weightcache.daemon.limits import Limits
-from weightcache.daemon.transport import Callbacks, Transport
+from weightcache.daemon import outbox
+from weightcache.daemon.transport import ACCEPTS_PER_PASS, Callbacks, Transport
 
 HELLO = {"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION}
 
@@ -319,3 +320,96 @@ def test_a_yielded_clients_partial_frame_is_counted_and_given_back(turns):
     s.sendall(b"}" * 4400)  # completes the frame (invalid JSON: a protocol violation closes it)
     _pump(tr)
     assert c.closed and tr.buffered_bytes == 0
+
+
+def test_accepts_are_bounded_per_pass_so_ready_connections_are_served(tmp_path):
+    """Issue 39: the accept loop ran until the backlog was empty; with engines reconnecting as fast as it
+    answered (a CPU-starved node: 64 clients in an attach/close loop) it never ended, and the connections they
+    had closed piled up unread until the service ran out of fds (2,577 sockets for 64 clients). One pass
+    accepts at most ACCEPTS_PER_PASS; the EOFs of closed connections are served in the next pass, while new
+    connections keep arriving."""
+    path = str(tmp_path / "a.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1024)
+    closed: list = []
+    socks: list[socket.socket] = []
+    total = 6 * ACCEPTS_PER_PASS
+
+    def reconnect(c) -> None:  # each accepted connection brings another engine, as a reconnect loop does
+        if len(socks) < total:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            socks.append(s)
+
+    # Trusted: no per-uid connection cap (these are all one uid's).
+    tr = Transport(listener, Callbacks(lambda c, m: None, closed.append, reconnect), Limits.defaults(),
+                   Clock(0.0), trusted_uids=frozenset({os.getuid()}))
+    tr.start()
+    try:
+        reconnect(None)
+        tr.poll(0.01)
+        assert len(tr.clients) == ACCEPTS_PER_PASS  # the backlog is not empty: the rest wait for the next pass
+        for s in socks[:ACCEPTS_PER_PASS]:  # those engines are done
+            s.close()
+        tr.poll(0.01)
+        assert len(closed) == ACCEPTS_PER_PASS  # reaped in the next pass, while connections kept arriving
+        _pump(tr, 20)
+        assert len(tr.clients) == total - ACCEPTS_PER_PASS
+    finally:
+        for s in socks:
+            s.close()
+        tr.close_all("test over")
+        listener.close()
+
+
+def test_a_reply_whose_fds_cannot_be_duplicated_is_answered_resource_exhausted(tmp_path, monkeypatch, caplog):
+    """Issue 39: out of fds (EMFILE on dup), the client was dropped at DEBUG level and saw only "closed the
+    connection". It is still dropped (its queued dups go with it, so that others are served), but told why:
+    resource_exhausted naming service_fds, and a WARNING with the peer."""
+    import errno
+    import logging
+
+    path = str(tmp_path / "d.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(4)
+    r, w = os.pipe()
+
+    def on_message(c, msg, fds=()):
+        if isinstance(msg, protocol.Hello):
+            tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
+        else:
+            tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
+
+    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None), Limits.defaults(), Clock(0.0),
+                   trusted_uids=frozenset())
+    tr.start()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.settimeout(5)
+    try:
+        def no_fds(fd):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+        s.sendall(frame(HELLO))
+        _pump(tr)
+        assert read_reply(s)[0]["type"] == "hello_reply"
+        from weightcache.daemon import lograte
+
+        monkeypatch.setattr(lograte, "_seen", {})  # this process (the peer) may have used its burst of warnings
+        with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="weightcache.daemon.transport"):
+            m.setattr(outbox.os, "dup", no_fds)  # outbox.os is os: undone when the block ends
+            s.sendall(frame({"type": "attach", "model": "m"}))
+            _pump(tr)
+        obj, fds = read_reply(s)
+        assert (obj["type"], obj["code"], obj["details"]["limit"], fds) == (
+            "error", "resource_exhausted", "service_fds", []), obj
+        assert s.recv(1) == b"" and not tr.clients  # then closed
+        assert "limit=service_fds" in caplog.text
+    finally:
+        s.close()
+        tr.close_all("test over")
+        listener.close()
+        os.close(r)
+        os.close(w)

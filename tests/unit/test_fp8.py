@@ -353,7 +353,7 @@ def test_hand_built_fused_spec(ckpts, algo, padded):
     for s in out:
         parts = [raw[r.name] if r.dim is None else raw[r.name].narrow(r.dim, r.start, r.stop - r.start)
                  for r in s.sources]
-        res[s.name] = pipeline.OPS[s.op](s, parts, raw.__getitem__)
+        res[s.name] = quant.REGISTRY.op(s.op)(s, parts, raw.__getitem__)
     w, ws = res[name], res[f"{base}.weight_scale"]
     assert w.shape == (n_pad, 64) and w.dtype == torch.float8_e4m3fn
     assert torch.all(w[n:].view(torch.uint8) == 0)

@@ -94,3 +94,26 @@ def test_the_midpoint_pairs_tell_the_order_of_the_operations_apart():
     reordered = (x * (s / m)).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
     differ = int((in_order != reordered).sum())
     assert differ >= len(pairs) // 40, (differ, len(pairs))  # 161 of 3528 (4.6 %) for seed 0
+
+
+def test_encode_keeps_c10s_nan_rule_and_converts_its_input_to_float32():
+    """Invariant: :func:`fp8_codes.encode` follows c10's scalar ``fp8e4m3fn_from_fp32_value``, as its docstring
+    says: a magnitude of 480 or more, inf and NaN give the NaN code with the sign kept (no overflow into the
+    sign bit), up to 464 rounds to 448 as torch does; a float64 array or a list is converted to float32 first.
+    (torch 2.13's CPU kernel saturates to 448 above 464 instead: requant_table never goes there, its input is
+    clamped to ±448, so that is not compared.) The NaN codes 0x7f/0xff requantise to a NaN code."""
+    x = np.array([447.0, 448.0, 463.9, 464.0, -464.0, 2.0 ** -10, 2.0 ** -9, 0.0], dtype=np.float32)
+    want = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert fp8_codes.encode(x).tolist() == want.tolist()
+    big = np.array([480.0, 480.1, 500.0, 511.9, 512.0, 1e6, np.inf, np.nan, -480.0, -500.0, -np.inf],
+                   dtype=np.float32)
+    assert [hex(c) for c in fp8_codes.encode(big)] == ["0x7f"] * 8 + ["0xff"] * 3
+    assert fp8_codes.encode(x.astype(np.float64)).tolist() == want.tolist()
+    assert fp8_codes.encode(list(x.astype(np.float64))).tolist() == want.tolist()
+    table = fp8_codes.requant_table(0.5, 0.25)
+    assert (table[0x7F] & 0x7F, table[0xFF] & 0x7F) == (0x7F, 0x7F)
+
+
+def test_requant_table_has_one_byte_per_code():
+    table = fp8_codes.requant_table(1.0, 2.0)
+    assert len(table) == 256 and table[0] == 0 and table[0x80] == 0x80  # -0.0 stays -0.0

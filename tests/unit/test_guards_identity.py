@@ -23,16 +23,13 @@ import os
 import pytest
 import torch
 
-from daemon_helpers import close_slabs
-from service_harness import write_checkpoint
-from weightcache import identity
-from weightcache.config import ModelConfig, Placement
-from weightcache import protocol
-from weightcache.daemon import handlers, load_results, loads
+from daemon_helpers import loaded_state
+from checkpoints import write_checkpoint
+from weightcache import identity, protocol
+from weightcache.daemon import handlers
 from weightcache.daemon.fdstore import REQUIRED_SEALS, FdStore
 from weightcache.daemon.effects import Context
 from weightcache.daemon.state import Peer, ServiceState
-from weightcache.reader import LoaderOptions
 from weightcache.manifest import pack_file, unpack_file
 from weightcache.memory.host import (F_ADD_SEALS, F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE,
                                      HostBackend, HostWritableSlab, sealed_memfd)
@@ -43,21 +40,9 @@ TENSORS = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.
 @pytest.fixture
 def loaded(tmp_path):
     """A service state whose one slot (model ``m``) is loaded into a host slab; ``(ctx, state, backend)``."""
-    ck = write_checkpoint(tmp_path / "ck", TENSORS)
     backend = HostBackend()
-    st = ServiceState(0, "host", backend.device_info(), [Placement(ModelConfig("m", str(ck)), 1, 0, 0)],
-                      service_uid=os.getuid() + 1)
-    ctx = Context(st, lambda: (111, 222), monotonic=lambda: 100.0, wall=lambda: 1.7e9, pid=4242)
-    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"), w)
-    final = loader._supervise(st.slots[0])  # the loader thread's body, run here
-    for result in loader.results() + [final]:
-        load_results.apply(st, result)
-    assert st.slots[0].sealed is not None
-    yield ctx, st, backend
-    close_slabs(st)
-    os.close(r)
-    os.close(w)
+    with loaded_state(write_checkpoint(tmp_path / "ck", TENSORS), backend) as st:
+        yield Context(st, lambda: (111, 222), monotonic=lambda: 100.0, wall=lambda: 1.7e9, pid=4242), st, backend
 
 
 # --- diff_keys: a field in one key only is a difference ------------------------------------------------------
@@ -104,14 +89,15 @@ def test_a_kept_slab_whose_key_has_other_fields_is_not_adopted(loaded, change):
     slot = st.slots[0]
     store, fresh = FdStore(backend, st.device), _fresh(st)
     sid = fresh.slots[0].store_id
-    unchanged = store.adopt({f"slab-{sid}": [os.dup(slot.sealed.fd)], f"manifest-{sid}": [os.dup(slot.manifest_file.fd)]},
-                            fresh.slots)
+    unchanged = store.adopt(
+        {f"slab-{sid}": [os.dup(slot.sealed.fd)], f"manifest-{sid}": [os.dup(slot.manifest_file.fd)]}, fresh.slots)
     assert list(unchanged) == fresh.slots  # the same slab with its own manifest is adopted...
     unchanged[fresh.slots[0]].sealed.close()
     unchanged[fresh.slots[0]].manifest_file.close()
     fresh = _fresh(st)
-    got = store.adopt({f"slab-{sid}": [os.dup(slot.sealed.fd)], f"manifest-{sid}": [_manifest_file_with_key(slot, change)]},
-                      fresh.slots)
+    got = store.adopt(
+        {f"slab-{sid}": [os.dup(slot.sealed.fd)], f"manifest-{sid}": [_manifest_file_with_key(slot, change)]},
+        fresh.slots)
     assert got == {}  # ... with one key field more or less it is dropped
 
 

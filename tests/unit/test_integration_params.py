@@ -123,3 +123,14 @@ def test_private_names_lists_what_processing_replaced():
     model.norm.weight = nn.Parameter(model.norm.weight.clone(), requires_grad=False)  # e.g. a repacked copy
     assert private_names(model, reg.shared_ids) == ["norm.weight"]
     assert private_names(model, reg.shared_ids, buffers=True) == ["norm.weight", "inv_freq"]
+
+
+def test_the_registration_holds_every_object_whose_id_it_lists():
+    """An id is unique only while its object lives: the registration holds each attached tensor and Parameter
+    whose ``id()`` is in ``shared_ids``, so a copy the engine makes after the caller dropped its dict of tensors
+    cannot take a freed tensor's id and pass for shared (``test_private_names_lists_what_processing_replaced``
+    failed so, 1 run in 4, before)."""
+    tensors = weights()
+    reg = register_tensors(meta_tiny(), tensors)
+    assert {id(t) for t in reg.shared} == set(reg.shared_ids)
+    assert all(any(t is h for h in reg.shared) for t in tensors.values())

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service_harness import llama_checkpoint  # noqa: E402
+from checkpoints import llama_checkpoint  # noqa: E402
 
 from weightcache import pipeline, protocol  # noqa: E402
 from weightcache.reader import _loader as loader  # noqa: E402

@@ -104,8 +104,9 @@ def test_exposition_names_types_and_values():
     c.load_settled(_placement("qwen"), None, 2.0, 2048)
     c.answered(protocol.Publish("qwen", 1, 0, {}, 4096, 10), [_Reply(protocol.PublishReply("x", True, 4096, "k"))], 0.1)
     st = _status([_slab("qwen", "ready", 2048, leases=2), _slab("bad", "failed", 0)])
-    fams = _exposition([metrics.Instance(0, True, "active", st, c.record()),
-                        metrics.Instance(1, True, "inactive")])
+    fams = _exposition([metrics.Instance(0, True, "active", st, c.record(), configured_slabs=2),
+                        metrics.Instance(1, True, "inactive"),
+                        metrics.Instance(2, False, "inactive", configured_slabs=0)])
     for name, fam in fams.items():
         assert re.fullmatch(r"weightcache_[a-z0-9_]+", name), name
         kind = metrics.FAMILIES[name.removesuffix("_info") if name.endswith("_info") else name][0]
@@ -134,6 +135,9 @@ def test_exposition_names_types_and_values():
     assert val("weightcache_attach_duration_seconds_bucket", gpu=0, model="qwen", le="0.0025") == 0
     assert val("weightcache_attach_duration_seconds_bucket", gpu=0, model="qwen", le="0.005") == 1
     assert val("weightcache_start_time_seconds", gpu=0) == 123.0
+    # From the configuration: GPU 0 places 2 slabs, GPU 2 is in disabled_gpus (0); GPU 1's was not read.
+    assert val("weightcache_configured_slabs", gpu=0) == 2 and val("weightcache_configured_slabs", gpu=2) == 0
+    assert {s.labels["gpu"] for s in fams["weightcache_configured_slabs"].samples} == {"0", "2"}
     # The idle instance has no slab, build or memory series at all.
     assert {s.labels["gpu"] for s in fams["weightcache_slab_resident_bytes"].samples} == {"0"}
 
@@ -154,12 +158,14 @@ def _exposed(name: str) -> bool:
 def test_alert_rules_and_dashboard_use_exposed_names():
     rules = (REPO / "examples" / "prometheus" / "weightcache-alerts.yml").read_text()
     exprs = re.findall(r"expr: \|?\n?((?:.+\n)+?)\s+(?:for|labels):", rules)
-    assert len(exprs) == 6, exprs
+    assert len(exprs) == 8, exprs
     dashboard = json.loads((REPO / "examples" / "grafana" / "weightcache-dashboard.json").read_text())
     targets = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(targets) >= 6
     for expr in exprs + targets:
         names = _names_in(expr)
+        if expr.startswith('up{job="weightcache"}'):  # WeightcacheMetricsEndpointDown: Prometheus' own series
+            continue
         assert names, expr
         assert all(_exposed(n) for n in names), (expr, [n for n in names if not _exposed(n)])
 
@@ -202,4 +208,48 @@ def test_promtool_accepts_the_alert_rules():
         pytest.skip("promtool is not installed (Debian package prometheus, in the Makefile's APT_PKGS)")
     r = subprocess.run([promtool, "check", "rules", str(REPO / "examples" / "prometheus" / "weightcache-alerts.yml")],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "SUCCESS: 6 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "SUCCESS: 8 rules found" in r.stdout, r.stdout + r.stderr
+
+
+def test_promtool_unit_tests_of_every_alert_rule():
+    """examples/prometheus/weightcache-alerts.test.yml: every packaged rule fires in a case of its own; the
+    configured-GPU rule fires for a stopped socket and for a missing socket series and is silent for a GPU of
+    disabled_gpus (weightcache_configured_slabs 0); the endpoint rule fires for up == 0 and for no target."""
+    import shutil
+    import subprocess
+
+    import yaml
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus, in the Makefile's APT_PKGS)")
+    where = REPO / "examples" / "prometheus"
+    rules = yaml.safe_load((where / "weightcache-alerts.yml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
+    cases = yaml.safe_load((where / "weightcache-alerts.test.yml").read_text())
+    fired = {t["alertname"] for c in cases["tests"] for t in c["alert_rule_test"] if t.get("exp_alerts")}
+    assert fired == alerts, (sorted(alerts - fired), sorted(fired - alerts))
+    (nots,) = [c for c in cases["tests"] if c["name"] == "configured GPU not serving"]
+    gpus = {a["exp_labels"]["gpu"] for t in nots["alert_rule_test"] if t["alertname"].endswith("NotServing")
+            for a in t.get("exp_alerts", ())}
+    assert gpus == {"1", "3"}  # not 0 (serving) nor 2 (disabled_gpus)
+    r = subprocess.run([promtool, "test", "rules", "weightcache-alerts.test.yml"], cwd=where, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+def test_promtool_dcgm_join_rules():
+    """examples/prometheus/weightcache-dcgm.yml: the GPU UUID lands on weightcache's per-GPU series, and a query
+    joins them with a dcgm-exporter series on (UUID) alone (issue 39: the join needed group_left on build_info)."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian package prometheus, in the Makefile's APT_PKGS)")
+    where = REPO / "examples" / "prometheus"
+    r = subprocess.run([promtool, "test", "rules", "weightcache-dcgm.test.yml"], cwd=where, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+    rules = (where / "weightcache-dcgm.yml").read_text()
+    assert all(_exposed(n) for n in _names_in(rules)), _names_in(rules)

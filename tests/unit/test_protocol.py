@@ -1,20 +1,15 @@
 """Sans-I/O protocol: golden frames, round trips, fd matching, the state table."""
 
 import dataclasses
-import json
 import struct
 
 import pytest
+from wire_helpers import frame  # noqa: E402
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightcache import errors, protocol
 from weightcache.protocol import CLIENT, NEED_DATA, SERVER, Connection
-
-
-def _frame(obj) -> bytes:
-    body = json.dumps(obj).encode()
-    return struct.pack(">I", len(body)) + body
 
 
 def test_golden_hello_frame():
@@ -99,7 +94,7 @@ def test_frames_split_across_reads_and_fds_matched_by_count():
 def test_fewer_fds_than_declared_is_remote_violation():
     cli = Connection(CLIENT)
     cli.send(protocol.Hello(1))
-    cli.receive(_frame({"type": "attach_reply", "lease_id": 1, "checkpoint_path": "/", "backend": "host",
+    cli.receive(frame({"type": "attach_reply", "lease_id": 1, "checkpoint_path": "/", "backend": "host",
                         "manifest_size_bytes": 1, "fd_count": 2}), [7])
     with pytest.raises(errors.RemoteProtocolError) as e:
         cli.next_message()
@@ -109,7 +104,7 @@ def test_fewer_fds_than_declared_is_remote_violation():
 
 def test_unexpected_fds_are_a_violation_and_handed_back():
     srv = Connection(SERVER)
-    srv.receive(_frame({"type": "hello", "protocol_version": 1}), [5, 6])
+    srv.receive(frame({"type": "hello", "protocol_version": 1}), [5, 6])
     with pytest.raises(errors.RemoteProtocolError):
         srv.next_message()
     assert sorted(srv.take_all_fds()) == [5, 6]
@@ -130,7 +125,7 @@ def test_unexpected_fds_are_a_violation_and_handed_back():
 )
 def test_invalid_messages_rejected_with_code(obj):
     srv = Connection(SERVER)
-    srv.receive(_frame(obj))
+    srv.receive(frame(obj))
     with pytest.raises(errors.RemoteProtocolError) as e:
         srv.next_message()
     assert e.value.code == "protocol_violation"
@@ -155,8 +150,8 @@ def test_oversize_length_prefix_rejected_before_buffering():
 def test_incomplete_bytes_is_what_follows_the_whole_frames():
     """The bytes of the incomplete frame after the whole ones (the transport counts them against
     max_buffered_bytes while a connection's whole requests wait for their turn)."""
-    hello = _frame({"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION})
-    status = _frame({"type": "status"})
+    hello = frame({"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION})
+    status = frame({"type": "status"})
     srv = Connection(SERVER, max_frame_bytes=100)
     assert srv.incomplete_bytes == 0
     srv.receive(hello + status)
@@ -174,11 +169,11 @@ def test_incomplete_bytes_is_what_follows_the_whole_frames():
 
 def test_state_machine_hello_first_and_only_once():
     srv = Connection(SERVER)
-    srv.receive(_frame({"type": "status"}))
+    srv.receive(frame({"type": "status"}))
     with pytest.raises(errors.RemoteProtocolError):
         srv.next_message()
     srv = Connection(SERVER)
-    srv.receive(_frame({"type": "hello", "protocol_version": 1}) * 2)
+    srv.receive(frame({"type": "hello", "protocol_version": 1}) * 2)
     srv.next_message()
     with pytest.raises(errors.RemoteProtocolError):
         srv.next_message()
@@ -209,7 +204,7 @@ def test_transition_table_exhaustive():
 
 def test_send_checks_fd_count_locally():
     srv = Connection(SERVER)
-    srv.receive(_frame({"type": "hello", "protocol_version": 1}))
+    srv.receive(frame({"type": "hello", "protocol_version": 1}))
     srv.next_message()
     with pytest.raises(errors.LocalProtocolError) as e:
         srv.send(protocol.AttachReply(1, "/", "host", 1), [3])
@@ -244,17 +239,12 @@ def test_nul_payload_or_an_old_attach_reply_is_a_protocol_violation(body):
     assert e.value.code == "protocol_violation"
 
 
-def _golden(body: bytes) -> bytes:
-    """The frame of the literal JSON ``body``: its 4-byte big-endian length, then it."""
-    return struct.pack(">I", len(body)) + body
-
-
 def test_golden_publish_frame_declares_its_fds():
     """``publish`` carries two fds (the slab memfd, the publisher's manifest file) and the engine's key."""
     cli = Connection(CLIENT)
     cli.send(protocol.Hello(3))
     data, fds = cli.send(protocol.Publish("m", 1, 0, {"engine": "vllm"}, 4096, 512), [42, 43])
-    assert data == _golden(b'{"model":"m","tp_size":1,"tp_rank":0,"engine_key":{"engine":"vllm"},'
+    assert data == frame(b'{"model":"m","tp_size":1,"tp_rank":0,"engine_key":{"engine":"vllm"},'
                            b'"size_bytes":4096,"manifest_size_bytes":512,"type":"publish","fd_count":2}')
     assert fds == [42, 43]
     srv = Connection(SERVER)
@@ -269,17 +259,17 @@ def test_golden_publish_reply_and_attach_published_frames():
     srv.receive(Connection(CLIENT).send(protocol.Hello(3))[0])
     srv.next_message()
     data, fds = srv.send(protocol.PublishReply("m/tp1/rank0+pub:0123abcd", True, 4096, "0123abcd"))
-    assert data == _golden(b'{"label":"m/tp1/rank0+pub:0123abcd","created":true,"size_bytes":4096,'
+    assert data == frame(b'{"label":"m/tp1/rank0+pub:0123abcd","created":true,"size_bytes":4096,'
                            b'"engine_key_blake2b":"0123abcd","type":"publish_reply"}') and fds == []
     cli = Connection(CLIENT)
     cli.send(protocol.Hello(3))
     data, _ = cli.send(protocol.AttachPublished("m", 2, 1, {"engine": "vllm"}))
-    assert data == _golden(b'{"model":"m","tp_size":2,"tp_rank":1,"engine_key":{"engine":"vllm"},'
+    assert data == frame(b'{"model":"m","tp_size":2,"tp_rank":1,"engine_key":{"engine":"vllm"},'
                            b'"mode":"zero_copy","type":"attach_published"}')
 
 
 def test_publish_without_its_fds_is_a_violation():
-    body = json.dumps({"type": "publish", "model": "m", "tp_size": 1, "tp_rank": 0, "engine_key": {},
-                       "size_bytes": 1, "manifest_size_bytes": 1}).encode()
+    body = frame({"type": "publish", "model": "m", "tp_size": 1, "tp_rank": 0, "engine_key": {},
+                  "size_bytes": 1, "manifest_size_bytes": 1})[4:]
     with pytest.raises(errors.RemoteProtocolError):
         protocol.decode(body)

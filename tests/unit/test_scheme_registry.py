@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from daemon_helpers import Clock, close_slabs
-from service_harness import llama_config, llama_tensors, write_checkpoint
+from checkpoints import llama_config, llama_tensors, write_checkpoint
 from weightcache import pipeline, protocol, quant
 from weightcache.checkpoint import Checkpoint
 from weightcache.config import ModelConfig, Placement
@@ -80,9 +80,8 @@ class ToyInt8(quant.SchemeRules):
 
 @pytest.fixture
 def toy():
-    rules = quant.registry.register(ToyInt8())
-    yield rules
-    quant.registry.unregister(rules)
+    """The package's families plus the toy one: a registry value the tests pass in (nothing is registered)."""
+    return quant.Registry((*quant.FAMILIES, ToyInt8()))
 
 
 @pytest.fixture
@@ -156,7 +155,8 @@ def test_toy_scheme_loads_shards_and_attaches_through_the_service(toy, int8_llam
     st = ServiceState(0, "host", backend.device_info(), placements, service_uid=os.getuid() + 1)
     ctx = Context(st, lambda: (111, 222), monotonic=Clock(), wall=lambda: 1.7e9, pid=4242)
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml"), w)
+    loader = loads.Loader(loads.LoadSettings(backend, st.device, 60.0, LoaderOptions(threads=1), "test.toml",
+                                             registry=toy), w)
     try:
         for slot in st.slots:
             final = loader._supervise(slot)  # the loader thread's body, run here
@@ -175,7 +175,7 @@ def test_toy_scheme_loads_shards_and_attaches_through_the_service(toy, int8_llam
             _same_bytes(views, _expected(t, p.tp_size, p.tp_rank, p.model.naming))
             layouts = {rec.name: rec.layout for rec in manifest.tensors}
             if p.tp_size == 1:  # the scheme's inverse gives the checkpoint's tensors back
-                back = {n: quant.checkpoint_form(v, layouts[n]) for n, v in views.items()}
+                back = {n: quant.checkpoint_form(v, layouts[n], toy) for n, v in views.items()}
                 _same_bytes(back, t)
     finally:
         close_slabs(st)
@@ -190,29 +190,31 @@ def test_a_scheme_not_registered_is_rejected_before_any_read(int8_llama):
     assert ei.value.code == "unsupported_quantization"
 
 
-def test_registering_a_clashing_family_is_refused(toy):
+def test_a_registry_with_a_clashing_family_is_refused(toy):
     with pytest.raises(ValueError):
-        quant.registry.register(ToyInt8())
+        quant.Registry((*toy.families, ToyInt8()))
     other = ToyInt8()
     other.family = "toy_int8_again"
     other.side_tensors = (quant.SideTensor("qscale", "scalar"),)  # same param, another rule
     other.capabilities = {}
     other.ops = {}
     with pytest.raises(ValueError):
-        quant.registry.register(other)
-    assert quant.registry.for_scheme("toy_int8") is toy
+        quant.Registry((*toy.families, other))
+    assert toy.for_scheme("toy_int8") is toy.families[-1]
+    assert quant.REGISTRY.for_scheme("toy_int8") is None  # the package's table is untouched
 
 
-def test_unquantized_specs_do_not_change_with_a_scheme_registered(int8_llama, toy, tmp_path):
-    """A registered side tensor changes nothing for checkpoints that have none (the FP8 bytes are test_fp8's)."""
+def test_unquantized_specs_do_not_change_with_a_scheme_in_the_registry(int8_llama, toy, tmp_path):
+    """A side tensor of another family changes nothing for checkpoints that have none (the FP8 bytes are
+    test_fp8's)."""
     ck = write_checkpoint(tmp_path / "plain", llama_tensors(seed=1), llama_config(), files=1)
-    with_toy = pipeline.plan(RankRequest(ModelConfig("m", str(ck), naming="vllm"), 2, 1), DEVICE).specs
-    quant.registry.unregister(toy)
-    try:
-        without = pipeline.plan(RankRequest(ModelConfig("m", str(ck), naming="vllm"), 2, 1), DEVICE).specs
-    finally:
-        quant.registry.register(toy)
-    assert with_toy == without
-    assert SourceRef("model.layers.0.self_attn.q_proj.weight", 0, 32, 64) in next(
-        s for s in without if s.name.endswith("0.self_attn.qkv_proj.weight")).sources
-    assert Checkpoint(ck).tensors  # the checkpoint read fine
+    rank = RankRequest(ModelConfig("m", str(ck), naming="vllm"), 2, 1)
+    assert pipeline.plan(rank, DEVICE, registry=toy).specs == pipeline.plan(rank, DEVICE).specs
+
+
+def test_the_package_registry_is_the_literal_table():
+    """``FAMILIES`` is the one list of families; ``REGISTRY``'s tables are derived from it and read-only."""
+    assert quant.REGISTRY.families == quant.FAMILIES
+    assert set(quant.REGISTRY.by_scheme) == {"modelopt_fp8", "modelopt_fp8_per_channel"}
+    with pytest.raises(TypeError):
+        quant.REGISTRY.ops["x"] = None  # type: ignore[index]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from checkpoints import write_checkpoint  # noqa: E402
 from tiny_models import (  # noqa: E402
     checkpoint_tensors,
     load_rank,
@@ -18,7 +19,6 @@ from tiny_models import (  # noqa: E402
     tiny_llama,  # noqa: F401  (fixture)
     tiny_mistral,  # noqa: F401
     tiny_qwen2,  # noqa: F401
-    write_checkpoint,
 )
 
 from weightcache import sharding  # noqa: E402
@@ -188,7 +188,7 @@ def test_tied_checkpoint_with_lm_head_still_aliases(tmp_path):
     cfg = _tiny_config(tie_word_embeddings=True)
     tensors = _tiny_tensors(cfg)
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    path = write_checkpoint(tmp_path / "tied", cfg, tensors)
+    path = write_checkpoint(tmp_path / "tied", tensors, cfg, files=2)
     for naming in ("hf", "vllm"):
         ranks = _load_all(path, 2, naming)
         try:
@@ -207,7 +207,7 @@ def test_tied_checkpoint_with_lm_head_still_aliases(tmp_path):
 def test_unknown_architecture_tp1_hf_generic(tmp_path):
     cfg = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}
     tensors = {"gpt_neox.embed_in.weight": torch.arange(12.0).reshape(4, 3), "gpt_neox.ln.bias": torch.ones(3)}
-    ck = Checkpoint(write_checkpoint(tmp_path / "neox", cfg, tensors))
+    ck = Checkpoint(write_checkpoint(tmp_path / "neox", tensors, cfg, files=2))
     specs = sharding.shard_specs(ck, 1, 0, "hf", "BF16")
     assert [(s.name, s.dtype, s.stored_shape, s.sources) for s in specs] == [
         ("gpt_neox.embed_in.weight", "BF16", (4, 3), (SourceRef("gpt_neox.embed_in.weight"),)),
@@ -248,7 +248,7 @@ def test_check_supported_accepts_replicated_kv():
 def test_tensor_disagreeing_with_config_names_file_and_tensor(tmp_path):
     tensors = _tiny_tensors(_tiny_config())
     bad = _tiny_config(num_key_value_heads=1)  # k_proj/v_proj on disk have 2 heads
-    ck = Checkpoint(write_checkpoint(tmp_path / "bad", bad, tensors))
+    ck = Checkpoint(write_checkpoint(tmp_path / "bad", tensors, bad, files=2))
     with pytest.raises(ShapeMismatch) as e:
         sharding.shard_specs(ck, 2, 0, "hf", None)
     assert e.value.code == "shape_mismatch"
@@ -262,7 +262,7 @@ def test_unknown_2d_tensor_needs_rule_at_tp2(tmp_path):
     tensors = _tiny_tensors(cfg)
     tensors["model.layers.0.extra.weight"] = torch.zeros(4, 4)
     tensors["model.layers.0.extra.bias"] = torch.zeros(4)
-    ck = Checkpoint(write_checkpoint(tmp_path / "extra", cfg, tensors))
+    ck = Checkpoint(write_checkpoint(tmp_path / "extra", tensors, cfg, files=2))
     with pytest.raises(UnsupportedArchitecture) as e:
         sharding.shard_specs(ck, 2, 0, "hf", None)
     assert e.value.details["tensor"] == "model.layers.0.extra.weight"
@@ -292,7 +292,7 @@ def _fp8_checkpoint(tmp_path, per_channel: bool):
                 tensors[name[:-7] + ".input_scale"] = torch.tensor(0.25 + rows / 128)
     tensors["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(1.5)
     tensors["model.layers.0.self_attn.v_proj.v_scale"] = torch.tensor(2.5)
-    return write_checkpoint(tmp_path / ("fp8c" if per_channel else "fp8t"), cfg, tensors, files=3), tensors
+    return write_checkpoint(tmp_path / ("fp8c" if per_channel else "fp8t"), tensors, cfg, files=3), tensors
 
 
 @pytest.mark.parametrize("per_channel", [True, False])

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8_fixtures as F  # noqa: E402
-from service_harness import llama_checkpoint, read_checkpoint  # noqa: E402
+from checkpoints import llama_checkpoint, read_checkpoint  # noqa: E402
 
 from weightcache import digest, pipeline  # noqa: E402
 from weightcache.reader import _loader as loader  # noqa: E402

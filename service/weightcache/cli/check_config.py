@@ -99,6 +99,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     problems: list[str] = []
     print(f"config: {', '.join(cfg.files) if cfg.files else config_path(args.config)}")
     print(f"socket_dir={cfg.service.socket_dir} backend={cfg.service.backend}")
+    off = sorted(cfg.service.disabled_gpus)
+    if off:
+        print(f"disabled_gpus={off}: weightcache.target starts no instance for these GPUs")
     if not cfg.models:
         print("no models configured")
     warnings: list[str] = []
@@ -126,7 +129,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             total += pl.slab_size_bytes
             lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  {'gpus=[' + gpus + ']':<12} "
                          f"{human_bytes(pl.slab_size_bytes):>10}  {len(pl.records)} tensors  {p.model.path}")
-        print(f"GPU {gpu}: {plural(len(placements), 'slab')}, {human_bytes(total)} planned")
+        print(f"GPU {gpu}: {plural(len(placements), 'slab')}, {human_bytes(total)} planned"
+              f"{' (disabled_gpus: not started by weightcache.target)' if gpu in off else ''}")
         for line in lines:
             print(line)
         here = [(p, pl) for p, pl in planned if p.gpu == gpu]

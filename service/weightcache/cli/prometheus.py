@@ -20,12 +20,18 @@ def _metrics_registry(args: argparse.Namespace):
     """The node's metrics registry: the socket directory's instances and the config's GPUs (read at each scrape)."""
     from .. import metrics
 
-    def gpus() -> list[int]:
+    def gpus() -> dict[int, int] | list[int]:
+        """GPU -> slabs placed there (0 for one of ``disabled_gpus``): weightcache_configured_slabs."""
         try:
-            return load_config(args.config).gpus()
+            cfg = load_config(args.config)
         except ConfigError as e:
             log.warning("metrics: configuration not read, only the sockets are reported: %s", e.message)
             return []
+        counts = dict.fromkeys(cfg.gpus(), 0)
+        for p in cfg.placements():
+            if p.gpu not in cfg.service.disabled_gpus:
+                counts[p.gpu] += 1
+        return counts
 
     return metrics.registry(socket_dir_of(args), gpus, args.timeout)
 

@@ -142,6 +142,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
             print(f"  dropped  {label}")
         for label in r.retired:
             print(f"  retired  {label} (freed when its last lease is released)")
+        for move in r.moved:  # the budget, to fit a lowered memory_budget_bytes or host_tier_bytes
+            print(f"  moved    {move} (memory budget)")
         if r.restart_keys:
             print(f"  [service] {', '.join(r.restart_keys)} changed: takes effect at the next "
                   f"`systemctl restart weightcache@{gpu}`")

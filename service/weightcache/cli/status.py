@@ -128,7 +128,7 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .unwired import gpus_without_instance, warnings
+    from .unwired import disabled_gpus, disabled_lines, gpus_without_instance, warnings
 
     statuses, errors = collect_status(args)
     where = socket_dir_of(args)
@@ -137,8 +137,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         st.config_error is not None for st in statuses)
     if args.json:
         unwired = gpus_without_instance(listening) if args.gpu is None else {}
+        off = disabled_gpus() if args.gpu is None else {}
         print(json.dumps({"gpus": [st.to_json() for st in statuses], "unreachable": [e.to_json() for e in errors],
-                          "no_instance": [{"gpu": g, "models": m} for g, m in unwired.items()]}, indent=2))
+                          "no_instance": [{"gpu": g, "models": m} for g, m in unwired.items()],
+                          "disabled": [{"gpu": g, "models": m} for g, m in off.items()]}, indent=2))
     else:
         if not statuses and not errors:
             print(no_sockets(args), file=sys.stderr)
@@ -152,6 +154,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                       f".service; journalctl -u weightcache@{e.gpu}")
         for line in warnings(where, listening) if args.gpu is None else ():
             print(line, file=sys.stderr)
+        for line in disabled_lines(disabled_gpus()) if args.gpu is None else ():
+            print(line)
     if not statuses:
         return EXIT_UNAVAILABLE
     if failed:

@@ -38,6 +38,27 @@ def gpus_without_instance(listening: list[int], config: str | None = None) -> di
     return dict(sorted(out.items()))
 
 
+def disabled_gpus(config: str | None = None) -> dict[int, list[str]]:
+    """GPU index -> names of the models placed there, for each GPU of ``[service] disabled_gpus`` (empty when
+    the configuration does not load): ``status`` and ``check-config`` show them (issue 39: invisible there)."""
+    try:
+        cfg = load_config(config)
+    except ConfigError:
+        return {}
+    out: dict[int, list[str]] = {g: [] for g in sorted(cfg.service.disabled_gpus)}
+    for p in cfg.placements():
+        if p.gpu in out and p.model.name not in out[p.gpu]:
+            out[p.gpu].append(p.model.name)
+    return out
+
+
+def disabled_lines(off: dict[int, list[str]]) -> list[str]:
+    """One line per GPU of :func:`disabled_gpus`, naming its models and how to start it anyway."""
+    return [f"GPU {gpu}: disabled ([service] disabled_gpus): weightcache.target does not start its instance"
+            f"{'; ' + ('models ' if len(names) > 1 else 'model ') + ', '.join(names) + ' placed here' if names else ''}"
+            f" (by hand: systemctl start weightcache@{gpu}.socket)" for gpu, names in off.items()]
+
+
 def warnings(where: str, listening: list[int], config: str | None = None) -> list[str]:
     """One line per GPU of :func:`gpus_without_instance`, naming its models, the missing socket and the fix."""
     return [f"GPU {gpu}: {'models' if len(names) > 1 else 'model'} {', '.join(names)} placed here, but no instance "

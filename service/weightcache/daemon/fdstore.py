@@ -22,6 +22,7 @@ weightcache.daemon.handlers, weightcache.daemon.loads, weightcache.daemon.ticker
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -234,3 +235,43 @@ class FdStore:
                  extra=event("adopted", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=sealed.size_bytes,
                              tier=tier))
         return Adopted(manifest, sealed, SealedFile(manifest_fd, mf.size_bytes), tier, mf.dtypes_served)
+
+
+#: In ``$RUNTIME_DIRECTORY`` (``/run/weightcache/N``, kept across restarts like the fd store, removed on stop):
+#: the store ids of the READY slabs that had no lease, known or unknown, when the process stopped cleanly.
+RELEASED_FILE = "released-at-stop.json"
+
+
+def record_released(slots: list[Slot]) -> None:
+    """Writes :data:`RELEASED_FILE` as the serving loop stops (before its connections close and end their
+    leases): the next process may move those slabs at once. Nothing without ``$RUNTIME_DIRECTORY``."""
+    where = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if not where:
+        return
+    from .tiers import unknown_leases
+
+    ids = sorted(s.store_id for s in slots if s.sealed is not None and not s.leases and not unknown_leases(s))
+    tmp = os.path.join(where, f".{RELEASED_FILE}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"released": ids}, f)
+        os.replace(tmp, os.path.join(where, RELEASED_FILE))
+    except OSError as e:
+        log.warning("released slabs not recorded path=%s error=%s: after the restart they count as leased", where,
+                    e.strerror)
+
+
+def released_at_last_stop() -> set[str]:
+    """Reads and removes :data:`RELEASED_FILE`: the store ids :func:`record_released` wrote, empty after a crash
+    (no file) or outside systemd. Removed so that a crash after this start does not reuse it."""
+    where = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if not where:
+        return set()
+    path = os.path.join(where, RELEASED_FILE)
+    try:
+        with open(path) as f:
+            ids = json.load(f)["released"]
+        os.unlink(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {i for i in ids if isinstance(i, str)}

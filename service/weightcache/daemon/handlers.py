@@ -553,8 +553,11 @@ def on_reload(ctx: Context, peer: Peer, msg: protocol.Reload) -> Outcome:
                          kept=len(done.kept)))
     effects = ([CancelLoad(s) for s in done.cancel] + [FreeSlab(*f) for f in done.free] + moved
                + [StartLoad(s) for s in load] + [Reconfigure(config)])
+    moves = [f"{m.slot.label} -> {m.tier}" if isinstance(m, tiers.Moved) else f"{m.slot.label} -> host (copying)"
+             for m in moved]
     return Outcome((Reply(protocol.ReloadReply(list(done.added), list(done.dropped), list(done.retired),
-                                               list(done.kept), list(p.restart_keys), list(config.files))),),
+                                               list(done.kept), list(p.restart_keys), list(config.files),
+                                               moves)),),
                    tuple(effects))
 
 

@@ -62,13 +62,12 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from .. import pipeline
+from .. import pipeline, quant
 from ..checkpoint import Checkpoint
 from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
+from ..manifest import Manifest, pack_file
 from ..reader import LoaderOptions
-from ..manifest import Manifest
-from ..manifest import pack_file
 from ..memory.host import SealedFile
 from ..spec import DTYPE_NAMES
 from .state import Slot
@@ -101,6 +100,7 @@ class LoadSettings:
         config_source (`str`): the config file, named in the timeout error.
         ask_room (`bool`): post a :class:`NeedRoom` before each allocation and wait for the serving loop's
             answer (the memory budget); False (in-process tests) allocates without asking.
+        registry (`quant.Registry`): the quantization scheme families plans are made with.
     """
 
     backend: Any
@@ -109,6 +109,7 @@ class LoadSettings:
     options: LoaderOptions
     config_source: str
     ask_room: bool = False
+    registry: quant.Registry = quant.REGISTRY
 
 
 class Loader:
@@ -307,7 +308,7 @@ class Loader:
             # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
             # configuration was read, symlinks followed only when root or the service user owns them.
             ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)
-            pl = pipeline.plan(p, st.device, checkpoint=ck)
+            pl = pipeline.plan(p, st.device, checkpoint=ck, registry=st.registry)
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")

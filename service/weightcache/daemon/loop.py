@@ -46,7 +46,7 @@ from ..memory import Backend
 from ..spec import DTYPE_NAMES
 from ..wire import SlotState
 from . import access, handlers, load_results, lograte, publish, tiers
-from .fdstore import FdStore
+from .fdstore import FdStore, record_released, released_at_last_stop
 from .effects import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify, StoreSlab
 from .limits import Limits
 from .loads import Loader, LoadSettings
@@ -117,9 +117,11 @@ class Daemon:
                                effect=self._effect, broken=self._break)
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None,
                                     publication_slot=self._publication_slot)
+        released = released_at_last_stop()
         for slot, got in stored.items():
             if slot.publication is not None:
                 self.state.slots.append(slot)
+            slot.leases_unknown = slot.store_id not in released
             if got.tier == "host":
                 slot.stash(got.manifest, got.sealed, got.manifest_file)
             else:
@@ -344,6 +346,7 @@ class Daemon:
                 self._break(e)
         self.ticker.stopping()
         log.info("stopping gpu=%d", self.gpu)
+        record_released(self.state.slots)
         self.loader.stop()
         self.transport.close_all("service stopping")
         return EXIT_INVARIANT if self._broken is not None else 0

@@ -134,9 +134,23 @@ class Outbox:
         try:
             for fd in fds:
                 dups.append(os.dup(fd))
-        except OSError as e:  # out of fds: this reply cannot be sent; the rest of the service goes on
+        except OSError as e:  # out of fds: this connection goes, with the dups it holds, so that others are served
             for fd in dups:
                 os.close(fd)
+            # Said to the client and logged: it was dropped at DEBUG level, and every engine of a node out of
+            # fds saw only "closed the connection". Answering without fds and keeping it instead kept the
+            # service at its limit (accept paused) while attackers held their dups (test_attacks_inflight).
+            warn_peer(log, c.peer.pid, c.peer.uid, "dropped connection peer_pid=%d peer_uid=%d code=resource_exhausted "
+                      "limit=service_fds error=%s held_fds=%d", c.peer.pid, c.peer.uid, e.strerror, c.outbox_fds,
+                      extra=event("rejected", error_code="resource_exhausted", peer_uid=c.peer.uid,
+                                  limit="service_fds"))
+            if not c.outbox and not c.closed:  # best effort, and never in the middle of a half-sent frame
+                err = ResourceExhausted(
+                    f"connection closed: the service could not duplicate this reply's fds ({e.strerror}): it holds "
+                    f"too many files; retry, and ask the operator to check the service's LimitNOFILE= and its "
+                    f"open connections", limit="service_fds", value=0, actual=len(fds))
+                with contextlib.suppress(OSError):
+                    send_some(c.sock, protocol.encode(protocol.Error.from_exc(err)))
             self.drop(c, f"dup failed: {e.strerror}")
             return False
         c.outbox.append([memoryview(data), dups, msg])

@@ -207,6 +207,10 @@ class Slot:
     #: The backend's SealedSlab (fd, size_bytes, tensor) while READY.
     sealed: Any = None
     adopted: bool = False
+    #: While ``adopted`` and READY: engines that attached before the restart may still map it, and this process
+    #: cannot know (``tiers.unknown_leases``: the budget counts it as leased). False for a slab that had no lease
+    #: when the previous process stopped cleanly (``fdstore.released_at_last_stop``).
+    leases_unknown: bool = True
     #: The checkpoint path's resolution made where the config was read (Config.realpaths; "" when none):
     #: attach by path matches it, and the loader checks the checkpoint still resolves to it.
     realpath: str = ""

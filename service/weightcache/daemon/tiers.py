@@ -52,6 +52,22 @@ log = logging.getLogger(__name__)
 _KEPT_COPY_PRIORITY = -(10**9)
 
 
+def unknown_leases(s: Slot) -> int:
+    """1 for a READY slab adopted from the fd store after a restart whose leases are unknown, else 0: the
+    budget counts it as a lease.
+
+    Leases live in the process that granted them: engines that attached before the restart may still map the
+    slab, and this process cannot know (``evict`` refuses it without ``--force`` for the same reason). Moving
+    it out would free nothing they map (on CUDA the physical allocation stays while an engine maps it) while
+    the budget counted the room as free. So it stays until it is known released: the previous process
+    stopped cleanly with no lease on it (``Slot.leases_unknown`` False, from
+    :func:`~weightcache.daemon.fdstore.released_at_last_stop`), ``weightcache evict --force`` (the operator
+    knows), or a reload or change that replaces it. After a crash nothing is known; there is no grace period,
+    since an engine may run for days.
+    """
+    return int(s.adopted and s.leases_unknown and s.state is SlotState.READY)
+
+
 @dataclass(frozen=True, slots=True)
 class Moved:
     """Effect: ``slot`` left a tier. The fd store follows its new ``tier`` (``host``: the slab's entry becomes
@@ -125,7 +141,8 @@ class Tiers:
         m = s.placement.model
         if s.state is SlotState.RETIRED:
             return budget.Holding(s.label, s.gpu_bytes, busy=True)
-        return budget.Holding(s.label, s.gpu_bytes, len(s.leases), _pinned(s), m.priority, s.last_used,
+        return budget.Holding(s.label, s.gpu_bytes, len(s.leases) + unknown_leases(s), _pinned(s), m.priority,
+                              s.last_used,
                               busy=s.state in (SlotState.PENDING, SlotState.LOADING) or s.demoting is not None,
                               host_copy=s.hosted is not None and s.sealed is not None)
 
@@ -206,12 +223,17 @@ class Tiers:
         def why(s: Slot) -> str:
             if s.placement.model.pin:
                 return "pinned"
+            if unknown_leases(s):
+                return f"{len(s.leases)} leases and unknown ones: adopted after a restart"
             return "loading" if s.state is SlotState.LOADING else f"{len(s.leases)} leases"
 
         what = ", ".join(f"{s.label} ({s.gpu_bytes / 1e9:.2f} GB, {why(s)})" for s in resident) or "nothing"
         who = ", ".join(f"lease {le.lease_id} on {s.label} by pid {le.pid} uid {le.uid}" for s, le in leases) or "none"
         m = slot.placement.model
-        hint = ("release a lease, unpin a model or raise memory_budget_bytes" if need_bytes <= self.budget_bytes else
+        hint = ("release a lease, unpin a model or raise memory_budget_bytes"
+                + ("; a slab adopted after a restart may still be mapped by engines that attached before it: "
+                   "weightcache evict --force MODEL once none does" if any(unknown_leases(s) for s in resident) else "")
+                if need_bytes <= self.budget_bytes else
                 "the slab alone is larger than the whole budget: raise memory_budget_bytes (or give the model more "
                 "GPUs)")
         return InsufficientMemory(

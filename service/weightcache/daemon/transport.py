@@ -69,6 +69,11 @@ RECV_BYTES = 256 * 1024
 #: connection with requests waiting one more turn). A connection pipelining many requests was served to
 #: the end of what it had sent, so one uid's connections could hold every other engine's attach for seconds.
 REQUESTS_PER_TURN = 4
+#: Connections accepted in one pass of the loop before the ready connections are served (their requests,
+#: their EOFs). An unbounded accept loop never ended while engines reconnected as fast as it answered them (a
+#: CPU-starved node: 64 clients in an attach/close loop), and the connections they had closed piled up unread
+#: until the service ran out of fds (2,577 sockets held for 64 clients; at 1,024 fds every client was dropped).
+ACCEPTS_PER_PASS = 64
 MAX_FDS_IN = protocol.MAX_FDS_PER_FRAME
 
 
@@ -192,7 +197,7 @@ class Transport:
             self.drop(c, reason)
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(ACCEPTS_PER_PASS):  # the rest wait in the backlog for the next pass
             try:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):

@@ -62,6 +62,9 @@ class Registration:
         shared_ids (`frozenset[int]`): ``id()`` of every registered
             ``Parameter`` and of every attached tensor; what
             :func:`private_names` compares with after the engine's processing.
+            The registration holds those objects (``shared``), so that no id in
+            the set can be reused by a tensor the engine creates later (a repacked
+            copy given a freed attached tensor's id would pass for shared).
     """
 
     parameters: dict[str, nn.Parameter]
@@ -69,6 +72,7 @@ class Registration:
     tied: dict[str, str]
     private: tuple[str, ...]
     shared_ids: frozenset[int]
+    shared: tuple[torch.Tensor, ...] = dataclasses.field(default=(), repr=False)
 
 
 @dataclasses.dataclass
@@ -164,10 +168,11 @@ def register_tensors(root: nn.Module, tensors: Mapping[str, torch.Tensor], *, ch
             tied[name] = src
         else:
             parameters[name] = slot.module._parameters[slot.leaf]
-    shared = frozenset({id(p) for p in by_tensor.values()} | {id(t) for t in tensors.values()})
+    held = (*by_tensor.values(), *tensors.values())  # kept alive with the registration: their ids stay theirs
+    shared = frozenset(id(t) for t in held)
     return Registration(parameters=parameters, buffers=buffers, tied=tied,
                         private=tuple(private_names(root, shared, buffers=True, remove_duplicate=False)),
-                        shared_ids=shared)
+                        shared_ids=shared, shared=held)
 
 
 def private_names(root: nn.Module, shared_ids: frozenset[int] | set[int], *, buffers: bool = False,

@@ -118,6 +118,8 @@ class ReloadReply(Message):
         kept: unchanged placements (slab and leases untouched; a failed one is loaded again).
         restart_keys: changed ``[service]`` keys that take effect at the next restart only.
         files: the configuration files read.
+        moved: what the memory budget moved to fit a lowered ``memory_budget_bytes`` or ``host_tier_bytes``:
+            ``label -> tier`` strings (``host``, ``disk``; ``host (copying)`` while its copy runs).
     """
 
     added: list
@@ -126,6 +128,7 @@ class ReloadReply(Message):
     kept: list
     restart_keys: list = field(default_factory=list)
     files: list = field(default_factory=list)
+    moved: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """Pre-processing of quantized checkpoints into the layout their kernel consumes.
 
-Every scheme is a family in the scheme registry (:mod:`weightcache.quant.registry`):
+Every scheme is a family of the literal table :data:`FAMILIES`; :data:`REGISTRY`
+(:class:`weightcache.quant.registry.Registry`) derives the lookup tables from it once:
 :func:`detect` reads the checkpoint's quantization config
 (:func:`weightcache.quant.quant_config.read_config`), finds its capability row
 (:mod:`weightcache.quant.capabilities`) and the family that owns it, and runs
@@ -11,7 +12,7 @@ checkpoints pass through unchanged. Detection and spec rewriting read headers
 and JSON only, so an unsupported scheme or kernel target is rejected at plan
 time, before any weight byte is read.
 
-Registered here: ModelOpt ``FP8`` (``modelopt_fp8``) and
+In :data:`FAMILIES`: ModelOpt ``FP8`` (``modelopt_fp8``) and
 ``FP8_PER_CHANNEL_PER_TOKEN`` (``modelopt_fp8_per_channel``), kernel target
 ``cutlass`` (:mod:`weightcache.quant.modelopt_fp8`; rules in ``docs/quantization.md``).
 
@@ -22,7 +23,7 @@ weightcache.sharding, weightcache.pipeline.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..checkpoint import Checkpoint
 from ..spec import DETECT
@@ -30,12 +31,15 @@ from ..tensor_spec import TensorSpec
 from . import capabilities, modelopt_fp8, registry
 from .capabilities import Capability
 from .quant_config import QuantConfig, capability, config_hash, read_config
-from .registry import SchemeRules, SideTensor
+from .registry import Registry, SchemeRules, SideTensor
 
-__all__ = ["Scheme", "SchemeRules", "SideTensor", "QuantConfig", "detect", "process_specs", "op",
-           "checkpoint_form", "read_config", "capabilities", "registry"]
+__all__ = ["FAMILIES", "REGISTRY", "Registry", "Scheme", "SchemeRules", "SideTensor", "QuantConfig", "detect",
+           "process_specs", "op", "placer", "checkpoint_form", "read_config", "capabilities", "registry"]
 
-registry.register(modelopt_fp8.RULES)
+#: Every quantization scheme family weightcache processes, in the order config detection asks them.
+FAMILIES: tuple[SchemeRules, ...] = (modelopt_fp8.RULES,)
+#: The tables derived from :data:`FAMILIES`, once (a test passes a ``Registry`` of its own where it needs one).
+REGISTRY = Registry(FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -69,12 +73,13 @@ class Scheme:
 
 
 
-def detect(ck: Checkpoint, kernel: str | None = None) -> Scheme | None:
+def detect(ck: Checkpoint, kernel: str | None = None, registry: Registry = REGISTRY) -> Scheme | None:
     """The checkpoint's quantization scheme, or ``None`` when unquantized.
 
     Args:
         ck (`Checkpoint`): opened from headers; no tensor data is read.
         kernel (`str`, *optional*): kernel layout target to check; ``None`` skips that check.
+        registry (`Registry`, *optional*): the families to detect among; :data:`REGISTRY` by default.
 
     Returns:
         `Scheme | None`.
@@ -89,10 +94,10 @@ def detect(ck: Checkpoint, kernel: str | None = None) -> Scheme | None:
             from the safetensors headers.
         CheckpointCorrupt (`checkpoint_corrupt`): a malformed quantization config.
     """
-    qc = read_config(ck)
+    qc = read_config(ck, registry.families)
     if qc is None:
         return None
-    cap = capability(ck, qc, kernel)
+    cap = capability(ck, qc, registry.capabilities, kernel)
     rules = registry.for_scheme(cap.scheme)
     quantized = frozenset(rules.check_layers(ck, qc, cap))
     return Scheme(cap.scheme, qc.raw, config_hash(qc.raw), qc.file, cap, qc, quantized, rules)
@@ -125,17 +130,16 @@ def process_specs(ck: Checkpoint, specs: list[TensorSpec], kernel: str, scheme: 
 
 
 def op(name: str) -> registry.Op | None:
-    """The registered processing op ``name`` (a spec's ``op``), or ``None``."""
-    return registry.op(name)
+    """The processing op ``name`` (a spec's ``op``) of :data:`REGISTRY`, or ``None``."""
+    return REGISTRY.op(name)
 
 
 def placer(name: str) -> Callable[..., Any] | None:
-    """The registered torch-free placement of op ``name`` (:attr:`SchemeRules.placers`), or ``None``; the
-    pipeline hands it to :func:`weightcache.placement.place_all`."""
-    return registry.placer(name)
+    """The torch-free placement of op ``name`` (:attr:`SchemeRules.placers`) of :data:`REGISTRY`, or ``None``."""
+    return REGISTRY.placer(name)
 
 
-def checkpoint_form(tensor: Any, layout: Mapping[str, Any]) -> Any:
+def checkpoint_form(tensor: Any, layout: Mapping[str, Any], registry: Registry = REGISTRY) -> Any:
     """A processed tensor given back in the form its checkpoint stores (a view, no copy).
 
     Dispatches on ``layout["scheme"]`` to the family that processed it
@@ -145,6 +149,7 @@ def checkpoint_form(tensor: Any, layout: Mapping[str, Any]) -> Any:
     Args:
         tensor (`torch.Tensor`): the attached tensor.
         layout (`Mapping`): its manifest layout (``Attachment.layouts[name]``).
+        registry (`Registry`, *optional*): the families to dispatch to; :data:`REGISTRY` by default.
 
     Returns:
         `torch.Tensor`: the same elements as the checkpoint tensor, possibly

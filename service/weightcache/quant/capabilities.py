@@ -4,7 +4,7 @@ One place answers "can this checkpoint be served, and how?". A scheme is keyed
 by ``(quant_method, quant_algo)`` as read from the checkpoint
 (``hf_quant_config.json`` → ``quantization.quant_algo``, or ``config.json`` →
 ``quantization_config.quant_method`` / ``quant_algo``). Everything not in
-:data:`SUPPORTED` is rejected with
+the scheme registry's rows (``Registry.capabilities``, each family's own) is rejected with
 :class:`~weightcache.errors.UnsupportedQuantization` at plan time, before any
 weight byte is read; :data:`KNOWN_UNSUPPORTED` only gives the rejection a
 better name.
@@ -19,6 +19,7 @@ Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from ..errors import UnsupportedQuantization
 
@@ -41,11 +42,6 @@ class Capability:
     activation: str
     kernels: tuple[str, ...]
 
-
-#: ``(quant_method, QUANT_ALGO)`` -> capability; quant_algo is upper-cased. Filled by
-#: :func:`weightcache.quant.registry.register` from each scheme family's own rows
-#: (ModelOpt FP8's are in :mod:`weightcache.quant.modelopt_fp8`).
-SUPPORTED: dict[tuple[str, str], Capability] = {}
 
 #: KV-cache quantization algos whose scales (``k_scale``/``v_scale``) are
 #: passed through unchanged. ``None``: no KV-cache quantization.
@@ -86,10 +82,10 @@ OTHER_METHODS: dict[str, str] = {
 }
 
 
-def scheme_label(method: str, algo: str) -> str:
-    """Human-readable name of ``(method, algo)`` for error messages."""
-    if (method, algo) in SUPPORTED:
-        return SUPPORTED[(method, algo)].scheme
+def scheme_label(method: str, algo: str, supported: Mapping[tuple[str, str], Capability]) -> str:
+    """Human-readable name of ``(method, algo)`` for error messages (``supported``: the registry's rows)."""
+    if (method, algo) in supported:
+        return supported[(method, algo)].scheme
     if (method, algo) in KNOWN_UNSUPPORTED:
         return f"{method} {algo}: {KNOWN_UNSUPPORTED[(method, algo)]}"
     if method in OTHER_METHODS:
@@ -97,12 +93,15 @@ def scheme_label(method: str, algo: str) -> str:
     return f"quant_method {method!r} quant_algo {algo!r}"
 
 
-def lookup(method: str, algo: str, *, where: str, layer: str, kernel: str | None = None) -> Capability:
+def lookup(method: str, algo: str, supported: Mapping[tuple[str, str], Capability], *, where: str, layer: str,
+           kernel: str | None = None) -> Capability:
     """The capability of ``(method, algo)`` for ``kernel``, or a typed rejection.
 
     Args:
         method (`str`): ``quant_method`` (``modelopt`` for ``hf_quant_config.json``).
         algo (`str`): ``quant_algo``, upper-cased (``""`` when absent).
+        supported (`Mapping`): ``(quant_method, QUANT_ALGO)`` -> capability: the registry's rows
+            (:attr:`weightcache.quant.registry.Registry.capabilities`).
         where (`str`): the file the config came from (named in the message).
         layer (`str`): first affected layer (module name), named in the message.
         kernel (`str`, *optional*): kernel layout target; ``None`` skips that check.
@@ -115,13 +114,13 @@ def lookup(method: str, algo: str, *, where: str, layer: str, kernel: str | None
             kernel target has no processing rule. ``details`` carry
             ``scheme``, ``layer``, ``file`` and (for kernels) ``kernel``.
     """
-    cap = SUPPORTED.get((method, algo))
+    cap = supported.get((method, algo))
     if cap is None:
-        label = scheme_label(method, algo)
-        supported = ", ".join(f"{m} {a}" for m, a in SUPPORTED)
+        label = scheme_label(method, algo, supported)
+        rows = ", ".join(f"{m} {a}" for m, a in supported)
         raise UnsupportedQuantization(
             f"{where}: layer {layer!r} uses {label}, which weightcache cannot pre-process; "
-            f"supported: {supported or 'none'}. Serve this model without weightcache or re-export it "
+            f"supported: {rows or 'none'}. Serve this model without weightcache or re-export it "
             f"in a supported scheme",
             scheme=label,
             layer=layer,

@@ -46,7 +46,7 @@ from ..errors import UnsupportedQuantization
 from ..sizes import round_up
 from ..tensor_spec import SourceRef, TensorSpec
 from .capabilities import Capability
-from .quant_config import capability, exclude_list, is_excluded, kv_algo, natural_key, QuantConfig, read_config
+from .quant_config import exclude_list, is_excluded, kv_algo, natural_key, QuantConfig
 from .fp8_layout import (OP_INPUT_SCALE, OP_WEIGHT, OP_WEIGHT_SCALE, SCALE_PAD_VALUE, SCHEMES, Fp8ScaleLayout,
                          Fp8WeightLayout, layout_of)
 from . import modelopt_fp8_placement

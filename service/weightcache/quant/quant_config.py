@@ -16,14 +16,17 @@ import json
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointCorrupt, UnsupportedQuantization
 from ..hashes import blake2b_hex
 from ..spec import FUSED_PARTS
-from . import capabilities, registry
+from . import capabilities
 from .capabilities import Capability
+
+if TYPE_CHECKING:
+    from .registry import SchemeRules
 
 #: Suffixes of scale-like tensors, by which :func:`first_quantized_layer` finds a quantized module.
 SCALE_LIKE = (".weight_scale", ".weight_scale_inv", ".weight_scale_2", ".input_scale", ".qweight",
@@ -90,12 +93,12 @@ def kv_algo(value: Any) -> str | None:
     return str(value).upper()
 
 
-def read_config(ck: Checkpoint) -> QuantConfig | None:
+def read_config(ck: Checkpoint, families: Iterable[SchemeRules] = ()) -> QuantConfig | None:
     """The checkpoint's quantization config, or ``None`` when it has none.
 
     Source: ``config.json`` → ``quantization_config`` first (as vLLM's
     ``get_quant_config``), else each registered family's own file
-    (:meth:`weightcache.quant.registry.SchemeRules.read_config`).
+    (:meth:`weightcache.quant.registry.SchemeRules.read_config`), asked in the order of ``families``.
 
     Raises:
         CheckpointCorrupt (`checkpoint_corrupt`): the config is not a JSON
@@ -115,7 +118,7 @@ def read_config(ck: Checkpoint) -> QuantConfig | None:
         kv = inner.get("kv_cache_quant_algo", inner.get("kv_cache_scheme"))
         return QuantConfig(file, method, algo, kv_algo(kv),
                            exclude_list(exclude, file, "quantization_config.ignore"), qc)
-    for rules in registry.families():
+    for rules in families:
         found = rules.read_config(ck)
         if found is not None:
             return found
@@ -198,15 +201,17 @@ def _safe_excluded(module: str, exclude) -> bool:
         return False
 
 
-def capability(ck: Checkpoint, qc: QuantConfig, kernel: str | None = None) -> Capability:
-    """The capability row for ``qc`` (and ``kernel``), checking the KV-cache algo too.
+def capability(ck: Checkpoint, qc: QuantConfig, supported: Mapping[tuple[str, str], Capability],
+               kernel: str | None = None) -> Capability:
+    """The capability row for ``qc`` (and ``kernel``) among ``supported`` (a registry's rows), checking the
+    KV-cache algo too.
 
     Raises:
         UnsupportedQuantization (`unsupported_quantization`): unsupported
             scheme, KV-cache algo or kernel target; names the first quantized layer.
     """
     layer = first_quantized_layer(ck, qc.exclude)
-    cap = capabilities.lookup(qc.method, qc.algo, where=qc.file, layer=layer, kernel=kernel)
+    cap = capabilities.lookup(qc.method, qc.algo, supported, where=qc.file, layer=layer, kernel=kernel)
     if qc.kv_cache_algo not in capabilities.SUPPORTED_KV_CACHE:
         raise UnsupportedQuantization(
             f"{qc.file}: KV-cache quantization {qc.kv_cache_algo!r} of {cap.scheme} is not supported "

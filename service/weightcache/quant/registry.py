@@ -1,11 +1,11 @@
 """The scheme registry: every quantization scheme weightcache processes, and what each one owns.
 
-A scheme family is one :class:`SchemeRules` object, registered with
-:func:`register` (``weightcache.quant`` registers ModelOpt FP8 at import). It
-owns, for its schemes:
+A scheme family is one :class:`SchemeRules` object; the families are one literal
+table, ``weightcache.quant.FAMILIES``, and :class:`Registry` derives the lookup
+tables from it once (``weightcache.quant.REGISTRY``). A family owns, for its schemes:
 
 - its **capability rows** (``(quant_method, QUANT_ALGO) -> Capability``),
-  added to :data:`weightcache.quant.capabilities.SUPPORTED`;
+  (:attr:`Registry.capabilities`);
 - its **config detection** beyond ``config.json``'s ``quantization_config``
   (:meth:`SchemeRules.read_config`, e.g. ModelOpt's ``hf_quant_config.json``);
 - its **layer checks** (:meth:`SchemeRules.check_layers`, headers only);
@@ -18,8 +18,8 @@ owns, for its schemes:
 - the **inverse** of its processing (:meth:`SchemeRules.checkpoint_form`), which
   engine integrations call to give a processed tensor back in checkpoint form.
 
-``weightcache.pipeline`` and ``weightcache.sharding`` only iterate this
-registry; adding a scheme is one module in ``quant/`` plus its capability rows
+``weightcache.pipeline`` and ``weightcache.sharding`` only read a registry's tables;
+adding a scheme is one module in ``quant/`` and one entry of ``FAMILIES``
 (``docs/quantization.md``, "Adding a scheme").
 
 Forbidden imports: torch at module level, socket, weightcache.daemon, weightcache.client,
@@ -28,11 +28,10 @@ weightcache.sharding, weightcache.pipeline.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from . import capabilities
 from .capabilities import Capability
 
 if TYPE_CHECKING:
@@ -82,7 +81,7 @@ class SideTensor:
 
 
 class SchemeRules:
-    """One quantization scheme family. Subclass it, fill the attributes, register an instance.
+    """One quantization scheme family. Subclass it, fill the attributes, list an instance in ``quant.FAMILIES``.
 
     Attributes:
         family (`str`): the family's name (``modelopt_fp8``), unique in the registry.
@@ -143,86 +142,67 @@ class SchemeRules:
         return tensor
 
 
-_lock = threading.Lock()
-_rules: dict[str, SchemeRules] = {}
-_by_scheme: dict[str, SchemeRules] = {}
-_version = [0]
+@dataclass(frozen=True)
+class Registry:
+    """The scheme families weightcache processes, and the tables derived from them once.
 
+    A value, not a global to register into: the package's is ``weightcache.quant.REGISTRY``, built
+    from the literal ``weightcache.quant.FAMILIES``; a test builds its own (``Registry((*FAMILIES, toy))``)
+    and passes it to ``pipeline.plan`` or ``quant.detect``.
 
-def register(rules: SchemeRules) -> SchemeRules:
-    """Adds a scheme family: its capability rows, side tensors and ops become active.
-
-    Returns:
-        `SchemeRules`: ``rules``.
+    Attributes:
+        families (`tuple[SchemeRules]`): the families, in order (config detection asks them in it).
+        capabilities (`dict[tuple[str, str], Capability]`): every family's capability rows.
+        by_scheme (`dict[str, SchemeRules]`): scheme name -> its family.
+        side_tensors (`dict[str, SideTensor]`): every side tensor rule, by ``param``.
+        ops (`dict[str, Op]`), placers (`dict[str, Placer]`): every family's processing ops and placements.
 
     Raises:
-        ValueError: a family, scheme name, capability row, op name or side
-            tensor (with another rule) that another registered family has.
+        ValueError: two families share a name, a scheme name, a capability row, an op name (or name the
+            pipeline's own ``copy``), or a side tensor with different rules.
     """
-    with _lock:
-        taken = {op for r in _rules.values() for op in r.ops}
-        sides = {s.param: s for r in _rules.values() for s in r.side_tensors}
-        clash = ([rules.family] if rules.family in _rules or not rules.family else []) \
-            + [c.scheme for c in rules.capabilities.values() if c.scheme in _by_scheme] \
-            + [f"{m} {a}" for m, a in rules.capabilities if (m, a) in capabilities.SUPPORTED] \
-            + [op for op in rules.ops if op in taken or op == "copy"] \
-            + [s.param for s in rules.side_tensors if s.param in sides and sides[s.param] != s]
-        if clash:
-            raise ValueError(f"quantization scheme family {rules.family!r} cannot be registered: "
-                             f"{clash} already belong to another registered family")
-        _rules[rules.family] = rules
-        for key, cap in rules.capabilities.items():
-            capabilities.SUPPORTED[key] = cap
-            _by_scheme[cap.scheme] = rules
-        _version[0] += 1
-    return rules
 
+    families: tuple[SchemeRules, ...]
+    capabilities: Mapping[tuple[str, str], Capability] = field(init=False, repr=False, compare=False)
+    by_scheme: Mapping[str, SchemeRules] = field(init=False, repr=False, compare=False)
+    side_tensors: Mapping[str, SideTensor] = field(init=False, repr=False, compare=False)
+    ops: Mapping[str, Op] = field(init=False, repr=False, compare=False)
+    placers: Mapping[str, Callable[..., Any]] = field(init=False, repr=False, compare=False)
 
-def unregister(rules: SchemeRules) -> None:
-    """Removes a family :func:`register` added (tests register toy schemes and take them out again)."""
-    with _lock:
-        if _rules.get(rules.family) is not rules:
-            return
-        del _rules[rules.family]
-        for key, cap in rules.capabilities.items():
-            capabilities.SUPPORTED.pop(key, None)
-            _by_scheme.pop(cap.scheme, None)
-        _version[0] += 1
+    def __post_init__(self) -> None:
+        caps: dict[tuple[str, str], Capability] = {}
+        by_scheme: dict[str, SchemeRules] = {}
+        sides: dict[str, SideTensor] = {}
+        ops: dict[str, Op] = {}
+        placers: dict[str, Callable[..., Any]] = {}
+        names: set[str] = set()
+        for rules in self.families:
+            clash = ([rules.family] if rules.family in names or not rules.family else []) \
+                + [c.scheme for c in rules.capabilities.values() if c.scheme in by_scheme] \
+                + [f"{m} {a}" for m, a in rules.capabilities if (m, a) in caps] \
+                + [op for op in rules.ops if op in ops or op == "copy"] \
+                + [s.param for s in rules.side_tensors if s.param in sides and sides[s.param] != s]
+            if clash:
+                raise ValueError(f"quantization scheme family {rules.family!r} cannot join the registry: "
+                                 f"{clash} already belong to another family")
+            names.add(rules.family)
+            caps.update(rules.capabilities)
+            by_scheme.update({cap.scheme: rules for cap in rules.capabilities.values()})
+            sides.update({s.param: s for s in rules.side_tensors})
+            ops.update(rules.ops)
+            placers.update(rules.placers)
+        for name, table in (("capabilities", caps), ("by_scheme", by_scheme), ("side_tensors", sides),
+                            ("ops", ops), ("placers", placers)):
+            object.__setattr__(self, name, MappingProxyType(table))
 
+    def for_scheme(self, scheme: str) -> SchemeRules | None:
+        """The family that processes scheme ``scheme`` (a ``Capability.scheme``), or ``None``."""
+        return self.by_scheme.get(scheme)
 
-def families() -> list[SchemeRules]:
-    """The registered families, in registration order."""
-    return list(_rules.values())
+    def op(self, name: str) -> Op | None:
+        """The processing op ``name``, or ``None``."""
+        return self.ops.get(name)
 
-
-def for_scheme(scheme: str) -> SchemeRules | None:
-    """The family that processes scheme ``scheme`` (a ``Capability.scheme``), or ``None``."""
-    return _by_scheme.get(scheme)
-
-
-def side_tensors() -> dict[str, SideTensor]:
-    """Every registered side tensor rule, by ``param``."""
-    return {s.param: s for r in _rules.values() for s in r.side_tensors}
-
-
-def op(name: str) -> Op | None:
-    """The registered processing op ``name``, or ``None``."""
-    for r in _rules.values():
-        fn = r.ops.get(name)
-        if fn is not None:
-            return fn
-    return None
-
-
-def placer(name: str) -> Callable[..., Any] | None:
-    """The registered torch-free placement of op ``name`` (see :attr:`SchemeRules.placers`), or ``None``."""
-    for r in _rules.values():
-        fn = r.placers.get(name)
-        if fn is not None:
-            return fn
-    return None
-
-
-def version() -> int:
-    """A number that changes with every :func:`register` / :func:`unregister` (for caches of derived tables)."""
-    return _version[0]
+    def placer(self, name: str) -> Callable[..., Any] | None:
+        """The torch-free placement of op ``name`` (see :attr:`SchemeRules.placers`), or ``None``."""
+        return self.placers.get(name)
