@@ -208,7 +208,12 @@ class WeightcachePublishLoader(DefaultModelLoader):
         if not os.path.isdir(path):  # a hub id: the service holds local checkpoints by path
             log.info("weightcache publication skipped checkpoint=%s reason=not a local checkpoint directory", path)
             return self._own_load(vllm_config, model_config, prefix, target)
-        key = engine_key(vllm_config, model_config)
+        try:
+            key = engine_key(vllm_config, model_config)
+        except Exception as e:  # noqa: BLE001 - a vLLM whose config lacks a field read here: its own load runs
+            log.warning("weightcache publication skipped checkpoint=%s reason=the engine key could not be worked "
+                        "out: %r", path, e)
+            return self._own_load(vllm_config, model_config, prefix, target)
         par = key["parallel"]
         where = {"device": device, "socket_dir": self.options["socket_dir"], "gpu": gpu,
                  "timeout": float(self.options["timeout_s"])}
@@ -229,9 +234,9 @@ class WeightcachePublishLoader(DefaultModelLoader):
         tensors, attrs = collect(model)
         try:
             got = publish(path, key, tensors, par["tp_size"], par["tp_rank"], attrs=attrs, **where)
-        except WeightcacheError as e:
+        except (WeightcacheError, OSError, RuntimeError) as e:  # refused, no memfd, a copy failed: keep its own
             log.warning("weightcache publication refused checkpoint=%s tp_rank=%d reason=%s: %s; the engine keeps "
-                        "its own copy", path, par["tp_rank"], e.code, e.message)
+                        "its own copy", path, par["tp_rank"], getattr(e, "code", type(e).__name__), e)
             return model
         log.info("weightcache published checkpoint=%s slab=%s created=%s tp_size=%d tp_rank=%d tensors=%d "
                  "size_bytes=%d", path, got.label, got.created, par["tp_size"], par["tp_rank"], len(tensors),
