@@ -256,3 +256,38 @@ def test_modelopt_fp8_publishes_and_the_next_start_moves_onto_it(workdir):
         assert probe["params"] > 0 and probe["outside"] == [], probe
     finally:
         svc.kill()
+
+
+# --- the loader's helpers (in this process) -------------------------------------------------
+
+
+def test_parse_extra_config_defaults_and_rejections():
+    from weightcache.errors import ConfigError
+    from weightcache.integrations.vllm_publish import parse_extra_config
+
+    assert parse_extra_config(None) == {"socket_dir": None, "gpu": None, "timeout_s": 60.0}
+    for bad in ({"fallback": True}, {"gpu": "0"}, {"timeout_s": True}):
+        with pytest.raises(ConfigError) as e:
+            parse_extra_config(bad)
+        assert e.value.code == "config_invalid" and e.value.details["key"] == next(iter(bad))
+
+
+def test_collect_keeps_json_attributes_and_slots_leaves_computed_buffers_alone():
+    """What is published: every parameter and buffer, tied names each, JSON-able attributes only; what an attach
+    registers: every parameter, and only the buffers still on meta (vLLM writes the ones it computed)."""
+    import torch
+    from torch import nn
+
+    from weightcache.integrations.vllm_publish import _slots, collect
+
+    m = nn.Module()
+    m.w = nn.Parameter(torch.ones(2, 2), requires_grad=False)
+    m.w.output_dim, m.w.weight_loader, m.w.nan = 0, print, float("nan")
+    m.register_buffer("cache", torch.arange(3.0))
+    m.register_buffer("empty", torch.empty(2, device="meta"))
+    m.tied = m.w
+    tensors, attrs = collect(m)
+    assert sorted(tensors) == ["cache", "empty", "tied", "w"] and attrs == {"w": {"output_dim": 0},
+                                                                         "tied": {"output_dim": 0}}
+    assert sorted(_slots(m, tensors)) == ["empty", "tied", "w"]
+    assert sorted(_slots(m, tensors, buffers=False)) == ["tied", "w"]
