@@ -405,6 +405,26 @@ class FdStoreStandIn:
                 os.close(fd)
         return dict(self.fds)
 
+    def drain(self) -> None:
+        """Reads every datagram waiting, keeping ``FDSTORE=1`` fds as :meth:`collect` does: a service's
+        notifications block once the socket holds ``net.unix.max_dgram_qlen`` (10) unread datagrams, which a
+        restart that drops and stores several entries reaches (systemd reads them at once)."""
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    msg, fds, _, _ = socket.recv_fds(self.sock, 65536, 4)
+                except BlockingIOError:
+                    return
+                fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
+                keep = fds[:1] if fields.get("FDSTORE") == "1" else []
+                if keep:
+                    self.fds[fields["FDNAME"]] = keep[0]
+                for fd in fds[len(keep):]:
+                    os.close(fd)
+        finally:
+            self.sock.setblocking(True)
+
     def serve(self, cfg: Path, listen: Path, log: Path, gpu: int = 0) -> subprocess.Popen:
         """Starts ``serve`` with the fds stored so far (:func:`serve_with_stored_fds`)."""
         p = serve_with_stored_fds(cfg, listen, self.fds, self.path, log, gpu)

@@ -46,7 +46,7 @@ from packaging.version import Version
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = REPO / "service" / "weightcache" / "integrations"
 #: The plugin's modules that import vLLM.
-PLUGIN_MODULES = ("vllm.py", "vllm_zero_copy.py", "vllm_fallback.py")
+PLUGIN_MODULES = ("vllm.py", "vllm_zero_copy.py", "vllm_fallback.py", "vllm_publish.py")
 #: The plugin's loader class and its module (for ``override``).
 LOADER = ("vllm.py", "WeightcacheModelLoader")
 #: Where the wheels are cached, and the versions ``make test`` checks (``VLLM_CHECKED`` in mk/vllm.mk).
@@ -71,11 +71,13 @@ class Call:
 #: ``override``: detail is the plugin loader's method name; ``field``/``import``: None.
 SURFACE: tuple[tuple[str, str, object], ...] = (
     # imports (also found from the plugin's source: a new one must be listed here)
+    ("import", "vllm.__version__", None),  # the publication's engine key
     ("import", "vllm.config.ModelConfig", None),
     ("import", "vllm.config.VllmConfig", None),
     ("import", "vllm.config.load.LoadConfig", None),
     ("import", "vllm.distributed.get_tensor_model_parallel_rank", None),
     ("import", "vllm.distributed.get_tensor_model_parallel_world_size", None),
+    ("import", "vllm.distributed.get_pp_group", None),
     ("import", "vllm.logger.init_logger", None),
     ("import", "vllm.model_executor.model_loader.register_model_loader", None),
     ("import", "vllm.model_executor.model_loader.base_loader.BaseModelLoader", None),
@@ -94,6 +96,7 @@ SURFACE: tuple[tuple[str, str, object], ...] = (
     ("call", "vllm.model_executor.model_loader.register_model_loader", Call(1)),
     ("call", "vllm.distributed.get_tensor_model_parallel_rank", Call(0)),
     ("call", "vllm.distributed.get_tensor_model_parallel_world_size", Call(0)),
+    ("call", "vllm.distributed.get_pp_group", Call(0)),
     ("call", "vllm.utils.torch_utils.set_default_torch_dtype", Call(1)),
     ("call", "vllm.platforms.interface.Platform.is_cpu", Call(0)),
     ("call", "vllm.model_executor.model_loader.base_loader.BaseModelLoader.__init__", Call(1)),

@@ -207,6 +207,22 @@ class ManifestSlabMismatch(RemoteProtocolError):
     code = "manifest_slab_mismatch"
 
 
+class PublicationInvalid(WeightcacheError):
+    """A ``publish`` (or an attach by engine key) the service cannot take: its engine key lacks a field or has one
+    of the wrong type, its manifest does not fit the memfd sent with it, the fd is no memfd that can be sealed,
+    or the backend takes no publication. ``details["field"]`` or ``details["reason"]`` names what."""
+
+    code = "publication_invalid"
+
+
+class SlabStillMapped(WeightcacheError):
+    """A ``publish`` whose memfd could not be sealed against writes: the publisher (or a process it shared the fd
+    with) still holds a writable mapping of it (the kernel refuses ``F_SEAL_WRITE`` then, ``EBUSY``). Unmap every
+    writable mapping before sending; nothing was kept."""
+
+    code = "slab_still_mapped"
+
+
 class InternalError(WeightcacheError):
     """The service failed to handle one request for a reason that is its own bug
     or an unexpected library error; it logged the details and keeps serving."""

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import json
+
 from .checkpoint import Checkpoint
-from .errors import WeightcacheError
+from .errors import PublicationInvalid, WeightcacheError
+from .hashes import blake2b_hex
 from .spec import DETECT, DTYPE_NAMES, RankRequest
 
 
@@ -183,3 +186,100 @@ def diff_keys(expected: Any, actual: Any, prefix: str = "") -> list[str]:
                 out.extend(diff_keys(expected[k], actual[k], p))
         return out
     return [] if expected == actual else [prefix or "<key>"]
+
+
+# --- the engine's key of a published slab (DESIGN §6.4) -------------------------------------------------------
+
+#: Every parallel rank and size an engine key carries (``parallel``): tensor, pipeline, data and expert parallelism.
+PARALLEL_FIELDS = ("tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size", "dp_rank", "ep_size", "ep_rank")
+#: The fields every engine key has, and their JSON types (an engine may add fields of its own: they are compared too).
+ENGINE_KEY_FIELDS: dict[str, type] = {
+    "engine": str, "engine_version": str, "architecture": str, "dtype": str, "quantization": dict,
+    "parallel": dict, "draft": str, "kernels": dict, "compute_capability": str,
+}
+#: Names a publisher may not use: the service writes them (the checkpoint identity it computes, the slab's device).
+RESERVED_KEY_FIELDS = ("checkpoint", "device")
+
+
+def _invalid(field: str, what: str) -> PublicationInvalid:
+    return PublicationInvalid(f"engine key: {field} {what} (docs/protocol.md, \"The engine key\")", field=field)
+
+
+def engine_key(fields: dict[str, Any], tp_size: int, tp_rank: int) -> dict[str, Any]:
+    """Checks an engine's key fields (what ``publish`` and ``attach_published`` carry) and returns them.
+
+    Required: ``engine`` and ``engine_version`` (non-empty strings), ``architecture`` (the ``config.json``
+    architecture the engine ran), ``dtype`` (the model dtype it resolved, e.g. ``bfloat16``), ``quantization``
+    (``{"method": str, "config_blake2b": str}``; ``""`` for both when unquantized), ``parallel`` (every one of
+    :data:`PARALLEL_FIELDS`, integers, ``0 <= rank < size``), ``draft`` (``""`` for the target model, else the
+    draft's role, e.g. ``eagle``), ``kernels`` (the kernel backend chosen per kind, strings) and
+    ``compute_capability`` (``"9.0"``; ``""`` on a CPU). Other fields (RoPE parameters, KV-cache dtype...) are
+    allowed and compared like the rest; :data:`RESERVED_KEY_FIELDS` are the service's.
+
+    Args:
+        fields (`dict`): the engine's key, a JSON object.
+        tp_size, tp_rank (`int`): the rank the request names; must equal ``parallel``'s.
+
+    Returns:
+        `dict`: ``fields`` itself.
+
+    Raises:
+        PublicationInvalid (`publication_invalid`): a field is missing, reserved or of the wrong type
+            (``details["field"]`` names it).
+
+    Example:
+        >>> k = engine_key({"engine": "vllm", "engine_version": "0.32.0", "architecture": "Qwen3ForCausalLM",
+        ...                 "dtype": "bfloat16", "quantization": {"method": "", "config_blake2b": ""},
+        ...                 "parallel": dict.fromkeys(PARALLEL_FIELDS, 0) | {"tp_size": 1, "pp_size": 1,
+        ...                                                                  "dp_size": 1, "ep_size": 1},
+        ...                 "draft": "", "kernels": {}, "compute_capability": ""}, 1, 0)
+        >>> engine_key_blake2b(k) == engine_key_blake2b(dict(k))
+        True
+    """
+    for name in RESERVED_KEY_FIELDS:
+        if name in fields:
+            raise _invalid(name, "is the service's own field: leave it out")
+    for name, typ in ENGINE_KEY_FIELDS.items():
+        if name not in fields:
+            raise _invalid(name, "is missing")
+        if not isinstance(fields[name], typ):
+            raise _invalid(name, f"must be a JSON {'string' if typ is str else 'object'}, got "
+                                 f"{type(fields[name]).__name__}")
+    for name in ("engine", "engine_version"):
+        if not fields[name]:
+            raise _invalid(name, "must not be empty")
+    q = fields["quantization"]
+    for name in ("method", "config_blake2b"):
+        if not isinstance(q.get(name), str):
+            raise _invalid(f"quantization.{name}", "must be a string (\"\" when unquantized)")
+    par = fields["parallel"]
+    for name in PARALLEL_FIELDS:
+        v = par.get(name)
+        if type(v) is not int or v < (1 if name.endswith("_size") else 0):
+            raise _invalid(f"parallel.{name}", f"must be an integer >= {1 if name.endswith('_size') else 0}, "
+                                               f"got {v!r}")
+    for kind in ("tp", "pp", "dp", "ep"):
+        if par[f"{kind}_rank"] >= par[f"{kind}_size"]:
+            raise _invalid(f"parallel.{kind}_rank", f"is {par[kind + '_rank']}, not below "
+                                                    f"{kind}_size = {par[kind + '_size']}")
+    if (par["tp_size"], par["tp_rank"]) != (tp_size, tp_rank):
+        raise _invalid("parallel.tp_size", f"says tp_size={par['tp_size']} tp_rank={par['tp_rank']}, the request "
+                                           f"tp_size={tp_size} tp_rank={tp_rank}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in fields["kernels"].items()):
+        raise _invalid("kernels", "must map each kernel kind to the backend's name (strings)")
+    return fields
+
+
+def engine_key_blake2b(fields: dict[str, Any]) -> str:
+    """blake2b-128 (hex) of an engine key as sorted, compact JSON: what names its publication."""
+    return blake2b_hex(json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                                  allow_nan=False).encode())
+
+
+def published_key(fields: dict[str, Any], ck: Checkpoint, device: dict[str, Any]) -> dict[str, Any]:
+    """The cache key of a published slab: the engine's key ``fields``, the checkpoint identity computed here from
+    the files (never the publisher's word), and the slab's ``device`` (:func:`cache_key`'s).
+
+    Reads the checkpoint's headers and ``stat()``s its files; no tensor byte.
+    """
+    return {"checkpoint": ck.identity(), **fields, "device": dict(device)}

@@ -42,6 +42,7 @@ MESSAGE_IDS = {
     "promoted": "2a41ba0667bd4a3fa0d127c5a7ffb003",
     "shelved": "9b93fa1d3b644b4cbf0b4b8438d3534b",
     "backend": "b8d4268cc41644dcbebfd2edd4c254b6",
+    "published": "6aea506d539c4cc0b81bd2def38dc7ae",
 }
 
 

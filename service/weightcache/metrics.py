@@ -110,6 +110,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "weightcache_verify_failures": ("counter", SLAB_LABELS, "verify runs that found a changed tensor"),
     "weightcache_attaches": ("counter", ("gpu", "model", "outcome", "code"),
                              "Attaches answered, by outcome (daemon, loading, refused) and error code"),
+    "weightcache_publishes": ("counter", SLAB_LABELS + ("outcome", "code"),
+                              "Publications answered, by outcome (published, held, refused) and error code"),
     "weightcache_attach_duration_seconds": ("histogram", ("gpu", "model"),
                                             "Attach service time, request read to reply queued, seconds"),
 }
@@ -275,6 +277,8 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
         fam.add("weightcache_loads", (g, lc.model, lc.tp_size, lc.tp_rank, lc.outcome, lc.code), lc.count)
     for ac in co.attaches:
         fam.add("weightcache_attaches", (g, ac.model, ac.outcome, ac.code), ac.count)
+    for pc in co.publishes:
+        fam.add("weightcache_publishes", (g, pc.model, pc.tp_size, pc.tp_rank, pc.outcome, pc.code), pc.count)
     for at in co.attach_times:
         cumulative, buckets = 0, []
         for bound, n in zip([*at.bounds_s, float("inf")], at.counts):

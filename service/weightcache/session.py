@@ -22,7 +22,7 @@ from typing import Any
 
 from . import protocol
 from .errors import DaemonUnavailable, RemoteProtocolError, from_wire
-from .fdpass import recv_with_fds
+from .fdpass import recv_with_fds, send_some
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,21 @@ class Session:
         data = b"".join(self.conn.send(m)[0] for m in msgs)
         try:
             self.sock.sendall(data)
+        except OSError as e:
+            raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}", socket=self.path) from None
+
+    def send_with_fds(self, msg: protocol.Message, fds: list[int] | tuple[int, ...]) -> None:
+        """Writes ``msg`` with ``fds`` (``SCM_RIGHTS`` on the frame's first byte; the fds stay the caller's), without
+        waiting for the reply (see :meth:`replies`).
+
+        Raises:
+            LocalProtocolError (`local_protocol_violation`): ``msg`` carries another number of fds.
+            DaemonUnavailable: the service went away.
+        """
+        data, fds = self.conn.send(msg, fds)
+        try:
+            n = send_some(self.sock, data, fds)
+            self.sock.sendall(data[n:])
         except OSError as e:
             raise DaemonUnavailable(f"weightcache service at {self.path} went away: {e}", socket=self.path) from None
 

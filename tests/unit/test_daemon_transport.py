@@ -32,7 +32,7 @@ def transport(tmp_path):
     listener.listen(16)
     seen: list = []
 
-    def on_message(c, msg):
+    def on_message(c, msg, fds=()):
         seen.append(msg)
         tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []) if isinstance(msg, protocol.Hello)
                 else protocol.StatusReply({"pad": "x" * 4000}))
@@ -126,7 +126,7 @@ def test_fds_in_flight_are_capped_per_uid_and_given_back_once_read(tmp_path):
     r, w = os.pipe()
     unsent: list = []
 
-    def on_message(c, msg):
+    def on_message(c, msg, fds=()):
         if isinstance(msg, protocol.Hello):
             tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
         else:
@@ -176,7 +176,7 @@ def test_a_dropped_connection_is_counted_until_its_peer_reads_or_closes(tmp_path
     listener.listen(4)
     r, w = os.pipe()
 
-    def on_message(c, msg):
+    def on_message(c, msg, fds=()):
         if isinstance(msg, protocol.Hello):
             tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
         else:
@@ -213,7 +213,7 @@ def test_a_client_pipelining_many_requests_takes_turns_with_the_others(tmp_path)
     order: list[tuple[int, str]] = []
     tr: Transport
 
-    def on_message(c, msg):
+    def on_message(c, msg, fds=()):
         order.append((c.sock.fileno(), msg.tag()))
         tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []) if isinstance(msg, protocol.Hello)
                 else protocol.StatusReply({}))
@@ -255,7 +255,7 @@ def turns(tmp_path):
     listener.listen(16)
     tr: Transport
 
-    def on_message(c, msg):
+    def on_message(c, msg, fds=()):
         tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []) if isinstance(msg, protocol.Hello)
                 else protocol.StatusReply({}))
 
@@ -376,7 +376,7 @@ def test_a_reply_whose_fds_cannot_be_duplicated_is_answered_resource_exhausted(t
     listener.listen(4)
     r, w = os.pipe()
 
-    def on_message(c, msg):
+    def on_message(c, msg, fds=()):
         if isinstance(msg, protocol.Hello):
             tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
         else:

@@ -20,8 +20,9 @@ from service_harness import daemon  # noqa: F401 - pytest fixture (a host-backen
 PIPELINE = ("weightcache.pipeline", "weightcache.quant", "weightcache.sharding", "weightcache.reader",
             "weightcache.reader._rows")
 #: The operator's messages, the records inside their replies, and ``release`` (the client ends a lease by closing
-#: its connection): an engine's attach never exchanges them.
-OPERATOR_PROTOCOL = ("weightcache.protocol._admin", "weightcache.protocol._records", "weightcache.protocol._lease")
+#: its connection), and publication's messages: an engine's attach never exchanges them.
+OPERATOR_PROTOCOL = ("weightcache.protocol._admin", "weightcache.protocol._records", "weightcache.protocol._lease",
+                     "weightcache.protocol._publish")
 #: The planning stages' tensor specs and the safetensors header reads: an attach served by the service builds no
 #: spec and reads no header (the key's checkpoint identity is checked by ``stat()``).
 NOT_ATTACHING = ("weightcache.tensor_spec", "weightcache.checkpoint.header")

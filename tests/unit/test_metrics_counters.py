@@ -102,6 +102,7 @@ def test_exposition_names_types_and_values():
     c = Counters([_placement("qwen")], started_at=123.0)
     c.answered(protocol.Attach("qwen"), [_Reply(protocol.AttachReply(1, "/srv/qwen", "host", 4096))], 0.003)
     c.load_settled(_placement("qwen"), None, 2.0, 2048)
+    c.answered(protocol.Publish("qwen", 1, 0, {}, 4096, 10), [_Reply(protocol.PublishReply("x", True, 4096, "k"))], 0.1)
     st = _status([_slab("qwen", "ready", 2048, leases=2), _slab("bad", "failed", 0)])
     fams = _exposition([metrics.Instance(0, True, "active", st, c.record(), configured_slabs=2),
                         metrics.Instance(1, True, "inactive"),
@@ -123,6 +124,7 @@ def test_exposition_names_types_and_values():
         return v
 
     assert val("weightcache_slab_resident_bytes", gpu=0, model="qwen") == 2048
+    assert val("weightcache_publishes_total", gpu=0, model="qwen", tp_size=1, tp_rank=0, outcome="published") == 1
     assert val("weightcache_slab_leases", gpu=0, model="qwen") == 2
     assert val("weightcache_slab_state", gpu=0, model="bad", state="failed") == 1
     assert val("weightcache_slab_state", gpu=0, model="bad", state="ready") == 0
@@ -172,7 +174,7 @@ def test_every_event_has_a_random_id_and_a_catalog_entry():
     catalog = (REPO / "units" / "weightcache.catalog").read_text()
     assert set(MESSAGE_IDS) == {"serving", "ready", "config_rejected", "loaded", "load_failed", "attached",
                                 "released", "evicted", "adopted", "verify", "fallback", "attach_retry", "rejected", "reloaded",
-                                "demoted", "promoted", "shelved", "backend"}
+                                "demoted", "promoted", "shelved", "backend", "published"}
     assert len(set(MESSAGE_IDS.values())) == len(MESSAGE_IDS)
     for kind, mid in MESSAGE_IDS.items():
         assert re.fullmatch(r"[0-9a-f]{32}", mid) and mid[12] == "4" and mid[16] in "89ab", kind  # a uuid4

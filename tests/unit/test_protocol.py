@@ -56,7 +56,7 @@ def _example(cls):
         t = str(f.type)
         vals[f.name] = {"int": 3, "str": "x", "bool": True, "dict": {"a": [1]}, "list": [1, "b"], "bytes": b"\x00pay\nload"}[
             t.split("|")[0].strip().split("[")[0]]
-    if cls is protocol.Attach:  # fields with a closed set of values (weightcache.wire)
+    if cls in (protocol.Attach, protocol.AttachPublished):  # fields with a closed set of values (weightcache.wire)
         vals["mode"] = "copy"
     if cls is protocol.Loading:
         vals["state"] = "pending"
@@ -237,3 +237,39 @@ def test_nul_payload_or_an_old_attach_reply_is_a_protocol_violation(body):
     with pytest.raises(errors.RemoteProtocolError) as e:
         protocol.decode(body)
     assert e.value.code == "protocol_violation"
+
+
+def test_golden_publish_frame_declares_its_fds():
+    """``publish`` carries two fds (the slab memfd, the publisher's manifest file) and the engine's key."""
+    cli = Connection(CLIENT)
+    cli.send(protocol.Hello(3))
+    data, fds = cli.send(protocol.Publish("m", 1, 0, {"engine": "vllm"}, 4096, 512), [42, 43])
+    assert data == frame(b'{"model":"m","tp_size":1,"tp_rank":0,"engine_key":{"engine":"vllm"},'
+                           b'"size_bytes":4096,"manifest_size_bytes":512,"type":"publish","fd_count":2}')
+    assert fds == [42, 43]
+    srv = Connection(SERVER)
+    srv.receive(Connection(CLIENT).send(protocol.Hello(3))[0] + data, [42, 43])
+    srv.next_message()
+    msg, got = srv.next_message()
+    assert type(msg) is protocol.Publish and msg.engine_key == {"engine": "vllm"} and got == [42, 43]
+
+
+def test_golden_publish_reply_and_attach_published_frames():
+    srv = Connection(SERVER)
+    srv.receive(Connection(CLIENT).send(protocol.Hello(3))[0])
+    srv.next_message()
+    data, fds = srv.send(protocol.PublishReply("m/tp1/rank0+pub:0123abcd", True, 4096, "0123abcd"))
+    assert data == frame(b'{"label":"m/tp1/rank0+pub:0123abcd","created":true,"size_bytes":4096,'
+                           b'"engine_key_blake2b":"0123abcd","type":"publish_reply"}') and fds == []
+    cli = Connection(CLIENT)
+    cli.send(protocol.Hello(3))
+    data, _ = cli.send(protocol.AttachPublished("m", 2, 1, {"engine": "vllm"}))
+    assert data == frame(b'{"model":"m","tp_size":2,"tp_rank":1,"engine_key":{"engine":"vllm"},'
+                           b'"mode":"zero_copy","type":"attach_published"}')
+
+
+def test_publish_without_its_fds_is_a_violation():
+    body = frame({"type": "publish", "model": "m", "tp_size": 1, "tp_rank": 0, "engine_key": {},
+                  "size_bytes": 1, "manifest_size_bytes": 1})[4:]
+    with pytest.raises(errors.RemoteProtocolError):
+        protocol.decode(body)

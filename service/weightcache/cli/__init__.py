@@ -1,9 +1,10 @@
-"""Command line: ``weightcache serve|status|list|check-config|verify|evict|preload|wait|reload|metrics|serve-metrics``.
+"""Command line: ``weightcache serve|status|list|check-config|verify|evict|preload|wait|reload|metrics|serve-metrics|
+publish``.
 
 Thin: this module holds the argument parser and :func:`main`; each command is
 a small function in the module named for it (``status``: status and list,
 ``check_config``, ``slabs``: verify, evict and reload, ``wait``: wait and
-preload, ``prometheus``: metrics and serve-metrics, ``serve``, which hands
+preload, ``prometheus``: metrics and serve-metrics, ``publish`` (vLLM's own load, published), ``serve``, which hands
 over to :mod:`weightcache.daemon.bootstrap`), imported only when that command
 runs. The commands are documented in ``weightcache(1)`` and docs/, and
 tests/integration/test_cli.py drives each against live services. Exit status:
@@ -120,6 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", metavar="FILE", default=None,
                     help="write FILE atomically instead of stdout (node_exporter's textfile collector: *.prom)")
     sp.set_defaults(fn="prometheus:cmd_metrics", timeout=5.0)
+
+    sp = sub.add_parser("publish", help="load a model with vLLM's own loader and publish every rank to the services "
+                                        "(run with the engine's interpreter)")
+    sp.add_argument("model", help="checkpoint directory (as the engines give it to vLLM)")
+    sp.add_argument("--tp", type=int, default=1, help="tensor-parallel size (every rank is published)")
+    sp.add_argument("--dtype", default=None, help="vLLM's --dtype (default: vLLM's auto)")
+    sp.add_argument("--quantization", default=None, help="vLLM's --quantization (default: from the checkpoint)")
+    sp.add_argument("--max-model-len", dest="max_model_len", type=int, default=None, help="vLLM's --max-model-len")
+    client_opts(sp)
+    sp.set_defaults(fn="publish:cmd_publish", timeout=60.0)
 
     sp = sub.add_parser("serve-metrics", help="answer GET /metrics over HTTP (weightcache-metrics.service)")
     client_opts(sp, gpu=False)

@@ -109,7 +109,12 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
             print(f"      {sl.path}")
         if sl.error is not None:
             print(f"      reason: {sl.error.message}")
-        if sl.key is not None:
+        pub = sl.publication
+        if pub is not None:  # an engine processed it: its key is the engine's, not the configured dtype and naming
+            print(f"      published by {pub.get('engine')} {pub.get('engine_version')} (uid {pub.get('publisher_uid')}, "
+                  f"{'shared' if pub.get('shared') else 'its own uid only'}), engine key "
+                  f"{str(pub.get('engine_key_blake2b'))[:16]}, arch={sl.key.architecture if sl.key else '?'}")
+        elif sl.key is not None:
             k = sl.key
             print(f"      key: arch={k.architecture} dtype={sl.dtype} naming={sl.naming} "
                   f"quant={k.quant_scheme or 'none'} files={k.files} pipeline=v{k.pipeline_version}")

@@ -436,30 +436,44 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
                 raise CacheKeyMismatch(
                     f"service at {sock_path} holds a different {model!r}: differing key fields "
                     f"{', '.join(diff[:10])}", fields=diff, socket=sock_path)
-            # Map the whole shared allocation (memfd pages, or the 2 MiB-rounded VMM slab).
-            size = os.fstat(fd).st_size if reply.backend == "host" else manifest.slab_size_bytes
-            slab = backend.import_fd(fd, size, device)
+            slab = import_slab(backend, fd, reply, manifest, device)
         finally:
             os.close(fd)
-        try:
-            views = build_views(slab.tensor, manifest)
-        except (ManifestInvalid, ValueError, IndexError, RuntimeError) as e:
-            slab.close()
-            raise ManifestSlabMismatch(f"attach_reply from {sock_path}: manifest does not fit the slab "
-                                       f"({manifest.slab_size_bytes} bytes declared, {slab.size_bytes} mapped): {e}",
-                                       socket=sock_path, slab_size_bytes=manifest.slab_size_bytes) from None
-        layouts = LayoutMap(manifest)
-        if mode is AttachMode.COPY:
-            views = copy_views(views)
-            session.close()
-            slab.close()
-            return Attachment(views, layouts, manifest, "daemon", None, 0,
-                              lease_id=reply.lease_id)
-        return Attachment(views, layouts, manifest, "daemon", None, slab.size_bytes, session, slab,
-                          reply.lease_id)
+        return attachment_of(slab, manifest, reply, mode, session)
     except BaseException:
         session.close()
         raise
+
+
+def import_slab(backend: Any, fd: int, reply: protocol.AttachReply, manifest: Manifest, device: str) -> Any:
+    """Maps the whole shared allocation of an ``attach_reply``'s slab fd read-only (the memfd's pages, or the
+    2 MiB-rounded VMM slab); ``fd`` stays the caller's."""
+    size = os.fstat(fd).st_size if reply.backend == "host" else manifest.slab_size_bytes
+    return backend.import_fd(fd, size, device)
+
+
+def attachment_of(slab: Any, manifest: Manifest, reply: protocol.AttachReply, mode: AttachMode,
+                  session: Session) -> Attachment:
+    """The :class:`Attachment` of an imported ``slab``: views built from ``manifest``; in ``copy`` mode private
+    copies, the slab and the session (the lease) closed at once.
+
+    Raises:
+        ManifestSlabMismatch (`manifest_slab_mismatch`): a view does not fit the slab (``slab`` is closed).
+    """
+    try:
+        views = build_views(slab.tensor, manifest)
+    except (ManifestInvalid, ValueError, IndexError, RuntimeError) as e:
+        slab.close()
+        raise ManifestSlabMismatch(f"attach_reply from {session.path}: manifest does not fit the slab "
+                                   f"({manifest.slab_size_bytes} bytes declared, {slab.size_bytes} mapped): {e}",
+                                   socket=session.path, slab_size_bytes=manifest.slab_size_bytes) from None
+    layouts = LayoutMap(manifest)
+    if mode is AttachMode.COPY:
+        views = copy_views(views)
+        session.close()
+        slab.close()
+        return Attachment(views, layouts, manifest, "daemon", None, 0, lease_id=reply.lease_id)
+    return Attachment(views, layouts, manifest, "daemon", None, slab.size_bytes, session, slab, reply.lease_id)
 
 
 # Last, the client whole: the CUDA attach path's imports on a thread (none without an NVIDIA device node).

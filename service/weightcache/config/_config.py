@@ -27,6 +27,7 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     kernel = "cutlass"          # layout target of quantized weights
     allow_users = []            # SO_PEERCRED allow list (empty: the socket's group decides)
     allow_groups = []
+    publishers = []             # users whose publications every allowed engine attaches (root, the service user too)
     layouts = [ { tp = 1, gpus = [0] }, { tp = 2, gpus = [2, 3] } ]
     pin = false                 # true: never demoted or evicted by the budget
     priority = 0                # higher stays on the GPU longer (and loads first at start)
@@ -102,7 +103,7 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
 _METRICS_KEYS = ("address", "port")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
-    "pin", "priority", "preload",
+    "pin", "priority", "preload", "publishers",
 }
 #: Where a model's slabs go at start (``[models.X] preload``): the GPU as the budget allows, the host tier, or
 #: nowhere (the first attach loads them).
@@ -131,6 +132,9 @@ class ModelConfig(LoadRequest):
         kernel (`str`): layout target of quantized weights (``cutlass``).
         revision (`str`): the operator's label, part of the cache key.
         allow_users / allow_groups (`tuple[str]`): ``SO_PEERCRED`` allow lists.
+        publishers (`tuple[str]`): user names (or numeric uids) whose publications of this model every engine
+            on the allow lists attaches (root and the service user are trusted too); with the list set, no one
+            else may publish it; without it, anyone on the allow lists may, for its own uid's engines only.
         layouts (`tuple[Layout]`): where the ranks sit.
         source (`str`): the file that defined the model (for error messages).
         pin (`bool`): never demoted or evicted by the memory budget.
@@ -145,6 +149,7 @@ class ModelConfig(LoadRequest):
     pin: bool = False
     priority: int = 0
     preload: str = "gpu"
+    publishers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,7 +170,7 @@ class Placement(RankRequest):
         model = {"name": m.name, "path": m.path, "dtype": m.dtype, "naming": m.naming, "kernel": m.kernel,
                  "revision": m.revision, "allow_users": list(m.allow_users), "allow_groups": list(m.allow_groups),
                  "layouts": [[lay.tp, list(lay.gpus)] for lay in m.layouts], "source": m.source,
-                 "pin": m.pin, "priority": m.priority, "preload": m.preload}
+                 "pin": m.pin, "priority": m.priority, "preload": m.preload, "publishers": list(m.publishers)}
         return {"model": model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "gpu": self.gpu}
 
     @classmethod
@@ -179,7 +184,8 @@ class Placement(RankRequest):
             m = dict(d["model"])
             layouts = tuple(Layout(int(tp), tuple(int(g) for g in gpus)) for tp, gpus in m.pop("layouts"))
             model = ModelConfig(**{**m, "allow_users": tuple(m["allow_users"]),
-                                   "allow_groups": tuple(m["allow_groups"]), "layouts": layouts})
+                                   "allow_groups": tuple(m["allow_groups"]), "layouts": layouts,
+                                   "publishers": tuple(m.get("publishers", ()))})
             return cls(model, int(d["tp_size"]), int(d["tp_rank"]), int(d["gpu"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"stored placement is damaged: {e!r}") from None
@@ -368,7 +374,7 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         raise _err(path, f"{k}.naming", f"{naming!r} is not one of {', '.join(NAMINGS)}")
     kernel = table.get("kernel", DEFAULT_KERNEL)
     _check_type(path, f"{k}.kernel", kernel, str)
-    for lk in ("allow_users", "allow_groups"):
+    for lk in ("allow_users", "allow_groups", "publishers"):
         v = table.get(lk, [])
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise _err(path, f"{k}.{lk}", "must be a list of strings")
@@ -419,6 +425,7 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         kernel=kernel,
         allow_users=tuple(table.get("allow_users", [])),
         allow_groups=tuple(table.get("allow_groups", [])),
+        publishers=tuple(table.get("publishers", [])),
         layouts=tuple(layouts),
         revision=revision,
         source=path,
@@ -516,10 +523,10 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
 
 
 def account_names(operator_groups: Any, models: Any) -> AccountNames:
-    """The names of ``operator_groups`` and of the ``models``' allow lists resolved to ids (NSS; where the
+    """The names of ``operator_groups``, of the ``models``' allow lists and publishers resolved to ids (NSS; where the
     configuration is read, never on the serving loop: :mod:`weightcache.config`)."""
     models = list(models)
-    return resolve_accounts([u for m in models for u in m.allow_users],
+    return resolve_accounts([u for m in models for u in (*m.allow_users, *m.publishers)],
                             [*operator_groups, *(g for m in models for g in m.allow_groups)])
 
 

@@ -13,7 +13,12 @@ handlers call before they touch a model. The trust model
 - ``evict``, ``preload`` and ``verify`` need an operator (root, the service
   user, or a member of ``service.operator_groups``) who may also attach the
   model;
-- root and the service user pass every check.
+- root and the service user pass every check;
+- ``publish`` (DESIGN §6.4): a publication by root, the service user or a user on the model's ``publishers``
+  is *shared* (every engine the allow lists admit attaches it); with ``publishers`` set, nobody else may
+  publish the model; without it, anyone the allow lists admit may, and the publication is *private*: only
+  engines of the publisher's own uid attach it (no one else, root included, and it changes nothing anyone
+  else attaches).
 
 Groups are the peer's primary gid (``SO_PEERCRED``) and the supplementary
 groups it really holds (``SO_PEERGROUPS``, taken at ``connect()`` by the
@@ -95,7 +100,10 @@ def may_observe_all(peer: Peer, policy: Policy) -> bool:
 
 
 def may_attach(peer: Peer, slot: Slot, policy: Policy) -> bool:
-    """Whether ``peer`` is on ``slot``'s model's allow lists (or the model has none, or it is root/the service)."""
+    """Whether ``peer`` is on ``slot``'s model's allow lists (or the model has none, or it is root/the service),
+    and, for a private publication, of its publisher's uid."""
+    if slot.publication is not None and not slot.publication.visible_to(peer.uid):
+        return False
     m = slot.placement.model
     if not m.allow_users and not m.allow_groups:
         return True
@@ -152,3 +160,35 @@ def check_operator(peer: Peer, policy: Policy, request: str, model: str) -> None
         f"{_who(r)} may not {request}: only root, the service user and members "
         f"of service.operator_groups {list(policy.operator_groups)} may; run it as one of them (e.g. sudo)",
         model=model[:200], uid=peer.uid, request=request)
+
+
+def is_trusted_publisher(peer: Peer, slot: Slot, policy: Policy) -> bool:
+    """Root, the service user, or a user (by name or uid) on ``slot``'s model's ``publishers``."""
+    if peer.uid in (0, policy.service_uid):
+        return True
+    return any(policy.names.uid(u) == peer.uid for u in slot.placement.model.publishers)
+
+
+def check_publish(peer: Peer, slot: Slot, policy: Policy) -> bool:
+    """Allows ``peer`` to publish ``slot``'s model (see the module docstring); returns whether the publication is
+    shared (True) or private to the peer's uid (False).
+
+    Raises:
+        AccessDenied (`access_denied`): the peer is not on the model's allow lists, or the model names its
+            ``publishers`` and the peer is none of them.
+    """
+    check_attach(peer, slot, policy, "publish")
+    if is_trusted_publisher(peer, slot, policy):
+        return True
+    m = slot.placement.model
+    if not m.publishers:
+        return False
+    r = rights_of(peer, policy)
+    log.warning("rejected publish model=%s peer_pid=%d peer_uid=%d user=%s reason=not-a-publisher publishers=%s "
+                "source=%s", m.name, peer.pid, peer.uid, r.user, list(m.publishers), m.source,
+                extra=event("rejected", m.name, slot.placement.tp_rank, tp_size=slot.placement.tp_size,
+                            error_code="access_denied", peer_uid=peer.uid))
+    raise AccessDenied(
+        f"{_who(r)} may not publish model {m.name!r}: the model's publishers in {m.source} do not name it; publish "
+        f"as one of them, or ask the operator to add this user to publishers (then systemctl reload weightcache)",
+        model=m.name, uid=peer.uid, request="publish")

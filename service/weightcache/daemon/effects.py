@@ -4,7 +4,7 @@ Owns the records of :mod:`weightcache.daemon.handlers`' contract (h11's way:
 handlers return what the I/O layer must do): :class:`Reply` frames for the
 requester and the effects (:class:`StartLoad`, :class:`FreeSlab`,
 :class:`CancelLoad`, :class:`Reconfigure`, :class:`Refuse`,
-:class:`StartVerify`), gathered in an :class:`Outcome`; and :class:`Context`,
+:class:`StartVerify`, :class:`StoreSlab`), gathered in an :class:`Outcome`; and :class:`Context`,
 what handlers read besides the state.
 
 Forbidden imports: socket, selectors, threading, torch, weightcache.notify, weightcache.fdpass,
@@ -49,6 +49,13 @@ class FreeSlab:
     store_id: str | None
     sealed: Any
     manifest_file: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSlab:
+    """Effect: put ``slot``'s sealed slab and manifest file in systemd's fd store (a publication just made)."""
+
+    slot: Slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +106,9 @@ class Context:
             (:class:`weightcache.daemon.metrics.Counters`), for ``metrics``.
         tiers (`tiers.Tiers`, *optional*): the memory budget and the host tier (default: from
             ``service_config`` and ``mem_info``'s total, moves without a copy as on the host backend).
+        adopt_publication (`callable`, *optional*): ``(fd, size_bytes) -> SealedSlab``, the backend's
+            ``adopt_publication`` (seals a publisher's memfd and owns a dup of it); None: the backend takes no
+            publication (``publish`` is ``publication_invalid``).
         changed_checkpoints (`dict`): set around a ``reload`` only: slot identity
             (:func:`weightcache.daemon.reload.identity`) -> (the manifest it was checked against, the changed
             identity fields), for the resident slabs whose checkpoint files were replaced on disk since
@@ -116,6 +126,7 @@ class Context:
     counters: Any = None
     tiers: tiers.Tiers | None = None
     changed_checkpoints: dict = field(default_factory=dict)
+    adopt_publication: Callable[[int, int], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.policy is None:  # no operator groups: root and the service user

@@ -36,7 +36,7 @@ from ..journal import event
 from ..manifest import Manifest
 from ..manifest import read_file
 from ..memory.host import F_GET_SEALS, F_SEAL_GROW, F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_WRITE, SealedFile
-from .state import Slot
+from .state import Publication, Slot
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ def stored_placements(stored: dict[str, list[int]], gpu: int) -> tuple[list[Plac
             continue
         try:
             fields = read_file(fds[0]).fields
-            if fields.get("placement") is None:
-                continue
+            if fields.get("placement") is None or fields.get("publication") is not None:
+                continue  # a publication is no configured placement: it is adopted beside its model's
             p = Placement.from_json(fields["placement"])
         except (WeightcacheError, ValueError, OSError) as e:
             log.warning("fd store manifest unreadable id=%s reason=%s", name.split("-", 1)[1], e)
@@ -143,7 +143,8 @@ class FdStore:
         for name in (kind, "manifest"):
             notify.notify(f"FDSTOREREMOVE=1\nFDNAME={name}-{sid}")
 
-    def adopt(self, stored: dict[str, list[int]], slots: list[Slot], drop_unknown: bool = True) -> dict[Slot, Adopted]:
+    def adopt(self, stored: dict[str, list[int]], slots: list[Slot], drop_unknown: bool = True,
+              publication_slot: Any = None) -> dict[Slot, Adopted]:
         """Takes back the stored slabs that still match their slot; drops and closes everything else.
 
         Args:
@@ -153,6 +154,10 @@ class FdStore:
             drop_unknown (`bool`): False keeps the entries no slot claims in
                 systemd's store (this process closes its copies): a service
                 whose config did not load must not lose them.
+            publication_slot (`callable`, *optional*): ``(placement, publication) -> Slot | None``: a new slot
+                for a publication whose manifest file records them, or None when its model is no longer
+                configured here from that checkpoint. A publication's slot is not among ``slots``; it is
+                adopted like any slab (its key checked against the checkpoint as it is now) and returned.
 
         Returns:
             `dict`: slot -> :class:`Adopted` for each adopted slab (its fds now owned by the caller).
@@ -166,6 +171,8 @@ class FdStore:
             slab_fds = stored.get(f"slab-{sid}", []) + host_fds
             man_fds = stored.get(f"manifest-{sid}", [])
             slot = by_id.get(sid)
+            if slot is None and publication_slot is not None and len(man_fds) == 1:
+                slot = self._publication(sid, man_fds[0], publication_slot)
             kept = None
             if slot is not None and len(slab_fds) == 1 and len(man_fds) == 1:
                 try:
@@ -185,6 +192,21 @@ class FdStore:
                 self.left.add(sid)
         return out
 
+    @staticmethod
+    def _publication(sid: str, manifest_fd: int, publication_slot: Any) -> Slot | None:
+        """The slot of the publication whose manifest file is ``manifest_fd`` (store id ``sid``), or None (not a
+        publication, damaged, its model no longer configured here, or another store id)."""
+        try:
+            fields = read_file(manifest_fd).fields
+            if fields.get("publication") is None:
+                return None
+            slot = publication_slot(Placement.from_json(fields["placement"]),
+                                    Publication.from_json(fields["publication"]))
+        except (WeightcacheError, ValueError, KeyError, TypeError, OSError) as e:
+            log.warning("fd store publication unreadable id=%s reason=%s", sid, e)
+            return None
+        return slot if slot is not None and slot.store_id == sid else None
+
     def _match(self, slot: Slot, slab_fd: int, manifest_fd: int, tier: str = "gpu") -> Adopted | None:
         _check_sealed(manifest_fd, "manifest file")
         if self.backend.name == "host" or tier == "host":  # a cuda slab is a VMM handle, not a memfd
@@ -195,7 +217,10 @@ class FdStore:
         # The key alone (headers and stat(), no validation, no planning): a match means
         # the slab was planned and filled from exactly this checkpoint and config.
         ck = Checkpoint(p.model.path, validate=False)
-        current = identity.cache_key(p, ck, self.device)
+        if slot.publication is not None:  # the engine's key as recorded, the checkpoint and device as they are now
+            current = identity.published_key(slot.publication.engine_key, ck, self.device)
+        else:
+            current = identity.cache_key(p, ck, self.device)
         diff = identity.diff_keys(current, manifest.key)
         if mf.backend != self.backend.name:
             diff.append("device.backend")

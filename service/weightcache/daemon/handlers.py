@@ -1,7 +1,8 @@
 """One function per request: takes the state and the request, returns replies and effects.
 
 Owns the meaning of every request (``hello``, ``list``, ``status``,
-``attach``, ``release``, ``verify``, ``evict``, ``preload``, ``reload``), the
+``attach``, ``release``, ``verify``, ``evict``, ``preload``, ``reload``, ``attach_published``; ``publish``
+is :mod:`weightcache.daemon.publish`'s), the
 :data:`HANDLERS` dict that dispatches them by message type, and :func:`handle`,
 which applies the service's rule for failures inside one request (STYLE.md,
 "Errors"):
@@ -34,13 +35,13 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .. import pipeline, protocol
+from .. import identity, pipeline, protocol
 from ..spec import DTYPE_NAMES
 from ..errors import (AccessDenied, ConfigError, InsufficientMemory, InternalError, LeaseBusy, ModelLoadFailed,
                       ModelNotFound, RemoteProtocolError, ResourceExhausted, WeightcacheError)
 from ..journal import event
 from ..wire import UNSETTLED, SlotState
-from . import access, reload, tiers
+from . import access, publish, reload, tiers
 from .effects import (CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, Reply, StartLoad, StartVerify,
                       VerifyItem, one_reply)
 from .state import (ON_DEMAND, IllegalTransition, Peer, ServiceState, Slot, describe_config_error,
@@ -49,7 +50,8 @@ from .state import (ON_DEMAND, IllegalTransition, Peer, ServiceState, Slot, desc
 log = logging.getLogger(__name__)
 
 #: What ``hello_reply`` lists as the service's capabilities.
-CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait", "metrics", "reload")
+CAPABILITIES = ("attach", "release", "status", "list", "verify", "evict", "preload", "wait", "metrics", "reload",
+                "publish")
 
 
 def on_hello(ctx: Context, peer: Peer, msg: protocol.Hello) -> Outcome:
@@ -85,7 +87,8 @@ def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = Fal
 
     def named(i: protocol.SlabInfo) -> protocol.SlabInfo:
         alias = aliases.get(i.model)
-        return i if alias is None else dataclasses.replace(i, model=alias, path="", error=None, key=None)
+        return i if alias is None else dataclasses.replace(i, model=alias, path="", error=None, key=None,
+                                                            publication=None)
 
     return tuple(named(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases),
                                            lease_holders=lease_holders(s.leases.values(), hidden)))
@@ -331,7 +334,7 @@ def _operator_slots(ctx: Context, peer: Peer, request: str, model: str, **layout
         ModelNotFound (`model_not_found`): nothing matches.
     """
     access.check_operator(peer, ctx.policy, request, model)
-    slots = ctx.state.find_slots(model, **layout)
+    slots = ctx.state.find_slots(model, published=None, **layout)
     for s in slots:
         access.check_attach(peer, s, ctx.policy, request)
     return slots
@@ -415,6 +418,8 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
         sealed, manifest_file = s.evict()
         effects.append(FreeSlab(s.store_id, sealed, manifest_file))
         evicted.append(s.label)
+        if s.publication is not None:  # nothing loads a publication again: it is gone, the next engine publishes
+            ctx.state.slots = [x for x in ctx.state.slots if x is not s]
         log.info("evicted model=%s tp_size=%d rank=%d forced=%s size_bytes=%d", s.placement.model.name,
                  s.placement.tp_size, s.placement.tp_rank, msg.force, sealed.size_bytes,
                  extra=event("evicted", s.placement.model.name, s.placement.tp_rank, size_bytes=sealed.size_bytes,
@@ -480,6 +485,22 @@ def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
             effects.append(StartLoad(s))
             started.append(s.label)
     return Outcome((Reply(protocol.PreloadReply(started)),), tuple(effects))
+
+
+def on_attach_published(ctx: Context, peer: Peer, msg: protocol.AttachPublished) -> Outcome:
+    """``attach_published``: a lease on the publication of the model's rank made under the engine's key, answered
+    as ``attach`` (:func:`answer_attach`); see :func:`weightcache.daemon.publish.find_publication`.
+
+    Raises:
+        PublicationInvalid (`publication_invalid`): the engine key lacks a field or has one of the wrong type.
+        ModelNotFound (`model_not_found`), CacheKeyMismatch (`cache_key_mismatch`): see
+            :func:`~weightcache.daemon.publish.find_publication`.
+        AccessDenied (`access_denied`): the peer is not on the model's allow lists.
+    """
+    fields = identity.engine_key(msg.engine_key, msg.tp_size, msg.tp_rank)
+    slot = publish.find_publication(ctx, peer, msg.model, msg.tp_size, msg.tp_rank, fields)
+    access.check_attach(peer, slot, ctx.policy)
+    return answer_attach(ctx, peer, protocol.Attach(msg.model, msg.tp_size, msg.tp_rank, mode=msg.mode), slot)
 
 
 def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:
@@ -552,6 +573,12 @@ HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
     protocol.Preload: on_preload,
     protocol.Metrics: on_metrics,
     protocol.Reload: on_reload,
+    protocol.AttachPublished: on_attach_published,
+}
+
+#: Message type -> handler, for the requests that carry fds (``(ctx, peer, msg, fds)``; the fds stay the caller's).
+FD_HANDLERS: dict[type, Callable[[Context, Peer, Any, tuple[int, ...]], Outcome]] = {
+    protocol.Publish: publish.on_publish,
 }
 
 
@@ -570,10 +597,22 @@ def _guarded(peer: Peer, msg: protocol.Message, fn: Callable[[], Outcome]) -> Ou
             f"the service failed to handle {msg.tag()!r}: {e!r}"[:4096], request=msg.tag())))
 
 
-def handle(ctx: Context, peer: Peer, msg: protocol.Message) -> Outcome:
+def finish_publish(ctx: Context, peer: Peer, eff: publish.StartPublish, prepared: publish.Prepared | None,
+                   error: BaseException | None) -> Outcome:
+    """:func:`weightcache.daemon.publish.commit` of a publication whose worker is done, under the failure rule."""
+    return _guarded(peer, eff.request, lambda: publish.commit(ctx, eff, prepared, error))
+
+
+def handle(ctx: Context, peer: Peer, msg: protocol.Message, fds: tuple[int, ...] = ()) -> Outcome:
     """Dispatches one request of ``peer`` and applies the failure rule (module docstring).
+
+    ``fds`` came with the request (only ``publish`` has any: the protocol matched them by count); they stay the
+    caller's, to close once this returns.
 
     Raises:
         IllegalTransition: the service's own state is broken (the caller exits).
     """
+    fd_handler = FD_HANDLERS.get(type(msg))
+    if fd_handler is not None:
+        return _guarded(peer, msg, lambda: fd_handler(ctx, peer, msg, fds))
     return _guarded(peer, msg, lambda: HANDLERS[type(msg)](ctx, peer, msg))

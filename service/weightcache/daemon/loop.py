@@ -28,6 +28,7 @@ wires use them).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -37,21 +38,21 @@ import traceback
 from typing import Any
 
 from .. import protocol
-from ..config import Config
+from ..config import Config, Placement
 from ..errors import ConfigError
 from ..journal import event
 from ..reader import LoaderOptions
 from ..memory import Backend
 from ..spec import DTYPE_NAMES
 from ..wire import SlotState
-from . import access, handlers, load_results, lograte, tiers
+from . import access, handlers, load_results, lograte, publish, tiers
 from .fdstore import FdStore, record_released, released_at_last_stop
-from .effects import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify
+from .effects import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify, StoreSlab
 from .limits import Limits
 from .loads import Loader, LoadSettings
 from .metrics import Counters
 from .offloop import OffLoop
-from .state import IllegalTransition, ServiceState
+from .state import IllegalTransition, Publication, ServiceState, Slot
 from .ticker import Ticker
 from .clients import Client
 from .transport import Callbacks, Transport
@@ -98,7 +99,7 @@ class Daemon:
         self.ctx = Context(self.state, backend.mem_info, load_config=load_config or self._no_config,
                            service_config=config.service, counters=self.counters,
                            policy=access.Policy(self.state.service_uid, config.service.operator_groups, config.names),
-                           tiers=self.tiers)
+                           tiers=self.tiers, adopt_publication=getattr(backend, "adopt_publication", None))
         self.transport = Transport(listener, Callbacks(self._on_message, self._on_close,
                                                        lambda c: self.state.peers.add(c.peer), self._on_unsent),
                                    Limits.from_config(config.service),
@@ -114,9 +115,12 @@ class Daemon:
         self.offloop = OffLoop(self.state, self.tiers, self.ctx, self.counters, self.transport, self.ticker,
                                self._wake_w, read_config=self.ctx.load_config, carry_out=self._carry_out,
                                effect=self._effect, broken=self._break)
-        stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)
+        stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None,
+                                    publication_slot=self._publication_slot)
         released = released_at_last_stop()
         for slot, got in stored.items():
+            if slot.publication is not None:
+                self.state.slots.append(slot)
             slot.leases_unknown = slot.store_id not in released
             if got.tier == "host":
                 slot.stash(got.manifest, got.sealed, got.manifest_file)
@@ -133,7 +137,18 @@ class Daemon:
         raise ConfigError("this service was started without a configuration file to read again",
                           file="", key="")
 
-    def _on_message(self, c: Client, msg: protocol.Message) -> None:
+    def _publication_slot(self, placement: Placement, publication: Publication) -> Slot | None:
+        """A new PENDING slot for a publication the fd store kept (its placement and publication as its manifest
+        file records them), when its model is still configured on this GPU from the same checkpoint path; else
+        None (the store's entries are dropped)."""
+        base = next((s for s in self.state.slots if s.publication is None
+                     and s.placement.model.name == placement.model.name), None)
+        if base is None or base.placement.model.path != placement.model.path:
+            return None
+        p = dataclasses.replace(base.placement, tp_size=placement.tp_size, tp_rank=placement.tp_rank)
+        return self.state.new_slot(p, base.realpath, publication)
+
+    def _on_message(self, c: Client, msg: protocol.Message, fds: tuple[int, ...] = ()) -> None:
         t0 = time.perf_counter()
         reloading = type(msg) is protocol.Reload
         if reloading and c.peer.uid in (0, self.state.service_uid):
@@ -142,7 +157,7 @@ class Daemon:
         if reloading:
             self.ticker.reloading()
         try:
-            out = handlers.handle(self.ctx, c.peer, msg)
+            out = handlers.handle(self.ctx, c.peer, msg, fds)
             self.counters.answered(msg, out.replies, time.perf_counter() - t0)
             demotions = tuple(e for e in out.effects if isinstance(e, tiers.Demoting))
             if demotions:  # answered when the copies are done; the client's later requests wait, others don't
@@ -169,9 +184,9 @@ class Daemon:
             self._effect(c, eff)
 
     def _effect(self, c: Client | None, eff: Any) -> None:
-        {StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse, CancelLoad: self._cancel_load,
+        {StoreSlab: self._store_slab, StartLoad: self._start_load, FreeSlab: self._free_slab, Refuse: self._refuse, CancelLoad: self._cancel_load,
          Reconfigure: self._reconfigure, StartVerify: self.offloop.start_verify, tiers.Moved: self._moved,
-         tiers.Demoting: self.offloop.start_demotion}[type(eff)](c, eff)
+         tiers.Demoting: self.offloop.start_demotion, publish.StartPublish: self.offloop.start_publish}[type(eff)](c, eff)
 
     def _moved(self, c: Client | None, eff: tiers.Moved) -> None:
         """A slab changed tier: the fd store follows it (host tier, or nothing), then what it left is closed."""
@@ -205,6 +220,9 @@ class Daemon:
         return LoadSettings(self.backend, self.state.device, svc.load_timeout_s,
                             LoaderOptions(threads=svc.read_threads, staging_bytes=svc.staging_bytes),
                             cfg.files[0] if cfg.files else "the config", ask_room=True)
+
+    def _store_slab(self, c: Client | None, eff: StoreSlab) -> None:
+        self.fdstore.put(eff.slot, eff.slot.sealed, eff.slot.manifest_file)
 
     def _start_load(self, c: Client, eff: StartLoad) -> None:
         self.loader.submit(eff.slot)
@@ -259,6 +277,7 @@ class Daemon:
             elif isinstance(result, load_results.Failed):
                 self.counters.load_settled(result.slot.placement, result.error.code)
         self.offloop.finish_verifies()
+        self.offloop.finish_publishes()
         if self.offloop.reloads:
             self.offloop.finish_reloads(time.monotonic())
 

@@ -1,4 +1,4 @@
-"""What the service counts for its metrics: attaches, their service times, loads, verifies. No I/O.
+"""What the service counts for its metrics: attaches, their service times, loads, verifies, publications. No I/O.
 
 Owns :class:`Counters`, fed by the serving loop (:mod:`weightcache.daemon.loop`)
 with what it already handles: each request and the replies its handler
@@ -72,6 +72,7 @@ class Counters:
         self._attaches: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self._times: dict[str, _Histogram] = collections.defaultdict(_Histogram)
         self._loads: collections.Counter[tuple[str, int, int, str, str]] = collections.Counter()
+        self._publishes: collections.Counter[tuple[str, int, int, str, str]] = collections.Counter()
 
     def track(self, placements: list[Placement]) -> None:
         """Adds label values for ``placements`` (at start; again when a reload places new models).
@@ -87,7 +88,8 @@ class Counters:
         """The configured name for a name or checkpoint path a client sent, else :data:`OTHER_MODEL`."""
         return self._names.get(requested) or self._names.get(os.path.normpath(requested), OTHER_MODEL)
 
-    def attach_answered(self, msg: protocol.Attach, reply: protocol.Message, seconds: float) -> None:
+    def attach_answered(self, msg: protocol.Attach | protocol.AttachPublished, reply: protocol.Message,
+                        seconds: float) -> None:
         """Counts one attach answered with ``reply`` after ``seconds`` (read to reply queued)."""
         model = self.model_label(msg.model)
         if isinstance(reply, protocol.AttachReply):
@@ -104,8 +106,13 @@ class Counters:
         first = next(iter(replies), None)
         if first is None:
             return  # a parked attach: counted by waited() when it is answered
-        if isinstance(msg, protocol.Attach):
+        if isinstance(msg, (protocol.Attach, protocol.AttachPublished)):  # by engine key, an attach all the same
             self.attach_answered(msg, first.msg, seconds)
+        elif isinstance(msg, protocol.Publish):
+            reply = first.msg
+            outcome, code = (("refused", reply.code) if isinstance(reply, protocol.Error)
+                             else ("published" if reply.created else "held", ""))
+            self._publishes[(self.model_label(msg.model), msg.tp_size, msg.tp_rank, outcome, code)] += 1
         elif isinstance(first.msg, protocol.VerifyReply):
             self.verified(first.msg)
 
@@ -152,5 +159,6 @@ class Counters:
             attach_times=tuple(protocol.AttachTimes(m, list(ATTACH_BUCKETS_S), list(h.counts), h.sum_s)
                                for m, h in sorted(self._times.items())),
             loads=tuple(protocol.LoadCount(*k, n) for k, n in sorted(self._loads.items())),
+            publishes=tuple(protocol.PublishCount(*k, n) for k, n in sorted(self._publishes.items())),
             slabs=tuple(protocol.SlabCounters(m, t, r, s.last_load_s, s.last_load_bytes, s.verify_runs,
                                               s.verify_failures) for (m, t, r), s in self._slabs.items()))

@@ -1,8 +1,10 @@
-"""What the serving loop hands to worker threads, and applying what they post: demotions, reloads, verifies.
+"""What the serving loop hands to worker threads, and applying what they post: demotions, reloads, verifies,
+publications.
 
 Owns :class:`OffLoop`, the object the serving loop (:class:`~weightcache.daemon.loop.Daemon`)
 holds to start work which must not run on the loop (a demotion's copy,
-reading the configuration files for a reload, hashing slabs for ``verify``)
+reading the configuration files for a reload, hashing slabs for ``verify``, checking and digesting a
+publication)
 on a daemon thread, hold the requester's later requests meanwhile, and
 apply each result on the loop once the thread has written a byte to the
 wake-up pipe it is given; and the loader's requests for room (:meth:`OffLoop.admit`),
@@ -27,7 +29,7 @@ from ..config import Config
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError, WeightcacheError
 from ..wire import SlotState
-from . import handlers, load_results, reload, tiers
+from . import handlers, load_results, publish, reload, tiers
 from .effects import Context, FreeSlab, Outcome, StartVerify
 from .metrics import Counters
 from .state import IllegalTransition, Peer, ServiceState
@@ -121,6 +123,8 @@ class OffLoop:
         self._demoted: queue.SimpleQueue = queue.SimpleQueue()
         #: The loader's requests for room that wait for the demotions under way.
         self._room_waits: list[load_results.NeedRoom] = []
+        #: Publications whose worker is done: (client, StartPublish, Prepared or None, error or None).
+        self._published: queue.SimpleQueue = queue.SimpleQueue()
         #: (client, replies, demotions): a request (``evict --to host``) answered once its demotions are done.
         self._answers: list[tuple[Client, tuple, tuple]] = []
 
@@ -300,6 +304,35 @@ class OffLoop:
                 pass
 
         threading.Thread(target=work, name="weightcache-verify", daemon=True).start()
+
+    def start_publish(self, c: Client, eff: publish.StartPublish) -> None:
+        """Runs :func:`weightcache.daemon.publish.prepare` (manifest, checkpoint identity, digests) on a thread;
+        the client's later requests wait (replies stay in order)."""
+        self.transport.hold(c)
+        device, backend = dict(self.state.device), self.state.backend
+
+        def work() -> None:
+            try:
+                self._published.put((c, eff, publish.prepare(eff, device, backend), None))
+            except BaseException as e:  # noqa: BLE001 - answered to the publisher by publish.commit
+                self._published.put((c, eff, None, e))
+            try:
+                os.write(self._wake_w, b"p")
+            except (BlockingIOError, InterruptedError):
+                pass
+
+        threading.Thread(target=work, name="weightcache-publish", daemon=True).start()
+
+    def finish_publishes(self) -> None:
+        while True:
+            try:
+                c, eff, prepared, error = self._published.get_nowait()
+            except queue.Empty:
+                return
+            out = handlers.finish_publish(self.ctx, c.peer, eff, prepared, error)
+            self.counters.answered(eff.request, out.replies, prepared.seconds if prepared is not None else 0.0)
+            self._carry_out(c, out)
+            self.transport.release(c)
 
     def finish_verifies(self) -> None:
         while True:

@@ -55,6 +55,7 @@ class SlotEvent(enum.Enum):
     DEMOTE = "demote"        # the budget (or ``evict --to host``) moved the slab to the host tier
     SHELVE = "shelve"        # the budget (or ``evict --to disk``) dropped the slab: it waits on disk
     STASH = "stash"          # the load went to (or, refused room, stayed in) the host tier
+    PUBLISH = "publish"      # an engine published the slab: the service sealed and owns it
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ S, E = SlotState, SlotEvent
 TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.PENDING, E.START, S.LOADING),
     Transition(S.PENDING, E.ADOPT, S.READY),
+    Transition(S.PENDING, E.PUBLISH, S.READY),     # a publication (daemon.publish): no load runs
     Transition(S.LOADING, E.LOADED, S.READY),
     Transition(S.LOADING, E.FAIL, S.FAILED),
     Transition(S.READY, E.EVICT, S.EVICTED),
@@ -144,6 +146,46 @@ class Lease:
         return protocol.LeaseInfo(self.lease_id, self.pid, self.uid, self.gid, self.since, self.mode)
 
 
+@dataclass(frozen=True, slots=True)
+class Publication:
+    """What makes a slot a publication (DESIGN §6.4): an engine processed the weights and handed them over.
+
+    Attributes:
+        engine_key (`dict`): the engine's key fields (:func:`weightcache.identity.engine_key`).
+        engine_key_blake2b (`str`): their hash (:func:`weightcache.identity.engine_key_blake2b`).
+        publisher_uid (`int`): ``SO_PEERCRED`` uid of the publisher.
+        shared (`bool`): made by a trusted publisher (root, the service user, the model's ``publishers``):
+            every engine on the model's allow lists attaches it; False: only ``publisher_uid``'s engines do.
+    """
+
+    engine_key: dict
+    engine_key_blake2b: str
+    publisher_uid: int
+    shared: bool
+
+    def visible_to(self, uid: int) -> bool:
+        """Whether an engine of ``uid`` may attach it (an operator sees it in ``status`` regardless)."""
+        return self.shared or uid == self.publisher_uid
+
+    def to_json(self) -> dict[str, Any]:
+        """As the manifest file records it (``publication``), for the fd store's adoption."""
+        return {"engine_key": self.engine_key, "engine_key_blake2b": self.engine_key_blake2b,
+                "publisher_uid": self.publisher_uid, "shared": self.shared}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "Publication":
+        """Reverses :meth:`to_json`.
+
+        Raises:
+            ValueError: a field is missing or of the wrong type.
+        """
+        try:
+            out = cls(dict(d["engine_key"]), str(d["engine_key_blake2b"]), int(d["publisher_uid"]), bool(d["shared"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"stored publication is damaged: {e!r}") from None
+        return out
+
+
 @dataclass(eq=False)
 class Slot:
     """One (model, layout, rank) on this GPU and its slab.
@@ -203,18 +245,28 @@ class Slot:
     target: str = "gpu"
     #: Counts of (source, event, target) moves, shared with the ServiceState (for metrics).
     counts: collections.Counter = field(default_factory=collections.Counter, repr=False)
+    #: Set when an engine published the slab (:mod:`weightcache.daemon.publish`); None for a slab the service
+    #: lays out itself.
+    publication: Publication | None = None
 
     @property
     def store_id(self) -> str:
         """The slot's name in systemd's fd store (``slab-<id>``, ``manifest-<id>``): 16 hex digits."""
         p = self.placement
-        raw = f"{p.model.name}\0{p.tp_size}\0{p.tp_rank}\0{p.gpu}".encode()
-        return blake2b_hex(raw, digest_size=8)
+        raw = f"{p.model.name}\0{p.tp_size}\0{p.tp_rank}\0{p.gpu}"
+        if self.publication is not None:
+            pub = self.publication
+            raw += f"\0{pub.engine_key_blake2b}\0{'shared' if pub.shared else pub.publisher_uid}"
+        return blake2b_hex(raw.encode(), digest_size=8)
 
     @property
     def label(self) -> str:
-        """``model/tpN/rankR``."""
-        return self.placement.label
+        """``model/tpN/rankR``; a publication's adds ``+pub:<8 hex digits of its engine key>`` (and ``:uidN`` when
+        only that uid's engines attach it)."""
+        pub = self.publication
+        if pub is None:
+            return self.placement.label
+        return f"{self.placement.label}+pub:{pub.engine_key_blake2b[:8]}{'' if pub.shared else f':uid{pub.publisher_uid}'}"
 
     def move(self, event: SlotEvent) -> SlotState:
         """Applies ``event`` through :data:`TRANSITIONS`; returns the new state.
@@ -244,6 +296,13 @@ class Slot:
         self.manifest, self.sealed, self.manifest_file = manifest, sealed, manifest_file
         self.done_bytes = self.total_bytes
         self.reserved_bytes = 0
+
+    def publish(self, manifest: Manifest, sealed: Any, manifest_file: Any) -> None:
+        """PENDING -> READY with a published slab the service sealed, its manifest and its manifest file."""
+        self.move(SlotEvent.PUBLISH)
+        self.manifest, self.sealed, self.manifest_file = manifest, sealed, manifest_file
+        self.reserved_bytes = 0
+        self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
     def fail(self, error: WeightcacheError) -> None:
         """LOADING -> FAILED with the error clients will get."""
@@ -358,7 +417,12 @@ class Slot:
                    if (self.error or self.refusal) is not None else None),
             key=key, leases=tuple(lease.info() for lease in itertools.islice(self.leases.values(),
                                                                                protocol.MAX_LEASES_SHOWN)),
-            lease_count=len(self.leases), lease_holders=lease_holders(self.leases.values()))
+            lease_count=len(self.leases), lease_holders=lease_holders(self.leases.values()),
+            publication=None if self.publication is None else {
+                "engine": self.publication.engine_key.get("engine"),
+                "engine_version": self.publication.engine_key.get("engine_version"),
+                "engine_key_blake2b": self.publication.engine_key_blake2b, "shared": self.publication.shared,
+                "publisher_uid": self.publication.publisher_uid})
 
 
 def lease_holders(leases: Any, hide: Callable[[int], bool] = lambda uid: False) -> tuple[protocol.LeaseHolder, ...]:
@@ -427,13 +491,13 @@ class ServiceState:
         #: uid -> leases its connections hold (``max_leases_per_uid``).
         self.leases_by_uid: collections.Counter = collections.Counter()
 
-    def new_slot(self, placement: Placement, realpath: str) -> Slot:
-        """A PENDING slot for ``placement`` (not yet in :attr:`slots`).
+    def new_slot(self, placement: Placement, realpath: str, publication: Publication | None = None) -> Slot:
+        """A PENDING slot for ``placement`` (not yet in :attr:`slots`); ``publication`` for a published slab.
 
         ``realpath`` is the checkpoint path's resolution made where the configuration was read
         (:attr:`weightcache.config.Config.realpaths`; ``""`` when none): this module does no I/O.
         """
-        return Slot(placement, realpath=realpath, counts=self.transition_counts)
+        return Slot(placement, realpath=realpath, counts=self.transition_counts, publication=publication)
 
     def lease(self, peer: Peer, slot: Slot, mode: AttachMode, since: float) -> Lease:
         """Grants ``peer`` a new lease on READY ``slot``; ``since`` is Unix time in seconds."""
@@ -459,14 +523,16 @@ class ServiceState:
 
     def find_slots(self, model: str, tp_size: int | None = None, tp_rank: int | None = None,
                    dtype: str | None = None, naming: str | None = None,
-                   dtype_matches: Callable[[Slot, str], bool] | None = None, retired: bool = False) -> list[Slot]:
+                   dtype_matches: Callable[[Slot, str], bool] | None = None, retired: bool = False,
+                   published: bool | None = False) -> list[Slot]:
         """Slots matching a model name or checkpoint path (and layout, when given).
 
         A path matches after ``os.path.normpath`` (linear in its length): the
         configured path, or the checkpoint's resolution when the slot was made
         (:attr:`Slot.realpath`; a reload makes a new slot for a retargeted
         symlink). The service never resolves a client's string (the client
-        sends its own ``realpath``). RETIRED slots count only with ``retired``.
+        sends its own ``realpath``). RETIRED slots count only with ``retired``. ``published``: False (an
+        ``attach``) leaves publications out, True takes only publications, None takes both (operators' requests).
 
         ``dtype_matches(slot, dtype)`` decides whether a slot serves an engine asking
         for ``dtype`` (the caller's, since it may read headers: see
@@ -494,6 +560,8 @@ class ServiceState:
         for s in self.slots:
             m = s.placement.model
             if s.state is SlotState.RETIRED and not retired:
+                continue
+            if published is not None and (s.publication is not None) != published:
                 continue
             if m.name != model and (norm is None or norm not in (s.realpath, os.path.normpath(m.path))):
                 continue

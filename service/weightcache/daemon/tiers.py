@@ -133,7 +133,7 @@ class Tiers:
         m = s.placement.model
         if s.hosted is not None and s.sealed is not None:  # a copy kept after a promotion: dropped first
             return budget.Holding(s.label, size, priority=_KEPT_COPY_PRIORITY, last_used=s.last_used)
-        return budget.Holding(s.label, size, len(s.leases), m.pin, m.priority, s.last_used,
+        return budget.Holding(s.label, size, len(s.leases), _pinned(s), m.priority, s.last_used,
                               busy=s.state in (SlotState.PENDING, SlotState.LOADING))
 
     @staticmethod
@@ -141,7 +141,8 @@ class Tiers:
         m = s.placement.model
         if s.state is SlotState.RETIRED:
             return budget.Holding(s.label, s.gpu_bytes, busy=True)
-        return budget.Holding(s.label, s.gpu_bytes, len(s.leases) + unknown_leases(s), m.pin, m.priority, s.last_used,
+        return budget.Holding(s.label, s.gpu_bytes, len(s.leases) + unknown_leases(s), _pinned(s), m.priority,
+                              s.last_used,
                               busy=s.state in (SlotState.PENDING, SlotState.LOADING) or s.demoting is not None,
                               host_copy=s.hosted is not None and s.sealed is not None)
 
@@ -354,6 +355,12 @@ class Tiers:
                  extra=event("promoted", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=size,
                              duration_ms=duration_s * 1e3,
                              reason="attach"))
+
+
+def _pinned(slot: Slot) -> bool:
+    """Whether the budget must leave ``slot`` where it is: its model's ``pin``, or a publication (nothing could
+    bring one back from disk: no processed image is written yet)."""
+    return slot.placement.model.pin or slot.publication is not None
 
 
 def demand(slot: Slot, now: float) -> bool:

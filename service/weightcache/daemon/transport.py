@@ -16,9 +16,11 @@ the connection is closed), connections of all uids together
 each decoded message goes to the ``on_message`` callback; a closed connection
 goes to ``on_close`` (which ends its leases).
 
-Fd ownership: fds received from a client are closed at once (requests carry
-none); fds queued with a reply are dups, closed once the kernel has them or
-when the client is dropped.
+Fd ownership: fds received from a client wait in its connection until their frame
+is whole (only ``publish`` carries any; a frame that does not declare them is a
+violation, and they are closed), then go with the request to ``on_message`` and
+are closed when it returns (a handler keeps a dup); fds queued with a reply are
+dups, closed once the kernel has them or when the client is dropped.
 
 Fds in flight: an fd sent with ``SCM_RIGHTS`` sits in the peer's receive queue
 until the peer reads it, and the kernel charges it to the *sender's* user
@@ -80,7 +82,8 @@ class Callbacks:
     """What a :class:`Transport` calls, one record so that its constructor stays short.
 
     Attributes:
-        on_message (`callable`): ``(client, message) -> None`` for each request.
+        on_message (`callable`): ``(client, message, fds) -> None`` for each request; ``fds`` (a tuple, empty
+            but for ``publish``) are the transport's, closed once the call returns: keep a dup.
         on_close (`callable`): ``(client) -> None`` once per closed connection.
         on_open (`callable`): ``(client) -> None`` once per accepted connection.
         on_unsent (`callable`, *optional*): ``(client, message) -> None`` for a
@@ -88,7 +91,7 @@ class Callbacks:
             the caller ends the lease it granted.
     """
 
-    on_message: Callable[[Client, protocol.Message], None]
+    on_message: Callable[[Client, protocol.Message, tuple[int, ...]], None]
     on_close: Callable[[Client], None]
     on_open: Callable[[Client], None]
     on_unsent: Callable[[Client, protocol.Message], None] | None = None
@@ -244,12 +247,13 @@ class Transport:
         if not data and not fds:
             self.drop(c, "peer closed")
             return
-        if fds:
-            for fd in fds:
-                os.close(fd)
-            self.violation(c, RemoteProtocolError("requests carry no fds; fds sent to the service are refused"))
+        # Only ``publish`` carries fds (its frame declares them; the protocol matches them by count and refuses
+        # any other): they wait in the connection until their frame is whole, and every path closes them.
+        c.conn.receive(data, fds)
+        if c.conn.held_fds > MAX_FDS_IN:  # fds piling up ahead of a frame that never declares them
+            self.violation(c, RemoteProtocolError(f"{c.conn.held_fds} fds arrived ahead of one frame; a frame "
+                                                  f"carries at most {MAX_FDS_IN}"))
             return
-        c.conn.receive(data)
         self._process(c)
 
     def _process(self, c: Client) -> None:
@@ -266,13 +270,17 @@ class Transport:
                 return
             if ev is protocol.NEED_DATA:
                 break
-            msg, _ = ev  # no fds: _recv refused any before they reached the protocol
+            msg, fds = ev
             served += 1
             cap = c.cap_reached(self.limits)
-            if cap is None:
-                self.on_message(c, msg)
-            else:  # answered, not dropped: the client learns which request was refused and why
-                self.exhausted(c, *cap, close=False)
+            try:
+                if cap is None:
+                    self.on_message(c, msg, tuple(fds))  # a handler dups what it keeps
+                else:  # answered, not dropped: the client learns which request was refused and why
+                    self.exhausted(c, *cap, close=False)
+            finally:
+                for fd in fds:
+                    os.close(fd)
         if c.closed:
             return
         # A yielded client's whole requests wait for its turn, at most one read's worth (it is not read meanwhile):

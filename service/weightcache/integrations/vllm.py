@@ -100,6 +100,7 @@ from ..client import MAX_TIMEOUT_S, Attachment, Retry, attach, physical_gpu
 from ..errors import CheckpointNotFound, ConfigError, ShapeMismatch, WeightcacheError
 from ..wire import DEFAULT_KERNEL, DEFAULT_MODE, AttachMode
 from . import vllm_fallback as fb
+from . import vllm_publish
 from . import vllm_zero_copy as zc
 
 # vLLM attaches its handler to the "vllm" logger only; a child of it shows in
@@ -589,9 +590,10 @@ def _keep_lease(model: nn.Module, w: Attachment) -> None:
 
 
 def register() -> None:
-    """Entry point of ``vllm.general_plugins``: registers load format ``weightcache``.
+    """Entry point of ``vllm.general_plugins``: registers load formats ``weightcache`` and ``weightcache_publish``.
 
     vLLM calls it in every process that loads plugins (engine, workers); a
     repeated call re-registers the same class.
     """
     register_model_loader(LOAD_FORMAT)(WeightcacheModelLoader)
+    vllm_publish.register()  # load format weightcache_publish (issue 35): vLLM's own load, published

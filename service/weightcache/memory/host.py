@@ -5,16 +5,21 @@ adds ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE`` while its writable
 mapping still exists, drops that mapping, then adds ``F_SEAL_WRITE |
 F_SEAL_SEAL``. From then on no process can write the bytes: a writable
 ``mmap`` of the fd fails with ``EPERM`` and ``write(2)`` with ``EPERM``.
+
+A publication (:meth:`HostBackend.adopt_publication`) is a memfd an engine filled and unmapped: the service adds
+the same seals (``F_SEAL_WRITE`` with the rest, which the kernel refuses while any writable mapping of the file
+remains), and from then on owns bytes nobody can change.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
 import warnings
 
-from ..errors import OutOfMemory
+from ..errors import OutOfMemory, PublicationInvalid, SlabStillMapped
 from ..sizes import round_up
 
 PAGE = mmap.PAGESIZE
@@ -217,6 +222,57 @@ class HostSealedSlab(_MappedTensor):
             self.fd = -1
 
 
+#: Every seal a slab the service owns carries: nothing can write, grow or shrink it, or take a seal off.
+OWNED_SEALS = F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE
+
+
+def seal_publication(fd: int, size_bytes: int) -> HostSealedSlab:
+    """Seals a publisher's memfd against every change and returns the service's own handle of it (a dup of ``fd``).
+
+    Args:
+        fd (`int`): the memfd received with ``publish``; the caller keeps (and closes) it.
+        size_bytes (`int`): the size the publication declares; the memfd must hold exactly this many bytes.
+
+    Returns:
+        `HostSealedSlab`: owned by the caller, mapped ``PROT_READ``.
+
+    Raises:
+        PublicationInvalid (`publication_invalid`): not a memfd (``details["reason"] = "not_memfd"``), made
+            without ``MFD_ALLOW_SEALING`` or sealed otherwise by its publisher (``not_sealable``), or of another
+            size (``size``).
+        SlabStillMapped (`slab_still_mapped`): a writable mapping of it remains (``F_SEAL_WRITE`` got ``EBUSY``).
+    """
+    try:
+        seals = fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError as e:
+        raise PublicationInvalid(f"publish: the slab fd is not a memfd ({e.strerror}); send a memfd made with "
+                                 f"MFD_ALLOW_SEALING", reason="not_memfd") from None
+    actual = os.fstat(fd).st_size
+    if actual != size_bytes or size_bytes <= 0:
+        raise PublicationInvalid(f"publish: the slab memfd holds {actual} bytes, the request says {size_bytes}",
+                                 reason="size", size_bytes=size_bytes, actual_bytes=actual)
+    if seals & OWNED_SEALS != OWNED_SEALS:
+        if seals & F_SEAL_SEAL:
+            raise PublicationInvalid(f"publish: the slab memfd cannot be sealed (seals {seals:#x}: made without "
+                                     f"MFD_ALLOW_SEALING, or F_SEAL_SEAL added before F_SEAL_WRITE)",
+                                     reason="not_sealable", seals=seals)
+        try:
+            fcntl.fcntl(fd, F_ADD_SEALS, OWNED_SEALS)
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                raise SlabStillMapped("publish: the slab memfd is still mapped writable (F_SEAL_WRITE refused, "
+                                      "EBUSY); unmap every writable mapping of it before publishing",
+                                      reason="writable_mapping") from None
+            raise PublicationInvalid(f"publish: the slab memfd could not be sealed: {e.strerror}",
+                                     reason="not_sealable") from None
+    own = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
+    try:
+        return HostSealedSlab(own, size_bytes)
+    except BaseException:
+        os.close(own)
+        raise
+
+
 class HostImportedSlab:
     """A received memfd mapped ``PROT_READ``; ``tensor`` is read-only ``uint8``.
 
@@ -272,6 +328,10 @@ class HostBackend:
         """Host tier -> GPU: on this backend both are host RAM, so ``hosted`` itself (no copy; ``while_copying``
         is not called: there is nothing to check)."""
         return hosted
+
+    def adopt_publication(self, fd: int, size_bytes: int) -> HostSealedSlab:
+        """Seals an engine's published memfd and owns it (:func:`seal_publication`); ``fd`` stays the caller's."""
+        return seal_publication(fd, size_bytes)
 
     def import_fd(self, fd: int, size_bytes: int, device: str = "cpu") -> HostImportedSlab:
         """Maps a received memfd ``PROT_READ``; the caller keeps (and closes) ``fd``."""

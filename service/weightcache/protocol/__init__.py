@@ -5,7 +5,8 @@ This face is the one import path of every public name; the rooms behind it are p
 - :mod:`._messages`: the message base and what an engine's attach exchanges
   (``hello``, ``attach``, their replies, ``loading``, ``error``), frozen
   self-validating dataclasses; :mod:`._lease`: ``release`` and its reply;
-  :mod:`._admin`: the operator's messages;
+  :mod:`._admin`: the operator's messages; :mod:`._publish`: ``publish``, its reply and ``attach_published``
+  (an engine hands the service the weights it processed, and attaches them by its engine key);
 - :mod:`._records`: the typed records inside replies (slab and service
   status, verify results, metrics counters);
 - :mod:`._codec`: :func:`encode`/:func:`decode` of one frame, the limits,
@@ -14,7 +15,7 @@ This face is the one import path of every public name; the rooms behind it are p
 - :mod:`._connection`: :class:`Connection`, one side of a connection
   (buffering, fd matching by count, the state machine).
 
-The names of :mod:`._admin`, :mod:`._lease` and :mod:`._records` are imported
+The names of :mod:`._admin`, :mod:`._lease`, :mod:`._publish` and :mod:`._records` are imported
 on first use (:func:`__getattr__`): an engine's attach exchanges none of them,
 and their dataclasses cost about 14 ms to build at import
 (tests/unit/test_lazy_imports.py). Every other name is imported here.
@@ -39,10 +40,10 @@ from ._messages import (ATTACH_EXCHANGE, INT_MAX, INT_MIN, Attach, AttachReply, 
 
 #: The records of :mod:`._records`, imported on first use.
 _RECORDS = ("HIDDEN_ID", "MAX_LEASE_HOLDERS_SHOWN", "MAX_LEASES_SHOWN", "AttachCount", "AttachTimes", "DeviceInfo",
-            "ErrorInfo", "KeySummary", "LeaseHolder", "LeaseInfo", "LoadCount", "ServiceCounters", "ServiceStatus",
+            "ErrorInfo", "KeySummary", "LeaseHolder", "LeaseInfo", "LoadCount", "PublishCount", "ServiceCounters", "ServiceStatus",
             "SlabCounters", "SlabInfo", "VerifyResult")
-#: Name -> its room, for the names imported on first use: the message classes of :mod:`._admin` and :mod:`._lease`
-#: (from the tag table) and the records.
+#: Name -> its room, for the names imported on first use: the message classes of :mod:`._admin`, :mod:`._lease`
+#: and :mod:`._publish` (from the tag table) and the records.
 _LATER = {**{name: room for room, name in TAGS.values() if room != "_messages"}, **dict.fromkeys(_RECORDS, "_records")}
 
 __all__ = [
@@ -57,7 +58,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """A name of :mod:`._admin`, :mod:`._lease` or :mod:`._records` (:data:`_LATER`), its room imported on first
+    """A name of :mod:`._admin`, :mod:`._lease`, :mod:`._publish` or :mod:`._records` (:data:`_LATER`), its room imported on first
     use (PEP 562); any other name missing here is an AttributeError."""
     room = _LATER.get(name)
     if room is None:

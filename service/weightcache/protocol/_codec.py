@@ -10,7 +10,7 @@ frame (docs/protocol.md).
 :data:`TAGS` is the tag table, a literal: each wire type, the room of this
 package that defines its class, and the class name. :func:`message_class`
 looks a type up there, importing the operator's rooms (:mod:`._admin`,
-:mod:`._lease`) the first time one of their types is looked up (an engine's
+:mod:`._lease`) and publication's (:mod:`._publish`) the first time one of their types is looked up (an engine's
 attach never does: their dataclasses and records cost about 14 ms to import);
 :func:`requests` and :func:`replies` give every class.
 
@@ -19,7 +19,7 @@ attach never does: their dataclasses and records cost about 14 ms to import);
 and the state they lead to. :class:`~._connection.Connection`
 looks moves up in :data:`TRANSITIONS`, the same table keyed by message type.
 
-Within the package, imports go one way: _records <- _messages <- _admin, _lease <- _codec <- _connection.
+Within the package, imports go one way: _records <- _messages <- _admin, _lease, _publish <- _codec <- _connection.
 
 Forbidden imports: socket, selectors, asyncio, torch, weightcache.memory, weightcache.client,
 weightcache.daemon.
@@ -54,10 +54,11 @@ START, READY, CLOSED = "start", "ready", "closed"
 IN, OUT = "in", "out"
 
 #: Wire types of the requests after ``hello`` (a test checks them against :data:`TAGS`).
-REQUEST_TYPES = ("list", "status", "attach", "release", "verify", "evict", "preload", "reload", "metrics")
+REQUEST_TYPES = ("list", "status", "attach", "release", "verify", "evict", "preload", "reload", "metrics", "publish",
+                 "attach_published")
 #: Wire types of the replies (a test checks them against :data:`TAGS`).
 REPLY_TYPES = ("hello_reply", "list_reply", "status_reply", "attach_reply", "loading", "release_reply",
-               "verify_reply", "evict_reply", "preload_reply", "reload_reply", "error", "metrics_reply")
+               "verify_reply", "evict_reply", "preload_reply", "reload_reply", "error", "metrics_reply", "publish_reply")
 
 # --- the tag table ----------------------------------------------------------------------
 
@@ -75,6 +76,8 @@ TAGS: dict[str, tuple[str, str]] = {
     "preload": ("_admin", "Preload"),
     "reload": ("_admin", "Reload"),
     "metrics": ("_admin", "Metrics"),
+    "publish": ("_publish", "Publish"),
+    "attach_published": ("_publish", "AttachPublished"),
     "hello_reply": ("_messages", "HelloReply"),
     "list_reply": ("_admin", "ListReply"),
     "status_reply": ("_admin", "StatusReply"),
@@ -87,6 +90,7 @@ TAGS: dict[str, tuple[str, str]] = {
     "reload_reply": ("_admin", "ReloadReply"),
     "error": ("_messages", "Error"),
     "metrics_reply": ("_admin", "MetricsReply"),
+    "publish_reply": ("_publish", "PublishReply"),
 }
 
 #: Wire type -> class, for the types :func:`message_class` has looked up (those of :mod:`._messages` from the start).
@@ -107,6 +111,8 @@ def message_class(tag: str) -> type[Message] | None:
             from . import _admin as module
         elif room == "_lease":
             from . import _lease as module
+        elif room == "_publish":
+            from . import _publish as module
         else:
             module = _messages
         cls = _CLASSES[tag] = getattr(module, name)
@@ -211,11 +217,11 @@ def decode(body: bytes) -> tuple[Message, int]:
     unknown = set(obj) - names
     if unknown:
         raise RemoteProtocolError(f"message {tag!r} has unknown field {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
-    if fd_count != cls.FD_COUNT:
-        raise RemoteProtocolError(f"message {tag!r} must carry {cls.FD_COUNT} fds, frame declares {fd_count}")
-    for spec in specs:
+    for spec in specs:  # a mistyped field is named first, whatever else is wrong
         if spec[0] in obj:
             check_field(tag, spec, obj[spec[0]], RemoteProtocolError)
+    if fd_count != cls.FD_COUNT:
+        raise RemoteProtocolError(f"message {tag!r} must carry {cls.FD_COUNT} fds, frame declares {fd_count}")
     try:
         return cls(**obj), fd_count
     except TypeError as e:

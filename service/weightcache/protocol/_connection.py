@@ -87,6 +87,11 @@ class Connection:
             self._tail = end - pos
         return self._tail
 
+    @property
+    def held_fds(self) -> int:
+        """How many fds were received and not yet matched to a whole frame."""
+        return len(self._fds)
+
     def take_all_fds(self) -> list[int]:
         """Hands back every fd received but not yet matched to a frame."""
         fds, self._fds = self._fds, []

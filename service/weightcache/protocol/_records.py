@@ -75,8 +75,11 @@ class _SlabRecord(_Record):
 
     @property
     def label(self) -> str:
-        """``<model> tp=<tp_size> rank=<tp_rank>``, as the CLI prints it."""
-        return f"{self.model} tp={self.tp_size} rank={self.tp_rank}"
+        """``<model> tp=<tp_size> rank=<tp_rank>``, as the CLI prints it (a publication adds ``published:<8 hex
+        digits of its engine key>``)."""
+        pub = getattr(self, "publication", None)
+        return (f"{self.model} tp={self.tp_size} rank={self.tp_rank}"
+                + (f" published:{str(pub.get('engine_key_blake2b', ''))[:8]}" if pub else ""))
 
 
 #: pid, uid and gid of a :class:`LeaseInfo` whose holder the service hides from the caller (another uid's
@@ -184,6 +187,9 @@ class SlabInfo(_SlabRecord):
         demoting (`bool`): a demotion to the host tier is copying it; it serves from the GPU (``ready``)
             until the copy is sealed, and an attach meanwhile keeps it there (the demotion is abandoned).
             Absent from older services' replies (False); older clients ignore it.
+        publication (`dict | None`): set for a slab an engine published (docs/protocol.md, "Publication"):
+            ``engine``, ``engine_version``, ``engine_key_blake2b``, ``shared`` (every allowed engine attaches it)
+            and ``publisher_uid``; absent (None) for a slab the service loaded itself.
     """
 
     model: str
@@ -209,6 +215,7 @@ class SlabInfo(_SlabRecord):
     pin: bool = False
     priority: int = 0
     demoting: bool = False
+    publication: dict | None = None
 
     def __post_init__(self) -> None:
         _parse(self, "state", SlotState)
@@ -226,6 +233,8 @@ class SlabInfo(_SlabRecord):
             d["error"] = self.error.to_json()
         if self.key is not None:
             d["key"] = self.key.to_json()
+        if self.publication is not None:
+            d["publication"] = dict(self.publication)
         d["leases"] = [le.to_json() for le in self.leases]
         d["lease_count"] = self.lease_count
         d["lease_holders"] = [h.to_json() for h in self.lease_holders]
@@ -407,6 +416,26 @@ class LoadCount(_Record):
 
 
 @dataclass(frozen=True, slots=True)
+class PublishCount(_Record):
+    """Publications of one (model, layout, rank) answered one way since the service started.
+
+    Attributes:
+        model (`str`), tp_size, tp_rank (`int`): which rank (``model``: as in :class:`AttachCount`).
+        outcome (`str`): ``published`` (a new slab), ``held`` (an identical publication was already held) or
+            ``refused`` (an ``error`` reply).
+        code (`str`): the error's code when refused, else empty.
+        count (`int`): how many.
+    """
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    outcome: str
+    code: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class SlabCounters(_Record):
     """Counters of one (model, layout, rank) since the service started.
 
@@ -435,7 +464,8 @@ class ServiceCounters(_Record):
         version (`str`): weightcache's version.
         started_at (`float`): when the service started, Unix time in seconds.
         attaches (`tuple[AttachCount]`), attach_times (`tuple[AttachTimes]`),
-        loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`): see there.
+        loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`), publishes (`tuple[PublishCount]`): see
+        there (``publishes`` absent from older services' replies).
     """
 
     version: str
@@ -444,11 +474,13 @@ class ServiceCounters(_Record):
     attach_times: tuple[AttachTimes, ...] = ()
     loads: tuple[LoadCount, ...] = ()
     slabs: tuple[SlabCounters, ...] = ()
+    publishes: tuple[PublishCount, ...] = ()
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ServiceCounters":
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
-        nested = {"attaches": AttachCount, "attach_times": AttachTimes, "loads": LoadCount, "slabs": SlabCounters}
+        nested = {"attaches": AttachCount, "attach_times": AttachTimes, "loads": LoadCount, "slabs": SlabCounters,
+                  "publishes": PublishCount}
         if not isinstance(d, dict):
             raise RemoteProtocolError(f"ServiceCounters: expected a JSON object, got {type(d).__name__}")
         return _from_json(cls, {k: v for k, v in d.items() if k not in nested},

@@ -1,0 +1,317 @@
+"""Publication, the engine side: :func:`publish` hands the service the tensors an engine processed itself, and
+:func:`attach_published` maps them again, zero-copy, by the engine's key (DESIGN §6.4, docs/protocol.md,
+"Publication").
+
+:func:`publish` packs the tensors into a memfd (tied names recorded as aliases, views of one storage kept as
+views of one copy of it, strides kept), writes the manifest beside it (names, dtypes, shapes, strides, offsets and
+each tensor's ``attrs``), unmaps its writable mapping (the service seals the memfd against writes, which the
+kernel refuses while one remains), sends both fds with ``publish`` and returns the service's answer. From then on
+the service owns the bytes: nobody can change them.
+
+:func:`attach_published` asks for the publication of the model's rank under the engine's key, checks the reply's
+key (the engine's fields, the checkpoint identity by ``stat()``, the device) and maps the slab read-only.
+
+Forbidden imports: weightcache.config, weightcache.daemon, asyncio, weightcache.pipeline, weightcache.quant,
+weightcache.sharding, weightcache.reader, numpy, torch at module level, weightcache.identity at module level,
+weightcache.memory at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .. import protocol
+from ..checkpoint import Checkpoint
+from ..errors import CacheKeyMismatch, RemoteProtocolError
+from ..journal import event
+from ..manifest import DTYPES, Manifest, TensorRecord, align, pack_file, read_file
+from ..session import Session
+from ..wire import DEFAULT_MODE, AttachMode
+from ._attach import attachment_of, import_slab
+from ._attachment import Attachment
+from ._device import local_backend
+from ._request import AttachOptions, AttachRequest
+
+log = logging.getLogger(__package__)
+
+
+@dataclass(frozen=True)
+class Published:
+    """What the service answered a :func:`publish`.
+
+    Attributes:
+        label (`str`): the slab's label in ``weightcache status`` (``model/tpN/rankR+pub:<key hash>``).
+        created (`bool`): this publication made the slab; False: an identical one was already held (this one's
+            memory was dropped).
+        size_bytes (`int`): the slab's size in bytes.
+        engine_key_blake2b (`str`): the hash of the engine key it is held under.
+    """
+
+    label: str
+    created: bool
+    size_bytes: int
+    engine_key_blake2b: str
+
+
+def _socket_path(model: str, tp_size: int, tp_rank: int, device: str, socket_dir: str | None,
+                 gpu: int | None, timeout: float) -> str:
+    return AttachRequest.of(model, tp_size, tp_rank, AttachOptions(device=device, socket_dir=socket_dir, gpu=gpu,
+                                                                   timeout=timeout)).socket_path
+
+
+def _wire_model(model: str) -> str:
+    """What the request names: the checkpoint directory's ``realpath`` (as :func:`weightcache.attach` sends it),
+    or a model name."""
+    return os.path.realpath(model) if os.path.isdir(model) else model
+
+
+def _extent_bytes(t: Any) -> int:
+    """Bytes from a tensor's first element to one past its last, as its shape and strides reach (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def pack(tensors: Mapping[str, Any], attrs: Mapping[str, dict] | None = None) -> tuple[list[TensorRecord], int,
+                                                                                          list[tuple[Any, int, int, int]]]:
+    """Plans a slab for ``tensors``: the manifest records, the slab's size, and the copies to make.
+
+    A name whose tensor has the very view of an earlier one (same storage, offset, dtype, shape and strides: a
+    tied weight) is an alias of it; tensors on one storage at byte offsets that are multiples of 256 share one
+    copy of the storage's span they reach (views stay views); any other tensor gets a copy of its own extent.
+    Strides are kept (a transposed view stays transposed).
+
+    Args:
+        tensors (`Mapping[str, torch.Tensor]`): name -> tensor (CPU or CUDA; any strides).
+        attrs (`Mapping[str, dict]`, *optional*): name -> JSON-able attributes the engine needs back (vLLM's
+            ``output_dim``, ``input_dim``...); recorded as the tensor's layout ``attrs``.
+
+    Returns:
+        `tuple`: (records in slab order, slab size in bytes, copies as ``(storage tensor, src_byte_offset,
+        dst_offset_bytes, size_bytes)``).
+
+    Raises:
+        PublicationInvalid (`publication_invalid`): a tensor of a dtype without a safetensors code, or on the meta
+            device.
+    """
+    import torch
+
+    from ..errors import PublicationInvalid
+
+    codes = {getattr(torch, v[0]): k for k, v in DTYPES.items() if hasattr(torch, v[0])}
+    records: list[TensorRecord] = []
+    copies: list[tuple[Any, int, int, int]] = []
+    views: dict[tuple, str] = {}
+    groups: dict[tuple, list[tuple[str, Any, int]]] = {}
+    order: list[tuple[str, Any]] = []
+    for name, t in tensors.items():
+        if t.dtype not in codes or t.device.type == "meta":
+            raise PublicationInvalid(f"publish: tensor {name!r} is {t.dtype} on {t.device}, which has no safetensors "
+                                     f"dtype code or no bytes", reason="tensor", tensor=name[:200])
+        st = t.untyped_storage()
+        sid = (st.data_ptr(), str(t.device))
+        view = (sid, t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if view in views:
+            order.append((name, views[view]))
+            continue
+        views[view] = name
+        order.append((name, None))
+        groups.setdefault(sid if t.storage_offset() * t.element_size() % 256 == 0 else (name,), []).append(
+            (name, t, t.storage_offset() * t.element_size()))
+    placed: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for members in groups.values():
+        lo = min(off for _, _, off in members) // 256 * 256
+        hi = max(off + _extent_bytes(t) for _, t, off in members)
+        storage = members[0][1].untyped_storage()
+        if len(members) == 1 and members[0][2] % 256:  # a view at an unaligned offset: its own copy
+            lo = members[0][2]
+        base = align(pos)
+        if hi > lo:
+            copies.append((storage, lo, base, hi - lo))
+        for name, t, off in members:
+            placed[name] = (base + off - lo, _extent_bytes(t))
+        pos = base + max(hi - lo, 0)
+    by_name: dict[str, TensorRecord] = {}
+    for name, target in order:
+        if target is not None:
+            r = by_name[target]
+            rec = TensorRecord(name, r.dtype, r.shape, r.stride, r.offset_bytes, r.size_bytes, layout=r.layout,
+                               alias_of=target)
+        else:
+            t = tensors[name]
+            off, size = placed[name]
+            layout = {"attrs": dict(attrs[name])} if attrs and name in attrs else {}
+            rec = TensorRecord(name, codes[t.dtype], tuple(t.shape), tuple(t.stride()), off, size, layout=layout)
+        by_name[name] = rec
+        records.append(rec)
+    return records, max(align(pos), 256), copies
+
+
+def _fill(copies: list[tuple[Any, int, int, int]], size_bytes: int) -> int:
+    """A memfd of ``size_bytes`` (rounded up to the page size) holding the planned copies, unmapped; returns it."""
+    import torch
+
+    size = max(mmap.PAGESIZE, -(-size_bytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    fd = os.memfd_create("weightcache:publish", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            dst = torch.frombuffer(mm, dtype=torch.uint8)
+            for storage, src_off, dst_off, n in copies:
+                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                dst[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
+            del dst  # the view of the mapping goes before the mapping
+        finally:
+            mm.close()  # the service seals against writes: no writable mapping may remain
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], tp_size: int = 1, tp_rank: int = 0,
+            *, attrs: Mapping[str, dict] | None = None, device: str = "cpu", socket_dir: str | None = None,
+            gpu: int | None = None, timeout: float = 60.0) -> Published:
+    """Hands the service of ``device``'s GPU the tensors this engine processed for one rank of ``model``.
+
+    Args:
+        model (`str`): the checkpoint directory (recommended) or a model name of the service's configuration.
+        key_fields (`dict`): the engine's key (:func:`weightcache.identity.engine_key` lists the fields: engine
+            and version, architecture, dtype, quantization method and config hash, every parallel rank and size,
+            draft role, kernel backends, compute capability); the service adds the checkpoint identity it
+            computes from the files and the slab's device.
+        tensors (`Mapping[str, torch.Tensor]`): the engine's parameters and buffers after its processing, by name;
+            tied names may map to one tensor. Copied here (CPU or CUDA source), not changed.
+        tp_size (`int`, *optional*, defaults to 1), tp_rank (`int`, *optional*, defaults to 0): the rank; equal to
+            ``key_fields["parallel"]``'s.
+        attrs (`Mapping[str, dict]`, *optional*): JSON-able Python-side attributes per name, given back by
+            :func:`attach_published` in the tensor's layout (``layouts[name]["attrs"]``).
+        device (`str`, *optional*, defaults to ``"cpu"``), socket_dir (`str`, *optional*), gpu (`int`,
+            *optional*): which service, as :func:`weightcache.attach` picks it.
+        timeout (`float`, *optional*, defaults to 60): seconds for the service's answer (it digests every byte).
+
+    Returns:
+        `Published`.
+
+    Raises:
+        DaemonUnavailable (`daemon_unavailable`): no service answers.
+        AccessDenied (`access_denied`): this uid may not publish the model (docs/configuration.md, ``publishers``).
+        PublicationInvalid (`publication_invalid`): the key lacks a field, or a tensor cannot be published.
+        InsufficientMemory (`insufficient_memory`): the service's memory budget has no room.
+        ModelNotFound (`model_not_found`): the model is not configured on that GPU.
+
+    Example:
+        >>> p = publish("/srv/models/qwen3", key, dict(model.named_parameters()), 1, 0)
+        >>> p.created, p.label
+        (True, 'qwen3/tp1/rank0+pub:3f2a9c1d')
+    """
+    from .. import (
+        identity,  # the engine key's check (not at module level: a plain attach never needs it)
+    )
+
+    sock_path = _socket_path(model, tp_size, tp_rank, device, socket_dir, gpu, timeout)
+    identity.engine_key(key_fields, tp_size, tp_rank)  # refused here as the service would
+    records, slab_bytes, copies = pack(tensors, attrs)
+    manifest = Manifest(_wire_model(model), tp_size, tp_rank, {}, slab_bytes, records)
+    from ..memory.host import sealed_memfd
+
+    slab_fd = _fill(copies, slab_bytes)
+    man_fd = -1
+    try:
+        data = pack_file(manifest)
+        man_fd = sealed_memfd(data, "weightcache:publish-manifest")
+        session = Session(sock_path, timeout=timeout)
+        try:
+            session.send_with_fds(protocol.Publish(_wire_model(model), tp_size, tp_rank, key_fields,
+                                                   os.fstat(slab_fd).st_size, len(data)), [slab_fd, man_fd])
+            reply = session.replies(1, timeout)[0]
+        finally:
+            session.close()
+    finally:
+        os.close(slab_fd)
+        if man_fd >= 0:
+            os.close(man_fd)
+    if not isinstance(reply, protocol.PublishReply):
+        raise RemoteProtocolError(f"publish: unexpected reply {reply.tag()!r}")
+    log.info("published checkpoint=%s tp_size=%d tp_rank=%d slab=%s created=%s size_bytes=%d", model, tp_size,
+             tp_rank, reply.label, reply.created, reply.size_bytes)
+    return Published(reply.label, reply.created, reply.size_bytes, reply.engine_key_blake2b)
+
+
+def attach_published(model: str, key_fields: dict[str, Any], tp_size: int = 1, tp_rank: int = 0, *,
+                     device: str = "cpu", mode: AttachMode | str = DEFAULT_MODE, socket_dir: str | None = None,
+                     gpu: int | None = None, timeout: float = 30.0) -> Attachment:
+    """Attaches the publication of ``model``'s rank made under the engine key ``key_fields``, zero-copy.
+
+    No disk fallback: on any error the engine loads the model itself (and may :func:`publish` it).
+
+    Args:
+        model (`str`): the checkpoint directory (recommended) or a model name of the service's configuration.
+        key_fields (`dict`): the engine's key, as :func:`publish` took it.
+        tp_size, tp_rank (`int`, *optional*): the rank.
+        device, mode, socket_dir, gpu, timeout: as :func:`weightcache.attach`.
+
+    Returns:
+        `Attachment`: ``tensors`` are read-only views of the service's slab (tied names one tensor), valid until
+        :meth:`Attachment.close`; ``layouts[name]["attrs"]`` the attributes given to :func:`publish`.
+
+    Raises:
+        ModelNotFound (`model_not_found`): no publication of that rank for this engine (``details["publication"]
+            == "none"``), or the model is not configured.
+        CacheKeyMismatch (`cache_key_mismatch`): the service holds it under another engine key, or its checkpoint
+            identity or device differs from the checkpoint and device here; ``details["fields"]`` lists them.
+        AccessDenied (`access_denied`), DaemonUnavailable (`daemon_unavailable`), PublicationInvalid
+            (`publication_invalid`), ManifestInvalid (`manifest_invalid`), ManifestSlabMismatch
+            (`manifest_slab_mismatch`).
+    """
+    mode = AttachMode(mode)
+    sock_path = _socket_path(model, tp_size, tp_rank, device, socket_dir, gpu, timeout)
+    session = Session(sock_path, timeout=timeout)
+    try:
+        reply = session.request(protocol.AttachPublished(_wire_model(model), tp_size, tp_rank, key_fields,
+                                                         mode=mode), timeout)
+        if not isinstance(reply, protocol.AttachReply):
+            raise RemoteProtocolError(f"attach_published: unexpected reply {reply.tag()!r}")
+        fd, manifest_fd = session.last_fds
+        try:
+            try:
+                manifest = read_file(manifest_fd, reply.manifest_size_bytes).manifest
+            finally:
+                os.close(manifest_fd)
+            backend = local_backend(device)
+            _check_key(model, reply.checkpoint_path, key_fields, manifest, backend.device_info(), sock_path)
+            slab = import_slab(backend, fd, reply, manifest, device)
+        finally:
+            os.close(fd)
+        log.info("attached published checkpoint=%s tp_size=%d tp_rank=%d mode=%s", model, tp_size, tp_rank,
+                 mode.value, extra=event("attached", model, tp_rank, tp_size=tp_size))
+        return attachment_of(slab, manifest, reply, mode, session)
+    except BaseException:
+        session.close()
+        raise
+
+
+def _check_key(model: str, checkpoint_path: str, key_fields: dict[str, Any], manifest: Manifest,
+               device: dict[str, Any], sock_path: str) -> None:
+    """Raises CacheKeyMismatch (`cache_key_mismatch`) unless the slab's key is this engine's fields, the checkpoint
+    as it is here (``stat()``) and this device."""
+    from .. import identity
+
+    key = manifest.key
+    try:
+        diff = identity.diff_keys(key_fields, {k: v for k, v in key.items() if k not in identity.RESERVED_KEY_FIELDS})
+        diff += identity.diff_keys({"device": dict(device)}, {"device": key.get("device")})
+        ck = Checkpoint(model if os.path.isdir(model) else checkpoint_path, validate=False)
+        diff += ["checkpoint." + d for d in ck.identity_diff(key.get("checkpoint") or {})]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise RemoteProtocolError(f"attach_reply from {sock_path} has a malformed cache key: {e!r}") from None
+    if diff:
+        raise CacheKeyMismatch(f"service at {sock_path} holds a different publication of {model!r}: differing key "
+                               f"fields {', '.join(diff[:10])}", fields=diff, socket=sock_path)

@@ -1,0 +1,257 @@
+"""Publication (DESIGN §6.4): an engine hands the service the weights it processed, and engines attach them by key.
+
+Owns ``publish`` in three steps: :func:`on_publish` on the serving loop (who may, the engine key, an identical
+publication, the memory budget, the memfd sealed against writes, a PENDING :class:`~weightcache.daemon.state.Slot`
+with its :class:`~weightcache.daemon.state.Publication` reserving the bytes), :func:`prepare` on a worker thread
+(the publisher's manifest checked against the memfd, the checkpoint identity computed from the files, a digest of
+every tensor, the service's manifest file: seconds for a large slab, never on the loop) and :func:`commit` back
+on the loop (READY, the reply, the fd store); and :func:`find_publication` (which slab an
+``attach_published`` gets, or why none). :func:`weightcache.daemon.handlers.on_attach_published` answers it
+as an ``attach``.
+
+A publication is a slab like any other once made: ``status``, ``list``, ``verify``, ``evict``, the fd store
+across restarts (:mod:`weightcache.daemon.fdstore`), the memory budget's count. Two differences: nothing loads it
+(a publication evicted is gone, and the next engine start publishes again), and the budget never moves it to
+another tier (no processed image exists on disk to bring it back from).
+
+Identical publications (same model, rank, engine key and scope: shared, or private to one uid) end in one slab:
+the serving loop handles one request at a time and the first's slot is in the state from its request on
+(PENDING while the worker digests it), so the second finds it and is answered ``created: false``, its memfd
+closed unused.
+
+Forbidden imports: socket, selectors, threading, torch, weightcache.notify, weightcache.fdpass,
+weightcache.daemon.transport, weightcache.daemon.loads, weightcache.daemon.fdstore, weightcache.daemon.ticker,
+weightcache.daemon.loop, weightcache.daemon.handlers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .. import digest, identity, protocol
+from ..checkpoint import Checkpoint
+from ..errors import CacheKeyMismatch, InsufficientMemory, ModelNotFound, PublicationInvalid, WeightcacheError
+from ..journal import event
+from ..manifest import ALIGNMENT_BYTES, Manifest, pack_file, read_file
+from ..memory.host import SealedFile
+from ..wire import SlotState
+from . import access
+from .effects import Context, Outcome, Reply, StoreSlab, one_reply
+from .state import Peer, Publication, Slot
+
+log = logging.getLogger(__name__)
+
+
+def _configured(ctx: Context, model: str) -> Slot:
+    """A slot the configuration places on this GPU for ``model`` (a name or checkpoint path): its model's table.
+
+    Raises:
+        ModelNotFound (`model_not_found`): the model is not configured on this GPU.
+    """
+    return ctx.state.find_slots(model, published=False)[0]
+
+
+def _check_manifest(manifest: Manifest, size_bytes: int) -> None:
+    """Raises PublicationInvalid (`publication_invalid`, ``reason = "manifest"``) unless every record of the
+    publisher's ``manifest`` lies inside the ``size_bytes`` memfd at an aligned offset."""
+    if not 0 < manifest.slab_size_bytes <= size_bytes:
+        raise PublicationInvalid(f"publish: the manifest's slab_size_bytes {manifest.slab_size_bytes} does not fit "
+                                 f"the {size_bytes}-byte memfd", reason="manifest")
+    for t in manifest.tensors:
+        if t.offset_bytes % ALIGNMENT_BYTES or t.offset_bytes + t.size_bytes > manifest.slab_size_bytes:
+            raise PublicationInvalid(
+                f"publish: tensor {t.name!r} at offset {t.offset_bytes} ({t.size_bytes} bytes) is not at a multiple "
+                f"of {ALIGNMENT_BYTES} bytes inside the {manifest.slab_size_bytes}-byte slab", reason="manifest",
+                tensor=t.name[:200])
+
+
+def _check_room(ctx: Context, label: str, model: str, need_bytes: int) -> None:
+    """Raises InsufficientMemory (`insufficient_memory`) when ``need_bytes`` more would take the slabs past the
+    memory budget (a publication makes no room: it is refused, and the engine keeps its own copy)."""
+    t, st = ctx.tiers, ctx.state
+    used = t.gpu_used(st)
+    if used + need_bytes <= t.budget_bytes:
+        return
+    raise InsufficientMemory(
+        f"GPU {st.gpu}: no room to publish {label} ({need_bytes} bytes): the memory budget memory_budget_bytes = "
+        f"{t.budget_bytes} has {t.budget_bytes - used} bytes free; the engine keeps its own copy (evict a slab, or "
+        f"raise memory_budget_bytes)", model=model, need_bytes=need_bytes, budget_bytes=t.budget_bytes,
+        free_bytes=t.budget_bytes - used, resident=[], leases=[])
+
+
+@dataclass(frozen=True, slots=True)
+class StartPublish:
+    """Effect: run :func:`prepare` on a worker thread (it reads the publisher's manifest file, the checkpoint's
+    headers and every byte of the sealed slab), then :func:`commit` its result on the serving loop.
+
+    Attributes:
+        slot (`Slot`): the publication's slot, PENDING in the state (it reserves its bytes of the budget, and an
+            identical publication meanwhile finds it).
+        sealed: the backend's SealedSlab (the publisher's memfd, sealed, owned by the service now).
+        manifest_fd (`int`): a dup of the publisher's manifest file; :func:`prepare` closes it.
+        request (`protocol.Publish`): the request.
+        peer_pid (`int`): the publisher's pid, for the log.
+    """
+
+    slot: Slot
+    sealed: Any
+    manifest_fd: int
+    request: protocol.Publish
+    peer_pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What :func:`prepare` made: the service's manifest and its manifest file, and the seconds it took."""
+
+    manifest: Manifest
+    manifest_file: Any
+    seconds: float
+
+
+def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, ...]) -> Outcome:
+    """``publish``: the checks that need only the state, then the memfd sealed and the rest handed to a worker
+    (fds: the slab memfd, the publisher's manifest file; they stay the caller's, the service keeps dups).
+
+    Returns an outcome with no reply and :class:`StartPublish` (the reply comes from :func:`commit`), or the
+    ``publish_reply`` of an identical publication already held or under way (``created: false``).
+
+    Raises:
+        ModelNotFound (`model_not_found`): the model is not configured on this GPU.
+        AccessDenied (`access_denied`): see :func:`weightcache.daemon.access.check_publish`; nothing changed.
+        PublicationInvalid (`publication_invalid`): the engine key or the memfd (see
+            :func:`weightcache.memory.host.seal_publication`), or a backend that takes no publication.
+        SlabStillMapped (`slab_still_mapped`): the publisher still maps the memfd writable.
+        InsufficientMemory (`insufficient_memory`): the budget has no room for it.
+    """
+    st = ctx.state
+    fields = identity.engine_key(msg.engine_key, msg.tp_size, msg.tp_rank)
+    base = _configured(ctx, msg.model)
+    shared = access.check_publish(peer, base, ctx.policy)
+    if ctx.adopt_publication is None:
+        raise PublicationInvalid(f"publish: the {st.backend} backend of GPU {st.gpu} takes no publication yet; "
+                                 f"the engine keeps its own copy", reason="backend", backend=st.backend)
+    if len(fds) != 2:  # the protocol matched them by count: a bug if not
+        raise PublicationInvalid(f"publish: {len(fds)} fds came with the request, 2 expected", reason="fds")
+    pub = Publication(fields, identity.engine_key_blake2b(fields), peer.uid, shared)
+    placement = dataclasses.replace(base.placement, tp_size=msg.tp_size, tp_rank=msg.tp_rank)
+    slot = st.new_slot(placement, base.realpath, pub)
+    held = next((s for s in st.slots if s.publication is not None and s.store_id == slot.store_id
+                 and s.state in (SlotState.PENDING, SlotState.READY)), None)
+    if held is not None:  # an identical publication came first (held, or under way): one slab
+        log.info("publication already held model=%s tp_size=%d rank=%d slab=%s state=%s peer_pid=%d",
+                 placement.model.name, msg.tp_size, msg.tp_rank, held.label, held.state.value, peer.pid)
+        size = held.sealed.size_bytes if held.sealed is not None else held.reserved_bytes
+        return one_reply(protocol.PublishReply(held.label, False, size, pub.engine_key_blake2b))
+    _check_room(ctx, slot.label, placement.model.name, msg.size_bytes)
+    sealed = ctx.adopt_publication(fds[0], msg.size_bytes)
+    try:
+        manifest_fd = os.dup(fds[1])
+    except BaseException:
+        sealed.close()
+        raise
+    slot.reserved_bytes = sealed.size_bytes  # counted in the budget while the worker digests it
+    st.slots.append(slot)
+    return Outcome(effects=(StartPublish(slot, sealed, manifest_fd, msg, peer.pid),))
+
+
+def prepare(eff: StartPublish, device: dict[str, Any], backend: str) -> Prepared:
+    """The worker's part of a publication: the publisher's manifest checked against the slab, the checkpoint
+    identity computed from the files, a digest of every tensor, and the service's manifest file. Touches no
+    state; closes ``eff.manifest_fd``.
+
+    Raises:
+        ManifestInvalid (`manifest_invalid`): the publisher's manifest file does not decode.
+        PublicationInvalid (`publication_invalid`): a tensor outside the slab or off a 256-byte offset.
+        CheckpointNotFound, CheckpointCorrupt: the configured checkpoint cannot be read.
+        ManifestTooLarge (`manifest_too_large`): the service's manifest file would be too large.
+    """
+    t0 = time.monotonic()
+    msg, slot = eff.request, eff.slot
+    try:
+        mf = read_file(eff.manifest_fd, msg.manifest_size_bytes)
+    finally:
+        os.close(eff.manifest_fd)
+    _check_manifest(mf.manifest, msg.size_bytes)
+    placement = slot.placement
+    ck = Checkpoint(placement.model.path, validate=False)
+    key = identity.published_key(slot.publication.engine_key, ck, device)  # the files say which checkpoint
+    records = list(mf.manifest.tensors)
+    stored = [(t.name, t.offset_bytes, t.size_bytes) for t in records if t.alias_of is None]
+    digests = digest.slab_digests(eff.sealed, stored)
+    tensors = [dataclasses.replace(t, digest=digests[t.alias_of or t.name]) for t in records]
+    manifest = Manifest(placement.model.name, msg.tp_size, msg.tp_rank, key, mf.manifest.slab_size_bytes, tensors)
+    data = pack_file(manifest, backend=backend, size_bytes=eff.sealed.size_bytes,
+                     checkpoint_path=placement.model.path, placement=placement.to_json(),
+                     publication=slot.publication.to_json())
+    return Prepared(manifest, SealedFile.create(data, f"weightcache:manifest:{slot.label}"), time.monotonic() - t0)
+
+
+def commit(ctx: Context, eff: StartPublish, prepared: Prepared | None, error: BaseException | None) -> Outcome:
+    """The serving loop's end of a publication: READY with its manifest (reply ``created: true`` and
+    :class:`StoreSlab`), or, when :func:`prepare` failed or a reload dropped the slot meanwhile, the slot gone
+    and its slab closed (reply: the error)."""
+    slot, st = eff.slot, ctx.state
+    if prepared is None or slot.state is not SlotState.PENDING:
+        if slot.state is SlotState.PENDING:
+            slot.drop()
+        st.slots = [s for s in st.slots if s is not slot]
+        eff.sealed.close()
+        if prepared is not None:
+            prepared.manifest_file.close()
+        if not isinstance(error, WeightcacheError):
+            error = ModelNotFound(f"publish: model {slot.placement.model.name} was removed from the configuration "
+                                  f"by a reload while its publication was checked", model=slot.placement.model.name,
+                                  gpu=st.gpu) if error is None else error
+        raise error
+    slot.publish(prepared.manifest, eff.sealed, prepared.manifest_file)
+    slot.last_used = ctx.monotonic()
+    pub, p = slot.publication, slot.placement
+    n = len(prepared.manifest.tensors)
+    log.info("published model=%s tp_size=%d rank=%d slab=%s size_bytes=%d tensors=%d engine=%s engine_key=%s "
+             "shared=%s peer_pid=%d peer_uid=%d duration_ms=%.0f", p.model.name, p.tp_size, p.tp_rank, slot.label,
+             eff.sealed.size_bytes, n, pub.engine_key["engine"], pub.engine_key_blake2b, pub.shared, eff.peer_pid,
+             pub.publisher_uid, prepared.seconds * 1e3,
+             extra=event("published", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=eff.sealed.size_bytes,
+                         duration_ms=prepared.seconds * 1e3, tensors=n, engine_key=pub.engine_key_blake2b,
+                         shared="yes" if pub.shared else "no", peer_pid=eff.peer_pid, peer_uid=pub.publisher_uid))
+    return Outcome((Reply(protocol.PublishReply(slot.label, True, eff.sealed.size_bytes, pub.engine_key_blake2b)),),
+                   (StoreSlab(slot),))
+
+
+def find_publication(ctx: Context, peer: Peer, model: str, tp_size: int, tp_rank: int,
+                     fields: dict[str, Any]) -> Slot:
+    """The READY publication of ``model`` at (``tp_size``, ``tp_rank``) made under engine key ``fields`` that
+    ``peer`` may attach (a shared one first, else its own uid's).
+
+    Raises:
+        ModelNotFound (`model_not_found`): the model is not configured here, or no publication of that rank is
+            held for ``peer`` (``details["publication"] = "none"``: the engine loads and publishes it).
+        CacheKeyMismatch (`cache_key_mismatch`): publications of that rank are held, under other engine keys;
+            ``details["fields"]`` lists the fields in which the first differs.
+    """
+    base = _configured(ctx, model)
+    name = base.placement.model.name
+    held = [s for s in ctx.state.slots
+            if s.publication is not None and s.placement.model.name == name and s.placement.tp_size == tp_size
+            and s.placement.tp_rank == tp_rank and s.state is SlotState.READY
+            and access.may_attach(peer, s, ctx.policy)]
+    h = identity.engine_key_blake2b(fields)
+    same = sorted((s for s in held if s.publication.engine_key_blake2b == h), key=lambda s: not s.publication.shared)
+    if same:
+        return same[0]
+    if held:
+        diff = identity.diff_keys(fields, held[0].publication.engine_key)
+        raise CacheKeyMismatch(
+            f"GPU {ctx.state.gpu} holds {name} tp_size={tp_size} tp_rank={tp_rank} as published under another "
+            f"engine key: differing fields {', '.join(diff[:10])}; this engine loads it itself (and may publish "
+            f"its own)", fields=diff, model=name)
+    raise ModelNotFound(
+        f"GPU {ctx.state.gpu} holds no publication of {name} tp_size={tp_size} tp_rank={tp_rank} for this engine "
+        f"yet; the engine loads it itself and publishes it", model=name, tp_size=tp_size, tp_rank=tp_rank,
+        gpu=ctx.state.gpu, publication="none")

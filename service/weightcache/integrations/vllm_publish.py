@@ -1,0 +1,336 @@
+"""vLLM model loader ``weightcache_publish``: vLLM's own load, published to the node's service, attached next time.
+
+Usage (registered by the same ``vllm.general_plugins`` entry point as ``weightcache``)::
+
+    vllm serve /srv/models/Qwen3-8B --load-format weightcache_publish \\
+        --model-loader-extra-config '{"socket_dir": "/run/weightcache"}'
+
+For any architecture, quantization method or parallel rank that vLLM's default loader runs (issue 35):
+
+1. The loader works out this engine's **key** (:func:`engine_key`: vLLM and its version, the architecture, the
+   dtype, the quantization method and a hash of its config, every parallel rank and size, the draft role, the
+   kernel choices, the compute capability) and asks the service for a publication of the rank under it
+   (:func:`weightcache.client.attach_published`).
+2. Held: the model is built on the meta device, the published tensors become its parameters and buffers
+   (zero-copy, read-only), and vLLM's ``process_weights_after_loading`` runs inside
+   ``weights_already_processed()``, as vLLM's own loader of pre-processed weights does. Log:
+   ``weightcache attached published``.
+3. Not held (or refused): vLLM's default loader loads and processes the model (on the CPU build with plain
+   ``torch.nn.functional.linear`` layers, so that the processed weights are tensors of the model, not oneDNN
+   packs), then every parameter and buffer is published (:func:`weightcache.client.publish`; tied names once,
+   views kept, JSON-able Python attributes as ``attrs``). Log: ``weightcache published``. The engine then
+   moves its parameters onto the published slab and drops its own copy (:func:`_move_onto`), so the weights
+   are in memory once. Buffers vLLM computes or writes itself (rotary caches, attention's scales) stay its own
+   (:func:`_slots`).
+
+Every failure of the service's side (none held, another key, no service, a refused publication) ends in vLLM's
+default loader, logged once; this loader never stops an engine the default loader starts.
+
+Extra config keys: ``socket_dir`` (the service's socket directory), ``gpu`` (its instance; default: the
+model's device), ``timeout_s`` (seconds for each request, default 60).
+
+Forbidden imports: weightcache.daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from vllm import __version__ as VLLM_VERSION
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+from ..client import Attachment, attach_published, physical_gpu, publish
+from ..errors import ConfigError, WeightcacheError
+from ..hashes import blake2b_hex
+from . import vllm_zero_copy as zc
+from .params import register_tensors
+
+log = init_logger("vllm." + __name__)
+
+#: The ``--load-format`` value.
+LOAD_FORMAT = "weightcache_publish"
+#: Bumped when what this module publishes for the same model changes (part of the engine key).
+PUBLISH_FORMAT = 1
+#: Extra config keys: name -> (accepted types, default).
+EXTRA_CONFIG: dict[str, tuple[tuple[type, ...], Any]] = {
+    "socket_dir": ((str, type(None)), None),
+    "gpu": ((int, type(None)), None),
+    "timeout_s": ((int, float), 60.0),
+}
+
+
+def parse_extra_config(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """Validates ``--model-loader-extra-config`` for ``weightcache_publish``.
+
+    Raises:
+        ConfigError (`config_invalid`): an unknown key or a value of the wrong type.
+    """
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(EXTRA_CONFIG))
+    if unknown:
+        raise ConfigError(f"load format {LOAD_FORMAT!r}: unknown model_loader_extra_config key {unknown[0]!r} "
+                          f"(known: {', '.join(EXTRA_CONFIG)})", key=unknown[0])
+    out = {}
+    for key, (types, default) in EXTRA_CONFIG.items():
+        v = extra.get(key, default)
+        if not isinstance(v, types) or isinstance(v, bool):
+            raise ConfigError(f"load format {LOAD_FORMAT!r}: {key} must be "
+                              f"{' or '.join(t.__name__ for t in types)}, got {v!r}", key=key)
+        out[key] = v
+    return out
+
+
+def _json_hash(value: Any) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, (dict, list)):
+        value = getattr(value, "to_dict", lambda: vars(value))()
+    return blake2b_hex(json.dumps(value, sort_keys=True, default=str, separators=(",", ":")).encode())
+
+
+def _parallel(vllm_config: VllmConfig) -> dict[str, int]:
+    """Every parallel size and rank of this worker (TP, PP, DP, EP)."""
+    from vllm.distributed import get_pp_group
+
+    pc = vllm_config.parallel_config
+    tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    pp = get_pp_group()
+    dp_size, dp_rank = int(pc.data_parallel_size), int(getattr(pc, "data_parallel_rank", 0) or 0)
+    ep = bool(getattr(pc, "enable_expert_parallel", False))
+    return {"tp_size": tp_size, "tp_rank": tp_rank, "pp_size": pp.world_size, "pp_rank": pp.rank_in_group,
+            "dp_size": dp_size, "dp_rank": dp_rank, "ep_size": tp_size * dp_size if ep else 1,
+            "ep_rank": dp_rank * tp_size + tp_rank if ep else 0}
+
+
+def engine_key(vllm_config: VllmConfig, model_config: ModelConfig) -> dict[str, Any]:
+    """This vLLM worker's engine key (docs/protocol.md, "The engine key")."""
+    hf = model_config.hf_config
+    archs = getattr(hf, "architectures", None) or [getattr(hf, "model_type", "")]
+    spec = vllm_config.speculative_config
+    draft = ""
+    if spec is not None and getattr(spec, "draft_model_config", None) is model_config:
+        draft = str(getattr(spec, "method", "draft"))
+    cap = current_platform.get_device_capability()
+    quant_config = getattr(hf, "quantization_config", None) or getattr(hf, "compression_config", None)
+    return {
+        "engine": "vllm", "engine_version": VLLM_VERSION, "architecture": str(archs[0]),
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "quantization": {"method": model_config.quantization or "",
+                         "config_blake2b": _json_hash(quant_config) if model_config.quantization else ""},
+        "parallel": _parallel(vllm_config), "draft": draft,
+        "kernels": {"platform": str(current_platform.device_type),
+                    "attention": os.environ.get("VLLM_ATTENTION_BACKEND", "auto"),
+                    "cpu_linear": "plain" if current_platform.is_cpu() else ""},
+        "compute_capability": f"{cap.major}.{cap.minor}" if cap is not None else "",
+        "revision": model_config.revision or "", "publish_format": PUBLISH_FORMAT,
+        "hf_overrides": _json_hash(getattr(model_config, "hf_overrides", None) or None),
+    }
+
+
+def _jsonable(v: Any) -> bool:
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return not isinstance(v, float) or math.isfinite(v)  # JSON has no NaN or infinity
+    if isinstance(v, (list, tuple)):
+        return all(_jsonable(x) for x in v)
+    return False
+
+
+def collect(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """Every parameter and buffer of ``model`` by name (tied names each: they are one tensor), and each
+    parameter's JSON-able Python attributes (vLLM's ``output_dim``, ``input_dim``, ``packed_dim``...)."""
+    tensors: dict[str, torch.Tensor] = {}
+    attrs: dict[str, dict[str, Any]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tensors[name] = p.detach()
+        a = {k: v for k, v in vars(p).items() if not k.startswith("_") and _jsonable(v)}
+        if a:
+            attrs[name] = a
+    for name, b in model.named_buffers(remove_duplicate=False):
+        tensors[name] = b.detach()
+    return tensors, attrs
+
+
+def _slots(model: nn.Module, tensors: dict[str, torch.Tensor], buffers: bool = True) -> dict[str, torch.Tensor]:
+    """The published tensors to register in ``model``: every parameter's, and (``buffers``) those of the buffers
+    still on meta (storage waiting for weights). A buffer vLLM computed when it built the model (rotary caches,
+    attention's ``_k_scale``, which its processing writes in place) stays the model's own: a shared tensor is
+    read-only."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    bufs = dict(model.named_buffers(remove_duplicate=False)) if buffers else {}
+    return {n: t for n, t in tensors.items() if n in params or (n in bufs and bufs[n].is_meta)}
+
+
+def _restore_attrs(model: nn.Module, w: Attachment) -> None:
+    """Sets the published attributes a registered parameter lacks (those vLLM's processing added)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, p in params.items():
+        for k, v in (w.layouts.get(name, {}) or {}).get("attrs", {}).items():
+            if not hasattr(p, k):
+                setattr(p, k, v)
+
+
+class WeightcachePublishLoader(DefaultModelLoader):
+    """``--load-format weightcache_publish`` (see the module docstring)."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        self.options = parse_extra_config(load_config.model_loader_extra_config)
+        plain = dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
+        super().__init__(plain)
+
+    def _where(self, vllm_config: VllmConfig) -> tuple[torch.device, str, int]:
+        dev = torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
+        if dev.type == "cuda":
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            gpu = self.options["gpu"]
+            return dev, f"cuda:{index}", physical_gpu(index, os.environ.get("CUDA_VISIBLE_DEVICES")) if gpu is None \
+                else gpu
+        return dev, "cpu", self.options["gpu"] or 0
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        path = model_config.model_weights or model_config.model
+        target, device, gpu = self._where(vllm_config)
+        if not os.path.isdir(path):  # a hub id: the service holds local checkpoints by path
+            log.info("weightcache publication skipped checkpoint=%s reason=not a local checkpoint directory", path)
+            return self._own_load(vllm_config, model_config, prefix, target)
+        try:
+            key = engine_key(vllm_config, model_config)
+        except Exception as e:  # noqa: BLE001 - a vLLM whose config lacks a field read here: its own load runs
+            log.warning("weightcache publication skipped checkpoint=%s reason=the engine key could not be worked "
+                        "out: %r", path, e)
+            return self._own_load(vllm_config, model_config, prefix, target)
+        par = key["parallel"]
+        where = {"device": device, "socket_dir": self.options["socket_dir"], "gpu": gpu,
+                 "timeout": float(self.options["timeout_s"])}
+        t0 = time.monotonic()
+        try:
+            w = attach_published(path, key, par["tp_size"], par["tp_rank"], **where)
+        except WeightcacheError as e:
+            log.info("weightcache no publication to attach checkpoint=%s tp_rank=%d reason=%s: %s", path,
+                     par["tp_rank"], e.code, e.message)
+        else:
+            model = self._attached(vllm_config, model_config, prefix, target, w)
+            if model is not None:
+                log.info("weightcache attached published checkpoint=%s source=daemon mode=zero_copy tp_size=%d "
+                         "tp_rank=%d tensors=%d size_bytes=%d duration_ms=%.1f", path, par["tp_size"],
+                         par["tp_rank"], len(w.tensors), w.manifest.slab_size_bytes, (time.monotonic() - t0) * 1e3)
+                return model
+        model = self._own_load(vllm_config, model_config, prefix, target)
+        tensors, attrs = collect(model)
+        try:
+            got = publish(path, key, tensors, par["tp_size"], par["tp_rank"], attrs=attrs, **where)
+        except (WeightcacheError, OSError, RuntimeError) as e:  # refused, no memfd, a copy failed: keep its own
+            log.warning("weightcache publication refused checkpoint=%s tp_rank=%d reason=%s: %s; the engine keeps "
+                        "its own copy", path, par["tp_rank"], getattr(e, "code", type(e).__name__), e)
+            return model
+        log.info("weightcache published checkpoint=%s slab=%s created=%s tp_size=%d tp_rank=%d tensors=%d "
+                 "size_bytes=%d", path, got.label, got.created, par["tp_size"], par["tp_rank"], len(tensors),
+                 got.size_bytes)
+        self._move_onto(model, path, key, where)
+        return model
+
+    def _own_load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+                  target: torch.device) -> nn.Module:
+        """vLLM's default load and processing; on the CPU build with plain linear layers (the processed weights
+        stay the model's tensors, which is what is published and what a later attach registers)."""
+        with set_default_torch_dtype(model_config.dtype):
+            with target:
+                model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            self.load_weights(model, model_config)
+            if current_platform.is_cpu():
+                zc.mark_plain_cpu_linear(model)
+            process_weights_after_loading(model, model_config, target)
+        return model.eval()
+
+    def _attached(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, target: torch.device,
+                  w: Attachment) -> nn.Module | None:
+        """The model on meta with the published tensors registered and vLLM's processing run in pre-processed
+        mode; None (logged, ``w`` closed) when this vLLM cannot take them so."""
+        undo = zc.registry_undo(vllm_config)
+        try:
+            with set_default_torch_dtype(model_config.dtype):
+                model = zc.initialize_on_meta(vllm_config, model_config, prefix, target)
+                reason = zc.quant_refusal(model)
+                if reason is not None:
+                    raise ConfigError(reason, key="quantization")
+                reg = register_tensors(model, _slots(model, w.tensors), check="none", source="the publication",
+                                       hint="this vLLM's model differs from the publishing engine's")
+                shared = set(reg.shared_ids)
+                _restore_attrs(model, w)
+                if current_platform.is_cpu():
+                    zc.mark_plain_cpu_linear(model)
+                zc.finish(model, model_config, target, shared, current_platform.is_cpu())
+        except WeightcacheError as e:
+            undo()
+            w.close()
+            log.warning("weightcache publication not usable, loading with vLLM's default loader reason=%s: %s",
+                        e.code, e.message)
+            return None
+        except Exception as e:  # noqa: BLE001 - vLLM's processing refused the published tensors: its own load runs
+            # E.g. vLLM 0.32's MLA attention derives its absorbed matrices from kv_b_proj while processing, which
+            # the CPU build emptied after the publisher's processing: vLLM's default load runs instead (and the
+            # engine still moves onto the publication afterwards, _move_onto).
+            undo()
+            w.close()
+            log.warning("weightcache publication not usable, loading with vLLM's default loader reason=%s: %r",
+                        type(e).__name__, e)
+            return None
+        _keep_lease(model, w)
+        return model.eval()
+
+    def _move_onto(self, model: nn.Module, path: str, key: dict[str, Any], where: dict[str, Any]) -> None:
+        """Replaces the engine's own parameters and buffers by the published slab's (the same bytes), so that
+        its private copy is freed and the weights are in memory once; on any failure it keeps its own."""
+        par = key["parallel"]
+        try:
+            w = attach_published(path, key, par["tp_size"], par["tp_rank"], **where)
+        except WeightcacheError as e:
+            log.warning("weightcache keeps its own copy after publishing reason=%s: %s", e.code, e.message)
+            return
+        try:
+            register_tensors(model, _slots(model, w.tensors, buffers=False), check="dtype_shape",
+                             source="the publication", hint="the published slab differs from this engine's model")
+        except WeightcacheError as e:
+            w.close()
+            log.warning("weightcache keeps its own copy after publishing reason=%s: %s", e.code, e.message)
+            return
+        _keep_lease(model, w)
+
+
+def _refuse_reload(*args: Any, **kwargs: Any) -> None:
+    """``load_weights`` of a model on a published slab (vLLM's ``reload_weights``): refused.
+
+    Raises:
+        ConfigError (`config_invalid`): always.
+    """
+    raise ConfigError(f"reload_weights: the weights of this model are the weightcache service's read-only memory "
+                      f"(load format {LOAD_FORMAT!r}); start the engine with vLLM's default loader to reload them",
+                      key="load_format")
+
+
+def _keep_lease(model: nn.Module, w: Attachment) -> None:
+    """Ties the attachment (the lease) to ``model``: closed when the model is collected or at exit; the model's
+    ``load_weights`` is refused (the weights are read-only)."""
+    model._weightcache = w
+    weakref.finalize(model, w.close)
+    model.load_weights = _refuse_reload
+
+
+def register() -> None:
+    """Registers load format ``weightcache_publish`` (called by :func:`weightcache.integrations.vllm.register`)."""
+    register_model_loader(LOAD_FORMAT)(WeightcachePublishLoader)

@@ -1,0 +1,293 @@
+"""``--load-format weightcache_publish`` against vLLM's CPU build (issue 35, part 1): vLLM's own load is published,
+and the next engine start attaches it by its engine key.
+
+Run by the ``.venv-vllm`` interpreter, like test_vllm.py (each engine in its own subprocess, float32, greedy),
+with a real host-backend service. The model is a tiny Qwen3 (q/k norms, an architecture without weightcache's
+own layout rules): the first start loads with vLLM's default loader, publishes (its log says so) and gives the
+default loader's tokens with its parameters moved onto the service's slab; the second start attaches the
+publication (``weightcache attached published``), every parameter inside the service's memfd mapping, the same
+tokens; the service lists the publication. ``weightcache publish`` does the first start's part on its own.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this interpreter; `make test` runs these under .venv-vllm next")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from test_vllm import harness, log_lines, run_engine, tokens_of  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    d = Path(tempfile.mkdtemp(prefix="wc-vpub-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3(workdir: Path) -> Path:
+    """Tiny Qwen3ForCausalLM by transformers, float32, tied embeddings, q/k norms; head_dim 32."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151,
+                                      max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                      initializer_range=0.1, architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    dest = workdir / "qwen3"
+    model.save_pretrained(dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def service(workdir: Path, qwen3: Path):
+    svc = harness.start_service(workdir / "up", {"qwen3": {"path": qwen3, "dtype": "float32"}})
+    try:
+        svc.wait_settled()
+        yield svc
+    finally:
+        svc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3: Path) -> list[list[int]]:
+    """vLLM's default loader's greedy tokens."""
+    return tokens_of(*run_engine(qwen3))
+
+
+def test_first_start_publishes_second_attaches_the_publication(service, qwen3, reference):
+    extra = {"socket_dir": service.socket_dir}
+    first, out1 = run_engine(qwen3, load_format="weightcache_publish", extra=extra, probe=True)
+    assert tokens_of(first, out1) == reference
+    assert len(log_lines(out1, "weightcache published")) == 1, out1[-6000:]
+    assert " created=True " in log_lines(out1, "weightcache published")[0]
+    (probe1,) = first["probe"]
+    assert probe1["params"] > 0 and probe1["outside"] == [], probe1  # the publisher moved onto the slab
+    pubs = [s for s in harness_status(service)["slabs"] if s["tensors"] and s["state"] == "ready"
+            and s["model"] == "qwen3" and s.get("adopted") is False]
+    assert len(pubs) == 2, pubs  # the service's own slab of the checkpoint, and the publication
+    second, out2 = run_engine(qwen3, load_format="weightcache_publish", extra=extra, probe=True)
+    assert tokens_of(second, out2) == reference
+    assert len(log_lines(out2, "weightcache attached published")) == 1, out2[-6000:]
+    assert not log_lines(out2, "weightcache published ")
+    (probe2,) = second["probe"]
+    assert probe2["params"] == probe1["params"] and probe2["outside"] == [], probe2
+
+
+def test_no_service_is_vllms_default_load(workdir, qwen3, reference):
+    """The loader never stops an engine the default loader starts: no service, the reason logged, same tokens."""
+    result, out = run_engine(qwen3, load_format="weightcache_publish", extra={"socket_dir": str(workdir / "none")})
+    assert tokens_of(result, out) == reference
+    assert log_lines(out, "daemon_unavailable"), out[-4000:]
+
+
+def test_cli_publish_then_an_engine_attaches(workdir, qwen3, reference):
+    """``weightcache publish MODEL --tp 1`` (the engine's interpreter, the plugin's code path) publishes; an engine
+    started afterwards attaches the publication and gives the default loader's tokens."""
+    import os
+    import subprocess
+
+    svc = harness.start_service(workdir / "cli", {"qwen3": {"path": qwen3, "dtype": "float32"}})
+    try:
+        svc.wait_settled()
+        env = harness.service_env({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                   "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="wc-vllm-rpc-")})
+        p = subprocess.run([sys.executable, "-m", "weightcache", "publish", str(qwen3), "--tp", "1", "--dtype",
+                            "float32", "--socket-dir", svc.socket_dir], capture_output=True, text=True, env=env,
+                           timeout=600, stdin=subprocess.DEVNULL, cwd=os.getcwd())
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-6000:]
+        assert "qwen3 tp=1 rank=0 published:" in p.stdout, p.stdout[-2000:]
+        assert log_lines(p.stdout + p.stderr, "weightcache published")
+        result, out = run_engine(qwen3, load_format="weightcache_publish", extra={"socket_dir": svc.socket_dir})
+        assert tokens_of(result, out) == reference
+        assert len(log_lines(out, "weightcache attached published")) == 1, out[-6000:]
+    finally:
+        svc.kill()
+
+
+def harness_status(svc) -> dict:
+    from weightcache import protocol
+
+    return svc.request(protocol.Status()).status
+
+
+@pytest.mark.slow
+def test_tp2_every_rank_publishes_its_own_slab_and_attaches_it(workdir, qwen3):
+    """TP 2 (two CPU workers, both ranks on instance 0): each rank publishes its own slab under its own engine key
+    (tp_rank differs); the second start attaches both, the default loader's tokens at TP 2."""
+    svc = harness.start_service(workdir / "tp2", {"qwen3": {"path": qwen3, "dtype": "float32"}})
+    try:
+        svc.wait_settled()
+        expected = tokens_of(*run_engine(qwen3, multiprocess=True, tp=2))
+        extra = {"socket_dir": svc.socket_dir}
+        first, out1 = run_engine(qwen3, load_format="weightcache_publish", multiprocess=True, tp=2, extra=extra)
+        assert tokens_of(first, out1) == expected
+        assert len(log_lines(out1, "weightcache published")) == 2, out1[-6000:]
+        pubs = [s for s in harness_status(svc)["slabs"] if s.get("publication")]
+        assert sorted((s["tp_size"], s["tp_rank"]) for s in pubs) == [(2, 0), (2, 1)], pubs
+        assert len({s["publication"]["engine_key_blake2b"] for s in pubs}) == 2
+        second, out2 = run_engine(qwen3, load_format="weightcache_publish", multiprocess=True, tp=2, extra=extra,
+                                  probe=True)
+        assert tokens_of(second, out2) == expected
+        attached = log_lines(out2, "weightcache attached published")
+        assert sorted("tp_rank=1" in ln for ln in attached) == [False, True], out2[-6000:]
+        assert len(second["probe"]) == 2 and all(p["params"] > 0 and p["outside"] == [] for p in second["probe"])
+    finally:
+        svc.kill()
+
+
+#: Tiny configs of architectures weightcache has no layout rules for: MoE (Qwen3-MoE; OLMoE, with q/k norms;
+#: DeepSeek-V3, with MLA), a checkpoint that stores fused tensors (Phi-3: qkv_proj, gate_up_proj), Gemma 2
+#: (soft-capping, sliding window), Granite (scaled residuals).
+OTHERS = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+                                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         vocab_size=151, max_position_embeddings=64, decoder_sparse_step=1,
+                                         tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])),
+    "phi3": ("Phi3Config", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=4, vocab_size=151, max_position_embeddings=64, pad_token_id=0,
+                                bos_token_id=1, eos_token_id=2, architectures=["Phi3ForCausalLM"])),
+    "olmoe": ("OlmoeConfig", dict(hidden_size=128, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                  vocab_size=151, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, architectures=["OlmoeForCausalLM"])),
+    "deepseek_v3": ("DeepseekV3Config", dict(hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=64,
+                                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                             v_head_dim=128, vocab_size=151, max_position_embeddings=64,
+                                             rope_scaling=None, tie_word_embeddings=False, topk_method="noaux_tc",
+                                             architectures=["DeepseekV3ForCausalLM"])),
+    "gemma2": ("Gemma2Config", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151,
+                                    max_position_embeddings=64, sliding_window=32, architectures=["Gemma2ForCausalLM"])),
+    "granite": ("GraniteConfig", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=151,
+                                      max_position_embeddings=64, architectures=["GraniteForCausalLM"])),
+}
+
+
+def _tiny(dest: Path, family: str) -> Path:
+    import torch
+    import transformers
+
+    cls, fields = OTHERS[family]
+    config = getattr(transformers, cls)(initializer_range=0.1, **fields)
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(dest)
+    return dest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(OTHERS))
+def test_other_architectures_publish_then_attach(workdir, family):
+    ck = _tiny(workdir / family, family)
+    dtype = "bfloat16" if family == "deepseek_v3" else "float32"  # vLLM CPU's MLA MoE kernel takes bf16 weights
+    svc = harness.start_service(workdir / f"s-{family}", {family: {"path": ck, "dtype": dtype}})
+    try:
+        svc.wait_settled()
+        expected = tokens_of(*run_engine(ck, dtype=dtype))
+        extra = {"socket_dir": svc.socket_dir}
+        first, out1 = run_engine(ck, dtype=dtype, load_format="weightcache_publish", extra=extra)
+        assert tokens_of(first, out1) == expected
+        assert len(log_lines(out1, "weightcache published")) == 1, out1[-6000:]
+        second, out2 = run_engine(ck, dtype=dtype, load_format="weightcache_publish", extra=extra, probe=True)
+        assert tokens_of(second, out2) == expected
+        if family == "deepseek_v3":  # vLLM 0.32's MLA processing cannot take them pre-processed: its own load, moved
+            assert log_lines(out2, "weightcache publication not usable"), out2[-6000:]
+            assert " created=False " in log_lines(out2, "weightcache published")[0]
+        else:
+            assert len(log_lines(out2, "weightcache attached published")) == 1, out2[-6000:]
+        (probe,) = second["probe"]
+        # vLLM's MLA processing empties kv_b_proj.weight (its absorbed matrices replace it): no bytes to share
+        emptied = [n for n in probe["outside"] if family == "deepseek_v3" and n.endswith("kv_b_proj.weight")]
+        assert probe["params"] > 0 and probe["outside"] == emptied, probe
+    finally:
+        svc.kill()
+
+
+@pytest.mark.slow
+def test_modelopt_fp8_publishes_and_the_next_start_moves_onto_it(workdir):
+    """ModelOpt FP8 per-channel (vLLM 0.32's method cannot take pre-processed weights): the first start publishes;
+    the second hears why the publication cannot be registered before processing, loads with vLLM's own loader
+    (same tokens), finds its publication already held (created=False) and moves onto it."""
+    from test_vllm import _fp8_config, fp8_fixtures
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fp8_fixtures, "tiny_llama_config", _fp8_config)
+    try:
+        ck = fp8_fixtures.write_fp8_per_channel(workdir / "fp8pc")
+    finally:
+        mp.undo()
+    svc = harness.start_service(workdir / "s-fp8", {"fp8pc": {"path": ck, "dtype": "bfloat16"}})
+    try:
+        svc.wait_settled()
+        expected = tokens_of(*run_engine(ck, dtype="bfloat16"))
+        extra = {"socket_dir": svc.socket_dir}
+        first, out1 = run_engine(ck, dtype="bfloat16", load_format="weightcache_publish", extra=extra)
+        assert tokens_of(first, out1) == expected
+        assert " created=True " in log_lines(out1, "weightcache published")[0]
+        second, out2 = run_engine(ck, dtype="bfloat16", load_format="weightcache_publish", extra=extra, probe=True)
+        assert tokens_of(second, out2) == expected
+        assert log_lines(out2, "weightcache publication not usable"), out2[-6000:]
+        assert " created=False " in log_lines(out2, "weightcache published")[0]
+        (probe,) = second["probe"]
+        assert probe["params"] > 0 and probe["outside"] == [], probe
+    finally:
+        svc.kill()
+
+
+# --- the loader's helpers (in this process) -------------------------------------------------
+
+
+def test_parse_extra_config_defaults_and_rejections():
+    from weightcache.errors import ConfigError
+    from weightcache.integrations.vllm_publish import parse_extra_config
+
+    assert parse_extra_config(None) == {"socket_dir": None, "gpu": None, "timeout_s": 60.0}
+    for bad in ({"fallback": True}, {"gpu": "0"}, {"timeout_s": True}):
+        with pytest.raises(ConfigError) as e:
+            parse_extra_config(bad)
+        assert e.value.code == "config_invalid" and e.value.details["key"] == next(iter(bad))
+
+
+def test_collect_keeps_json_attributes_and_slots_leaves_computed_buffers_alone():
+    """What is published: every parameter and buffer, tied names each, JSON-able attributes only; what an attach
+    registers: every parameter, and only the buffers still on meta (vLLM writes the ones it computed)."""
+    import torch
+    from torch import nn
+
+    from weightcache.integrations.vllm_publish import _slots, collect
+
+    m = nn.Module()
+    m.w = nn.Parameter(torch.ones(2, 2), requires_grad=False)
+    m.w.output_dim, m.w.weight_loader, m.w.nan = 0, print, float("nan")
+    m.register_buffer("cache", torch.arange(3.0))
+    m.register_buffer("empty", torch.empty(2, device="meta"))
+    m.tied = m.w
+    tensors, attrs = collect(m)
+    assert sorted(tensors) == ["cache", "empty", "tied", "w"] and attrs == {"w": {"output_dim": 0},
+                                                                         "tied": {"output_dim": 0}}
+    assert sorted(_slots(m, tensors)) == ["empty", "tied", "w"]
+    assert sorted(_slots(m, tensors, buffers=False)) == ["tied", "w"]
