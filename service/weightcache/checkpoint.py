@@ -55,6 +55,30 @@ def __getattr__(name: str) -> Any:
 _OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 
 
+def parse_json(raw: bytes, path: str, what: str) -> Any:
+    """``json.loads(raw)`` of a checkpoint's JSON file ``path`` (``what`` names it in the message).
+
+    A checkpoint's writer decides these bytes: JSON nested 200,000 deep
+    raises ``RecursionError`` in the decoder, a huge one ``MemoryError``; both
+    are that file's fault, reported like invalid JSON (issue 38, P8).
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): invalid JSON, too deeply nested
+            (``details.cause`` ``too_deep``) or too large to decode (``too_large``);
+            ``details.file`` names the file.
+    """
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise CheckpointCorrupt(f"{what} {path} is nested too deeply to parse; the checkpoint's writer must fix "
+                                f"the file", file=path, cause="too_deep") from None
+    except MemoryError:
+        raise CheckpointCorrupt(f"{what} {path} ({len(raw)} bytes) is too large to parse; the checkpoint's writer "
+                                f"must fix the file", file=path, cause="too_large") from None
+    except ValueError as e:
+        raise CheckpointCorrupt(f"{what} {path} is not valid JSON: {e}", file=path) from None
+
+
 def _no_safetensors_hint(names: list[str]) -> tuple[str, list[str]]:
     """What a directory without safetensors files holds instead, for the ``checkpoint_not_found`` message.
 
@@ -171,10 +195,7 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
                 _validate_with_safetensors(self.file_path(fname))
         cfg = os.path.join(self.path, "config.json")
         self.config_bytes = self.read_side_file("config.json") or b""
-        try:
-            self.config: dict[str, Any] = json.loads(self.config_bytes) if self.config_bytes else {}
-        except ValueError as e:
-            raise CheckpointCorrupt(f"{cfg} is not valid JSON: {e}", file=cfg) from None
+        self.config: dict[str, Any] = parse_json(self.config_bytes, cfg, "config file") if self.config_bytes else {}
         self._extra: dict[str, bytes] = {}
         for extra in ("hf_quant_config.json",):
             raw = self.read_side_file(extra)
@@ -198,8 +219,9 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
         index = self._index
         names = os.listdir(self._dirfd)
         if INDEX_NAME in names:
+            weight_map = parse_json(self.read_side_file(INDEX_NAME) or b"", str(index), "index")
             try:
-                weight_map = json.loads(self.read_side_file(INDEX_NAME) or b"")["weight_map"]
+                weight_map = weight_map["weight_map"]
                 files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointCorrupt(f"index {index} is invalid: {e}", file=str(index)) from None
@@ -303,7 +325,7 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
     def extra_json(self, name: str) -> dict[str, Any] | None:
         """Parsed side file such as ``hf_quant_config.json``, or ``None``."""
         raw = self._extra.get(name)
-        return json.loads(raw) if raw is not None else None
+        return parse_json(raw, str(self.path / name), "side file") if raw is not None else None
 
     def read_into(self, info: TensorInfo, out) -> None:
         """Reads the bytes of one tensor into ``out`` with ``os.preadv``.

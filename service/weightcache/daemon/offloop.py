@@ -13,6 +13,7 @@ Forbidden imports: torch, weightcache.pipeline directly, weightcache.fdpass dire
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -28,6 +29,8 @@ from . import handlers, loads, reload, tiers
 from .handlers import Outcome, StartVerify
 from .state import IllegalTransition, Peer, SlotState
 from .transport import Client
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -58,11 +61,15 @@ def changed_checkpoints(recorded: list[tuple[tuple[str, int, int, int], str, Any
     for ident, path, against, ck_identity in recorded:
         try:
             ck = Checkpoint(path, validate=False)
-        except (WeightcacheError, OSError):
+        except (WeightcacheError, OSError, ValueError, RecursionError, MemoryError) as e:
+            log.warning("reload skips checkpoint path=%s model=%s: cannot open it (%s); its slabs stay as they are",
+                        path, ident[0], getattr(e, "code", None) or repr(e)[:200])
             continue
         try:
             fields = ck.identity_diff(ck_identity)
-        except (WeightcacheError, OSError, KeyError, TypeError):
+        except (WeightcacheError, OSError, KeyError, TypeError, ValueError, RecursionError, MemoryError) as e:
+            log.warning("reload skips checkpoint path=%s model=%s: cannot compare it (%s); its slabs stay as they are",
+                        path, ident[0], getattr(e, "code", None) or repr(e)[:200])
             continue
         finally:
             ck.close()
