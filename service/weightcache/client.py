@@ -515,7 +515,13 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
                 f"after the timeout", model=model, done_bytes=reply.done_bytes, total_bytes=reply.total_bytes)
         if not isinstance(reply, protocol.AttachReply):
             raise RemoteProtocolError(f"attach: unexpected reply {reply.tag()!r}")
-        fd, manifest_fd = session.last_fds
+        fds = session.last_fds
+        if len(fds) != 2:  # whoever answers at the socket path chose them
+            for x in fds:
+                os.close(x)
+            raise ManifestSlabMismatch(f"attach_reply from {sock_path} came with {len(fds)} fds, not 2 (the slab "
+                                       f"and its manifest)", socket=sock_path, slab_size_bytes=0)
+        fd, manifest_fd = fds
         try:
             try:
                 mf = read_file(manifest_fd, reply.manifest_size_bytes)
@@ -541,8 +547,12 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
                 raise CacheKeyMismatch(
                     f"service at {sock_path} holds a different {model!r}: differing key fields "
                     f"{', '.join(diff[:10])}", fields=diff, socket=sock_path)
-            # Map the whole shared allocation (memfd pages, or the 2 MiB-rounded VMM slab).
-            size = os.fstat(fd).st_size if reply.backend == "host" else manifest.slab_size_bytes
+            # Map the whole shared allocation (memfd pages, or the 2 MiB-rounded VMM slab). A host slab's fd is
+            # checked first (memory.host.check_sealed_memfd): a sealed memfd of at least the manifest's size.
+            if backend.name == "host":
+                size = max(os.fstat(fd).st_size, manifest.slab_size_bytes)
+            else:
+                size = manifest.slab_size_bytes
             slab = backend.import_fd(fd, size, device)
         finally:
             os.close(fd)

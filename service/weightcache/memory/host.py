@@ -12,9 +12,10 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import stat
 import warnings
 
-from ..errors import OutOfMemory
+from ..errors import ManifestSlabMismatch, OutOfMemory
 from ..sizes import round_up
 
 PAGE = mmap.PAGESIZE
@@ -217,6 +218,52 @@ class HostSealedSlab(_MappedTensor):
             self.fd = -1
 
 
+#: The seals a slab's memfd must carry before a client maps it: nobody can write, shrink or grow it, nor unseal it.
+SLAB_SEALS = F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
+
+
+def check_sealed_memfd(fd: int, size_bytes: int) -> None:
+    """Checks that a received slab fd is a memfd sealed with :data:`SLAB_SEALS` holding at least ``size_bytes``
+    (and at least one) byte, before it is mapped.
+
+    Whatever answers at the socket path sends these fds: an unsealed memfd's bytes could change under the
+    engine (and its ``ftruncate`` kill it with ``SIGBUS``); a FIFO, socket, directory or device cannot be
+    mapped as a slab at all (issue 38, P10).
+
+    Raises:
+        ManifestSlabMismatch (`manifest_slab_mismatch`): not a regular file, no seals (not a memfd), seals
+            missing (``details.seals``), or fewer bytes than ``size_bytes``; ``details.slab_size_bytes``.
+    """
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = f"is not a memfd but {_kind(st.st_mode)}"
+    else:
+        try:
+            seals = fcntl.fcntl(fd, F_GET_SEALS)
+        except OSError:
+            seals = None
+        if seals is None:
+            problem = "is a regular file that cannot be sealed, not a memfd"
+        elif seals & SLAB_SEALS != SLAB_SEALS:
+            problem = (f"is a memfd without the seals F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL "
+                       f"(seals 0x{seals:x}): its bytes could change under the engine")
+        elif st.st_size < max(size_bytes, 1):
+            problem = f"holds {st.st_size} bytes, the manifest says {size_bytes}"
+    if problem is not None:
+        raise ManifestSlabMismatch(f"the slab fd received {problem}; not mapped (is the process at the socket "
+                                   f"path the weightcache service?)", slab_size_bytes=size_bytes,
+                                   fd_size_bytes=st.st_size)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 class HostImportedSlab:
     """A received memfd mapped ``PROT_READ``; ``tensor`` is read-only ``uint8``.
 
@@ -224,9 +271,7 @@ class HostImportedSlab:
     """
 
     def __init__(self, fd: int, size_bytes: int) -> None:
-        st = os.fstat(fd)
-        if st.st_size < size_bytes:
-            raise OSError(f"slab fd has {st.st_size} bytes, manifest says {size_bytes}")
+        check_sealed_memfd(fd, size_bytes)
         self.size_bytes = size_bytes
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
         self.tensor = _frombuffer(self._map, writable=False)
