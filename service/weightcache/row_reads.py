@@ -124,7 +124,7 @@ def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst
     try:
         if not in_page_cache(fd, end - t.length):
             m.madvise(mmap.MADV_WILLNEED)  # from disk: large read-ahead requests, not one per page fault
-        copied = guarded_copy_rows(dst, dst_offset, dst_pitch, m, t.file_offset - lo, t.src_pitch, t.length, t.rows)
+        copied = guarded_copy_rows(dst, dst_offset, dst_pitch, m, t.file_offset - lo, t.src_pitch, (t.rows, t.length))
         if copied is None:
             log.debug("guarded copy refused file=%s: rows read as spans", t.path)
             read_rows_by_spans(fd, t, dst, dst_offset, dst_pitch)
@@ -142,9 +142,10 @@ IOV_MAX = 1024
 
 
 def guarded_copy_rows(dst: memoryview, dst_offset: int, dst_pitch: int, src: mmap.mmap, src_offset: int,
-                      src_pitch: int, length: int, rows: int) -> int | None:
-    """Copies ``rows`` rows of ``length`` bytes from ``src`` at ``src_offset`` (``src_pitch`` apart) to ``dst`` at
-    ``dst_offset`` (``dst_pitch`` apart); returns the rows copied whole, or ``None`` where the copy is refused.
+                      src_pitch: int, shape: tuple[int, int]) -> int | None:
+    """Copies ``shape = (rows, length)``: ``rows`` rows of ``length`` bytes from ``src`` at ``src_offset``
+    (``src_pitch`` apart) to ``dst`` at ``dst_offset`` (``dst_pitch`` apart); returns the rows copied whole, or
+    ``None`` where the copy is refused.
 
     The copy is ``process_vm_readv`` of this process's own pages (one iovec
     per row, :data:`IOV_MAX` rows a call, the GIL released): the kernel
@@ -171,6 +172,7 @@ def guarded_copy_rows(dst: memoryview, dst_offset: int, dst_pitch: int, src: mma
     """
     import numpy as np
 
+    rows, length = shape
     if rows < 1:
         return rows
     for buf, off, pitch in ((dst, dst_offset, dst_pitch), (src, src_offset, src_pitch)):

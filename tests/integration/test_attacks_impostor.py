@@ -24,7 +24,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attackers import NOBODY, SERVICE_UID, fork_as, reap, result  # noqa: E402
-from service_harness import compare_bytes, frame, raw_connect, read_checkpoint, read_reply, write_checkpoint  # noqa: E402
+from service_harness import (  # noqa: E402
+    compare_bytes,
+    frame,
+    raw_connect,
+    read_checkpoint,
+    read_reply,
+    write_checkpoint,
+)
 from weightcache import attach  # noqa: E402
 from weightcache.errors import (  # noqa: E402
     DaemonUnavailable,

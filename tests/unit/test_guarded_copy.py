@@ -20,7 +20,7 @@ def test_rows_are_copied_with_their_pitches(tmp_path):
     src = mmap.mmap(-1, 4 * 32)
     src[:] = bytes(range(128))
     dst = memoryview(bytearray(4 * 12))
-    assert row_reads.guarded_copy_rows(dst, 2, 12, src, 4, 32, 8, 4) == 4
+    assert row_reads.guarded_copy_rows(dst, 2, 12, src, 4, 32, (4, 8)) == 4
     want = bytearray(48)
     for i in range(4):
         want[2 + 12 * i: 10 + 12 * i] = bytes(range(4 + 32 * i, 12 + 32 * i))
@@ -32,16 +32,16 @@ def test_more_rows_than_one_call_takes(tmp_path):
     src = mmap.mmap(-1, rows * 8)
     src[:] = np.arange(rows * 8, dtype=np.uint8).tobytes()
     dst = memoryview(bytearray(rows * 4))
-    assert row_reads.guarded_copy_rows(dst, 0, 4, src, 0, 8, 4, rows) == rows
+    assert row_reads.guarded_copy_rows(dst, 0, 4, src, 0, 8, (rows, 4)) == rows
     assert bytes(dst) == np.arange(rows * 8, dtype=np.uint8).reshape(rows, 8)[:, :4].tobytes()
 
 
 def test_rows_outside_either_buffer_are_refused():
     src = mmap.mmap(-1, 64)
     with pytest.raises(ValueError):
-        row_reads.guarded_copy_rows(memoryview(bytearray(16)), 0, 8, src, 0, 8, 8, 3)
+        row_reads.guarded_copy_rows(memoryview(bytearray(16)), 0, 8, src, 0, 8, (3, 8))
     with pytest.raises(ValueError):
-        row_reads.guarded_copy_rows(memoryview(bytearray(64)), 0, 8, src, 40, 8, 8, 4)
+        row_reads.guarded_copy_rows(memoryview(bytearray(64)), 0, 8, src, 40, 8, (4, 8))
 
 
 def test_a_file_cut_after_it_was_mapped_is_checkpoint_corrupt_not_sigbus(tmp_path, monkeypatch):

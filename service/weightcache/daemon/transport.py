@@ -317,7 +317,7 @@ class Transport(Outbox):
                 self.exhausted(c, "max_connections", self.limits.max_connections,
                                len(self.clients) + len(self.lingering), close=True)
                 continue
-            same_uid = 0 if trusted else sum(1 for o in self.clients.values() if o.peer.uid == uid)
+            same_uid = 0 if trusted else sum(o.peer.uid == uid for o in (*self.clients.values(), *self.lingering))
             if same_uid > self.limits.max_connections_per_uid:
                 self.exhausted(c, "max_connections_per_uid", self.limits.max_connections_per_uid, same_uid,
                                close=True)
