@@ -82,13 +82,27 @@ def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = Fal
     def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
         return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID) if hidden(x.uid) else x
 
+    def refused(s: Slot, i: protocol.SlabInfo) -> protocol.SlabInfo:
+        if s.error is not None or s.refusal is None:
+            return i
+        return dataclasses.replace(i, error=protocol.ErrorInfo(**_refusal_for(ctx, peer, s.refusal).to_wire()))
+
     def named(i: protocol.SlabInfo) -> protocol.SlabInfo:
         alias = aliases.get(i.model)
         return i if alias is None else dataclasses.replace(i, model=alias, path="", error=None, key=None)
 
-    return tuple(named(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases),
+    return tuple(named(dataclasses.replace(refused(s, i), leases=tuple(hide(x) for x in i.leases),
                                            lease_holders=lease_holders(s.leases.values(), hidden)))
                  for s, i in ((s, s.info(now)) for s in shown))
+
+
+def _refusal_for(ctx: Context, peer: Peer, e: Any) -> Any:
+    """A slot's ``insufficient_memory`` as ``peer`` may see it (:func:`weightcache.daemon.tiers.refusal_for`)."""
+    if access.is_operator(peer, ctx.policy):
+        return e
+    slots = {s.label: s for s in ctx.state.slots}
+    return tiers.refusal_for(e, lambda label: label in slots and access.may_attach(peer, slots[label], ctx.policy),
+                             peer.uid)
 
 
 #: What the metrics endpoint's user sees instead of the name of a model it may not attach: ``restricted-N``.
@@ -255,7 +269,7 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
         raise ModelLoadFailed(f"model {p.model.name} ({p.label}) was evicted; run `weightcache preload "
                               f"{p.model.name}` to load it again", model=p.model.name, cause="evicted")
     if slot.state in ON_DEMAND and slot.refusal is not None:
-        raise slot.refusal
+        raise _refusal_for(ctx, peer, slot.refusal)
     return _one(protocol.Loading(p.model.name, slot.done_bytes, slot.total_bytes, slot.state.value))
 
 

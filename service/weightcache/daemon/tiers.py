@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .. import protocol
 from ..errors import InsufficientMemory, WeightcacheError
 from ..journal import event
 from . import budget
@@ -199,28 +200,15 @@ class Tiers:
         return moves
 
     def refusal(self, state: ServiceState, slot: Slot, need_bytes: int, room: budget.Room) -> InsufficientMemory:
-        """The ``insufficient_memory`` error for ``slot``: the budget, what is resident, who holds leases."""
+        """The ``insufficient_memory`` error for ``slot``: the budget, what is resident, who holds leases (all of
+        it: an operator's view; :func:`refusal_for` cuts it to what another requester may see)."""
         resident = [s for s in state.slots if s.gpu_bytes and s is not slot]
-        leases = [(s, le) for s in resident for le in s.leases.values()]
-        def why(s: Slot) -> str:
-            if s.placement.model.pin:
-                return "pinned"
-            return "loading" if s.state is SlotState.LOADING else f"{len(s.leases)} leases"
-
-        what = ", ".join(f"{s.label} ({s.gpu_bytes / 1e9:.2f} GB, {why(s)})" for s in resident) or "nothing"
-        who = ", ".join(f"lease {le.lease_id} on {s.label} by pid {le.pid} uid {le.uid}" for s, le in leases) or "none"
-        m = slot.placement.model
-        hint = ("release a lease, unpin a model or raise memory_budget_bytes" if need_bytes <= self.budget_bytes else
-                "the slab alone is larger than the whole budget: raise memory_budget_bytes (or give the model more "
-                "GPUs)")
-        return InsufficientMemory(
-            f"GPU {state.gpu}: no room for {slot.label} ({need_bytes / 1e9:.2f} GB) in memory_budget_bytes = "
-            f"{self.budget_bytes} ({room.free_bytes / 1e9:.2f} GB free); resident: {what}; leases: {who}; "
-            f"{hint}", model=m.name, need_bytes=need_bytes,
-            budget_bytes=self.budget_bytes, free_bytes=room.free_bytes,
-            resident=[{"slab": s.label, "size_bytes": s.gpu_bytes, "leases": len(s.leases),
-                       "pinned": s.placement.model.pin} for s in resident],
-            leases=[{"slab": s.label, "lease_id": le.lease_id, "pid": le.pid, "uid": le.uid} for s, le in leases])
+        return _refusal_error(
+            state.gpu, slot.label, slot.placement.model.name, need_bytes, self.budget_bytes, room.free_bytes,
+            [{"slab": s.label, "size_bytes": s.gpu_bytes, "leases": len(s.leases), "pinned": s.placement.model.pin,
+              "loading": s.state is SlotState.LOADING} for s in resident],
+            [{"slab": s.label, "lease_id": le.lease_id, "pid": le.pid, "uid": le.uid}
+             for s in resident for le in s.leases.values()])
 
     # --- single moves ---------------------------------------------------------
 
@@ -377,3 +365,43 @@ def refuse(slot: Slot, error: InsufficientMemory | Exception, reason: str) -> No
     p = slot.placement
     log.info("no room model=%s tp_size=%d rank=%d tier=%s reason=%s", p.model.name, p.tp_size, p.tp_rank,
              slot.tier, reason)
+
+
+def _refusal_error(gpu: int, label: str, model: str, need_bytes: int, budget_bytes: int, free_bytes: int,
+                  resident: list[dict], leases: list[dict]) -> InsufficientMemory:
+    """``insufficient_memory`` for slab ``label`` of ``model``, its message worked out from its ``details``
+    (``resident``: ``slab``, ``size_bytes``, ``leases``, ``pinned``, ``loading``; ``leases``: ``slab``,
+    ``lease_id``, ``pid``, ``uid``), so that :func:`refusal_for` can rebuild it from fewer."""
+    def why(r: dict) -> str:
+        return "pinned" if r.get("pinned") else "loading" if r.get("loading") else f"{r['leases']} leases"
+
+    what = ", ".join(f"{r['slab']} ({r['size_bytes'] / 1e9:.2f} GB, {why(r)})" for r in resident) or "nothing"
+    who = ", ".join(f"lease {le['lease_id']} on {le['slab']} by pid {le['pid']} uid {le['uid']}"
+                    for le in leases) or "none"
+    hint = ("release a lease, unpin a model or raise memory_budget_bytes" if need_bytes <= budget_bytes else
+            "the slab alone is larger than the whole budget: raise memory_budget_bytes (or give the model more GPUs)")
+    return InsufficientMemory(
+        f"GPU {gpu}: no room for {label} ({need_bytes / 1e9:.2f} GB) in memory_budget_bytes = {budget_bytes} "
+        f"({free_bytes / 1e9:.2f} GB free); resident: {what}; leases: {who}; {hint}", model=model,
+        need_bytes=need_bytes, budget_bytes=budget_bytes, free_bytes=free_bytes, resident=resident, leases=leases,
+        gpu=gpu, slab=label)
+
+
+def refusal_for(e: WeightcacheError, shown: Callable[[str], bool], uid: int) -> WeightcacheError:
+    """``e`` (a :meth:`Tiers.refusal`) as a requester of ``uid`` who is no operator may see it, the way
+    ``status`` shows it the state: slabs it may not attach (``shown(label)`` false) are one sum of bytes,
+    unnamed, their leases left out; other uids' leases keep their id but show pid and uid as
+    ``protocol.HIDDEN_ID``. Before, the refusal named restricted models and other uids' pids and lease ids that
+    ``status`` hides from the same requester (issue 38, P5). Other errors are returned as they are."""
+    d = e.details
+    if not isinstance(e, InsufficientMemory) or "slab" not in d:
+        return e
+    resident = [r for r in d["resident"] if shown(r["slab"])]
+    other = sum(r["size_bytes"] for r in d["resident"] if not shown(r["slab"]))
+    if other:
+        resident.append({"slab": "other models", "size_bytes": other, "leases": 0, "pinned": False,
+                         "loading": False})
+    leases = [le if le["uid"] == uid else dict(le, pid=protocol.HIDDEN_ID, uid=protocol.HIDDEN_ID)
+              for le in d["leases"] if shown(le["slab"])]
+    return _refusal_error(d["gpu"], d["slab"], d["model"], d["need_bytes"], d["budget_bytes"], d["free_bytes"],
+                         resident, leases)
