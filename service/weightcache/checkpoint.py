@@ -115,6 +115,9 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
             reads only ``config.json`` (and ``hf_quant_config.json``) now; the
             index, the raw header bytes (for :meth:`identity`) and the parsed
             headers (:attr:`tensors`) on first use, raising then.
+        max_tensors (`int`, *optional*): the most tensors the headers may list, all files together
+            (``service.max_tensors_per_checkpoint``); counted in the raw header bytes before they are parsed.
+            None: no cap (an engine's disk fallback).
 
     Attributes:
         path (`Path`): resolved directory.
@@ -131,7 +134,8 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
         CheckpointUnreadable (`checkpoint_unreadable`): the directory or a
             file exists but this user may not read it (names both).
         CheckpointCorrupt (`checkpoint_corrupt`): a truncated or invalid file,
-            or an index that is not valid JSON.
+            or an index that is not valid JSON; more tensors than ``max_tensors``
+            (``details.cause`` ``too_many_tensors``).
 
     Example:
         >>> ck = Checkpoint("/srv/models/all-MiniLM-L6-v2")
@@ -140,8 +144,9 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
     """
 
     def __init__(self, path: str | os.PathLike, validate: bool = True, root: str | None = None,
-                 trusted_link_owners: frozenset[int] | None = None) -> None:
+                 trusted_link_owners: frozenset[int] | None = None, max_tensors: int | None = None) -> None:
         self._dirfd = self._blobs_fd = -1
+        self._max_tensors = max_tensors
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
@@ -296,6 +301,14 @@ class Checkpoint(CheckpointFiles, CheckpointIdentity):
 
         tensors: dict[str, TensorInfo] = {}
         raw_headers = self.raw_headers
+        if self._max_tensors is not None:  # counted in the raw bytes: refused before a 50 MB header is parsed
+            listed = sum(raw.count(b'"data_offsets"') for raw in raw_headers.values())
+            if listed > self._max_tensors:
+                raise CheckpointCorrupt(
+                    f"checkpoint {self.path} lists {listed} tensors in its headers, over "
+                    f"service.max_tensors_per_checkpoint = {self._max_tensors}; raise it if the checkpoint is real "
+                    f"(the largest known have about 100,000 per rank)", file=str(self.path), cause="too_many_tensors",
+                    limit="max_tensors_per_checkpoint", value=self._max_tensors, actual=listed)
         for fname in self.files:
             data_start, size = self._layout[fname]
             header = _parse_header(self.path / fname, raw_headers[fname], data_start, size)

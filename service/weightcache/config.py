@@ -80,6 +80,7 @@ _SERVICE_KEYS = {
     "max_leases_per_uid": int,
     "max_connections": int,
     "reload_timeout_s": (int, float),
+    "max_tensors_per_checkpoint": int,
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -99,6 +100,7 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "max_leases_per_uid": (1, True, 1 << 24, "leases per uid"),
     "max_connections": (1, True, 1 << 20, "connections, all uids"),
     "reload_timeout_s": (0, False, 3600.0, "seconds a reload may take to read its files"),
+    "max_tensors_per_checkpoint": (1, True, 1 << 24, "tensors in one checkpoint's headers"),
 }
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
@@ -224,6 +226,8 @@ class ServiceConfig:
     reload_timeout_s: float = 30.0
     memory_budget_bytes: int | None = None
     host_tier_bytes: int = 0
+    #: Tensors a checkpoint's headers may list, all files together, refused before the plan (issue 38, P12).
+    max_tensors_per_checkpoint: int = 150_000
 
     def budget_bytes(self, total_bytes: int) -> int:
         """The memory budget in bytes: ``memory_budget_bytes``, else :func:`default_budget_bytes` of ``total_bytes``."""

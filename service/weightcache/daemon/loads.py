@@ -101,6 +101,7 @@ class LoadSettings:
         config_source (`str`): the config file, named in the timeout error.
         ask_room (`bool`): post a :class:`NeedRoom` before each allocation and wait for the serving loop's
             answer (the memory budget); False (in-process tests) allocates without asking.
+        max_tensors (`int`, *optional*): ``service.max_tensors_per_checkpoint``; None: no cap.
     """
 
     backend: Any
@@ -109,6 +110,7 @@ class LoadSettings:
     options: LoaderOptions
     config_source: str
     ask_room: bool = False
+    max_tensors: int | None = None
 
 
 class Loader:
@@ -306,7 +308,8 @@ class Loader:
                 prepare(st.options.threads, st.options.buffer_bytes)
             # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
             # configuration was read, symlinks followed only when root or the service user owns them.
-            ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)
+            ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS,
+                            max_tensors=self.settings.max_tensors)
             pl = pipeline.plan(p, st.device, checkpoint=ck)
             with job.lock:
                 if job.abandoned:

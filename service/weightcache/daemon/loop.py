@@ -210,7 +210,8 @@ class Daemon(OffLoop):
         svc = cfg.service
         return LoadSettings(self.backend, self.state.device, svc.load_timeout_s,
                             LoaderOptions(threads=svc.read_threads, staging_bytes=svc.staging_bytes),
-                            cfg.files[0] if cfg.files else "the config", ask_room=True)
+                            cfg.files[0] if cfg.files else "the config", ask_room=True,
+                            max_tensors=svc.max_tensors_per_checkpoint)
 
     def _start_load(self, c: Client, eff: StartLoad) -> None:
         self.loader.submit(eff.slot)
