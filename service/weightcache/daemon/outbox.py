@@ -20,6 +20,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import socket
 import struct
 import termios
@@ -50,6 +51,31 @@ class Outbox:
     ``fds_in_flight``, ``lingering``, ``clients`` and ``_resume``, and provides ``drop`` and ``_want``,
     which these methods use.
     """
+
+    def _over_all_uids(self, uid: int, n: int) -> ResourceExhausted | None:
+        """The refusal of ``n`` more fds for ``uid`` under ``limits.max_fds_in_flight`` (all uids together; 0:
+        half of ``RLIMIT_NOFILE``, the kernel's limit for them all, read at each check), else None.
+
+        Per-uid caps do not bound the sum: 5 uids x 4,096 stopped every other attach at the kernel's
+        ``ETOOMANYREFS`` (16 at the unit's limit; issue 38, P11). Past the cap a uid still gets its share, the
+        cap over the uids with fds in flight (itself included), so no uid can starve the others by filling
+        it; the shares stop at twice the cap less a sixteenth (``RLIMIT_NOFILE`` less a reserve for root and
+        the service user, who are exempt), so the kernel's limit is not reached by the socket group.
+        """
+        cap = self.limits.max_fds_in_flight or resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2
+        if sum(self.fds_in_flight.values()) + n <= cap:
+            return None
+        for u in {c.peer.uid for c in self.clients.values() if c.inflight_fds}:
+            self._refresh_in_flight(u)
+        total, mine = sum(self.fds_in_flight.values()), self.fds_in_flight.get(uid, 0)
+        share = cap // len(set(self.fds_in_flight) | {uid})
+        if total + n <= cap or (mine + n <= share and total + n <= 2 * cap - cap // 16):
+            return None
+        return ResourceExhausted(
+            f"reply withheld: the service's fds in flight to all uids are at their cap {cap} (half its "
+            f"RLIMIT_NOFILE; {total} sent and not yet read) and uid {uid} holds {mine}, over its share {share}; "
+            f"read your replies and close the fds you do not use", limit="max_fds_in_flight", value=cap,
+            actual=total, share=share)
 
     def _forget(self, uid: int, n: int) -> None:
         self.fds_in_flight[uid] -= n
@@ -104,6 +130,9 @@ class Outbox:
                     f"{self.fds_in_flight.get(uid, 0)} fds sent and not yet read); read your replies and close "
                     f"the fds you do not use, or ask the operator to raise service.max_fds_in_flight_per_uid",
                     limit="max_fds_in_flight_per_uid", value=cap, actual=self.fds_in_flight.get(uid, 0)))
+            refused = self._over_all_uids(uid, len(fds))
+            if refused is not None:
+                return self._without_fds(c, msg, refused)
         try:
             data, fds = c.conn.send(msg, fds)
         except WeightcacheError as e:  # a reply over the frame cap: the client learns why, the service goes on
