@@ -88,11 +88,12 @@ class Sampler:
 @pytest.mark.parametrize("host_tier", [0, 4 * SLAB], ids=["no-host-tier", "host-tier"])
 def test_attach_switches_between_two_models_under_a_budget_of_one(daemon, tmp_path, host_tier):
     cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
-    svc = daemon(make_config({"a": {"path": cks["a"], "priority": 1}, "b": cks["b"]},
+    # The same priority: a load never displaces a slab of a higher priority than its own model's (issue 38, P6).
+    svc = daemon(make_config({"a": cks["a"], "b": cks["b"]},
                              memory_budget_bytes=SLAB + SLAB // 2, host_tier_bytes=host_tier))
     st = svc.wait_settled()
     assert st["memory"]["budget_bytes"] == SLAB + SLAB // 2 and st["memory"]["host_tier_bytes"] == host_tier
-    assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}  # priority order at start, up to the budget
+    assert _tiers(svc) == {"a": "ready/gpu", "b": "on_disk/disk"}  # configuration order at start, up to the budget
     away = "hosted/host" if host_tier else "on_disk/disk"
     with Sampler(svc):
         b = _attach(svc, "b")  # demand load: a leaves the GPU

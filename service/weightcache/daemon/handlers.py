@@ -209,7 +209,10 @@ def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
     effects: tuple[Any, ...] = ()
     if tiers.demand(slot, ctx.monotonic()):  # in the host tier or on disk: promote or load it now
         effects = (StartLoad(slot),)
+        slot.demand_by = peer  # its load displaces only what this peer may attach
     elif slot.state in UNSETTLED:
+        if not slot.demand:
+            slot.demand_by = peer  # a start-up load an engine now waits for: the room it may make is this peer's
         slot.demand = True  # an engine waits for it: its load may make room
     if slot.state in UNSETTLED and msg.wait_ms > 0:
         peer.waiting.append((msg, slot, ctx.monotonic() + msg.wait_ms / 1e3))
@@ -486,6 +489,7 @@ def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
     started, effects = [], []
     for s in _operator_slots(ctx, peer, "preload", msg.model):
         if tiers.demand(s, ctx.monotonic()):
+            s.demand_by = peer
             effects.append(StartLoad(s))
             started.append(s.label)
         elif s.state in (SlotState.FAILED, SlotState.EVICTED):

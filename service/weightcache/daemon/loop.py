@@ -119,6 +119,8 @@ class Daemon(OffLoop):
         self._demoted: queue.SimpleQueue = queue.SimpleQueue()
         #: The loader's requests for room that wait for the demotions under way.
         self._room_waits: list[loads.NeedRoom] = []
+        #: uid -> monotonic s of its demand loads that displaced others (tiers.DISPLACING_WINDOW_S).
+        self._displaced: dict[int, list[float]] = {}
         #: (client, replies, demotions): a request (``evict --to host``) answered once its demotions are done.
         self._answers: list[tuple[Client, tuple, tuple]] = []
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None)

@@ -25,7 +25,7 @@ from .. import protocol
 from ..config import Config
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError, WeightcacheError
-from . import handlers, loads, reload, tiers
+from . import access, handlers, loads, reload, tiers
 from .handlers import Outcome, StartVerify
 from .state import IllegalTransition, Peer, SlotState
 from .transport import Client
@@ -155,7 +155,9 @@ class OffLoop:
         if req.tier == "host":
             refusal = self.tiers.admit_host(self.state, slot, req.size_bytes)
         else:
-            moves, refusal = self.tiers.admit(self.state, slot, req.size_bytes, evict=slot.demand)
+            moves, refusal = self.tiers.admit(self.state, slot, req.size_bytes, slot.demand, self._requester(slot))
+            if moves and slot.demand_by is not None:
+                self._displaced.setdefault(slot.demand_by.uid, []).append(time.monotonic())
             for m in moves:
                 self._effect(None, m)
             if self._demoting:
@@ -165,6 +167,18 @@ class OffLoop:
             tiers.refuse(slot, refusal, "no room in the host tier" if req.tier == "host" else
                          "no room in the memory budget" + ("" if slot.demand else " at start: waits for an attach"))
         req.answer(refusal)
+
+    def _requester(self, slot: Any) -> Any:
+        """Whose load asks for room (:func:`tiers.requester_of`): the peer that asked, its uid's recent loads
+        that displaced others counted (root and the service user: any slab)."""
+        peer, policy = slot.demand_by, self.ctx.policy
+        if peer is None or peer.uid in (0, policy.service_uid):
+            return tiers.requester_of(self.state, slot, None, 0)
+        now = time.monotonic()
+        recent = self._displaced[peer.uid] = [t for t in self._displaced.get(peer.uid, [])
+                                              if now - t < tiers.DISPLACING_WINDOW_S]
+        return tiers.requester_of(self.state, slot, lambda s: access.may_attach(peer, s, policy),
+                                  len(recent))
 
     def _reload_from_signal(self) -> None:
         """SIGHUP: the same reload as a request from the service's own user (no reply to send)."""

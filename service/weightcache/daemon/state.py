@@ -195,6 +195,9 @@ class Slot:
     refusal: WeightcacheError | None = None
     #: The queued load was asked for (an attach, ``preload``): the budget may demote others to make room.
     demand: bool = False
+    #: Who asked for it (the :class:`Peer` of the attach or ``preload`` that started it): the budget displaces
+    #: only slabs that peer may attach (docs/design.md, "Memory budget: who may displace whom"). None: nobody.
+    demand_by: Any = None
     #: Where the queued load goes: ``gpu``, or ``host`` (``preload = "host"`` at start).
     target: str = "gpu"
     #: Counts of (source, event, target) moves, shared with the ServiceState (for metrics).

@@ -139,13 +139,15 @@ class Tiers:
 
     # --- room ---------------------------------------------------------------
 
-    def admit(self, state: ServiceState, slot: Slot, need_bytes: int,
-              evict: bool) -> tuple[list[Moved], InsufficientMemory | None]:
+    def admit(self, state: ServiceState, slot: Slot, need_bytes: int, evict: bool,
+              requester: budget.Requester = budget.ANYONE) -> tuple[list[Moved], InsufficientMemory | None]:
         """Grants ``slot`` (LOADING) ``need_bytes`` of the budget, moving other slabs out as the policy says.
 
         Args:
             evict (`bool`): the load was asked for (an attach, ``preload``): others may be demoted; False (a
                 start-up load) takes only free room.
+            requester (`budget.Requester`, *optional*): who asked (:func:`requester_of`): only slabs of at most
+                its priority that it may attach are moved.
 
         Returns:
             `tuple`: (the moves made, for the serving loop to carry out; the refusal or None). On a refusal
@@ -153,7 +155,7 @@ class Tiers:
             no room is granted yet (``slot.reserved_bytes`` stays 0): ask again once the copies are done.
         """
         gpu, host = self.holdings(state)
-        room = budget.make_room(need_bytes, self.budget_bytes, gpu, self.host_tier_bytes, host, evict)
+        room = budget.make_room(need_bytes, self.budget_bytes, gpu, self.host_tier_bytes, host, evict, requester)
         if not room.fits:
             return [], self.refusal(state, slot, need_bytes, room)
         moves = self.carry_out(state, room, f"room for {slot.label}")
@@ -357,7 +359,7 @@ def refuse(slot: Slot, error: InsufficientMemory | Exception, reason: str) -> No
     """A load or promotion of ``slot`` (LOADING) got no room: it goes back to the host tier (a promotion) or to
     disk, keeping ``error`` for the attaches waiting on it (``insufficient_memory``). Nothing else moves."""
     slot.refusal = error if isinstance(error, InsufficientMemory) else None
-    slot.demand = False
+    slot.demand, slot.demand_by = False, None
     if slot.hosted is not None:
         slot.stash(slot.manifest, slot.hosted, slot.manifest_file)
     else:
@@ -405,3 +407,23 @@ def refusal_for(e: WeightcacheError, shown: Callable[[str], bool], uid: int) -> 
               for le in d["leases"] if shown(le["slab"])]
     return _refusal_error(d["gpu"], d["slab"], d["model"], d["need_bytes"], d["budget_bytes"], d["free_bytes"],
                          resident, leases)
+
+
+#: Demand loads one uid may have displace other slabs within :data:`DISPLACING_WINDOW_S` (root and the service
+#: user exempt); past it its loads take free room only (issue 38, P4: three attaches of another uid thrashed a
+#: restricted model, 83 loads in 25 s).
+DISPLACING_LOADS_PER_UID = 8
+DISPLACING_WINDOW_S = 60.0
+
+
+def requester_of(state: ServiceState, slot: Slot, may_attach: Callable[[Slot], bool] | None,
+                 displaced_recently: int) -> budget.Requester:
+    """The :class:`budget.Requester` of ``slot``'s load: its model's priority, and the slabs the peer that asked
+    may attach (``may_attach``; None: every slab, the service's own loads); none at all once the peer's uid
+    made :data:`DISPLACING_LOADS_PER_UID` loads displace others within the window (``displaced_recently``)."""
+    if may_attach is None:
+        return budget.Requester(slot.placement.model.priority)
+    if displaced_recently >= DISPLACING_LOADS_PER_UID:
+        return budget.Requester(slot.placement.model.priority, frozenset())
+    return budget.Requester(slot.placement.model.priority,
+                            frozenset(s.label for s in state.slots if may_attach(s)))

@@ -1,0 +1,99 @@
+"""Issue 38, P4 and P6: who may displace whom in the memory budget, against a live service (as an unprivileged
+uid), the attacker a socket-group member of another uid.
+
+Before: three ``wait_ms=0`` attaches of an open model by a uid off ``secret``'s allow list shelved ``secret``
+(its owner's attach 0.001 -> 0.136 s median under thrash, 83 loads in 25 s); a priority -1000 model evicted
+priority 0, 500 and 1000 slabs. Now a demand load displaces only slabs of at most its model's priority that the
+requester may attach, and one uid's loads displace others at most 8 times a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attackers import NOBODY, SERVICE_UID, fork_as, open_socket_to_all, reap, result  # noqa: E402
+from service_harness import make_config, poll_until, write_checkpoint  # noqa: E402
+from weightcache import attach  # noqa: E402
+from weightcache.errors import WeightcacheError  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+N = 512 * 1024 + 1024
+SLAB = (N * 4 + 4095) // 4096 * 4096
+OWNER = 61200
+
+
+@pytest.fixture
+def shared_dir():
+    d = tempfile.mkdtemp(prefix="wc-budget-", dir="/tmp")  # other uids read the checkpoints (the key check)
+    os.chmod(d, 0o755)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _ckpt(dest: Path, seed: int) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    ck = write_checkpoint(dest, {"w": torch.randn(N, generator=g)})
+    for p in [ck, *ck.iterdir()]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    return ck
+
+
+def _tiers(svc) -> dict[str, str]:
+    return {s["model"]: f"{s['state']}/{s['tier']}" for s in svc.status()["slabs"]}
+
+
+def _attach_each(socket_dir: str, models: list[str]) -> dict:
+    """As the attacker: attaches each of ``models`` in turn (waiting for its load), releasing it at once."""
+    out = []
+    for m in models:
+        try:
+            with attach(m, socket_dir=socket_dir, fallback=False, timeout=20):
+                out.append("ok")
+        except WeightcacheError as e:
+            out.append(e.code)
+    return {"outcomes": out}
+
+
+def test_a_stranger_never_displaces_a_restricted_or_higher_priority_slab(daemon, shared_dir):
+    cks = {n: _ckpt(shared_dir / n, i) for i, n in enumerate(("secret", "high", "low"))}
+    svc = daemon(make_config({"secret": {"path": cks["secret"], "allow_users": [str(OWNER)]},
+                              "high": {"path": cks["high"], "priority": 500},
+                              "low": {"path": cks["low"], "priority": -1000, "preload": "disk"}},
+                             memory_budget_bytes=2 * SLAB + SLAB // 2), run_as=SERVICE_UID)
+    svc.wait_settled()
+    open_socket_to_all(svc)
+    assert _tiers(svc) == {"secret": "ready/gpu", "high": "ready/gpu", "low": "on_disk/disk"}
+    pid, r = fork_as(NOBODY, NOBODY, [], _attach_each, svc.socket_dir, ["low", "low", "low"])
+    try:
+        got = result(r)
+    finally:
+        reap(pid, r)
+    assert got["outcomes"] == ["insufficient_memory"] * 3, got
+    assert _tiers(svc) == {"secret": "ready/gpu", "high": "ready/gpu", "low": "on_disk/disk"}
+
+
+def test_one_uids_loads_displace_others_at_most_8_times_a_minute(daemon, shared_dir):
+    cks = {n: _ckpt(shared_dir / n, i) for i, n in enumerate(("one", "two"))}
+    svc = daemon(make_config({"one": cks["one"], "two": {"path": cks["two"], "preload": "disk"}},
+                             memory_budget_bytes=SLAB + SLAB // 2), run_as=SERVICE_UID)
+    svc.wait_settled()
+    open_socket_to_all(svc)
+    pid, r = fork_as(NOBODY, NOBODY, [], _attach_each, svc.socket_dir, ["two", "one"] * 6)
+    try:
+        got = result(r, timeout=120)
+    finally:
+        reap(pid, r)
+    # Each attach loads its model in place of the other: 8 displacing loads, then free room only (two is
+    # refused, one is still resident and attaches).
+    assert got["outcomes"] == ["ok"] * 8 + ["insufficient_memory", "ok"] * 2, got
+    poll_until(lambda: all(not s["leases"] for s in svc.status()["slabs"]), "the leases to end")
+    with attach("two", socket_dir=svc.socket_dir, fallback=False, timeout=20) as w:  # root: no such limit
+        assert w.source == "daemon"
