@@ -177,6 +177,9 @@ class Slot:
     #: planned from, set when its plan is made (``Planned``): what a reload checks the files against while that
     #: load runs, before the slab has a manifest (the load reads the files it opened, even if replaced since).
     planned_checkpoint: dict | None = None
+    #: Bytes of the slab its first plan worked out (``Planned``); a later load planning more is refused until a
+    #: reload (the operator) takes the new size: a checkpoint's writer cannot grow it (issue 38, P6). 0: none yet.
+    first_slab_bytes: int = 0
     leases: dict[int, Lease] = field(default_factory=dict)
     #: The host tier's copy (a host SealedSlab: ``fd``, ``size_bytes``) while HOSTED, and while a promotion
     #: from it is PENDING or LOADING; ``manifest``/``manifest_file`` stay with it. While READY, a copy kept
