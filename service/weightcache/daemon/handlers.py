@@ -160,7 +160,8 @@ def status(ctx: Context, peer: Peer | None = None, every_slab: bool = False) -> 
         status_line=st.status_line(now),
         config_error=protocol.ErrorInfo(**st.config_error.to_wire()) if st.config_error is not None else None,
         budget_bytes=ctx.tiers.budget_bytes, gpu_bytes=ctx.tiers.gpu_used(st),
-        host_tier_bytes=ctx.tiers.host_tier_bytes, host_used_bytes=ctx.tiers.host_used(st))
+        host_tier_bytes=ctx.tiers.host_tier_bytes, host_used_bytes=ctx.tiers.host_used(st),
+        held_elsewhere_bytes=ctx.tiers.held_elsewhere_bytes)
 
 
 def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:

@@ -102,6 +102,8 @@ class Daemon(OffLoop):
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: Host-backend slabs freed while something else still maps them: counted in the budget (issue 38, P2).
+        self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else None
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
@@ -226,7 +228,7 @@ class Daemon(OffLoop):
             return
         for f in (eff.sealed, eff.manifest_file):
             if f is not None:
-                f.close()
+                self._close(f, eff.store_id or "")
 
     def _refuse(self, c: Client, eff: Refuse) -> None:
         self.transport.violation(c, eff.error)
@@ -310,6 +312,8 @@ class Daemon(OffLoop):
         signal.signal(signal.SIGHUP, self.request_reload)
         self.transport.start()
         self.transport.add_reader(self._wake_r, self._drain_loader)
+        if self.elsewhere is not None:
+            self.transport.add_reader(self.elsewhere.fd, self._freed_elsewhere)
         self.loader.start()
         # Slabs taken back from the fd store count against the budget first (it may have been lowered).
         for m in self.tiers.enforce(self.state, "start: the slabs kept in the fd store exceed the budget"):

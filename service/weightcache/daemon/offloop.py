@@ -141,7 +141,23 @@ class OffLoop:
             if later is not None:  # evicted while it was read
                 for f in (later.sealed, later.manifest_file):
                     if f is not None:
-                        f.close()
+                        self._close(f, later.store_id or "")
+
+    def _close(self, f: Any, label: str) -> None:
+        """Closes a slab, host copy or manifest file the service lets go of; on the host backend its memfd is
+        watched first, and its bytes count against the budget until nothing maps it any more."""
+        if self.elsewhere is not None and getattr(f, "fd", -1) >= 0:
+            self.elsewhere.watch(f.fd, label, f.size_bytes)
+            self.tiers.held_elsewhere_bytes = self.elsewhere.bytes
+        f.close()
+
+    def _freed_elsewhere(self) -> None:
+        """The inotify fd is readable: watched memfds were freed (the last mapping went)."""
+        freed = self.elsewhere.read()
+        self.tiers.held_elsewhere_bytes = self.elsewhere.bytes
+        for label, size in freed:
+            log.debug("freed elsewhere slab=%s size_bytes=%d held_elsewhere_bytes=%d", label, size,
+                      self.tiers.held_elsewhere_bytes)
 
     def _admit(self, req: loads.NeedRoom) -> None:
         """Answers the loader's request for room (:class:`~weightcache.daemon.loads.NeedRoom`): the budget's
@@ -149,6 +165,8 @@ class OffLoop:
         demotions are under way the request waits for them (their GPU slabs are freed only when copied), then
         is asked again."""
         slot = req.slot
+        if self.elsewhere is not None:
+            self._freed_elsewhere()  # memfds freed since the last poll: their room is free now
         if self._demoting:
             self._room_waits.append(req)
             return

@@ -27,6 +27,17 @@ tiers are the same memory: the "copy" returns the sealed memfd itself, and a
 demotion moves it to the host tier's account. Without ``off_loop`` (in-process
 tests) :meth:`Tiers.demote` copies at once.
 
+Also owns :class:`HeldElsewhere`: the host-backend slabs the service freed
+while something else still maps them. Before the service closes a memfd it
+puts an inotify watch on its inode (``/proc/self/fd/N``); the kernel removes
+the watch with ``IN_IGNORED`` when the inode is evicted, that is when no fd
+and no mapping of it is left anywhere. Until then its bytes count against the
+budget (``held_elsewhere_bytes``), so what engines keep mapped after their
+lease cannot be allocated a second time (issue 38, P2: 30 slabs released and
+still mapped took the node's shared memory 2.34 GB past a 280 MB budget). The
+cuda backend has no such signal: an imported VMM handle keeps the allocation
+after the engine closed the fd, and the driver tells the exporter nothing.
+
 Forbidden imports: socket, selectors, threading, torch, weightcache.memory, weightcache.pipeline,
 weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.loads,
 weightcache.daemon.fdstore, weightcache.daemon.loop.
@@ -34,7 +45,10 @@ weightcache.daemon.fdstore, weightcache.daemon.loop.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -97,6 +111,9 @@ class Tiers:
     host_tier_bytes: int = 0
     to_host: Callable[[Any, str], Any] | None = None
     off_loop: bool = False
+    #: Bytes of slabs the service freed that clients still map (:mod:`weightcache.daemon.elsewhere`): taken
+    #: from the budget until the last mapping goes (issue 38, P2).
+    held_elsewhere_bytes: int = 0
 
     # --- what is where ------------------------------------------------------
 
@@ -155,7 +172,8 @@ class Tiers:
             no room is granted yet (``slot.reserved_bytes`` stays 0): ask again once the copies are done.
         """
         gpu, host = self.holdings(state)
-        room = budget.make_room(need_bytes, self.budget_bytes, gpu, self.host_tier_bytes, host, evict, requester)
+        room = budget.make_room(need_bytes, self.budget_bytes - self.held_elsewhere_bytes, gpu, self.host_tier_bytes,
+                                host, evict, requester)
         if not room.fits:
             return [], self.refusal(state, slot, need_bytes, room)
         moves = self.carry_out(state, room, f"room for {slot.label}")
@@ -207,6 +225,7 @@ class Tiers:
         resident = [s for s in state.slots if s.gpu_bytes and s is not slot]
         return _refusal_error(
             state.gpu, slot.label, slot.placement.model.name, need_bytes, self.budget_bytes, room.free_bytes,
+            self.held_elsewhere_bytes,
             [{"slab": s.label, "size_bytes": s.gpu_bytes, "leases": len(s.leases), "pinned": s.placement.model.pin,
               "loading": s.state is SlotState.LOADING} for s in resident],
             [{"slab": s.label, "lease_id": le.lease_id, "pid": le.pid, "uid": le.uid}
@@ -370,7 +389,7 @@ def refuse(slot: Slot, error: InsufficientMemory | Exception, reason: str) -> No
 
 
 def _refusal_error(gpu: int, label: str, model: str, need_bytes: int, budget_bytes: int, free_bytes: int,
-                  resident: list[dict], leases: list[dict]) -> InsufficientMemory:
+                   held_elsewhere_bytes: int, resident: list[dict], leases: list[dict]) -> InsufficientMemory:
     """``insufficient_memory`` for slab ``label`` of ``model``, its message worked out from its ``details``
     (``resident``: ``slab``, ``size_bytes``, ``leases``, ``pinned``, ``loading``; ``leases``: ``slab``,
     ``lease_id``, ``pid``, ``uid``), so that :func:`refusal_for` can rebuild it from fewer."""
@@ -382,11 +401,13 @@ def _refusal_error(gpu: int, label: str, model: str, need_bytes: int, budget_byt
                     for le in leases) or "none"
     hint = ("release a lease, unpin a model or raise memory_budget_bytes" if need_bytes <= budget_bytes else
             "the slab alone is larger than the whole budget: raise memory_budget_bytes (or give the model more GPUs)")
+    elsewhere = (f"; {held_elsewhere_bytes / 1e9:.2f} GB of slabs it freed are still mapped by engines (counted until "
+                 f"they unmap them)" if held_elsewhere_bytes else "")
     return InsufficientMemory(
         f"GPU {gpu}: no room for {label} ({need_bytes / 1e9:.2f} GB) in memory_budget_bytes = {budget_bytes} "
-        f"({free_bytes / 1e9:.2f} GB free); resident: {what}; leases: {who}; {hint}", model=model,
+        f"({free_bytes / 1e9:.2f} GB free{elsewhere}); resident: {what}; leases: {who}; {hint}", model=model,
         need_bytes=need_bytes, budget_bytes=budget_bytes, free_bytes=free_bytes, resident=resident, leases=leases,
-        gpu=gpu, slab=label)
+        gpu=gpu, slab=label, held_elsewhere_bytes=held_elsewhere_bytes)
 
 
 def refusal_for(e: WeightcacheError, shown: Callable[[str], bool], uid: int) -> WeightcacheError:
@@ -406,7 +427,7 @@ def refusal_for(e: WeightcacheError, shown: Callable[[str], bool], uid: int) -> 
     leases = [le if le["uid"] == uid else dict(le, pid=protocol.HIDDEN_ID, uid=protocol.HIDDEN_ID)
               for le in d["leases"] if shown(le["slab"])]
     return _refusal_error(d["gpu"], d["slab"], d["model"], d["need_bytes"], d["budget_bytes"], d["free_bytes"],
-                         resident, leases)
+                          d.get("held_elsewhere_bytes", 0), resident, leases)
 
 
 #: Demand loads one uid may have displace other slabs within :data:`DISPLACING_WINDOW_S` (root and the service
@@ -427,3 +448,68 @@ def requester_of(state: ServiceState, slot: Slot, may_attach: Callable[[Slot], b
         return budget.Requester(slot.placement.model.priority, frozenset())
     return budget.Requester(slot.placement.model.priority,
                             frozenset(s.label for s in state.slots if may_attach(s)))
+
+
+#: inotify event bits (linux/inotify.h).
+IN_CLOSE_NOWRITE = 0x10
+IN_DELETE_SELF = 0x400
+IN_IGNORED = 0x8000
+_EVENT = struct.Struct("iIII")
+
+
+class HeldElsewhere:
+    """The host-backend slabs the service freed whose memfd something else still holds or maps.
+
+    Attributes:
+        fd (`int`): the inotify fd; readable when a watched memfd was freed (call :meth:`read`).
+    """
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        #: watch descriptor -> (label, size_bytes)
+        self._watches: dict[int, tuple[str, int]] = {}
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the freed slabs still held or mapped elsewhere."""
+        return sum(size for _, size in self._watches.values())
+
+    def labels(self) -> list[str]:
+        """The labels of those slabs (one per slab, in no particular order)."""
+        return [label for label, _ in self._watches.values()]
+
+    def watch(self, fd: int, label: str, size_bytes: int) -> None:
+        """Starts watching the memfd ``fd`` (still open: the caller closes it right after) of slab ``label``.
+
+        A memfd nobody else holds is freed by the caller's close and reported by the next :meth:`read`.
+        A watch the kernel refuses (``fs.inotify.max_user_watches``) is logged and the slab not counted.
+        """
+        wd = self._libc.inotify_add_watch(self.fd, f"/proc/self/fd/{fd}".encode(), IN_CLOSE_NOWRITE | IN_DELETE_SELF)
+        if wd < 0:
+            err = ctypes.get_errno()
+            log.warning("cannot watch a freed slab label=%s size_bytes=%d error=%s: its memory is not counted while "
+                        "clients still map it", label, size_bytes, os.strerror(err))
+            return
+        self._watches[wd] = (label, size_bytes)
+
+    def read(self) -> list[tuple[str, int]]:
+        """Drains the inotify fd; returns ``(label, size_bytes)`` of each watched slab whose memory is now free."""
+        freed = []
+        while True:
+            try:
+                data = os.read(self.fd, 64 * 1024)
+            except BlockingIOError:
+                return freed
+            off = 0
+            while off + _EVENT.size <= len(data):
+                wd, mask, _cookie, name_len = _EVENT.unpack_from(data, off)
+                off += _EVENT.size + name_len
+                if mask & IN_IGNORED and wd in self._watches:
+                    freed.append(self._watches.pop(wd))
+
+    def close(self) -> None:
+        os.close(self.fd)
