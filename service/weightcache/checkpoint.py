@@ -76,7 +76,7 @@ def parse_json(raw: bytes, path: str, what: str) -> Any:
         raise CheckpointCorrupt(f"{what} {path} ({len(raw)} bytes) is too large to parse; the checkpoint's writer "
                                 f"must fix the file", file=path, cause="too_large") from None
     except ValueError as e:
-        raise CheckpointCorrupt(f"{what} {path} is not valid JSON: {e}", file=path) from None
+        raise CheckpointCorrupt(f"{what} {path} is invalid: not valid JSON: {e}", file=path) from None
 
 
 def _no_safetensors_hint(names: list[str]) -> tuple[str, list[str]]:

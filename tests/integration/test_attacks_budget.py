@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attackers import NOBODY, SERVICE_UID, fork_as, open_socket_to_all, reap, result  # noqa: E402
+from weightcache import protocol  # noqa: E402
 from service_harness import make_config, poll_until, write_checkpoint  # noqa: E402
 from weightcache import attach  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402
@@ -97,3 +98,47 @@ def test_one_uids_loads_displace_others_at_most_8_times_a_minute(daemon, shared_
     poll_until(lambda: all(not s["leases"] for s in svc.status()["slabs"]), "the leases to end")
     with attach("two", socket_dir=svc.socket_dir, fallback=False, timeout=20) as w:  # root: no such limit
         assert w.source == "daemon"
+
+
+def _attach_and_hold(socket_dir: str, models: list[str]) -> dict:
+    """As the attacker: attaches each of ``models`` and keeps every lease (until the parent kills it)."""
+    out = []
+    for m in models:
+        try:
+            _HELD.append(attach(m, socket_dir=socket_dir, fallback=False, timeout=20))
+            out.append("ok")
+        except WeightcacheError as e:
+            out.append(e.code)
+    return {"outcomes": out}
+
+
+_HELD: list = []
+
+
+def test_leases_of_uids_off_a_restricted_models_lists_do_not_keep_it_out(daemon, shared_dir):
+    """P3. ``secret`` (allow list: OWNER) was loaded, then shelved; the attacker (nobody) attaches and holds
+    open models. Before: its loads filled the budget and its leases kept ``secret`` out (20/20
+    ``insufficient_memory``). Now ``secret``'s room is held back from the attacker's loads: the one that would
+    take it is refused, and the owner's attach loads ``secret``."""
+    cks = {n: _ckpt(shared_dir / n, i) for i, n in enumerate(("secret", "open1", "open2"))}
+    svc = daemon(make_config({"secret": {"path": cks["secret"], "allow_users": [str(OWNER)]},
+                              "open1": {"path": cks["open1"], "preload": "disk"},
+                              "open2": {"path": cks["open2"], "preload": "disk"}},
+                             memory_budget_bytes=2 * SLAB + SLAB // 2), run_as=SERVICE_UID)
+    svc.wait_settled()
+    open_socket_to_all(svc)
+    svc.request(protocol.Evict("secret", to="disk"))
+    assert _tiers(svc)["secret"] == "on_disk/disk"
+    pid, r = fork_as(NOBODY, NOBODY, [], _attach_and_hold, svc.socket_dir, ["open1", "open2"])
+    try:
+        got = result(r)
+        assert got["outcomes"] == ["ok", "insufficient_memory"], got
+        opid, orr = fork_as(OWNER, OWNER, [], _attach_each, svc.socket_dir, ["secret"])
+        try:
+            owner = result(orr)
+        finally:
+            reap(opid, orr)
+        assert owner["outcomes"] == ["ok"], owner
+        assert _tiers(svc)["open1"] == "ready/gpu"  # the attacker keeps what it holds
+    finally:
+        reap(pid, r)

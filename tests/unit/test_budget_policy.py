@@ -51,6 +51,10 @@ TABLE = [
      [OPEN_A, OPEN_B], 6, [H("secret", 6, last_used=0.1)], Requester(0, ALL), (("a",), (), ("secret",), 0)),
     ("a reload lowering the budget (ANYONE) moves any movable slab", 0, 6, [SECRET, OPEN_A], 0, [], ANYONE,
      ((), ("secret",), (), 0)),
+    ("the room of a restricted model waiting off the GPU is held back from a uid off its lists (P3)", 6, 12,
+     [H("a", 6, leases=1)], 0, [], Requester(0, NOT_SECRET, reserved_bytes=6), ((), (), (), 6)),
+    ("... and what it may displace still makes room", 6, 18, [H("a", 6, leases=1), OPEN_B], 0, [],
+     Requester(0, NOT_SECRET, reserved_bytes=6), ((), ("b",), (), 0)),
 ]
 
 
@@ -84,7 +88,14 @@ def test_requester_of_a_peer_and_the_rate_limit():
     policy = access.Policy(service_uid=999)
     stranger = Peer(7, 2000, 2000)
     r = tiers.requester_of(st, mine, lambda s: access.may_attach(stranger, s, policy), 0)
-    assert r == Requester(-1000, frozenset({"open/tp1/rank0", "mine/tp1/rank0"}))
+    assert r == Requester(-1000, frozenset({"open/tp1/rank0", "mine/tp1/rank0"}))  # secret is on the GPU
+    secret = st.slots[0]
+    secret.first_slab_bytes, secret.state = 6, SlotState.ON_DISK  # shelved: its room is held back
+    r = tiers.requester_of(st, mine, lambda s: access.may_attach(stranger, s, policy), 0)
+    assert r.reserved_bytes == 6
+    owner = Peer(8, 3000, 3000)
+    assert tiers.requester_of(st, mine, lambda s: access.may_attach(owner, s, policy), 0).reserved_bytes == 0
+    secret.state = SlotState.READY
     assert tiers.requester_of(st, mine, lambda s: True, tiers.DISPLACING_LOADS_PER_UID) == Requester(-1000,
                                                                                                    frozenset())
     assert tiers.requester_of(st, mine, None, 99) == Requester(-1000, None)

@@ -20,7 +20,10 @@ The rules (docs/operations.md, "Tiers"):
 - a load asked for by a client (:class:`Requester`, issue 38, P4 and P6)
   displaces only slabs of at most its own model's ``priority`` that the
   client may attach itself (a restricted model is never moved for someone
-  off its allow lists), host-tier slabs included.
+  off its allow lists), host-tier slabs included;
+- and it may not use the room of the models that client may not attach
+  while they are off the GPU (``reserved_bytes``, P3): their share of the
+  budget waits for them.
 
 docs/design.md ("Memory budget: who may displace whom") has the policy as a
 table; ``tests/unit/test_budget_policy.py`` checks every row.
@@ -83,10 +86,14 @@ class Requester:
         priority (`int`): ``priority`` of the model being loaded: no slab of a higher priority is displaced.
         may_displace (`frozenset[str] | None`): labels of the slabs the client may attach (only those can be
             displaced for it); None: every slab (root, the service user).
+        reserved_bytes (`int`): budget held back from this load: the room of the models the client may not
+            attach that are not on the GPU now (their last slab size), so that its loads (and the leases it
+            then holds) cannot keep them out (issue 38, P3).
     """
 
     priority: int = 0
     may_displace: frozenset[str] | None = None
+    reserved_bytes: int = 0
 
     def allows(self, h: Holding) -> bool:
         """Whether ``h`` may leave for this requester's load: movable, of at most its priority, attachable by it."""
@@ -190,7 +197,7 @@ def make_room(need_bytes: int, budget_bytes: int, gpu: Sequence[Holding], host_t
         ('a',)
     """
     used = sum(h.size_bytes for h in gpu)
-    free = budget_bytes - used
+    free = budget_bytes - requester.reserved_bytes - used
     if need_bytes <= free:
         return Room(free_bytes=free)
     if not evict:

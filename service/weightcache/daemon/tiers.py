@@ -437,17 +437,25 @@ DISPLACING_LOADS_PER_UID = 8
 DISPLACING_WINDOW_S = 60.0
 
 
+#: States of a slot whose room a load by someone who may not attach it must leave free (it waits off the GPU).
+_RESERVING = frozenset({SlotState.ON_DISK, SlotState.HOSTED, SlotState.PENDING})
+
+
 def requester_of(state: ServiceState, slot: Slot, may_attach: Callable[[Slot], bool] | None,
                  displaced_recently: int) -> budget.Requester:
-    """The :class:`budget.Requester` of ``slot``'s load: its model's priority, and the slabs the peer that asked
-    may attach (``may_attach``; None: every slab, the service's own loads); none at all once the peer's uid
-    made :data:`DISPLACING_LOADS_PER_UID` loads displace others within the window (``displaced_recently``)."""
+    """The :class:`budget.Requester` of ``slot``'s load: its model's priority, the slabs the peer that asked
+    may attach (``may_attach``; None: every slab, the service's own loads; none at all once the peer's uid
+    made :data:`DISPLACING_LOADS_PER_UID` loads displace others within the window, ``displaced_recently``),
+    and the room held back for the models it may not attach while they wait off the GPU (each its
+    :attr:`Slot.first_slab_bytes`; a model never planned yet reserves nothing)."""
     if may_attach is None:
         return budget.Requester(slot.placement.model.priority)
+    mine = frozenset(s.label for s in state.slots if may_attach(s))
+    # The room of the models it may not attach that wait off the GPU (their last planned size) is theirs.
+    reserved = sum(s.first_slab_bytes for s in state.slots if s.label not in mine and s.state in _RESERVING)
     if displaced_recently >= DISPLACING_LOADS_PER_UID:
-        return budget.Requester(slot.placement.model.priority, frozenset())
-    return budget.Requester(slot.placement.model.priority,
-                            frozenset(s.label for s in state.slots if may_attach(s)))
+        return budget.Requester(slot.placement.model.priority, frozenset(), reserved)
+    return budget.Requester(slot.placement.model.priority, mine, reserved)
 
 
 #: inotify event bits (linux/inotify.h).
