@@ -188,12 +188,16 @@ def guarded_copy_rows(dst: memoryview, dst_offset: int, dst_pitch: int, src: mma
         step = np.arange(IOV_MAX, dtype=np.uint64)
         local, remote = np.empty((IOV_MAX, 2), np.uint64), np.empty((IOV_MAX, 2), np.uint64)
         local[:, 1] = remote[:, 1] = length
+        packed = dst_pitch == length  # rows back to back in dst: one local iovec per call
         pid = os.getpid()
         for r0 in range(0, rows, IOV_MAX):
             n = min(IOV_MAX, rows - r0)
-            local[:n, 0] = step[:n] * dst_pitch + (d.ctypes.data + dst_offset + r0 * dst_pitch)
+            if packed:
+                local[0] = (d.ctypes.data + dst_offset + r0 * dst_pitch, n * length)
+            else:
+                local[:n, 0] = step[:n] * dst_pitch + (d.ctypes.data + dst_offset + r0 * dst_pitch)
             remote[:n, 0] = step[:n] * src_pitch + (s.ctypes.data + src_offset + r0 * src_pitch)
-            got = readv(pid, local.ctypes.data, n, remote.ctypes.data, n, 0)
+            got = readv(pid, local.ctypes.data, 1 if packed else n, remote.ctypes.data, n, 0)
             if got < 0:
                 err = ctypes.get_errno()
                 if err in (errno.EPERM, errno.ENOSYS) and r0 == 0:
