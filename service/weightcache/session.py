@@ -145,23 +145,26 @@ def _not_a_socket(path: str) -> str | None:
 
 
 #: The service's user when ``$WEIGHTCACHE_SERVICE_USER`` does not name one: the package's sysusers user, checked
-#: only where this machine's passwd knows it.
+#: for the sockets of :data:`DEFAULT_SOCKET_DIR` where this machine's passwd knows it.
 DEFAULT_SERVICE_USER = "weightcache"
 
 
-def expected_server_uids() -> tuple[set[int], str] | None:
-    """The uids a service's listening socket may belong to (``SO_PEERCRED`` of the server), and whom they name.
+def expected_server_uids(path: str) -> tuple[set[int], str] | None:
+    """The uids the listening socket ``path`` may belong to (``SO_PEERCRED`` of the server), and whom they name.
 
     Root (systemd binds and listens on a socket-activated one), this process's
     own uid (a service it started itself), and the service user:
-    ``$WEIGHTCACHE_SERVICE_USER`` (a name or a uid), else ``weightcache``
-    where this machine's passwd has it. ``None`` when no service user is
-    known (no check): an engine container without the user in its passwd
-    sets ``WEIGHTCACHE_SERVICE_USER`` to the service's uid.
+    ``$WEIGHTCACHE_SERVICE_USER`` (a name or a uid), else, for a socket in
+    ``/run/weightcache``, ``weightcache`` where this machine's passwd has it.
+    ``None`` when no service user is known (no check): an engine container
+    without the user in its passwd sets ``WEIGHTCACHE_SERVICE_USER`` to the
+    service's uid.
     """
     name = os.environ.get("WEIGHTCACHE_SERVICE_USER", "").strip()
     if name.isdigit():
         return {0, os.geteuid(), int(name)}, f"uid {name}"
+    if not name and os.path.dirname(os.path.abspath(path)) != DEFAULT_SOCKET_DIR:
+        return None
     try:
         uid = pwd.getpwnam(name or DEFAULT_SERVICE_USER).pw_uid
     except KeyError:
@@ -182,7 +185,7 @@ def _check_server(sock: socket.socket, path: str) -> None:
         DaemonUnavailable (`daemon_unavailable`): the server's uid is not one of them; ``details`` carry
             ``server_uid``, ``server_pid`` and ``expected``.
     """
-    expected = expected_server_uids()
+    expected = expected_server_uids(path)
     if expected is None:
         return
     uids, who = expected

@@ -279,3 +279,17 @@ def test_fallback_true_raises_only_weightcache_errors_whatever_the_impostor_send
         finally:
             imp.close()
             os.unlink(path)
+
+
+def test_the_default_service_user_is_checked_only_in_the_default_socket_dir(monkeypatch):
+    """Without ``WEIGHTCACHE_SERVICE_USER``: ``weightcache`` (where passwd has it) for ``/run/weightcache``
+    only; a socket elsewhere (a test's, a developer's) is not checked; a numeric value is used as it is."""
+    from weightcache import session
+
+    monkeypatch.delenv("WEIGHTCACHE_SERVICE_USER", raising=False)
+    assert session.expected_server_uids("/tmp/x/0.sock") is None
+    monkeypatch.setattr(session.pwd, "getpwnam", lambda n: type("P", (), {"pw_uid": 990})())
+    uids, who = session.expected_server_uids("/run/weightcache/0.sock")
+    assert uids == {0, os.geteuid(), 990} and "990" in who
+    monkeypatch.setenv("WEIGHTCACHE_SERVICE_USER", "4242")
+    assert session.expected_server_uids("/tmp/x/0.sock")[0] == {0, os.geteuid(), 4242}
