@@ -293,3 +293,41 @@ def test_the_default_service_user_is_checked_only_in_the_default_socket_dir(monk
     assert uids == {0, os.geteuid(), 990} and "990" in who
     monkeypatch.setenv("WEIGHTCACHE_SERVICE_USER", "4242")
     assert session.expected_server_uids("/tmp/x/0.sock")[0] == {0, os.geteuid(), 4242}
+
+
+def _replace_reply(raw: bytes):
+    def mutate(conn, data, reply, fds):
+        hello_len = int.from_bytes(data[:4], "big") + 4
+        _send(conn, data[:hello_len] + raw, fds)
+        for fd in fds:
+            os.close(fd)
+    return mutate
+
+
+GARBAGE = {
+    "bytes": b"\x00\x00\x00\x10" + os.urandom(16),
+    "deep_json": frame(b"[" * 200_000 + b"]" * 200_000),
+    "not_an_object": frame(b"[1, 2, 3]"),
+    "unknown_type": frame({"type": "no_such_reply"}),
+    "unknown_error_code": frame({"type": "error", "code": "made_up", "message": "x", "details": {}}),
+    "attach_reply_fields_wrong": frame({"type": "attach_reply", "lease_id": "x", "checkpoint_path": 3,
+                                        "backend": "host", "manifest_size_bytes": -5}),
+    "huge_length_prefix": b"\x7f\xff\xff\xff" + b"{",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(GARBAGE))
+def test_fallback_true_raises_only_weightcache_errors_whatever_the_reply(setup, kind):
+    """The attach reply replaced by garbage: with ``fallback=True`` by path, the disk (or a typed error), never a
+    bare exception."""
+    svc, ck, fake_dir, want = setup
+    imp = Impostor(os.path.join(fake_dir, "0.sock"), svc.socket_path, _replace_reply(GARBAGE[kind]))
+    try:
+        try:
+            with attach(str(ck), socket_dir=fake_dir, fallback=True, timeout=5) as w:
+                assert w.source == "disk"
+                compare_bytes(w.tensors, want)
+        except WeightcacheError:
+            pass
+    finally:
+        imp.close()
