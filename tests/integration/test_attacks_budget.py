@@ -18,9 +18,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attackers import NOBODY, SERVICE_UID, fork_as, open_socket_to_all, reap, result  # noqa: E402
+from attackers import (NOBODY, SERVICE_UID, back_to_baseline, baseline_figures, fork_as,  # noqa: E402
+                       open_socket_to_all, reap, result)
 from weightcache import protocol  # noqa: E402
-from service_harness import make_config, poll_until, write_checkpoint  # noqa: E402
+from service_harness import (compare_bytes, make_config, poll_until, read_checkpoint, record_figures,  # noqa: E402
+                             write_checkpoint)
 from weightcache import attach  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402
 
@@ -72,13 +74,21 @@ def test_a_stranger_never_displaces_a_restricted_or_higher_priority_slab(daemon,
     svc.wait_settled()
     open_socket_to_all(svc)
     assert _tiers(svc) == {"secret": "ready/gpu", "high": "ready/gpu", "low": "on_disk/disk"}
+    before = svc.snapshot()
     pid, r = fork_as(NOBODY, NOBODY, [], _attach_each, svc.socket_dir, ["low", "low", "low"])
     try:
         got = result(r)
+        with attach("high", socket_dir=svc.socket_dir, fallback=False, timeout=1.0) as w:  # root, meanwhile
+            compared = compare_bytes(w.tensors, read_checkpoint(cks["high"]))
     finally:
         reap(pid, r)
     assert got["outcomes"] == ["insufficient_memory"] * 3, got
     assert _tiers(svc) == {"secret": "ready/gpu", "high": "ready/gpu", "low": "on_disk/disk"}
+    after = back_to_baseline(svc, before)
+    record_figures("attack.budget_displacement", "a uid off secret's allow list attaches a priority -1000 model "
+                   "3 times", "service as uid 64000; each attach insufficient_memory; secret (restricted) and high "
+                   "(priority 500) stay ready on the GPU; a well-behaved attach within 1 s; fds and RSS back",
+                   clients=3, faults_injected=3, bytes_compared=compared, **baseline_figures(before, after))
 
 
 def test_one_uids_loads_displace_others_at_most_8_times_a_minute(daemon, shared_dir):
@@ -98,6 +108,11 @@ def test_one_uids_loads_displace_others_at_most_8_times_a_minute(daemon, shared_
     poll_until(lambda: all(not s["leases"] for s in svc.status()["slabs"]), "the leases to end")
     with attach("two", socket_dir=svc.socket_dir, fallback=False, timeout=20) as w:  # root: no such limit
         assert w.source == "daemon"
+        compared = compare_bytes(w.tensors, read_checkpoint(cks["two"]))
+    record_figures("attack.budget_thrash", "one uid switches between two models under a budget of one, 12 times",
+                   "service as uid 64000; 8 loads displace the other model, then that uid's loads take free room "
+                   "only (insufficient_memory); root's attach still displaces", clients=2, faults_injected=12,
+                   bytes_compared=compared, displacing_loads=8)
 
 
 def _attach_and_hold(socket_dir: str, models: list[str]) -> dict:
@@ -142,3 +157,6 @@ def test_leases_of_uids_off_a_restricted_models_lists_do_not_keep_it_out(daemon,
         assert _tiers(svc)["open1"] == "ready/gpu"  # the attacker keeps what it holds
     finally:
         reap(pid, r)
+    record_figures("attack.budget_reserve", "a uid off secret's allow list loads and holds open models while secret "
+                   "waits on disk", "service as uid 64000; the load that would take secret's room is "
+                   "insufficient_memory; secret's owner (another uid) attaches it", clients=3, faults_injected=2)

@@ -8,7 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attackers import SERVICE_UID  # noqa: E402
-from service_harness import compare_bytes, make_config, read_checkpoint, write_checkpoint  # noqa: E402
+from service_harness import (compare_bytes, make_config, read_checkpoint, record_figures,  # noqa: E402
+                             write_checkpoint)
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.errors import CheckpointCorrupt  # noqa: E402
 
@@ -35,9 +36,13 @@ def test_a_deep_config_json_is_skipped_by_the_reload_which_applies_the_rest(daem
     assert r.added == ["c/tp1/rank0"] and sorted(r.kept) == ["bad/tp1/rank0", "ok/tp1/rank0"], r
     svc.wait_settled()
     with attach("c", socket_dir=svc.socket_dir, fallback=False, timeout=30) as w:
-        compare_bytes(w.tensors, read_checkpoint(cks["c"]))
+        compared = compare_bytes(w.tensors, read_checkpoint(cks["c"]))
     with pytest.raises(CheckpointCorrupt) as e:
         attach(str(cks["bad"]), socket_dir=svc.socket_dir, fallback=True, timeout=30)
     assert e.value.code == "checkpoint_corrupt" and e.value.details["file"] == str(cks["bad"] / "config.json")
     assert svc.proc.poll() is None
     assert "reload skips checkpoint" in svc.log()
+    record_figures("attack.deep_checkpoint_json", "a checkpoint's config.json nested 200,000 deep, then a reload",
+                   "service as uid 64000; the reload skips that checkpoint (WARNING) and adds the new model; "
+                   "attach(fallback=True) raises checkpoint_corrupt naming config.json", clients=2,
+                   faults_injected=1, bytes_compared=compared)

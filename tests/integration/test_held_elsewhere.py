@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attackers import SERVICE_UID  # noqa: E402
-from service_harness import compare_bytes, make_config, poll_until, read_checkpoint, write_checkpoint  # noqa: E402
+from service_harness import (compare_bytes, make_config, poll_until, read_checkpoint, record_figures,  # noqa: E402
+                             write_checkpoint)
 from weightcache import attach  # noqa: E402
 from weightcache.errors import InsufficientMemory  # noqa: E402
 
@@ -55,4 +56,9 @@ def test_a_released_slab_still_mapped_counts_against_the_budget_until_unmapped(d
     gc.collect()  # the engine unmaps: the kernel frees the memfd, the service hears of it
     poll_until(lambda: svc.status()["memory"]["held_elsewhere_bytes"] == 0, "the service to see a freed")
     with attach_("c") as wc:
-        compare_bytes(wc.tensors, read_checkpoint(cks["c"]))
+        compared = compare_bytes(wc.tensors, read_checkpoint(cks["c"]))
+    record_figures("attack.held_elsewhere", "an engine keeps a released slab mapped while the service shelves it",
+                   "service as uid 64000; status memory.held_elsewhere_bytes = the slab; the next load that needs "
+                   "its room insufficient_memory (held_elsewhere_bytes); once the engine unmaps, the kernel frees "
+                   "the memfd (inotify IN_IGNORED) and the load proceeds", clients=2, faults_injected=1,
+                   bytes_compared=compared, held_elsewhere_bytes=SLAB)
