@@ -82,7 +82,7 @@ class OffLoop:
     """The off-loop work of :class:`~weightcache.daemon.loop.Daemon` (module docstring). A base class, not used
     alone: ``Daemon`` sets the state, tiers, transport, ticker, counters, context and the queues these methods
     use (``_reading``, ``_demoting``, ``_demoted``, ``_room_waits``, ``_answers``, ``_reloads``, ``_verified``,
-    ``_wake_w``) and provides ``_carry_out``, ``_effect``, ``_moved`` and ``_break``.
+    ``_wake_w``, ``_displaced``, ``elsewhere``) and provides ``_carry_out``, ``_effect``, ``_moved`` and ``_break``.
     """
 
     def _start_demotion(self, c: Client | None, eff: tiers.Demoting) -> None:
@@ -174,7 +174,7 @@ class OffLoop:
             refusal = self.tiers.admit_host(self.state, slot, req.size_bytes)
         else:
             moves, refusal = self.tiers.admit(self.state, slot, req.size_bytes, slot.demand, self._requester(slot))
-            if moves and slot.demand_by is not None:
+            if moves and slot.demand_by is not None and slot.demand_by.uid not in (0, self.ctx.policy.service_uid):
                 self._displaced.setdefault(slot.demand_by.uid, []).append(time.monotonic())
             for m in moves:
                 self._effect(None, m)
