@@ -15,7 +15,12 @@ copy), by each of:
   between rows (iovec lists built once per thread and shape);
 - ``mmap``: :func:`weightcache.reader._rows.copy_mapped_rows` from a read-only
   mapping of the piece's span, unmapped after it (the reader's way without
-  ``O_DIRECT``);
+  ``O_DIRECT``; since issue 38 its rows are copied by ``process_vm_readv``,
+  :func:`weightcache.reader._rows.guarded_copy_rows`, so a file cut under it is
+  ``checkpoint_corrupt`` instead of ``SIGBUS``);
+- ``numpy``: the same mapping copied by numpy, the reader's way before issue 38
+  (a file cut during the copy kills the process with ``SIGBUS``): the A/B of
+  the guarded copy's cost;
 - ``row``: one ``pread`` per row;
 - ``vmread``: the same mapping, the rows copied by the kernel with
   ``process_vm_readv`` on this process (one call per 1024 rows, ``IOV_MAX``)
@@ -99,6 +104,25 @@ def rank_tasks(path: str, tensors: list[tuple[int, int, int]], tp: int, rank: in
             n = min(step, rows - r0)
             out.append(ReadTask(path, off + rank * length + r0 * pitch, length, 0, "w", n, pitch, length))
     return out
+
+
+def numpy_rows(t: Any, fd: int, dst: Any) -> None:
+    """``mmap``'s way as it was before issue 38: the rows copied out of the mapping by numpy (``SIGBUS`` if the
+    file is cut meanwhile)."""
+    import mmap
+
+    import numpy as np
+
+    end = t.file_offset + t.file_span
+    lo = t.file_offset - t.file_offset % mmap.ALLOCATIONGRANULARITY
+    m = mmap.mmap(fd, end - lo, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=lo)
+    try:
+        src = np.ndarray((t.rows, t.length), np.uint8, m, t.file_offset - lo, (t.src_pitch, 1))
+        out = np.ndarray((t.rows, t.length), np.uint8, dst, 0, (t.length, 1))
+        np.copyto(out, src)
+        del src, out
+    finally:
+        m.close()
 
 
 def vm_read_rows(t: Any, fd: int, dst: Any) -> None:
@@ -207,6 +231,8 @@ def fill(way: str, tasks: list[Any], fd: int, threads: int, own_fd: str | None =
                                        t.length)
             elif way == "vmread":
                 vm_read_rows(t, fd, stage_array)
+            elif way == "numpy":
+                numpy_rows(t, fd, stage)
             else:
                 for r in range(t.rows):
                     os.preadv(fd, [stage[r * t.length : (r + 1) * t.length]], t.file_offset + r * t.src_pitch)
@@ -250,7 +276,7 @@ def main() -> int:
                     continue
                 rates = []
                 for rep in range(args.reps):
-                    packed = way.removesuffix("+fd") in ("mmap", "row", "iov", "vmread", "uring")
+                    packed = way.removesuffix("+fd") in ("mmap", "numpy", "row", "iov", "vmread", "uring")
                     tasks = rank_tasks(str(path), tensors, tp, rep % tp, packed=packed)
                     base = way.removesuffix("+fd")
                     dt = fill(base, tasks, fd, threads, str(path) if base != way else None)

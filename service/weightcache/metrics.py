@@ -95,6 +95,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                                              "Bytes of the budget taken: slabs on the GPU and loads granted room"),
     "weightcache_host_tier_bytes": ("gauge", ("gpu",), "Size of the host tier (host_tier_bytes), bytes"),
     "weightcache_host_tier_used_bytes": ("gauge", ("gpu",), "Bytes the host tier holds, bytes"),
+    "weightcache_memory_held_elsewhere_bytes": ("gauge", ("gpu",),
+                                                "Bytes of slabs the service freed that engines still map, bytes"),
     "weightcache_slab_state": ("gauge", SLAB_LABELS + ("state",), "1 for the slab's state"),
     "weightcache_slab_tier": ("gauge", SLAB_LABELS + ("tier",), "1 for the slab's tier (gpu, host, disk)"),
     "weightcache_slab_resident_bytes": ("gauge", SLAB_LABELS, "Size of the slab's resident mapping, bytes"),
@@ -257,6 +259,7 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
     fam.add("weightcache_memory_budget_used_bytes", (g,), st.gpu_bytes)
     fam.add("weightcache_host_tier_bytes", (g,), st.host_tier_bytes)
     fam.add("weightcache_host_tier_used_bytes", (g,), st.host_used_bytes)
+    fam.add("weightcache_memory_held_elsewhere_bytes", (g,), st.held_elsewhere_bytes)
     for sl in st.slabs:
         lab = (g, sl.model, sl.tp_size, sl.tp_rank)
         for state in SLAB_STATES:

@@ -17,6 +17,7 @@ import os
 import pwd
 import socket
 import stat
+import struct
 import time
 from typing import Any
 
@@ -143,6 +144,64 @@ def _not_a_socket(path: str) -> str | None:
     return "a regular file" if stat.S_ISREG(mode) else "a directory" if stat.S_ISDIR(mode) else "not a socket file"
 
 
+#: The service's user when ``$WEIGHTCACHE_SERVICE_USER`` does not name one: the package's sysusers user, checked
+#: for the sockets of :data:`DEFAULT_SOCKET_DIR` where this machine's passwd knows it.
+DEFAULT_SERVICE_USER = "weightcache"
+
+
+def expected_server_uids(path: str) -> tuple[set[int], str] | None:
+    """The uids the listening socket ``path`` may belong to (``SO_PEERCRED`` of the server), and whom they name.
+
+    Root (systemd binds and listens on a socket-activated one), this process's
+    own uid (a service it started itself), and the service user:
+    ``$WEIGHTCACHE_SERVICE_USER`` (a name or a uid), else, for a socket in
+    ``/run/weightcache``, ``weightcache`` where this machine's passwd has it.
+    ``None`` when no service user is known (no check): an engine container
+    without the user in its passwd sets ``WEIGHTCACHE_SERVICE_USER`` to the
+    service's uid.
+    """
+    name = os.environ.get("WEIGHTCACHE_SERVICE_USER", "").strip()
+    if name.isdigit():
+        return {0, os.geteuid(), int(name)}, f"uid {name}"
+    if not name and os.path.dirname(os.path.abspath(path)) != DEFAULT_SOCKET_DIR:
+        return None
+    try:
+        uid = pwd.getpwnam(name or DEFAULT_SERVICE_USER).pw_uid
+    except KeyError:
+        if name:
+            return {0, os.geteuid()}, f"user {name} (not in this machine's passwd)"
+        return None
+    return {0, os.geteuid(), uid}, f"user {name or DEFAULT_SERVICE_USER} (uid {uid})"
+
+
+def _check_server(sock: socket.socket, path: str) -> None:
+    """Refuses a listening socket bound by someone other than the service (:func:`expected_server_uids`).
+
+    Whoever can write the socket directory (a uid-0 process in a container
+    that mounts it read-write) can replace the socket, and the next engine's
+    attach would map what it sends (issue 38, P10).
+
+    Raises:
+        DaemonUnavailable (`daemon_unavailable`): the server's uid is not one of them; ``details`` carry
+            ``server_uid``, ``server_pid`` and ``expected``.
+    """
+    expected = expected_server_uids(path)
+    if expected is None:
+        return
+    uids, who = expected
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid in uids:
+        return
+    try:
+        owner = f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        owner = f"uid {uid}"
+    raise DaemonUnavailable(
+        f"refusing {path}: it was bound by {owner}, pid {pid}, not by root or the service's {who}; something "
+        f"else replaced the socket (set WEIGHTCACHE_SERVICE_USER if the service runs as another user)",
+        socket=path, server_uid=uid, server_pid=pid, expected=who)
+
+
 class Session:
     """A blocking client connection to one service socket (one per attach).
 
@@ -150,13 +209,16 @@ class Session:
 
     Args:
         path (`str`): the service's socket, e.g. ``/run/weightcache/0.sock``.
-        timeout (`float`): seconds for connecting and for each reply.
+        timeout (`float`): seconds for connecting, and for each call's replies (one deadline per
+            :meth:`replies`, however the bytes arrive).
 
     Raises:
         DaemonUnavailable (`daemon_unavailable`): nothing listens, connection
             refused, or no reply in time. No socket file at ``path``:
             ``details["listening"]`` lists the instances whose sockets its
-            directory has (the message says which to ask).
+            directory has (the message says which to ask). A socket bound by
+            someone other than root, this process's user or the service user
+            (:func:`expected_server_uids`): ``details["server_uid"]``.
     """
 
     def __init__(self, path: str, timeout: float = 30.0, client: str = "", hello: bool = True) -> None:
@@ -181,6 +243,12 @@ class Session:
                     f"socket_dir; a service started on that path replaces a regular file)", socket=path,
                     file_type=kind) from None
             raise DaemonUnavailable(f"no weightcache service at {path}: {e.strerror or e}", socket=path) from None
+        try:
+            _check_server(self.sock, path)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.timeout = timeout
         self.conn = protocol.Connection(protocol.CLIENT)
         self.client = client or f"pid={os.getpid()}"
         self.hello = self.request(self.hello_message()) if hello else None
@@ -235,11 +303,10 @@ class Session:
             DaemonUnavailable: the service closed the connection or timed out.
             WeightcacheError: the first typed error among the replies.
         """
-        if timeout is not None:
-            self.sock.settimeout(max(0.001, timeout))
+        deadline = time.monotonic() + max(0.001, self.timeout if timeout is None else timeout)
         replies = []
         for _ in range(count):
-            reply, fds = self._read_message()
+            reply, fds = self._read_message(deadline)
             if isinstance(reply, protocol.Error):
                 for fd in fds:
                     os.close(fd)
@@ -257,7 +324,9 @@ class Session:
         """
         return self.pipeline([msg], timeout)[0]
 
-    def _read_message(self) -> tuple[protocol.Message, list[int]]:
+    def _read_message(self, deadline: float) -> tuple[protocol.Message, list[int]]:
+        """The next message, read by ``deadline`` (monotonic s): one deadline for the whole reply, however
+        the bytes trickle in (a per-``recv`` timeout let 1 byte a second hold a 5 s attach for minutes)."""
         while True:
             try:
                 ev = self.conn.next_message()
@@ -268,6 +337,10 @@ class Session:
             if ev is not protocol.NEED_DATA:
                 return ev
             try:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout()
+                self.sock.settimeout(left)
                 data, fds = recv_with_fds(self.sock, self.conn.bytes_wanted(_RECV), protocol.MAX_FDS_PER_FRAME)
             except socket.timeout:
                 raise DaemonUnavailable(f"weightcache service at {self.path} did not answer in time",

@@ -178,12 +178,13 @@ def test_fds_in_flight_of_one_uid_cannot_block_other_attaches(daemon, ok_ck):
 
 
 def test_a_send_the_kernel_refuses_is_answered_and_logged(daemon, ok_ck):
-    """Send failures never cost another client its reply. With max_fds_in_flight_per_uid set above the service's
-    RLIMIT_NOFILE (a misconfiguration), nobody's unread fds do reach the kernel's limit: the well-behaved attach
+    """Send failures never cost another client its reply. With max_fds_in_flight_per_uid and max_fds_in_flight set
+    above the service's RLIMIT_NOFILE (a misconfiguration), nobody's unread fds do reach the kernel's limit: the well-behaved attach
     then gets resource_exhausted (limit kernel_fds_in_flight) as its reply instead of a closed connection, the
     failure is logged at WARNING with the peer, and once the attacker is gone the same client attaches."""
     ok, expected = ok_ck
-    svc = daemon(make_config({"ok": ok}, max_fds_in_flight_per_uid=100_000), nofile=NOFILE, run_as=SERVICE_UID)
+    svc = daemon(make_config({"ok": ok}, max_fds_in_flight_per_uid=100_000, max_fds_in_flight=100_000),
+                 nofile=NOFILE, run_as=SERVICE_UID)
     svc.wait_settled()
     open_socket_to_all(svc)
     before = svc.snapshot()

@@ -9,6 +9,7 @@ reference service's behaviour.
 from __future__ import annotations
 
 import array
+import fcntl
 import json
 import os
 import socket
@@ -39,8 +40,10 @@ def _serve_once(path: str, header: dict, payload: bytes, slab_bytes: int) -> thr
             buf = b""
             while buf.count(b'"type"') < 2:  # hello + attach, pipelined by the client
                 buf += conn.recv(65536)
-            fd = os.memfd_create("fake-slab", os.MFD_CLOEXEC)
+            fd = os.memfd_create("fake-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(fd, slab_bytes)
+            # A client maps only a sealed memfd (issue 38): F_SEAL_SEAL | SHRINK | GROW | WRITE.
+            fcntl.fcntl(fd, 1033, 0x1 | 0x2 | 0x4 | 0x8)  # F_ADD_SEALS
             mfd = os.memfd_create("fake-manifest", os.MFD_CLOEXEC)
             manifest_file = json.dumps({"format": "weightcache-manifest-1", "manifest": header}).encode()
             os.write(mfd, manifest_file + b"\x00" + payload)

@@ -23,7 +23,7 @@ from weightcache.daemon import access, handlers, publish
 from weightcache.daemon.effects import Context, StoreSlab
 from weightcache.daemon.state import Peer, ServiceState
 from weightcache.manifest import Manifest, TensorRecord, pack_file, read_file
-from weightcache.memory.host import F_GET_SEALS, OWNED_SEALS, HostBackend, sealed_memfd
+from weightcache.memory.host import F_GET_SEALS, SLAB_SEALS, HostBackend, sealed_memfd
 from weightcache.wire import SlotState
 
 #: Neither root nor the service: an ordinary engine's uid.
@@ -99,7 +99,7 @@ def test_publish_seals_digests_and_keys_the_slab(svc):
     try:
         (reply,) = out.replies
         assert type(reply.msg) is protocol.PublishReply and reply.msg.created, reply.msg
-        assert fcntl.fcntl(fd, F_GET_SEALS) & OWNED_SEALS == OWNED_SEALS  # the publisher's fd is sealed too
+        assert fcntl.fcntl(fd, F_GET_SEALS) & SLAB_SEALS == SLAB_SEALS  # the publisher's fd is sealed too
         with pytest.raises(PermissionError):
             os.pwrite(fd, b"x", 0)
     finally:

@@ -44,6 +44,30 @@ if TYPE_CHECKING:
 _OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 
 
+def parse_json(raw: bytes, path: str, what: str) -> Any:
+    """``json.loads(raw)`` of a checkpoint's JSON file ``path`` (``what`` names it in the message).
+
+    A checkpoint's writer decides these bytes: JSON nested 200,000 deep
+    raises ``RecursionError`` in the decoder, a huge one ``MemoryError``; both
+    are that file's fault, reported like invalid JSON (issue 38, P8).
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): invalid JSON, too deeply nested
+            (``details.cause`` ``too_deep``) or too large to decode (``too_large``);
+            ``details.file`` names the file.
+    """
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise CheckpointCorrupt(f"{what} {path} is nested too deeply to parse; the checkpoint's writer must fix "
+                                f"the file", file=path, cause="too_deep") from None
+    except MemoryError:
+        raise CheckpointCorrupt(f"{what} {path} ({len(raw)} bytes) is too large to parse; the checkpoint's writer "
+                                f"must fix the file", file=path, cause="too_large") from None
+    except ValueError as e:
+        raise CheckpointCorrupt(f"{what} {path} is invalid: not valid JSON: {e}", file=path) from None
+
+
 def _no_safetensors_hint(names: list[str]) -> tuple[str, list[str]]:
     """What a directory without safetensors files holds instead, for the ``checkpoint_not_found`` message.
 
@@ -80,6 +104,9 @@ class Checkpoint:
             reads only ``config.json`` (and ``hf_quant_config.json``) now; the
             index, the raw header bytes (for :meth:`identity`) and the parsed
             headers (:attr:`tensors`) on first use, raising then.
+        max_tensors (`int`, *optional*): the most tensors the headers may list, all files together
+            (``service.max_tensors_per_checkpoint``); counted in the raw header bytes before they are parsed.
+            None: no cap (an engine's disk fallback).
 
     Attributes:
         path (`Path`): resolved directory.
@@ -96,7 +123,8 @@ class Checkpoint:
         CheckpointUnreadable (`checkpoint_unreadable`): the directory or a
             file exists but this user may not read it (names both).
         CheckpointCorrupt (`checkpoint_corrupt`): a truncated or invalid file,
-            or an index that is not valid JSON.
+            or an index that is not valid JSON; more tensors than ``max_tensors``
+            (``details.cause`` ``too_many_tensors``).
 
     Example:
         >>> ck = Checkpoint("/srv/models/all-MiniLM-L6-v2")
@@ -105,8 +133,9 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike, validate: bool = True, root: str | None = None,
-                 trusted_link_owners: frozenset[int] | None = None) -> None:
+                 trusted_link_owners: frozenset[int] | None = None, max_tensors: int | None = None) -> None:
         self._dirfd = self._blobs_fd = -1
+        self._max_tensors = max_tensors
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
@@ -160,10 +189,7 @@ class Checkpoint:
                 _validate_with_safetensors(self.file_path(fname))
         cfg = os.path.join(self.path, "config.json")
         self.config_bytes = self.read_side_file("config.json") or b""
-        try:
-            self.config: dict[str, Any] = json.loads(self.config_bytes) if self.config_bytes else {}
-        except ValueError as e:
-            raise CheckpointCorrupt(f"{cfg} is not valid JSON: {e}", file=cfg) from None
+        self.config: dict[str, Any] = parse_json(self.config_bytes, cfg, "config file") if self.config_bytes else {}
         self._extra: dict[str, bytes] = {}
         for extra in ("hf_quant_config.json",):
             raw = self.read_side_file(extra)
@@ -187,8 +213,9 @@ class Checkpoint:
         index = self._index
         names = os.listdir(self._dirfd)
         if INDEX_NAME in names:
+            weight_map = parse_json(self.read_side_file(INDEX_NAME) or b"", str(index), "index")
             try:
-                weight_map = json.loads(self.read_side_file(INDEX_NAME) or b"")["weight_map"]
+                weight_map = weight_map["weight_map"]
                 files = sorted(set(weight_map.values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointCorrupt(f"index {index} is invalid: {e}", file=str(index)) from None
@@ -263,6 +290,14 @@ class Checkpoint:
 
         tensors: dict[str, TensorInfo] = {}
         raw_headers = self.raw_headers
+        if self._max_tensors is not None:  # counted in the raw bytes: refused before a 50 MB header is parsed
+            listed = sum(raw.count(b'"data_offsets"') for raw in raw_headers.values())
+            if listed > self._max_tensors:
+                raise CheckpointCorrupt(
+                    f"checkpoint {self.path} lists {listed} tensors in its headers, over "
+                    f"service.max_tensors_per_checkpoint = {self._max_tensors}; raise it if the checkpoint is real "
+                    f"(the largest known have about 100,000 per rank)", file=str(self.path), cause="too_many_tensors",
+                    limit="max_tensors_per_checkpoint", value=self._max_tensors, actual=listed)
         for fname in self.files:
             data_start, size = self._layout[fname]
             header = _parse_header(self.path / fname, raw_headers[fname], data_start, size)
@@ -292,7 +327,7 @@ class Checkpoint:
     def extra_json(self, name: str) -> dict[str, Any] | None:
         """Parsed side file such as ``hf_quant_config.json``, or ``None``."""
         raw = self._extra.get(name)
-        return json.loads(raw) if raw is not None else None
+        return parse_json(raw, str(self.path / name), "side file") if raw is not None else None
 
     def read_into(self, info: TensorInfo, out) -> None:
         """Reads the bytes of one tensor into ``out`` with ``os.preadv``.

@@ -45,9 +45,12 @@ import pwd
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointCorrupt, CheckpointNotFound, CheckpointUnreadable
+
+if TYPE_CHECKING:  # a type-only back edge: _checkpoint imports this room
+    from ._checkpoint import Checkpoint
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Largest side file (``config.json``, the index, ``hf_quant_config.json``) read, bytes.

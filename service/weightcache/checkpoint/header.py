@@ -116,6 +116,12 @@ def _parse_header(path: Path, raw: bytes, data_start: int, size: int) -> dict[st
                                 file=str(path)) from None
     except ValueError as e:
         raise CheckpointCorrupt(f"safetensors header of {path} is not valid JSON: {e}", file=str(path)) from None
+    except RecursionError:  # the file's writer nested it 200,000 deep (issue 38, P8)
+        raise CheckpointCorrupt(f"safetensors header of {path} is nested too deeply to parse", file=str(path),
+                                cause="too_deep") from None
+    except MemoryError:
+        raise CheckpointCorrupt(f"safetensors header of {path} is too large to parse", file=str(path),
+                                cause="too_large") from None
     for name, entry in header.items():
         if name == "__metadata__":
             continue

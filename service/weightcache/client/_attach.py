@@ -32,8 +32,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .. import protocol
@@ -400,8 +398,7 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
     """
     from .. import identity  # the cache key check
 
-    sock_path, model, tp_size, tp_rank, device, mode = session.path, req.model, req.tp_size, req.tp_rank, \
-        req.device, req.mode
+    sock_path, model, device, mode = session.path, req.model, req.device, req.mode
     try:
         session.hello, reply = session.replies(2, timeout=max(0.001, deadline - time.monotonic()))
         if isinstance(reply, protocol.Loading):
@@ -410,7 +407,7 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
                 f"after the timeout", model=model, done_bytes=reply.done_bytes, total_bytes=reply.total_bytes)
         if not isinstance(reply, protocol.AttachReply):
             raise RemoteProtocolError(f"attach: unexpected reply {reply.tag()!r}")
-        fd, manifest_fd = session.last_fds
+        fd, manifest_fd = slab_and_manifest_fds(session)
         try:
             try:
                 mf = read_file(manifest_fd, reply.manifest_size_bytes)
@@ -445,10 +442,34 @@ def _attach_daemon(req: AttachRequest, local_ck: Checkpoint | None, session: Ses
         raise
 
 
+def slab_and_manifest_fds(session: Session) -> tuple[int, int]:
+    """The two fds of the ``attach_reply`` just read: the slab's and its manifest file's.
+
+    Raises:
+        ManifestSlabMismatch (`manifest_slab_mismatch`): another count of fds (all closed): whoever answers at
+            the socket path chose them.
+    """
+    fds = session.last_fds
+    if len(fds) != 2:
+        for x in fds:
+            os.close(x)
+        raise ManifestSlabMismatch(f"attach_reply from {session.path} came with {len(fds)} fds, not 2 (the slab "
+                                   f"and its manifest)", socket=session.path, slab_size_bytes=0)
+    return fds[0], fds[1]
+
+
 def import_slab(backend: Any, fd: int, reply: protocol.AttachReply, manifest: Manifest, device: str) -> Any:
     """Maps the whole shared allocation of an ``attach_reply``'s slab fd read-only (the memfd's pages, or the
-    2 MiB-rounded VMM slab); ``fd`` stays the caller's."""
-    size = os.fstat(fd).st_size if reply.backend == "host" else manifest.slab_size_bytes
+    2 MiB-rounded VMM slab); ``fd`` stays the caller's. A host slab's fd is checked first
+    (:func:`weightcache.memory.host.check_sealed_memfd`): a sealed memfd of at least the manifest's size.
+
+    Raises:
+        ManifestSlabMismatch (`manifest_slab_mismatch`): a host slab fd that is not such a memfd.
+    """
+    if backend.name == "host":
+        size = max(os.fstat(fd).st_size, manifest.slab_size_bytes)
+    else:
+        size = manifest.slab_size_bytes
     return backend.import_fd(fd, size, device)
 
 

@@ -5,11 +5,14 @@ Forbidden imports: weightcache.config, weightcache.daemon, weightcache.pipeline,
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..manifest import LayoutMap, Manifest
+from ..manifest import Manifest
+
+if TYPE_CHECKING:
+    from ..session import Session
 
 
 @dataclass

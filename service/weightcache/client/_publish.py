@@ -32,7 +32,7 @@ from ..journal import event
 from ..manifest import DTYPES, Manifest, TensorRecord, align, pack_file, read_file
 from ..session import Session
 from ..wire import DEFAULT_MODE, AttachMode
-from ._attach import attachment_of, import_slab
+from ._attach import attachment_of, import_slab, slab_and_manifest_fds
 from ._attachment import Attachment
 from ._device import local_backend
 from ._request import AttachOptions, AttachRequest
@@ -279,7 +279,7 @@ def attach_published(model: str, key_fields: dict[str, Any], tp_size: int = 1, t
                                                          mode=mode), timeout)
         if not isinstance(reply, protocol.AttachReply):
             raise RemoteProtocolError(f"attach_published: unexpected reply {reply.tag()!r}")
-        fd, manifest_fd = session.last_fds
+        fd, manifest_fd = slab_and_manifest_fds(session)
         try:
             try:
                 manifest = read_file(manifest_fd, reply.manifest_size_bytes).manifest

@@ -79,6 +79,8 @@ _SERVICE_KEYS = {
     "max_leases_per_uid": int,
     "max_connections": int,
     "reload_timeout_s": (int, float),
+    "max_tensors_per_checkpoint": int,
+    "max_fds_in_flight": int,
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -98,6 +100,8 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "max_leases_per_uid": (1, True, 1 << 24, "leases per uid"),
     "max_connections": (1, True, 1 << 20, "connections, all uids"),
     "reload_timeout_s": (0, False, 3600.0, "seconds a reload may take to read its files"),
+    "max_tensors_per_checkpoint": (1, True, 1 << 24, "tensors in one checkpoint's headers"),
+    "max_fds_in_flight": (0, True, 1 << 24, "fds sent to all uids and not yet read (0: half of RLIMIT_NOFILE)"),
 }
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
@@ -224,10 +228,14 @@ class ServiceConfig:
     max_leases_per_connection: int = 256
     max_leases_per_uid: int = 4096
     max_connections: int = 4096
+    #: Fds in flight to all uids together; 0: half the service's RLIMIT_NOFILE (issue 38, P11).
+    max_fds_in_flight: int = 0
     #: Seconds a reload may take to read its files (on a worker thread) before it is refused.
     reload_timeout_s: float = 30.0
     memory_budget_bytes: int | None = None
     host_tier_bytes: int = 0
+    #: Tensors a checkpoint's headers may list, all files together, refused before the plan (issue 38, P12).
+    max_tensors_per_checkpoint: int = 150_000
 
     def budget_bytes(self, total_bytes: int) -> int:
         """The memory budget in bytes: ``memory_budget_bytes``, else :func:`default_budget_bytes` of ``total_bytes``."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from ..config import METRICS_USER, AccountNames
 from ..errors import AccessDenied
 from ..journal import event
+from .lograte import warn_peer
 from .state import Peer, Slot
 
 log = logging.getLogger(__name__)
@@ -130,11 +131,13 @@ def check_attach(peer: Peer, slot: Slot, policy: Policy, request: str = "attach"
     if may_attach(peer, slot, policy):
         return
     m, r = slot.placement.model, rights_of(peer, policy)
-    log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-on-allow-list allow_users=%s "
-                "allow_groups=%s source=%s", request, m.name, peer.pid, peer.uid, r.user, list(m.allow_users),
-                list(m.allow_groups), m.source,
-                extra=event("rejected", m.name, slot.placement.tp_rank, tp_size=slot.placement.tp_size,
-                            error_code="access_denied", peer_uid=peer.uid))
+    # Rate-limited per peer like the transport's warnings: one connection's denied attaches flooded the journal
+    # (14,207, then 2,132 lines/s; issue 38, P13).
+    warn_peer(log, peer.pid, peer.uid, "rejected %s model=%s peer_pid=%d peer_uid=%d user=%s "
+              "reason=not-on-allow-list allow_users=%s allow_groups=%s source=%s", request, m.name, peer.pid,
+              peer.uid, r.user, list(m.allow_users), list(m.allow_groups), m.source,
+              extra=event("rejected", m.name, slot.placement.tp_rank, tp_size=slot.placement.tp_size,
+                          error_code="access_denied", peer_uid=peer.uid))
     # The lists themselves stay in the journal: the refused client learns that it is refused, not whom they name.
     raise AccessDenied(
         f"{_who(r)} may not {request} model {m.name!r}: neither the user nor a group the process holds is on the "
@@ -153,9 +156,9 @@ def check_operator(peer: Peer, policy: Policy, request: str, model: str) -> None
     if is_operator(peer, policy):
         return
     r = rights_of(peer, policy)
-    log.warning("rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-an-operator", request,
-                model[:200], peer.pid, peer.uid, r.user,
-                extra=event("rejected", error_code="access_denied", peer_uid=peer.uid))
+    warn_peer(log, peer.pid, peer.uid, "rejected %s model=%s peer_pid=%d peer_uid=%d user=%s reason=not-an-operator",
+              request, model[:200], peer.pid, peer.uid, r.user,
+              extra=event("rejected", error_code="access_denied", peer_uid=peer.uid))
     raise AccessDenied(
         f"{_who(r)} may not {request}: only root, the service user and members "
         f"of service.operator_groups {list(policy.operator_groups)} may; run it as one of them (e.g. sudo)",

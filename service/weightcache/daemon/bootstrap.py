@@ -192,8 +192,8 @@ def serve(opts: ServeOptions) -> int:
     from ..journal import setup_logging
 
     setup_logging(opts.gpu, logging.DEBUG if opts.verbose else logging.INFO)
-    # A fatal signal (SIGBUS: a checkpoint cut while a row-parallel shard is copied from its mapping,
-    # docs/reliability.md) leaves every thread's Python stack in the journal, not only "status=7/BUS".
+    # A fatal signal (SIGSEGV, SIGBUS) leaves every thread's Python stack in the journal, not only
+    # "status=7/BUS".
     try:
         faulthandler.enable()
     except (RuntimeError, ValueError, OSError):  # no usable stderr: nothing to write the stacks to

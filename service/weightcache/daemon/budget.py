@@ -16,7 +16,17 @@ The rules (docs/operations.md, "Tiers"):
   it, making that room by dropping host-tier slabs that rank below the victim;
   otherwise it is dropped to disk (``drop``);
 - when the victims cannot free enough, :func:`make_room` says how many bytes
-  are missing (``short_bytes``) and the caller moves nothing.
+  are missing (``short_bytes``) and the caller moves nothing;
+- a load asked for by a client (:class:`Requester`, issue 38, P4 and P6)
+  displaces only slabs of at most its own model's ``priority`` that the
+  client may attach itself (a restricted model is never moved for someone
+  off its allow lists), host-tier slabs included;
+- and it may not use the room of the models that client may not attach
+  while they are off the GPU (``reserved_bytes``, P3): their share of the
+  budget waits for them.
+
+docs/design.md ("Memory budget: who may displace whom") has the policy as a
+table; ``tests/unit/test_budget_policy.py`` checks every row.
 
 Forbidden imports: torch, socket, threading, weightcache.memory, weightcache.protocol, weightcache.config,
 weightcache.daemon.state, weightcache.daemon.handlers, weightcache.daemon.loop.
@@ -69,6 +79,33 @@ def eviction_key(h: Holding) -> tuple[int, float, str]:
 
 
 @dataclass(frozen=True, slots=True)
+class Requester:
+    """Whose load asks for room, as the policy weighs it (issue 38, P4 and P6).
+
+    Attributes:
+        priority (`int`): ``priority`` of the model being loaded: no slab of a higher priority is displaced.
+        may_displace (`frozenset[str] | None`): labels of the slabs the client may attach (only those can be
+            displaced for it); None: every slab (root, the service user).
+        reserved_bytes (`int`): budget held back from this load: the room of the models the client may not
+            attach that are not on the GPU now (their last slab size), so that its loads (and the leases it
+            then holds) cannot keep them out (issue 38, P3).
+    """
+
+    priority: int = 0
+    may_displace: frozenset[str] | None = None
+    reserved_bytes: int = 0
+
+    def allows(self, h: Holding) -> bool:
+        """Whether ``h`` may leave for this requester's load: movable, of at most its priority, attachable by it."""
+        return (h.movable and h.priority <= self.priority
+                and (self.may_displace is None or h.label in self.may_displace))
+
+
+#: A requester that may displace any movable slab (the policy before issue 38; reloads and tests).
+ANYONE = Requester(priority=1 << 31)
+
+
+@dataclass(frozen=True, slots=True)
 class Room:
     """The answer of :func:`make_room`.
 
@@ -103,6 +140,7 @@ class _HostTier:
     capacity: int
     held: list[Holding] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    requester: Requester = ANYONE
 
     @property
     def used(self) -> int:
@@ -119,7 +157,7 @@ class _HostTier:
             return False
         free = self.capacity - self.used
         out = []
-        for h in sorted((h for h in self.held if h.movable), key=eviction_key):
+        for h in sorted((h for h in self.held if self.requester.allows(h)), key=eviction_key):
             if free >= victim.size_bytes or eviction_key(h) >= eviction_key(victim):
                 break
             out.append(h)
@@ -134,7 +172,7 @@ class _HostTier:
 
 
 def make_room(need_bytes: int, budget_bytes: int, gpu: Sequence[Holding], host_tier_bytes: int = 0,
-              host: Sequence[Holding] = (), evict: bool = True) -> Room:
+              host: Sequence[Holding] = (), evict: bool = True, requester: Requester = ANYONE) -> Room:
     """The slabs to move so that ``need_bytes`` more fit on the GPU under ``budget_bytes``.
 
     Args:
@@ -145,6 +183,8 @@ def make_room(need_bytes: int, budget_bytes: int, gpu: Sequence[Holding], host_t
         host_tier_bytes (`int`): ``[service] host_tier_bytes`` (0: no host tier, victims are dropped).
         host (`Sequence[Holding]`): what the host tier holds now.
         evict (`bool`): False forbids moving anything (a start-up load waits on disk instead).
+        requester (`Requester`, *optional*): whose load it is: only slabs it :meth:`~Requester.allows` move
+            (default: any movable slab).
 
     Returns:
         `Room`: the moves, and ``short_bytes`` > 0 when they cannot make enough room (then nothing
@@ -157,15 +197,15 @@ def make_room(need_bytes: int, budget_bytes: int, gpu: Sequence[Holding], host_t
         ('a',)
     """
     used = sum(h.size_bytes for h in gpu)
-    free = budget_bytes - used
+    free = budget_bytes - requester.reserved_bytes - used
     if need_bytes <= free:
         return Room(free_bytes=free)
     if not evict:
         return Room(short_bytes=need_bytes - free, free_bytes=free)
-    tier = _HostTier(host_tier_bytes, list(host))
+    tier = _HostTier(host_tier_bytes, list(host), requester=requester)
     demote, drop = [], []
     room = free
-    for h in sorted((h for h in gpu if h.movable), key=eviction_key):
+    for h in sorted((h for h in gpu if requester.allows(h)), key=eviction_key):
         if room >= need_bytes:
             break
         (demote if tier.take(h) else drop).append(h.label)

@@ -85,14 +85,28 @@ def _visible(ctx: Context, peer: Peer | None, now: float, every_slab: bool = Fal
     def hide(x: protocol.LeaseInfo) -> protocol.LeaseInfo:
         return dataclasses.replace(x, pid=HIDDEN_ID, uid=HIDDEN_ID, gid=HIDDEN_ID) if hidden(x.uid) else x
 
+    def refused(s: Slot, i: protocol.SlabInfo) -> protocol.SlabInfo:
+        if s.error is not None or s.refusal is None:
+            return i
+        return dataclasses.replace(i, error=protocol.ErrorInfo(**_refusal_for(ctx, peer, s.refusal).to_wire()))
+
     def named(i: protocol.SlabInfo) -> protocol.SlabInfo:
         alias = aliases.get(i.model)
         return i if alias is None else dataclasses.replace(i, model=alias, path="", error=None, key=None,
                                                             publication=None)
 
-    return tuple(named(dataclasses.replace(i, leases=tuple(hide(x) for x in i.leases),
+    return tuple(named(dataclasses.replace(refused(s, i), leases=tuple(hide(x) for x in i.leases),
                                            lease_holders=lease_holders(s.leases.values(), hidden)))
                  for s, i in ((s, s.info(now)) for s in shown))
+
+
+def _refusal_for(ctx: Context, peer: Peer, e: Any) -> Any:
+    """A slot's ``insufficient_memory`` as ``peer`` may see it (:func:`weightcache.daemon.tiers.refusal_for`)."""
+    if access.is_operator(peer, ctx.policy):
+        return e
+    slots = {s.label: s for s in ctx.state.slots}
+    return tiers.refusal_for(e, lambda label: label in slots and access.may_attach(peer, slots[label], ctx.policy),
+                             peer.uid)
 
 
 #: What the metrics endpoint's user sees instead of the name of a model it may not attach: ``restricted-N``.
@@ -150,7 +164,8 @@ def status(ctx: Context, peer: Peer | None = None, every_slab: bool = False) -> 
         status_line=st.status_line(now),
         config_error=protocol.ErrorInfo(**st.config_error.to_wire()) if st.config_error is not None else None,
         budget_bytes=ctx.tiers.budget_bytes, gpu_bytes=ctx.tiers.gpu_used(st),
-        host_tier_bytes=ctx.tiers.host_tier_bytes, host_used_bytes=ctx.tiers.host_used(st))
+        host_tier_bytes=ctx.tiers.host_tier_bytes, host_used_bytes=ctx.tiers.host_used(st),
+        held_elsewhere_bytes=ctx.tiers.held_elsewhere_bytes)
 
 
 def on_status(ctx: Context, peer: Peer, msg: protocol.Status) -> Outcome:
@@ -199,7 +214,10 @@ def on_attach(ctx: Context, peer: Peer, msg: protocol.Attach) -> Outcome:
     effects: tuple[Any, ...] = ()
     if tiers.demand(slot, ctx.monotonic()):  # in the host tier or on disk: promote or load it now
         effects = (StartLoad(slot),)
+        slot.demand_by = peer  # its load displaces only what this peer may attach
     elif slot.state in UNSETTLED:
+        if not slot.demand:
+            slot.demand_by = peer  # a start-up load an engine now waits for: the room it may make is this peer's
         slot.demand = True  # an engine waits for it: its load may make room
     if slot.state in UNSETTLED and msg.wait_ms > 0:
         peer.waiting.append((msg, slot, ctx.monotonic() + msg.wait_ms / 1e3))
@@ -259,7 +277,7 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
         raise ModelLoadFailed(f"model {p.model.name} ({p.label}) was evicted; run `weightcache preload "
                               f"{p.model.name}` to load it again", model=p.model.name, cause="evicted")
     if slot.state in ON_DEMAND and slot.refusal is not None:
-        raise slot.refusal
+        raise _refusal_for(ctx, peer, slot.refusal)
     return one_reply(protocol.Loading(p.model.name, slot.done_bytes, slot.total_bytes, slot.state.value))
 
 
@@ -478,6 +496,7 @@ def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
     started, effects = [], []
     for s in _operator_slots(ctx, peer, "preload", msg.model):
         if tiers.demand(s, ctx.monotonic()):
+            s.demand_by = peer
             effects.append(StartLoad(s))
             started.append(s.label)
         elif s.state in (SlotState.FAILED, SlotState.EVICTED):

@@ -71,6 +71,11 @@ class Limits:
         max_connections (`int`): open connections of all uids together (root and
             the service user are exempt): one more is answered
             ``resource_exhausted`` and closed.
+        max_fds_in_flight (`int`): fds in flight to all uids together (0: half
+            the service's ``RLIMIT_NOFILE``, read at each check); past it a uid
+            still gets its share (this cap over the uids with fds in flight),
+            the rest ``resource_exhausted`` as above
+            (:meth:`~weightcache.daemon.outbox.Outbox._over_all_uids`).
     """
 
     max_unread_replies: int
@@ -83,6 +88,7 @@ class Limits:
     max_leases_per_connection: int
     max_leases_per_uid: int
     max_connections: int
+    max_fds_in_flight: int
 
     @classmethod
     def from_config(cls, service: Any) -> "Limits":

@@ -50,9 +50,13 @@ class Planned:
     total_bytes: int
     dtype_served: dict[str, bool] | None = None
     checkpoint: dict | None = None
+    #: The plan's slab size: the slot's :attr:`~weightcache.daemon.state.Slot.first_slab_bytes` at its first plan.
+    slab_bytes: int = 0
 
     def apply(self, state: ServiceState) -> None:
         self.slot.total_bytes = self.total_bytes
+        if self.slab_bytes and not self.slot.first_slab_bytes:
+            self.slot.first_slab_bytes = self.slab_bytes
         if self.checkpoint is not None:
             self.slot.planned_checkpoint = self.checkpoint
         if self.dtype_served is not None:

@@ -64,7 +64,7 @@ from typing import Any
 
 from .. import pipeline, quant
 from ..checkpoint import Checkpoint
-from ..errors import ModelLoadFailed, OutOfMemory, WeightcacheError
+from ..errors import CheckpointCorrupt, ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
 from ..manifest import Manifest, pack_file
 from ..reader import LoaderOptions
@@ -101,6 +101,7 @@ class LoadSettings:
         ask_room (`bool`): post a :class:`NeedRoom` before each allocation and wait for the serving loop's
             answer (the memory budget); False (in-process tests) allocates without asking.
         registry (`quant.Registry`): the quantization scheme families plans are made with.
+        max_tensors (`int`, *optional*): ``service.max_tensors_per_checkpoint``; None: no cap.
     """
 
     backend: Any
@@ -109,6 +110,7 @@ class LoadSettings:
     options: LoaderOptions
     config_source: str
     ask_room: bool = False
+    max_tensors: int | None = None
     registry: quant.Registry = quant.REGISTRY
 
 
@@ -307,12 +309,15 @@ class Loader:
                 prepare(st.options.threads, st.options.buffer_bytes)
             # Containment by fd (weightcache.checkpoint): the directory the path resolved to when the
             # configuration was read, symlinks followed only when root or the service user owns them.
-            ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS)
+            ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS,
+                            max_tensors=self.settings.max_tensors)
             pl = pipeline.plan(p, st.device, checkpoint=ck, registry=st.registry)
+            _check_size(slot, pl.slab_size_bytes)
             with job.lock:
                 if job.abandoned:
                     raise self._timeout(slot, "planning did not return in time")
-                self._post(Planned(slot, pl.payload_bytes, dtype_served(pl), pl.key.get("checkpoint")))
+                self._post(Planned(slot, pl.payload_bytes, dtype_served(pl), pl.key.get("checkpoint"),
+                                   pl.slab_size_bytes))
             self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
             self._room(slot, pl.slab_size_bytes, tier, started, job)
             t_plan = time.monotonic()
@@ -470,3 +475,18 @@ def warm_torch() -> threading.Thread | None:
         return _warm_thread[0]
 
 
+def _check_size(slot: Slot, slab_bytes: int) -> None:
+    """Refuses a plan larger than the slot's first (:attr:`Slot.first_slab_bytes`): the operator sized the
+    model when it configured it; a checkpoint rewritten larger since (a sparse file of holes is as large as its
+    length says) waits for a reload, which takes the new size.
+
+    Raises:
+        CheckpointCorrupt (`checkpoint_corrupt`): ``details.cause`` ``grew``, ``size_bytes``, ``first_size_bytes``.
+    """
+    first, p = slot.first_slab_bytes, slot.placement
+    if first and slab_bytes > first:
+        raise CheckpointCorrupt(
+            f"model {p.model.name} ({p.label}) now plans a slab of {slab_bytes} bytes, more than the {first} of its "
+            f"first load: the checkpoint at {p.model.path} grew since; systemctl reload weightcache takes the new "
+            f"size (the operator decides how much of the budget a model may take)", file=p.model.path,
+            cause="grew", size_bytes=slab_bytes, first_size_bytes=first)

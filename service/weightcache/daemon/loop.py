@@ -107,6 +107,8 @@ class Daemon:
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: Host-backend slabs freed while something else still maps them: counted in the budget (issue 38, P2).
+        self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else None
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
@@ -114,7 +116,7 @@ class Daemon:
         #: Demotions, reloads and verifies, run on threads; they post through the wake-up pipe.
         self.offloop = OffLoop(self.state, self.tiers, self.ctx, self.counters, self.transport, self.ticker,
                                self._wake_w, read_config=self.ctx.load_config, carry_out=self._carry_out,
-                               effect=self._effect, broken=self._break)
+                               effect=self._effect, broken=self._break, elsewhere=self.elsewhere)
         stored = self.fdstore.adopt(stored_fds or {}, self.state.slots, drop_unknown=config_error is None,
                                     publication_slot=self._publication_slot)
         released = released_at_last_stop()
@@ -219,7 +221,8 @@ class Daemon:
         svc = cfg.service
         return LoadSettings(self.backend, self.state.device, svc.load_timeout_s,
                             LoaderOptions(threads=svc.read_threads, staging_bytes=svc.staging_bytes),
-                            cfg.files[0] if cfg.files else "the config", ask_room=True)
+                            cfg.files[0] if cfg.files else "the config", ask_room=True,
+                            max_tensors=svc.max_tensors_per_checkpoint)
 
     def _store_slab(self, c: Client | None, eff: StoreSlab) -> None:
         self.fdstore.put(eff.slot, eff.slot.sealed, eff.slot.manifest_file)
@@ -234,7 +237,7 @@ class Daemon:
             return
         for f in (eff.sealed, eff.manifest_file):
             if f is not None:
-                f.close()
+                self.offloop.close(f, eff.store_id or "")
 
     def _refuse(self, c: Client, eff: Refuse) -> None:
         self.transport.violation(c, eff.error)
@@ -319,6 +322,8 @@ class Daemon:
         signal.signal(signal.SIGHUP, self.request_reload)
         self.transport.start()
         self.transport.add_reader(self._wake_r, self._drain_loader)
+        if self.elsewhere is not None:
+            self.transport.add_reader(self.elsewhere.fd, self.offloop.freed_elsewhere)
         self.loader.start()
         # Slabs taken back from the fd store count against the budget first (it may have been lowered).
         for m in self.tiers.enforce(self.state, "start: the slabs kept in the fd store exceed the budget"):

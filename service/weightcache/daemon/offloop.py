@@ -17,6 +17,7 @@ Forbidden imports: torch, weightcache.pipeline directly, weightcache.fdpass dire
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -29,14 +30,16 @@ from ..config import Config
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError, WeightcacheError
 from ..wire import SlotState
-from . import handlers, load_results, publish, reload, tiers
+from . import access, handlers, load_results, publish, reload, tiers
+from .clients import Client
 from .effects import Context, FreeSlab, Outcome, StartVerify
 from .metrics import Counters
 from .state import IllegalTransition, Peer, ServiceState
 from .ticker import Ticker
 from .tiers import Demoting, Tiers
 from .transport import Transport
-from .clients import Client
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -67,11 +70,15 @@ def changed_checkpoints(recorded: list[tuple[tuple[str, int, int, int], str, Any
     for ident, path, against, ck_identity in recorded:
         try:
             ck = Checkpoint(path, validate=False)
-        except (WeightcacheError, OSError):
+        except (WeightcacheError, OSError, ValueError, RecursionError, MemoryError) as e:
+            log.warning("reload skips checkpoint path=%s model=%s: cannot open it (%s); its slabs stay as they are",
+                        path, ident[0], getattr(e, "code", None) or repr(e)[:200])
             continue
         try:
             fields = ck.identity_diff(ck_identity)
-        except (WeightcacheError, OSError, KeyError, TypeError):
+        except (WeightcacheError, OSError, KeyError, TypeError, ValueError, RecursionError, MemoryError) as e:
+            log.warning("reload skips checkpoint path=%s model=%s: cannot compare it (%s); its slabs stay as they are",
+                        path, ident[0], getattr(e, "code", None) or repr(e)[:200])
             continue
         finally:
             ck.close()
@@ -92,12 +99,14 @@ class OffLoop:
         carry_out (`callable`): ``(client or None, Outcome) -> None``, the loop's: sends replies, carries out effects.
         effect (`callable`): ``(client or None, effect) -> None``, the loop's: carries out one effect.
         broken (`callable`): ``(IllegalTransition) -> None``, the loop's: logs CRITICAL and stops it.
+        elsewhere (`tiers.HeldElsewhere | None`): host backend: the memfds the service let go of that something
+            still maps, counted in the budget until freed (issue 38, P2); None on CUDA.
     """
 
     def __init__(self, state: ServiceState, tiers: Tiers, ctx: Context, counters: Counters,
                  transport: Transport, ticker: Ticker, wake_w: int, read_config: Callable[[], Config],
                  carry_out: Callable[[Any, Outcome], None], effect: Callable[[Any, Any], None],
-                 broken: Callable[[IllegalTransition], None]) -> None:
+                 broken: Callable[[IllegalTransition], None], elsewhere: tiers.HeldElsewhere | None = None) -> None:
         self.state = state
         self.tiers = tiers
         self.ctx = ctx
@@ -110,6 +119,9 @@ class OffLoop:
         self._carry_out = carry_out
         self._effect = effect
         self._break = broken
+        self.elsewhere = elsewhere
+        #: uid -> monotonic s of its demand loads that displaced others (tiers.DISPLACING_WINDOW_S).
+        self._displaced: dict[int, list[float]] = {}
         #: Reloads whose files a worker reads (see start_reload).
         self.reloads: list[_ReloadJob] = []
         #: Verifies done on their threads: (client, request, outcome, seconds, the slabs they read).
@@ -199,7 +211,23 @@ class OffLoop:
             if later is not None:  # evicted while it was read
                 for f in (later.sealed, later.manifest_file):
                     if f is not None:
-                        f.close()
+                        self.close(f, later.store_id or "")
+
+    def close(self, f: Any, label: str) -> None:
+        """Closes a slab, host copy or manifest file the service lets go of; on the host backend its memfd is
+        watched first, and its bytes count against the budget until nothing maps it any more."""
+        if self.elsewhere is not None and getattr(f, "fd", -1) >= 0:
+            self.elsewhere.watch(f.fd, label, f.size_bytes)
+            self.tiers.held_elsewhere_bytes = self.elsewhere.bytes
+        f.close()
+
+    def freed_elsewhere(self) -> None:
+        """The inotify fd is readable: watched memfds were freed (the last mapping went)."""
+        freed = self.elsewhere.read()
+        self.tiers.held_elsewhere_bytes = self.elsewhere.bytes
+        for label, size in freed:
+            log.debug("freed elsewhere slab=%s size_bytes=%d held_elsewhere_bytes=%d", label, size,
+                      self.tiers.held_elsewhere_bytes)
 
     def admit(self, req: load_results.NeedRoom) -> None:
         """Answers the loader's request for room (:class:`~weightcache.daemon.load_results.NeedRoom`): the budget's
@@ -207,13 +235,17 @@ class OffLoop:
         demotions are under way the request waits for them (their GPU slabs are freed only when copied), then
         is asked again."""
         slot = req.slot
+        if self.elsewhere is not None:
+            self.freed_elsewhere()  # memfds freed since the last poll: their room is free now
         if self._demoting:
             self._room_waits.append(req)
             return
         if req.tier == "host":
             refusal = self.tiers.admit_host(self.state, slot, req.size_bytes)
         else:
-            moves, refusal = self.tiers.admit(self.state, slot, req.size_bytes, evict=slot.demand)
+            moves, refusal = self.tiers.admit(self.state, slot, req.size_bytes, slot.demand, self._requester(slot))
+            if moves and slot.demand_by is not None and slot.demand_by.uid not in (0, self.ctx.policy.service_uid):
+                self._displaced.setdefault(slot.demand_by.uid, []).append(time.monotonic())
             for m in moves:
                 self._effect(None, m)
             if self._demoting:
@@ -223,6 +255,18 @@ class OffLoop:
             tiers.refuse(slot, refusal, "no room in the host tier" if req.tier == "host" else
                          "no room in the memory budget" + ("" if slot.demand else " at start: waits for an attach"))
         req.answer(refusal)
+
+    def _requester(self, slot: Any) -> Any:
+        """Whose load asks for room (:func:`tiers.requester_of`): the peer that asked, its uid's recent loads
+        that displaced others counted (root and the service user: any slab)."""
+        peer, policy = slot.demand_by, self.ctx.policy
+        if peer is None or peer.uid in (0, policy.service_uid):
+            return tiers.requester_of(self.state, slot, None, 0)
+        now = time.monotonic()
+        recent = self._displaced[peer.uid] = [t for t in self._displaced.get(peer.uid, [])
+                                              if now - t < tiers.DISPLACING_WINDOW_S]
+        return tiers.requester_of(self.state, slot, lambda s: access.may_attach(peer, s, policy),
+                                  len(recent))
 
     def reload_from_signal(self) -> None:
         """SIGHUP: the same reload as a request from the service's own user (no reply to send)."""

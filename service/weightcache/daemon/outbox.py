@@ -22,6 +22,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import socket
 import struct
 import termios
@@ -32,6 +33,7 @@ from ..errors import ResourceExhausted, WeightcacheError
 from ..fdpass import send_some
 from ..journal import event
 from .clients import Client
+from .limits import Limits
 from .lograte import warn_peer
 
 log = logging.getLogger("weightcache.daemon.transport")  # the transport's logger, as before the split
@@ -66,6 +68,31 @@ class Outbox:
         self.fds_in_flight: collections.Counter = collections.Counter()
         #: Dropped connections whose peer still has fds of ours to read (counted in fds_in_flight).
         self.lingering: list[Client] = []
+
+    def _over_all_uids(self, uid: int, n: int, max_fds_in_flight: int) -> ResourceExhausted | None:
+        """The refusal of ``n`` more fds for ``uid`` under ``max_fds_in_flight`` (all uids together; 0:
+        half of ``RLIMIT_NOFILE``, the kernel's limit for them all, read at each check), else None.
+
+        Per-uid caps do not bound the sum: 5 uids x 4,096 stopped every other attach at the kernel's
+        ``ETOOMANYREFS`` (16 at the unit's limit; issue 38, P11). Past the cap a uid still gets its share, the
+        cap over the uids with fds in flight (itself included), so no uid can starve the others by filling
+        it; the shares stop at twice the cap less a sixteenth (``RLIMIT_NOFILE`` less a reserve for root and
+        the service user, who are exempt), so the kernel's limit is not reached by the socket group.
+        """
+        cap = max_fds_in_flight or resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2
+        if sum(self.fds_in_flight.values()) + n <= cap:
+            return None
+        for u in {c.peer.uid for c in self.clients.values() if c.inflight_fds}:
+            self._refresh_in_flight(u)
+        total, mine = sum(self.fds_in_flight.values()), self.fds_in_flight.get(uid, 0)
+        share = cap // len(set(self.fds_in_flight) | {uid})
+        if total + n <= cap or (mine + n <= share and total + n <= 2 * cap - cap // 16):
+            return None
+        return ResourceExhausted(
+            f"reply withheld: the service's fds in flight to all uids are at their cap {cap} (half its "
+            f"RLIMIT_NOFILE; {total} sent and not yet read) and uid {uid} holds {mine}, over its share {share}; "
+            f"read your replies and close the fds you do not use", limit="max_fds_in_flight", value=cap,
+            actual=total, share=share)
 
     def _forget(self, uid: int, n: int) -> None:
         self.fds_in_flight[uid] -= n
@@ -103,24 +130,28 @@ class Outbox:
             self.settle_lingering()
         return self.fds_in_flight.get(uid, 0)
 
-    def send(self, c: Client, msg: protocol.Message, fds: tuple[int, ...] | list[int], max_fds_in_flight: int) -> bool:
+    def send(self, c: Client, msg: protocol.Message, fds: tuple[int, ...] | list[int], limits: Limits) -> bool:
         """Queues ``msg`` (and dups of ``fds``) in the client's outbox and writes what the socket takes.
 
         A client that does not read its replies only fills its own outbox, which
         the caps of :class:`~weightcache.daemon.limits.Limits` bound (checked before each request).
-        ``max_fds_in_flight``: the cap ``max_fds_in_flight_per_uid`` (for uids not trusted). Returns
-        False if the client was dropped.
+        ``limits``: the caps in force (the loop replaces them on a reload): ``max_fds_in_flight_per_uid``
+        and ``max_fds_in_flight`` (all uids together), for uids not trusted. Returns False if the client was
+        dropped.
         """
         if c.closed:
             return False
         if fds and c.peer.uid not in self.trusted_uids:
-            cap, uid = max_fds_in_flight, c.peer.uid
+            cap, uid = limits.max_fds_in_flight_per_uid, c.peer.uid
             if self.fds_in_flight.get(uid, 0) + len(fds) > cap and self._refresh_in_flight(uid) + len(fds) > cap:
                 return self._without_fds(c, msg, ResourceExhausted(
                     f"reply withheld: service.max_fds_in_flight_per_uid = {cap} reached (uid {uid} has "
                     f"{self.fds_in_flight.get(uid, 0)} fds sent and not yet read); read your replies and close "
                     f"the fds you do not use, or ask the operator to raise service.max_fds_in_flight_per_uid",
                     limit="max_fds_in_flight_per_uid", value=cap, actual=self.fds_in_flight.get(uid, 0)))
+            refused = self._over_all_uids(uid, len(fds), limits.max_fds_in_flight)
+            if refused is not None:
+                return self._without_fds(c, msg, refused)
         try:
             data, fds = c.conn.send(msg, fds)
         except WeightcacheError as e:  # a reply over the frame cap: the client learns why, the service goes on

@@ -223,6 +223,9 @@ class Slot:
     #: planned from, set when its plan is made (``Planned``): what a reload checks the files against while that
     #: load runs, before the slab has a manifest (the load reads the files it opened, even if replaced since).
     planned_checkpoint: dict | None = None
+    #: Bytes of the slab its first plan worked out (``Planned``); a later load planning more is refused until a
+    #: reload (the operator) takes the new size: a checkpoint's writer cannot grow it (issue 38, P6). 0: none yet.
+    first_slab_bytes: int = 0
     leases: dict[int, Lease] = field(default_factory=dict)
     #: The host tier's copy (a host SealedSlab: ``fd``, ``size_bytes``) while HOSTED, and while a promotion
     #: from it is PENDING or LOADING; ``manifest``/``manifest_file`` stay with it. While READY, a copy kept
@@ -241,6 +244,9 @@ class Slot:
     refusal: WeightcacheError | None = None
     #: The queued load was asked for (an attach, ``preload``): the budget may demote others to make room.
     demand: bool = False
+    #: Who asked for it (the :class:`Peer` of the attach or ``preload`` that started it): the budget displaces
+    #: only slabs that peer may attach (docs/design.md, "Memory budget: who may displace whom"). None: nobody.
+    demand_by: Any = None
     #: Where the queued load goes: ``gpu``, or ``host`` (``preload = "host"`` at start).
     target: str = "gpu"
     #: Counts of (source, event, target) moves, shared with the ServiceState (for metrics).

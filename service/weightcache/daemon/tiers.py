@@ -27,6 +27,17 @@ tiers are the same memory: the "copy" returns the sealed memfd itself, and a
 demotion moves it to the host tier's account. Without ``off_loop`` (in-process
 tests) :meth:`Tiers.demote` copies at once.
 
+Also owns :class:`HeldElsewhere`: the host-backend slabs the service freed
+while something else still maps them. Before the service closes a memfd it
+puts an inotify watch on its inode (``/proc/self/fd/N``); the kernel removes
+the watch with ``IN_IGNORED`` when the inode is evicted, that is when no fd
+and no mapping of it is left anywhere. Until then its bytes count against the
+budget (``held_elsewhere_bytes``), so what engines keep mapped after their
+lease cannot be allocated a second time (issue 38, P2: 30 slabs released and
+still mapped took the node's shared memory 2.34 GB past a 280 MB budget). The
+cuda backend has no such signal: an imported VMM handle keeps the allocation
+after the engine closed the fd, and the driver tells the exporter nothing.
+
 Forbidden imports: socket, selectors, threading, torch, weightcache.memory, weightcache.pipeline,
 weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.loads,
 weightcache.daemon.fdstore, weightcache.daemon.loop.
@@ -34,11 +45,15 @@ weightcache.daemon.fdstore, weightcache.daemon.loop.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .. import protocol
 from ..errors import InsufficientMemory, WeightcacheError
 from ..journal import event
 from ..wire import SlotState
@@ -113,6 +128,9 @@ class Tiers:
     host_tier_bytes: int = 0
     to_host: Callable[[Any, str], Any] | None = None
     off_loop: bool = False
+    #: Bytes of slabs the service freed that clients still map (:mod:`weightcache.daemon.elsewhere`): taken
+    #: from the budget until the last mapping goes (issue 38, P2).
+    held_elsewhere_bytes: int = 0
 
     # --- what is where ------------------------------------------------------
 
@@ -156,13 +174,15 @@ class Tiers:
 
     # --- room ---------------------------------------------------------------
 
-    def admit(self, state: ServiceState, slot: Slot, need_bytes: int,
-              evict: bool) -> tuple[list[Moved], InsufficientMemory | None]:
+    def admit(self, state: ServiceState, slot: Slot, need_bytes: int, evict: bool,
+              requester: budget.Requester = budget.ANYONE) -> tuple[list[Moved], InsufficientMemory | None]:
         """Grants ``slot`` (LOADING) ``need_bytes`` of the budget, moving other slabs out as the policy says.
 
         Args:
             evict (`bool`): the load was asked for (an attach, ``preload``): others may be demoted; False (a
                 start-up load) takes only free room.
+            requester (`budget.Requester`, *optional*): who asked (:func:`requester_of`): only slabs of at most
+                its priority that it may attach are moved.
 
         Returns:
             `tuple`: (the moves made, for the serving loop to carry out; the refusal or None). On a refusal
@@ -170,7 +190,8 @@ class Tiers:
             no room is granted yet (``slot.reserved_bytes`` stays 0): ask again once the copies are done.
         """
         gpu, host = self.holdings(state)
-        room = budget.make_room(need_bytes, self.budget_bytes, gpu, self.host_tier_bytes, host, evict)
+        room = budget.make_room(need_bytes, self.budget_bytes - self.held_elsewhere_bytes, gpu, self.host_tier_bytes,
+                                host, evict, requester)
         if not room.fits:
             return [], self.refusal(state, slot, need_bytes, room)
         moves = self.carry_out(state, room, f"room for {slot.label}")
@@ -217,33 +238,16 @@ class Tiers:
         return moves
 
     def refusal(self, state: ServiceState, slot: Slot, need_bytes: int, room: budget.Room) -> InsufficientMemory:
-        """The ``insufficient_memory`` error for ``slot``: the budget, what is resident, who holds leases."""
+        """The ``insufficient_memory`` error for ``slot``: the budget, what is resident, who holds leases (all of
+        it: an operator's view; :func:`refusal_for` cuts it to what another requester may see)."""
         resident = [s for s in state.slots if s.gpu_bytes and s is not slot]
-        leases = [(s, le) for s in resident for le in s.leases.values()]
-        def why(s: Slot) -> str:
-            if s.placement.model.pin:
-                return "pinned"
-            if unknown_leases(s):
-                return f"{len(s.leases)} leases and unknown ones: adopted after a restart"
-            return "loading" if s.state is SlotState.LOADING else f"{len(s.leases)} leases"
-
-        what = ", ".join(f"{s.label} ({s.gpu_bytes / 1e9:.2f} GB, {why(s)})" for s in resident) or "nothing"
-        who = ", ".join(f"lease {le.lease_id} on {s.label} by pid {le.pid} uid {le.uid}" for s, le in leases) or "none"
-        m = slot.placement.model
-        hint = ("release a lease, unpin a model or raise memory_budget_bytes"
-                + ("; a slab adopted after a restart may still be mapped by engines that attached before it: "
-                   "weightcache evict --force MODEL once none does" if any(unknown_leases(s) for s in resident) else "")
-                if need_bytes <= self.budget_bytes else
-                "the slab alone is larger than the whole budget: raise memory_budget_bytes (or give the model more "
-                "GPUs)")
-        return InsufficientMemory(
-            f"GPU {state.gpu}: no room for {slot.label} ({need_bytes / 1e9:.2f} GB) in memory_budget_bytes = "
-            f"{self.budget_bytes} ({room.free_bytes / 1e9:.2f} GB free); resident: {what}; leases: {who}; "
-            f"{hint}", model=m.name, need_bytes=need_bytes,
-            budget_bytes=self.budget_bytes, free_bytes=room.free_bytes,
-            resident=[{"slab": s.label, "size_bytes": s.gpu_bytes, "leases": len(s.leases),
-                       "pinned": s.placement.model.pin} for s in resident],
-            leases=[{"slab": s.label, "lease_id": le.lease_id, "pid": le.pid, "uid": le.uid} for s, le in leases])
+        return _refusal_error(
+            state.gpu, slot.label, slot.placement.model.name, need_bytes, self.budget_bytes, room.free_bytes,
+            self.held_elsewhere_bytes,
+            [{"slab": s.label, "size_bytes": s.gpu_bytes, "leases": len(s.leases), "pinned": s.placement.model.pin,
+              "loading": s.state is SlotState.LOADING, "unknown_leases": bool(unknown_leases(s))} for s in resident],
+            [{"slab": s.label, "lease_id": le.lease_id, "pid": le.pid, "uid": le.uid}
+             for s in resident for le in s.leases.values()])
 
     # --- single moves ---------------------------------------------------------
 
@@ -398,7 +402,7 @@ def refuse(slot: Slot, error: InsufficientMemory | Exception, reason: str) -> No
     """A load or promotion of ``slot`` (LOADING) got no room: it goes back to the host tier (a promotion) or to
     disk, keeping ``error`` for the attaches waiting on it (``insufficient_memory``). Nothing else moves."""
     slot.refusal = error if isinstance(error, InsufficientMemory) else None
-    slot.demand = False
+    slot.demand, slot.demand_by = False, None
     if slot.hosted is not None:
         slot.stash(slot.manifest, slot.hosted, slot.manifest_file)
     else:
@@ -406,3 +410,146 @@ def refuse(slot: Slot, error: InsufficientMemory | Exception, reason: str) -> No
     p = slot.placement
     log.info("no room model=%s tp_size=%d rank=%d tier=%s reason=%s", p.model.name, p.tp_size, p.tp_rank,
              slot.tier, reason)
+
+
+def _refusal_error(gpu: int, label: str, model: str, need_bytes: int, budget_bytes: int, free_bytes: int,
+                   held_elsewhere_bytes: int, resident: list[dict], leases: list[dict]) -> InsufficientMemory:
+    """``insufficient_memory`` for slab ``label`` of ``model``, its message worked out from its ``details``
+    (``resident``: ``slab``, ``size_bytes``, ``leases``, ``pinned``, ``loading``, ``unknown_leases``; ``leases``: ``slab``,
+    ``lease_id``, ``pid``, ``uid``), so that :func:`refusal_for` can rebuild it from fewer."""
+    def why(r: dict) -> str:
+        if r.get("pinned"):
+            return "pinned"
+        if r.get("unknown_leases"):
+            return f"{r['leases']} leases and unknown ones: adopted after a restart"
+        return "loading" if r.get("loading") else f"{r['leases']} leases"
+
+    what = ", ".join(f"{r['slab']} ({r['size_bytes'] / 1e9:.2f} GB, {why(r)})" for r in resident) or "nothing"
+    who = ", ".join(f"lease {le['lease_id']} on {le['slab']} by pid {le['pid']} uid {le['uid']}"
+                    for le in leases) or "none"
+    hint = ("release a lease, unpin a model or raise memory_budget_bytes"
+            + ("; a slab adopted after a restart may still be mapped by engines that attached before it: "
+               "weightcache evict --force MODEL once none does" if any(r.get("unknown_leases") for r in resident)
+               else "")
+            if need_bytes <= budget_bytes else
+            "the slab alone is larger than the whole budget: raise memory_budget_bytes (or give the model more GPUs)")
+    elsewhere = (f"; {held_elsewhere_bytes / 1e9:.2f} GB of slabs it freed are still mapped by engines (counted until "
+                 f"they unmap them)" if held_elsewhere_bytes else "")
+    return InsufficientMemory(
+        f"GPU {gpu}: no room for {label} ({need_bytes / 1e9:.2f} GB) in memory_budget_bytes = {budget_bytes} "
+        f"({free_bytes / 1e9:.2f} GB free{elsewhere}); resident: {what}; leases: {who}; {hint}", model=model,
+        need_bytes=need_bytes, budget_bytes=budget_bytes, free_bytes=free_bytes, resident=resident, leases=leases,
+        gpu=gpu, slab=label, held_elsewhere_bytes=held_elsewhere_bytes)
+
+
+def refusal_for(e: WeightcacheError, shown: Callable[[str], bool], uid: int) -> WeightcacheError:
+    """``e`` (a :meth:`Tiers.refusal`) as a requester of ``uid`` who is no operator may see it, the way
+    ``status`` shows it the state: slabs it may not attach (``shown(label)`` false) are one sum of bytes,
+    unnamed, their leases left out; other uids' leases keep their id but show pid and uid as
+    ``protocol.HIDDEN_ID``. Before, the refusal named restricted models and other uids' pids and lease ids that
+    ``status`` hides from the same requester (issue 38, P5). Other errors are returned as they are."""
+    d = e.details
+    if not isinstance(e, InsufficientMemory) or "slab" not in d:
+        return e
+    resident = [r for r in d["resident"] if shown(r["slab"])]
+    other = sum(r["size_bytes"] for r in d["resident"] if not shown(r["slab"]))
+    if other:
+        resident.append({"slab": "other models", "size_bytes": other, "leases": 0, "pinned": False,
+                         "loading": False, "unknown_leases": False})
+    leases = [le if le["uid"] == uid else dict(le, pid=protocol.HIDDEN_ID, uid=protocol.HIDDEN_ID)
+              for le in d["leases"] if shown(le["slab"])]
+    return _refusal_error(d["gpu"], d["slab"], d["model"], d["need_bytes"], d["budget_bytes"], d["free_bytes"],
+                          d.get("held_elsewhere_bytes", 0), resident, leases)
+
+
+#: Demand loads one uid may have displace other slabs within :data:`DISPLACING_WINDOW_S` (root and the service
+#: user exempt); past it its loads take free room only (issue 38, P4: three attaches of another uid thrashed a
+#: restricted model, 83 loads in 25 s).
+DISPLACING_LOADS_PER_UID = 8
+DISPLACING_WINDOW_S = 60.0
+
+
+#: States of a slot whose room a load by someone who may not attach it must leave free (it waits off the GPU).
+_RESERVING = frozenset({SlotState.ON_DISK, SlotState.HOSTED, SlotState.PENDING})
+
+
+def requester_of(state: ServiceState, slot: Slot, may_attach: Callable[[Slot], bool] | None,
+                 displaced_recently: int) -> budget.Requester:
+    """The :class:`budget.Requester` of ``slot``'s load: its model's priority, the slabs the peer that asked
+    may attach (``may_attach``; None: every slab, the service's own loads; none at all once the peer's uid
+    made :data:`DISPLACING_LOADS_PER_UID` loads displace others within the window, ``displaced_recently``),
+    and the room held back for the models it may not attach while they wait off the GPU (each its
+    :attr:`Slot.first_slab_bytes`; a model never planned yet reserves nothing)."""
+    if may_attach is None:
+        return budget.Requester(slot.placement.model.priority)
+    mine = frozenset(s.label for s in state.slots if may_attach(s))
+    # The room of the models it may not attach that wait off the GPU (their last planned size) is theirs.
+    reserved = sum(s.first_slab_bytes for s in state.slots if s.label not in mine and s.state in _RESERVING)
+    if displaced_recently >= DISPLACING_LOADS_PER_UID:
+        return budget.Requester(slot.placement.model.priority, frozenset(), reserved)
+    return budget.Requester(slot.placement.model.priority, mine, reserved)
+
+
+#: inotify event bits (linux/inotify.h).
+IN_CLOSE_NOWRITE = 0x10
+IN_DELETE_SELF = 0x400
+IN_IGNORED = 0x8000
+_EVENT = struct.Struct("iIII")
+
+
+class HeldElsewhere:
+    """The host-backend slabs the service freed whose memfd something else still holds or maps.
+
+    Attributes:
+        fd (`int`): the inotify fd; readable when a watched memfd was freed (call :meth:`read`).
+    """
+
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        #: watch descriptor -> (label, size_bytes)
+        self._watches: dict[int, tuple[str, int]] = {}
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the freed slabs still held or mapped elsewhere."""
+        return sum(size for _, size in self._watches.values())
+
+    def labels(self) -> list[str]:
+        """The labels of those slabs (one per slab, in no particular order)."""
+        return [label for label, _ in self._watches.values()]
+
+    def watch(self, fd: int, label: str, size_bytes: int) -> None:
+        """Starts watching the memfd ``fd`` (still open: the caller closes it right after) of slab ``label``.
+
+        A memfd nobody else holds is freed by the caller's close and reported by the next :meth:`read`.
+        A watch the kernel refuses (``fs.inotify.max_user_watches``) is logged and the slab not counted.
+        """
+        wd = self._libc.inotify_add_watch(self.fd, f"/proc/self/fd/{fd}".encode(), IN_CLOSE_NOWRITE | IN_DELETE_SELF)
+        if wd < 0:
+            err = ctypes.get_errno()
+            log.warning("cannot watch a freed slab label=%s size_bytes=%d error=%s: its memory is not counted while "
+                        "clients still map it", label, size_bytes, os.strerror(err))
+            return
+        self._watches[wd] = (label, size_bytes)
+
+    def read(self) -> list[tuple[str, int]]:
+        """Drains the inotify fd; returns ``(label, size_bytes)`` of each watched slab whose memory is now free."""
+        freed = []
+        while True:
+            try:
+                data = os.read(self.fd, 64 * 1024)
+            except BlockingIOError:
+                return freed
+            off = 0
+            while off + _EVENT.size <= len(data):
+                wd, mask, _cookie, name_len = _EVENT.unpack_from(data, off)
+                off += _EVENT.size + name_len
+                if mask & IN_IGNORED and wd in self._watches:
+                    freed.append(self._watches.pop(wd))
+
+    def close(self) -> None:
+        os.close(self.fd)

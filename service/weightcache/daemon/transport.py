@@ -224,7 +224,7 @@ class Transport:
                 self.exhausted(c, "max_connections", self.limits.max_connections,
                                len(self.clients) + lingering, close=True)
                 continue
-            same_uid = 0 if trusted else sum(1 for o in self.clients.values() if o.peer.uid == uid)
+            same_uid = 0 if trusted else sum(o.peer.uid == uid for o in (*self.clients.values(), *self.outbox.lingering))
             if same_uid > self.limits.max_connections_per_uid:
                 self.exhausted(c, "max_connections_per_uid", self.limits.max_connections_per_uid, same_uid,
                                close=True)
@@ -332,7 +332,7 @@ class Transport:
     def send(self, c: Client, msg: protocol.Message, fds: tuple[int, ...] | list[int] = ()) -> bool:
         """Queues ``msg`` (and dups of ``fds``) in the client's outbox and writes what the socket takes
         (:meth:`Outbox.send <weightcache.daemon.outbox.Outbox.send>`). Returns False if the client was dropped."""
-        return self._written(c, self.outbox.send(c, msg, fds, self.limits.max_fds_in_flight_per_uid))
+        return self._written(c, self.outbox.send(c, msg, fds, self.limits))
 
     def flush(self, c: Client) -> bool:
         """Writes ``c``'s queued frames until the socket would block; returns False if the client was dropped."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,11 @@ from ._manifest import Manifest
 
 #: ``format`` of a manifest file (:func:`pack_file`).
 FILE_FORMAT = "weightcache-manifest-1"
-#: The largest manifest file a service publishes and a client reads (a 150k-tensor rank is about 25 MB).
-MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+#: The largest manifest file a service publishes and a client reads: 32 MiB (a rank of
+#: ``service.max_tensors_per_checkpoint`` = 150,000 tensors with names of Llama's length is about 20 MB). A client
+#: parses it after the reply is in, so this bounds how long an attach can run past its timeout (17 MB/s
+#: measured: 200 MiB took 11.7 s; issue 38, P10).
+MAX_MANIFEST_BYTES = 32 * 1024 * 1024
 
 
 def pack_file(manifest: Manifest, **fields: Any) -> bytes:
@@ -69,6 +73,8 @@ def unpack_file(raw: bytes) -> tuple[dict[str, Any], Manifest]:
         raise ManifestInvalid(f"manifest file of {len(raw)} bytes has no NUL after its JSON", section="file")
     try:
         obj = json.loads(raw[:nul].decode("utf-8"))
+    except (RecursionError, MemoryError) as e:
+        raise ManifestInvalid(f"manifest file's JSON cannot be parsed: {type(e).__name__}", section="file") from None
     except ValueError as e:
         raise ManifestInvalid(f"manifest file's JSON is invalid: {e}", section="file") from None
     if not isinstance(obj, dict) or obj.get("format") != FILE_FORMAT:
@@ -148,10 +154,20 @@ def read_file(fd: int, size_bytes: int | None = None) -> ManifestFile:
             (``details["section"] == "file"``), or the content is invalid.
         OSError: ``fstat`` or ``pread`` failed.
     """
-    size = os.fstat(fd).st_size
+    st = os.fstat(fd)
+    size = st.st_size
+    if not stat.S_ISREG(st.st_mode):
+        raise ManifestInvalid(f"manifest fd is not a regular file (mode 0o{stat.S_IFMT(st.st_mode):o})",
+                              section="file", size_bytes=size)
     if (size_bytes is not None and size != size_bytes) or size > MAX_MANIFEST_BYTES:
         announced = f", {size_bytes} announced" if size_bytes is not None else ""
         raise ManifestInvalid(f"manifest file holds {size} bytes{announced} (limit {MAX_MANIFEST_BYTES})",
                               section="file", size_bytes=size)
-    fields, manifest = unpack_file(os.pread(fd, size, 0))
+    try:
+        raw = os.pread(fd, size, 0)
+    except OSError as e:
+        raise ManifestInvalid(f"manifest file cannot be read: {e}", section="file", size_bytes=size) from None
+    if len(raw) != size:
+        raise ManifestInvalid(f"manifest file gave {len(raw)} of its {size} bytes", section="file", size_bytes=size)
+    fields, manifest = unpack_file(raw)
     return ManifestFile(manifest, fields, size)

@@ -299,6 +299,9 @@ class PackedTensors(Sequence):
                                   section="dtypes")
         try:
             self.names = json.loads(str(section("names"), "utf-8"))
+        except (RecursionError, MemoryError) as e:  # nested 200,000 deep by whoever answers at the socket
+            raise ManifestInvalid(f"manifest section 'names' cannot be parsed: {type(e).__name__}",
+                                  section="names") from None
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError alike
             raise ManifestInvalid(f"manifest section 'names' is not a UTF-8 JSON array: {e}", section="names") from None
         if not isinstance(self.names, list) or not all(isinstance(x, str) for x in self.names):
@@ -427,6 +430,9 @@ class PackedTensors(Sequence):
         if self._layout_list is None:
             try:
                 lays = json.loads(str(self._layouts, "utf-8")) if self.count else []
+            except (RecursionError, MemoryError) as e:
+                raise ManifestInvalid(f"manifest section 'layouts' cannot be parsed: {type(e).__name__}",
+                                      section="layouts") from None
             except ValueError as e:
                 raise ManifestInvalid(f"manifest section 'layouts' is not UTF-8 JSON: {e}", section="layouts") from None
             if not isinstance(lays, list) or len(lays) != self.count or not all(isinstance(x, dict) for x in lays):

@@ -60,8 +60,8 @@ import threading
 from typing import Any
 
 from ..sizes import round_up
-from .cuda_driver import CudaDriverError, _check, _Device, _require_driver, cu, gpu_uuid
-from .cuda_mapping import _map_fd, _Mapping
+from .cuda_driver import _check, _Device, _require_driver, cu, gpu_uuid
+from .cuda_mapping import _map_fd
 from .cuda_slabs import CudaImportedSlab, CudaSealedSlab, CudaWritableSlab
 from .cuda_staging import StagingPool
 

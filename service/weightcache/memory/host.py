@@ -17,9 +17,10 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import warnings
 
-from ..errors import OutOfMemory, PublicationInvalid, SlabStillMapped
+from ..errors import ManifestSlabMismatch, OutOfMemory, PublicationInvalid, SlabStillMapped
 from ..sizes import round_up
 
 PAGE = mmap.PAGESIZE
@@ -222,8 +223,9 @@ class HostSealedSlab(_MappedTensor):
             self.fd = -1
 
 
-#: Every seal a slab the service owns carries: nothing can write, grow or shrink it, or take a seal off.
-OWNED_SEALS = F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE
+#: Every seal a slab the service owns carries, and a client checks before it maps one: nothing can write,
+#: grow or shrink it, or take a seal off.
+SLAB_SEALS = F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
 
 
 def seal_publication(fd: int, size_bytes: int) -> HostSealedSlab:
@@ -251,13 +253,13 @@ def seal_publication(fd: int, size_bytes: int) -> HostSealedSlab:
     if actual != size_bytes or size_bytes <= 0:
         raise PublicationInvalid(f"publish: the slab memfd holds {actual} bytes, the request says {size_bytes}",
                                  reason="size", size_bytes=size_bytes, actual_bytes=actual)
-    if seals & OWNED_SEALS != OWNED_SEALS:
+    if seals & SLAB_SEALS != SLAB_SEALS:
         if seals & F_SEAL_SEAL:
             raise PublicationInvalid(f"publish: the slab memfd cannot be sealed (seals {seals:#x}: made without "
                                      f"MFD_ALLOW_SEALING, or F_SEAL_SEAL added before F_SEAL_WRITE)",
                                      reason="not_sealable", seals=seals)
         try:
-            fcntl.fcntl(fd, F_ADD_SEALS, OWNED_SEALS)
+            fcntl.fcntl(fd, F_ADD_SEALS, SLAB_SEALS)
         except OSError as e:
             if e.errno == errno.EBUSY:
                 raise SlabStillMapped("publish: the slab memfd is still mapped writable (F_SEAL_WRITE refused, "
@@ -273,6 +275,50 @@ def seal_publication(fd: int, size_bytes: int) -> HostSealedSlab:
         raise
 
 
+
+
+def check_sealed_memfd(fd: int, size_bytes: int) -> None:
+    """Checks that a received slab fd is a memfd sealed with :data:`SLAB_SEALS` holding at least ``size_bytes``
+    (and at least one) byte, before it is mapped.
+
+    Whatever answers at the socket path sends these fds: an unsealed memfd's bytes could change under the
+    engine (and its ``ftruncate`` kill it with ``SIGBUS``); a FIFO, socket, directory or device cannot be
+    mapped as a slab at all (issue 38, P10).
+
+    Raises:
+        ManifestSlabMismatch (`manifest_slab_mismatch`): not a regular file, no seals (not a memfd), seals
+            missing (``details.seals``), or fewer bytes than ``size_bytes``; ``details.slab_size_bytes``.
+    """
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = f"is not a memfd but {_kind(st.st_mode)}"
+    else:
+        try:
+            seals = fcntl.fcntl(fd, F_GET_SEALS)
+        except OSError:
+            seals = None
+        if seals is None:
+            problem = "is a regular file that cannot be sealed, not a memfd"
+        elif seals & SLAB_SEALS != SLAB_SEALS:
+            problem = (f"is a memfd without the seals F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL "
+                       f"(seals 0x{seals:x}): its bytes could change under the engine")
+        elif st.st_size < max(size_bytes, 1):
+            problem = f"holds {st.st_size} bytes, the manifest says {size_bytes}"
+    if problem is not None:
+        raise ManifestSlabMismatch(f"the slab fd received {problem}; not mapped (is the process at the socket "
+                                   f"path the weightcache service?)", slab_size_bytes=size_bytes,
+                                   fd_size_bytes=st.st_size)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 class HostImportedSlab:
     """A received memfd mapped ``PROT_READ``; ``tensor`` is read-only ``uint8``.
 
@@ -280,9 +326,7 @@ class HostImportedSlab:
     """
 
     def __init__(self, fd: int, size_bytes: int) -> None:
-        st = os.fstat(fd)
-        if st.st_size < size_bytes:
-            raise OSError(f"slab fd has {st.st_size} bytes, manifest says {size_bytes}")
+        check_sealed_memfd(fd, size_bytes)
         self.size_bytes = size_bytes
         self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
         self.tensor = _frombuffer(self._map, writable=False)

@@ -287,6 +287,8 @@ class ServiceStatus(_Record):
         budget_bytes (`int`): ``memory_budget_bytes`` in force (bytes).
         gpu_bytes (`int`): bytes of the budget taken (slabs on the GPU and loads granted room).
         host_tier_bytes, host_used_bytes (`int`): the host tier's size and the bytes it holds.
+        held_elsewhere_bytes (`int`): bytes of slabs the service freed that engines still map, counted
+            against the budget until they unmap them (host backend; issue 38, P2).
     """
 
     gpu: int
@@ -303,6 +305,7 @@ class ServiceStatus(_Record):
     gpu_bytes: int = 0
     host_tier_bytes: int = 0
     host_used_bytes: int = 0
+    held_elsewhere_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object on the wire (memory as ``{"free_bytes", "total_bytes", "budget_bytes", "gpu_bytes",
@@ -310,7 +313,8 @@ class ServiceStatus(_Record):
         d = {"gpu": self.gpu, "pid": self.pid, "backend": self.backend, "device": self.device.to_json(),
              "memory": {"free_bytes": self.free_bytes, "total_bytes": self.total_bytes,
                         "budget_bytes": self.budget_bytes, "gpu_bytes": self.gpu_bytes,
-                        "host_tier_bytes": self.host_tier_bytes, "host_used_bytes": self.host_used_bytes},
+                        "host_tier_bytes": self.host_tier_bytes, "host_used_bytes": self.host_used_bytes,
+                        "held_elsewhere_bytes": self.held_elsewhere_bytes},
              "slabs": [s.to_json() for s in self.slabs], "clients": self.clients,
              "status_line": self.status_line}
         if self.config_error is not None:
@@ -326,6 +330,7 @@ class ServiceStatus(_Record):
                           total_bytes=mem.get("total_bytes", 0), budget_bytes=mem.get("budget_bytes", 0),
                           gpu_bytes=mem.get("gpu_bytes", 0), host_tier_bytes=mem.get("host_tier_bytes", 0),
                           host_used_bytes=mem.get("host_used_bytes", 0),
+                          held_elsewhere_bytes=mem.get("held_elsewhere_bytes", 0),
                           slabs=tuple(SlabInfo.from_json(s) for s in d.get("slabs", ())),
                           config_error=ErrorInfo.from_json(err) if err is not None else None)
 

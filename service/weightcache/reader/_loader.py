@@ -51,7 +51,7 @@ from ..manifest import TensorRecord, itemsize
 from ..sizes import round_up
 from ..tensor_spec import TensorSpec
 from ._cpus import default_threads
-from ._rows import compact_rows, copy_mapped_rows, mapped, read_rows_by_spans
+from ._rows import compact_rows, copy_mapped_rows, mapped
 from ._rows import pread_task as _pread_exact
 from ._task import DIRECT_ALIGN, ReadTask
 

@@ -14,6 +14,8 @@ Forbidden imports: torch, socket, weightcache.daemon, weightcache.client.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -39,7 +41,7 @@ def mapped(t: ReadTask, o_direct: bool) -> bool:
 
     A row-parallel shard (``o_proj``/``down_proj`` at TP > 1: rows of
     ``length`` bytes ``src_pitch`` apart, ``src_pitch > length``) is copied
-    row by row from an ``mmap`` of the file (numpy, the GIL released), so
+    row by row from an ``mmap`` of the file (a guarded copy, the GIL released), so
     only its own bytes are copied out of the page cache
     (:func:`copy_mapped_rows`). Reading the span from the first row to the
     last and discarding the bytes between copies ``TP`` times the payload;
@@ -81,27 +83,28 @@ def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst
     """Copies the ``t.rows`` rows of ``t`` from its file ``fd`` to ``dst``: row ``i`` at ``dst_offset + i * dst_pitch``.
 
     Maps the task's span of the file read-only (``MAP_SHARED``: the page
-    cache's own pages), copies the rows with numpy, and unmaps it at once,
-    on the calling reader thread. Measured on the H200 host against one
-    mapping per file (TP-8 rank fills, ext4 / tmpfs): 23.4 / 12.2 GB/s,
-    against 22.4 / 10.6 for one mapping unmapped after the read (its
-    ``munmap`` alone took 37 ms per rank of a 6 GB checkpoint, on one
-    thread) and 19.7 / 9.7 for one mapping whose pieces are released with
-    ``MADV_DONTNEED`` on their threads.
+    cache's own pages), copies the rows with a guarded copy
+    (:func:`guarded_copy_rows`: a file cut during the copy is an error, never
+    ``SIGBUS``), and unmaps it at once, on the calling reader thread.
+    Measured on the H200 host against one mapping per file (TP-8 rank fills,
+    ext4 / tmpfs, numpy copies): 23.4 / 12.2 GB/s, against 22.4 / 10.6 for
+    one mapping unmapped after the read (its ``munmap`` alone took 37 ms per
+    rank of a 6 GB checkpoint, on one thread) and 19.7 / 9.7 for one mapping
+    whose pieces are released with ``MADV_DONTNEED`` on their threads.
 
     A file its file system will not map (FUSE with ``direct_io``, virtiofs
-    with ``cache=never``: ``ENODEV``), or a process out of mappings
-    (``ENOMEM``), is read as spans instead (:func:`read_rows_by_spans`).
+    with ``cache=never``: ``ENODEV``), a process out of mappings
+    (``ENOMEM``), or a process whose seccomp filter refuses the guarded copy
+    (``EPERM``, ``ENOSYS``), is read as spans instead (:func:`read_rows_by_spans`).
 
     Raises:
-        CheckpointCorrupt (`checkpoint_corrupt`): the file (``fstat`` now, or
-            ``mmap``'s own check just after) ends before the task's last row;
-            names the file and tensor, as a short ``pread`` does. A file
-            truncated *during* the copy kills the process with ``SIGBUS``, as
-            it would any ``mmap`` reader such as safetensors (docs/reliability.md).
+        CheckpointCorrupt (`checkpoint_corrupt`): the file (``fstat`` now,
+            ``mmap``'s own check just after, or the guarded copy during the
+            copy) ends before the task's last row; names the file and tensor,
+            as a short ``pread`` does. A file truncated while its rows are
+            copied (``cp new.safetensors model.safetensors``) fails that
+            model's load only (docs/reliability.md).
     """
-    import numpy as np
-
     end = t.file_offset + t.file_span
     lo = t.file_offset - t.file_offset % mmap.ALLOCATIONGRANULARITY
     if os.fstat(fd).st_size < end:
@@ -117,15 +120,92 @@ def copy_mapped_rows(fd: int, t: ReadTask, dst: memoryview, dst_offset: int, dst
     try:
         if not in_page_cache(fd, end - t.length):
             m.madvise(mmap.MADV_WILLNEED)  # from disk: large read-ahead requests, not one per page fault
-        src = np.ndarray((t.rows, t.length), np.uint8, m, t.file_offset - lo, (t.src_pitch, 1))
-        out = np.ndarray((t.rows, t.length), np.uint8, dst, dst_offset, (dst_pitch, 1))
-        np.copyto(out, src)
-        del src, out  # no array exports the mapping any more
+        copied = guarded_copy_rows(dst, dst_offset, dst_pitch, m, t.file_offset - lo, t.src_pitch, (t.rows, t.length))
+        if copied is None:
+            log.debug("guarded copy refused file=%s: rows read as spans", t.path)
+            read_rows_by_spans(fd, t, dst, dst_offset, dst_pitch)
+        elif copied < t.rows:
+            raise truncated(str(t.path), t.tensor, end)
     finally:
         try:
             m.close()
         except BufferError:  # an exception's traceback still holds a view: unmapped when it is collected
             pass
+
+
+#: Rows per ``process_vm_readv`` call: Linux's ``IOV_MAX`` (``UIO_MAXIOV``), on each side.
+IOV_MAX = 1024
+
+
+def guarded_copy_rows(dst: memoryview, dst_offset: int, dst_pitch: int, src: mmap.mmap, src_offset: int,
+                      src_pitch: int, shape: tuple[int, int]) -> int | None:
+    """Copies ``shape = (rows, length)``: ``rows`` rows of ``length`` bytes from ``src`` at ``src_offset``
+    (``src_pitch`` apart) to ``dst`` at ``dst_offset`` (``dst_pitch`` apart); returns the rows copied whole, or
+    ``None`` where the copy is refused.
+
+    The copy is ``process_vm_readv`` of this process's own pages (one iovec
+    per row, :data:`IOV_MAX` rows a call, the GIL released): the kernel
+    faults the source pages in itself, so a page past the end of a file cut
+    during the copy is ``EFAULT`` (or a short count) returned here, where a
+    load of it (numpy) raises ``SIGBUS`` and kills the process. Reading
+    one's own memory needs no ptrace right; the unit's
+    ``SystemCallFilter=@system-service`` allows it (through ``@ipc``); a
+    filter that refuses it gives ``EPERM``, ``None`` here. The cost: on the
+    H200 host this copy ran at half the numpy copy's rate (the kernel pins
+    each source page through ``get_user_pages``, without fault-around;
+    benchmarks/RESULTS.md, ``bench_tp_reads.py --ways mmap,vmread``: TP 2
+    16.8 against 29.3 GB/s, TP 8 5.1 against 10.0, ext4), about the rate of
+    reading the span (:func:`read_rows_by_spans`); the price of a service
+    that a checkpoint's writer cannot kill.
+
+    Returns:
+        `int | None`: ``rows`` when all were copied; fewer when the source
+        ended (the file was cut); ``None`` when the kernel refused the call
+        (``EPERM``, ``ENOSYS``) before copying anything.
+
+    Raises:
+        ValueError: a row would fall outside ``dst`` or ``src``.
+    """
+    import numpy as np
+
+    rows, length = shape
+    if rows < 1:
+        return rows
+    for buf, off, pitch in ((dst, dst_offset, dst_pitch), (src, src_offset, src_pitch)):
+        if off < 0 or off + (rows - 1) * pitch + length > len(buf):
+            raise ValueError(f"rows outside the buffer: offset {off} + {rows} rows of {length} bytes {pitch} apart > "
+                             f"{len(buf)} bytes")
+    libc = ctypes.CDLL(None, use_errno=True)
+    readv = libc.process_vm_readv
+    readv.restype = ctypes.c_ssize_t
+    readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    d, s = np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8)
+    try:
+        step = np.arange(IOV_MAX, dtype=np.uint64)
+        local, remote = np.empty((IOV_MAX, 2), np.uint64), np.empty((IOV_MAX, 2), np.uint64)
+        local[:, 1] = remote[:, 1] = length
+        packed = dst_pitch == length  # rows back to back in dst: one local iovec per call
+        pid = os.getpid()
+        for r0 in range(0, rows, IOV_MAX):
+            n = min(IOV_MAX, rows - r0)
+            if packed:
+                local[0] = (d.ctypes.data + dst_offset + r0 * dst_pitch, n * length)
+            else:
+                local[:n, 0] = step[:n] * dst_pitch + (d.ctypes.data + dst_offset + r0 * dst_pitch)
+            remote[:n, 0] = step[:n] * src_pitch + (s.ctypes.data + src_offset + r0 * src_pitch)
+            got = readv(pid, local.ctypes.data, 1 if packed else n, remote.ctypes.data, n, 0)
+            if got < 0:
+                err = ctypes.get_errno()
+                if err in (errno.EPERM, errno.ENOSYS) and r0 == 0:
+                    return None
+                if err != errno.EFAULT:
+                    raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
+                return r0
+            if got < n * length:
+                return r0 + got // length
+        return rows
+    finally:
+        del d, s  # no array exports the mapping any more
 
 
 #: Bytes of the per-thread buffer :func:`read_rows_by_spans` reads spans into.
