@@ -417,6 +417,10 @@ class FdStoreStandIn:
                 except BlockingIOError:
                     return
                 fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
+                if fields.get("FDSTOREREMOVE") == "1":  # as systemd does: the stored fd is closed at once
+                    gone = self.fds.pop(fields.get("FDNAME", ""), None)
+                    if gone is not None:
+                        os.close(gone)
                 keep = fds[:1] if fields.get("FDSTORE") == "1" else []
                 if keep:
                     self.fds[fields["FDNAME"]] = keep[0]

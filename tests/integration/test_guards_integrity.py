@@ -20,6 +20,7 @@ host copy), so that the promotion's check is reached on CI.
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -154,7 +155,7 @@ def test_a_slab_changed_in_the_host_tier_is_not_promoted(daemon, tmp_path, corru
     cks = {n: write_checkpoint(tmp_path / n, {"w": torch.randn(N, generator=g.manual_seed(i))})
            for i, n in enumerate("ab", 1)}
     env, flipped = _flip_env(tmp_path, "host-tier:a/" if corrupt else "no-such-label", 12345, copy_tiers=True)
-    svc = daemon(make_config({"a": {"path": cks["a"], "priority": 1}, "b": cks["b"]},
+    svc = daemon(make_config({"a": {"path": cks["a"], "priority": 1}, "b": {"path": cks["b"], "priority": 1}},
                              memory_budget_bytes=SLAB + SLAB // 2, host_tier_bytes=4 * SLAB), env=env)
     svc.wait_settled()
 
@@ -165,6 +166,8 @@ def test_a_slab_changed_in_the_host_tier_is_not_promoted(daemon, tmp_path, corru
     with attach("b", socket_dir=svc.socket_dir, fallback=False, timeout=60) as w:  # a leaves for the host tier
         compare_bytes(w.tensors, read_checkpoint(cks["b"]))
         assert tiers() == {"a": "hosted/host", "b": "ready/gpu"}
+    del w  # its views map b's slab: the budget counts a slab something maps (issue 38, P2) until they go
+    gc.collect()
     assert flipped.read_text() == ("host-tier:a/tp1/rank0\n" if corrupt else "")
     poll_until(lambda: not svc.slab("b")["leases"], "the lease on b to end")
     if not corrupt:

