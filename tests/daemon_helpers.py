@@ -51,3 +51,36 @@ def loaded_state(ck: Any, backend: Any, model: str = "m") -> Iterator[Any]:
         close_slabs(st)
         os.close(r)
         os.close(w)
+
+
+def fd_serving_transport(path: str, limits: Any = None, backlog: int = 4) -> tuple[Any, Any, tuple[int, int]]:
+    """A started :class:`~weightcache.daemon.transport.Transport` listening at ``path`` (no trusted uid, a clock
+    at 0) that answers ``hello``, and every other request with an ``attach_reply`` carrying the two fds of one
+    pipe: what the caps on fds in flight and connections count. ``limits``: its ``Limits`` (the defaults when
+    None).
+
+    Returns:
+        ``(transport, listener, (r, w))``: the caller closes the transport's clients, the listener and the pipe.
+    """
+    import os
+    import socket
+
+    from weightcache import protocol
+    from weightcache.daemon.limits import Limits
+    from weightcache.daemon.transport import Callbacks, Transport
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(backlog)
+    r, w = os.pipe()
+
+    def on_message(c: Any, msg: Any, fds: tuple = ()) -> None:
+        if isinstance(msg, protocol.Hello):
+            tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
+        else:
+            tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
+
+    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None),
+                   limits if limits is not None else Limits.defaults(), Clock(0.0), trusted_uids=frozenset())
+    tr.start()
+    return tr, listener, (r, w)

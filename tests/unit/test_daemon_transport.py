@@ -14,7 +14,7 @@ import struct
 
 import pytest
 
-from daemon_helpers import Clock
+from daemon_helpers import Clock, fd_serving_transport
 from wire_helpers import frame, read_reply
 from weightcache import protocol
 from weightcache.daemon.limits import Limits
@@ -171,20 +171,7 @@ def test_a_dropped_connection_is_counted_until_its_peer_reads_or_closes(tmp_path
     """A connection the service drops while its peer still has fds of ours unread keeps counting against the
     peer's uid (lingering) until the peer closes its end."""
     path = str(tmp_path / "g.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(4)
-    r, w = os.pipe()
-
-    def on_message(c, msg, fds=()):
-        if isinstance(msg, protocol.Hello):
-            tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
-        else:
-            tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
-
-    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None), Limits.defaults(), Clock(0.0),
-                   trusted_uids=frozenset())
-    tr.start()
+    tr, listener, (r, w) = fd_serving_transport(path, backlog=4)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
     s.sendall(frame(HELLO) + frame({"type": "attach", "model": "m"}) * 3)
@@ -371,20 +358,7 @@ def test_a_reply_whose_fds_cannot_be_duplicated_is_answered_resource_exhausted(t
     import logging
 
     path = str(tmp_path / "d.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(4)
-    r, w = os.pipe()
-
-    def on_message(c, msg, fds=()):
-        if isinstance(msg, protocol.Hello):
-            tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
-        else:
-            tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
-
-    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None), Limits.defaults(), Clock(0.0),
-                   trusted_uids=frozenset())
-    tr.start()
+    tr, listener, (r, w) = fd_serving_transport(path, backlog=4)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
     s.settimeout(5)

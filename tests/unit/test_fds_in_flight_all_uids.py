@@ -10,7 +10,7 @@ import os
 import resource
 import socket
 
-from daemon_helpers import Clock
+from daemon_helpers import Clock, fd_serving_transport
 from wire_helpers import frame, read_reply
 from weightcache import protocol
 from weightcache.daemon.limits import Limits
@@ -40,21 +40,8 @@ def _replies(s: socket.socket, n: int) -> tuple[list[tuple[str, str | None]], in
 
 def test_the_uid_that_fills_the_cap_is_refused_and_another_gets_its_share(tmp_path):
     path = str(tmp_path / "a.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(4)
-    r, w = os.pipe()
-
-    def on_message(c, msg, fds=()):
-        if isinstance(msg, protocol.Hello):
-            tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
-        else:
-            tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
-
-    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None),
-                   Limits.defaults(max_fds_in_flight_per_uid=1000, max_unread_replies=64, max_fds_in_flight=8),
-                   Clock(0.0), trusted_uids=frozenset())
-    tr.start()
+    tr, listener, (r, w) = fd_serving_transport(
+        path, Limits.defaults(max_fds_in_flight_per_uid=1000, max_unread_replies=64, max_fds_in_flight=8))
     socks = []
     try:
         def connect(uid: int) -> socket.socket:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import socket
 
-from daemon_helpers import Clock
+from daemon_helpers import fd_serving_transport
 from wire_helpers import frame, read_reply
 from weightcache import protocol
 from weightcache.daemon.limits import Limits
-from weightcache.daemon.transport import Callbacks, Transport
 
 HELLO = {"type": "hello", "protocol_version": protocol.PROTOCOL_VERSION}
 
@@ -23,20 +22,7 @@ def _pump(tr, n: int = 5) -> None:
 
 def test_lingering_connections_count_toward_the_uid_cap(tmp_path):
     path = str(tmp_path / "l.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(16)
-    r, w = os.pipe()
-
-    def on_message(c, msg, fds=()):
-        if isinstance(msg, protocol.Hello):
-            tr.send(c, protocol.HelloReply(protocol.PROTOCOL_VERSION, 0, "", "host", []))
-        else:
-            tr.send(c, protocol.AttachReply(1, "/x", "host", 0), (r, w))
-
-    tr = Transport(listener, Callbacks(on_message, lambda c: None, lambda c: None),
-                   Limits.defaults(max_connections_per_uid=3), Clock(0.0), trusted_uids=frozenset())
-    tr.start()
+    tr, listener, (r, w) = fd_serving_transport(path, Limits.defaults(max_connections_per_uid=3), backlog=16)
     held = []
     try:
         for _ in range(3):  # three connections of this uid, each dropped with 2 fds unread: lingering
