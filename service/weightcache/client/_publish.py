@@ -18,6 +18,7 @@ weightcache.memory at module level.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -153,6 +154,27 @@ def pack(tensors: Mapping[str, Any], attrs: Mapping[str, dict] | None = None) ->
     return records, max(align(pos), 256), copies
 
 
+def _copy_into(dst: Any, copies: list[tuple[Any, int, int, int]]) -> None:
+    """Makes the planned ``copies`` into ``dst`` (a 1-D ``uint8`` tensor over the slab, host or CUDA)."""
+    import torch
+
+    for storage, src_off, dst_off, n in copies:
+        src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        dst[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
+
+
+def _fill_cuda(copies: list[tuple[Any, int, int, int]], size_bytes: int, device: str) -> Any:
+    """A VMM allocation on ``device`` (``cuda:N``) holding the planned copies, sealed: its exported fd goes with
+    ``publish``, and the service copies it into an allocation of its own (DESIGN §6.3). The caller closes it."""
+    w = local_backend(device).allocate_publication(size_bytes)
+    try:
+        _copy_into(w.tensor, copies)
+        return w.seal()  # cuCtxSynchronize: every copy has landed before the fd leaves
+    except BaseException:
+        w.abort()
+        raise
+
+
 def _fill(copies: list[tuple[Any, int, int, int]], size_bytes: int) -> int:
     """A memfd of ``size_bytes`` (rounded up to the page size) holding the planned copies, unmapped; returns it."""
     import torch
@@ -164,9 +186,7 @@ def _fill(copies: list[tuple[Any, int, int, int]], size_bytes: int) -> int:
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
             dst = torch.frombuffer(mm, dtype=torch.uint8)
-            for storage, src_off, dst_off, n in copies:
-                src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                dst[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
+            _copy_into(dst, copies)
             del dst  # the view of the mapping goes before the mapping
         finally:
             mm.close()  # the service seals against writes: no writable mapping may remain
@@ -194,7 +214,10 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
         attrs (`Mapping[str, dict]`, *optional*): JSON-able Python-side attributes per name, given back by
             :func:`attach_published` in the tensor's layout (``layouts[name]["attrs"]``).
         device (`str`, *optional*, defaults to ``"cpu"``), socket_dir (`str`, *optional*), gpu (`int`,
-            *optional*): which service, as :func:`weightcache.attach` picks it.
+            *optional*): which service, as :func:`weightcache.attach` picks it. On ``cuda:N`` the tensors are
+            copied into a CUDA VMM allocation whose fd goes to the service, which copies it into an allocation of
+            its own (the staging allocation is freed when this returns); on ``cpu``, into a memfd the service
+            seals and keeps.
         timeout (`float`, *optional*, defaults to 60): seconds for the service's answer (it digests every byte).
 
     Returns:
@@ -222,7 +245,12 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
     manifest = Manifest(_wire_model(model), tp_size, tp_rank, {}, slab_bytes, records)
     from ..memory.host import sealed_memfd
 
-    slab_fd = _fill(copies, slab_bytes)
+    if device.startswith("cuda"):  # the service copies it into its own allocation and seals that
+        staged = _fill_cuda(copies, slab_bytes, device)
+        slab_fd, size, release = staged.fd, staged.size_bytes, staged.close
+    else:  # the service seals this memfd: its pages become the slab
+        slab_fd = _fill(copies, slab_bytes)
+        size, release = os.fstat(slab_fd).st_size, functools.partial(os.close, slab_fd)
     man_fd = -1
     try:
         data = pack_file(manifest)
@@ -230,12 +258,12 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
         session = Session(sock_path, timeout=timeout)
         try:
             session.send_with_fds(protocol.Publish(_wire_model(model), tp_size, tp_rank, key_fields,
-                                                   os.fstat(slab_fd).st_size, len(data)), [slab_fd, man_fd])
+                                                   size, len(data)), [slab_fd, man_fd])
             reply = session.replies(1, timeout)[0]
         finally:
             session.close()
     finally:
-        os.close(slab_fd)
+        release()  # CUDA: the staging allocation is freed here; the service holds its own copy
         if man_fd >= 0:
             os.close(man_fd)
     if not isinstance(reply, protocol.PublishReply):

@@ -163,6 +163,24 @@ class CudaBackend:
         mapping = _map_fd(self._device(self.gpu), fd, size_bytes, read_only=True)
         return CudaSealedSlab(fd, mapping.size_bytes, mapping, owner_read_only=True)
 
+    def adopt_publication(self, fd: int, size_bytes: int) -> CudaSealedSlab:
+        """The service's own sealed copy of a publisher's exported VMM allocation
+        (:func:`weightcache.memory.cuda_publish.adopt_publication`); ``fd`` stays the caller's.
+
+        Raises:
+            PublicationInvalid (`publication_invalid`): not a VMM fd of ``size_bytes`` (a multiple of
+                :attr:`granularity`).
+            OutOfMemory (`out_of_memory`): no room on the GPU for the copy.
+        """
+        from . import cuda_publish
+
+        return cuda_publish.adopt_publication(self._device(self.gpu), fd, int(size_bytes))
+
+    def allocate_publication(self, size_bytes: int) -> CudaWritableSlab:
+        """A writable VMM allocation for an engine to fill with what it publishes, ``size_bytes`` rounded up to
+        :attr:`granularity`; :meth:`CudaWritableSlab.seal` exports the fd sent with ``publish``."""
+        return self.allocate(size_bytes, "publish")
+
     # --- the host tier (weightcache.memory.cuda_tier) ---
 
     def allocate_host(self, size_bytes: int, label: str) -> Any:
