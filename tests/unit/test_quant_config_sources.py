@@ -87,3 +87,26 @@ def test_an_unquantized_checkpoint_is_still_unquantized(tmp_path):
     path = llama_checkpoint(tmp_path / "ck", files=1)
     assert quant.read_config(Checkpoint(path, validate=False)) is None
     assert quant.detect(Checkpoint(path, validate=False)) is None
+
+
+def test_the_unquantized_check_of_an_indexed_checkpoint_reads_no_header(tmp_path):
+    """An engine's pre-check of a sharded, unquantized checkpoint takes the tensor names from the index: every
+    shard's data may be unreadable (a header read would fail) and the answer is still "unquantized"; the same
+    check of a sharded GPTQ checkpoint without its config still names the quantized tensor."""
+    path = llama_checkpoint(tmp_path / "ck", files=2)
+    shards = sorted(path.glob("*.safetensors"))
+    assert len(shards) == 2 and (path / "model.safetensors.index.json").exists()
+    for f in shards:  # a header read now fails: zeroed files have an 0-byte header and no JSON
+        f.write_bytes(b"\0" * f.stat().st_size)
+    ck = Checkpoint(path, validate=False)
+    assert quant.read_config(ck) is None
+    with pytest.raises(Exception, match="safetensors|header|corrupt"):  # the headers were really unreadable
+        ck.tensors  # noqa: B018
+    gptq = hub.write_hub_checkpoint(tmp_path / "q", "gptq", where="quantize_config.json")
+    (gptq / "quantize_config.json").unlink()
+    names = list(Checkpoint(gptq, validate=False).tensors)
+    index = {"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}
+    (gptq / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UnsupportedQuantization) as ei:
+        quant.read_config(Checkpoint(gptq, validate=False))
+    assert ei.value.details["tensor"] == "model.layers.0.mlp.down_proj.g_idx"

@@ -271,6 +271,22 @@ class Checkpoint:
         return self._tensors
 
     @property
+    def names(self) -> list[str]:
+        """Every tensor name, with as little read as possible: from the headers when they are parsed already,
+        else from the index's ``weight_map`` when the checkpoint has one (no header read: the check an engine
+        makes before its start, :func:`weightcache.quant.quant_config.quantized_tensor`, stays one small file on
+        network storage), else from the headers.
+
+        Raises:
+            CheckpointCorrupt (`checkpoint_corrupt`), CheckpointNotFound (`checkpoint_not_found`): as
+                :attr:`files` and :attr:`tensors`.
+        """
+        self.files  # noqa: B018 - lists the files and reads the index's weight_map
+        if self._tensors is None and self._weight_map is not None:
+            return list(self._weight_map)
+        return list(self.tensors)
+
+    @property
     def metadata(self) -> dict[str, dict]:
         """``__metadata__`` of each file."""
         if self._tensors is None:

@@ -200,9 +200,10 @@ def read_config(ck: Checkpoint, families: Iterable[SchemeRules] = ()) -> QuantCo
 def quantized_tensor(ck: Checkpoint) -> str | None:
     """The first tensor (natural order) that only a quantized checkpoint stores, or ``None``.
 
-    A name ending in :data:`QUANTIZED_ONLY` (headers only).
+    A name ending in :data:`QUANTIZED_ONLY`; the names of the index's ``weight_map`` where the checkpoint has
+    one and its headers are not read yet (:attr:`weightcache.checkpoint.Checkpoint.names`), else the headers'.
     """
-    hits = [n for n in ck.tensors if n.endswith(QUANTIZED_ONLY)]
+    hits = [n for n in ck.names if n.endswith(QUANTIZED_ONLY)]
     return min(hits, key=natural_key) if hits else None
 
 
