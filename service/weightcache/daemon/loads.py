@@ -102,6 +102,8 @@ class LoadSettings:
             answer (the memory budget); False (in-process tests) allocates without asking.
         registry (`quant.Registry`): the quantization scheme families plans are made with.
         max_tensors (`int`, *optional*): ``service.max_tensors_per_checkpoint``; None: no cap.
+        images (`weightcache.images.ImageStore`, *optional*): the image directory; a model with ``image = true``
+            is read from its valid image there before the checkpoint's tensors are (None: no images).
     """
 
     backend: Any
@@ -112,6 +114,7 @@ class LoadSettings:
     ask_room: bool = False
     max_tensors: int | None = None
     registry: quant.Registry = quant.REGISTRY
+    images: Any = None
 
 
 class Loader:
@@ -320,6 +323,11 @@ class Loader:
                                    pl.slab_size_bytes))
             self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
             self._room(slot, pl.slab_size_bytes, tier, started, job)
+            # A valid image is read before the checkpoint's tensors (the plan read headers only): its header
+            # checked here against the key the plan made from the files now, its bytes' digests after the read.
+            image = None
+            if st.images is not None and p.model.image:
+                image = st.images.find(p, pl.key, pl.records, pl.slab_size_bytes)
             t_plan = time.monotonic()
             allocate = st.backend.allocate_host if tier == "host" else st.backend.allocate
             writable = allocate(pl.slab_size_bytes, p.label)
@@ -339,7 +347,24 @@ class Loader:
                         if not job.abandoned:
                             self._post(Progress(slot, done))
 
-            filled = pipeline.fill(pl, writable, progress, st.options)
+            filled, source = None, "checkpoint"
+            if image is not None:
+                done = [0]
+
+                def advance(n: int) -> None:
+                    done[0] += n
+                    progress(done[0], pl.payload_bytes)
+
+                got = st.images.fill(image, p, pl.key, writable, st.options, advance)
+                if got is None:  # a digest differed: the image is moved aside; a fresh slab from the checkpoint
+                    writable.abort()
+                    writable = None
+                    writable = allocate(pl.slab_size_bytes, p.label)
+                else:
+                    manifest, read_s, digest_s = got
+                    filled, source = pipeline.Filled(manifest, True, read_s, digest_s, pl.payload_bytes), "image"
+            if filled is None:
+                filled = pipeline.fill(pl, writable, progress, st.options)
             t_filled = time.monotonic()
             manifest = filled.manifest
             # Here, not at the first attach: a manifest no engine could read fails the load, by name.
@@ -355,7 +380,8 @@ class Loader:
             writable = None
             end = time.monotonic()
             stages.update(read=filled.read_s, digest=filled.digest_s, seal=end - t_filled)
-            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free, tier)
+            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free, tier,
+                          source=source)
         except _NoRoom as e:
             return Refused(slot, e.error)
         except WeightcacheError as e:

@@ -45,7 +45,7 @@ from ..reader import LoaderOptions
 from ..memory import Backend
 from ..spec import DTYPE_NAMES
 from ..wire import SlotState
-from . import access, handlers, load_results, lograte, publish, tiers
+from . import access, handlers, imaging, load_results, lograte, publish, tiers
 from .fdstore import FdStore, record_released, released_at_last_stop
 from .effects import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify, StoreSlab
 from .limits import Limits
@@ -109,6 +109,10 @@ class Daemon:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         #: Host-backend slabs freed while something else still maps them: counted in the budget (issue 38, P2).
         self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else None
+        #: Processed images (issue 36): None when no model has ``image = true`` or the directory is refused.
+        self.images = imaging.from_config(config, backend)
+        if self.images is not None:
+            self.counters.images = self.images.store.stats
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
@@ -214,6 +218,12 @@ class Daemon:
         self.transport.limits = Limits.from_config(eff.config.service)
         self.ctx.policy = access.Policy(self.state.service_uid, eff.config.service.operator_groups,
                                         eff.config.names)  # resolved on the reload worker
+        if self.images is None and any(m.image for m in eff.config.models.values()):
+            self.images = imaging.from_config(eff.config, self.backend)
+            if self.images is not None:
+                self.counters.images = self.images.store.stats
+        elif self.images is not None:
+            self.images.configure(eff.config)
         self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
         self.counters.track(eff.config.placements(self.gpu))  # label values of models the reload added
 
@@ -222,7 +232,8 @@ class Daemon:
         return LoadSettings(self.backend, self.state.device, svc.load_timeout_s,
                             LoaderOptions(threads=svc.read_threads, staging_bytes=svc.staging_bytes),
                             cfg.files[0] if cfg.files else "the config", ask_room=True,
-                            max_tensors=svc.max_tensors_per_checkpoint)
+                            max_tensors=svc.max_tensors_per_checkpoint,
+                            images=self.images.store if getattr(self, "images", None) is not None else None)
 
     def _store_slab(self, c: Client | None, eff: StoreSlab) -> None:
         self.fdstore.put(eff.slot, eff.slot.sealed, eff.slot.manifest_file)
@@ -276,7 +287,10 @@ class Daemon:
                 put(result.slot, result.sealed, result.manifest_file)
             load_results.apply(self.state, result)
             if isinstance(result, load_results.Loaded):
-                self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes)
+                self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes,
+                                           result.source)
+                if self.images is not None:
+                    self.images.written_after_load(result.slot, result.source, result.promoted_from is not None)
             elif isinstance(result, load_results.Failed):
                 self.counters.load_settled(result.slot.placement, result.error.code)
         self.offloop.finish_verifies()

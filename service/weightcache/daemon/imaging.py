@@ -1,0 +1,97 @@
+"""The service's side of processed images (issue 36): the store and its writer, and what the serving loop
+asks of them.
+
+Owns :class:`Imaging`: made at start from ``[service] image_dir``, ``image_max_bytes`` and
+``image_write_bytes_per_s`` (:func:`from_config`); :meth:`Imaging.written_after_load` schedules the write
+of a slab the loader made from the checkpoint, for a model with ``image = true``. The loader reads images
+itself (``LoadSettings.images``, :meth:`weightcache.images.ImageStore.find` and ``fill``), before the
+checkpoint's tensors, whenever a slab is wanted and no fd-store entry holds it (start-up preload, an
+attach of an ``on_disk`` slab, ``preload``). A slab that came from an image, from the fd store or from a
+publication is not written again.
+
+The bytes of a host slab are read by the writer through a duplicate of its memfd (an eviction meanwhile
+frees nothing under it); a CUDA slab is first copied to a host memfd on the writer's thread
+(``backend.demote``; host memory of the slab's size while it is written).
+
+Forbidden imports: socket, selectors, torch, weightcache.daemon.transport, weightcache.daemon.loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+from ..config import Config
+from ..images import ImageStats, ImageStore, ImageWriter, WriteJob
+from .state import Slot
+
+log = logging.getLogger(__name__)
+
+
+class Imaging:
+    """The image store, its writer and the configuration's model priorities.
+
+    Args:
+        store (`ImageStore`): the directory (prepared).
+        writer (`ImageWriter`): its writer thread.
+        backend: the slab backend (``name``; ``demote`` for CUDA slabs).
+        config (`Config`): for each model's ``priority`` (room) and ``image``.
+    """
+
+    def __init__(self, store: ImageStore, writer: ImageWriter, backend: Any, config: Config) -> None:
+        self.store, self.writer, self.backend = store, writer, backend
+        self.configure(config)
+
+    def configure(self, config: Config) -> None:
+        """Takes a (re)loaded configuration's byte limit, rate cap and priorities (the directory stays)."""
+        svc = config.service
+        self.store.limit_bytes = svc.image_max_bytes
+        self.writer.rate_bytes_per_s = svc.image_write_bytes_per_s
+        self._priorities = {name: m.priority for name, m in config.models.items()}
+
+    def priority_of(self, model: str) -> int | None:
+        """The configured priority of ``model``; None when no model of that name is configured."""
+        return self._priorities.get(model)
+
+    def written_after_load(self, slot: Slot, source: str, promoted: bool) -> bool:
+        """Schedules the image write of ``slot`` (just READY or HOSTED) when it was made from the checkpoint
+        and its model has ``image = true``; True when scheduled. Serving loop only; returns at once."""
+        p = slot.placement
+        if source != "checkpoint" or promoted or not p.model.image or self.store.disabled is not None:
+            return False
+        slab = slot.sealed if slot.sealed is not None else slot.hosted
+        if slab is None or slot.manifest is None:
+            return False
+        return self.writer.schedule(WriteJob(p, slot.manifest, dict(slot.manifest.key), self._source(slab, p.label),
+                                             self.priority_of))
+
+    def _source(self, slab: Any, label: str) -> Callable[[], tuple[int, Callable[[], None]]]:
+        fd = getattr(slab, "fd", -1)
+        if self.backend.name == "host" or not hasattr(slab, "digests"):
+            dup = os.dup(fd)  # now, on the serving loop: the slab may be freed before the writer runs
+
+            def host() -> tuple[int, Callable[[], None]]:
+                return dup, lambda: os.close(dup)
+
+            return host
+
+        def cuda() -> tuple[int, Callable[[], None]]:  # on the writer's thread: a host copy of the GPU slab
+            hosted = self.backend.demote(slab, f"image:{label}")
+            return hosted.fd, hosted.close
+
+        return cuda
+
+
+def from_config(config: Config, backend: Any, stats: ImageStats | None = None) -> Imaging | None:
+    """The service's :class:`Imaging`, or None when no model on this service has ``image = true`` or the
+    directory cannot be used (logged by :meth:`ImageStore.prepare`)."""
+    if not any(m.image for m in config.models.values()):
+        return None
+    svc = config.service
+    store = ImageStore(svc.image_dir, svc.image_max_bytes, backend.name, stats)
+    if not store.prepare():
+        return None
+    log.info("images on dir=%s limit_bytes=%d write_bytes_per_s=%d", svc.image_dir, svc.image_max_bytes,
+             svc.image_write_bytes_per_s)
+    return Imaging(store, ImageWriter(store, svc.image_write_bytes_per_s), backend, config)
