@@ -385,8 +385,6 @@ class AttachCount(_Record):
     outcome: str
     code: str
     count: int
-    #: Where a loaded slab's bytes came from (``checkpoint`` or ``image``); absent from older services' replies.
-    source: str = "checkpoint"
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,6 +414,7 @@ class LoadCount(_Record):
         outcome (`str`): ``loaded`` or ``failed``.
         code (`str`): the error's code when failed, else empty.
         count (`int`): how many.
+        source (`str`): ``checkpoint`` or ``image`` (where a loaded slab's bytes came from).
     """
 
     model: str
@@ -424,6 +423,8 @@ class LoadCount(_Record):
     outcome: str
     code: str
     count: int
+    #: Where a loaded slab's bytes came from (``checkpoint`` or ``image``); absent from older services' replies.
+    source: str = "checkpoint"
 
 
 @dataclass(frozen=True, slots=True)
