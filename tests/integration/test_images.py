@@ -338,3 +338,20 @@ def test_by_default_the_service_writes_no_image(tmp_path):
         assert svc.request(protocol.Metrics()).typed()[1].images == {}
     finally:
         svc.kill()
+
+
+def test_evict_to_disk_keeps_the_image_and_the_next_attach_reads_it(tmp_path):
+    ck = llama_checkpoint(tmp_path / "ck", seed=6, files=2)
+    images = tmp_path / "images"
+    svc = start_service(tmp_path / "a", _config({"m": {"path": ck}}, images))
+    try:
+        svc.wait_settled()
+        [img] = _wait_image(images, svc=svc)
+        svc.request(protocol.Evict("m", to="disk"))
+        assert svc.slab("m")["state"] == "on_disk" and img.exists()
+        assert _attached_bytes(svc, "m", ck) > 0  # the attach loads it on demand: from the image
+        slab = svc.slab("m")
+        assert (slab["state"], slab["source"]) == ("ready", "image"), svc.log()
+        assert _image_counters(svc)["read"] == 1
+    finally:
+        svc.kill()
