@@ -288,16 +288,15 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
         fam.add("weightcache_verify_failures", lab, sc.verify_failures)
     for lc in co.loads:
         fam.add("weightcache_loads", (g, lc.model, lc.tp_size, lc.tp_rank, lc.outcome, lc.code, lc.source), lc.count)
-    im = co.images or {}
-    if im:
-        for name, field in (("weightcache_images_written", "written"), ("weightcache_image_written_bytes",
-                            "written_bytes"), ("weightcache_image_write_seconds", "write_seconds"),
-                            ("weightcache_image_write_failures", "write_failures"), ("weightcache_images_read", "read"),
-                            ("weightcache_image_read_bytes", "read_bytes"),
-                            ("weightcache_image_read_seconds", "read_seconds"), ("weightcache_images_removed", "removed")):
-            fam.add(name, (g,), im.get(field, 0))
-        for reason in ("digest", "identity", "key", "layout", "format", "access"):
-            fam.add("weightcache_images_rejected", (g, reason), (im.get("rejected") or {}).get(reason, 0))
+    im = co.images or {}  # zeros for a service without images (or an older one)
+    for name, field in (("weightcache_images_written", "written"), ("weightcache_image_written_bytes", "written_bytes"),
+                        ("weightcache_image_write_seconds", "write_seconds"),
+                        ("weightcache_image_write_failures", "write_failures"), ("weightcache_images_read", "read"),
+                        ("weightcache_image_read_bytes", "read_bytes"), ("weightcache_image_read_seconds", "read_seconds"),
+                        ("weightcache_images_removed", "removed")):
+        fam.add(name, (g,), im.get(field, 0))
+    for reason in ("digest", "identity", "key", "layout", "format", "access"):
+        fam.add("weightcache_images_rejected", (g, reason), (im.get("rejected") or {}).get(reason, 0))
     for ac in co.attaches:
         fam.add("weightcache_attaches", (g, ac.model, ac.outcome, ac.code), ac.count)
     for pc in co.publishes:
