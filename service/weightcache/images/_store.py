@@ -283,8 +283,8 @@ class ImageStore:
         try:
             read_direct([ReadTask(image.path, h.data_offset, h.data_bytes, 0, TENSOR_NAME)], writable, opts, progress,
                         with_digests=False)
-        except WeightcacheError as e:  # ended early, replaced by a non-regular file...: the checkpoint then
-            self.reject(placement, image.path, Rejected("format", f"read failed: {e.message}"))
+        except (WeightcacheError, OSError) as e:  # ended early, replaced by a non-regular file...: the checkpoint then
+            self.reject(placement, image.path, Rejected("format", f"read failed: {getattr(e, 'message', e)}"))
             return None
         t1 = time.monotonic()
         stored = [r for r in h.manifest.tensors if r.alias_of is None]
