@@ -323,8 +323,9 @@ def test_the_byte_limit_removes_the_older_unused_image(tmp_path):
         second.kill()
 
 
-def test_by_default_the_service_writes_no_image(tmp_path):
-    """``image`` unset: a slab the service makes from the checkpoint is not written (docs/configuration.md)."""
+def test_by_default_the_service_writes_no_image_of_what_it_makes(tmp_path):
+    """``image`` unset: a slab the service makes from the checkpoint is not written (docs/configuration.md);
+    the directory is there for publications."""
     ck = tmp_path / "ck"
     import torch
 
@@ -334,7 +335,23 @@ def test_by_default_the_service_writes_no_image(tmp_path):
                                          "models": {"m": {"path": str(ck), "layouts": [{"tp": 1, "gpus": [0]}]}}})
     try:
         assert svc.wait_settled()["slabs"][0]["source"] == "checkpoint"
-        assert not images.exists()
+        assert oct(images.stat().st_mode & 0o777) == "0o700" and os.listdir(images) == []
+        assert _image_counters(svc)["written"] == 0
+    finally:
+        svc.kill()
+
+
+def test_without_image_dir_or_a_cache_directory_a_service_run_by_hand_keeps_no_images(tmp_path):
+    ck = tmp_path / "ck"
+    import torch
+
+    write_checkpoint(ck, {"w": torch.arange(64, dtype=torch.float32)})
+    svc = start_service(tmp_path / "a", {"service": {"backend": "host"},
+                                         "models": {"m": {"path": str(ck), "image": True,
+                                                          "layouts": [{"tp": 1, "gpus": [0]}]}}})
+    try:
+        assert svc.wait_settled()["slabs"][0]["source"] == "checkpoint"
+        assert "images off: a model has image = true but [service] image_dir is unset" in svc.log()
         assert svc.request(protocol.Metrics()).typed()[1].images == {}
     finally:
         svc.kill()
@@ -355,3 +372,73 @@ def test_evict_to_disk_keeps_the_image_and_the_next_attach_reads_it(tmp_path):
         assert _image_counters(svc)["read"] == 1
     finally:
         svc.kill()
+
+
+def test_a_publication_comes_back_from_its_image_after_a_stop(tmp_path):
+    """The expensive slabs: an engine's publication is written (``image`` unset: published slabs get images),
+    the service stopped without the fd store, started again: the publication is ``ready`` from its image
+    before any engine asks, and ``attach_published`` gives the published bytes, names, views and attrs."""
+    torch = pytest.importorskip("torch")
+    from test_publish import _ckpt, _key, _processed, _same
+
+    from weightcache.client import attach_published, publish
+
+    ck = _ckpt(tmp_path / "ck")
+    images = tmp_path / "images"
+    cfg = {"service": {"backend": "host", "image_dir": str(images)},
+           "models": {"m": {"path": str(ck), "layouts": [{"tp": 1, "gpus": [0]}]}}}
+    first = start_service(tmp_path / "a", cfg)
+    tensors = _processed(ck)
+    try:
+        first.wait_settled()
+        got = publish(str(ck), _key(), tensors, attrs={"qk_proj.weight": {"output_dim": 0}},
+                      socket_dir=first.socket_dir)
+        assert got.created
+        img = poll_until(lambda: next((p for p in _images(images) if ".pub-" in p.name), None),
+                         "the publication's image", 60, detail=first.log)
+        assert [p.name for p in _images(images)] == [img.name]  # the service's own slab: image unset, none
+    finally:
+        first.stop()
+    second = start_service(tmp_path / "b", cfg)
+    try:
+        slabs = second.wait_settled()["slabs"]
+        (pub,) = [s for s in slabs if s.get("publication")]
+        assert (pub["state"], pub["source"]) == ("ready", "image"), second.log()
+        assert pub["publication"]["engine_key_blake2b"] == got.engine_key_blake2b
+        with attach_published(str(ck), _key(), socket_dir=second.socket_dir) as w:
+            assert w.source == "daemon"
+            _same(w.tensors, tensors)
+            assert w.tensors["lm_head.weight"] is w.tensors["embed.weight"]
+            assert w.layouts["qk_proj.weight"]["attrs"] == {"output_dim": 0}
+        assert _image_counters(second)["read"] == 1
+        assert torch is not None
+    finally:
+        second.kill()
+
+
+def test_a_publication_whose_checkpoint_changed_is_not_brought_back(tmp_path):
+    from test_publish import _ckpt, _key, _processed
+
+    from weightcache.client import publish
+
+    ck = _ckpt(tmp_path / "ck")
+    images = tmp_path / "images"
+    cfg = {"service": {"backend": "host", "image_dir": str(images)},
+           "models": {"m": {"path": str(ck), "layouts": [{"tp": 1, "gpus": [0]}]}}}
+    first = start_service(tmp_path / "a", cfg)
+    try:
+        first.wait_settled()
+        publish(str(ck), _key(), _processed(ck), socket_dir=first.socket_dir)
+        img = poll_until(lambda: next((p for p in _images(images) if ".pub-" in p.name), None),
+                         "the publication's image", 60, detail=first.log)
+    finally:
+        first.stop()
+    _replace_checkpoint_file(ck)
+    second = start_service(tmp_path / "b", cfg)
+    try:
+        poll_until(lambda: "reason=identity" in second.log(), "the image refused", 60, detail=second.log)
+        slabs = second.wait_settled()["slabs"]
+        assert [s for s in slabs if s.get("publication")] == [], slabs  # no slot: the next engine publishes
+        assert img.with_name(img.name + ".rejected").exists()
+    finally:
+        second.kill()

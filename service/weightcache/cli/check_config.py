@@ -255,23 +255,24 @@ def _images(cfg: Config, planned: list[tuple[Placement, Any]]) -> tuple[str, lis
     if not on:
         return "", []
     svc = cfg.service
+    image_dir = svc.image_directory({"CACHE_DIRECTORY": "/var/cache/weightcache"})  # as the unit gives it
     limit = human_bytes(svc.image_max_bytes) if svc.image_max_bytes else "no limit"
     rate = f"{human_bytes(svc.image_write_bytes_per_s)}/s" if svc.image_write_bytes_per_s else "no cap"
-    line = f"images: dir={svc.image_dir} limit={limit} write_rate={rate} models={','.join(on)}"
+    line = f"images: dir={image_dir} limit={limit} write_rate={rate} models={','.join(on)}"
     warnings = []
     try:
-        st = os.lstat(svc.image_dir)
+        st = os.lstat(image_dir)
     except FileNotFoundError:
         st = None
     except OSError as e:
-        warnings.append(f"[service] image_dir {svc.image_dir}: {e.strerror}; the service runs without images")
+        warnings.append(f"[service] image_dir {image_dir}: {e.strerror}; the service runs without images")
         st = None
     if st is not None:
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            warnings.append(f"[service] image_dir {svc.image_dir} is a symlink or not a directory: the service "
+            warnings.append(f"[service] image_dir {image_dir} is a symlink or not a directory: the service "
                             f"refuses it and runs without images")
         elif st.st_uid != os.getuid():
-            warnings.append(f"[service] image_dir {svc.image_dir} belongs to uid {st.st_uid}, not uid {os.getuid()} "
+            warnings.append(f"[service] image_dir {image_dir} belongs to uid {st.st_uid}, not uid {os.getuid()} "
                             f"(the user checked as): the service refuses it and runs without images")
     if svc.image_max_bytes:
         for p, pl in planned:

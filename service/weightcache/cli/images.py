@@ -25,7 +25,9 @@ def cmd_images(args: argparse.Namespace) -> int:
         directory, limit = args.dir, 0
     else:
         svc = load_config(args.config).service
-        directory, limit = svc.image_dir, svc.image_max_bytes
+        directory = svc.image_directory({"CACHE_DIRECTORY": os.environ.get("CACHE_DIRECTORY",
+                                                                           "/var/cache/weightcache")})
+        limit = svc.image_max_bytes
     try:
         os.listdir(directory)
     except FileNotFoundError:

@@ -32,7 +32,7 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     pin = false                 # true: never demoted or evicted by the budget
     priority = 0                # higher stays on the GPU longer (and loads first at start)
     preload = "gpu"             # gpu | host (into the host tier) | disk (loaded at the first attach)
-    image = false               # write the ready slab to [service] image_dir and read it back from there
+    image = true                # processed images in [service] image_dir (unset: published slabs only)
 
 Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.pipeline.
 """
@@ -150,9 +150,10 @@ class ModelConfig(LoadRequest):
         pin (`bool`): never demoted or evicted by the memory budget.
         priority (`int`): :data:`PRIORITY_RANGE`; higher stays on the GPU longer and loads first at start.
         preload (`str`): :data:`PRELOADS`; where the slabs go at start.
-        image (`bool`): write each slab the service loads to ``[service] image_dir`` once ready, and read it
-            back from there (before the checkpoint) when no fd-store entry holds it; False by default
-            (docs/configuration.md says why).
+        image (`bool | None`): write each ready slab to ``[service] image_dir``, and read it back from there
+            (before the checkpoint, or for a publication before the engine is asked) when no fd-store entry
+            holds it. None (unset): published slabs yes, slabs the service makes no (docs/configuration.md
+            says why); :meth:`images_for` answers per kind.
     """
 
     allow_users: tuple[str, ...] = ()
@@ -163,7 +164,11 @@ class ModelConfig(LoadRequest):
     priority: int = 0
     preload: str = "gpu"
     publishers: tuple[str, ...] = ()
-    image: bool = False
+    image: bool | None = None
+
+    def images_for(self, published: bool) -> bool:
+        """Whether this model's slabs get processed images: ``image`` when set, else published ones only."""
+        return published if self.image is None else self.image
 
 
 @dataclass(frozen=True)
@@ -249,9 +254,18 @@ class ServiceConfig:
     max_tensors_per_checkpoint: int = 150_000
     #: Processed images (issue 36): where they go, the directory's byte limit (0: none of its own) and the
     #: rate cap of a write, bytes per second (0: none).
-    image_dir: str = "/var/cache/weightcache/images"
+    image_dir: str = ""
     image_max_bytes: int = 0
     image_write_bytes_per_s: int = 1 << 30
+
+    def image_directory(self, environ: Any = None) -> str | None:
+        """Where processed images go: ``image_dir``, else ``images`` in the unit's cache directory
+        (``$CACHE_DIRECTORY``, which ``CacheDirectory=weightcache`` sets: /var/cache/weightcache/images);
+        None when neither is there (a service run by hand keeps no images unless configured)."""
+        if self.image_dir:
+            return self.image_dir
+        cache = (os.environ if environ is None else environ).get("CACHE_DIRECTORY", "").split(":")[0]
+        return os.path.join(cache, "images") if os.path.isabs(cache) else None
 
     def budget_bytes(self, total_bytes: int) -> int:
         """The memory budget in bytes: ``memory_budget_bytes``, else :func:`default_budget_bytes` of ``total_bytes``."""
@@ -411,8 +425,9 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
     lo, hi = PRIORITY_RANGE
     if not lo <= priority <= hi:
         raise _err(path, f"{k}.priority", f"{priority} is out of range: expected {lo}..{hi} (higher stays longer)")
-    image = table.get("image", False)
-    _check_type(path, f"{k}.image", image, bool)
+    image = table.get("image")
+    if image is not None:
+        _check_type(path, f"{k}.image", image, bool)
     preload = table.get("preload", "gpu")
     if preload not in PRELOADS:
         raise _err(path, f"{k}.preload", f"{preload!r} is not one of {', '.join(PRELOADS)}")
@@ -586,7 +601,7 @@ def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], me
             raise _err(str(f), "service.backend", f"{value!r} is not one of {', '.join(BACKENDS)}")
         if key in _SERVICE_RANGES:
             _check_range(str(f), f"service.{key}", value)
-        if key in ("socket_dir", "image_dir"):
+        if key == "socket_dir" or (key == "image_dir" and value):
             _check_absolute(str(f), f"service.{key}", value)
         if key == "operator_groups":
             if not all(isinstance(g, str) and g for g in value):

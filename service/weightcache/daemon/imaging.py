@@ -1,7 +1,8 @@
 """The service's side of processed images (issue 36): the store and its writer, and what the serving loop
 asks of them.
 
-Owns :class:`Imaging`: made at start from ``[service] image_dir``, ``image_max_bytes`` and
+Owns :class:`Imaging`: made at start from ``[service] image_dir`` (else ``$CACHE_DIRECTORY/images``),
+``image_max_bytes`` and
 ``image_write_bytes_per_s`` (:func:`from_config`); :meth:`Imaging.written_after_load` schedules the write
 of a slab the loader made from the checkpoint, for a model with ``image = true``. The loader reads images
 itself (``LoadSettings.images``, :meth:`weightcache.images.ImageStore.find` and ``fill``), before the
@@ -22,9 +23,9 @@ import logging
 import os
 from typing import Any, Callable
 
-from ..config import Config
+from ..config import Config, Placement
 from ..images import ImageStats, ImageStore, ImageWriter, WriteJob
-from .state import Slot
+from .state import Publication, Slot
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,53 @@ class Imaging:
         """Schedules the image write of ``slot`` (just READY or HOSTED) when it was made from the checkpoint
         and its model has ``image = true``; True when scheduled. Serving loop only; returns at once."""
         p = slot.placement
-        if source != "checkpoint" or promoted or not p.model.image or self.store.disabled is not None:
+        if source != "checkpoint" or promoted or not p.model.images_for(False) or self.store.disabled is not None:
             return False
         slab = slot.sealed if slot.sealed is not None else slot.hosted
         if slab is None or slot.manifest is None:
             return False
         return self.writer.schedule(WriteJob(p, slot.manifest, dict(slot.manifest.key), self._source(slab, p.label),
                                              self.priority_of))
+
+    def written_after_publish(self, slot: Slot) -> bool:
+        """Schedules the image write of a publication just committed (READY), unless its model has
+        ``image = false``; True when scheduled. Serving loop only."""
+        if not slot.placement.model.images_for(True) or self.store.disabled is not None or slot.sealed is None:
+            return False
+        return self.writer.schedule(WriteJob(slot.placement, slot.manifest, dict(slot.manifest.key),
+                                             self._source(slot.sealed, slot.label), self.priority_of,
+                                             slot.publication))
+
+    def publication_slots(self, slots: list[Slot], make_slot: Callable[[Any, Publication], Slot | None],
+                          gpu: int) -> list[Slot]:
+        """New PENDING slots for the publication images in the directory that no slot holds yet (the fd store
+        did not keep them), of models configured here from the same checkpoint path, at a (tp_size, tp_rank)
+        the configuration places on this GPU. Reads headers only; the loader checks and reads each
+        (:meth:`weightcache.daemon.loads.Loader._publication_image`)."""
+        held = {s.store_id for s in slots}
+        placed = {(s.placement.model.name, s.placement.tp_size, s.placement.tp_rank) for s in slots
+                  if s.publication is None and s.placement.gpu == gpu}
+        out = []
+        for path, h in self.store.publications():
+            try:
+                placement = Placement.from_json(h.placement)
+                pub = Publication.from_json(h.publication)
+            except ValueError as e:
+                log.warning("publication image ignored file=%s error=%s", path, e)
+                continue
+            m = placement.model
+            if (m.name, placement.tp_size, placement.tp_rank) not in placed or not m.images_for(True):
+                continue
+            slot = make_slot(placement, pub)
+            if slot is None or slot.store_id in held or not slot.placement.model.images_for(True):
+                continue
+            if self.store.path_for(slot.placement, pub) != path:
+                continue  # written for another configuration of the model (path, dtype, naming...)
+            held.add(slot.store_id)
+            out.append(slot)
+            log.info("publication image found model=%s tp_size=%d rank=%d slab=%s file=%s", m.name,
+                     placement.tp_size, placement.tp_rank, slot.label, path)
+        return out
 
     def _source(self, slab: Any, label: str) -> Callable[[], tuple[int, Callable[[], None]]]:
         fd = getattr(slab, "fd", -1)
@@ -86,12 +127,18 @@ class Imaging:
 def from_config(config: Config, backend: Any, stats: ImageStats | None = None) -> Imaging | None:
     """The service's :class:`Imaging`, or None when no model on this service has ``image = true`` or the
     directory cannot be used (logged by :meth:`ImageStore.prepare`)."""
-    if not any(m.image for m in config.models.values()):
+    if not any(m.image is not False for m in config.models.values()):  # unset: publications get images
         return None
     svc = config.service
-    store = ImageStore(svc.image_dir, svc.image_max_bytes, backend.name, stats)
+    directory = svc.image_directory()
+    if directory is None:  # run by hand: no CacheDirectory= and no image_dir
+        if any(m.image for m in config.models.values()):
+            log.warning("images off: a model has image = true but [service] image_dir is unset and no "
+                        "CACHE_DIRECTORY is given (the unit's CacheDirectory=); set image_dir")
+        return None
+    store = ImageStore(directory, svc.image_max_bytes, backend.name, stats)
     if not store.prepare():
         return None
-    log.info("images on dir=%s limit_bytes=%d write_bytes_per_s=%d", svc.image_dir, svc.image_max_bytes,
+    log.info("images on dir=%s limit_bytes=%d write_bytes_per_s=%d", directory, svc.image_max_bytes,
              svc.image_write_bytes_per_s)
     return Imaging(store, ImageWriter(store, svc.image_write_bytes_per_s), backend, config)

@@ -62,7 +62,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from .. import pipeline, quant
+from .. import identity, pipeline, quant
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointCorrupt, ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
@@ -307,6 +307,8 @@ class Loader:
         try:
             if slot.hosted is not None:
                 return self._promote(slot, started, job)
+            if slot.publication is not None:  # a publication's image (daemon.imaging): no plan, no checkpoint read
+                return self._publication_image(slot, started, job)
             prepare = getattr(st.backend, "prepare_fill", None)
             if prepare is not None and tier != "host":  # pinned staging and GPU kernels, while the plan runs
                 prepare(st.options.threads, st.options.buffer_bytes)
@@ -326,7 +328,7 @@ class Loader:
             # A valid image is read before the checkpoint's tensors (the plan read headers only): its header
             # checked here against the key the plan made from the files now, its bytes' digests after the read.
             image = None
-            if st.images is not None and p.model.image:
+            if st.images is not None and p.model.images_for(published=False):
                 image = st.images.find(p, pl.key, pl.records, pl.slab_size_bytes)
             t_plan = time.monotonic()
             allocate = st.backend.allocate_host if tier == "host" else st.backend.allocate
@@ -399,6 +401,63 @@ class Loader:
         finally:
             if ck is not None:  # its directory fds; the error kept in the slot must not hold them
                 ck.close()
+
+    def _publication_image(self, slot: Slot, started: float, job: "_Job") -> Loaded | Failed | Refused:
+        """A publication made again from its image: the checkpoint identity computed from the files now and the
+        rest of the key (the engine key as published, this device) checked against the image's, room, the
+        parallel read, the digests, the seal. No image that passes: ``model_load_failed`` (``cause =
+        image_rejected``): the serving loop drops the slot, and the next engine loads and publishes."""
+        p, st, pub = slot.placement, self.settings, slot.publication
+        writable = None
+        try:
+            ck = Checkpoint(p.model.path, validate=False)
+            try:
+                key = identity.published_key(pub.engine_key, ck, st.device)
+            finally:
+                ck.close()
+            image = st.images.find(p, key, None, None, pub) if st.images is not None else None
+            if image is None:
+                raise ModelLoadFailed(f"model {p.model.name}: the image of publication {slot.label} is missing or "
+                                      f"refused; the next engine loads and publishes it", model=p.model.name,
+                                      cause="image_rejected")
+            size = image.header.data_bytes
+            with job.lock:
+                if not job.abandoned:
+                    self._post(Planned(slot, sum(r.size_bytes for r in image.header.manifest.tensors
+                                                 if r.alias_of is None), None, key.get("checkpoint"), size))
+            self._room(slot, size, "gpu", started, job)
+            t0 = time.monotonic()
+            writable = st.backend.allocate(size, slot.label)
+            done = [0]
+
+            def advance(n: int) -> None:
+                done[0] += n
+                with job.lock:
+                    if not job.abandoned:
+                        self._post(Progress(slot, done[0]))
+
+            got = st.images.fill(image, p, key, writable, st.options, advance)
+            if got is None:
+                raise ModelLoadFailed(f"model {p.model.name}: the image of publication {slot.label} was refused "
+                                      f"(digest); the next engine loads and publishes it", model=p.model.name,
+                                      cause="image_rejected")
+            manifest, read_s, digest_s = got
+            raw = pack_file(manifest, backend=st.backend.name, size_bytes=writable.size_bytes,
+                            checkpoint_path=p.model.path, placement=p.to_json(), publication=pub.to_json())
+            manifest_file = SealedFile.create(raw, f"weightcache:manifest:{slot.label}")
+            try:
+                sealed = writable.seal()
+            except BaseException:
+                manifest_file.close()
+                raise
+            writable = None
+            end = time.monotonic()
+            return Loaded(slot, manifest, sealed, manifest_file, end - started,
+                          {"allocate": t0 - started, "read": read_s, "digest": digest_s}, True, source="image")
+        except _NoRoom as e:
+            return Refused(slot, e.error)
+        except WeightcacheError as e:
+            return self._fail(slot, e, writable)
 
     def _fail(self, slot: Slot, e: WeightcacheError, writable: Any, logged: bool = False) -> Failed:
         if writable is not None:

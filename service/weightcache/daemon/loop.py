@@ -134,6 +134,9 @@ class Daemon:
                 slot.adopt(got.manifest, got.sealed, got.manifest_file)
             if got.dtypes_served is not None:  # as its manifest file records them: no header read to match a dtype
                 slot.dtype_served = {r: r in got.dtypes_served for r in DTYPE_NAMES}
+        if self.images is not None and config_error is None:  # publications the fd store did not keep: images
+            for slot in self.images.publication_slots(self.state.slots, self._publication_slot, gpu):
+                self.state.slots.append(slot)
         if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
             self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 
@@ -218,7 +221,7 @@ class Daemon:
         self.transport.limits = Limits.from_config(eff.config.service)
         self.ctx.policy = access.Policy(self.state.service_uid, eff.config.service.operator_groups,
                                         eff.config.names)  # resolved on the reload worker
-        if self.images is None and any(m.image for m in eff.config.models.values()):
+        if self.images is None and any(m.image is not False for m in eff.config.models.values()):
             self.images = imaging.from_config(eff.config, self.backend)
             if self.images is not None:
                 self.counters.images = self.images.store.stats
@@ -237,6 +240,8 @@ class Daemon:
 
     def _store_slab(self, c: Client | None, eff: StoreSlab) -> None:
         self.fdstore.put(eff.slot, eff.slot.sealed, eff.slot.manifest_file)
+        if self.images is not None and eff.slot.publication is not None:  # a publication just committed
+            self.images.written_after_publish(eff.slot)
 
     def _start_load(self, c: Client, eff: StartLoad) -> None:
         self.loader.submit(eff.slot)
@@ -293,6 +298,9 @@ class Daemon:
                     self.images.written_after_load(result.slot, result.source, result.promoted_from is not None)
             elif isinstance(result, load_results.Failed):
                 self.counters.load_settled(result.slot.placement, result.error.code)
+                if result.slot.publication is not None:  # its image is gone or refused: no slot; engines publish
+                    result.slot.drop()
+                    self.state.slots = [s for s in self.state.slots if s is not result.slot]
         self.offloop.finish_verifies()
         self.offloop.finish_publishes()
         if self.offloop.reloads:
@@ -343,7 +351,8 @@ class Daemon:
         for m in self.tiers.enforce(self.state, "start: the slabs kept in the fd store exceed the budget"):
             self._effect(None, m)
         for s in tiers.start_order(self.state.slots):
-            if s.state is SlotState.PENDING and tiers.start_placement(s):
+            # A PENDING publication here is one its image brings back (daemon.imaging): to the GPU, as published.
+            if s.state is SlotState.PENDING and (s.publication is not None or tiers.start_placement(s)):
                 self.loader.submit(s)
         log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
                  extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))

@@ -16,7 +16,8 @@ The header has one tensor, :data:`TENSOR_NAME` (``U8``, ``[slab_size_bytes]``), 
 - ``backend``: ``host`` or ``cuda`` (the digests' family);
 - ``digest``: ``blake2b:<hex>`` of the packed manifest (header JSON and payload), whose records carry the
   digest of every tensor's bytes: the bytes read are checked against those, the manifest against this;
-- ``written_at``: Unix seconds.
+- ``written_at``: Unix seconds;
+- ``publication`` (a published slab only): the engine key, the publisher's uid and the scope, as JSON.
 
 The data starts at a multiple of :data:`DATA_ALIGN` (4 KiB) so that ``O_DIRECT`` reads and mappings
 of it are aligned.
@@ -66,7 +67,7 @@ def manifest_digest(header: dict[str, Any], payload: bytes) -> str:
 
 
 def build_header(manifest: Manifest, key: dict[str, Any], placement: dict[str, Any], backend: str,
-                 written_at: float) -> bytes:
+                 written_at: float, publication: dict[str, Any] | None = None) -> bytes:
     """The file's first bytes: the u64 length and the JSON header, padded so the data starts at
     a multiple of :data:`DATA_ALIGN`.
 
@@ -76,6 +77,7 @@ def build_header(manifest: Manifest, key: dict[str, Any], placement: dict[str, A
         placement (`dict`): the rank request (``Placement.to_json()``).
         backend (`str`): ``host`` or ``cuda``.
         written_at (`float`): Unix seconds.
+        publication (`dict`, *optional*): a published slab's publication (engine key, publisher, scope).
 
     Returns:
         `bytes`: ``8 + N`` bytes, a multiple of :data:`DATA_ALIGN`.
@@ -87,6 +89,8 @@ def build_header(manifest: Manifest, key: dict[str, Any], placement: dict[str, A
             "key": json.dumps(key, sort_keys=True, separators=(",", ":")),
             "placement": json.dumps(placement, sort_keys=True, separators=(",", ":")),
             "backend": backend, "digest": manifest_digest(mh, payload), "written_at": f"{written_at:.3f}"}
+    if publication is not None:
+        meta["publication"] = json.dumps(publication, sort_keys=True, separators=(",", ":"))
     n = manifest.slab_size_bytes
     head = json.dumps({"__metadata__": meta, TENSOR_NAME: {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}},
                       separators=(",", ":")).encode()
@@ -109,6 +113,7 @@ class ImageHeader:
         data_offset (`int`): file offset of the slab's first byte.
         data_bytes (`int`): the slab's length (``manifest.slab_size_bytes``).
         written_at (`float`): Unix seconds.
+        publication (`dict | None`): a published slab's publication record; None for a slab the service made.
     """
 
     manifest: Manifest
@@ -119,6 +124,7 @@ class ImageHeader:
     data_offset: int
     data_bytes: int
     written_at: float
+    publication: dict[str, Any] | None = None
 
 
 def read_header(fd: int, file_size: int) -> ImageHeader:
@@ -149,6 +155,9 @@ def read_header(fd: int, file_size: int) -> ImageHeader:
         manifest = Manifest.from_wire(packed["header"], payload)
         key, placement = json.loads(meta["key"]), json.loads(meta["placement"])
         digest, backend, written_at = str(meta["digest"]), str(meta["backend"]), float(meta["written_at"])
+        publication = json.loads(meta["publication"]) if "publication" in meta else None
+        if publication is not None and not isinstance(publication, dict):
+            raise TypeError("publication is not an object")
     except ImageFormatError:
         raise
     except (ValueError, KeyError, TypeError, ManifestInvalid) as e:
@@ -159,4 +168,4 @@ def read_header(fd: int, file_size: int) -> ImageHeader:
         raise ImageFormatError(f"{file_size} bytes, expected {8 + n + hi} (a write that did not finish?)")
     if manifest_digest(packed["header"], payload) != digest:
         raise ImageFormatError("the manifest's digest differs from the one recorded", "digest")
-    return ImageHeader(manifest, key, placement, backend, digest, 8 + n, hi, written_at)
+    return ImageHeader(manifest, key, placement, backend, digest, 8 + n, hi, written_at, publication)

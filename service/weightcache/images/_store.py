@@ -78,6 +78,7 @@ class ImageEntry:
         key (`dict`): a summary of its key (architecture, dtype, naming, quant_scheme, pipeline_version,
             backend, compute_capability, checkpoint files); empty when damaged.
         rejected (`bool`): a ``.rejected`` file kept for the operator to look at.
+        publication (`dict | None`): a published slab's engine, engine version, engine key hash and scope.
     """
 
     name: str
@@ -90,12 +91,13 @@ class ImageEntry:
     tp_rank: int = -1
     key: dict | None = None
     rejected: bool = False
+    publication: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
         """As ``weightcache images --json`` prints it."""
         return {"name": self.name, "path": self.path, "size_bytes": self.size_bytes, "written_at": self.written_at,
                 "last_used": self.last_used, "model": self.model, "tp_size": self.tp_size, "tp_rank": self.tp_rank,
-                "key": self.key or {}, "rejected": self.rejected}
+                "key": self.key or {}, "rejected": self.rejected, "publication": self.publication}
 
 
 class Rejected(Exception):
@@ -106,17 +108,23 @@ class Rejected(Exception):
         self.reason = reason
 
 
-def image_name(placement: Any, backend: str) -> str:
+def image_name(placement: Any, backend: str, publication: Any = None) -> str:
     """The file name of the image of ``placement`` (a :class:`weightcache.config.Placement`) on ``backend``.
 
     ``<model>.tp<N>.rank<R>.<16 hex digits>.safetensors``: the hash covers the checkpoint path, the
     dtype, naming, kernel, revision and the backend, so two configurations of one model never share a
-    file, while the instances of several GPUs (one per GPU) with the same rank do.
+    file, while the instances of several GPUs (one per GPU) with the same rank do. A publication
+    (``publication``: its ``engine_key_blake2b``, ``shared``, ``publisher_uid``) adds
+    ``.pub-<16 hex digits of the engine key>`` (and ``-uid<N>`` when private to one uid).
     """
     m = placement.model
     h = blake2b_hex("\0".join((m.path, m.dtype, m.naming, m.kernel, m.revision, backend)).encode(), digest_size=8)
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", m.name)[:80]
-    return f"{safe}.tp{placement.tp_size}.rank{placement.tp_rank}.{h}{SUFFIX}"
+    pub = ""
+    if publication is not None:
+        pub = f".pub-{publication.engine_key_blake2b[:16]}" + ("" if publication.shared
+                                                                 else f"-uid{publication.publisher_uid}")
+    return f"{safe}.tp{placement.tp_size}.rank{placement.tp_rank}.{h}{pub}{SUFFIX}"
 
 
 def comparable_key(key: dict[str, Any]) -> dict[str, Any]:
@@ -202,13 +210,14 @@ class ImageStore:
             except FileNotFoundError:
                 pass
 
-    def path_for(self, placement: Any) -> str:
-        """The image file of ``placement`` in this directory."""
-        return os.path.join(self.directory, image_name(placement, self.backend))
+    def path_for(self, placement: Any, publication: Any = None) -> str:
+        """The image file of ``placement`` (and ``publication``, for a published slab) in this directory."""
+        return os.path.join(self.directory, image_name(placement, self.backend, publication))
 
     # --- reading -------------------------------------------------------------------------
 
-    def find(self, placement: Any, key: dict[str, Any], records: Any, slab_size_bytes: int) -> Image | None:
+    def find(self, placement: Any, key: dict[str, Any], records: Any, slab_size_bytes: int,
+             publication: Any = None) -> Image | None:
         """The image of ``placement`` if one is there and its header fits what is asked; None otherwise.
 
         Reads the header only. An image that does not fit (``access``, ``format``, ``identity``, ``key``,
@@ -217,12 +226,14 @@ class ImageStore:
         Args:
             placement (`Placement`): the slab asked for.
             key (`dict`): the cache key the plan made from the checkpoint as it is now.
-            records (`list[TensorRecord]`): the plan's records (offsets, shapes; no digests).
-            slab_size_bytes (`int`): the plan's slab size.
+            records (`list[TensorRecord] | None`): the plan's records (offsets, shapes; no digests); None for a
+                publication (no plan: its records are the engine's).
+            slab_size_bytes (`int | None`): the plan's slab size (None with ``records``).
+            publication (`Publication`, *optional*): the published slab's publication (names the file).
         """
         if self.disabled is not None:
             return None
-        path = self.path_for(placement)
+        path = self.path_for(placement, publication)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -254,7 +265,8 @@ class ImageStore:
             os.close(fd)
 
     def check(self, header: ImageHeader, key: dict[str, Any], records: Any, slab_size_bytes: int) -> None:
-        """Raises :class:`Rejected` (``identity``, ``key``, ``layout``) when ``header`` does not fit what is asked."""
+        """Raises :class:`Rejected` (``identity``, ``key``, ``layout``) when ``header`` does not fit what is asked
+        (``records`` None: a publication, whose records are only checked to lie inside the data)."""
         if header.key.get("checkpoint") != key.get("checkpoint"):
             diff = identity.diff_keys(key.get("checkpoint"), header.key.get("checkpoint"), "checkpoint.")
             raise Rejected("identity", f"the checkpoint changed since the image was written ({', '.join(diff[:4])})")
@@ -262,6 +274,10 @@ class ImageStore:
         if want != have or header.backend != self.backend:
             diff = identity.diff_keys(want, have) or ["backend"]
             raise Rejected("key", f"the image was made for another key ({', '.join(diff[:4])})")
+        if records is None:  # a publication: its records are the engine's; they must lie inside the data
+            if any(r.offset_bytes + r.size_bytes > header.data_bytes for r in header.manifest.tensors):
+                raise Rejected("layout", "a tensor record lies outside the image's data")
+            return
         if header.data_bytes != slab_size_bytes or _layout(header.manifest.tensors) != _layout(records):
             raise Rejected("layout", "the image's tensor records differ from the plan's")
 
@@ -355,6 +371,30 @@ class ImageStore:
         out.sort(key=lambda e: e.last_used)
         return out
 
+    def publications(self) -> list[tuple[str, ImageHeader]]:
+        """``(path, header)`` of every publication image whose header reads (the service's own files only:
+        regular, ``O_NOFOLLOW``, the service user's); what a start offers back as publications."""
+        out = []
+        for e in self.entries(headers=False):
+            if e.rejected or ".pub-" not in e.name:
+                continue
+            try:
+                fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                    continue
+                h = read_header(fd, st.st_size)
+            except (ImageFormatError, OSError):
+                continue
+            finally:
+                os.close(fd)
+            if h.publication is not None:
+                out.append((e.path, h))
+        return out
+
     def used_bytes(self) -> int:
         """Bytes of every file of the directory (images, rejected ones, writes under way)."""
         total = 0
@@ -422,8 +462,13 @@ def _with_header(e: ImageEntry) -> ImageEntry:
                "backend": dev.get("backend"), "compute_capability": dev.get("compute_capability"),
                "files": len((k.get("checkpoint") or {}).get("files", {})),
                "path": (h.placement.get("model") or {}).get("path")}
+    pub = None
+    if h.publication is not None:
+        ek = h.publication.get("engine_key") or {}
+        pub = {"engine": ek.get("engine"), "engine_version": ek.get("engine_version"),
+               "engine_key_blake2b": h.publication.get("engine_key_blake2b"), "shared": h.publication.get("shared")}
     return ImageEntry(e.name, e.path, e.size_bytes, e.written_at, e.last_used, h.manifest.model, h.manifest.tp_size,
-                      h.manifest.tp_rank, summary, e.rejected)
+                      h.manifest.tp_rank, summary, e.rejected, pub)
 
 
 def _alive(pid: int) -> bool:

@@ -51,6 +51,7 @@ class WriteJob:
         open_source (`callable`): ``() -> (fd, close)``: an fd whose bytes ``[0, slab_size_bytes)`` are the
             slab's, and what to call when done with it (runs on the writer's thread).
         priority_of (`callable`): model name -> its configured ``priority`` (None: not configured), for room.
+        publication (`Publication`, *optional*): a published slab's (``to_json()``, ``engine_key_blake2b``...).
     """
 
     placement: Any
@@ -58,6 +59,7 @@ class WriteJob:
     key: dict
     open_source: Callable[[], tuple[int, Callable[[], None]]]
     priority_of: Callable[[str], int | None]
+    publication: Any = None
 
 
 class ImageWriter:
@@ -79,7 +81,7 @@ class ImageWriter:
 
     def schedule(self, job: WriteJob) -> bool:
         """Queues ``job`` (serving loop; returns at once). False when a write of the same file is queued."""
-        path = self.store.path_for(job.placement)
+        path = self.store.path_for(job.placement, job.publication)
         with self._lock:
             if path in self._pending:
                 return False
@@ -104,7 +106,7 @@ class ImageWriter:
             job = self._jobs.get()
             if job is None:
                 return
-            path = self.store.path_for(job.placement)
+            path = self.store.path_for(job.placement, job.publication)
             try:
                 self.write(job, path)
             except Exception as e:  # noqa: BLE001 - one failed write costs that image only
@@ -124,7 +126,8 @@ class ImageWriter:
         """
         p, st = job.placement, self.store
         size = job.manifest.slab_size_bytes
-        header = build_header(job.manifest, job.key, p.to_json(), st.backend, st.clock())
+        header = build_header(job.manifest, job.key, p.to_json(), st.backend, st.clock(),
+                              job.publication.to_json() if job.publication is not None else None)
         if not st.make_room(len(header) + size, path, job.priority_of):
             st.stats.write_failed()
             log.warning("image not written model=%s tp_size=%d rank=%d size_bytes=%d reason=no-room limit_bytes=%d",
