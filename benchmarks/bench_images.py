@@ -32,8 +32,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (  # noqa: E402
-    GB, LLAMA2_7B, emit, layers_for, service_env, stats, versions, warm_page_cache, write_checkpoint, write_config,
+from bench_common import (
+    GB,
+    LLAMA2_7B,
+    emit,
+    layers_for,
+    service_env,
+    stats,
+    versions,
+    warm_page_cache,
+    write_checkpoint,
+    write_config,
 )
 
 _LOADED = re.compile(r"loaded model=\S+ .*?duration_ms=(\d+) read_ms=(\d+) read_gbps=([\d.]+).*?source=(\w+)")
@@ -135,17 +144,18 @@ def main() -> int:
     ratio_ready = s["image"]["ready_s"]["median"] / s["checkpoint"]["ready_s"]["median"]
     rate_ratio = s["image"]["read_gbps"]["median"] / s["checkpoint"]["read_gbps"]["median"]
     size = first.get("image_bytes", img.stat().st_size)
-    md = [f"Processed images: {size / GB:.2f} GB slab ({shape.layers} Llama-2-7B layers, BF16), backend {backend}, "
-          f"{args.reps} reps each, from the page cache; medians (min-max)", "",
-          "| source | service load (s) | read rate (GB/s) | spawn -> READY (s) |", "|---|---|---|---|"]
+    title = (f"Processed images: {size / GB:.2f} GB slab ({shape.layers} Llama-2-7B layers, BF16), backend {backend}, "
+             f"{args.reps} reps each, from the page cache; medians (min-max)")
+    md = [title, "", "| source | service load (s) | read rate (GB/s) | spawn -> READY (s) |", "|---|---|---|---|"]
     for k in ("checkpoint", "image"):
         row = [f"{s[k][f]['median']:.3f} ({s[k][f]['min']:.3f}-{s[k][f]['max']:.3f})" for f in
                ("load_s", "read_gbps", "ready_s")]
         md.append(f"| {k} | " + " | ".join(row) + " |")
-    md += ["", f"image / checkpoint: load {ratio_load:.2f}x, spawn -> READY {ratio_ready:.2f}x; read rate "
-               f"{rate_ratio:.2f}x (issue target >= 0.9x the rate; <= 1.1x to READY on the GPU)",
-           f"image write (first run, uncapped): {first.get('write_s', float('nan')):.3f} s, "
-           f"{first.get('write_gbps', float('nan')):.2f} GB/s"]
+    ratios = (f"image / checkpoint: load {ratio_load:.2f}x, spawn -> READY {ratio_ready:.2f}x; read rate "
+              f"{rate_ratio:.2f}x (issue target >= 0.9x the rate; <= 1.1x to READY on the GPU)")
+    write = (f"image write (first run, uncapped): {first.get('write_s', float('nan')):.3f} s, "
+             f"{first.get('write_gbps', float('nan')):.2f} GB/s")
+    md += ["", ratios, write]
     emit("bench_images", {"device": args.device, "size_bytes": size, "runs": runs, "stats": s, "first": first,
                           "ratio_load": ratio_load, "ratio_ready": ratio_ready, "rate_ratio": rate_ratio,
                           "versions": versions()}, "\n".join(md))

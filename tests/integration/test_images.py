@@ -21,9 +21,19 @@ import struct
 from pathlib import Path
 
 import pytest
-from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint, write_checkpoint
-
-from service_harness import (SERVICE_DIR, _TORCH_BLOCKER, poll_until, start_service, torch_import_attempts)
+from checkpoints import (
+    compare_bytes,
+    llama_checkpoint,
+    read_checkpoint,
+    write_checkpoint,
+)
+from service_harness import (
+    _TORCH_BLOCKER,
+    SERVICE_DIR,
+    poll_until,
+    start_service,
+    torch_import_attempts,
+)
 from weightcache import attach, protocol
 
 #: Written by the service's sitecustomize: every read of a file under $WC_TEST_WATCH_DIR, as JSON lines.
@@ -114,8 +124,11 @@ def _images(d: Path) -> list[Path]:
 
 
 def _wait_image(d: Path, count: int = 1, svc=None) -> list[Path]:
-    return poll_until(lambda: (lambda got: got if len(got) >= count else None)(_images(d)),
-                      f"{count} image(s) in {d}", 60, detail=svc.log if svc else None)
+    def enough() -> list[Path] | None:
+        got = _images(d)
+        return got if len(got) >= count else None
+
+    return poll_until(enough, f"{count} image(s) in {d}", 60, detail=svc.log if svc else None)
 
 
 def _config(models: dict, image_dir: Path, **service) -> dict:
@@ -154,7 +167,9 @@ def test_a_stopped_service_starts_ready_from_the_image_without_torch_or_the_chec
         first.stop()  # SIGTERM, no fd store: the slab is gone with the process
     assert oct(img.stat().st_mode & 0o777) == "0o600" and oct(images.stat().st_mode & 0o777) == "0o700"
     assert img.stat().st_uid == os.getuid()
-    from safetensors import safe_open  # another tool reads it: one U8 tensor, the manifest and key beside
+    from safetensors import (
+        safe_open,  # another tool reads it: one U8 tensor, the manifest and key beside
+    )
 
     with safe_open(str(img), "np") as f:
         meta = f.metadata()
@@ -216,7 +231,7 @@ def _replace_checkpoint_file(ck: Path) -> None:
     """Writes one shard again with the same tensors: same bytes, a new file (inode, mtime): another identity."""
     from safetensors.torch import load_file, save_file
 
-    f = sorted(ck.glob("*.safetensors"))[0]
+    f = min(ck.glob("*.safetensors"))
     tensors = {k: v.clone() for k, v in load_file(str(f)).items()}
     tmp = f.with_name("replacement.tmp")
     save_file(tensors, str(tmp))
@@ -380,7 +395,6 @@ def test_a_publication_comes_back_from_its_image_after_a_stop(tmp_path):
     before any engine asks, and ``attach_published`` gives the published bytes, names, views and attrs."""
     torch = pytest.importorskip("torch")
     from test_publish import _ckpt, _key, _processed, _same
-
     from weightcache.client import attach_published, publish
 
     ck = _ckpt(tmp_path / "ck")
@@ -418,7 +432,6 @@ def test_a_publication_comes_back_from_its_image_after_a_stop(tmp_path):
 
 def test_a_publication_whose_checkpoint_changed_is_not_brought_back(tmp_path):
     from test_publish import _ckpt, _key, _processed
-
     from weightcache.client import publish
 
     ck = _ckpt(tmp_path / "ck")

@@ -8,8 +8,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from weightcache.images import (DATA_ALIGN, ImageFormatError, ImageStore, build_header, image_name, read_header)
+from weightcache.images import (
+    DATA_ALIGN,
+    ImageFormatError,
+    ImageStore,
+    build_header,
+    image_name,
+    read_header,
+)
 from weightcache.manifest import Manifest, TensorRecord
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..config import Config, Placement
 from ..images import ImageStats, ImageStore, ImageWriter, WriteJob

@@ -14,10 +14,28 @@ Forbidden imports: torch, socket, selectors, weightcache.daemon, weightcache.cli
 
 from __future__ import annotations
 
-from ._format import DATA_ALIGN, FORMAT, REJECTED_SUFFIX, SUFFIX, TENSOR_NAME, ImageFormatError, ImageHeader, \
-    build_header, read_header
+from ._format import (
+           DATA_ALIGN,
+           FORMAT,
+           REJECTED_SUFFIX,
+           SUFFIX,
+           TENSOR_NAME,
+           ImageFormatError,
+           ImageHeader,
+           build_header,
+           read_header,
+)
 from ._stats import ImageStats
-from ._store import DEFAULT_IMAGE_DIR, TMP_MARK, Image, ImageEntry, ImageStore, Rejected, comparable_key, image_name
+from ._store import (
+           DEFAULT_IMAGE_DIR,
+           TMP_MARK,
+           Image,
+           ImageEntry,
+           ImageStore,
+           Rejected,
+           comparable_key,
+           image_name,
+)
 from ._writer import ImageWriter, WriteJob
 
 __all__ = ["DATA_ALIGN", "DEFAULT_IMAGE_DIR", "FORMAT", "REJECTED_SUFFIX", "SUFFIX", "TENSOR_NAME", "TMP_MARK", "Image",

@@ -28,8 +28,9 @@ import os
 import re
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .. import digest, identity
 from ..errors import WeightcacheError
@@ -37,7 +38,14 @@ from ..hashes import blake2b_hex
 from ..journal import event
 from ..manifest import Manifest, TensorRecord
 from ..reader import LoaderOptions, ReadTask, read_direct
-from ._format import REJECTED_SUFFIX, SUFFIX, TENSOR_NAME, ImageFormatError, ImageHeader, read_header
+from ._format import (
+    REJECTED_SUFFIX,
+    SUFFIX,
+    TENSOR_NAME,
+    ImageFormatError,
+    ImageHeader,
+    read_header,
+)
 from ._stats import ImageStats
 
 log = logging.getLogger(__package__)
@@ -118,7 +126,7 @@ def image_name(placement: Any, backend: str, publication: Any = None) -> str:
     ``.pub-<16 hex digits of the engine key>`` (and ``-uid<N>`` when private to one uid).
     """
     m = placement.model
-    h = blake2b_hex("\0".join((m.path, m.dtype, m.naming, m.kernel, m.revision, backend)).encode(), digest_size=8)
+    h = blake2b_hex(f"{m.path}\0{m.dtype}\0{m.naming}\0{m.kernel}\0{m.revision}\0{backend}".encode(), digest_size=8)
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", m.name)[:80]
     pub = ""
     if publication is not None:
