@@ -135,3 +135,64 @@ def test_image_names_differ_by_checkpoint_and_backend_not_by_gpu():
     a, b = _placement(path="/srv/a"), _placement(path="/srv/b")
     assert image_name(a, "host") != image_name(b, "host") != image_name(b, "cuda")
     assert image_name(a, "host").startswith("m.tp1.rank0.") and image_name(a, "host").endswith(".safetensors")
+
+
+def test_a_gpu_slab_is_held_for_the_writers_read_until_the_image_is_written(tmp_path):
+    """On the cuda backend the writer copies the GPU slab to a host memfd (``backend.demote``) on its thread;
+    the slab is held (an eviction waits, the OffLoop's read count) from the scheduling until the write ended.
+    The backend here stands in for CUDA with a memfd: what is checked is the hold, the release and the file."""
+    import threading
+
+    from weightcache.config import Config, ModelConfig, Placement
+    from weightcache.daemon.imaging import Imaging
+    from weightcache.daemon.state import Slot
+    from weightcache.images import ImageWriter, read_header
+
+    data = bytes(range(256)) * 16
+    fd = os.memfd_create("gpu-stand-in")
+    os.write(fd, data)
+
+    class Hosted:
+        def __init__(self) -> None:
+            self.fd, self.closed = os.dup(fd), False
+
+        def close(self) -> None:
+            os.close(self.fd)
+            self.closed = True
+
+    class Gpu:  # what the writer sees of a CudaSealedSlab: it offers digests, no host fd
+        size_bytes = len(data)
+
+        def digests(self, ranges):
+            raise AssertionError("not called by the writer")
+
+    copies = []
+
+    class Backend:
+        name = "cuda"
+
+        def demote(self, sealed, label):
+            copies.append(Hosted())
+            return copies[-1]
+
+    model = ModelConfig(name="m", path="/srv/m", image=True)
+    placement = Placement(model, 1, 0, 0)
+    slot = Slot(placement)
+    slot.manifest, slot.sealed = _manifest("m", len(data)), Gpu()
+    store = ImageStore(str(tmp_path / "img"), 0, "cuda")
+    assert store.prepare()
+    imaging = Imaging(store, ImageWriter(store, 0), Backend(), Config(models={"m": model}))
+    held, released, done = [], [], threading.Event()
+    imaging.reader_hold = (held.append, lambda s: (released.append(s), done.set()))
+    assert imaging.written_after_load(slot, "checkpoint", promoted=False)
+    assert held == [slot.sealed]
+    assert done.wait(30) and released == [slot.sealed]
+    assert copies and copies[0].closed
+    path = store.path_for(placement)
+    rfd = os.open(path, os.O_RDONLY)
+    try:
+        h = read_header(rfd, os.fstat(rfd).st_size)
+        assert os.pread(rfd, h.data_bytes, h.data_offset) == data and h.backend == "cuda"
+    finally:
+        os.close(rfd)
+        os.close(fd)

@@ -2,9 +2,10 @@
 asks of them.
 
 Owns :class:`Imaging`: made at start from ``[service] image_dir`` (else ``$CACHE_DIRECTORY/images``),
-``image_max_bytes`` and
-``image_write_bytes_per_s`` (:func:`from_config`); :meth:`Imaging.written_after_load` schedules the write
-of a slab the loader made from the checkpoint, for a model with ``image = true``. The loader reads images
+``image_max_bytes`` and ``image_write_bytes_per_s`` (:func:`from_config`); :meth:`Imaging.written_after_load`
+schedules the write of a slab the loader made from the checkpoint, for a model with ``image = true``;
+:meth:`Imaging.written_after_publish` that of a publication (unless ``image = false``);
+:meth:`Imaging.publication_slots` the slots a start makes for the publication images it finds. The loader reads images
 itself (``LoadSettings.images``, :meth:`weightcache.images.ImageStore.find` and ``fill``), before the
 checkpoint's tensors, whenever a slab is wanted and no fd-store entry holds it (start-up preload, an
 attach of an ``on_disk`` slab, ``preload``). A slab that came from an image, from the fd store or from a
@@ -12,7 +13,8 @@ publication is not written again.
 
 The bytes of a host slab are read by the writer through a duplicate of its memfd (an eviction meanwhile
 frees nothing under it); a CUDA slab is first copied to a host memfd on the writer's thread
-(``backend.demote``; host memory of the slab's size while it is written).
+(``backend.demote``; host memory of the slab's size while it is written), held meanwhile in the
+OffLoop's read count (:attr:`Imaging.reader_hold`), so that an eviction's FreeSlab waits for the copy.
 
 Forbidden imports: socket, selectors, torch, weightcache.daemon.transport, weightcache.daemon.loop.
 """
@@ -43,6 +45,10 @@ class Imaging:
 
     def __init__(self, store: ImageStore, writer: ImageWriter, backend: Any, config: Config) -> None:
         self.store, self.writer, self.backend = store, writer, backend
+        #: ``(hold, release)`` for a GPU slab the writer copies: ``hold(sealed)`` on the serving loop when the
+        #: write is scheduled, ``release(sealed)`` on the writer's thread once it is done (the serving loop
+        #: wires them to its OffLoop, so that an eviction meanwhile waits for the copy). None: host slabs only.
+        self.reader_hold: tuple[Callable[[Any], None], Callable[[Any], None]] | None = None
         self.configure(config)
 
     def configure(self, config: Config) -> None:
@@ -65,17 +71,29 @@ class Imaging:
         slab = slot.sealed if slot.sealed is not None else slot.hosted
         if slab is None or slot.manifest is None:
             return False
-        return self.writer.schedule(WriteJob(p, slot.manifest, dict(slot.manifest.key), self._source(slab, p.label),
-                                             self.priority_of))
+        return self._schedule(WriteJob(p, slot.manifest, dict(slot.manifest.key), self._source(slab, p.label),
+                                       self.priority_of), slab)
 
     def written_after_publish(self, slot: Slot) -> bool:
         """Schedules the image write of a publication just committed (READY), unless its model has
         ``image = false``; True when scheduled. Serving loop only."""
         if not slot.placement.model.images_for(True) or self.store.disabled is not None or slot.sealed is None:
             return False
-        return self.writer.schedule(WriteJob(slot.placement, slot.manifest, dict(slot.manifest.key),
-                                             self._source(slot.sealed, slot.label), self.priority_of,
-                                             slot.publication))
+        return self._schedule(WriteJob(slot.placement, slot.manifest, dict(slot.manifest.key),
+                                       self._source(slot.sealed, slot.label), self.priority_of, slot.publication),
+                              slot.sealed)
+
+    def _schedule(self, job: WriteJob, slab: Any) -> bool:
+        """Queues ``job``; a GPU slab is held for the writer's read (:attr:`reader_hold`) until it is done."""
+        gpu = self.backend.name != "host" and hasattr(slab, "digests")
+        if gpu and self.reader_hold is not None:
+            hold, release = self.reader_hold
+            job.on_done = lambda: release(slab)
+            if not self.writer.schedule(job):
+                return False
+            hold(slab)  # on the serving loop, before the writer's thread can reach on_done's post
+            return True
+        return self.writer.schedule(job)
 
     def publication_slots(self, slots: list[Slot], make_slot: Callable[[Any, Publication], Slot | None],
                           gpu: int) -> list[Slot]:

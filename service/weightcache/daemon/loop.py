@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import signal
 import socket
 import time
@@ -106,13 +107,14 @@ class Daemon:
                                    trusted_uids=frozenset({0, self.state.service_uid}))
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         #: Host-backend slabs freed while something else still maps them: counted in the budget (issue 38, P2).
         self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else None
-        #: Processed images (issue 36): None when no model has ``image = true`` or the directory is refused.
-        self.images = imaging.from_config(config, backend)
-        if self.images is not None:
-            self.counters.images = self.images.store.stats
+        #: Processed images (issue 36): None without an image directory, or when it is refused.
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: GPU slabs an image write finished reading (posted by the writer's thread, released on this loop).
+        self._image_reads_done: queue.SimpleQueue = queue.SimpleQueue()
+        self.images = None
+        self._use_images(imaging.from_config(config, backend))
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
@@ -222,13 +224,24 @@ class Daemon:
         self.ctx.policy = access.Policy(self.state.service_uid, eff.config.service.operator_groups,
                                         eff.config.names)  # resolved on the reload worker
         if self.images is None and any(m.image is not False for m in eff.config.models.values()):
-            self.images = imaging.from_config(eff.config, self.backend)
-            if self.images is not None:
-                self.counters.images = self.images.store.stats
+            self._use_images(imaging.from_config(eff.config, self.backend))
         elif self.images is not None:
             self.images.configure(eff.config)
         self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
         self.counters.track(eff.config.placements(self.gpu))  # label values of models the reload added
+
+    def _use_images(self, images: imaging.Imaging | None) -> None:
+        """Takes ``images`` (None: none): its counters in the metrics, its GPU slab reads held by the OffLoop."""
+        self.images = images
+        if images is None:
+            return
+        self.counters.images = images.store.stats
+
+        def released(sealed: Any) -> None:  # the writer's thread: hand it to this loop
+            self._image_reads_done.put(sealed)
+            self._wake()
+
+        images.reader_hold = (lambda sealed: self.offloop.hold_for_read(sealed), released)
 
     def _load_settings(self, cfg: Config) -> LoadSettings:
         svc = cfg.service
@@ -278,6 +291,8 @@ class Daemon:
         except BlockingIOError:
             pass
         self.offloop.finish_demotions()
+        while not self._image_reads_done.empty():
+            self.offloop.done_reading(self._image_reads_done.get_nowait())
         for result in self.loader.results():
             if result.slot.state is SlotState.DROPPED:  # a reload removed it while it loaded
                 load_results.discard(result)

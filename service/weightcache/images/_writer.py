@@ -61,6 +61,8 @@ class WriteJob:
     open_source: Callable[[], tuple[int, Callable[[], None]]]
     priority_of: Callable[[str], int | None]
     publication: Any = None
+    #: Called on the writer's thread once the job ended, whatever the outcome (the GPU slab's read is over).
+    on_done: Callable[[], None] | None = None
 
 
 class ImageWriter:
@@ -81,7 +83,8 @@ class ImageWriter:
         self._started = False
 
     def schedule(self, job: WriteJob) -> bool:
-        """Queues ``job`` (serving loop; returns at once). False when a write of the same file is queued."""
+        """Queues ``job`` (serving loop; returns at once). False when a write of the same file is queued
+        (``job.on_done`` is not called then)."""
         path = self.store.path_for(job.placement, job.publication)
         with self._lock:
             if path in self._pending:
@@ -118,6 +121,8 @@ class ImageWriter:
             finally:
                 with self._lock:
                     self._pending.discard(path)
+                if job.on_done is not None:
+                    job.on_done()
 
     def write(self, job: WriteJob, path: str) -> bool:
         """Writes one image to ``path`` (on the calling thread); False when there is no room for it.
