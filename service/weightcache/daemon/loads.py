@@ -351,11 +351,13 @@ class Loader:
 
             filled, source = None, "checkpoint"
             if image is not None:
-                done = [0]
+                done, done_lock = [0], threading.Lock()
 
-                def advance(n: int) -> None:
-                    done[0] += n
-                    progress(done[0], pl.payload_bytes)
+                def advance(n: int) -> None:  # the reader's threads: bytes of each piece
+                    with done_lock:
+                        done[0] += n
+                        now_done = done[0]
+                    progress(min(now_done, pl.payload_bytes), pl.payload_bytes)
 
                 got = st.images.fill(image, p, pl.key, writable, st.options, advance)
                 if got is None:  # a digest differed: the image is moved aside; a fresh slab from the checkpoint
@@ -428,13 +430,17 @@ class Loader:
             self._room(slot, size, "gpu", started, job)
             t0 = time.monotonic()
             writable = st.backend.allocate(size, slot.label)
-            done = [0]
+            done, done_lock = [0], threading.Lock()
 
-            def advance(n: int) -> None:
-                done[0] += n
+            def advance(n: int) -> None:  # the reader's threads: bytes of each piece
+                with done_lock:
+                    done[0] += n
+                    now_done = done[0]
+                if time.monotonic() - started > st.timeout_s or job.abandoned:
+                    raise self._timeout(slot, f"{now_done} bytes of the image read")
                 with job.lock:
                     if not job.abandoned:
-                        self._post(Progress(slot, done[0]))
+                        self._post(Progress(slot, now_done))
 
             got = st.images.fill(image, p, key, writable, st.options, advance)
             if got is None:

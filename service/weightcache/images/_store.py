@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import digest, identity
-from ..errors import WeightcacheError
+from ..errors import CheckpointCorrupt, CheckpointNotFound, CheckpointUnreadable
 from ..hashes import blake2b_hex
 from ..journal import event
 from ..manifest import Manifest, TensorRecord
@@ -307,7 +307,9 @@ class ImageStore:
         try:
             read_direct([ReadTask(image.path, h.data_offset, h.data_bytes, 0, TENSOR_NAME)], writable, opts, progress,
                         with_digests=False)
-        except (WeightcacheError, OSError) as e:  # ended early, replaced by a non-regular file...: the checkpoint then
+        except (CheckpointCorrupt, CheckpointNotFound, CheckpointUnreadable, OSError) as e:
+            # The image's own fault (ended early, removed, replaced by a non-regular file): the checkpoint then.
+            # A cancel or timeout raised by ``progress`` is the load's and goes up as it is.
             self.reject(placement, image.path, Rejected("format", f"read failed: {getattr(e, 'message', e)}"))
             return None
         t1 = time.monotonic()
