@@ -167,10 +167,19 @@ def test_a_stopped_service_starts_ready_from_the_image_without_torch_or_the_chec
         first.stop()  # SIGTERM, no fd store: the slab is gone with the process
     assert oct(img.stat().st_mode & 0o777) == "0o600" and oct(images.stat().st_mode & 0o777) == "0o700"
     assert img.stat().st_uid == os.getuid()
-    from safetensors import (
-        safe_open,  # another tool reads it: one U8 tensor, the manifest and key beside
-    )
+    import subprocess
+    import sys
 
+    from safetensors import safe_open
+    from service_harness import service_env
+
+    listed = subprocess.run([sys.executable, "-m", "weightcache", "images", "--dir", str(images), "--json"],
+                            capture_output=True, text=True, timeout=60, env=service_env(), check=True).stdout
+    (entry,) = [json.loads(line) for line in listed.splitlines()]
+    assert (entry["model"], entry["tp_size"], entry["tp_rank"], entry["size_bytes"]) == ("m", 1, 0, img.stat().st_size)
+    assert entry["key"]["architecture"] == "LlamaForCausalLM" and entry["key"]["backend"] == "host"
+    assert not entry["rejected"]
+    # Another tool reads it: one U8 tensor, the manifest and key beside.
     with safe_open(str(img), "np") as f:
         meta = f.metadata()
         assert list(f.keys()) == ["weightcache.slab"] and meta["format"] == "weightcache-image-1"
