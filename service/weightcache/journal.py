@@ -43,6 +43,9 @@ MESSAGE_IDS = {
     "shelved": "9b93fa1d3b644b4cbf0b4b8438d3534b",
     "backend": "b8d4268cc41644dcbebfd2edd4c254b6",
     "published": "6aea506d539c4cc0b81bd2def38dc7ae",
+    "image_written": "706ee30dcfa7447581fb36f12a92793a",
+    "image_read": "4ef037d4cb7b4db8a12a1f062f0100d8",
+    "image_rejected": "0a157b223a074af3bae12382624f7158",
 }
 
 

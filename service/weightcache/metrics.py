@@ -106,8 +106,18 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "weightcache_slab_last_load_duration_seconds": ("gauge", SLAB_LABELS,
                                                     "Duration of the slab's last load since start, seconds"),
     "weightcache_slab_last_load_bytes": ("gauge", SLAB_LABELS, "Payload bytes written by the slab's last load"),
-    "weightcache_loads": ("counter", SLAB_LABELS + ("outcome", "code"),
-                          "Loads that ended, by outcome (loaded, failed) and error code"),
+    "weightcache_loads": ("counter", SLAB_LABELS + ("outcome", "code", "source"),
+                          "Loads that ended, by outcome (loaded, failed), error code and source (checkpoint, image)"),
+    "weightcache_images_written": ("counter", ("gpu",), "Images written to the image directory"),
+    "weightcache_image_written_bytes": ("counter", ("gpu",), "Slab bytes written to images, bytes"),
+    "weightcache_image_write_seconds": ("counter", ("gpu",), "Time spent writing images, seconds"),
+    "weightcache_image_write_failures": ("counter", ("gpu",), "Image writes that did not finish (no room, I/O)"),
+    "weightcache_images_read": ("counter", ("gpu",), "Slabs made from a valid image instead of the checkpoint"),
+    "weightcache_image_read_bytes": ("counter", ("gpu",), "Slab bytes read from images, bytes"),
+    "weightcache_image_read_seconds": ("counter", ("gpu",), "Time spent reading and checking images, seconds"),
+    "weightcache_images_rejected": ("counter", ("gpu", "reason"),
+                                    "Images not served, by reason (digest, identity, key, layout, format, access)"),
+    "weightcache_images_removed": ("counter", ("gpu",), "Images removed to keep within image_max_bytes"),
     "weightcache_verify_runs": ("counter", SLAB_LABELS, "verify requests that recomputed the slab's digests"),
     "weightcache_verify_failures": ("counter", SLAB_LABELS, "verify runs that found a changed tensor"),
     "weightcache_attaches": ("counter", ("gpu", "model", "outcome", "code"),
@@ -277,7 +287,16 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
         fam.add("weightcache_verify_runs", lab, sc.verify_runs)
         fam.add("weightcache_verify_failures", lab, sc.verify_failures)
     for lc in co.loads:
-        fam.add("weightcache_loads", (g, lc.model, lc.tp_size, lc.tp_rank, lc.outcome, lc.code), lc.count)
+        fam.add("weightcache_loads", (g, lc.model, lc.tp_size, lc.tp_rank, lc.outcome, lc.code, lc.source), lc.count)
+    im = co.images or {}  # zeros for a service without images (or an older one)
+    for name, field in (("weightcache_images_written", "written"), ("weightcache_image_written_bytes", "written_bytes"),
+                        ("weightcache_image_write_seconds", "write_seconds"),
+                        ("weightcache_image_write_failures", "write_failures"), ("weightcache_images_read", "read"),
+                        ("weightcache_image_read_bytes", "read_bytes"), ("weightcache_image_read_seconds", "read_seconds"),
+                        ("weightcache_images_removed", "removed")):
+        fam.add(name, (g,), im.get(field, 0))
+    for reason in ("digest", "identity", "key", "layout", "format", "access"):
+        fam.add("weightcache_images_rejected", (g, reason), (im.get("rejected") or {}).get(reason, 0))
     for ac in co.attaches:
         fam.add("weightcache_attaches", (g, ac.model, ac.outcome, ac.code), ac.count)
     for pc in co.publishes:

@@ -91,6 +91,41 @@ def test_first_start_publishes_second_attaches_the_publication(service, qwen3, r
     assert probe2["params"] == probe1["params"] and probe2["outside"] == [], probe2
 
 
+def test_a_publication_survives_a_stop_through_its_image(workdir, qwen3, reference):
+    """Issue 36: the first engine publishes, the service writes the publication's image and is stopped (no fd
+    store: the slab is gone), a new service brings it back from the image before any engine asks, and the
+    next engine attaches it by its key (``weightcache attached published``, no load and no publish of its own)
+    with the default loader's tokens."""
+    images = workdir / "images-stop"
+    cfg = {"qwen3": {"path": qwen3, "dtype": "float32"}}
+    first_svc = harness.start_service(workdir / "img1", cfg, image_dir=str(images))
+    try:
+        first_svc.wait_settled()
+        first, out1 = run_engine(qwen3, load_format="weightcache_publish",
+                                 extra={"socket_dir": first_svc.socket_dir})
+        assert tokens_of(first, out1) == reference
+        assert len(log_lines(out1, "weightcache published")) == 1, out1[-6000:]
+        harness.poll_until(lambda: any(".pub-" in p.name and not p.name.startswith(".") and
+                                       p.name.endswith(".safetensors") for p in images.iterdir()),
+                           "the publication's image", 120, detail=first_svc.log)
+    finally:
+        first_svc.stop()
+    second_svc = harness.start_service(workdir / "img2", cfg, image_dir=str(images))
+    try:
+        slabs = second_svc.wait_settled()["slabs"]
+        pubs = [s for s in slabs if s.get("publication")]
+        assert [(s["state"], s["source"]) for s in pubs] == [("ready", "image")], second_svc.log()
+        second, out2 = run_engine(qwen3, load_format="weightcache_publish", extra={"socket_dir": second_svc.socket_dir},
+                                  probe=True)
+        assert tokens_of(second, out2) == reference
+        assert len(log_lines(out2, "weightcache attached published")) == 1, out2[-6000:]
+        assert not log_lines(out2, "weightcache published ")
+        (probe,) = second["probe"]
+        assert probe["params"] > 0 and probe["outside"] == [], probe  # every parameter in the service's slab
+    finally:
+        second_svc.kill()
+
+
 def test_no_service_is_vllms_default_load(workdir, qwen3, reference):
     """The loader never stops an engine the default loader starts: no service, the reason logged, same tokens."""
     result, out = run_engine(qwen3, load_format="weightcache_publish", extra={"socket_dir": str(workdir / "none")})

@@ -118,8 +118,8 @@ def test_values_equal_status_json(node):
     assert value(smp, "weightcache_slab_state", state="failed", **broken) == 1
     assert value(smp, "weightcache_slab_leases", **minilm) == 1
     failed_code = next(sl for sl in status["gpus"][0]["slabs"] if sl["model"] == "broken")["error"]["code"]
-    assert value(smp, "weightcache_loads_total", outcome="failed", code=failed_code, **broken) == 1
-    assert value(smp, "weightcache_loads_total", outcome="loaded", code="", **minilm) == 1
+    assert value(smp, "weightcache_loads_total", outcome="failed", code=failed_code, source="checkpoint", **broken) == 1
+    assert value(smp, "weightcache_loads_total", outcome="loaded", code="", source="checkpoint", **minilm) == 1
     total = next(sl for sl in status["gpus"][0]["slabs"] if sl["model"] == "minilm")["total_bytes"]
     assert value(smp, "weightcache_slab_last_load_bytes", **minilm) == total
     assert value(smp, "weightcache_slab_last_load_duration_seconds", **minilm) > 0

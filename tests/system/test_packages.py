@@ -552,6 +552,7 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
         "/run/systemd/generator/weightcache.target.wants",
         "/run/weightcache",
         "/var/lib/weightcache",
+        "/var/cache/weightcache",
         "/opt/weightcache",
     )
     assert left == [], left

@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     client_opts(sp)
     sp.set_defaults(fn="publish:cmd_publish", timeout=60.0)
 
+    sp = sub.add_parser("images", help="the processed images on disk: size, key summary, age, last use")
+    sp.add_argument("--config", help="config file (default: $WEIGHTCACHE_CONFIG or /etc/weightcache/weightcache.toml)")
+    sp.add_argument("--dir", help="the image directory (default: the config's [service] image_dir)")
+    sp.add_argument("--json", action="store_true", help="one JSON object per image")
+    sp.set_defaults(fn="images:cmd_images")
+
     sp = sub.add_parser("serve-metrics", help="answer GET /metrics over HTTP (weightcache-metrics.service)")
     client_opts(sp, gpu=False)
     sp.add_argument("--config", default=None, help="main config file (default $WEIGHTCACHE_CONFIG or "

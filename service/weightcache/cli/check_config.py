@@ -138,6 +138,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         problems += too_big.values()
         warnings += _over_budget(cfg, gpu, [(p, pl) for p, pl in here if p.label not in too_big])
     warnings += _same_slab_twice(planned)
+    line, more = _images(cfg, planned)
+    if line:
+        print(line)
+    warnings += more
     for msg in warnings:
         print(f"warning: {msg}", file=sys.stderr)
     for msg in problems:
@@ -240,3 +244,40 @@ def _same_slab_twice(planned: list[tuple[Placement, Any]]) -> list[str]:
                    f"same dtype, naming and kernel, so the service holds {human_bytes(pl.slab_size_bytes)} "
                    f"twice and an attach by path gets {a.model.name}; keep one of the two [models] tables")
     return out
+
+
+def _images(cfg: Config, planned: list[tuple[Placement, Any]]) -> tuple[str, list[str]]:
+    """The ``images:`` line (empty when no model has ``image = true``) and its warnings: a directory the
+    service would refuse (a symlink, another user's, not a directory), a byte limit below a slab's image."""
+    import stat
+
+    on = sorted(name for name, m in cfg.models.items() if m.image)
+    if not on:
+        return "", []
+    svc = cfg.service
+    image_dir = svc.image_directory({"CACHE_DIRECTORY": "/var/cache/weightcache"})  # as the unit gives it
+    limit = human_bytes(svc.image_max_bytes) if svc.image_max_bytes else "no limit"
+    rate = f"{human_bytes(svc.image_write_bytes_per_s)}/s" if svc.image_write_bytes_per_s else "no cap"
+    line = f"images: dir={image_dir} limit={limit} write_rate={rate} models={','.join(on)}"
+    warnings = []
+    try:
+        st = os.lstat(image_dir)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        warnings.append(f"[service] image_dir {image_dir}: {e.strerror}; the service runs without images")
+        st = None
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            warnings.append(f"[service] image_dir {image_dir} is a symlink or not a directory: the service "
+                            f"refuses it and runs without images")
+        elif st.st_uid != os.getuid():
+            warnings.append(f"[service] image_dir {image_dir} belongs to uid {st.st_uid}, not uid {os.getuid()} "
+                            f"(the user checked as): the service refuses it and runs without images")
+    if svc.image_max_bytes:
+        for p, pl in planned:
+            if p.model.image and pl.slab_size_bytes > svc.image_max_bytes:
+                warnings.append(f"model {p.model.name} tp={p.tp_size} rank={p.tp_rank}: its image "
+                                f"({human_bytes(pl.slab_size_bytes)}) is larger than [service] image_max_bytes "
+                                f"({limit}): it is never written")
+    return line, warnings

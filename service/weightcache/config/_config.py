@@ -32,6 +32,7 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     pin = false                 # true: never demoted or evicted by the budget
     priority = 0                # higher stays on the GPU longer (and loads first at start)
     preload = "gpu"             # gpu | host (into the host tier) | disk (loaded at the first attach)
+    image = true                # processed images in [service] image_dir (unset: published slabs only)
 
 Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.pipeline.
 """
@@ -81,6 +82,9 @@ _SERVICE_KEYS = {
     "reload_timeout_s": (int, float),
     "max_tensors_per_checkpoint": int,
     "max_fds_in_flight": int,
+    "image_dir": str,
+    "image_max_bytes": int,
+    "image_write_bytes_per_s": int,
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -102,12 +106,14 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "reload_timeout_s": (0, False, 3600.0, "seconds a reload may take to read its files"),
     "max_tensors_per_checkpoint": (1, True, 1 << 24, "tensors in one checkpoint's headers"),
     "max_fds_in_flight": (0, True, 1 << 24, "fds sent to all uids and not yet read (0: half of RLIMIT_NOFILE)"),
+    "image_max_bytes": (0, True, 1 << 60, "bytes of the image directory (0: no limit of its own)"),
+    "image_write_bytes_per_s": (0, True, 1 << 40, "bytes per second an image write may take (0: no cap)"),
 }
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
-    "pin", "priority", "preload", "publishers",
+    "pin", "priority", "preload", "publishers", "image",
 }
 #: Where a model's slabs go at start (``[models.X] preload``): the GPU as the budget allows, the host tier, or
 #: nowhere (the first attach loads them).
@@ -144,6 +150,10 @@ class ModelConfig(LoadRequest):
         pin (`bool`): never demoted or evicted by the memory budget.
         priority (`int`): :data:`PRIORITY_RANGE`; higher stays on the GPU longer and loads first at start.
         preload (`str`): :data:`PRELOADS`; where the slabs go at start.
+        image (`bool | None`): write each ready slab to ``[service] image_dir``, and read it back from there
+            (before the checkpoint, or for a publication before the engine is asked) when no fd-store entry
+            holds it. None (unset): published slabs yes, slabs the service makes no (docs/configuration.md
+            says why); :meth:`images_for` answers per kind.
     """
 
     allow_users: tuple[str, ...] = ()
@@ -154,6 +164,11 @@ class ModelConfig(LoadRequest):
     priority: int = 0
     preload: str = "gpu"
     publishers: tuple[str, ...] = ()
+    image: bool | None = None
+
+    def images_for(self, published: bool) -> bool:
+        """Whether this model's slabs get processed images: ``image`` when set, else published ones only."""
+        return published if self.image is None else self.image
 
 
 @dataclass(frozen=True)
@@ -174,7 +189,8 @@ class Placement(RankRequest):
         model = {"name": m.name, "path": m.path, "dtype": m.dtype, "naming": m.naming, "kernel": m.kernel,
                  "revision": m.revision, "allow_users": list(m.allow_users), "allow_groups": list(m.allow_groups),
                  "layouts": [[lay.tp, list(lay.gpus)] for lay in m.layouts], "source": m.source,
-                 "pin": m.pin, "priority": m.priority, "preload": m.preload, "publishers": list(m.publishers)}
+                 "pin": m.pin, "priority": m.priority, "preload": m.preload, "publishers": list(m.publishers),
+                 "image": m.image}
         return {"model": model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "gpu": self.gpu}
 
     @classmethod
@@ -236,6 +252,20 @@ class ServiceConfig:
     host_tier_bytes: int = 0
     #: Tensors a checkpoint's headers may list, all files together, refused before the plan (issue 38, P12).
     max_tensors_per_checkpoint: int = 150_000
+    #: Processed images (issue 36): where they go, the directory's byte limit (0: none of its own) and the
+    #: rate cap of a write, bytes per second (0: none).
+    image_dir: str = ""
+    image_max_bytes: int = 0
+    image_write_bytes_per_s: int = 1 << 30
+
+    def image_directory(self, environ: Any = None) -> str | None:
+        """Where processed images go: ``image_dir``, else ``images`` in the unit's cache directory
+        (``$CACHE_DIRECTORY``, which ``CacheDirectory=weightcache`` sets: /var/cache/weightcache/images);
+        None when neither is there (a service run by hand keeps no images unless configured)."""
+        if self.image_dir:
+            return self.image_dir
+        cache = (os.environ if environ is None else environ).get("CACHE_DIRECTORY", "").split(":")[0]
+        return os.path.join(cache, "images") if os.path.isabs(cache) else None
 
     def budget_bytes(self, total_bytes: int) -> int:
         """The memory budget in bytes: ``memory_budget_bytes``, else :func:`default_budget_bytes` of ``total_bytes``."""
@@ -395,6 +425,9 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
     lo, hi = PRIORITY_RANGE
     if not lo <= priority <= hi:
         raise _err(path, f"{k}.priority", f"{priority} is out of range: expected {lo}..{hi} (higher stays longer)")
+    image = table.get("image")
+    if image is not None:
+        _check_type(path, f"{k}.image", image, bool)
     preload = table.get("preload", "gpu")
     if preload not in PRELOADS:
         raise _err(path, f"{k}.preload", f"{preload!r} is not one of {', '.join(PRELOADS)}")
@@ -440,6 +473,7 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         pin=pin,
         priority=priority,
         preload=preload,
+        image=image,
     )
 
 
@@ -567,8 +601,8 @@ def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], me
             raise _err(str(f), "service.backend", f"{value!r} is not one of {', '.join(BACKENDS)}")
         if key in _SERVICE_RANGES:
             _check_range(str(f), f"service.{key}", value)
-        if key == "socket_dir":
-            _check_absolute(str(f), "service.socket_dir", value)
+        if key == "socket_dir" or (key == "image_dir" and value):
+            _check_absolute(str(f), f"service.{key}", value)
         if key == "operator_groups":
             if not all(isinstance(g, str) and g for g in value):
                 raise _err(str(f), "service.operator_groups", "must be a list of group names (non-empty strings)")

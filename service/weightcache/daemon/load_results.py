@@ -97,11 +97,16 @@ class Loaded:
     #: The host-tier copy a promotion read (None: a load from disk); the serving loop closes it unless it is
     #: ``sealed`` itself (the host backend promotes without a copy).
     promoted_from: Any = None
+    #: Where the bytes came from: ``checkpoint`` (the pipeline) or ``image`` (weightcache.images); a promotion
+    #: keeps the slot's earlier source.
+    source: str = "checkpoint"
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
         state.loads_done += 1
         slot.last_used = time.monotonic()
+        if self.promoted_from is None:
+            slot.source = self.source
         if self.tier == "host":
             slot.stash(self.manifest, self.sealed, self.manifest_file)
         else:
@@ -121,14 +126,14 @@ class Loaded:
         st = self.stages_s
         read_s = st.get("read", dt)
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f read_ms=%.0f "
-                 "read_gbps=%.2f plan_ms=%.0f allocate_ms=%.0f digest_ms=%.0f seal_ms=%.0f torch_free=%s",
+                 "read_gbps=%.2f plan_ms=%.0f allocate_ms=%.0f digest_ms=%.0f seal_ms=%.0f torch_free=%s source=%s",
                  p.model.name, p.tp_size, p.tp_rank, len(self.manifest.tensors), slot.total_bytes, dt * 1e3,
                  read_s * 1e3, slot.total_bytes / max(read_s, 1e-9) / 1e9, st.get("plan", 0) * 1e3,
                  st.get("allocate", 0) * 1e3, st.get("digest", 0) * 1e3, st.get("seal", 0) * 1e3,
-                 "yes" if self.torch_free else "no",
+                 "yes" if self.torch_free else "no", self.source,
                  extra=event("loaded", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=slot.total_bytes,
                              duration_ms=dt * 1e3,
-                             tensors=len(self.manifest.tensors), read_ms=read_s * 1e3))
+                             tensors=len(self.manifest.tensors), read_ms=read_s * 1e3, source=self.source))
 
 
 @dataclass(frozen=True, slots=True)

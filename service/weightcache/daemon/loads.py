@@ -62,7 +62,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from .. import pipeline, quant
+from .. import identity, pipeline, quant
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointCorrupt, ModelLoadFailed, OutOfMemory, WeightcacheError
 from ..journal import event
@@ -102,6 +102,8 @@ class LoadSettings:
             answer (the memory budget); False (in-process tests) allocates without asking.
         registry (`quant.Registry`): the quantization scheme families plans are made with.
         max_tensors (`int`, *optional*): ``service.max_tensors_per_checkpoint``; None: no cap.
+        images (`weightcache.images.ImageStore`, *optional*): the image directory; a model with ``image = true``
+            is read from its valid image there before the checkpoint's tensors are (None: no images).
     """
 
     backend: Any
@@ -112,6 +114,7 @@ class LoadSettings:
     ask_room: bool = False
     max_tensors: int | None = None
     registry: quant.Registry = quant.REGISTRY
+    images: Any = None
 
 
 class Loader:
@@ -304,6 +307,8 @@ class Loader:
         try:
             if slot.hosted is not None:
                 return self._promote(slot, started, job)
+            if slot.publication is not None:  # a publication's image (daemon.imaging): no plan, no checkpoint read
+                return self._publication_image(slot, started, job)
             prepare = getattr(st.backend, "prepare_fill", None)
             if prepare is not None and tier != "host":  # pinned staging and GPU kernels, while the plan runs
                 prepare(st.options.threads, st.options.buffer_bytes)
@@ -320,6 +325,11 @@ class Loader:
                                    pl.slab_size_bytes))
             self._look_ahead()  # after the plan: every slot the serving loop queued at start is queued by now
             self._room(slot, pl.slab_size_bytes, tier, started, job)
+            # A valid image is read before the checkpoint's tensors (the plan read headers only): its header
+            # checked here against the key the plan made from the files now, its bytes' digests after the read.
+            image = None
+            if st.images is not None and p.model.images_for(published=False):
+                image = st.images.find(p, pl.key, pl.records, pl.slab_size_bytes)
             t_plan = time.monotonic()
             allocate = st.backend.allocate_host if tier == "host" else st.backend.allocate
             writable = allocate(pl.slab_size_bytes, p.label)
@@ -339,7 +349,26 @@ class Loader:
                         if not job.abandoned:
                             self._post(Progress(slot, done))
 
-            filled = pipeline.fill(pl, writable, progress, st.options)
+            filled, source = None, "checkpoint"
+            if image is not None:
+                done, done_lock = [0], threading.Lock()
+
+                def advance(n: int) -> None:  # the reader's threads: bytes of each piece
+                    with done_lock:
+                        done[0] += n
+                        now_done = done[0]
+                    progress(min(now_done, pl.payload_bytes), pl.payload_bytes)
+
+                got = st.images.fill(image, p, pl.key, writable, st.options, advance)
+                if got is None:  # a digest differed: the image is moved aside; a fresh slab from the checkpoint
+                    writable.abort()
+                    writable = None
+                    writable = allocate(pl.slab_size_bytes, p.label)
+                else:
+                    manifest, read_s, digest_s = got
+                    filled, source = pipeline.Filled(manifest, True, read_s, digest_s, pl.payload_bytes), "image"
+            if filled is None:
+                filled = pipeline.fill(pl, writable, progress, st.options)
             t_filled = time.monotonic()
             manifest = filled.manifest
             # Here, not at the first attach: a manifest no engine could read fails the load, by name.
@@ -355,7 +384,8 @@ class Loader:
             writable = None
             end = time.monotonic()
             stages.update(read=filled.read_s, digest=filled.digest_s, seal=end - t_filled)
-            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free, tier)
+            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free, tier,
+                          source=source)
         except _NoRoom as e:
             return Refused(slot, e.error)
         except WeightcacheError as e:
@@ -373,6 +403,67 @@ class Loader:
         finally:
             if ck is not None:  # its directory fds; the error kept in the slot must not hold them
                 ck.close()
+
+    def _publication_image(self, slot: Slot, started: float, job: "_Job") -> Loaded | Failed | Refused:
+        """A publication made again from its image: the checkpoint identity computed from the files now and the
+        rest of the key (the engine key as published, this device) checked against the image's, room, the
+        parallel read, the digests, the seal. No image that passes: ``model_load_failed`` (``cause =
+        image_rejected``): the serving loop drops the slot, and the next engine loads and publishes."""
+        p, st, pub = slot.placement, self.settings, slot.publication
+        writable = None
+        try:
+            ck = Checkpoint(p.model.path, validate=False)
+            try:
+                key = identity.published_key(pub.engine_key, ck, st.device)
+            finally:
+                ck.close()
+            image = st.images.find(p, key, None, None, pub) if st.images is not None else None
+            if image is None:
+                raise ModelLoadFailed(f"model {p.model.name}: the image of publication {slot.label} is missing or "
+                                      f"refused; the next engine loads and publishes it", model=p.model.name,
+                                      cause="image_rejected")
+            size = image.header.data_bytes
+            with job.lock:
+                if not job.abandoned:
+                    self._post(Planned(slot, sum(r.size_bytes for r in image.header.manifest.tensors
+                                                 if r.alias_of is None), None, key.get("checkpoint"), size))
+            self._room(slot, size, "gpu", started, job)
+            t0 = time.monotonic()
+            writable = st.backend.allocate(size, slot.label)
+            done, done_lock = [0], threading.Lock()
+
+            def advance(n: int) -> None:  # the reader's threads: bytes of each piece
+                with done_lock:
+                    done[0] += n
+                    now_done = done[0]
+                if time.monotonic() - started > st.timeout_s or job.abandoned:
+                    raise self._timeout(slot, f"{now_done} bytes of the image read")
+                with job.lock:
+                    if not job.abandoned:
+                        self._post(Progress(slot, now_done))
+
+            got = st.images.fill(image, p, key, writable, st.options, advance)
+            if got is None:
+                raise ModelLoadFailed(f"model {p.model.name}: the image of publication {slot.label} was refused "
+                                      f"(digest); the next engine loads and publishes it", model=p.model.name,
+                                      cause="image_rejected")
+            manifest, read_s, digest_s = got
+            raw = pack_file(manifest, backend=st.backend.name, size_bytes=writable.size_bytes,
+                            checkpoint_path=p.model.path, placement=p.to_json(), publication=pub.to_json())
+            manifest_file = SealedFile.create(raw, f"weightcache:manifest:{slot.label}")
+            try:
+                sealed = writable.seal()
+            except BaseException:
+                manifest_file.close()
+                raise
+            writable = None
+            end = time.monotonic()
+            return Loaded(slot, manifest, sealed, manifest_file, end - started,
+                          {"allocate": t0 - started, "read": read_s, "digest": digest_s}, True, source="image")
+        except _NoRoom as e:
+            return Refused(slot, e.error)
+        except WeightcacheError as e:
+            return self._fail(slot, e, writable)
 
     def _fail(self, slot: Slot, e: WeightcacheError, writable: Any, logged: bool = False) -> Failed:
         if writable is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import signal
 import socket
 import time
@@ -45,7 +46,7 @@ from ..reader import LoaderOptions
 from ..memory import Backend
 from ..spec import DTYPE_NAMES
 from ..wire import SlotState
-from . import access, handlers, load_results, lograte, publish, tiers
+from . import access, handlers, imaging, load_results, lograte, publish, tiers
 from .fdstore import FdStore, record_released, released_at_last_stop
 from .effects import CancelLoad, Context, FreeSlab, Outcome, Reconfigure, Refuse, StartLoad, StartVerify, StoreSlab
 from .limits import Limits
@@ -106,9 +107,14 @@ class Daemon:
                                    trusted_uids=frozenset({0, self.state.service_uid}))
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         #: Host-backend slabs freed while something else still maps them: counted in the budget (issue 38, P2).
         self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else None
+        #: Processed images (issue 36): None without an image directory, or when it is refused.
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: GPU slabs an image write finished reading (posted by the writer's thread, released on this loop).
+        self._image_reads_done: queue.SimpleQueue = queue.SimpleQueue()
+        self.images = None
+        self._use_images(imaging.from_config(config, backend))
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
@@ -130,6 +136,9 @@ class Daemon:
                 slot.adopt(got.manifest, got.sealed, got.manifest_file)
             if got.dtypes_served is not None:  # as its manifest file records them: no header read to match a dtype
                 slot.dtype_served = {r: r in got.dtypes_served for r in DTYPE_NAMES}
+        if self.images is not None and config_error is None:  # publications the fd store did not keep: images
+            for slot in self.images.publication_slots(self.state.slots, self._publication_slot, gpu):
+                self.state.slots.append(slot)
         if config_error is not None:  # serve what was kept, load nothing until a reload applies a config
             self.state.slots = [s for s in self.state.slots if s.state is SlotState.READY]
 
@@ -214,18 +223,38 @@ class Daemon:
         self.transport.limits = Limits.from_config(eff.config.service)
         self.ctx.policy = access.Policy(self.state.service_uid, eff.config.service.operator_groups,
                                         eff.config.names)  # resolved on the reload worker
+        if self.images is None and any(m.image is not False for m in eff.config.models.values()):
+            self._use_images(imaging.from_config(eff.config, self.backend))
+        elif self.images is not None:
+            self.images.configure(eff.config)
         self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
         self.counters.track(eff.config.placements(self.gpu))  # label values of models the reload added
+
+    def _use_images(self, images: imaging.Imaging | None) -> None:
+        """Takes ``images`` (None: none): its counters in the metrics, its GPU slab reads held by the OffLoop."""
+        self.images = images
+        if images is None:
+            return
+        self.counters.images = images.store.stats
+
+        def released(sealed: Any) -> None:  # the writer's thread: hand it to this loop
+            self._image_reads_done.put(sealed)
+            self._wake()
+
+        images.reader_hold = (lambda sealed: self.offloop.hold_for_read(sealed), released)
 
     def _load_settings(self, cfg: Config) -> LoadSettings:
         svc = cfg.service
         return LoadSettings(self.backend, self.state.device, svc.load_timeout_s,
                             LoaderOptions(threads=svc.read_threads, staging_bytes=svc.staging_bytes),
                             cfg.files[0] if cfg.files else "the config", ask_room=True,
-                            max_tensors=svc.max_tensors_per_checkpoint)
+                            max_tensors=svc.max_tensors_per_checkpoint,
+                            images=self.images.store if getattr(self, "images", None) is not None else None)
 
     def _store_slab(self, c: Client | None, eff: StoreSlab) -> None:
         self.fdstore.put(eff.slot, eff.slot.sealed, eff.slot.manifest_file)
+        if self.images is not None and eff.slot.publication is not None:  # a publication just committed
+            self.images.written_after_publish(eff.slot)
 
     def _start_load(self, c: Client, eff: StartLoad) -> None:
         self.loader.submit(eff.slot)
@@ -262,6 +291,8 @@ class Daemon:
         except BlockingIOError:
             pass
         self.offloop.finish_demotions()
+        while not self._image_reads_done.empty():
+            self.offloop.done_reading(self._image_reads_done.get_nowait())
         for result in self.loader.results():
             if result.slot.state is SlotState.DROPPED:  # a reload removed it while it loaded
                 load_results.discard(result)
@@ -276,9 +307,15 @@ class Daemon:
                 put(result.slot, result.sealed, result.manifest_file)
             load_results.apply(self.state, result)
             if isinstance(result, load_results.Loaded):
-                self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes)
+                self.counters.load_settled(result.slot.placement, None, result.duration_s, result.slot.total_bytes,
+                                           result.source)
+                if self.images is not None:
+                    self.images.written_after_load(result.slot, result.source, result.promoted_from is not None)
             elif isinstance(result, load_results.Failed):
                 self.counters.load_settled(result.slot.placement, result.error.code)
+                if result.slot.publication is not None:  # its image is gone or refused: no slot; engines publish
+                    result.slot.drop()
+                    self.state.slots = [s for s in self.state.slots if s is not result.slot]
         self.offloop.finish_verifies()
         self.offloop.finish_publishes()
         if self.offloop.reloads:
@@ -329,7 +366,8 @@ class Daemon:
         for m in self.tiers.enforce(self.state, "start: the slabs kept in the fd store exceed the budget"):
             self._effect(None, m)
         for s in tiers.start_order(self.state.slots):
-            if s.state is SlotState.PENDING and tiers.start_placement(s):
+            # A PENDING publication here is one its image brings back (daemon.imaging): to the GPU, as published.
+            if s.state is SlotState.PENDING and (s.publication is not None or tiers.start_placement(s)):
                 self.loader.submit(s)
         log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
                  extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))

@@ -71,8 +71,10 @@ class Counters:
         self.track(placements)
         self._attaches: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self._times: dict[str, _Histogram] = collections.defaultdict(_Histogram)
-        self._loads: collections.Counter[tuple[str, int, int, str, str]] = collections.Counter()
+        self._loads: collections.Counter[tuple[str, int, int, str, str, str]] = collections.Counter()
         self._publishes: collections.Counter[tuple[str, int, int, str, str]] = collections.Counter()
+        #: The image store's counters (``weightcache.images.ImageStats``), None without images.
+        self.images: Any = None
 
     def track(self, placements: list[Placement]) -> None:
         """Adds label values for ``placements`` (at start; again when a reload places new models).
@@ -142,11 +144,12 @@ class Counters:
             slab.verify_failures += bool(r.mismatched)
 
     def load_settled(self, placement: Placement, error_code: str | None, duration_s: float = 0.0,
-                     size_bytes: int = 0) -> None:
-        """Counts one load of ``placement`` that ended: ``error_code`` None for a sealed slab."""
+                     size_bytes: int = 0, source: str = "checkpoint") -> None:
+        """Counts one load of ``placement`` that ended: ``error_code`` None for a sealed slab; ``source`` where
+        its bytes came from (``checkpoint``, ``image``)."""
         p = placement
         outcome = "loaded" if error_code is None else "failed"
-        self._loads[(p.model.name, p.tp_size, p.tp_rank, outcome, error_code or "")] += 1
+        self._loads[(p.model.name, p.tp_size, p.tp_rank, outcome, error_code or "", source)] += 1
         if error_code is None:
             slab = self._slabs.setdefault((p.model.name, p.tp_size, p.tp_rank), _Slab())
             slab.last_load_s, slab.last_load_bytes = duration_s, size_bytes
@@ -158,7 +161,8 @@ class Counters:
             attaches=tuple(protocol.AttachCount(m, o, c, n) for (m, o, c), n in sorted(self._attaches.items())),
             attach_times=tuple(protocol.AttachTimes(m, list(ATTACH_BUCKETS_S), list(h.counts), h.sum_s)
                                for m, h in sorted(self._times.items())),
-            loads=tuple(protocol.LoadCount(*k, n) for k, n in sorted(self._loads.items())),
+            loads=tuple(protocol.LoadCount(*k[:5], n, k[5]) for k, n in sorted(self._loads.items())),
+            images=self.images.snapshot() if self.images is not None else {},
             publishes=tuple(protocol.PublishCount(*k, n) for k, n in sorted(self._publishes.items())),
             slabs=tuple(protocol.SlabCounters(m, t, r, s.last_load_s, s.last_load_bytes, s.verify_runs,
                                               s.verify_failures) for (m, t, r), s in self._slabs.items()))

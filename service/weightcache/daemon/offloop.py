@@ -202,6 +202,15 @@ class OffLoop:
                 else:
                     self.admit(req)
 
+    def hold_for_read(self, sealed: Any) -> None:
+        """Another thread will read ``sealed`` (an image write of a GPU slab): a FreeSlab of it waits for
+        :meth:`done_reading` (serving loop only)."""
+        self._reading[id(sealed)] = self._reading.get(id(sealed), 0) + 1
+
+    def done_reading(self, sealed: Any) -> None:
+        """The reader :meth:`hold_for_read` announced is done with ``sealed`` (serving loop only)."""
+        self._done_reading(sealed)
+
     def _done_reading(self, sealed: Any) -> None:
         """A verify or a demotion stopped reading ``sealed``: a FreeSlab that waited for the last reader runs."""
         self._reading[id(sealed)] -= 1

@@ -53,7 +53,7 @@ from .state import ServiceState, Slot
 log = logging.getLogger(__name__)
 
 #: ``[service]`` keys a running service cannot change: they take effect at the next restart.
-RESTART_KEYS = ("backend", "socket_dir")
+RESTART_KEYS = ("backend", "socket_dir", "image_dir")
 #: The fields of a model that decide its slab's bytes (the rest, allow lists and source, do not).
 _SLAB_FIELDS = tuple(f.name for f in dataclasses.fields(LoadRequest))
 

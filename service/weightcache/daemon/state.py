@@ -105,6 +105,11 @@ TRANSITIONS: tuple[Transition, ...] = (
 
 _TABLE: dict[tuple[SlotState, SlotEvent], SlotState] = {(t.source, t.event): t.target for t in TRANSITIONS}
 
+#: Where a slot's resident bytes came from (``Slot.source``, ``status``'s ``source``, the load metrics' label):
+#: the pipeline from the checkpoint, an image (weightcache.images), systemd's fd store, an engine's
+#: publication; ``peer`` is kept for seeding from another node.
+SOURCES = ("checkpoint", "image", "fd_store", "published", "peer")
+
 #: States in which an attach loads or promotes the slab on demand.
 ON_DEMAND = frozenset({S.HOSTED, S.ON_DISK})
 
@@ -254,6 +259,8 @@ class Slot:
     #: Set when an engine published the slab (:mod:`weightcache.daemon.publish`); None for a slab the service
     #: lays out itself.
     publication: Publication | None = None
+    #: Where the resident bytes came from (:data:`SOURCES`): set when the slab became ready; "" before.
+    source: str = ""
 
     @property
     def store_id(self) -> str:
@@ -307,6 +314,7 @@ class Slot:
         """PENDING -> READY with a published slab the service sealed, its manifest and its manifest file."""
         self.move(SlotEvent.PUBLISH)
         self.manifest, self.sealed, self.manifest_file = manifest, sealed, manifest_file
+        self.source = "published"
         self.reserved_bytes = 0
         self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
@@ -319,6 +327,7 @@ class Slot:
         """PENDING -> READY with a slab and its manifest file handed back by systemd's fd store."""
         self.move(SlotEvent.ADOPT)
         self.manifest, self.sealed, self.manifest_file, self.adopted = manifest, sealed, manifest_file, True
+        self.source = "fd_store"
         self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
     def drop_host_copy(self) -> None:
@@ -394,6 +403,8 @@ class Slot:
         adoption, a promotion that got no room)."""
         self.move(SlotEvent.STASH)
         self.manifest, self.hosted, self.manifest_file, self.reserved_bytes = manifest, hosted, manifest_file, 0
+        if self.state is SlotState.HOSTED and not self.source:  # adopted into the host tier from the fd store
+            self.source = "fd_store"
         self.total_bytes = self.done_bytes = sum(t.size_bytes for t in manifest.tensors if t.alias_of is None)
 
     def rate_bytes_per_s(self, now: float) -> float:
@@ -417,7 +428,7 @@ class Slot:
             resident_bytes=self.sealed.size_bytes if self.sealed is not None else 0,
             tier=self.tier, host_bytes=self.hosted.size_bytes if self.hosted is not None else 0,
             pin=p.model.pin, priority=p.model.priority, demoting=self.demoting is not None,
-            adopted=self.adopted, dtype=p.model.dtype, naming=p.model.naming,
+            adopted=self.adopted, dtype=p.model.dtype, naming=p.model.naming, source=self.source,
             tensors=len(m.tensors) if m is not None else 0,
             error=(protocol.ErrorInfo(**(self.error or self.refusal).to_wire())
                    if (self.error or self.refusal) is not None else None),

@@ -190,6 +190,9 @@ class SlabInfo(_SlabRecord):
         publication (`dict | None`): set for a slab an engine published (docs/protocol.md, "Publication"):
             ``engine``, ``engine_version``, ``engine_key_blake2b``, ``shared`` (every allowed engine attaches it)
             and ``publisher_uid``; absent (None) for a slab the service loaded itself.
+        source (`str`): where the resident bytes came from: ``checkpoint``, ``image`` (the image directory),
+            ``fd_store``, ``published`` (``peer`` is reserved); "" before the slab was first ready. Absent from
+            older services' replies ("").
     """
 
     model: str
@@ -216,6 +219,7 @@ class SlabInfo(_SlabRecord):
     priority: int = 0
     demoting: bool = False
     publication: dict | None = None
+    source: str = ""
 
     def __post_init__(self) -> None:
         _parse(self, "state", SlotState)
@@ -227,7 +231,7 @@ class SlabInfo(_SlabRecord):
         d: dict[str, Any] = {f: getattr(self, f) for f in (
             "model", "path", "tp_size", "tp_rank", "done_bytes", "total_bytes", "rate_bytes_per_s",
             "resident_bytes", "adopted", "dtype", "naming", "tensors", "tier", "host_bytes", "pin", "priority",
-            "demoting")}
+            "demoting", "source")}
         d["state"] = self.state.value
         if self.error is not None:
             d["error"] = self.error.to_json()
@@ -410,6 +414,7 @@ class LoadCount(_Record):
         outcome (`str`): ``loaded`` or ``failed``.
         code (`str`): the error's code when failed, else empty.
         count (`int`): how many.
+        source (`str`): ``checkpoint`` or ``image`` (where a loaded slab's bytes came from).
     """
 
     model: str
@@ -418,6 +423,8 @@ class LoadCount(_Record):
     outcome: str
     code: str
     count: int
+    #: Where a loaded slab's bytes came from (``checkpoint`` or ``image``); absent from older services' replies.
+    source: str = "checkpoint"
 
 
 @dataclass(frozen=True, slots=True)
@@ -480,6 +487,8 @@ class ServiceCounters(_Record):
     loads: tuple[LoadCount, ...] = ()
     slabs: tuple[SlabCounters, ...] = ()
     publishes: tuple[PublishCount, ...] = ()
+    #: The image store's counters (:meth:`weightcache.images.ImageStats.snapshot`); absent from older services.
+    images: dict = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ServiceCounters":

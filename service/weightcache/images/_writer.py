@@ -1,0 +1,196 @@
+"""Writing images: one thread per service, off the serving loop, at a bounded rate, atomically.
+
+A write (:meth:`ImageWriter.schedule`) takes a :class:`WriteJob`: the slab's manifest and key, and a
+way to its bytes (``open_source``: a host slab's memfd, duplicated on the serving loop so that an
+eviction meanwhile frees nothing under the writer; a CUDA slab copies itself to a host memfd first).
+The thread then:
+
+1. makes room within ``image_max_bytes`` (:meth:`ImageStore.make_room`); no room: no image;
+2. writes ``.<name>.tmp-<pid>-<random>`` (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600) in the image
+   directory: the header, then the slab's bytes with ``sendfile`` in pieces of at most 16 MiB (a
+   quarter second's worth under a cap), sleeping between pieces so that the average stays under
+   ``image_write_bytes_per_s``;
+3. ``fsync`` of the file, ``rename`` to the final name, ``fsync`` of the directory.
+
+A crash or ``kill -9`` before the rename leaves only the temporary name, which no read opens and the
+next start removes (:meth:`ImageStore.prepare`); the write is then redone after the next load.
+
+Forbidden imports: torch, socket, selectors, weightcache.daemon, weightcache.client.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..journal import event
+from ..manifest import Manifest
+from ._format import build_header
+from ._store import TMP_MARK, ImageStore
+
+log = logging.getLogger(__package__)
+
+#: Bytes per ``sendfile`` call (and per rate check).
+PIECE_BYTES = 16 << 20
+
+
+@dataclass
+class WriteJob:
+    """One image to write.
+
+    Attributes:
+        placement (`Placement`): the slab's rank request (names the file; recorded in it).
+        manifest (`Manifest`): the slab's manifest, digests included.
+        key (`dict`): its full cache key.
+        open_source (`callable`): ``() -> (fd, close)``: an fd whose bytes ``[0, slab_size_bytes)`` are the
+            slab's, and what to call when done with it (runs on the writer's thread).
+        priority_of (`callable`): model name -> its configured ``priority`` (None: not configured), for room.
+        publication (`Publication`, *optional*): a published slab's (``to_json()``, ``engine_key_blake2b``...).
+    """
+
+    placement: Any
+    manifest: Manifest
+    key: dict
+    open_source: Callable[[], tuple[int, Callable[[], None]]]
+    priority_of: Callable[[str], int | None]
+    publication: Any = None
+    #: Called on the writer's thread once the job ended, whatever the outcome (the GPU slab's read is over).
+    on_done: Callable[[], None] | None = None
+
+
+class ImageWriter:
+    """The writer thread of one :class:`ImageStore`.
+
+    Args:
+        store (`ImageStore`): where images go.
+        rate_bytes_per_s (`int`): ``[service] image_write_bytes_per_s``; 0: as fast as the disk takes them.
+    """
+
+    def __init__(self, store: ImageStore, rate_bytes_per_s: int) -> None:
+        self.store = store
+        self.rate_bytes_per_s = rate_bytes_per_s
+        self._jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="weightcache-image-writer", daemon=True)
+        self._started = False
+
+    def schedule(self, job: WriteJob) -> bool:
+        """Queues ``job`` (serving loop; returns at once). False when a write of the same file is queued
+        (``job.on_done`` is not called then)."""
+        path = self.store.path_for(job.placement, job.publication)
+        with self._lock:
+            if path in self._pending:
+                return False
+            self._pending.add(path)
+            if not self._started:
+                self._thread.start()
+                self._started = True
+        self._jobs.put(job)
+        return True
+
+    def pending(self) -> int:
+        """Writes queued or under way."""
+        with self._lock:
+            return len(self._pending)
+
+    def stop(self) -> None:
+        """Asks the thread to end after the current write (a daemon thread: exit does not wait for it)."""
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            path = self.store.path_for(job.placement, job.publication)
+            try:
+                self.write(job, path)
+            except Exception as e:  # noqa: BLE001 - one failed write costs that image only
+                self.store.stats.write_failed()
+                p = job.placement
+                log.warning("image write failed model=%s tp_size=%d rank=%d file=%s error=%r", p.model.name,
+                            p.tp_size, p.tp_rank, path, e)
+            finally:
+                with self._lock:
+                    self._pending.discard(path)
+                if job.on_done is not None:
+                    job.on_done()
+
+    def write(self, job: WriteJob, path: str) -> bool:
+        """Writes one image to ``path`` (on the calling thread); False when there is no room for it.
+
+        Raises:
+            OSError: the file could not be written (the temporary file is removed).
+        """
+        p, st = job.placement, self.store
+        size = job.manifest.slab_size_bytes
+        header = build_header(job.manifest, job.key, p.to_json(), st.backend, st.clock(),
+                              job.publication.to_json() if job.publication is not None else None)
+        if not st.make_room(len(header) + size, path, job.priority_of):
+            st.stats.write_failed()
+            log.warning("image not written model=%s tp_size=%d rank=%d size_bytes=%d reason=no-room limit_bytes=%d",
+                        p.model.name, p.tp_size, p.tp_rank, len(header) + size, st.limit_bytes)
+            return False
+        tmp = os.path.join(st.directory, f".{os.path.basename(path)}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        t0 = time.monotonic()
+        src, close_src = job.open_source()
+        try:
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(out, 0o600)  # whatever the umask
+                _write_all(out, header)
+                self._copy(src, out, size, t0)
+                os.fsync(out)
+            finally:
+                os.close(out)
+            os.rename(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        finally:
+            close_src()
+        dfd = os.open(st.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        dt = time.monotonic() - t0
+        st.stats.wrote(size, dt)
+        log.info("image written model=%s tp_size=%d rank=%d size_bytes=%d duration_ms=%.0f write_gbps=%.2f file=%s",
+                 p.model.name, p.tp_size, p.tp_rank, size, dt * 1e3, size / max(dt, 1e-9) / 1e9, path,
+                 extra=event("image_written", p.model.name, p.tp_rank, size_bytes=size, duration_ms=dt * 1e3,
+                             tp_size=p.tp_size, file=path))
+        return True
+
+    def _copy(self, src: int, out: int, size: int, t0: float) -> None:
+        """``sendfile`` of ``size`` bytes from ``src`` (offset 0) to ``out``, under the rate cap."""
+        done = 0
+        rate = self.rate_bytes_per_s
+        piece = min(PIECE_BYTES, max(64 << 10, rate // 4)) if rate else PIECE_BYTES
+        while done < size:
+            n = os.sendfile(out, src, done, min(piece, size - done))
+            if n == 0:
+                raise OSError(f"the slab's memfd ended at {done} of {size} bytes")
+            done += n
+            if rate:
+                ahead = done / rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
