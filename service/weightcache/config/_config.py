@@ -32,6 +32,7 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     pin = false                 # true: never demoted or evicted by the budget
     priority = 0                # higher stays on the GPU longer (and loads first at start)
     preload = "gpu"             # gpu | host (into the host tier) | disk (loaded at the first attach)
+    max_slab_bytes = 0          # bytes one slab (one rank) of it may take; a larger plan or publication is refused
 
 Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.pipeline.
 """
@@ -107,13 +108,15 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
 _METRICS_KEYS = ("address", "port")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
-    "pin", "priority", "preload", "publishers",
+    "pin", "priority", "preload", "publishers", "max_slab_bytes",
 }
 #: Where a model's slabs go at start (``[models.X] preload``): the GPU as the budget allows, the host tier, or
 #: nowhere (the first attach loads them).
 PRELOADS = ("gpu", "host", "disk")
 #: Range of ``[models.X] priority``.
 PRIORITY_RANGE = (-1000, 1000)
+#: Largest ``[models.X] max_slab_bytes`` (as ``memory_budget_bytes``); 0 is no cap.
+MAX_SLAB_BYTES_MAX = 1 << 50
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,9 @@ class ModelConfig(LoadRequest):
         pin (`bool`): never demoted or evicted by the memory budget.
         priority (`int`): :data:`PRIORITY_RANGE`; higher stays on the GPU longer and loads first at start.
         preload (`str`): :data:`PRELOADS`; where the slabs go at start.
+        max_slab_bytes (`int`): bytes one slab of the model (one rank of one layout, holes of a sparse file
+            counted at their length) may take on a GPU; a plan or a publication larger is refused
+            (:meth:`slab_over_cap`). 0: no cap but the budget (and the size of its first load).
     """
 
     allow_users: tuple[str, ...] = ()
@@ -154,6 +160,16 @@ class ModelConfig(LoadRequest):
     priority: int = 0
     preload: str = "gpu"
     publishers: tuple[str, ...] = ()
+    max_slab_bytes: int = 0
+
+    def slab_over_cap(self, slab_bytes: int, label: str) -> str | None:
+        """Why a slab of ``slab_bytes`` bytes (slab ``label``) is refused by :attr:`max_slab_bytes`, naming the
+        model and the field; None when there is no cap or it fits."""
+        if not self.max_slab_bytes or slab_bytes <= self.max_slab_bytes:
+            return None
+        return (f"model {self.name} ({label}) needs a slab of {slab_bytes} bytes, more than its "
+                f"models.{self.name}.max_slab_bytes = {self.max_slab_bytes} (set in {self.source or 'the configuration'}); "
+                f"raise it (and reload) if the checkpoint is meant to be this large")
 
 
 @dataclass(frozen=True)
@@ -174,7 +190,8 @@ class Placement(RankRequest):
         model = {"name": m.name, "path": m.path, "dtype": m.dtype, "naming": m.naming, "kernel": m.kernel,
                  "revision": m.revision, "allow_users": list(m.allow_users), "allow_groups": list(m.allow_groups),
                  "layouts": [[lay.tp, list(lay.gpus)] for lay in m.layouts], "source": m.source,
-                 "pin": m.pin, "priority": m.priority, "preload": m.preload, "publishers": list(m.publishers)}
+                 "pin": m.pin, "priority": m.priority, "preload": m.preload, "publishers": list(m.publishers),
+                 "max_slab_bytes": m.max_slab_bytes}
         return {"model": model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "gpu": self.gpu}
 
     @classmethod
@@ -395,6 +412,11 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
     lo, hi = PRIORITY_RANGE
     if not lo <= priority <= hi:
         raise _err(path, f"{k}.priority", f"{priority} is out of range: expected {lo}..{hi} (higher stays longer)")
+    max_slab_bytes = table.get("max_slab_bytes", 0)
+    _check_type(path, f"{k}.max_slab_bytes", max_slab_bytes, int)
+    if not 0 <= max_slab_bytes <= MAX_SLAB_BYTES_MAX:
+        raise _err(path, f"{k}.max_slab_bytes", f"{max_slab_bytes} is out of range: expected 0 (no cap) to "
+                                                f"{MAX_SLAB_BYTES_MAX}, bytes one slab of the model may take")
     preload = table.get("preload", "gpu")
     if preload not in PRELOADS:
         raise _err(path, f"{k}.preload", f"{preload!r} is not one of {', '.join(PRELOADS)}")
@@ -440,6 +462,7 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         pin=pin,
         priority=priority,
         preload=preload,
+        max_slab_bytes=max_slab_bytes,
     )
 
 

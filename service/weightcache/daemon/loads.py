@@ -480,10 +480,19 @@ def _check_size(slot: Slot, slab_bytes: int) -> None:
     model when it configured it; a checkpoint rewritten larger since (a sparse file of holes is as large as its
     length says) waits for a reload, which takes the new size.
 
+    The operator's own bound comes first: ``[models.X] max_slab_bytes`` (:meth:`ModelConfig.slab_over_cap`).
+
     Raises:
-        CheckpointCorrupt (`checkpoint_corrupt`): ``details.cause`` ``grew``, ``size_bytes``, ``first_size_bytes``.
+        CheckpointCorrupt (`checkpoint_corrupt`): ``details.cause`` ``grew``, ``size_bytes``, ``first_size_bytes``;
+            or ``details.cause`` ``over_max_slab_bytes`` with ``limit`` (``models.X.max_slab_bytes``), ``value``
+            and ``actual`` (bytes).
     """
     first, p = slot.first_slab_bytes, slot.placement
+    over = p.model.slab_over_cap(slab_bytes, p.label)
+    if over is not None:
+        raise CheckpointCorrupt(f"{over}; the checkpoint at {p.model.path} is not loaded", file=p.model.path,
+                                cause="over_max_slab_bytes", limit=f"models.{p.model.name}.max_slab_bytes",
+                                value=p.model.max_slab_bytes, actual=slab_bytes, model=p.model.name)
     if first and slab_bytes > first:
         raise CheckpointCorrupt(
             f"model {p.model.name} ({p.label}) now plans a slab of {slab_bytes} bytes, more than the {first} of its "
