@@ -216,6 +216,15 @@ class Daemon:
                                         eff.config.names)  # resolved on the reload worker
         self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
         self.counters.track(eff.config.placements(self.gpu))  # label values of models the reload added
+        self._probe_sizes()
+
+    def _probe_sizes(self) -> None:
+        """Has the loader size the restricted models no plan has sized yet (:func:`tiers.unsized_restricted`):
+        their room is then held back from the loads of uids off their allow lists (issue 38, P3)."""
+        for s in tiers.unsized_restricted(self.state.slots):
+            if not s.size_probed:
+                s.size_probed = True
+                self.loader.probe(s)
 
     def _load_settings(self, cfg: Config) -> LoadSettings:
         svc = cfg.service
@@ -233,6 +242,7 @@ class Daemon:
     def _free_slab(self, c: Client | None, eff: FreeSlab) -> None:
         if eff.store_id is not None:
             self.fdstore.remove(eff.store_id)
+            self._probe_sizes()  # an adopted slab evicted: never planned here
         if eff.sealed is not None and self.offloop.close_when_read(eff):  # a verify or a demotion still reads it
             return
         for f in (eff.sealed, eff.manifest_file):
@@ -331,6 +341,7 @@ class Daemon:
         for s in tiers.start_order(self.state.slots):
             if s.state is SlotState.PENDING and tiers.start_placement(s):
                 self.loader.submit(s)
+        self._probe_sizes()
         log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
                  extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))
         while not self._stop:

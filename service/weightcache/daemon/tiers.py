@@ -473,13 +473,23 @@ DISPLACING_WINDOW_S = 60.0
 _RESERVING = frozenset({SlotState.ON_DISK, SlotState.HOSTED, SlotState.PENDING})
 
 
+def unsized_restricted(slots: list[Slot]) -> list[Slot]:
+    """The slots whose room :func:`requester_of` would hold back but cannot, their size unknown: a model with
+    allow lists waiting off the GPU (ON_DISK or HOSTED; a PENDING one is planned by its own load) that no plan
+    has sized yet (``preload = "disk"``, at start or added by a reload; a slab adopted from the fd store, then
+    evicted). The serving loop has the loader plan them without loading (:meth:`Loader.probe`)."""
+    return [s for s in slots if s.publication is None and not s.first_slab_bytes
+            and s.state in (SlotState.ON_DISK, SlotState.HOSTED)
+            and (s.placement.model.allow_users or s.placement.model.allow_groups)]
+
+
 def requester_of(state: ServiceState, slot: Slot, may_attach: Callable[[Slot], bool] | None,
                  displaced_recently: int) -> budget.Requester:
     """The :class:`budget.Requester` of ``slot``'s load: its model's priority, the slabs the peer that asked
     may attach (``may_attach``; None: every slab, the service's own loads; none at all once the peer's uid
     made :data:`DISPLACING_LOADS_PER_UID` loads displace others within the window, ``displaced_recently``),
     and the room held back for the models it may not attach while they wait off the GPU (each its
-    :attr:`Slot.first_slab_bytes`; a model never planned yet reserves nothing)."""
+    :attr:`Slot.first_slab_bytes`; a model never loaded is sized by a plan alone: :func:`unsized_restricted`)."""
     if may_attach is None:
         return budget.Requester(slot.placement.model.priority)
     mine = frozenset(s.label for s in state.slots if may_attach(s))
