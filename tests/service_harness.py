@@ -419,8 +419,8 @@ class FdStoreStandIn:
 
     def drain(self) -> None:
         """Reads every datagram waiting, keeping ``FDSTORE=1`` fds as :meth:`collect` does: a service's
-        notifications block once the socket holds ``net.unix.max_dgram_qlen`` (10) unread datagrams, which a
-        restart that drops and stores several entries reaches (systemd reads them at once)."""
+        notifications are dropped once the socket holds ``net.unix.max_dgram_qlen`` (10) unread datagrams, which
+        a restart that drops and stores several entries reaches (systemd reads them at once)."""
         self.sock.setblocking(False)
         try:
             while True:

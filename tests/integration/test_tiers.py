@@ -371,7 +371,8 @@ def test_a_slow_demotion_blocks_no_other_client(daemon, tmp_path):
 
 class Drain:
     """Reads the stand-in fd store's notify socket on a thread, as systemd always does (a datagram queue of
-    ``net.unix.max_dgram_qlen`` = 10 left unread blocks the service's next notification), keeping stored fds
+    ``net.unix.max_dgram_qlen`` = 10 left unread drops the service's next notifications, FDSTORE=1 ones with
+    them), keeping stored fds
     by name as :meth:`FdStoreStandIn.collect` does and closing those ``FDSTOREREMOVE=1`` names, as systemd does
     (a slab the service let go of counts in its budget until nothing holds it, issue 38 P2)."""
 
