@@ -61,6 +61,7 @@ def test_an_exported_handle_passes_the_check_and_is_what_the_check_expects(backe
         record_property("exported_handle", json.dumps(what))
         print("exported VMM handle:", what)
         check_vmm_fd(s.fd, s.size_bytes)
+        # What the check's first rule expects (if not, the handle passed by another rule: say which in the report)
         assert stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR, what
         r = backend.import_fd(s.fd, s.size_bytes, f"cuda:{GPU}")  # the real import still works
         assert int(r.tensor[:4096].sum()) == 7 * 4096

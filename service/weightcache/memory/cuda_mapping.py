@@ -184,9 +184,17 @@ def _kind(st: os.stat_result) -> str:
     return "an anonymous file"
 
 
+def _nvidia_node(fd: int) -> bool:
+    """Whether ``fd`` is open on a device node named ``/dev/nvidia*`` (``nvidia-uvm`` has a dynamic major)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/nvidia")
+    except OSError:
+        return False
+
+
 def check_vmm_fd(fd: int, size_bytes: int) -> None:
     """Checks, before the driver sees it, that a received slab fd can be a CUDA VMM POSIX-fd handle: an open
-    file of one of NVIDIA's character devices (major :data:`NVIDIA_MAJOR`). Whatever answers at the socket path
+    file of one of NVIDIA's character devices (major :data:`NVIDIA_MAJOR`, or a node named ``/dev/nvidia*``). Whatever answers at the socket path
     sends these fds (issue 38, P10): a FIFO, socket, directory, block device, regular file or memfd, or another
     character device (``/dev/zero``) is refused here. An anonymous file is left to the driver
     (:func:`import_checked`).
@@ -195,7 +203,7 @@ def check_vmm_fd(fd: int, size_bytes: int) -> None:
         ManifestSlabMismatch (`manifest_slab_mismatch`): the fd is none of those; ``details.slab_size_bytes``.
     """
     st = os.fstat(fd)
-    if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR:
+    if stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev) == NVIDIA_MAJOR or _nvidia_node(fd)):
         return
     if not any(test(st.st_mode) for test in (stat.S_ISFIFO, stat.S_ISSOCK, stat.S_ISDIR, stat.S_ISBLK, stat.S_ISREG,
                                               stat.S_ISCHR)):
