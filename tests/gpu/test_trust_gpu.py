@@ -172,3 +172,48 @@ def test_what_the_driver_tells_when_an_engine_keeps_a_slab_the_service_let_go_of
     print("P2 on CUDA:", figures)
     assert figures["released_but_mapped_drop"] >= size * 0.9, figures  # still allocated: mapped elsewhere
     assert figures["after_exit_drop"] < size * 0.1, figures  # freed once nothing maps it
+
+
+# An engine that attaches in copy mode (its lease and its import end at once) and runs on until stdin closes.
+_COPY_ENGINE = """
+import json, sys
+from weightcache import attach
+w = attach(sys.argv[1], device="cuda:0", socket_dir=sys.argv[2], mode="copy", fallback=False)
+print(json.dumps({"source": w.source, "n": len(w.tensors)}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_service_counts_an_evicted_cuda_slab_until_its_receivers_exit(tmp_path):
+    """P2 on CUDA through the service: an engine received the slab's fd (copy mode: no lease left), the slab is
+    evicted; ``held_elsewhere_bytes`` counts it until that engine exits, then 0."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wc_harness", ROOT / "tests/service_harness.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from checkpoints import write_checkpoint
+
+    from weightcache import protocol
+
+    ck = write_checkpoint(tmp_path / "ck", {"w": torch.randn(1024, 1024)})
+    svc = harness.ServiceProcess(tmp_path, {"service": {"backend": "cuda"}, "models": {"m": {"path": str(ck)}}},
+                                 gpu=0, backend="cuda").start()
+    try:
+        svc.wait_settled()
+        size = svc.slab("m")["resident_bytes"]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "service"), os.environ.get("PYTHONPATH", "")]))
+        engine = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_COPY_ENGINE), str(ck), svc.socket_dir],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert json.loads(engine.stdout.readline())["source"] == "daemon"
+            harness.poll_until(lambda: not svc.slab("m")["leases"], "the copy-mode lease to end")
+            svc.request(protocol.Evict("m", False, ""))
+            assert svc.status()["memory"]["held_elsewhere_bytes"] == size
+        finally:
+            engine.stdin.close()
+            engine.wait(timeout=60)
+        harness.poll_until(lambda: svc.status()["memory"]["held_elsewhere_bytes"] == 0, "the engine's exit to count")
+    finally:
+        svc.stop()

@@ -107,8 +107,9 @@ class Daemon:
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        #: Host-backend slabs freed while something else still maps them: counted in the budget (issue 38, P2).
-        self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else None
+        #: Slabs freed while something else may still map them: counted in the budget (issue 38, P2; cuda: until
+        #: every process their fd was sent to has exited).
+        self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else tiers.HeldByReceivers()
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
