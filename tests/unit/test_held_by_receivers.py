@@ -64,3 +64,24 @@ def test_close_releases_the_pidfds_of_receivers_still_running():
         assert len(os.listdir("/proc/self/fd")) == before - 1  # and the epoll fd
     finally:
         _end(a)
+
+
+def test_a_slab_attached_by_many_processes_keeps_only_those_that_run():
+    a = _child()
+    ended = []
+    for _ in range(3):
+        p = _child()
+        _end(p)
+        ended.append(p.pid)
+    try:
+        slab = SimpleNamespace(receivers=set())
+        for pid in (a.pid, *ended):
+            tiers.note_receiver(slab, pid)
+        assert slab.receivers == {a.pid, *ended}  # below the mark: kept as given
+        # At the mark the exited ones go (pids above the kernel's pid_max, 2**22 at most, never run)
+        slab.receivers |= set(range(10**7, 10**7 + tiers.RECEIVERS_PRUNE_AT))
+        tiers.note_receiver(slab, 1)  # init: it runs
+        assert slab.receivers == {a.pid, 1}
+        tiers.note_receiver(SimpleNamespace(), 5)  # a slab without receivers (host): nothing
+    finally:
+        _end(a)

@@ -574,6 +574,33 @@ class HeldElsewhere:
         os.close(self.fd)
 
 
+#: A slab's receivers are pruned of exited processes when they reach this many (:func:`note_receiver`).
+RECEIVERS_PRUNE_AT = 256
+
+
+def note_receiver(sealed: Any, pid: int) -> None:
+    """Records that process ``pid`` received the fd of ``sealed`` (an attach reply), on a slab that keeps its
+    ``receivers`` (the cuda backend's: :class:`HeldByReceivers`); nothing for one without. At
+    :data:`RECEIVERS_PRUNE_AT` the pids of processes that exited are dropped (``kill(pid, 0)``: ``ESRCH``), so a
+    slab attached by many short-lived engines keeps a short list, and a pid reused later is not waited for."""
+    receivers = getattr(sealed, "receivers", None)
+    if receivers is None:
+        return
+    receivers.add(pid)
+    if len(receivers) >= RECEIVERS_PRUNE_AT:
+        receivers.difference_update([p for p in receivers if not _runs(p)])
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another uid's: it runs
+        return True
+    return True
+
+
 class HeldByReceivers:
     """The cuda-backend slabs the service freed that processes it sent their fd to may still map (issue 38, P2
     on CUDA).
