@@ -471,6 +471,9 @@ class ServiceCounters(_Record):
         attaches (`tuple[AttachCount]`), attach_times (`tuple[AttachTimes]`),
         loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`), publishes (`tuple[PublishCount]`): see
         there (``publishes`` absent from older services' replies).
+        notify_dropped (`dict[str, int]`): sd_notify datagrams dropped because the manager's socket was full, by
+            their first key (``STATUS``, ``FDSTORE``...; :data:`weightcache.notify.dropped`); absent from older
+            services' replies.
     """
 
     version: str
@@ -480,6 +483,7 @@ class ServiceCounters(_Record):
     loads: tuple[LoadCount, ...] = ()
     slabs: tuple[SlabCounters, ...] = ()
     publishes: tuple[PublishCount, ...] = ()
+    notify_dropped: dict = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ServiceCounters":
