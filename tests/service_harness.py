@@ -218,9 +218,7 @@ class ServiceProcess:
         backend = ["--backend", self.backend] if self.backend else []
         wrapper: list[str] = []
         if self.listen_fds is not None:
-            names = sorted(self.listen_fds)
-            wrapper = [sys.executable, "-c", _LISTEN_FDS_WRAPPER, ",".join(str(self.listen_fds[n]) for n in names),
-                       ":".join(names)]
+            wrapper = listen_fds_wrapper(self.listen_fds)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [*as_service_user(self.run_as, self.socket_dir), *wrapper, sys.executable, "-m", "weightcache",
@@ -344,16 +342,30 @@ class ServiceProcess:
 
 #: Run before the service by :meth:`ServiceProcess.launch` when it has ``listen_fds``: moves the fds
 #: (argv[1], comma-separated) to 3, 4, ... and sets ``LISTEN_FDS``/``LISTEN_FDNAMES`` (argv[2])/``LISTEN_PID``
-#: to its own pid, then execs the rest of argv (the service keeps the pid, as under systemd).
+#: to its own pid, then execs the rest of argv (the service keeps the pid, as under systemd). The fds as
+#: ``pass_fds`` gave them (inheritable, at the test process's numbers) are closed before the exec, as systemd
+#: passes nothing but 3, 4, ...: a copy left open at its old number was a second holder of each stored memfd
+#: inside the service, so a slab the service let go of stayed counted as held elsewhere for good (issue 38,
+#: P2; which stored fds leaked depended on the numbers the test process happened to give them).
 _LISTEN_FDS_WRAPPER = (
     "import fcntl, os, sys\n"
     "fds = [int(x) for x in sys.argv[1].split(',') if x]\n"
     "high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in fds]  # out of the way of 3, 4, ...\n"
     "for i, fd in enumerate(high):\n"
     "    os.dup2(fd, 3 + i, inheritable=True)\n"
+    "for fd in set(fds) - set(range(3, 3 + len(fds))):  # pass_fds' copies: systemd passes only 3, 4, ...\n"
+    "    os.close(fd)\n"
     "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=sys.argv[2])\n"
     "os.execv(sys.argv[3], sys.argv[3:])\n"
 )
+
+
+def listen_fds_wrapper(stored: dict[str, int]) -> list[str]:
+    """The command that runs before a command given after it, as systemd starts a service with ``stored``
+    (``FDNAME`` -> fd of this process, given to the child with ``pass_fds``): at 3, 4, ... in the order of
+    their names, with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``, and no other copy of them."""
+    names = sorted(stored)
+    return [sys.executable, "-c", _LISTEN_FDS_WRAPPER, ",".join(str(stored[n]) for n in names), ":".join(names)]
 
 
 def serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notify: str, log: Path,
@@ -408,8 +420,8 @@ class FdStoreStandIn:
 
     def drain(self) -> None:
         """Reads every datagram waiting, keeping ``FDSTORE=1`` fds as :meth:`collect` does: a service's
-        notifications block once the socket holds ``net.unix.max_dgram_qlen`` (10) unread datagrams, which a
-        restart that drops and stores several entries reaches (systemd reads them at once)."""
+        notifications are dropped once the socket holds ``net.unix.max_dgram_qlen`` (10) unread datagrams, which
+        a restart that drops and stores several entries reaches (systemd reads them at once)."""
         self.sock.setblocking(False)
         try:
             while True:

@@ -124,6 +124,9 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                              "Attaches answered, by outcome (daemon, loading, refused) and error code"),
     "weightcache_publishes": ("counter", SLAB_LABELS + ("outcome", "code"),
                               "Publications answered, by outcome (published, held, refused) and error code"),
+    "weightcache_notify_dropped": ("counter", ("gpu", "key"),
+                                   "sd_notify datagrams dropped because the service manager's socket was full, by "
+                                   "their first key (STATUS, FDSTORE...)"),
     "weightcache_attach_duration_seconds": ("histogram", ("gpu", "model"),
                                             "Attach service time, request read to reply queued, seconds"),
 }
@@ -301,6 +304,9 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
         fam.add("weightcache_attaches", (g, ac.model, ac.outcome, ac.code), ac.count)
     for pc in co.publishes:
         fam.add("weightcache_publishes", (g, pc.model, pc.tp_size, pc.tp_rank, pc.outcome, pc.code), pc.count)
+    for key, n in sorted((co.notify_dropped if isinstance(co.notify_dropped, dict) else {}).items()):
+        if isinstance(n, int) and not isinstance(n, bool):
+            fam.add("weightcache_notify_dropped", (g, str(key)[:64]), n)
     for at in co.attach_times:
         cumulative, buckets = 0, []
         for bound, n in zip([*at.bounds_s, float("inf")], at.counts):

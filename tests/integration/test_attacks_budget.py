@@ -160,3 +160,36 @@ def test_leases_of_uids_off_a_restricted_models_lists_do_not_keep_it_out(daemon,
     record_figures("attack.budget_reserve", "a uid off secret's allow list loads and holds open models while secret "
                    "waits on disk", "service as uid 64000; the load that would take secret's room is "
                    "insufficient_memory; secret's owner (another uid) attaches it", clients=3, faults_injected=2)
+
+
+def test_a_restricted_model_never_loaded_keeps_its_room_too(daemon, shared_dir):
+    """P3 for a model never planned. ``secret`` (allow list: OWNER, ``preload = "disk"``) has never been loaded;
+    the attacker (nobody) attaches and holds open models. Before: no plan had sized ``secret``, so nothing was held
+    back; the attacker's loads took the whole budget (both ``ok``) and its leases kept ``secret`` out (its owner's
+    attach ``insufficient_memory``). Now the loader plans ``secret`` without loading it at start (its size
+    shows in ``status``), its room is held back: the attacker's second load is refused and the owner's attach
+    loads ``secret``."""
+    cks = {n: _ckpt(shared_dir / n, i) for i, n in enumerate(("secret", "open1", "open2"))}
+    svc = daemon(make_config({"secret": {"path": cks["secret"], "allow_users": [str(OWNER)], "preload": "disk"},
+                              "open1": {"path": cks["open1"], "preload": "disk"},
+                              "open2": {"path": cks["open2"], "preload": "disk"}},
+                             memory_budget_bytes=2 * SLAB + SLAB // 2), run_as=SERVICE_UID)
+    svc.wait_settled()
+    open_socket_to_all(svc)
+    poll_until(lambda: svc.slab("secret")["total_bytes"] == N * 4, "secret's plan without a load",
+               detail=lambda: f"{svc.slab('secret')}\n{svc.log()}")
+    assert _tiers(svc) == {"secret": "on_disk/disk", "open1": "on_disk/disk", "open2": "on_disk/disk"}
+    assert svc.slab("open1")["total_bytes"] == 0  # open models are not planned ahead: nobody is kept out of them
+    pid, r = fork_as(NOBODY, NOBODY, [], _attach_and_hold, svc.socket_dir, ["open1", "open2"])
+    try:
+        got = result(r)
+        assert got["outcomes"] == ["ok", "insufficient_memory"], got
+        opid, orr = fork_as(OWNER, OWNER, [], _attach_each, svc.socket_dir, ["secret"])
+        try:
+            owner = result(orr)
+        finally:
+            reap(opid, orr)
+        assert owner["outcomes"] == ["ok"], owner
+        assert _tiers(svc)["open1"] == "ready/gpu"
+    finally:
+        reap(pid, r)

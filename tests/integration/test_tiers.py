@@ -371,7 +371,8 @@ def test_a_slow_demotion_blocks_no_other_client(daemon, tmp_path):
 
 class Drain:
     """Reads the stand-in fd store's notify socket on a thread, as systemd always does (a datagram queue of
-    ``net.unix.max_dgram_qlen`` = 10 left unread blocks the service's next notification), keeping stored fds
+    ``net.unix.max_dgram_qlen`` = 10 left unread drops the service's next notifications, FDSTORE=1 ones with
+    them), keeping stored fds
     by name as :meth:`FdStoreStandIn.collect` does and closing those ``FDSTOREREMOVE=1`` names, as systemd does
     (a slab the service let go of counts in its budget until nothing holds it, issue 38 P2)."""
 
@@ -442,16 +443,14 @@ def test_a_restart_keeps_the_host_tier_through_the_fd_store(tmp_path):
             assert second.wait(timeout=30) == 0, log.read_text()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug, found merging issues 38 and 39 (2026-12-05): after `evict --force` of a slab adopted from the fd "
-    "store, a status request at once leaves its memfd counted as held elsewhere for good (held_elsewhere_bytes "
-    "stays at the slab's size, the fd store has dropped it); with no request for 2 s it is freed. Until "
-    "explained, the budget refuses the next load"))
 def test_after_a_crash_the_budget_keeps_an_adopted_slab_as_leased(tmp_path):
     """Issue 39: after a restart, engines that attached before it may still map an adopted slab; evict refused
     it without --force, but the budget demoted it to make room (on CUDA that frees nothing they map). After a
     crash (SIGKILL: nothing recorded) the budget keeps it and the attach that needs its room is refused, naming
-    the unknown leases; after a clean stop with no lease on it (the restart above) it moves as before."""
+    the unknown leases; after a clean stop with no lease on it (the restart above) it moves as before.
+
+    Once a strict xfail (a's memfd counted as held elsewhere for good after the evict): the harness left a copy
+    of some stored fds open in the service at the test process's numbers (tests/unit/test_listen_fds_wrapper.py)."""
     cks = {"a": _ckpt(tmp_path / "a", 1), "b": _ckpt(tmp_path / "b", 2)}
     cfg, listen, log = tmp_path / "weightcache.toml", tmp_path / "0.sock", tmp_path / "service.log"
     cfg.write_text(to_toml(make_config({"a": cks["a"], "b": {"path": cks["b"], "preload": "host"}},
@@ -477,7 +476,7 @@ def test_after_a_crash_the_budget_keeps_an_adopted_slab_as_leased(tmp_path):
                 # a's memfd counts in the budget until nothing holds it (issue 38, P2)
                 seen = []
                 poll_until(lambda: seen.append(s.request(protocol.Status()).status["memory"]) or
-                           seen[-1]["held_elsewhere_bytes"] < SLAB, "a's slab to be freed", period_s=0.5,
+                           seen[-1]["held_elsewhere_bytes"] == 0, "a's slab and manifest file to be freed", period_s=0.5,
                            detail=lambda: f"{seen[-1]} fds {sorted(store.fds)}")
             finally:
                 s.close()

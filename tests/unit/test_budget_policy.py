@@ -124,3 +124,25 @@ def test_the_default_requester_is_the_old_policy():
     a, b = Holding("a", 6, last_used=1.0), Holding("b", 6, last_used=2.0)
     assert make_room(6, 12, [a, b]).drop == ("a",)
     assert budget.ANYONE.allows(Holding("x", 1, priority=1000))
+
+
+@pytest.mark.parametrize("state,first,restricted,published,want", [
+    (SlotState.ON_DISK, 0, True, False, True),  # preload = "disk", never planned: sized by a plan alone
+    (SlotState.HOSTED, 0, True, False, True),  # adopted into the host tier, never planned here
+    (SlotState.ON_DISK, 6, True, False, False),  # its last plan's size holds its room already
+    (SlotState.PENDING, 0, True, False, False),  # its own load plans it
+    (SlotState.READY, 0, True, False, False),  # on the GPU: nothing to hold back
+    (SlotState.ON_DISK, 0, False, False, False),  # open: anyone may attach it, nobody is kept out
+    (SlotState.ON_DISK, 0, True, True, False),  # a publication: nothing to plan it from
+])
+def test_the_restricted_models_a_plan_alone_sizes(state, first, restricted, published, want):
+    """P3 for a model never planned: which slots the serving loop has the loader plan without loading."""
+    from weightcache.daemon.state import Publication
+
+    m = ModelConfig("secret", "/m/secret", allow_users=("3000",) if restricted else ())
+    st = ServiceState(0, "cuda", {}, [Placement(m, 1, 0, 0)], service_uid=999)
+    s = st.slots[0]
+    s.state, s.first_slab_bytes = state, first
+    if published:
+        s.publication = Publication({}, "k", 3000, False)
+    assert tiers.unsized_restricted(st.slots) == ([s] if want else [])

@@ -259,6 +259,23 @@ def test_budget_host_tier_pin_priority_preload(tmp_path):
     assert Placement.from_json(pl.to_json()) == pl  # the fd store's copy keeps them
 
 
+def test_max_slab_bytes_bounds_a_model_slab_naming_the_model_and_the_field(tmp_path):
+    p = _write(tmp_path, '[models.a]\npath = "/m/a"\nmax_slab_bytes = 4096\n[models.b]\npath = "/m/b"\n')
+    cfg = load_config(p)
+    a, b = cfg.models["a"], cfg.models["b"]
+    assert (a.max_slab_bytes, b.max_slab_bytes) == (4096, 0)  # 0: no cap, the default
+    assert a.slab_over_cap(4096, "a/tp1/rank0") is None and b.slab_over_cap(1 << 50, "b/tp1/rank0") is None
+    why = a.slab_over_cap(4097, "a/tp1/rank0")
+    assert why == (f"model a (a/tp1/rank0) needs a slab of 4097 bytes, more than its models.a.max_slab_bytes = 4096 "
+                   f"(set in {p}); raise it (and reload) if the checkpoint is meant to be this large"), why
+    from weightcache.config import Placement
+    pl = cfg.placements()[0]
+    assert Placement.from_json(pl.to_json()) == pl  # the fd store's copy keeps it
+    older = pl.to_json()
+    del older["model"]["max_slab_bytes"]  # a manifest file of an earlier release
+    assert Placement.from_json(older).model.max_slab_bytes == 0
+
+
 def test_default_budget_is_device_memory_less_a_reserve():
     from weightcache.config import ServiceConfig, default_budget_bytes
     assert default_budget_bytes(150_000_000_000) == 135_000_000_000  # 10 %
@@ -275,6 +292,9 @@ def test_default_budget_is_device_memory_less_a_reserve():
     ('[models.a]\npath = "/x"\npriority = 1001\n', "models.a.priority", 3),
     ('[models.a]\npath = "/x"\npriority = true\n', "models.a.priority", 3),
     ('[models.a]\npath = "/x"\npreload = "ram"\n', "models.a.preload", 3),
+    ('[models.a]\npath = "/x"\nmax_slab_bytes = -1\n', "models.a.max_slab_bytes", 3),
+    ('[models.a]\npath = "/x"\nmax_slab_bytes = "10G"\n', "models.a.max_slab_bytes", 3),
+    ('[models.a]\npath = "/x"\nmax_slab_bytes = 1125899906842625\n', "models.a.max_slab_bytes", 3),
     ('[service]\nhost_tier_bytes = 0\n[models.a]\npath = "/x"\n\npreload = "host"\n', "models.a.preload", 6),
 ])
 def test_tier_keys_are_validated_naming_file_line_key(tmp_path, text, key, line):

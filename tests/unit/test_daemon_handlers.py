@@ -411,3 +411,17 @@ def test_a_parked_attach_is_checked_against_the_allow_lists_again(svc):
     load(slot)
     (reply,) = handlers.service_waiting(ctx, peer).replies
     assert reply.msg.code == "access_denied" and not peer.leases
+
+
+def test_an_attach_records_who_received_a_slab_that_keeps_receivers(svc):
+    """Issue 38, P2 on CUDA: a slab with ``receivers`` (the cuda backend's) learns the pid of every attach reply
+    that carries its fd; once freed it counts until they have exited (tiers.HeldByReceivers)."""
+    ctx, st, load, *_ = svc
+    load(st.slots[0])
+    st.slots[0].sealed.receivers = set()  # as CudaSealedSlab has; the host slab has none (inotify does its part)
+    for pid in (10, 11, 10):
+        (reply,) = handlers.handle(ctx, Peer(pid, os.getuid(), os.getgid()), protocol.Attach("m")).replies
+        assert isinstance(reply.msg, protocol.AttachReply)
+    assert st.slots[0].sealed.receivers == {10, 11}
+    err = _error(handlers.handle(ctx, Peer(12, STRANGER, STRANGER), protocol.Attach("locked")))
+    assert err.code in ("access_denied", "model_not_found") and st.slots[0].sealed.receivers == {10, 11}

@@ -93,3 +93,42 @@ def test_blocked_read_fails_with_timeout_and_the_next_model_loads(tmp_path, monk
         close_slabs(st)
         os.close(r)
         os.close(w)
+
+
+def test_a_probe_plans_without_loading_and_a_failed_one_posts_nothing(tmp_path):
+    """P3 for a model never planned: ``Loader.probe`` sizes a slot (``Planned`` with the slab size, which
+    becomes its ``first_slab_bytes``) and allocates nothing; a checkpoint it cannot plan, or one over the
+    model's ``max_slab_bytes``, posts nothing (that model keeps no room, and its load fails as before)."""
+    ck = write_checkpoint(tmp_path / "ck", {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
+    models = [ModelConfig("gone", str(tmp_path / "missing"), allow_users=("1",)),
+              ModelConfig("capped", str(ck), allow_users=("1",), max_slab_bytes=1),
+              ModelConfig("secret", str(ck), allow_users=("1",))]
+    backend = CountingBackend()
+    st = ServiceState(0, "host", backend.device_info(), [Placement(m, 1, 0, 0) for m in models])
+    allocated = []
+    real_allocate = backend.allocate
+    backend.allocate = lambda size, label: allocated.append(label) or real_allocate(size, label)
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    loader = loads.Loader(loads.LoadSettings(backend, st.device, 30, LoaderOptions(threads=1), "test.toml"), w)
+    try:
+        for s in st.slots:  # in order: the last one's result comes after the others'
+            s.shelve()
+            loader.probe(s)
+        seen: list = []
+
+        def sized() -> bool:
+            seen.extend(loader.results())
+            return bool(seen)
+
+        poll_until(sized, "the probe of secret", 20, 0.01)
+        loader.stop()
+        assert [type(x).__name__ for x in seen] == ["Planned"] and seen[0].slot is st.slots[2], seen
+        load_results.apply(st, seen[0])
+        gone, capped, secret = st.slots
+        # 24 bytes of payload in a slab of one 256-byte alignment unit, as its load would plan it
+        assert (secret.first_slab_bytes, secret.total_bytes) == (256, 24)
+        assert (gone.first_slab_bytes, capped.first_slab_bytes) == (0, 0)
+        assert secret.state is SlotState.ON_DISK and secret.planned_checkpoint is None and not allocated
+    finally:
+        os.close(r)
+        os.close(w)

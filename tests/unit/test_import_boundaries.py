@@ -123,6 +123,7 @@ DAEMON_ROOMS = {
     "tiers.py": {"socket", "selectors", "threading", "torch", "weightcache.memory", "weightcache.daemon.transport",
                  "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
     "bootstrap.py": {"torch", "weightcache.cli", "weightcache.client"},
+    "imaging.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.loop"},
     "publish.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
                    "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
 }

@@ -98,7 +98,10 @@ def _exposition(instances) -> dict:
     return {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
 
 
-def test_exposition_names_types_and_values():
+def test_exposition_names_types_and_values(monkeypatch):
+    from weightcache import notify
+
+    monkeypatch.setattr(notify, "dropped", notify.dropped.__class__({"STATUS": 3, "FDSTORE": 1}))
     c = Counters([_placement("qwen")], started_at=123.0)
     c.answered(protocol.Attach("qwen"), [_Reply(protocol.AttachReply(1, "/srv/qwen", "host", 4096))], 0.003)
     c.load_settled(_placement("qwen"), None, 2.0, 2048)
@@ -126,6 +129,8 @@ def test_exposition_names_types_and_values():
     assert val("weightcache_slab_resident_bytes", gpu=0, model="qwen") == 2048
     assert val("weightcache_publishes_total", gpu=0, model="qwen", tp_size=1, tp_rank=0, outcome="published") == 1
     assert val("weightcache_slab_leases", gpu=0, model="qwen") == 2
+    assert val("weightcache_notify_dropped_total", gpu=0, key="FDSTORE") == 1  # the datagrams of a full socket
+    assert val("weightcache_notify_dropped_total", gpu=0, key="STATUS") == 3
     assert val("weightcache_slab_state", gpu=0, model="bad", state="failed") == 1
     assert val("weightcache_slab_state", gpu=0, model="bad", state="ready") == 0
     assert val("weightcache_memory_slab_bytes", gpu=0) == 2048

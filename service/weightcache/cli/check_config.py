@@ -127,6 +127,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
                 continue
             planned.append((p, pl))
             total += pl.slab_size_bytes
+            over = p.model.slab_over_cap(pl.slab_size_bytes, p.label)
+            if over is not None:  # every load of it is refused checkpoint_corrupt, every publication refused
+                problems.append(f"model {p.model.name} tp={p.tp_size} rank={p.tp_rank} (GPU {gpu}, defined in "
+                                f"{p.model.source}): {over}")
             lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  {'gpus=[' + gpus + ']':<12} "
                          f"{human_bytes(pl.slab_size_bytes):>10}  {len(pl.records)} tensors  {p.model.path}")
         print(f"GPU {gpu}: {plural(len(placements), 'slab')}, {human_bytes(total)} planned"

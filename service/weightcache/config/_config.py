@@ -33,6 +33,7 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     priority = 0                # higher stays on the GPU longer (and loads first at start)
     preload = "gpu"             # gpu | host (into the host tier) | disk (loaded at the first attach)
     image = true                # processed images in [service] image_dir (unset: published slabs only)
+    max_slab_bytes = 0          # bytes one slab (one rank) of it may take; a larger plan or publication is refused
 
 Forbidden imports: torch, socket, weightcache.daemon, weightcache.client, weightcache.pipeline.
 """
@@ -113,13 +114,15 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
 _METRICS_KEYS = ("address", "port")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
-    "pin", "priority", "preload", "publishers", "image",
+    "pin", "priority", "preload", "publishers", "image", "max_slab_bytes",
 }
 #: Where a model's slabs go at start (``[models.X] preload``): the GPU as the budget allows, the host tier, or
 #: nowhere (the first attach loads them).
 PRELOADS = ("gpu", "host", "disk")
 #: Range of ``[models.X] priority``.
 PRIORITY_RANGE = (-1000, 1000)
+#: Largest ``[models.X] max_slab_bytes`` (as ``memory_budget_bytes``); 0 is no cap.
+MAX_SLAB_BYTES_MAX = 1 << 50
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,9 @@ class ModelConfig(LoadRequest):
             (before the checkpoint, or for a publication before the engine is asked) when no fd-store entry
             holds it. None (unset): published slabs yes, slabs the service makes no (docs/configuration.md
             says why); :meth:`images_for` answers per kind.
+        max_slab_bytes (`int`): bytes one slab of the model (one rank of one layout, holes of a sparse file
+            counted at their length) may take on a GPU; a plan or a publication larger is refused
+            (:meth:`slab_over_cap`). 0: no cap but the budget (and the size of its first load).
     """
 
     allow_users: tuple[str, ...] = ()
@@ -165,10 +171,20 @@ class ModelConfig(LoadRequest):
     preload: str = "gpu"
     publishers: tuple[str, ...] = ()
     image: bool | None = None
+    max_slab_bytes: int = 0
 
     def images_for(self, published: bool) -> bool:
         """Whether this model's slabs get processed images: ``image`` when set, else published ones only."""
         return published if self.image is None else self.image
+
+    def slab_over_cap(self, slab_bytes: int, label: str) -> str | None:
+        """Why a slab of ``slab_bytes`` bytes (slab ``label``) is refused by :attr:`max_slab_bytes`, naming the
+        model and the field; None when there is no cap or it fits."""
+        if not self.max_slab_bytes or slab_bytes <= self.max_slab_bytes:
+            return None
+        return (f"model {self.name} ({label}) needs a slab of {slab_bytes} bytes, more than its "
+                f"models.{self.name}.max_slab_bytes = {self.max_slab_bytes} (set in {self.source or 'the configuration'}); "
+                f"raise it (and reload) if the checkpoint is meant to be this large")
 
 
 @dataclass(frozen=True)
@@ -190,7 +206,7 @@ class Placement(RankRequest):
                  "revision": m.revision, "allow_users": list(m.allow_users), "allow_groups": list(m.allow_groups),
                  "layouts": [[lay.tp, list(lay.gpus)] for lay in m.layouts], "source": m.source,
                  "pin": m.pin, "priority": m.priority, "preload": m.preload, "publishers": list(m.publishers),
-                 "image": m.image}
+                 "image": m.image, "max_slab_bytes": m.max_slab_bytes}
         return {"model": model, "tp_size": self.tp_size, "tp_rank": self.tp_rank, "gpu": self.gpu}
 
     @classmethod
@@ -428,6 +444,11 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
     image = table.get("image")
     if image is not None:
         _check_type(path, f"{k}.image", image, bool)
+    max_slab_bytes = table.get("max_slab_bytes", 0)
+    _check_type(path, f"{k}.max_slab_bytes", max_slab_bytes, int)
+    if not 0 <= max_slab_bytes <= MAX_SLAB_BYTES_MAX:
+        raise _err(path, f"{k}.max_slab_bytes", f"{max_slab_bytes} is out of range: expected 0 (no cap) to "
+                                                f"{MAX_SLAB_BYTES_MAX}, bytes one slab of the model may take")
     preload = table.get("preload", "gpu")
     if preload not in PRELOADS:
         raise _err(path, f"{k}.preload", f"{preload!r} is not one of {', '.join(PRELOADS)}")
@@ -474,6 +495,7 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         priority=priority,
         preload=preload,
         image=image,
+        max_slab_bytes=max_slab_bytes,
     )
 
 

@@ -257,6 +257,7 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
         _check_lease_caps(ctx, peer)
         slot.last_used = ctx.monotonic()
         lease = ctx.state.lease(peer, slot, msg.mode, ctx.wall())
+        tiers.note_receiver(slot.sealed, peer.pid)  # cuda: counted once freed until it exits
         mf = slot.manifest_file
         log.info("attached model=%s tp_size=%d rank=%d peer_pid=%d peer_uid=%d lease=%d mode=%s",
                  p.model.name, p.tp_size, p.tp_rank, peer.pid, peer.uid, lease.lease_id, msg.mode,

@@ -134,6 +134,9 @@ class Loader:
         self._lock = threading.Lock()
         self._queued: list[Slot] = []  # submitted, not yet taken: what the torch look-ahead reads
         self._thread = threading.Thread(target=self._run, name="weightcache-loader", daemon=True)
+        #: Slots to plan without loading (:meth:`probe`), and the thread that plans them (started at the first).
+        self._probes: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
+        self._probe_thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Starts the thread."""
@@ -159,6 +162,50 @@ class Loader:
     def stop(self) -> None:
         """Asks the thread to end after the current load (it is a daemon thread: exit does not wait)."""
         self._jobs.put(None)
+        self._probes.put(None)
+
+    def probe(self, slot: Slot) -> None:
+        """Queues a plan of ``slot`` that loads nothing, on a thread of its own (never behind a load): its
+        :class:`Planned` (payload, dtypes served, slab size; no checkpoint identity) gives the slot the
+        :attr:`Slot.first_slab_bytes` a load would, so that the room of a restricted model never loaded is held
+        back from others' loads as for one that was (issue 38, P3). A plan that fails, or is over the model's
+        ``max_slab_bytes``, posts nothing: that model's load will fail the same way, and it keeps no room."""
+        with self._lock:
+            if self._probe_thread is None:
+                self._probe_thread = threading.Thread(target=self._run_probes, name="weightcache-size-probe",
+                                                      daemon=True)
+                self._probe_thread.start()
+        self._probes.put(slot)
+
+    def _run_probes(self) -> None:
+        while True:
+            slot = self._probes.get()
+            if slot is None:
+                return
+            if slot.first_slab_bytes:  # planned by its own load meanwhile
+                continue
+            p, st = slot.placement, self.settings
+            ck = None
+            try:
+                ck = Checkpoint(p.model.path, root=slot.realpath or None, trusted_link_owners=TRUSTED_LINK_OWNERS,
+                                max_tensors=st.max_tensors)
+                pl = pipeline.plan(p, st.device, checkpoint=ck, registry=st.registry)
+            except (WeightcacheError, OSError, ValueError, KeyError, TypeError, RecursionError, MemoryError) as e:
+                log.info("size probe failed model=%s tp_size=%d rank=%d error=%s: it keeps no room until a load "
+                         "plans it", p.model.name, p.tp_size, p.tp_rank, getattr(e, "code", None) or repr(e)[:200])
+                continue
+            except Exception as e:  # noqa: BLE001 - a bug in planning: logged, the service goes on
+                log.critical("size probe crashed model=%s tp_size=%d rank=%d error=%r\n%s", p.model.name, p.tp_size,
+                             p.tp_rank, e, traceback.format_exc())
+                continue
+            finally:
+                if ck is not None:
+                    ck.close()
+            if p.model.slab_over_cap(pl.slab_size_bytes, p.label) is not None:
+                continue
+            log.debug("size probe model=%s tp_size=%d rank=%d slab_bytes=%d", p.model.name, p.tp_size, p.tp_rank,
+                      pl.slab_size_bytes)
+            self._post(Planned(slot, pl.payload_bytes, dtype_served(pl), None, pl.slab_size_bytes))
 
     def results(self) -> list[Any]:
         """Every result posted since the last call, in order (serving loop only)."""
@@ -571,10 +618,19 @@ def _check_size(slot: Slot, slab_bytes: int) -> None:
     model when it configured it; a checkpoint rewritten larger since (a sparse file of holes is as large as its
     length says) waits for a reload, which takes the new size.
 
+    The operator's own bound comes first: ``[models.X] max_slab_bytes`` (:meth:`ModelConfig.slab_over_cap`).
+
     Raises:
-        CheckpointCorrupt (`checkpoint_corrupt`): ``details.cause`` ``grew``, ``size_bytes``, ``first_size_bytes``.
+        CheckpointCorrupt (`checkpoint_corrupt`): ``details.cause`` ``grew``, ``size_bytes``, ``first_size_bytes``;
+            or ``details.cause`` ``over_max_slab_bytes`` with ``limit`` (``models.X.max_slab_bytes``), ``value``
+            and ``actual`` (bytes).
     """
     first, p = slot.first_slab_bytes, slot.placement
+    over = p.model.slab_over_cap(slab_bytes, p.label)
+    if over is not None:
+        raise CheckpointCorrupt(f"{over}; the checkpoint at {p.model.path} is not loaded", file=p.model.path,
+                                cause="over_max_slab_bytes", limit=f"models.{p.model.name}.max_slab_bytes",
+                                value=p.model.max_slab_bytes, actual=slab_bytes, model=p.model.name)
     if first and slab_bytes > first:
         raise CheckpointCorrupt(
             f"model {p.model.name} ({p.label}) now plans a slab of {slab_bytes} bytes, more than the {first} of its "

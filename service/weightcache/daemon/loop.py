@@ -107,10 +107,11 @@ class Daemon:
                                    trusted_uids=frozenset({0, self.state.service_uid}))
         self.fdstore = FdStore(backend, device)
         self.ticker = Ticker(self.state)
-        #: Host-backend slabs freed while something else still maps them: counted in the budget (issue 38, P2).
-        self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else None
-        #: Processed images (issue 36): None without an image directory, or when it is refused.
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: Slabs freed while something else may still map them: counted in the budget (issue 38, P2; cuda: until
+        #: every process their fd was sent to has exited).
+        self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else tiers.HeldByReceivers()
+        #: Processed images (issue 36): None without an image directory, or when it is refused.
         #: GPU slabs an image write finished reading (posted by the writer's thread, released on this loop).
         self._image_reads_done: queue.SimpleQueue = queue.SimpleQueue()
         self.images = None
@@ -229,6 +230,15 @@ class Daemon:
             self.images.configure(eff.config)
         self.loader.settings = self._load_settings(eff.config)  # the loader reads it at each load's start
         self.counters.track(eff.config.placements(self.gpu))  # label values of models the reload added
+        self._probe_sizes()
+
+    def _probe_sizes(self) -> None:
+        """Has the loader size the restricted models no plan has sized yet (:func:`tiers.unsized_restricted`):
+        their room is then held back from the loads of uids off their allow lists (issue 38, P3)."""
+        for s in tiers.unsized_restricted(self.state.slots):
+            if not s.size_probed:
+                s.size_probed = True
+                self.loader.probe(s)
 
     def _use_images(self, images: imaging.Imaging | None) -> None:
         """Takes ``images`` (None: none): its counters in the metrics, its GPU slab reads held by the OffLoop."""
@@ -262,6 +272,7 @@ class Daemon:
     def _free_slab(self, c: Client | None, eff: FreeSlab) -> None:
         if eff.store_id is not None:
             self.fdstore.remove(eff.store_id)
+            self._probe_sizes()  # an adopted slab evicted: never planned here
         if eff.sealed is not None and self.offloop.close_when_read(eff):  # a verify or a demotion still reads it
             return
         for f in (eff.sealed, eff.manifest_file):
@@ -369,6 +380,7 @@ class Daemon:
             # A PENDING publication here is one its image brings back (daemon.imaging): to the GPU, as published.
             if s.state is SlotState.PENDING and (s.publication is not None or tiers.start_placement(s)):
                 self.loader.submit(s)
+        self._probe_sizes()
         log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
                  extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))
         while not self._stop:

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .. import __version__, protocol
+from .. import __version__, notify, protocol
 from ..config import Placement
 from ..wire import SlotState
 
@@ -164,5 +164,6 @@ class Counters:
             loads=tuple(protocol.LoadCount(*k[:5], n, k[5]) for k, n in sorted(self._loads.items())),
             images=self.images.snapshot() if self.images is not None else {},
             publishes=tuple(protocol.PublishCount(*k, n) for k, n in sorted(self._publishes.items())),
+            notify_dropped=dict(sorted(notify.dropped.items())),
             slabs=tuple(protocol.SlabCounters(m, t, r, s.last_load_s, s.last_load_bytes, s.verify_runs,
                                               s.verify_failures) for (m, t, r), s in self._slabs.items()))

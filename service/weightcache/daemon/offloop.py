@@ -99,8 +99,9 @@ class OffLoop:
         carry_out (`callable`): ``(client or None, Outcome) -> None``, the loop's: sends replies, carries out effects.
         effect (`callable`): ``(client or None, effect) -> None``, the loop's: carries out one effect.
         broken (`callable`): ``(IllegalTransition) -> None``, the loop's: logs CRITICAL and stops it.
-        elsewhere (`tiers.HeldElsewhere | None`): host backend: the memfds the service let go of that something
-            still maps, counted in the budget until freed (issue 38, P2); None on CUDA.
+        elsewhere (`tiers.HeldElsewhere | tiers.HeldByReceivers | None`): the slabs the service let go of that
+            something may still map, counted in the budget until freed (issue 38, P2): host backend, the memfds
+            still held or mapped (inotify); cuda, the slabs some process that received their fd still runs.
     """
 
     def __init__(self, state: ServiceState, tiers: Tiers, ctx: Context, counters: Counters,
@@ -223,15 +224,17 @@ class OffLoop:
                         self.close(f, later.store_id or "")
 
     def close(self, f: Any, label: str) -> None:
-        """Closes a slab, host copy or manifest file the service lets go of; on the host backend its memfd is
-        watched first, and its bytes count against the budget until nothing maps it any more."""
-        if self.elsewhere is not None and getattr(f, "fd", -1) >= 0:
-            self.elsewhere.watch(f.fd, label, f.size_bytes)
+        """Closes a slab, host copy or manifest file the service lets go of; it is watched first (``elsewhere``),
+        and its bytes count against the budget until nothing maps it any more (host: the memfd's inode is
+        freed; cuda: every process its fd was sent to has exited)."""
+        if self.elsewhere is not None:
+            self.elsewhere.watch_freed(f, label)
             self.tiers.held_elsewhere_bytes = self.elsewhere.bytes
         f.close()
 
     def freed_elsewhere(self) -> None:
-        """The inotify fd is readable: watched memfds were freed (the last mapping went)."""
+        """The watch's fd is readable: watched slabs were freed (host: the last mapping went; cuda: the last
+        receiver exited)."""
         freed = self.elsewhere.read()
         self.tiers.held_elsewhere_bytes = self.elsewhere.bytes
         for label, size in freed:

@@ -125,7 +125,9 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
         ModelNotFound (`model_not_found`): the model is not configured on this GPU.
         AccessDenied (`access_denied`): see :func:`weightcache.daemon.access.check_publish`; nothing changed.
         PublicationInvalid (`publication_invalid`): the engine key or the memfd (see
-            :func:`weightcache.memory.host.seal_publication`), or a backend that takes no publication.
+            :func:`weightcache.memory.host.seal_publication`), a backend that takes no publication, or a memfd
+            larger than the model's ``max_slab_bytes`` (``reason = "over_max_slab_bytes"``, ``limit``, ``value``,
+            ``actual``).
         SlabStillMapped (`slab_still_mapped`): the publisher still maps the memfd writable.
         InsufficientMemory (`insufficient_memory`): the budget has no room for it.
     """
@@ -148,6 +150,11 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
                  placement.model.name, msg.tp_size, msg.tp_rank, held.label, held.state.value, peer.pid)
         size = held.sealed.size_bytes if held.sealed is not None else held.reserved_bytes
         return one_reply(protocol.PublishReply(held.label, False, size, pub.engine_key_blake2b))
+    over = placement.model.slab_over_cap(msg.size_bytes, slot.label)
+    if over is not None:  # the operator's bound on the model, whoever publishes it
+        raise PublicationInvalid(f"publish: {over}; the engine keeps its own copy", reason="over_max_slab_bytes",
+                                 limit=f"models.{placement.model.name}.max_slab_bytes",
+                                 value=placement.model.max_slab_bytes, actual=msg.size_bytes)
     _check_room(ctx, slot.label, placement.model.name, msg.size_bytes)
     sealed = ctx.adopt_publication(fds[0], msg.size_bytes)
     try:

@@ -231,6 +231,8 @@ class Slot:
     #: Bytes of the slab its first plan worked out (``Planned``); a later load planning more is refused until a
     #: reload (the operator) takes the new size: a checkpoint's writer cannot grow it (issue 38, P6). 0: none yet.
     first_slab_bytes: int = 0
+    #: A plan without a load was queued to size it (``tiers.unsized_restricted``, ``Loader.probe``): not again.
+    size_probed: bool = False
     leases: dict[int, Lease] = field(default_factory=dict)
     #: The host tier's copy (a host SealedSlab: ``fd``, ``size_bytes``) while HOSTED, and while a promotion
     #: from it is PENDING or LOADING; ``manifest``/``manifest_file`` stay with it. While READY, a copy kept

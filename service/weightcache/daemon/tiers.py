@@ -36,7 +36,9 @@ budget (``held_elsewhere_bytes``), so what engines keep mapped after their
 lease cannot be allocated a second time (issue 38, P2: 30 slabs released and
 still mapped took the node's shared memory 2.34 GB past a 280 MB budget). The
 cuda backend has no such signal: an imported VMM handle keeps the allocation
-after the engine closed the fd, and the driver tells the exporter nothing.
+after the engine closed the fd, and the driver tells the exporter nothing. There
+:class:`HeldByReceivers` counts a freed slab until every process the service
+sent its fd to has exited (a pidfd each).
 
 Forbidden imports: socket, selectors, threading, torch, weightcache.memory, weightcache.pipeline,
 weightcache.daemon.transport, weightcache.daemon.handlers, weightcache.daemon.loads,
@@ -46,8 +48,10 @@ weightcache.daemon.fdstore, weightcache.daemon.loop.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
+import select
 import struct
 import time
 from dataclasses import dataclass
@@ -473,13 +477,23 @@ DISPLACING_WINDOW_S = 60.0
 _RESERVING = frozenset({SlotState.ON_DISK, SlotState.HOSTED, SlotState.PENDING})
 
 
+def unsized_restricted(slots: list[Slot]) -> list[Slot]:
+    """The slots whose room :func:`requester_of` would hold back but cannot, their size unknown: a model with
+    allow lists waiting off the GPU (ON_DISK or HOSTED; a PENDING one is planned by its own load) that no plan
+    has sized yet (``preload = "disk"``, at start or added by a reload; a slab adopted from the fd store, then
+    evicted). The serving loop has the loader plan them without loading (:meth:`Loader.probe`)."""
+    return [s for s in slots if s.publication is None and not s.first_slab_bytes
+            and s.state in (SlotState.ON_DISK, SlotState.HOSTED)
+            and (s.placement.model.allow_users or s.placement.model.allow_groups)]
+
+
 def requester_of(state: ServiceState, slot: Slot, may_attach: Callable[[Slot], bool] | None,
                  displaced_recently: int) -> budget.Requester:
     """The :class:`budget.Requester` of ``slot``'s load: its model's priority, the slabs the peer that asked
     may attach (``may_attach``; None: every slab, the service's own loads; none at all once the peer's uid
     made :data:`DISPLACING_LOADS_PER_UID` loads displace others within the window, ``displaced_recently``),
     and the room held back for the models it may not attach while they wait off the GPU (each its
-    :attr:`Slot.first_slab_bytes`; a model never planned yet reserves nothing)."""
+    :attr:`Slot.first_slab_bytes`; a model never loaded is sized by a plan alone: :func:`unsized_restricted`)."""
     if may_attach is None:
         return budget.Requester(slot.placement.model.priority)
     mine = frozenset(s.label for s in state.slots if may_attach(s))
@@ -551,5 +565,119 @@ class HeldElsewhere:
                 if mask & IN_IGNORED and wd in self._watches:
                     freed.append(self._watches.pop(wd))
 
+    def watch_freed(self, f: Any, label: str) -> None:
+        """:meth:`watch` of the memfd of ``f`` (a slab, host copy or manifest file: ``fd``, ``size_bytes``)."""
+        if getattr(f, "fd", -1) >= 0:
+            self.watch(f.fd, label, f.size_bytes)
+
     def close(self) -> None:
         os.close(self.fd)
+
+
+#: A slab's receivers are pruned of exited processes when they reach this many (:func:`note_receiver`).
+RECEIVERS_PRUNE_AT = 256
+
+
+def note_receiver(sealed: Any, pid: int) -> None:
+    """Records that process ``pid`` received the fd of ``sealed`` (an attach reply), on a slab that keeps its
+    ``receivers`` (the cuda backend's: :class:`HeldByReceivers`); nothing for one without. At
+    :data:`RECEIVERS_PRUNE_AT` the pids of processes that exited are dropped (``kill(pid, 0)``: ``ESRCH``), so a
+    slab attached by many short-lived engines keeps a short list, and a pid reused later is not waited for."""
+    receivers = getattr(sealed, "receivers", None)
+    if receivers is None:
+        return
+    receivers.add(pid)
+    if len(receivers) >= RECEIVERS_PRUNE_AT:
+        receivers.difference_update([p for p in receivers if not _runs(p)])
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another uid's: it runs
+        return True
+    return True
+
+
+class HeldByReceivers:
+    """The cuda-backend slabs the service freed that processes it sent their fd to may still map (issue 38, P2
+    on CUDA).
+
+    The driver tells the exporter nothing when the last imported handle of a VMM allocation goes (the
+    allocation lives on: tests/gpu/test_trust_gpu.py records it), so a freed slab counts against the budget
+    until every process that received its fd (``CudaSealedSlab.receivers``: the pids of its attach replies)
+    has exited: a pidfd each (``pidfd_open``), polled through one epoll fd. Two limits, said in
+    docs/operations.md: an engine that unmapped and runs on (``copy`` mode, or a release before it exits)
+    keeps the slab counted until it exits; an fd passed on to another process is not followed.
+
+    Attributes:
+        fd (`int`): the epoll fd; readable when a watched process exited (call :meth:`read`).
+    """
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self.fd = self._epoll.fileno()
+        self._ids = itertools.count()
+        #: entry id -> (label, size_bytes, the pidfds still open)
+        self._entries: dict[int, tuple[str, int, set[int]]] = {}
+        #: pidfd -> its entry id
+        self._owner: dict[int, int] = {}
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the freed slabs some receiver of which still runs."""
+        return sum(size for _, size, _ in self._entries.values())
+
+    def labels(self) -> list[str]:
+        """The labels of those slabs (one per slab, in no particular order)."""
+        return [label for label, _, _ in self._entries.values()]
+
+    def watch_freed(self, f: Any, label: str) -> None:
+        """Counts ``f`` (a sealed slab the service lets go of: ``receivers``, ``size_bytes``) until every process
+        of its ``receivers`` has exited; one that has already exited is not waited for. An object without
+        receivers (a host copy, a manifest file, a slab nobody attached) is not counted."""
+        pids = getattr(f, "receivers", None)
+        if not pids:
+            return
+        left = set()
+        for pid in sorted(pids):
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            except OSError as e:  # out of fds: that receiver is not waited for
+                log.warning("cannot watch a receiver of a freed slab label=%s pid=%d error=%s: its memory is not "
+                            "counted while that process may still map it", label, pid, e.strerror)
+                continue
+            self._epoll.register(pidfd, select.EPOLLIN)
+            left.add(pidfd)
+        if not left:
+            return
+        entry = next(self._ids)
+        self._entries[entry] = (label, int(f.size_bytes), left)
+        for pidfd in left:
+            self._owner[pidfd] = entry
+
+    def read(self) -> list[tuple[str, int]]:
+        """Takes the receivers that exited; returns ``(label, size_bytes)`` of each slab none of whose receivers
+        runs any more."""
+        freed = []
+        for pidfd, _ in self._epoll.poll(0):
+            self._epoll.unregister(pidfd)
+            os.close(pidfd)
+            entry = self._owner.pop(pidfd)
+            label, size, left = self._entries[entry]
+            left.discard(pidfd)
+            if not left:
+                del self._entries[entry]
+                freed.append((label, size))
+        return freed
+
+    def close(self) -> None:
+        for pidfd in self._owner:
+            os.close(pidfd)
+        self._owner.clear()
+        self._entries.clear()
+        self._epoll.close()

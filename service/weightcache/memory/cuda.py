@@ -61,7 +61,7 @@ from typing import Any
 
 from ..sizes import round_up
 from .cuda_driver import _check, _Device, _require_driver, cu, gpu_uuid
-from .cuda_mapping import _map_fd
+from .cuda_mapping import _map_fd, check_vmm_fd, import_checked
 from .cuda_slabs import CudaImportedSlab, CudaSealedSlab, CudaWritableSlab
 from .cuda_staging import StagingPool
 
@@ -158,8 +158,11 @@ class CudaBackend:
             `CudaSealedSlab` owning ``fd``. If this raises, ``fd`` stays the caller's.
 
         Raises:
+            ManifestSlabMismatch (`manifest_slab_mismatch`): the fd cannot be a VMM handle
+                (:func:`~weightcache.memory.cuda_mapping.check_vmm_fd`: an entry another process put in the store).
             CudaDriverError: the fd is not a VMM handle, or is smaller than ``size_bytes``.
         """
+        check_vmm_fd(fd, size_bytes)
         mapping = _map_fd(self._device(self.gpu), fd, size_bytes, read_only=True)
         return CudaSealedSlab(fd, mapping.size_bytes, mapping, owner_read_only=True)
 
@@ -225,9 +228,12 @@ class CudaBackend:
 
         Raises:
             ValueError: ``device`` is not a CUDA device.
-            CudaDriverError: the fd is not a VMM handle, or is smaller than ``size_bytes``.
+            ManifestSlabMismatch (`manifest_slab_mismatch`): the fd is not a VMM handle of this node, or is
+                smaller than ``size_bytes`` (:func:`~weightcache.memory.cuda_mapping.import_checked`: whatever
+                answers at the socket path chose it; issue 38, P10).
+            CudaDriverError: another driver failure.
         """
-        return CudaImportedSlab(_map_fd(self._device(self._device_index(device)), fd, size_bytes, read_only=True))
+        return CudaImportedSlab(import_checked(self._device(self._device_index(device)), fd, size_bytes))
 
     def _device_index(self, device: Any) -> int:
         if device is None:

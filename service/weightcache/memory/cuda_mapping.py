@@ -3,8 +3,10 @@
 Owns :class:`_Mapping` (a VA range mapped to one physical allocation; what
 torch tensors hold on to through ``__cuda_array_interface__``; unmapped by a
 ``weakref.finalize`` after ``cuCtxSynchronize`` when collected, or at once by
-``release()``) and :func:`_map_fd` (``cuMemImportFromShareableHandle`` of a
-POSIX fd, then a mapping; the fd stays open). See
+``release()``), :func:`_map_fd` (``cuMemImportFromShareableHandle`` of a
+POSIX fd, then a mapping; the fd stays open) and :func:`check_vmm_fd` /
+:func:`import_checked` (what a received fd must be before the driver is given it, and the driver's refusals
+as ``manifest_slab_mismatch``: issue 38, P10 on CUDA). See
 :mod:`weightcache.memory.cuda` for the lifetime rules.
 
 Forbidden imports: torch at module level, daemon, client, protocol, cli.
@@ -14,11 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import weakref
 from typing import Any
 
+from ..errors import ManifestSlabMismatch
 from ..sizes import round_up
-from .cuda_driver import _check, _Device, cu
+from .cuda_driver import CudaDriverError, _check, _Device, cu
 
 log = logging.getLogger("weightcache.memory.cuda")  # one logger for the cuda backend, whichever module logs
 
@@ -158,3 +162,73 @@ def _map_fd(device: _Device, fd: int, size_bytes: int, read_only: bool) -> _Mapp
             # The mapping holds the allocation from here on.
             cu.cuMemRelease(handle)
 
+
+
+#: The major number of NVIDIA's character devices (``/dev/nvidiactl``, ``/dev/nvidia0``...): an exported VMM
+#: handle is an open file of one (``NV_MAJOR_DEVICE_NUMBER`` of the kernel module; tests/gpu checks it).
+NVIDIA_MAJOR = 195
+
+#: What the driver answers ``cuMemImportFromShareableHandle`` or ``cuMemMap`` for an fd that is no VMM handle
+#: of this node, or one smaller than the manifest says: the sender's fault, not the device's.
+_REFUSED = ("CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_HANDLE", "CUDA_ERROR_NOT_SUPPORTED",
+            "CUDA_ERROR_INVALID_DEVICE", "CUDA_ERROR_NOT_PERMITTED", "CUDA_ERROR_OPERATING_SYSTEM")
+
+
+def _kind(st: os.stat_result) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file (a memfd?)")):
+        if test(st.st_mode):
+            return name
+    if stat.S_ISCHR(st.st_mode):
+        return f"the character device {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    return "an anonymous file"
+
+
+def _nvidia_node(fd: int) -> bool:
+    """Whether ``fd`` is open on a device node named ``/dev/nvidia*`` (``nvidia-uvm`` has a dynamic major)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/nvidia")
+    except OSError:
+        return False
+
+
+def check_vmm_fd(fd: int, size_bytes: int) -> None:
+    """Checks, before the driver sees it, that a received slab fd can be a CUDA VMM POSIX-fd handle: an open
+    file of one of NVIDIA's character devices (major :data:`NVIDIA_MAJOR`, or a node named ``/dev/nvidia*``). Whatever answers at the socket path
+    sends these fds (issue 38, P10): a FIFO, socket, directory, block device, regular file or memfd, or another
+    character device (``/dev/zero``) is refused here. An anonymous file is left to the driver
+    (:func:`import_checked`).
+
+    Raises:
+        ManifestSlabMismatch (`manifest_slab_mismatch`): the fd is none of those; ``details.slab_size_bytes``.
+    """
+    st = os.fstat(fd)
+    if stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev) == NVIDIA_MAJOR or _nvidia_node(fd)):
+        return
+    if not any(test(st.st_mode) for test in (stat.S_ISFIFO, stat.S_ISSOCK, stat.S_ISDIR, stat.S_ISBLK, stat.S_ISREG,
+                                              stat.S_ISCHR)):
+        return
+    raise ManifestSlabMismatch(f"the slab fd received is {_kind(st)}, not a CUDA VMM handle (an open file of "
+                               f"NVIDIA's device {NVIDIA_MAJOR}:*); not mapped (is the process at the socket path "
+                               f"the weightcache service?)", slab_size_bytes=size_bytes)
+
+
+def import_checked(device: _Device, fd: int, size_bytes: int) -> _Mapping:
+    """:func:`check_vmm_fd`, then :func:`_map_fd` read-only, the driver's refusal of the fd (not a VMM handle
+    of this node, another handle type, an allocation smaller than ``size_bytes``) turned into
+    ``manifest_slab_mismatch``; ``fd`` stays the caller's.
+
+    Raises:
+        ManifestSlabMismatch (`manifest_slab_mismatch`): see above; ``details.call``, ``details.result``.
+        CudaDriverError: any other driver failure (out of memory, a lost device).
+    """
+    check_vmm_fd(fd, size_bytes)
+    try:
+        return _map_fd(device, fd, size_bytes, read_only=True)
+    except CudaDriverError as e:
+        if e.call not in ("cuMemImportFromShareableHandle", "cuMemMap") or e.result not in _REFUSED:
+            raise
+        raise ManifestSlabMismatch(f"the slab fd received was refused by the CUDA driver ({e.call}: {e.result}): "
+                                   f"not a VMM handle of this node of at least {size_bytes} bytes; not mapped (is "
+                                   f"the process at the socket path the weightcache service?)",
+                                   slab_size_bytes=size_bytes, call=e.call, result=e.result) from None

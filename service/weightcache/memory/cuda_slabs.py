@@ -188,12 +188,16 @@ class CudaSealedSlab:
             ``cuda:<gpu>``; read-only when ``owner_read_only`` (writes fault).
         owner_read_only (`bool`): whether the driver accepted the ``PROT_READ``
             downgrade of the owner's mapping.
+        receivers (`set[int]`): pids its fd was sent to (see :class:`~weightcache.daemon.tiers.HeldByReceivers`).
     """
 
     def __init__(self, fd: int, size_bytes: int, mapping: _Mapping, owner_read_only: bool) -> None:
         self.fd = fd
         self.size_bytes = size_bytes
         self.owner_read_only = owner_read_only
+        #: Pids of the processes its fd was sent to (the service's attach replies): once it is freed, its
+        #: memory counts in the budget until they have all exited (weightcache.daemon.tiers.HeldByReceivers).
+        self.receivers: set[int] = set()
         self._mapping: _Mapping | None = mapping
         self._tensor = None
 

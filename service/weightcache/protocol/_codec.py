@@ -184,8 +184,14 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def decode(body: bytes) -> tuple[Message, int]:
+def decode(body: bytes, ignore_unknown: bool = False) -> tuple[Message, int]:
     """Parses one frame body into ``(message, fd_count)``.
+
+    Args:
+        body (`bytes`): the frame's JSON object.
+        ignore_unknown (`bool`): drop fields the message does not know instead of refusing them: a client
+            reading a reply (a newer service may add fields to a reply within a protocol version; docs/protocol.md,
+            "Compatibility"). The service reads requests strictly (False).
 
     Raises:
         RemoteProtocolError (`protocol_violation`): invalid UTF-8/JSON (a NUL
@@ -215,7 +221,10 @@ def decode(body: bytes) -> tuple[Message, int]:
     specs = field_specs(cls)
     names = {name for name, _, _ in specs}
     unknown = set(obj) - names
-    if unknown:
+    if unknown and ignore_unknown:
+        for name in unknown:
+            del obj[name]
+    elif unknown:
         raise RemoteProtocolError(f"message {tag!r} has unknown field {sorted(unknown)[0]!r}", field=sorted(unknown)[0])
     for spec in specs:  # a mistyped field is named first, whatever else is wrong
         if spec[0] in obj:

@@ -14,7 +14,7 @@ weightcache.daemon.
 from __future__ import annotations
 
 from ..errors import LocalProtocolError, RemoteProtocolError
-from ._codec import CLOSED, IN, LENGTH_PREFIX, MAX_FRAME_BYTES, OUT, START, TRANSITIONS, decode, encode
+from ._codec import CLIENT, CLOSED, IN, LENGTH_PREFIX, MAX_FRAME_BYTES, OUT, START, TRANSITIONS, decode, encode
 from ._messages import Message
 
 
@@ -137,7 +137,7 @@ class Connection:
         body = bytes(self._buf[4 : 4 + n])
         del self._buf[: 4 + n]
         try:
-            msg, fd_count = decode(body)
+            msg, fd_count = decode(body, ignore_unknown=self.role == CLIENT)  # replies: docs/protocol.md
         except RemoteProtocolError:
             self.state = CLOSED
             raise

@@ -478,6 +478,9 @@ class ServiceCounters(_Record):
         attaches (`tuple[AttachCount]`), attach_times (`tuple[AttachTimes]`),
         loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`), publishes (`tuple[PublishCount]`): see
         there (``publishes`` absent from older services' replies).
+        notify_dropped (`dict[str, int]`): sd_notify datagrams dropped because the manager's socket was full, by
+            their first key (``STATUS``, ``FDSTORE``...; :data:`weightcache.notify.dropped`); absent from older
+            services' replies.
     """
 
     version: str
@@ -489,6 +492,7 @@ class ServiceCounters(_Record):
     publishes: tuple[PublishCount, ...] = ()
     #: The image store's counters (:meth:`weightcache.images.ImageStats.snapshot`); absent from older services.
     images: dict = field(default_factory=dict)
+    notify_dropped: dict = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ServiceCounters":
