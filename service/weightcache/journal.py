@@ -43,6 +43,10 @@ MESSAGE_IDS = {
     "shelved": "9b93fa1d3b644b4cbf0b4b8438d3534b",
     "backend": "b8d4268cc41644dcbebfd2edd4c254b6",
     "published": "6aea506d539c4cc0b81bd2def38dc7ae",
+    "seeded": "76682bdd68b44dd499c3927f0c907211",
+    "seed_fallback": "08daa9304d7d4b29adb0844825a8e55b",
+    "seed_served": "325e587bdbc64862bd2da3ec358720c3",
+    "seed_rejected": "603decf3704042009c22e886d2ed20d8",
 }
 
 

@@ -81,6 +81,17 @@ _SERVICE_KEYS = {
     "reload_timeout_s": (int, float),
     "max_tensors_per_checkpoint": int,
     "max_fds_in_flight": int,
+    # Peer seeding (issue 37; weightcache.seeding, docs/configuration.md "Peer seeding").
+    "peers": list,
+    "peers_file": str,
+    "seed_secret_file": str,
+    "seed_listen": str,
+    "seed_transport": str,
+    "seed_devices": list,
+    "seed_bandwidth_bytes_per_s": int,
+    "seed_timeout_s": (int, float),
+    "seed_max_transfers": int,
+    "seed_max_bytes": int,
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -102,12 +113,18 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "reload_timeout_s": (0, False, 3600.0, "seconds a reload may take to read its files"),
     "max_tensors_per_checkpoint": (1, True, 1 << 24, "tensors in one checkpoint's headers"),
     "max_fds_in_flight": (0, True, 1 << 24, "fds sent to all uids and not yet read (0: half of RLIMIT_NOFILE)"),
+    "seed_bandwidth_bytes_per_s": (0, True, 1 << 44, "bytes per second of one peer transfer (0: no cap)"),
+    "seed_timeout_s": (0, False, 24 * 3600.0, "seconds one peer transfer may take"),
+    "seed_max_transfers": (1, True, 1024, "peer transfers served at once"),
+    "seed_max_bytes": (0, True, 1 << 50, "bytes registered for peers at once (0: no cap)"),
 }
+#: Transports of ``[service] seed_transport`` (NIXL backends).
+SEED_TRANSPORTS = ("UCX", "LIBFABRIC")
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
-    "pin", "priority", "preload", "publishers",
+    "pin", "priority", "preload", "publishers", "serve_to_peers",
 }
 #: Where a model's slabs go at start (``[models.X] preload``): the GPU as the budget allows, the host tier, or
 #: nowhere (the first attach loads them).
@@ -144,6 +161,7 @@ class ModelConfig(LoadRequest):
         pin (`bool`): never demoted or evicted by the memory budget.
         priority (`int`): :data:`PRIORITY_RANGE`; higher stays on the GPU longer and loads first at start.
         preload (`str`): :data:`PRELOADS`; where the slabs go at start.
+        serve_to_peers (`bool`): peers of the fleet may fetch its slabs from this service (issue 37).
     """
 
     allow_users: tuple[str, ...] = ()
@@ -154,6 +172,8 @@ class ModelConfig(LoadRequest):
     priority: int = 0
     preload: str = "gpu"
     publishers: tuple[str, ...] = ()
+    #: Peer services of the fleet may fetch this model's slabs from this one (issue 37); off by default.
+    serve_to_peers: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,6 +256,19 @@ class ServiceConfig:
     host_tier_bytes: int = 0
     #: Tensors a checkpoint's headers may list, all files together, refused before the plan (issue 38, P12).
     max_tensors_per_checkpoint: int = 150_000
+    #: Peer seeding (issue 37, docs/configuration.md "Peer seeding"): peers' ``host:port``, a peers file a
+    #: fleet tool writes, the fleet's secret, this node's listener (port + GPU index), the NIXL transport,
+    #: its devices, a bandwidth cap (bytes/s, 0: none), a transfer's timeout and the source's bounds.
+    peers: tuple[str, ...] = ()
+    peers_file: str = ""
+    seed_secret_file: str = "/etc/weightcache/seed.secret"
+    seed_listen: str = ""
+    seed_transport: str = "UCX"
+    seed_devices: tuple[str, ...] = ()
+    seed_bandwidth_bytes_per_s: int = 0
+    seed_timeout_s: float = 120.0
+    seed_max_transfers: int = 4
+    seed_max_bytes: int = 0
 
     def budget_bytes(self, total_bytes: int) -> int:
         """The memory budget in bytes: ``memory_budget_bytes``, else :func:`default_budget_bytes` of ``total_bytes``."""
@@ -395,6 +428,8 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
     lo, hi = PRIORITY_RANGE
     if not lo <= priority <= hi:
         raise _err(path, f"{k}.priority", f"{priority} is out of range: expected {lo}..{hi} (higher stays longer)")
+    serve_to_peers = table.get("serve_to_peers", False)
+    _check_type(path, f"{k}.serve_to_peers", serve_to_peers, bool)
     preload = table.get("preload", "gpu")
     if preload not in PRELOADS:
         raise _err(path, f"{k}.preload", f"{preload!r} is not one of {', '.join(PRELOADS)}")
@@ -440,7 +475,24 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         pin=pin,
         priority=priority,
         preload=preload,
+        serve_to_peers=serve_to_peers,
     )
+
+
+def _seed_list(path: str, key: str, value: list) -> tuple[str, ...]:
+    """``peers`` (``host:port`` each) or ``seed_devices`` (device names) as a tuple, checked."""
+    if not all(isinstance(x, str) and x for x in value):
+        raise _err(path, f"service.{key}", "must be a list of non-empty strings")
+    if key == "peers":
+        for x in value:
+            _check_address(path, "service.peers", x)
+    return tuple(value)
+
+
+def _check_address(path: str, key: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _err(path, key, f"{value!r} is not host:port (a port 1..65535; IPv6 as [addr]:port)")
 
 
 def _check_range(path: str, key: str, value: float) -> None:
@@ -577,6 +629,14 @@ def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], me
             if not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX for g in value):
                 raise _err(str(f), "service.disabled_gpus", f"must be a list of GPU indices 0..{MAX_GPU_INDEX}")
             value = tuple(sorted(set(value)))
+        if key in ("peers", "seed_devices"):
+            value = _seed_list(str(f), key, value)
+        if key in ("peers_file", "seed_secret_file") and value:
+            _check_absolute(str(f), f"service.{key}", value)
+        if key == "seed_transport" and value not in SEED_TRANSPORTS:
+            raise _err(str(f), "service.seed_transport", f"{value!r} is not one of {', '.join(SEED_TRANSPORTS)}")
+        if key == "seed_listen" and value:
+            _check_address(str(f), "service.seed_listen", value)
         service[key] = value
     if "metrics" in data:
         _parse_metrics(str(f), data["metrics"], metrics)

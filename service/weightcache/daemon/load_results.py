@@ -97,11 +97,15 @@ class Loaded:
     #: The host-tier copy a promotion read (None: a load from disk); the serving loop closes it unless it is
     #: ``sealed`` itself (the host backend promotes without a copy).
     promoted_from: Any = None
+    #: ``host:port`` of the peer service the slab was fetched from (issue 37); "": read from the checkpoint.
+    seeded_from: str = ""
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
         state.loads_done += 1
         slot.last_used = time.monotonic()
+        if self.promoted_from is None:  # a promotion keeps where the host copy came from
+            slot.seeded_from = self.seeded_from
         if self.tier == "host":
             slot.stash(self.manifest, self.sealed, self.manifest_file)
         else:
@@ -121,11 +125,11 @@ class Loaded:
         st = self.stages_s
         read_s = st.get("read", dt)
         log.info("loaded model=%s tp_size=%d rank=%d tensors=%d size_bytes=%d duration_ms=%.0f read_ms=%.0f "
-                 "read_gbps=%.2f plan_ms=%.0f allocate_ms=%.0f digest_ms=%.0f seal_ms=%.0f torch_free=%s",
+                 "read_gbps=%.2f plan_ms=%.0f allocate_ms=%.0f digest_ms=%.0f seal_ms=%.0f torch_free=%s source=%s",
                  p.model.name, p.tp_size, p.tp_rank, len(self.manifest.tensors), slot.total_bytes, dt * 1e3,
                  read_s * 1e3, slot.total_bytes / max(read_s, 1e-9) / 1e9, st.get("plan", 0) * 1e3,
                  st.get("allocate", 0) * 1e3, st.get("digest", 0) * 1e3, st.get("seal", 0) * 1e3,
-                 "yes" if self.torch_free else "no",
+                 "yes" if self.torch_free else "no", f"peer:{self.seeded_from}" if self.seeded_from else "checkpoint",
                  extra=event("loaded", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=slot.total_bytes,
                              duration_ms=dt * 1e3,
                              tensors=len(self.manifest.tensors), read_ms=read_s * 1e3))

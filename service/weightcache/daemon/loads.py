@@ -102,6 +102,7 @@ class LoadSettings:
             answer (the memory budget); False (in-process tests) allocates without asking.
         registry (`quant.Registry`): the quantization scheme families plans are made with.
         max_tensors (`int`, *optional*): ``service.max_tensors_per_checkpoint``; None: no cap.
+        seeder (`weightcache.seeding.Seeder`, *optional*): peer seeding (issue 37); None: off.
     """
 
     backend: Any
@@ -112,6 +113,7 @@ class LoadSettings:
     ask_room: bool = False
     max_tensors: int | None = None
     registry: quant.Registry = quant.REGISTRY
+    seeder: Any = None
 
 
 class Loader:
@@ -339,7 +341,11 @@ class Loader:
                         if not job.abandoned:
                             self._post(Progress(slot, done))
 
-            filled = pipeline.fill(pl, writable, progress, st.options)
+            # Issue 37: the peers first (when configured), then the checkpoint; a seeded slab was checked
+            # against this plan's key, records and the peer's digests (weightcache.seeding).
+            seeded = st.seeder.fill(pl, writable, st.options.threads) if st.seeder is not None else None
+            filled = (pipeline.Filled(seeded.manifest, True, seeded.read_s, seeded.digest_s, seeded.bytes_read)
+                      if seeded is not None else pipeline.fill(pl, writable, progress, st.options))
             t_filled = time.monotonic()
             manifest = filled.manifest
             # Here, not at the first attach: a manifest no engine could read fails the load, by name.
@@ -355,7 +361,8 @@ class Loader:
             writable = None
             end = time.monotonic()
             stages.update(read=filled.read_s, digest=filled.digest_s, seal=end - t_filled)
-            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free, tier)
+            return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free, tier,
+                          seeded_from=seeded.peer if seeded is not None else "")
         except _NoRoom as e:
             return Refused(slot, e.error)
         except WeightcacheError as e:

@@ -254,6 +254,9 @@ class Slot:
     #: Set when an engine published the slab (:mod:`weightcache.daemon.publish`); None for a slab the service
     #: lays out itself.
     publication: Publication | None = None
+    #: ``host:port`` of the peer service this slab was fetched from (issue 37, weightcache.seeding); "": read
+    #: from the checkpoint (or adopted, or published).
+    seeded_from: str = ""
 
     @property
     def store_id(self) -> str:
@@ -428,7 +431,8 @@ class Slot:
                 "engine": self.publication.engine_key.get("engine"),
                 "engine_version": self.publication.engine_key.get("engine_version"),
                 "engine_key_blake2b": self.publication.engine_key_blake2b, "shared": self.publication.shared,
-                "publisher_uid": self.publication.publisher_uid})
+                "publisher_uid": self.publication.publisher_uid},
+            peer=self.seeded_from)
 
 
 def lease_holders(leases: Any, hide: Callable[[int], bool] = lambda uid: False) -> tuple[protocol.LeaseHolder, ...]:

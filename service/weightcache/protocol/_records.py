@@ -190,6 +190,8 @@ class SlabInfo(_SlabRecord):
         publication (`dict | None`): set for a slab an engine published (docs/protocol.md, "Publication"):
             ``engine``, ``engine_version``, ``engine_key_blake2b``, ``shared`` (every allowed engine attaches it)
             and ``publisher_uid``; absent (None) for a slab the service loaded itself.
+        peer (`str`): ``host:port`` of the peer service the slab was fetched from (issue 37: its source is
+            ``peer``); empty (absent on the wire) for a slab read from the checkpoint here.
     """
 
     model: str
@@ -216,6 +218,7 @@ class SlabInfo(_SlabRecord):
     priority: int = 0
     demoting: bool = False
     publication: dict | None = None
+    peer: str = ""
 
     def __post_init__(self) -> None:
         _parse(self, "state", SlotState)
@@ -235,6 +238,8 @@ class SlabInfo(_SlabRecord):
             d["key"] = self.key.to_json()
         if self.publication is not None:
             d["publication"] = dict(self.publication)
+        if self.peer:
+            d["peer"] = self.peer
         d["leases"] = [le.to_json() for le in self.leases]
         d["lease_count"] = self.lease_count
         d["lease_holders"] = [h.to_json() for h in self.lease_holders]
