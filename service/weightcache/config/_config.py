@@ -92,6 +92,7 @@ _SERVICE_KEYS = {
     "seed_timeout_s": (int, float),
     "seed_max_transfers": int,
     "seed_max_bytes": int,
+    "seed_samples": int,
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -117,6 +118,7 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "seed_timeout_s": (0, False, 24 * 3600.0, "seconds one peer transfer may take"),
     "seed_max_transfers": (1, True, 1024, "peer transfers served at once"),
     "seed_max_bytes": (0, True, 1 << 50, "bytes registered for peers at once (0: no cap)"),
+    "seed_samples": (0, True, 64, "4 KiB samples of tensor data compared with a peer's checkpoint"),
 }
 #: Transports of ``[service] seed_transport`` (NIXL backends).
 SEED_TRANSPORTS = ("UCX", "LIBFABRIC")
@@ -269,6 +271,7 @@ class ServiceConfig:
     seed_timeout_s: float = 120.0
     seed_max_transfers: int = 4
     seed_max_bytes: int = 0
+    seed_samples: int = 8
 
     def budget_bytes(self, total_bytes: int) -> int:
         """The memory budget in bytes: ``memory_budget_bytes``, else :func:`default_budget_bytes` of ``total_bytes``."""

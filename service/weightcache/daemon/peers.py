@@ -15,4 +15,5 @@ def seed_settings(svc: ServiceConfig) -> SeedSettings:
     return SeedSettings(peers=tuple(svc.peers), peers_file=svc.peers_file, secret_file=svc.seed_secret_file,
                         listen=svc.seed_listen, transport=svc.seed_transport, devices=tuple(svc.seed_devices),
                         bandwidth_bytes_per_s=svc.seed_bandwidth_bytes_per_s, timeout_s=float(svc.seed_timeout_s),
-                        max_transfers=svc.seed_max_transfers, max_bytes=svc.seed_max_bytes)
+                        max_transfers=svc.seed_max_transfers, max_bytes=svc.seed_max_bytes,
+                        samples=svc.seed_samples)

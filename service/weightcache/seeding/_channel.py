@@ -100,6 +100,12 @@ class Channel:
                 ``disconnected``, ``timeout``.
         """
         mac, raw = self._read_raw()
+        if mac == _NO_MAC:  # the other side could not authenticate us: its word, unauthenticated, for the log
+            body = _decode(raw)
+            if body.get("kind") == "refused" and body.get("reason") == "auth":
+                raise ChannelError("auth", "the peer refused this node's signature: the two nodes share no "
+                                           f"secret ({self.secret.path or 'the secret'})")
+            raise ChannelError("protocol", f"an unsigned {body.get('kind')!r} frame")
         if kind == "request":
             try:
                 peek = json.loads(raw)
@@ -113,6 +119,17 @@ class Channel:
         if body.get("kind") != kind:
             raise ChannelError("protocol", f"expected a {kind}, got {body.get('kind')!r}")
         return body
+
+    def refuse_auth(self) -> None:
+        """Tells the other side, unsigned, that its frame was not signed with a secret of this node (best effort).
+
+        The frame carries no information an attacker could use: the receiver treats it as a refusal, which it
+        would reach anyway (its own load).
+        """
+        try:
+            self._write(_NO_MAC, {"kind": "refused", "reason": "auth"})
+        except ChannelError:
+            pass
 
     # --- framing -------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from ..journal import event
 from ..manifest import Manifest, TensorRecord, unpack_file
 from ._agent import TransferError, buffer_address
 from ._channel import Channel, ChannelError, parse_address
+from . import _samples
 from ._keys import key_differences, record_differences
 from ._secret import Secret
 from ._settings import SeedSettings, SeedStats
@@ -81,10 +82,17 @@ def fetch(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], stat
     reasons = []
     if not peers:
         reasons.append(("-", "no_peer"))
+    try:  # what tells checkpoints with equal headers apart: our own bytes at random places (_samples)
+        chosen = _samples.choose(plan.checkpoint, settings.samples)
+        own = _samples.read(plan.checkpoint, chosen)
+    except (WeightcacheError, OSError, ValueError) as e:
+        log.warning("seeding: model=%s: cannot read samples of the checkpoint (%s); not asking peers",
+                    r.model.name, e)
+        return None
     for peer in peers:
         t0 = time.monotonic()
         try:
-            got = _from_peer(settings, secret, agent, plan, writable, peer, threads)
+            got = _from_peer(settings, secret, agent, plan, writable, peer, threads, (chosen, own))
         except Refused as e:
             _zero(writable, plan.slab_size_bytes)
             reasons.append((peer, e.reason))
@@ -128,7 +136,7 @@ def _alive(sock: socket.socket) -> Callable[[], bool]:
 
 
 def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], plan: Any, writable: Any,
-               peer: str, threads: int) -> Seeded:
+               peer: str, threads: int, samples: tuple[list, list[bytes]]) -> Seeded:
     r = plan.rank
     deadline = time.monotonic() + settings.timeout_s
     try:
@@ -144,7 +152,8 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
         ch = Channel(sock, secret, server=False)
         try:
             ch.open()
-            ch.send("request", {"model": r.model.name, "tp_size": r.tp_size, "tp_rank": r.tp_rank})
+            ch.send("request", {"model": r.model.name, "tp_size": r.tp_size, "tp_rank": r.tp_rank,
+                                "samples": samples[0]})
             reply = ch.recv("reply")
         except ChannelError as e:
             raise Refused(e.reason, str(e)) from None
@@ -152,7 +161,7 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
             reason = str(reply.get("reason", "not_held"))
             raise Refused(reason if reason in ("not_held", "not_allowed", "busy") else "not_held",
                           f"the peer answered {reason}")
-        got = _take(settings, agent, plan, writable, reply, deadline, _alive(sock), threads, peer)
+        got = _take(settings, agent, plan, writable, reply, deadline, _alive(sock), threads, peer, samples[1])
         try:
             ch.send("done", {"ok": True})
             ch.recv("ack")
@@ -172,11 +181,19 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
 
 
 def _take(settings: SeedSettings, agent: Callable[[], Any], plan: Any, writable: Any, reply: dict,
-          deadline: float, alive: Callable[[], bool], threads: int, peer: str) -> Seeded:
+          deadline: float, alive: Callable[[], bool], threads: int, peer: str, own: list[bytes]) -> Seeded:
     """Checks an offer, READs it into ``writable`` and checks its digests."""
     why, fields = key_differences(plan.key, reply.get("key"))
     if why:
         raise Refused(why, f"the peer's slab has another cache key (fields: {', '.join(fields[:8])})")
+    try:
+        theirs = [base64.b64decode(b, validate=True) for b in reply.get("samples") or []]
+    except (TypeError, ValueError) as e:
+        raise Refused("protocol", f"the peer's samples are malformed: {e!r}") from None
+    if theirs != own:
+        differ = sum(a != b for a, b in zip(theirs, own)) + abs(len(theirs) - len(own))
+        raise Refused("wrong_checkpoint", f"{differ} of {len(own)} samples of the tensor data differ: another "
+                                          f"checkpoint with the same headers (a fine-tune of the same base?)")
     try:
         raw = base64.b64decode(reply["manifest"], validate=True)
         _, offered = unpack_file(raw)

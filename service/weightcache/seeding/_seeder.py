@@ -98,7 +98,12 @@ class Seeder:
         """
         if not self.asks_peers or getattr(writable, "buffer", None) is None:
             return None
-        return fetch(self.settings, self.secret, self.agent, self.stats, plan, writable, threads)
+        try:
+            return fetch(self.settings, self.secret, self.agent, self.stats, plan, writable, threads)
+        finally:
+            held = self.held()
+            log.info("seeding: transfer attempts of model=%s ended nixl_registrations=%d remote_agents=%d",
+                     plan.rank.model.name, held["registrations"], held["remote_agents"])
 
     def answer(self, slots: Iterable[Any]) -> None:
         """Answers the source threads' lookups (serving loop only)."""

@@ -39,6 +39,8 @@ class SeedSettings:
         timeout_s (`float`): one peer's whole exchange, seconds (connect to ack).
         max_transfers (`int`): transfers a source serves at once.
         max_bytes (`int`): bytes a source has registered for peers at once (0: no cap).
+        samples (`int`): random 4 KiB samples of the checkpoint's tensor data compared with the peer's
+            checkpoint (:mod:`weightcache.seeding._samples`; 0: trust equal headers alone, read no data).
     """
 
     peers: tuple[str, ...] = ()
@@ -51,6 +53,7 @@ class SeedSettings:
     timeout_s: float = 120.0
     max_transfers: int = 4
     max_bytes: int = 0
+    samples: int = 8
 
     @property
     def enabled(self) -> bool:

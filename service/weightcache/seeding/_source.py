@@ -27,10 +27,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from ..errors import WeightcacheError
 from ..hashes import blake2b_hex
 from ..journal import event
 from ..memory.host import HostSealedSlab
 from ._channel import Channel, ChannelError, parse_address
+from ._samples import source_samples
 from ._secret import Secret
 from ._settings import SeedSettings, SeedStats
 
@@ -46,6 +48,8 @@ class Offer:
     manifest_fd: int
     manifest_bytes: int
     key: dict
+    #: The checkpoint directory the slab was made from (the samples are read there).
+    path: str = ""
 
 
 @dataclass(eq=False)
@@ -115,7 +119,7 @@ def _answer(q: Lookup, slots: Iterable[Any]) -> None:
         except OSError:
             os.close(fd)
             raise
-        q.offer = Offer(fd, slab.size_bytes, mfd, s.manifest_file.size_bytes, s.manifest.key)
+        q.offer = Offer(fd, slab.size_bytes, mfd, s.manifest_file.size_bytes, s.manifest.key, p.model.path)
         q.reason = ""
         return
     q.reason = "not_held"
@@ -193,9 +197,11 @@ class Source:
                     log.warning("seeding: refused peer=%s reason=auth: %s", peer, e,
                                 extra=event("seed_rejected", reason="auth", peer=peer))
                     self.stats.count("served", ("(unknown)", "refused", "auth"))
+                    ch.refuse_auth()
                 raise
             model = str(req.get("model", ""))[:200]
-            self._one(ch, conn, peer, model, int(req.get("tp_size", 0)), int(req.get("tp_rank", -1)))
+            self._one(ch, conn, peer, model, int(req.get("tp_size", 0)), int(req.get("tp_rank", -1)),
+                      req.get("samples") or [])
         except ChannelError as e:
             log.info("seeding: exchange with peer=%s ended reason=%s: %s", peer, e.reason, e)
         except (ValueError, TypeError) as e:
@@ -210,7 +216,8 @@ class Source:
         log.info("seeding: not serving peer=%s model=%s reason=%s", peer, model, reason)
         ch.send("reply", {"ok": False, "reason": reason})
 
-    def _one(self, ch: Channel, conn: socket.socket, peer: str, model: str, tp_size: int, tp_rank: int) -> None:
+    def _one(self, ch: Channel, conn: socket.socket, peer: str, model: str, tp_size: int, tp_rank: int,
+             samples: list) -> None:
         with self._lock:
             busy = self._active >= self.settings.max_transfers
             if not busy:
@@ -221,12 +228,13 @@ class Source:
             q = self.offers.ask(model, tp_size, tp_rank, 10.0)
             if q.offer is None:
                 return self._refuse(ch, peer, model, q.reason)
-            self._transfer(ch, conn, peer, model, q.offer)
+            self._transfer(ch, conn, peer, model, q.offer, samples)
         finally:
             with self._lock:
                 self._active -= 1
 
-    def _transfer(self, ch: Channel, conn: socket.socket, peer: str, model: str, offer: Offer) -> None:
+    def _transfer(self, ch: Channel, conn: socket.socket, peer: str, model: str, offer: Offer,
+                  samples: list) -> None:
         reserved = 0
         mapping = keep = reg = None
         agent = None
@@ -237,6 +245,16 @@ class Source:
                     return self._refuse(ch, peer, model, "busy")
                 self._active_bytes += offer.size_bytes
                 reserved = offer.size_bytes
+            try:  # the receiver's samples of the checkpoint, read from ours (its files still the slab's)
+                answers = source_samples(offer.path, offer.key.get("checkpoint") or {}, samples) if samples else []
+            except (ValueError, TypeError) as e:
+                log.warning("seeding: malformed samples from peer=%s model=%s: %s", peer, model, e)
+                return self._refuse(ch, peer, model, "protocol")
+            except (WeightcacheError, OSError) as e:
+                log.warning("seeding: cannot read the samples model=%s: %s", model, e)
+                return self._refuse(ch, peer, model, "not_held")
+            if answers is None:  # the checkpoint changed since the slab was made: not offered
+                return self._refuse(ch, peer, model, "not_held")
             manifest = os.pread(offer.manifest_fd, offer.manifest_bytes, 0)
             mapping = mmap.mmap(offer.fd, offer.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
             from ._agent import buffer_address
@@ -249,7 +267,8 @@ class Source:
                               "agent_md": base64.b64encode(agent.metadata()).decode(),
                               "descs": [[address, offer.size_bytes]],
                               "manifest": base64.b64encode(manifest).decode(), "key": offer.key,
-                              "digest": manifest_digest(manifest)})
+                              "digest": manifest_digest(manifest),
+                              "samples": [base64.b64encode(b).decode() for b in answers]})
             conn.settimeout(self.settings.timeout_s)
             done = ch.recv("done")
             ch.send("ack", {"ok": True})

@@ -1,0 +1,266 @@
+"""Peer seeding (issue 37): two services on this machine, each with its own NIXL agent on loopback.
+
+The first loads the checkpoint; the second, whose checkpoint directory holds the same ``config.json`` and
+safetensors headers but **no tensor data** (the files are sparse: every data byte reads as zero), becomes
+READY from the first with bytes equal to the real checkpoint's, so nothing of its own data was read; an
+engine attaches to it with tensors equal to the disk load. Then the refusals: a wrong secret, a peer sending
+a wrong digest, a peer that disconnects mid-transfer, a peer offering another checkpoint's slab under the
+same model name: each ends in the receiver's own load, the reason logged, bytes equal to the disk load, no
+NIXL registration left, no extra memfd held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpoints import compare_bytes, llama_checkpoint, minilm_path, read_checkpoint
+from service_harness import poll_until, proc_fds, service_env
+
+pytest.importorskip("nixl_cu12", reason="NIXL (weightcache[seeding]) is not installed")
+
+from weightcache import attach  # noqa: E402
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def secret_file(d: Path, text: str) -> Path:
+    p = d / "seed.secret"
+    p.write_text(text + "\n")
+    p.chmod(0o600)
+    return p
+
+
+def headers_only_copy(src: Path, dest: Path) -> Path:
+    """``dest``: ``src``'s JSON files and safetensors headers, each file as long as the original but with
+    holes where the tensor data was (reads give zeros: a load that read it would serve zeros)."""
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix == ".json":
+            shutil.copyfile(f, dest / f.name)
+        elif f.suffix == ".safetensors":
+            with open(f, "rb") as r:
+                head = r.read(8)
+                head += r.read(struct.unpack("<Q", head)[0])
+            with open(dest / f.name, "wb") as w:
+                w.write(head)
+                w.truncate(f.stat().st_size)
+    return dest
+
+
+def data_is_holes(d: Path) -> bool:
+    """Every safetensors file of ``d`` is zeros after its header."""
+    for f in d.glob("*.safetensors"):
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        if raw[8 + n:].strip(b"\0"):
+            return False
+    return True
+
+
+class Svc:
+    """One ``weightcache serve`` (host backend, GPU 0) in its own socket directory."""
+
+    def __init__(self, base: Path, name: str, models: dict, **service) -> None:
+        self.dir = base / name
+        self.dir.mkdir(parents=True)
+        lines = ["[service]", 'backend = "host"']
+        lines += [f"{k} = {json.dumps(v)}" for k, v in service.items()]
+        for m, table in models.items():
+            lines.append(f"[models.{m}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+        self.config = self.dir / "weightcache.toml"
+        self.config.write_text("\n".join(lines) + "\n")
+        self.log_path = self.dir / "service.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "weightcache", "serve", "--gpu", "0", "--config", str(self.config),
+                 "--listen", str(self.dir / "0.sock"), "--backend", "host"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=service_env(), cwd=self.dir)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self) -> dict:
+        from weightcache import protocol
+        from weightcache.session import Session
+
+        s = Session(str(self.dir / "0.sock"), timeout=10, client="tests")
+        try:
+            return s.request(protocol.Status()).status
+        finally:
+            s.close()
+
+    def ready(self, timeout: float = 240) -> dict:
+        def settled():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"service exited {self.proc.returncode}\n{self.log()}")
+            try:
+                st = self.status()
+            except Exception:  # noqa: BLE001 - not up yet
+                return None
+            if all(s["state"] == "ready" for s in st["slabs"]):
+                return st
+            bad = [s for s in st["slabs"] if s["state"] == "failed"]
+            assert not bad, (bad, self.log())
+            return None
+        return poll_until(settled, "every slab ready", timeout, 0.1, detail=self.log)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def fleet():
+    base = Path(os.environ.get("TMPDIR", "/tmp")) / f"wcseed-{os.getpid()}-{free_port()}"
+    base.mkdir(parents=True)
+    started: list = []
+
+    def make(name: str, models: dict, **service) -> Svc:
+        svc = Svc(base, name, models, **service)
+        started.append(svc)
+        return svc
+
+    make.base = base
+    yield make
+    for s in started:
+        s.stop()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def attach_tensors(svc: Svc, path: Path) -> dict:
+    with attach(str(path), socket_dir=str(svc.dir), fallback=False, timeout=60, mode="copy") as w:
+        assert w.source == "daemon"
+        return dict(w.tensors)
+
+
+def assert_released(svc: Svc, slabs: int) -> None:
+    """No NIXL registration or remote agent left, and only the slabs' own memfds (slab + manifest each): no
+    partial slab of a refused offer, no mapping a transfer kept."""
+    held = re.findall(r"nixl_registrations=(\d+) remote_agents=(\d+)", svc.log())
+    assert held and held[-1] == ("0", "0"), held
+    base = f"/proc/{svc.proc.pid}/fd"
+    memfds = sorted(t for t in (os.readlink(f"{base}/{n}") for n in os.listdir(base)) if t.startswith("/memfd:"))
+    # As many as a service that read its checkpoint holds (measured: the slab's memfd twice, its manifest once).
+    assert len([t for t in memfds if t.startswith("/memfd:weightcache:")]) == 2 * slabs, memfds
+    assert len([t for t in memfds if t.startswith("/memfd:weightcache-manifest:")]) == slabs, memfds
+
+
+def test_second_service_becomes_ready_from_the_first_without_reading_its_data(fleet, tmp_path):
+    secret = secret_file(tmp_path, "a" * 64)
+    port = free_port()
+    src_ck = minilm_path()
+    llama = llama_checkpoint(tmp_path / "llama", files=3, hidden=256, inter=512, vocab=512, layers=4)
+    a = fleet("a", {"minilm": {"path": str(src_ck), "serve_to_peers": True},
+                    "llama": {"path": str(llama), "serve_to_peers": True}},
+              seed_listen=f"127.0.0.1:{port}", seed_secret_file=str(secret))
+    a.ready()
+    bare_minilm = headers_only_copy(src_ck, tmp_path / "b-minilm")
+    bare_llama = headers_only_copy(llama, tmp_path / "b-llama")
+    assert data_is_holes(bare_minilm) and data_is_holes(bare_llama)
+    # seed_samples = 0: equal headers are trusted (no sample of the tensor data is read here: see
+    # test_another_checkpoint_under_the_same_name_is_refused for what the samples catch).
+    b = fleet("b", {"minilm": {"path": str(bare_minilm)}, "llama": {"path": str(bare_llama)}},
+              peers=[f"127.0.0.1:{port}"], seed_secret_file=str(secret), seed_samples=0)
+    st = b.ready()
+    assert_released(b, 2)  # before any attach (an attach's fds stay duplicated until the engine reads them)
+    assert {s["model"]: s.get("peer") for s in st["slabs"]} == {"minilm": f"127.0.0.1:{port}",
+                                                              "llama": f"127.0.0.1:{port}"}
+    # Bytes equal to the real checkpoints (the receiver's own files hold zeros: nothing of them was read).
+    for bare, real in ((bare_minilm, src_ck), (bare_llama, llama)):
+        got = attach_tensors(b, bare)
+        assert compare_bytes(got, read_checkpoint(real)) > 0
+        assert data_is_holes(bare)
+    assert compare_bytes(attach_tensors(b, bare_minilm), attach_tensors(a, src_ck)) > 0
+    assert "seeding: served model=minilm" in a.log() and "seeding: served model=llama" in a.log()
+
+
+def _receiver(fleet, tmp_path: Path, peer_port: int, secret: Path) -> tuple[Svc, Path]:
+    ck = llama_checkpoint(tmp_path / "recv-llama", seed=0)
+    b = fleet("recv", {"m": {"path": str(ck)}}, peers=[f"127.0.0.1:{peer_port}"], seed_secret_file=str(secret),
+              seed_timeout_s=20)
+    b.ready()
+    return b, ck
+
+
+def _own_load(b: Svc, ck: Path, reason: str) -> None:
+    """The receiver read its own checkpoint: the reason logged, the slab not from a peer, bytes equal to disk."""
+    log = b.log()
+    assert re.search(rf"did not seed model=m tp_size=1 rank=0 reason={reason}\b", log), log
+    assert "not seeded by any peer" in log and "source=checkpoint" in log
+    assert b.status()["slabs"][0].get("peer") in (None, "")
+    assert_released(b, 1)
+    got = attach_tensors(b, ck)
+    assert compare_bytes(got, read_checkpoint(ck)) > 0
+
+
+def test_a_wrong_secret_gets_nothing(fleet, tmp_path):
+    port = free_port()
+    a = fleet("a", {"m": {"path": str(llama_checkpoint(tmp_path / "a-llama", seed=0)), "serve_to_peers": True}},
+              seed_listen=f"127.0.0.1:{port}", seed_secret_file=str(secret_file(tmp_path, "a" * 64)))
+    a.ready()
+    other = tmp_path / "other"
+    other.mkdir()
+    b, ck = _receiver(fleet, tmp_path, port, secret_file(other, "b" * 64))
+    _own_load(b, ck, "auth")
+    assert "seeding: refused peer=" in a.log() and "reason=auth" in a.log()
+
+
+def test_another_checkpoint_under_the_same_name_is_refused(fleet, tmp_path):
+    secret = secret_file(tmp_path, "a" * 64)
+    port = free_port()
+    a = fleet("a", {"m": {"path": str(llama_checkpoint(tmp_path / "a-llama", seed=1)), "serve_to_peers": True}},
+              seed_listen=f"127.0.0.1:{port}", seed_secret_file=str(secret))
+    a.ready()
+    b, ck = _receiver(fleet, tmp_path, port, secret)
+    _own_load(b, ck, "wrong_checkpoint")
+
+
+def test_a_model_not_served_to_peers_by_default(fleet, tmp_path):
+    secret = secret_file(tmp_path, "a" * 64)
+    port = free_port()
+    a = fleet("a", {"m": {"path": str(llama_checkpoint(tmp_path / "a-llama", seed=0))}},
+              seed_listen=f"127.0.0.1:{port}", seed_secret_file=str(secret))
+    a.ready()
+    b, ck = _receiver(fleet, tmp_path, port, secret)
+    _own_load(b, ck, "not_allowed")
+
+
+@pytest.mark.parametrize("mode,reasons", [("wrong_digest", "digest_mismatch"),
+                                          ("disconnect", "(?:disconnected|transfer_error)")])
+def test_a_misbehaving_peer_ends_in_the_own_load(fleet, tmp_path, mode, reasons):
+    secret = secret_file(tmp_path, "a" * 64)
+    port = free_port()
+    peer_ck = llama_checkpoint(tmp_path / "peer-llama", seed=0)
+    cfg = tmp_path / "peer.toml"
+    cfg.write_text(f'[service]\nbackend = "host"\n[models.m]\npath = "{peer_ck}"\n')
+    peer = subprocess.Popen([sys.executable, str(TESTS / "seed_test_peer.py"), str(cfg), str(port), str(secret), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=service_env())
+    try:
+        poll_until(lambda: peer.stdout.readline().strip() == "listening", "the test peer to listen", 120, 0)
+        b, ck = _receiver(fleet, tmp_path, port, secret)
+        _own_load(b, ck, reasons)
+    finally:
+        peer.kill()
+        peer.wait()
