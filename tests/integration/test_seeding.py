@@ -106,6 +106,18 @@ class Svc:
         finally:
             s.close()
 
+    def seeds(self) -> dict:
+        """The ``metrics`` reply's peer seeding counters: ``(role, model, outcome, reason) -> (count, bytes)``."""
+        from weightcache import protocol
+        from weightcache.session import Session
+
+        s = Session(str(self.dir / "0.sock"), timeout=10, client="tests")
+        try:
+            _, counters = s.request(protocol.Metrics()).typed()
+        finally:
+            s.close()
+        return {(c.role, c.model, c.outcome, c.reason): (c.count, c.bytes) for c in counters.seeds}
+
     def ready(self, timeout: float = 240) -> dict:
         def settled():
             if self.proc.poll() is not None:
@@ -194,6 +206,10 @@ def test_second_service_becomes_ready_from_the_first_without_reading_its_data(fl
         assert data_is_holes(bare)
     assert compare_bytes(attach_tensors(b, bare_minilm), attach_tensors(a, src_ck)) > 0
     assert "seeding: served model=minilm" in a.log() and "seeding: served model=llama" in a.log()
+    got, served = b.seeds(), a.seeds()
+    for m in ("minilm", "llama"):
+        n, nbytes = got[("received", m, "seeded", "")]
+        assert n == 1 and nbytes > 0 and served[("served", m, "served", "")][0] == 1
 
 
 def _receiver(fleet, tmp_path: Path, peer_port: int, secret: Path) -> tuple[Svc, Path]:
@@ -210,6 +226,7 @@ def _own_load(b: Svc, ck: Path, reason: str) -> None:
     assert re.search(rf"did not seed model=m tp_size=1 rank=0 reason={reason}\b", log), log
     assert "not seeded by any peer" in log and "source=checkpoint" in log
     assert b.status()["slabs"][0].get("peer") in (None, "")
+    assert [k[3] for k in b.seeds() if k[:3] == ("received", "m", "fallback")] != []
     assert_released(b, 1)
     got = attach_tensors(b, ck)
     assert compare_bytes(got, read_checkpoint(ck)) > 0

@@ -113,6 +113,8 @@ class Daemon:
         self.elsewhere = tiers.HeldElsewhere() if backend.name == "host" else None
         #: Peer seeding (issue 37): None when not configured, or NIXL or the secret is missing (logged once).
         self.seeder = Seeder.create(seed_settings(config.service), gpu, self._wake)
+        if self.seeder is not None:
+            self.counters.seeding = self.seeder.stats
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False

@@ -73,6 +73,8 @@ class Counters:
         self._times: dict[str, _Histogram] = collections.defaultdict(_Histogram)
         self._loads: collections.Counter[tuple[str, int, int, str, str]] = collections.Counter()
         self._publishes: collections.Counter[tuple[str, int, int, str, str]] = collections.Counter()
+        #: Peer seeding's counters (``weightcache.seeding.SeedStats``: ``seed_counts()``), when seeding is on.
+        self.seeding: Any = None
 
     def track(self, placements: list[Placement]) -> None:
         """Adds label values for ``placements`` (at start; again when a reload places new models).
@@ -160,5 +162,6 @@ class Counters:
                                for m, h in sorted(self._times.items())),
             loads=tuple(protocol.LoadCount(*k, n) for k, n in sorted(self._loads.items())),
             publishes=tuple(protocol.PublishCount(*k, n) for k, n in sorted(self._publishes.items())),
+            seeds=tuple(protocol.SeedCount(*row) for row in (self.seeding.seed_counts() if self.seeding else ())),
             slabs=tuple(protocol.SlabCounters(m, t, r, s.last_load_s, s.last_load_bytes, s.verify_runs,
                                               s.verify_failures) for (m, t, r), s in self._slabs.items()))

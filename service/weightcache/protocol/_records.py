@@ -446,6 +446,29 @@ class PublishCount(_Record):
 
 
 @dataclass(frozen=True, slots=True)
+class SeedCount(_Record):
+    """Peer seeding (issue 37) of one model since the service started, one outcome.
+
+    Attributes:
+        role (`str`): ``received`` (this service asked peers) or ``served`` (peers asked it).
+        model (`str`): the model (``(other)``: a peer asked for a model this service does not have).
+        outcome (`str`): received: ``seeded`` or ``fallback`` (one per peer that did not seed); served:
+            ``served``, ``refused`` (by this source), ``refused_by_peer`` (the receiver did not keep it).
+        reason (`str`): why, when not ``seeded``/``served`` (docs/operations.md lists the reasons).
+        count (`int`): how many; bytes (`int`): bytes moved; seconds (`float`): seconds of the READs
+            (``received``/``seeded`` only).
+    """
+
+    role: str
+    model: str
+    outcome: str
+    reason: str
+    count: int
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class SlabCounters(_Record):
     """Counters of one (model, layout, rank) since the service started.
 
@@ -474,8 +497,8 @@ class ServiceCounters(_Record):
         version (`str`): weightcache's version.
         started_at (`float`): when the service started, Unix time in seconds.
         attaches (`tuple[AttachCount]`), attach_times (`tuple[AttachTimes]`),
-        loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`), publishes (`tuple[PublishCount]`): see
-        there (``publishes`` absent from older services' replies).
+        loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`), publishes (`tuple[PublishCount]`),
+        seeds (`tuple[SeedCount]`): see there (``publishes``, ``seeds`` absent from older services' replies).
     """
 
     version: str
@@ -485,12 +508,13 @@ class ServiceCounters(_Record):
     loads: tuple[LoadCount, ...] = ()
     slabs: tuple[SlabCounters, ...] = ()
     publishes: tuple[PublishCount, ...] = ()
+    seeds: tuple[SeedCount, ...] = ()
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ServiceCounters":
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
         nested = {"attaches": AttachCount, "attach_times": AttachTimes, "loads": LoadCount, "slabs": SlabCounters,
-                  "publishes": PublishCount}
+                  "publishes": PublishCount, "seeds": SeedCount}
         if not isinstance(d, dict):
             raise RemoteProtocolError(f"ServiceCounters: expected a JSON object, got {type(d).__name__}")
         return _from_json(cls, {k: v for k, v in d.items() if k not in nested},

@@ -101,6 +101,23 @@ class SeedStats:
         with self.lock:
             getattr(self, table)[key] += n
 
+    def seed_counts(self) -> list[tuple[str, str, str, str, int, int, float]]:
+        """Rows of :class:`weightcache.protocol.SeedCount`: ``(role, model, outcome, reason, count, bytes,
+        seconds)``, ranks of one model summed; bytes and seconds on the ``seeded`` and ``served`` rows."""
+        rows: dict[tuple[str, str, str, str], list] = {}
+        with self.lock:
+            for (model, _tp, _rank, outcome, reason), n in self.received.items():
+                rows.setdefault(("received", model, outcome, reason), [0, 0, 0.0])[0] += n
+            for model, b in self.received_bytes.items():
+                rows.setdefault(("received", model, "seeded", ""), [0, 0, 0.0])[1] += int(b)
+            for model, sec in self.received_seconds.items():
+                rows.setdefault(("received", model, "seeded", ""), [0, 0, 0.0])[2] += float(sec)
+            for (model, outcome, reason), n in self.served.items():
+                rows.setdefault(("served", model, outcome, reason), [0, 0, 0.0])[0] += n
+            for model, b in self.served_bytes.items():
+                rows.setdefault(("served", model, "served", ""), [0, 0, 0.0])[1] += int(b)
+        return [(*k, int(v[0]), int(v[1]), float(v[2])) for k, v in sorted(rows.items())]
+
     def snapshot(self) -> dict[str, list]:
         """Every counter as JSON-able lists: ``{table: [[*key, value], ...]}``."""
         with self.lock:

@@ -38,6 +38,9 @@ from ._settings import SeedSettings, SeedStats
 
 log = logging.getLogger(__name__)
 
+#: The metrics' model label of a request for a model this service does not have (or not looked up).
+OTHER = "(other)"
+
 
 @dataclass
 class Offer:
@@ -62,6 +65,9 @@ class Lookup:
     done: threading.Event = field(default_factory=threading.Event)
     offer: Offer | None = None
     reason: str = "not_held"
+    #: A slot of that name and rank exists here (else the metrics label the model ``(other)``: a peer's
+    #: request never grows the label set).
+    known: bool = False
 
 
 class Offers:
@@ -105,6 +111,7 @@ def _answer(q: Lookup, slots: Iterable[Any]) -> None:
         p = s.placement
         if (p.model.name, p.tp_size, p.tp_rank) != (q.model, q.tp_size, q.tp_rank):
             continue
+        q.known = True
         if not getattr(p.model, "serve_to_peers", False):
             q.reason = "not_allowed"
             return
@@ -196,7 +203,7 @@ class Source:
                 if e.reason == "auth":
                     log.warning("seeding: refused peer=%s reason=auth: %s", peer, e,
                                 extra=event("seed_rejected", reason="auth", peer=peer))
-                    self.stats.count("served", ("(unknown)", "refused", "auth"))
+                    self.stats.count("served", (OTHER, "refused", "auth"))
                     ch.refuse_auth()
                 raise
             model = str(req.get("model", ""))[:200]
@@ -212,7 +219,7 @@ class Source:
             conn.close()
 
     def _refuse(self, ch: Channel, peer: str, model: str, reason: str) -> None:
-        self.stats.count("served", (model or "(unknown)", "refused", reason))
+        self.stats.count("served", (model or OTHER, "refused", reason))
         log.info("seeding: not serving peer=%s model=%s reason=%s", peer, model, reason)
         ch.send("reply", {"ok": False, "reason": reason})
 
@@ -223,11 +230,11 @@ class Source:
             if not busy:
                 self._active += 1
         if busy:
-            return self._refuse(ch, peer, model, "busy")
+            return self._refuse(ch, peer, OTHER, "busy")
         try:
             q = self.offers.ask(model, tp_size, tp_rank, 10.0)
             if q.offer is None:
-                return self._refuse(ch, peer, model, q.reason)
+                return self._refuse(ch, peer, model if q.known else OTHER, q.reason)
             self._transfer(ch, conn, peer, model, q.offer, samples)
         finally:
             with self._lock:
