@@ -38,10 +38,10 @@ def main() -> None:
     if mode == "wrong_digest":
         t = next(r for r in filled.manifest.tensors if r.alias_of is None and r.size_bytes)
         writable.buffer[t.offset_bytes] ^= 0xFF
-    address, keep = buffer_address(writable.buffer)
+    address, _keep = buffer_address(writable.buffer)  # the mapping stays exported while the peer serves
     secret = load_secret(secret_file)
     agent = Agent(f"test-peer-{os.getpid()}")
-    reg = agent.register(address, writable.size_bytes)
+    agent.register(address, writable.size_bytes)  # held until the process ends
     srv = socket.create_server(("127.0.0.1", port))
     print("listening", flush=True)
     while True:
@@ -59,8 +59,8 @@ def main() -> None:
         try:
             ch.recv("done")
             ch.send("ack", {"ok": True})
-        except Exception:  # noqa: BLE001 - the receiver may hang up on a refused offer
-            pass
+        except Exception as e:  # noqa: BLE001 - the receiver may hang up on a refused offer
+            print(f"exchange ended: {e!r}", file=sys.stderr)
         conn.close()
 
 

@@ -115,13 +115,13 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "weightcache_publishes": ("counter", SLAB_LABELS + ("outcome", "code"),
                               "Publications answered, by outcome (published, held, refused) and error code"),
     "weightcache_peer_seeds": ("counter", ("gpu", "model", "outcome", "reason"),
-                               "Peer seeding asked of peers (issue 37), by outcome (seeded; fallback: one per peer "
-                               "that did not seed, by reason)"),
+                               ("Peer seeding asked of peers (issue 37), by outcome (seeded; fallback: one per peer "
+                                "that did not seed, by reason)")),
     "weightcache_peer_seed_bytes": ("counter", ("gpu", "model"), "Bytes read from peers into slabs"),
     "weightcache_peer_seed_seconds": ("counter", ("gpu", "model"), "Seconds of the READs from peers"),
     "weightcache_peer_served": ("counter", ("gpu", "model", "outcome", "reason"),
-                                "Peer seeding requests answered by this service, by outcome (served, refused, "
-                                "refused_by_peer) and reason"),
+                                ("Peer seeding requests answered by this service, by outcome (served, refused, "
+                                 "refused_by_peer) and reason")),
     "weightcache_peer_served_bytes": ("counter", ("gpu", "model"), "Bytes peers read from this service"),
     "weightcache_attach_duration_seconds": ("histogram", ("gpu", "model"),
                                             "Attach service time, request read to reply queued, seconds"),

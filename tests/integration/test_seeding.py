@@ -22,13 +22,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from checkpoints import compare_bytes, llama_checkpoint, minilm_path, read_checkpoint
-from service_harness import poll_until, proc_fds, service_env
+from service_harness import poll_until, service_env
 
 pytest.importorskip("nixl_cu12", reason="NIXL (weightcache[seeding]) is not installed")
 
-from weightcache import attach  # noqa: E402
+from weightcache import attach
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -242,6 +241,29 @@ def test_a_wrong_secret_gets_nothing(fleet, tmp_path):
     b, ck = _receiver(fleet, tmp_path, port, secret_file(other, "b" * 64))
     _own_load(b, ck, "auth")
     assert "seeding: refused peer=" in a.log() and "reason=auth" in a.log()
+
+
+def test_check_config_reads_the_secret_and_reaches_the_peers(fleet, tmp_path, capsys):
+    from weightcache.cli import main
+
+    secret = secret_file(tmp_path, "a" * 64 + "\n# the previous one, during a rotation\n" + "c" * 64)
+    port, nobody = free_port(), free_port()
+    a = fleet("a", {"m": {"path": str(llama_checkpoint(tmp_path / "a-llama")), "serve_to_peers": True}},
+              seed_listen=f"127.0.0.1:{port}", seed_secret_file=str(secret))
+    a.ready()
+    cfg = tmp_path / "check.toml"
+    cfg.write_text(f'[service]\nbackend = "host"\npeers = ["127.0.0.1:{port}", "127.0.0.1:{nobody}"]\n'
+                   f'seed_secret_file = "{secret}"\n')
+    capsys.readouterr()
+    rc = main(["check-config", "--config", str(cfg)])
+    out, err = capsys.readouterr()
+    assert rc == 0, (out, err)
+    assert f"seeding: secret {secret} readable (2 secrets" in out and f"seeding: peer 127.0.0.1:{port} reachable" in out
+    assert f"warning: seeding: peer 127.0.0.1:{nobody} is not reachable" in err
+    secret.chmod(0o644)
+    rc = main(["check-config", "--config", str(cfg)])
+    out, err = capsys.readouterr()
+    assert rc != 0 and f"error: seeding secret {secret}: mode 0644 lets group or others read or write it" in err
 
 
 def test_another_checkpoint_under_the_same_name_is_refused(fleet, tmp_path):

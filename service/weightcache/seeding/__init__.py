@@ -27,6 +27,26 @@ from ._seeder import Seeder
 from ._settings import FALLBACK_REASONS, SeedSettings, SeedStats
 from ._source import Offer, manifest_digest
 
-__all__ = ["Agent", "Channel", "ChannelError", "DEFAULT_SECRET_FILE", "FALLBACK_REASONS", "NixlMissing", "Offer",
-           "Secret", "SecretError", "SeedSettings", "SeedStats", "Seeded", "Seeder", "TRANSPORTS", "TransferError",
-           "key_differences", "load_secret", "manifest_digest", "nixl_api", "parse_address", "portable_identity"]
+__all__ = [
+           "DEFAULT_SECRET_FILE",
+           "FALLBACK_REASONS",
+           "TRANSPORTS",
+           "Agent",
+           "Channel",
+           "ChannelError",
+           "NixlMissing",
+           "Offer",
+           "Secret",
+           "SecretError",
+           "SeedSettings",
+           "SeedStats",
+           "Seeded",
+           "Seeder",
+           "TransferError",
+           "key_differences",
+           "load_secret",
+           "manifest_digest",
+           "nixl_api",
+           "parse_address",
+           "portable_identity",
+]

@@ -139,7 +139,7 @@ class Channel:
     def _write_raw(self, mac: bytes, raw: bytes) -> None:
         try:
             self.sock.sendall(_LEN.pack(len(mac) + len(raw)) + mac + raw)
-        except socket.timeout:
+        except TimeoutError:
             raise ChannelError("timeout", "the peer did not read in time") from None
         except OSError as e:
             raise ChannelError("disconnected", f"the peer went away: {e}") from None
@@ -160,7 +160,7 @@ class Channel:
         while len(buf) < n:
             try:
                 chunk = self.sock.recv(min(n - len(buf), 1 << 20))
-            except socket.timeout:
+            except TimeoutError:
                 raise ChannelError("timeout", "the peer did not answer in time") from None
             except OSError as e:
                 raise ChannelError("disconnected", f"the peer went away: {e}") from None

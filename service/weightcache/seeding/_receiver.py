@@ -23,16 +23,17 @@ import logging
 import select
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..digest import buffer_digests
 from ..errors import WeightcacheError
 from ..journal import event
 from ..manifest import Manifest, TensorRecord, unpack_file
+from . import _samples
 from ._agent import TransferError, buffer_address
 from ._channel import Channel, ChannelError, parse_address
-from . import _samples
 from ._keys import key_differences, record_differences
 from ._secret import Secret
 from ._settings import SeedSettings, SeedStats
@@ -100,7 +101,7 @@ def fetch(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], stat
             log.warning("seeding: peer=%s did not seed model=%s tp_size=%d rank=%d reason=%s: %s", peer, *label,
                         e.reason, e)
             continue
-        except Exception as e:  # noqa: BLE001 - a bug or a library error: this peer only, then the checkpoint
+        except Exception as e:
             _zero(writable, plan.slab_size_bytes)
             reasons.append((peer, "internal"))
             stats.count("received", (*label, "fallback", "internal"))

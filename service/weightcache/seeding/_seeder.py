@@ -10,7 +10,8 @@ import os
 import socket
 import threading
 import uuid
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ._agent import Agent, NixlMissing, nixl_api
 from ._receiver import Seeded, fetch
@@ -42,7 +43,7 @@ class Seeder:
         self.source = Source(settings, secret, self.agent, self.offers, self.stats, gpu) if settings.listen else None
 
     @classmethod
-    def create(cls, settings: SeedSettings, gpu: int, wake: Callable[[], None]) -> "Seeder | None":
+    def create(cls, settings: SeedSettings, gpu: int, wake: Callable[[], None]) -> Seeder | None:
         """The service's seeder, or None when seeding is off (logged once, with the reason)."""
         if not settings.enabled:
             return None

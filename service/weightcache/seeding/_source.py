@@ -24,8 +24,9 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..errors import WeightcacheError
 from ..hashes import blake2b_hex
@@ -100,7 +101,7 @@ class Offers:
                 return
             try:
                 _answer(q, slots)
-            except Exception as e:  # noqa: BLE001 - one question never takes down the loop
+            except Exception as e:
                 log.critical("seeding: answering a peer's lookup failed model=%s error=%r", q.model, e, exc_info=True)
                 q.reason = "internal"
             q.done.set()
@@ -213,7 +214,7 @@ class Source:
             log.info("seeding: exchange with peer=%s ended reason=%s: %s", peer, e.reason, e)
         except (ValueError, TypeError) as e:
             log.warning("seeding: a malformed request from peer=%s: %r", peer, e)
-        except Exception as e:  # noqa: BLE001 - one peer never takes down the service
+        except Exception as e:
             log.critical("seeding: serving peer=%s failed model=%s error=%r", peer, model, e, exc_info=True)
         finally:
             conn.close()
