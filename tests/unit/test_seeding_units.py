@@ -158,8 +158,8 @@ def test_config_keys_of_seeding(tmp_path):
 
 
 def test_seeding_is_off_with_one_log_line_without_nixl(tmp_path, monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # import raises ImportError, as without the package
-    monkeypatch.setitem(sys.modules, "nixl_cu13", None)
+    for name in ("nixl_cu12", "nixl_cu12._api", "nixl_cu13", "nixl_cu13._api"):  # import raises ImportError,
+        monkeypatch.setitem(sys.modules, name, None)                             # as without the package
     settings = SeedSettings(peers=("127.0.0.1:1",), secret_file=write_secret(tmp_path, NEW))
     with caplog.at_level(logging.WARNING):
         assert Seeder.create(settings, 0, lambda: None) is None
