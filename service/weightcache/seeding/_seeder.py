@@ -72,7 +72,9 @@ class Seeder:
             return self._agent
 
     def start(self) -> None:
-        """Starts the source's listener when ``listen`` is set (an unbindable address: logged, source off)."""
+        """Creates the NIXL agent on a thread (UCX's start takes about a second: off the first load's path) and
+        starts the source's listener when ``listen`` is set (an unbindable address: logged, source off)."""
+        threading.Thread(target=self._warm, name="weightcache-seed-agent", daemon=True).start()
         if self.source is None:
             return
         try:
@@ -81,6 +83,12 @@ class Seeder:
             log.error("seeding: cannot listen on %s:%d (%s); this node serves no peer", *self.source.address,
                       e.strerror)
             self.source = None
+
+    def _warm(self) -> None:
+        try:
+            self.agent()
+        except Exception as e:  # noqa: BLE001 - the first transfer meets (and reports) the same error
+            log.warning("seeding: NIXL agent not created at start: %r", e)
 
     def stop(self) -> None:
         """Closes the source's listener."""
