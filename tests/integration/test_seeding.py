@@ -211,6 +211,31 @@ def test_second_service_becomes_ready_from_the_first_without_reading_its_data(fl
         assert n == 1 and nbytes > 0 and served[("served", m, "served", "")][0] == 1
 
 
+@pytest.mark.slow
+def test_a_one_gigabyte_multi_file_llama_with_the_default_samples(fleet, tmp_path):
+    """1 GB, 4 files, float32 Llama shapes; the receiver's directory holds the same files (hard links: another
+    node's copy) and the default ``seed_samples`` (8 random 4 KiB ranges of its own data compared with the
+    peer's): seeded, bytes equal to the disk load through an engine's attach."""
+    secret = secret_file(tmp_path, "a" * 64)
+    port = free_port()
+    llama = llama_checkpoint(tmp_path / "big", files=4, hidden=1024, heads=8, kv_heads=2, inter=4096, vocab=8192,
+                             layers=16)
+    assert sum(f.stat().st_size for f in llama.glob("*.safetensors")) > 10**9
+    there = tmp_path / "b-big"
+    there.mkdir()
+    for f in llama.iterdir():  # before the source loads: a link moves the file's ctime, and a source whose
+        os.link(f, there / f.name)  # files changed since its slab was made offers nothing (not_held)
+    a = fleet("a", {"m": {"path": str(llama), "serve_to_peers": True}}, seed_listen=f"127.0.0.1:{port}",
+              seed_secret_file=str(secret))
+    a.ready()
+    b = fleet("b", {"m": {"path": str(there)}}, peers=[f"127.0.0.1:{port}"], seed_secret_file=str(secret))
+    st = b.ready()
+    assert st["slabs"][0].get("peer") == f"127.0.0.1:{port}", b.log()
+    assert_released(b, 1)
+    got = attach_tensors(b, there)
+    assert compare_bytes(got, read_checkpoint(llama)) > 10**9
+
+
 def _receiver(fleet, tmp_path: Path, peer_port: int, secret: Path) -> tuple[Svc, Path]:
     ck = llama_checkpoint(tmp_path / "recv-llama", seed=0)
     b = fleet("recv", {"m": {"path": str(ck)}}, peers=[f"127.0.0.1:{peer_port}"], seed_secret_file=str(secret),
