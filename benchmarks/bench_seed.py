@@ -32,10 +32,21 @@ import threading
 import time
 from pathlib import Path
 
-from bench_common import (GB, LLAMA2_7B, emit, layers_for, scaled, service_env, stats, versions, wait_ready,
-                          warm_page_cache, write_checkpoint, write_config)
-
-from weightcache import attach  # noqa: E402
+from bench_common import (
+    GB,
+    LLAMA2_7B,
+    emit,
+    layers_for,
+    scaled,
+    service_env,
+    stats,
+    versions,
+    wait_ready,
+    warm_page_cache,
+    write_checkpoint,
+    write_config,
+)
+from weightcache import attach
 
 SECRET = "0123456789abcdef" * 4
 
@@ -113,7 +124,7 @@ def main() -> None:
                 stop = threading.Event()
                 during: list[float] = []
 
-                def loop() -> None:
+                def loop(stop: threading.Event = stop, during: list[float] = during) -> None:
                     while not stop.is_set():
                         during.append(one_attach(str(a.dir)))
 
@@ -151,20 +162,20 @@ def main() -> None:
     ck_read = stats([r["read_gbps"] for r in rows["checkpoint"]])
     si, sb = stats(idle), stats(busy) if busy else None
     size_gb = rows["peer"][0]["bytes"] / GB
-    md = [f"`bench_seed.py --size-gb {args.size_gb} --reps {args.reps}` ({time.strftime('%Y-%m-%d')}, "
-          f"{os.cpu_count()} CPUs, host backend, UCX over loopback; slab {size_gb:.2f} GB)", "",
+    md = [(f"`bench_seed.py --size-gb {args.size_gb} --reps {args.reps}` ({time.strftime('%Y-%m-%d')}, "
+           f"{os.cpu_count()} CPUs, host backend, UCX over loopback; slab {size_gb:.2f} GB)"), "",
           "| receiver | load, plan to sealed: GB/s median (min–max) | read stage GB/s median (min–max) |",
           "|---|---|---|",
-          f"| reads the checkpoint (page cache) | {ck_gbps['median']:.2f} ({ck_gbps['min']:.2f}–{ck_gbps['max']:.2f}) "
-          f"| {ck_read['median']:.2f} ({ck_read['min']:.2f}–{ck_read['max']:.2f}) read + digests |",
-          f"| seeded by the peer (NIXL READ) | {peer_gbps['median']:.2f} ({peer_gbps['min']:.2f}–{peer_gbps['max']:.2f}) "
-          f"| {peer_read['median']:.2f} ({peer_read['min']:.2f}–{peer_read['max']:.2f}) READ alone; digests "
-          f"{stats([r['digest_s'] for r in rows['peer']])['median']:.2f} s |",
+          (f"| reads the checkpoint (page cache) | {ck_gbps['median']:.2f} ({ck_gbps['min']:.2f}–{ck_gbps['max']:.2f}) "
+           f"| {ck_read['median']:.2f} ({ck_read['min']:.2f}–{ck_read['max']:.2f}) read + digests |"),
+          (f"| seeded by the peer (NIXL READ) | {peer_gbps['median']:.2f} ({peer_gbps['min']:.2f}–{peer_gbps['max']:.2f}) "
+           f"| {peer_read['median']:.2f} ({peer_read['min']:.2f}–{peer_read['max']:.2f}) READ alone; digests "
+           f"{stats([r['digest_s'] for r in rows['peer']])['median']:.2f} s |"),
           "",
           f"peer / checkpoint, whole load: **{peer_gbps['median'] / ck_gbps['median']:.2f}x**",
           "",
-          f"source's attaches (connect, attach, map, release): idle p50 {si['median'] * 1e3:.2f} ms "
-          f"(p90 {si['p90'] * 1e3:.2f}, n={si['n']})"
+          (f"source's attaches (connect, attach, map, release): idle p50 {si['median'] * 1e3:.2f} ms "
+           f"(p90 {si['p90'] * 1e3:.2f}, n={si['n']})")
           + (f"; while it serves the peer p50 {sb['median'] * 1e3:.2f} ms (p90 {sb['p90'] * 1e3:.2f}, "
              f"n={sb['n']}): **{sb['median'] / si['median']:.2f}x** idle" if sb else "; none during the transfers")]
     emit("bench_seed", {"rows": rows, "idle_attach_s": idle, "busy_attach_s": busy, "versions": versions()},
