@@ -6,6 +6,8 @@ real control channel and a real NIXL agent, misbehaving as ``MODE`` says:
 
 - ``wrong_digest``: serves the slab with one byte flipped under the original manifest (digests);
 - ``disconnect``: sends its offer, then exits at once (before the receiver's ``done``);
+- ``disconnect_mid``: sends its offer, then exits 0.5 s later (the receiver, capped at 32 MiB/s, is then
+  between its 64 MiB READ requests: a disconnect in the middle of the transfer);
 - ``good``: behaves (a sanity check of the peer itself).
 
 It prints ``listening`` once it accepts connections.
@@ -17,6 +19,7 @@ import base64
 import os
 import socket
 import sys
+import time
 
 from weightcache import pipeline
 from weightcache.config import load_config
@@ -55,6 +58,9 @@ def main() -> None:
                           "descs": [[address, writable.size_bytes]], "manifest": base64.b64encode(raw).decode(),
                           "key": pl.key, "digest": manifest_digest(raw)})
         if mode == "disconnect":
+            os._exit(0)
+        if mode == "disconnect_mid":
+            time.sleep(0.5)
             os._exit(0)
         try:
             ch.recv("done")

@@ -343,7 +343,7 @@ class Loader:
 
             # Issue 37: the peers first (when configured), then the checkpoint; a seeded slab was checked
             # against this plan's key, records and the peer's digests (weightcache.seeding).
-            seeded = st.seeder.fill(pl, writable, st.options.threads) if st.seeder is not None else None
+            seeded = st.seeder.fill(pl, writable, st.options.threads, progress) if st.seeder is not None else None
             filled = (pipeline.Filled(seeded.manifest, True, seeded.read_s, seeded.digest_s, seeded.bytes_read)
                       if seeded is not None else pipeline.fill(pl, writable, progress, st.options))
             t_filled = time.monotonic()

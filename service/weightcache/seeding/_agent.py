@@ -120,7 +120,8 @@ class Agent:
             self.registrations -= 1
 
     def read(self, remote_md: bytes, remote: list[tuple[int, int]], local_address: int, size_bytes: int,
-             deadline: float, bandwidth_bytes_per_s: int = 0, alive: Callable[[], bool] = lambda: True) -> float:
+             deadline: float, bandwidth_bytes_per_s: int = 0, alive: Callable[[], bool] = lambda: True,
+             progress: Callable[[int, int], None] | None = None) -> float:
         """READs ``size_bytes`` from the remote agent's ``remote`` regions (``(address, length)``, in order) into
         local memory at ``local_address``, in :data:`CHUNK_BYTES` requests; returns the seconds it took.
 
@@ -132,6 +133,8 @@ class Agent:
             bandwidth_bytes_per_s (`int`): 0: no cap; else the requests are paced to stay under it.
             alive (`callable`): ``() -> bool``, polled while waiting: False (the control connection closed)
                 ends the read with ``disconnected``.
+            progress (`callable`, *optional*): ``progress(done_bytes, total_bytes)`` after each request (the
+                loader's: it raises to cancel the load, which ends the read, everything released).
 
         Raises:
             TransferError: ``transfer_error`` (NIXL reported an error, or the remote regions are too short),
@@ -143,7 +146,9 @@ class Agent:
         try:
             peer = self.agent.add_remote_agent(remote_md)
         except Exception as e:  # noqa: BLE001 - NIXL's own error types
-            raise TransferError("transfer_error", f"NIXL refused the peer's metadata: {e!r}") from None
+            # UCX connects to the peer's worker here: a peer that is gone fails this, and its connection is closed
+            raise TransferError("transfer_error" if alive() else "disconnected",
+                                f"NIXL refused the peer's metadata: {e!r}") from None
         peer = peer.decode() if isinstance(peer, bytes) else peer
         with self._lock:
             self.remote_agents += 1
@@ -158,6 +163,8 @@ class Agent:
                     self._one(peer, raddr + off, local_address + done, n, deadline, alive)
                     off += n
                     done += n
+                    if progress is not None:
+                        progress(done, size_bytes)
                     if bandwidth_bytes_per_s > 0:
                         ahead = done / bandwidth_bytes_per_s - (time.monotonic() - t0)
                         if ahead > 0:
@@ -180,18 +187,28 @@ class Agent:
         except Exception as e:  # noqa: BLE001
             raise TransferError("transfer_error", f"NIXL could not prepare the READ: {e!r}") from None
         try:
-            state = self.agent.transfer(h)
-            polls = 0
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TransferError("timeout", "the READ did not finish in time")
-                polls += 1
-                if polls % 64 == 0 and not alive():
-                    raise TransferError("disconnected", "the peer closed the control connection mid-transfer")
-                time.sleep(0.0002 if polls < 1000 else 0.002)
-                state = self.agent.check_xfer_state(h)
+            try:
+                state = self.agent.transfer(h)
+                polls = 0
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise TransferError("timeout", "the READ did not finish in time")
+                    polls += 1
+                    if polls % 64 == 0 and not alive():
+                        raise TransferError("disconnected", "the peer closed the control connection mid-transfer")
+                    time.sleep(0.0002 if polls < 1000 else 0.002)
+                    state = self.agent.check_xfer_state(h)
+            except TransferError:
+                raise
+            except Exception as e:  # noqa: BLE001 - NIXL raises e.g. nixlRemoteDisconnectError: terminal
+                gone = "DISCONNECT" in repr(e).upper() or not alive()
+                raise TransferError("disconnected" if gone else "transfer_error",
+                                    f"NIXL failed the READ: {e!r}") from None
             if state != "DONE":
-                raise TransferError("transfer_error", f"NIXL reported {state} for the READ (the peer went away?)")
+                if not alive():  # the peer's process is gone: its connection closed with it
+                    raise TransferError("disconnected", f"NIXL reported {state} for the READ and the peer closed "
+                                                        f"the control connection")
+                raise TransferError("transfer_error", f"NIXL reported {state} for the READ")
         finally:
             try:
                 h.release()

@@ -68,7 +68,7 @@ class Seeded:
 
 
 def fetch(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], stats: SeedStats, plan: Any,
-          writable: Any, threads: int = 4) -> Seeded | None:
+          writable: Any, threads: int = 4, progress: Callable[[int, int], None] | None = None) -> Seeded | None:
     """Fills ``writable`` from the first peer that holds the plan's slab; None when none did (reasons logged).
 
     Args:
@@ -76,6 +76,9 @@ def fetch(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], stat
         plan (`weightcache.pipeline.Plan`): this load's plan (key, records, slab size, rank).
         writable (`HostWritableSlab`): the slab being filled (``buffer``: its writable mapping).
         threads (`int`): digest threads.
+        progress (`callable`, *optional*): the loader's ``progress(done_bytes, total_bytes)``; what it raises
+            (a :class:`~weightcache.errors.WeightcacheError`: the load was cancelled or timed out) ends the
+            seeding and is raised here, what was written zeroed.
     """
     r = plan.rank
     label = (r.model.name, r.tp_size, r.tp_rank)
@@ -93,7 +96,10 @@ def fetch(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], stat
     for peer in peers:
         t0 = time.monotonic()
         try:
-            got = _from_peer(settings, secret, agent, plan, writable, peer, threads, (chosen, own))
+            got = _from_peer(settings, secret, agent, plan, writable, peer, threads, (chosen, own), progress)
+        except WeightcacheError:  # the loader's progress: cancelled by a reload, or past load_timeout_s
+            _zero(writable, plan.slab_size_bytes)
+            raise
         except Refused as e:
             _zero(writable, plan.slab_size_bytes)
             reasons.append((peer, e.reason))
@@ -137,7 +143,8 @@ def _alive(sock: socket.socket) -> Callable[[], bool]:
 
 
 def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], plan: Any, writable: Any,
-               peer: str, threads: int, samples: tuple[list, list[bytes]]) -> Seeded:
+               peer: str, threads: int, samples: tuple[list, list[bytes]],
+               progress: Callable[[int, int], None] | None = None) -> Seeded:
     r = plan.rank
     deadline = time.monotonic() + settings.timeout_s
     try:
@@ -162,7 +169,8 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
             reason = str(reply.get("reason", "not_held"))
             raise Refused(reason if reason in ("not_held", "not_allowed", "busy") else "not_held",
                           f"the peer answered {reason}")
-        got = _take(settings, agent, plan, writable, reply, deadline, _alive(sock), threads, peer, samples[1])
+        got = _take(settings, agent, plan, writable, reply, deadline, _alive(sock), threads, peer, samples[1],
+                    progress)
         try:
             ch.send("done", {"ok": True})
             ch.recv("ack")
@@ -182,7 +190,8 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
 
 
 def _take(settings: SeedSettings, agent: Callable[[], Any], plan: Any, writable: Any, reply: dict,
-          deadline: float, alive: Callable[[], bool], threads: int, peer: str, own: list[bytes]) -> Seeded:
+          deadline: float, alive: Callable[[], bool], threads: int, peer: str, own: list[bytes],
+          progress: Callable[[int, int], None] | None = None) -> Seeded:
     """Checks an offer, READs it into ``writable`` and checks its digests."""
     why, fields = key_differences(plan.key, reply.get("key"))
     if why:
@@ -220,7 +229,7 @@ def _take(settings: SeedSettings, agent: Callable[[], Any], plan: Any, writable:
     try:
         try:
             read_s = agent().read(remote_md, descs, address, plan.slab_size_bytes, deadline,
-                                  settings.bandwidth_bytes_per_s, alive)
+                                  settings.bandwidth_bytes_per_s, alive, progress)
         except TransferError as e:
             raise Refused(e.reason, str(e)) from None
     finally:

@@ -100,7 +100,8 @@ class Seeder:
         """Whether loads ask peers first (``peers`` or ``peers_file`` set)."""
         return bool(self.settings.peers or self.settings.peers_file)
 
-    def fill(self, plan: Any, writable: Any, threads: int = 4) -> Seeded | None:
+    def fill(self, plan: Any, writable: Any, threads: int = 4,
+             progress: Callable[[int, int], None] | None = None) -> Seeded | None:
         """Fills ``writable`` (a host memfd slab) from a peer; None: read the checkpoint (reasons logged).
 
         See :func:`weightcache.seeding._receiver.fetch`.
@@ -108,7 +109,7 @@ class Seeder:
         if not self.asks_peers or getattr(writable, "buffer", None) is None:
             return None
         try:
-            return fetch(self.settings, self.secret, self.agent, self.stats, plan, writable, threads)
+            return fetch(self.settings, self.secret, self.agent, self.stats, plan, writable, threads, progress)
         finally:
             held = self.held()
             log.info("seeding: transfer attempts of model=%s ended nixl_registrations=%d remote_agents=%d",
