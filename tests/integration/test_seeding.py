@@ -322,7 +322,8 @@ def test_a_misbehaving_peer_ends_in_the_own_load(fleet, tmp_path, mode, reason):
     secret = secret_file(tmp_path, "a" * 64)
     port = free_port()
     # disconnect_mid: a slab of 3 READ requests (64 MiB each) at 32 MiB/s, the peer gone after 0.5 s
-    dims = dict(hidden=1024, heads=8, kv_heads=2, inter=4096, vocab=8192, layers=2) if mode == "disconnect_mid" else {}
+    dims = ({"hidden": 1024, "heads": 8, "kv_heads": 2, "inter": 4096, "vocab": 8192, "layers": 2}
+            if mode == "disconnect_mid" else {})
     peer_ck = llama_checkpoint(tmp_path / "peer-llama", seed=0, **dims)
     cfg = tmp_path / "peer.toml"
     cfg.write_text(f'[service]\nbackend = "host"\n[models.m]\npath = "{peer_ck}"\n')
