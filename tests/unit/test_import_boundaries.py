@@ -125,6 +125,7 @@ DAEMON_ROOMS = {
     "bootstrap.py": {"torch", "weightcache.cli", "weightcache.client"},
     "publish.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
                    "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
+    "peers.py": {"torch", "weightcache.daemon.transport", "weightcache.daemon.handlers", "weightcache.daemon.loop"},
 }
 
 

@@ -1,7 +1,8 @@
 """Peer seeding's settings from the configuration (issue 37): the one place the daemon turns ``[service]``
 keys into :class:`weightcache.seeding.SeedSettings`.
 
-Forbidden imports: torch, socket, nixl.
+Forbidden imports: torch, nixl at module level, weightcache.daemon.transport, weightcache.daemon.handlers,
+weightcache.daemon.loop.
 """
 
 from __future__ import annotations
