@@ -99,9 +99,13 @@ class Agent:
         self.registrations = 0
         self.remote_agents = 0
 
-    def metadata(self) -> bytes:
-        """This agent's metadata (connection info and registrations), for the peer's ``add_remote_agent``."""
-        return self.agent.get_agent_metadata()
+    def metadata(self, reg: Any = None) -> bytes:
+        """This agent's metadata for the peer's ``add_remote_agent``: its connection info and, with ``reg`` (a
+        :meth:`register` handle), that registration only (NIXL's partial metadata: a peer learns nothing of the
+        other slabs registered for other peers at the same time); without ``reg``, every registration."""
+        if reg is None:
+            return self.agent.get_agent_metadata()
+        return self.agent.get_partial_agent_metadata(reg, inc_conn_info=True, backends=[self.transport])
 
     def register(self, address: int, size_bytes: int) -> Any:
         """Registers host memory ``[address, address + size_bytes)``; returns the handle :meth:`deregister` takes."""

@@ -272,7 +272,7 @@ class Source:
             reg = agent.register(address, offer.size_bytes)
             t0 = time.monotonic()
             ch.send("reply", {"ok": True, "agent": agent.name,
-                              "agent_md": base64.b64encode(agent.metadata()).decode(),
+                              "agent_md": base64.b64encode(agent.metadata(reg)).decode(),
                               "descs": [[address, offer.size_bytes]],
                               "manifest": base64.b64encode(manifest).decode(), "key": offer.key,
                               "digest": manifest_digest(manifest),
