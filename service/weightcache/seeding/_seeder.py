@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ._agent import Agent, NixlMissing, nixl_api
+from ._agent import Agent, NixlMissing, nixl_installed
 from ._receiver import Seeded, fetch
 from ._secret import SecretError, load_secret
 from ._settings import SeedSettings, SeedStats
@@ -48,7 +48,7 @@ class Seeder:
         if not settings.enabled:
             return None
         try:
-            nixl_api()
+            nixl_installed()
         except NixlMissing as e:
             log.warning("seeding off: %s", e)
             return None
@@ -107,6 +107,12 @@ class Seeder:
         See :func:`weightcache.seeding._receiver.fetch`.
         """
         if not self.asks_peers or getattr(writable, "buffer", None) is None:
+            return None
+        try:
+            self.agent()
+        except Exception as e:  # noqa: BLE001 - NIXL installed but not loadable here: the checkpoint, as without
+            log.warning("seeding: model=%s not asked of peers: the NIXL agent is unavailable (%r)",
+                        plan.rank.model.name, e)
             return None
         try:
             return fetch(self.settings, self.secret, self.agent, self.stats, plan, writable, threads, progress)
