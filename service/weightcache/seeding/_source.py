@@ -8,8 +8,8 @@ transfer ends). Bounded: :attr:`SeedSettings.max_transfers` connections at once 
 :attr:`SeedSettings.max_bytes` registered at once. The registration is released when the receiver says
 ``done``, when the connection closes, or at :attr:`SeedSettings.timeout_s`, whichever comes first.
 
-Only host memfds are offered (the host backend's slabs, a CUDA service's host tier); a GPU slab would be a
-``VRAM_SEG`` registration (docs/design.md, "Peer seeding").
+Only the host backend's slabs (sealed memfds with xxh3 digests) are offered; a CUDA service's host tier
+(``sum64`` digests) and GPU slabs (``VRAM_SEG`` registrations) are not yet (docs/design.md §10).
 
 Forbidden imports: torch, weightcache.daemon, nixl (through :mod:`._agent` only).
 """
