@@ -48,6 +48,8 @@ class Refused(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+        #: The READ had started: the slab holds some of the peer's bytes (zeroed before the next try).
+        self.written = False
 
 
 @dataclass
@@ -101,7 +103,8 @@ def fetch(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], stat
             _zero(writable, plan.slab_size_bytes)
             raise
         except Refused as e:
-            _zero(writable, plan.slab_size_bytes)
+            if e.written:
+                _zero(writable, plan.slab_size_bytes)
             reasons.append((peer, e.reason))
             stats.count("received", (*label, "fallback", e.reason))
             log.warning("seeding: peer=%s did not seed model=%s tp_size=%d rank=%d reason=%s: %s", peer, *label,
@@ -147,6 +150,7 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
                progress: Callable[[int, int], None] | None = None) -> Seeded:
     r = plan.rank
     deadline = time.monotonic() + settings.timeout_s
+    dirty = [False]
     try:
         host, port = parse_address(peer)
     except ValueError as e:
@@ -170,7 +174,7 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
             raise Refused(reason if reason in ("not_held", "not_allowed", "busy") else "not_held",
                           f"the peer answered {reason}")
         got = _take(settings, agent, plan, writable, reply, deadline, _alive(sock), threads, peer, samples[1],
-                    progress)
+                    progress, dirty)
         try:
             ch.send("done", {"ok": True})
             ch.recv("ack")
@@ -179,6 +183,7 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
                           f"the peer did not confirm the transfer: {e}") from None
         return got
     except Refused as e:
+        e.written = dirty[0]
         if e.reason in ("digest_mismatch", "wrong_checkpoint", "key_mismatch", "manifest_mismatch"):
             try:  # tell the source why (its log and counters); it may be gone
                 ch.send("done", {"ok": False, "reason": e.reason})
@@ -191,8 +196,8 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
 
 def _take(settings: SeedSettings, agent: Callable[[], Any], plan: Any, writable: Any, reply: dict,
           deadline: float, alive: Callable[[], bool], threads: int, peer: str, own: list[bytes],
-          progress: Callable[[int, int], None] | None = None) -> Seeded:
-    """Checks an offer, READs it into ``writable`` and checks its digests."""
+          progress: Callable[[int, int], None] | None = None, dirty: list[bool] | None = None) -> Seeded:
+    """Checks an offer, READs it into ``writable`` and checks its digests (``dirty[0]`` set as the READ starts)."""
     why, fields = key_differences(plan.key, reply.get("key"))
     if why:
         raise Refused(why, f"the peer's slab has another cache key (fields: {', '.join(fields[:8])})")
@@ -226,6 +231,8 @@ def _take(settings: SeedSettings, agent: Callable[[], Any], plan: Any, writable:
         raise Refused("manifest_mismatch", "the peer's digests are not host digests (xxh3)")
     buf = writable.buffer
     address, keep = buffer_address(buf)
+    if dirty is not None:
+        dirty[0] = True
     try:
         try:
             read_s = agent().read(remote_md, descs, address, plan.slab_size_bytes, deadline,
