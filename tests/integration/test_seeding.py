@@ -241,6 +241,35 @@ def test_a_one_gigabyte_multi_file_llama_with_the_default_samples(fleet, tmp_pat
     assert compare_bytes(got, read_checkpoint(llama)) > 10**9
 
 
+def test_a_source_is_bounded_and_releases_a_peer_that_goes_away(fleet, tmp_path):
+    """seed_max_transfers = 1: while one peer holds a transfer open (offer received, no ``done``), the next is
+    answered ``busy`` and loads its checkpoint; once that peer hangs up the source releases its registration,
+    and the next receiver is seeded."""
+    import socket as sk
+
+    from weightcache.seeding import Channel, load_secret
+
+    secret = secret_file(tmp_path, "a" * 64)
+    port = free_port()
+    src = llama_checkpoint(tmp_path / "a-llama", seed=0)
+    a = fleet("a", {"m": {"path": str(src), "serve_to_peers": True}}, seed_listen=f"127.0.0.1:{port}",
+              seed_secret_file=str(secret), seed_max_transfers=1)
+    a.ready()
+    hold = sk.create_connection(("127.0.0.1", port), timeout=10)
+    ch = Channel(hold, load_secret(str(secret)), server=False)
+    ch.open()
+    ch.send("request", {"model": "m", "tp_size": 1, "tp_rank": 0, "samples": []})
+    assert ch.recv("reply")["ok"] is True  # registered for us, held until done or hang-up
+    b, ck = _receiver(fleet, tmp_path, port, secret)
+    _own_load(b, ck, "busy")
+    hold.close()
+    poll_until(lambda: re.search(r"released model=m for peer=\S+ nixl_registrations=0", a.log()),
+               "the source to release the registration of the peer that hung up", 30, 0.05, detail=a.log)
+    c = fleet("c", {"m": {"path": str(llama_checkpoint(tmp_path / "c-llama", seed=0))}},
+              peers=[f"127.0.0.1:{port}"], seed_secret_file=str(secret))
+    assert c.ready()["slabs"][0].get("peer") == f"127.0.0.1:{port}", c.log()
+
+
 def _receiver(fleet, tmp_path: Path, peer_port: int, secret: Path) -> tuple[Svc, Path]:
     ck = llama_checkpoint(tmp_path / "recv-llama", seed=0)
     b = fleet("recv", {"m": {"path": str(ck)}}, peers=[f"127.0.0.1:{peer_port}"], seed_secret_file=str(secret),

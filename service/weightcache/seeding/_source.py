@@ -303,6 +303,9 @@ class Source:
             if reserved:
                 with self._lock:
                     self._active_bytes -= reserved
+            if reg is not None:
+                log.info("seeding: released model=%s for peer=%s nixl_registrations=%d", model, peer,
+                         agent.registrations)
 
 
 def manifest_digest(manifest_file: bytes) -> str:
