@@ -5,6 +5,7 @@ The face of the package. Its rooms:
 - :mod:`._secret`: the fleet's shared secret file and the HMAC (rotation: several lines);
 - :mod:`._channel`: the authenticated request/reply over TCP (the control channel);
 - :mod:`._keys`: the checkpoint's portable identity and the checks of a peer's key and manifest;
+- :mod:`._samples`: random samples of the tensor data, which tell checkpoints with equal headers apart;
 - :mod:`._agent`: NIXL (optional, imported lazily): the agent, registrations, READs;
 - :mod:`._settings`: :class:`SeedSettings` and the counters;
 - :mod:`._source`: serving this node's host memfd slabs to peers, off the serving loop;

@@ -9,8 +9,8 @@ other: a source without the secret cannot answer a request any more than a recei
 The exchange (docs/design.md, "Peer seeding")::
 
     source  -> hello   {v, nonce_s}
-    receiver-> request {nonce_r, model, tp_size, tp_rank, agent}          HMAC(request, nonce_s)
-    source  -> reply   {ok, reason | agent_md, descs, manifest, key, digest}  HMAC(reply, nonce_r)
+    receiver-> request {nonce_r, model, tp_size, tp_rank, samples}        HMAC(request, nonce_s)
+    source  -> reply   {ok, reason | agent_md, descs, manifest, key, digest, samples}  HMAC(reply, nonce_r)
     receiver-> done    {ok, reason}                                        HMAC(done, nonce_s)
     source  -> ack     {ok}                                                HMAC(ack, nonce_r)
 
