@@ -370,3 +370,23 @@ def test_a_misbehaving_peer_ends_in_the_own_load(fleet, tmp_path, mode, reason):
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_setup_runtime_installs_nixl_when_the_config_names_peers(tmp_path):
+    root = TESTS.parent
+    script = ["sh", str(root / "packaging" / "weightcache-setup-runtime"), "--dry-run", "--cpu",
+              "--requirements", str(root / "packaging" / "runtime-requirements.txt"), "--prefix", "/nonexistent/v"]
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text('[service]\nbackend = "host"\n')
+    (tmp_path / "conf.d").mkdir()
+
+    def dry_run() -> str:
+        r = subprocess.run(script, check=False, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "WEIGHTCACHE_CONFIG": str(cfg)})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "nixl" not in dry_run()
+    (tmp_path / "conf.d" / "60-fleet.toml").write_text('[service]\npeers = ["10.0.0.2:9670"]\n')
+    out = dry_run()
+    assert "peer seeding:" in out and "  nixl==1.5.1" in out
