@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import os
+import select
 import socket
 import sys
 import time
@@ -60,9 +61,14 @@ def main() -> None:
         if mode == "disconnect":
             os._exit(0)
         if mode == "disconnect_mid":
-            time.sleep(0.5)
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                agent.progress()
+                time.sleep(0.001)
             os._exit(0)
         try:
+            while not select.select([conn], [], [], 0.001)[0]:  # the READ needs this agent's progress (TCP)
+                agent.progress()
             ch.recv("done")
             ch.send("ack", {"ok": True})
         except Exception as e:  # noqa: BLE001 - the receiver may hang up on a refused offer

@@ -8,7 +8,10 @@ seeding is off (one log line, :mod:`weightcache.seeding._seeder`).
 The agent exchanges its metadata over the authenticated control channel (``get_agent_metadata`` /
 ``add_remote_agent``), never over NIXL's own listener (``enable_listen_thread`` stays off: that port
 would hand this node's registrations to anyone who asks). It is created with
-``NIXL_THREAD_SYNC_STRICT``: the source's connection threads and the loader use it at once.
+``NIXL_THREAD_SYNC_STRICT``: the source's connection threads and the loader use it at once; and without
+NIXL's progress thread, which polls without pause (half a core of an idle service on the test machine):
+the transport progresses when the receiver polls its READ and while the source waits for a peer's ``done``
+(:meth:`Agent.progress`), so an idle service spends nothing on it.
 
 Forbidden imports: torch, weightcache.daemon; nixl at module level.
 """
@@ -100,7 +103,9 @@ class Agent:
         api = nixl_api()
         if devices and transport == "UCX":
             os.environ.setdefault("UCX_NET_DEVICES", ",".join(devices))
-        cfg = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[transport],
+        # No progress thread: NIXL's spins (pthrDelay 0) and took half a core of an idle service here; the
+        # initiator progresses while it polls its READ, the source while a peer reads (progress()).
+        cfg = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[transport],
                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._api = api
         self.agent = api.nixl_agent(name, cfg)
@@ -112,6 +117,11 @@ class Agent:
         #: Registrations and remote agents held now (the tests and ``status`` check they go back to 0).
         self.registrations = 0
         self.remote_agents = 0
+
+    def progress(self) -> None:
+        """Lets the transport serve what peers ask of this agent (a READ of a registration over TCP needs the
+        target's progress): the source calls it while a peer reads. Notifications are not used (dropped)."""
+        self.agent.get_new_notifs()
 
     def metadata(self, reg: Any = None) -> bytes:
         """This agent's metadata for the peer's ``add_remote_agent``: its connection info and, with ``reg`` (a

@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -277,7 +278,8 @@ class Source:
                               "manifest": base64.b64encode(manifest).decode(), "key": offer.key,
                               "digest": manifest_digest(manifest),
                               "samples": [base64.b64encode(b).decode() for b in answers]})
-            conn.settimeout(self.settings.timeout_s)
+            _progress_until_readable(agent, conn, time.monotonic() + self.settings.timeout_s)
+            conn.settimeout(10.0)
             done = ch.recv("done")
             ch.send("ack", {"ok": True})
             dt = time.monotonic() - t0
@@ -306,6 +308,22 @@ class Source:
             if reg is not None:
                 log.info("seeding: released model=%s for peer=%s nixl_registrations=%d", model, peer,
                          agent.registrations)
+
+
+def _progress_until_readable(agent: Any, conn: socket.socket, deadline: float) -> None:
+    """Progresses NIXL (the peer's READ needs it over TCP) until the peer says something on ``conn`` (its
+    ``done``, or a hang-up).
+
+    Raises:
+        ChannelError: ``timeout`` past ``deadline`` (``time.monotonic()`` seconds).
+    """
+    while True:
+        ready, _, _ = select.select([conn], [], [], 0.001)
+        if ready:
+            return
+        agent.progress()
+        if time.monotonic() > deadline:
+            raise ChannelError("timeout", "the peer did not finish its transfer in time")
 
 
 def manifest_digest(manifest_file: bytes) -> str:
