@@ -166,3 +166,21 @@ def test_seeding_is_off_with_one_log_line_without_nixl(tmp_path, monkeypatch, ca
     (rec,) = [r for r in caplog.records if "seeding off" in r.getMessage()]
     assert "NIXL is not installed (pip install 'weightcache[seeding]'" in rec.getMessage()
     assert Seeder.create(SeedSettings(), 0, lambda: None) is None  # not configured: nothing said
+
+
+def test_a_source_reads_no_large_frame_from_a_stranger(tmp_path):
+    """The source reads at most MAX_REQUEST_BYTES before it can check a frame's HMAC."""
+    import struct
+
+    from weightcache.seeding._channel import MAX_REQUEST_BYTES
+
+    secret = load_secret(write_secret(tmp_path, NEW))
+    a, b = socket.socketpair()
+    server = Channel(a, secret, server=True)
+    server.open()
+    b.sendall(struct.pack(">I", MAX_REQUEST_BYTES + 1))
+    with pytest.raises(ChannelError, match=f"a frame of {MAX_REQUEST_BYTES + 1} bytes") as e:
+        server.recv("request")
+    assert e.value.reason == "protocol"
+    a.close()
+    b.close()

@@ -30,8 +30,11 @@ from typing import Any
 
 from ._secret import Secret
 
-#: Largest frame either side accepts (a manifest of 150k tensors is some MiB; base64 adds a third).
+#: Largest frame either side accepts (a reply: a manifest of 150k tensors is some MiB; base64 adds a third).
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+#: Largest frame a source reads from a peer it has not authenticated yet, and of every receiver's frame (a
+#: request with 64 samples is a few KiB): a stranger cannot make it hold more.
+MAX_REQUEST_BYTES = 1024 * 1024
 VERSION = 1
 _LEN = struct.Struct(">I")
 _NO_MAC = bytes(32)
@@ -93,13 +96,14 @@ class Channel:
         self._write_raw(self.secret.sign(kind.encode(), self.peer_nonce, raw), raw)
 
     def recv(self, kind: str) -> dict[str, Any]:
-        """Reads one frame of ``kind`` and checks its HMAC (a ``request`` also gives the peer's nonce).
+        """Reads one frame of ``kind`` and checks its HMAC (a ``request`` also gives the peer's nonce). The
+        source's side reads at most :data:`MAX_REQUEST_BYTES` a frame, the receiver's :data:`MAX_FRAME_BYTES`.
 
         Raises:
             ChannelError: ``auth`` (no secret of this node made the HMAC), ``protocol`` (another kind),
                 ``disconnected``, ``timeout``.
         """
-        mac, raw = self._read_raw()
+        mac, raw = self._read_raw(MAX_REQUEST_BYTES if self.server else MAX_FRAME_BYTES)
         if mac == _NO_MAC:  # the other side could not authenticate us: its word, unauthenticated, for the log
             body = _decode(raw)
             if body.get("kind") == "refused" and body.get("reason") == "auth":
@@ -148,10 +152,10 @@ class Channel:
         mac, raw = self._read_raw()
         return mac, _decode(raw)
 
-    def _read_raw(self) -> tuple[bytes, bytes]:
+    def _read_raw(self, limit: int = MAX_FRAME_BYTES) -> tuple[bytes, bytes]:
         n = _LEN.unpack(self._exactly(4))[0]
-        if not 32 <= n <= MAX_FRAME_BYTES:
-            raise ChannelError("protocol", f"a frame of {n} bytes (limit {MAX_FRAME_BYTES})")
+        if not 32 <= n <= limit:
+            raise ChannelError("protocol", f"a frame of {n} bytes (limit {limit})")
         data = self._exactly(n)
         return data[:32], data[32:]
 

@@ -158,6 +158,9 @@ class Source:
         self._lock = threading.Lock()
         self._active = 0
         self._active_bytes = 0
+        self._connections = 0
+        #: Connections open at once (authenticated or not): beyond, a new one is closed at once.
+        self.max_connections = 4 * settings.max_transfers + 16
         self._sock: socket.socket | None = None
 
     def start(self) -> None:
@@ -190,6 +193,14 @@ class Source:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
+            with self._lock:  # a stranger's connections (each a thread until it authenticates) are bounded
+                full = self._connections >= self.max_connections
+                if not full:
+                    self._connections += 1
+            if full:
+                log.debug("seeding: connection from %s:%d closed: %d open", addr[0], addr[1], self.max_connections)
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn, f"{addr[0]}:{addr[1]}"),
                              name="weightcache-seed-serve", daemon=True).start()
 
@@ -219,6 +230,8 @@ class Source:
             log.critical("seeding: serving peer=%s failed model=%s error=%r", peer, model, e, exc_info=True)
         finally:
             conn.close()
+            with self._lock:
+                self._connections -= 1
 
     def _refuse(self, ch: Channel, peer: str, model: str, reason: str) -> None:
         self.stats.count("served", (model or OTHER, "refused", reason))
