@@ -54,8 +54,9 @@ def main() -> None:
         ch = Channel(conn, secret, server=True)
         ch.open()
         req = ch.recv("request")
-        samples = source_samples(placement.model.path, pl.key["checkpoint"], req.get("samples") or [])
-        ch.send("reply", {"samples": [base64.b64encode(b).decode() for b in samples],"ok": True, "agent": agent.name, "agent_md": base64.b64encode(agent.metadata()).decode(),
+        samples, blobs = source_samples(placement.model.path, pl.key["checkpoint"], req.get("samples") or [],
+                                        req.get("blobs"))
+        ch.send("reply", {"samples": [base64.b64encode(b).decode() for b in samples], "blobs": blobs,"ok": True, "agent": agent.name, "agent_md": base64.b64encode(agent.metadata()).decode(),
                           "descs": [[address, writable.size_bytes]], "manifest": base64.b64encode(raw).decode(),
                           "key": pl.key, "digest": manifest_digest(raw)})
         if mode == "disconnect":

@@ -172,7 +172,13 @@ def assert_released(svc: Svc, slabs: int) -> None:
     held = re.findall(r"nixl_registrations=(\d+) remote_agents=(\d+)", svc.log())
     assert held and held[-1] == ("0", "0"), held
     base = f"/proc/{svc.proc.pid}/fd"
-    memfds = sorted(t for t in (os.readlink(f"{base}/{n}") for n in os.listdir(base)) if t.startswith("/memfd:"))
+    targets = []
+    for n in os.listdir(base):
+        try:
+            targets.append(os.readlink(f"{base}/{n}"))
+        except FileNotFoundError:  # closed while we looked (a socket of a status request)
+            pass
+    memfds = sorted(t for t in targets if t.startswith("/memfd:"))
     # As many as a service that read its checkpoint holds (measured: the slab's memfd twice, its manifest once).
     assert len([t for t in memfds if t.startswith("/memfd:weightcache:")]) == 2 * slabs, memfds
     assert len([t for t in memfds if t.startswith("/memfd:weightcache-manifest:")]) == slabs, memfds
@@ -268,6 +274,58 @@ def test_a_source_is_bounded_and_releases_a_peer_that_goes_away(fleet, tmp_path)
     c = fleet("c", {"m": {"path": str(llama_checkpoint(tmp_path / "c-llama", seed=0))}},
               peers=[f"127.0.0.1:{port}"], seed_secret_file=str(secret))
     assert c.ready()["slabs"][0].get("peer") == f"127.0.0.1:{port}", c.log()
+
+
+def hub_snapshot(src: Path, cache: Path, headers_only: bool = False) -> Path:
+    """``src`` as a Hugging Face hub cache's snapshot: every file a link to ``../../blobs/<sha256>`` (the sha256
+    of the real file); with ``headers_only`` the blobs hold only the JSON and the headers (holes after them)
+    under the real files' names, so that a load that read their data would get zeros."""
+    import hashlib
+
+    repo = cache / "models--org--m"
+    snap = repo / "snapshots" / ("0" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    bare = headers_only_copy(src, cache / "bare") if headers_only else src
+    for f in sorted(src.iterdir()):
+        if f.suffix not in (".json", ".safetensors"):
+            continue
+        sha = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(bare / f.name, repo / "blobs" / sha)
+        (snap / f.name).symlink_to(f"../../blobs/{sha}")
+    return snap
+
+
+def test_hub_snapshots_are_compared_by_their_blob_names_without_reading_data(fleet, tmp_path):
+    """Both ends hold hub snapshots: equal blob names (sha256 of the contents) decide, the default samples are
+    neither read nor compared (the receiver's blobs hold no data: samples would differ), and it is seeded."""
+    secret = secret_file(tmp_path, "a" * 64)
+    port = free_port()
+    llama = llama_checkpoint(tmp_path / "llama", files=2)
+    src = hub_snapshot(llama, tmp_path / "hub-a")
+    a = fleet("a", {"m": {"path": str(src), "serve_to_peers": True}}, seed_listen=f"127.0.0.1:{port}",
+              seed_secret_file=str(secret))
+    a.ready()
+    there = hub_snapshot(llama, tmp_path / "hub-b", headers_only=True)
+    assert data_is_holes(there)
+    b = fleet("b", {"m": {"path": str(there)}}, peers=[f"127.0.0.1:{port}"], seed_secret_file=str(secret))
+    st = b.ready()
+    assert st["slabs"][0].get("peer") == f"127.0.0.1:{port}", b.log()
+    assert compare_bytes(attach_tensors(b, there), read_checkpoint(llama)) > 0
+
+
+def test_hub_snapshots_of_another_checkpoint_are_refused_by_their_blob_names(fleet, tmp_path):
+    secret = secret_file(tmp_path, "a" * 64)
+    port = free_port()
+    src = hub_snapshot(llama_checkpoint(tmp_path / "llama-1", seed=1), tmp_path / "hub-a")
+    a = fleet("a", {"m": {"path": str(src), "serve_to_peers": True}}, seed_listen=f"127.0.0.1:{port}",
+              seed_secret_file=str(secret))
+    a.ready()
+    ck = hub_snapshot(llama_checkpoint(tmp_path / "llama-0", seed=0), tmp_path / "hub-b")
+    b = fleet("recv", {"m": {"path": str(ck)}}, peers=[f"127.0.0.1:{port}"], seed_secret_file=str(secret))
+    b.ready()
+    _own_load(b, ck, "wrong_checkpoint")
+    assert "other hub blobs (sha256) than ours" in b.log()
 
 
 def _receiver(fleet, tmp_path: Path, peer_port: int, secret: Path) -> tuple[Svc, Path]:

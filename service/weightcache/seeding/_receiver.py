@@ -88,17 +88,18 @@ def fetch(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], stat
     reasons = []
     if not peers:
         reasons.append(("-", "no_peer"))
-    try:  # what tells checkpoints with equal headers apart: our own bytes at random places (_samples)
+    try:  # what tells checkpoints with equal headers apart: hub blob names, else our bytes at random places
+        blobs = _samples.hub_blobs(plan.checkpoint)
         chosen = _samples.choose(plan.checkpoint, settings.samples)
-        own = _samples.read(plan.checkpoint, chosen)
     except (WeightcacheError, OSError, ValueError) as e:
         log.warning("seeding: model=%s: cannot read samples of the checkpoint (%s); not asking peers",
                     r.model.name, e)
         return None
+    own = _Samples(plan.checkpoint, chosen, blobs)
     for peer in peers:
         t0 = time.monotonic()
         try:
-            got = _from_peer(settings, secret, agent, plan, writable, peer, threads, (chosen, own), progress)
+            got = _from_peer(settings, secret, agent, plan, writable, peer, threads, own, progress)
         except WeightcacheError:  # the loader's progress: cancelled by a reload, or past load_timeout_s
             _zero(writable, plan.slab_size_bytes)
             raise
@@ -146,7 +147,7 @@ def _alive(sock: socket.socket) -> Callable[[], bool]:
 
 
 def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], plan: Any, writable: Any,
-               peer: str, threads: int, samples: tuple[list, list[bytes]],
+               peer: str, threads: int, samples: _Samples,
                progress: Callable[[int, int], None] | None = None) -> Seeded:
     r = plan.rank
     deadline = time.monotonic() + settings.timeout_s
@@ -165,7 +166,7 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
         try:
             ch.open()
             ch.send("request", {"model": r.model.name, "tp_size": r.tp_size, "tp_rank": r.tp_rank,
-                                "samples": samples[0]})
+                                "samples": samples.chosen, "blobs": samples.blobs})
             reply = ch.recv("reply")
         except ChannelError as e:
             raise Refused(e.reason, str(e)) from None
@@ -173,7 +174,7 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
             reason = str(reply.get("reason", "not_held"))
             raise Refused(reason if reason in ("not_held", "not_allowed", "busy") else "not_held",
                           f"the peer answered {reason}")
-        got = _take(settings, agent, plan, writable, reply, deadline, _alive(sock), threads, peer, samples[1],
+        got = _take(settings, agent, plan, writable, reply, deadline, _alive(sock), threads, peer, samples,
                     progress, dirty)
         try:
             ch.send("done", {"ok": True})
@@ -195,20 +196,27 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
 
 
 def _take(settings: SeedSettings, agent: Callable[[], Any], plan: Any, writable: Any, reply: dict,
-          deadline: float, alive: Callable[[], bool], threads: int, peer: str, own: list[bytes],
+          deadline: float, alive: Callable[[], bool], threads: int, peer: str, own: _Samples,
           progress: Callable[[int, int], None] | None = None, dirty: list[bool] | None = None) -> Seeded:
     """Checks an offer, READs it into ``writable`` and checks its digests (``dirty[0]`` set as the READ starts)."""
     why, fields = key_differences(plan.key, reply.get("key"))
     if why:
         raise Refused(why, f"the peer's slab has another cache key (fields: {', '.join(fields[:8])})")
-    try:
-        theirs = [base64.b64decode(b, validate=True) for b in reply.get("samples") or []]
-    except (TypeError, ValueError) as e:
-        raise Refused("protocol", f"the peer's samples are malformed: {e!r}") from None
-    if theirs != own:
-        differ = sum(a != b for a, b in zip(theirs, own)) + abs(len(theirs) - len(own))
-        raise Refused("wrong_checkpoint", f"{differ} of {len(own)} samples of the tensor data differ: another "
-                                          f"checkpoint with the same headers (a fine-tune of the same base?)")
+    their_blobs = reply.get("blobs")
+    if own.blobs is not None and isinstance(their_blobs, dict):  # both hub snapshots: content hashes decide
+        if their_blobs != own.blobs:
+            raise Refused("wrong_checkpoint", "the peer's checkpoint files are other hub blobs (sha256) than ours")
+    else:
+        try:
+            theirs = [base64.b64decode(b, validate=True) for b in reply.get("samples") or []]
+        except (TypeError, ValueError) as e:
+            raise Refused("protocol", f"the peer's samples are malformed: {e!r}") from None
+        mine = own.data()
+        if theirs != mine:
+            differ = sum(a != b for a, b in zip(theirs, mine)) + abs(len(theirs) - len(mine))
+            raise Refused("wrong_checkpoint", f"{differ} of {len(mine)} samples of the tensor data differ: "
+                                              f"another checkpoint with the same headers (a fine-tune of the "
+                                              f"same base?)")
     try:
         raw = base64.b64decode(reply["manifest"], validate=True)
         _, offered = unpack_file(raw)
@@ -253,6 +261,28 @@ def _take(settings: SeedSettings, agent: Callable[[], Any], plan: Any, writable:
                                  digests.get(t.alias_of or t.name, ""), t.layout, t.alias_of) for t in plan.records)
     manifest = Manifest(plan.rank.model.name, plan.rank.tp_size, plan.rank.tp_rank, plan.key, plan.slab_size_bytes, records)
     return Seeded(manifest, peer, plan.slab_size_bytes, read_s, digest_s)
+
+
+class _Samples:
+    """This load's content check: hub blob names (or None), the sample ranges chosen, their bytes read here on
+    first need (never, when every peer answers with equal blob names)."""
+
+    def __init__(self, ck: Any, chosen: list, blobs: dict[str, str] | None) -> None:
+        self._ck, self.chosen, self.blobs = ck, chosen, blobs
+        self._data: list[bytes] | None = None
+
+    def data(self) -> list[bytes]:
+        """The sampled bytes of this node's checkpoint.
+
+        Raises:
+            Refused (``internal``): they cannot be read.
+        """
+        if self._data is None:
+            try:
+                self._data = _samples.read(self._ck, self.chosen)
+            except (WeightcacheError, OSError, ValueError) as e:
+                raise Refused("internal", f"cannot read samples of this node's checkpoint: {e}") from None
+        return self._data
 
 
 def _zero(writable: Any, size_bytes: int) -> None:

@@ -8,8 +8,11 @@ know them in advance), sends them with its request, and the source answers with 
 from **its** checkpoint (after checking, by ``stat()``, that its files are still those its slab was made
 from). Equal samples, equal headers and sizes: the same checkpoint, with the odds that a checkpoint differing
 in a fraction ``f`` of its bytes passes ``(1 - f) ** count``. ``[service] seed_samples = 0`` trusts the
-headers alone (for checkpoints whose paths name immutable content, e.g. a hub snapshot by commit hash);
-then not one byte of tensor data is read here.
+headers alone; then not one byte of tensor data is read here.
+
+Where both ends hold the checkpoint as a Hugging Face hub snapshot, no sample is needed: each data file is a
+link to ``../../blobs/<sha256 of its content>`` (:func:`hub_blobs`), so equal blob names are equal contents
+(as the hub verified them at download). Then the samples are neither read nor compared.
 
 Forbidden imports: torch, weightcache.daemon, nixl.
 """
@@ -17,6 +20,7 @@ Forbidden imports: torch, weightcache.daemon, nixl.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from typing import Any
 
@@ -26,6 +30,22 @@ from ..checkpoint import Checkpoint
 SAMPLE_BYTES = 4096
 #: Most samples a source reads for one request, and the most bytes of one.
 MAX_SAMPLES = 64
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def hub_blobs(ck: Checkpoint) -> dict[str, str] | None:
+    """``{file: sha256}`` when every safetensors file of ``ck`` is a hub snapshot's link to
+    ``blobs/<sha256>`` (the content's hash, a Git LFS object id); None otherwise (a plain copy). Reads no data."""
+    out = {}
+    for fname in ck.files:
+        real = str(ck.file_path(fname))
+        parent, name = os.path.split(real)
+        if os.path.basename(parent) != "blobs" or not _SHA256.fullmatch(name):
+            return None
+        out[fname] = name
+    return out
 
 
 def choose(ck: Checkpoint, count: int) -> list[list[Any]]:
@@ -85,9 +105,12 @@ def read(ck: Checkpoint, samples: list[list[Any]]) -> list[bytes]:
     return out
 
 
-def source_samples(path: str, identity: dict[str, Any], samples: list[list[Any]]) -> list[bytes] | None:
-    """A source's answer to ``samples``: read from its checkpoint at ``path``; None when the files are no
-    longer those of ``identity`` (the slab's key: ``stat()`` only), so the slab is not offered.
+def source_samples(path: str, identity: dict[str, Any], samples: list[list[Any]],
+                   blobs: dict[str, str] | None = None) -> tuple[list[bytes], dict[str, str] | None] | None:
+    """A source's answer: its checkpoint's hub blob names (:func:`hub_blobs`), and ``samples`` read from its
+    checkpoint at ``path`` unless the receiver's ``blobs`` equal its own (the contents are then known equal,
+    nothing is read); None when the files are no longer those of ``identity`` (the slab's key: ``stat()``
+    only), so the slab is not offered.
 
     Raises:
         ValueError: see :func:`read`. The checkpoint's errors (gone, unreadable).
@@ -96,6 +119,9 @@ def source_samples(path: str, identity: dict[str, Any], samples: list[list[Any]]
     try:
         if ck.identity_diff(identity):
             return None
-        return read(ck, samples)
+        mine = hub_blobs(ck)
+        if mine is not None and mine == blobs:
+            return [], mine
+        return read(ck, samples), mine
     finally:
         ck.close()

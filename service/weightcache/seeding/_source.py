@@ -220,8 +220,9 @@ class Source:
                     ch.refuse_auth()
                 raise
             model = str(req.get("model", ""))[:200]
+            blobs = req.get("blobs") if isinstance(req.get("blobs"), dict) else None
             self._one(ch, conn, peer, model, int(req.get("tp_size", 0)), int(req.get("tp_rank", -1)),
-                      req.get("samples") or [])
+                      req.get("samples") or [], blobs)
         except ChannelError as e:
             log.info("seeding: exchange with peer=%s ended reason=%s: %s", peer, e.reason, e)
         except (ValueError, TypeError) as e:
@@ -239,7 +240,7 @@ class Source:
         ch.send("reply", {"ok": False, "reason": reason})
 
     def _one(self, ch: Channel, conn: socket.socket, peer: str, model: str, tp_size: int, tp_rank: int,
-             samples: list) -> None:
+             samples: list, blobs: dict | None = None) -> None:
         with self._lock:
             busy = self._active >= self.settings.max_transfers
             if not busy:
@@ -250,13 +251,13 @@ class Source:
             q = self.offers.ask(model, tp_size, tp_rank, 10.0)
             if q.offer is None:
                 return self._refuse(ch, peer, model if q.known else OTHER, q.reason)
-            self._transfer(ch, conn, peer, model, q.offer, samples)
+            self._transfer(ch, conn, peer, model, q.offer, samples, blobs)
         finally:
             with self._lock:
                 self._active -= 1
 
     def _transfer(self, ch: Channel, conn: socket.socket, peer: str, model: str, offer: Offer,
-                  samples: list) -> None:
+                  samples: list, blobs: dict | None = None) -> None:
         reserved = 0
         mapping = keep = reg = None
         agent = None
@@ -268,7 +269,7 @@ class Source:
                 self._active_bytes += offer.size_bytes
                 reserved = offer.size_bytes
             try:  # the receiver's samples of the checkpoint, read from ours (its files still the slab's)
-                answers = source_samples(offer.path, offer.key.get("checkpoint") or {}, samples) if samples else []
+                answers = source_samples(offer.path, offer.key.get("checkpoint") or {}, samples, blobs)
             except (ValueError, TypeError) as e:
                 log.warning("seeding: malformed samples from peer=%s model=%s: %s", peer, model, e)
                 return self._refuse(ch, peer, model, "protocol")
@@ -277,6 +278,7 @@ class Source:
                 return self._refuse(ch, peer, model, "not_held")
             if answers is None:  # the checkpoint changed since the slab was made: not offered
                 return self._refuse(ch, peer, model, "not_held")
+            answers, my_blobs = answers
             manifest = os.pread(offer.manifest_fd, offer.manifest_bytes, 0)
             mapping = mmap.mmap(offer.fd, offer.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
             from ._agent import buffer_address
@@ -290,7 +292,7 @@ class Source:
                               "descs": [[address, offer.size_bytes]],
                               "manifest": base64.b64encode(manifest).decode(), "key": offer.key,
                               "digest": manifest_digest(manifest),
-                              "samples": [base64.b64encode(b).decode() for b in answers]})
+                              "samples": [base64.b64encode(b).decode() for b in answers], "blobs": my_blobs})
             _progress_until_readable(agent, conn, time.monotonic() + self.settings.timeout_s)
             conn.settimeout(10.0)
             done = ch.recv("done")
