@@ -184,3 +184,14 @@ def test_a_source_reads_no_large_frame_from_a_stranger(tmp_path):
     assert e.value.reason == "protocol"
     a.close()
     b.close()
+
+
+def test_the_peers_file_is_read_at_each_call(tmp_path, caplog):
+    f = tmp_path / "peers"
+    st = SeedSettings(peers=("10.0.0.1:9670",), peers_file=str(f))
+    with caplog.at_level(logging.WARNING):
+        assert st.all_peers() == ["10.0.0.1:9670"]  # not written yet: the static peers, and a warning
+    assert "peers file" in caplog.text
+    f.write_text("# written by the fleet tool\n10.0.0.2:9670\n10.0.0.1:9670  # also static\n\n[fd00::3]:9670\n")
+    assert st.all_peers() == ["10.0.0.1:9670", "10.0.0.2:9670", "[fd00::3]:9670"]
+    assert SeedSettings(peers_file=str(f)).enabled and not SeedSettings().enabled
