@@ -51,7 +51,7 @@ $(STAMP_VENV): pyproject.toml $(STAMP_APT)
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	@$(call torch_install,$(VPY))
-	$(VPY) -m pip install -q -e '.[test,systemd]'
+	$(VPY) -m pip install -q -e '.[test,systemd,seeding]'
 	@touch $@
 
 setup: $(STAMP_VENV)

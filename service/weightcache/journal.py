@@ -46,6 +46,10 @@ MESSAGE_IDS = {
     "image_written": "706ee30dcfa7447581fb36f12a92793a",
     "image_read": "4ef037d4cb7b4db8a12a1f062f0100d8",
     "image_rejected": "0a157b223a074af3bae12382624f7158",
+    "seeded": "76682bdd68b44dd499c3927f0c907211",
+    "seed_fallback": "08daa9304d7d4b29adb0844825a8e55b",
+    "seed_served": "325e587bdbc64862bd2da3ec358720c3",
+    "seed_rejected": "603decf3704042009c22e886d2ed20d8",
 }
 
 

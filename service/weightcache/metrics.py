@@ -127,6 +127,15 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "weightcache_notify_dropped": ("counter", ("gpu", "key"),
                                    "sd_notify datagrams dropped because the service manager's socket was full, by "
                                    "their first key (STATUS, FDSTORE...)"),
+    "weightcache_peer_seeds": ("counter", ("gpu", "model", "outcome", "reason"),
+                               ("Peer seeding asked of peers (issue 37), by outcome (seeded; fallback: one per peer "
+                                "that did not seed, by reason)")),
+    "weightcache_peer_seed_bytes": ("counter", ("gpu", "model"), "Bytes read from peers into slabs"),
+    "weightcache_peer_seed_seconds": ("counter", ("gpu", "model"), "Seconds of the READs from peers"),
+    "weightcache_peer_served": ("counter", ("gpu", "model", "outcome", "reason"),
+                                ("Peer seeding requests answered by this service, by outcome (served, refused, "
+                                 "refused_by_peer) and reason")),
+    "weightcache_peer_served_bytes": ("counter", ("gpu", "model"), "Bytes peers read from this service"),
     "weightcache_attach_duration_seconds": ("histogram", ("gpu", "model"),
                                             "Attach service time, request read to reply queued, seconds"),
 }
@@ -307,6 +316,16 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
     for key, n in sorted((co.notify_dropped if isinstance(co.notify_dropped, dict) else {}).items()):
         if isinstance(n, int) and not isinstance(n, bool):
             fam.add("weightcache_notify_dropped", (g, str(key)[:64]), n)
+    for sc in co.seeds:
+        if sc.role == "received":
+            fam.add("weightcache_peer_seeds", (g, sc.model, sc.outcome, sc.reason), sc.count)
+            if sc.outcome == "seeded":
+                fam.add("weightcache_peer_seed_bytes", (g, sc.model), sc.bytes)
+                fam.add("weightcache_peer_seed_seconds", (g, sc.model), sc.seconds)
+        else:
+            fam.add("weightcache_peer_served", (g, sc.model, sc.outcome, sc.reason), sc.count)
+            if sc.outcome == "served":
+                fam.add("weightcache_peer_served_bytes", (g, sc.model), sc.bytes)
     for at in co.attach_times:
         cumulative, buckets = 0, []
         for bound, n in zip([*at.bounds_s, float("inf")], at.counts):

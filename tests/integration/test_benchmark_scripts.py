@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -119,3 +121,12 @@ def test_bench_gpu_gather_says_it_needs_a_gpu_and_measures_nothing_without_one(t
     out = _run("bench_gpu_gather.py", "--dir", str(tmp_path / "gather"), tmp_path=tmp_path)
     assert "needs a CUDA GPU (the driver reports none here): nothing measured" in out
     assert not (tmp_path / "gather").exists() and not (tmp_path / "json").exists()
+
+
+def test_bench_seed_seeds_and_reads_in_the_same_run(tmp_path):
+    """Issue 37: the peer-seeding benchmark runs both receivers and times the source's attaches."""
+    pytest.importorskip("nixl_cu12", reason="NIXL (weightcache[seeding]) is not installed")
+    out = _run("bench_seed.py", "--size-gb", "0.02", "--reps", "1", "--dir", str(tmp_path / "seed"), "--remove",
+               tmp_path=tmp_path)
+    assert "| seeded by the peer (NIXL READ) |" in out and "peer / checkpoint, whole load:" in out
+    assert "while it serves the peer p50" in out

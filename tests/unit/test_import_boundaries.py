@@ -126,6 +126,7 @@ DAEMON_ROOMS = {
     "imaging.py": {"socket", "selectors", "torch", "weightcache.daemon.transport", "weightcache.daemon.loop"},
     "publish.py": {"socket", "selectors", "threading", "torch", "weightcache.daemon.transport",
                    "weightcache.daemon.handlers", "weightcache.daemon.loads", "weightcache.daemon.fdstore"},
+    "peers.py": {"torch", "weightcache.daemon.transport", "weightcache.daemon.handlers", "weightcache.daemon.loop"},
 }
 
 

@@ -106,6 +106,15 @@ def test_exposition_names_types_and_values(monkeypatch):
     c.answered(protocol.Attach("qwen"), [_Reply(protocol.AttachReply(1, "/srv/qwen", "host", 4096))], 0.003)
     c.load_settled(_placement("qwen"), None, 2.0, 2048)
     c.answered(protocol.Publish("qwen", 1, 0, {}, 4096, 10), [_Reply(protocol.PublishReply("x", True, 4096, "k"))], 0.1)
+    from weightcache.seeding import SeedStats
+
+    c.seeding = SeedStats()  # peer seeding (issue 37): one seeded, one fallback, one served
+    c.seeding.count("received", ("qwen", 1, 0, "seeded", ""))
+    c.seeding.count("received", ("qwen", 1, 0, "fallback", "digest_mismatch"))
+    c.seeding.count("received_bytes", "qwen", 4096)
+    c.seeding.count("received_seconds", "qwen", 0.25)
+    c.seeding.count("served", ("qwen", "served", ""))
+    c.seeding.count("served_bytes", "qwen", 8192)
     st = _status([_slab("qwen", "ready", 2048, leases=2), _slab("bad", "failed", 0)])
     fams = _exposition([metrics.Instance(0, True, "active", st, c.record(), configured_slabs=2),
                         metrics.Instance(1, True, "inactive"),
@@ -121,7 +130,7 @@ def test_exposition_names_types_and_values(monkeypatch):
     assert len(fams) == len(metrics.FAMILIES)  # every family has a sample with one instance up
 
     def val(name, **labels):
-        fam_name = next(n for n in fams if name.startswith(n))
+        fam_name = max((n for n in fams if name.startswith(n)), key=len)  # peer_served_bytes, not peer_served
         (v,) = [s.value for s in fams[fam_name].samples
                 if s.name == name and all(s.labels.get(k) == str(x) for k, x in labels.items())]
         return v
@@ -140,6 +149,10 @@ def test_exposition_names_types_and_values(monkeypatch):
     assert val("weightcache_attach_duration_seconds_bucket", gpu=0, model="qwen", le="0.0025") == 0
     assert val("weightcache_attach_duration_seconds_bucket", gpu=0, model="qwen", le="0.005") == 1
     assert val("weightcache_start_time_seconds", gpu=0) == 123.0
+    assert val("weightcache_peer_seeds_total", gpu=0, model="qwen", outcome="fallback", reason="digest_mismatch") == 1
+    assert val("weightcache_peer_seed_bytes_total", gpu=0, model="qwen") == 4096
+    assert val("weightcache_peer_seed_seconds_total", gpu=0, model="qwen") == 0.25
+    assert val("weightcache_peer_served_bytes_total", gpu=0, model="qwen") == 8192
     # From the configuration: GPU 0 places 2 slabs, GPU 2 is in disabled_gpus (0); GPU 1's was not read.
     assert val("weightcache_configured_slabs", gpu=0) == 2 and val("weightcache_configured_slabs", gpu=2) == 0
     assert {s.labels["gpu"] for s in fams["weightcache_configured_slabs"].samples} == {"0", "2"}
@@ -180,7 +193,8 @@ def test_every_event_has_a_random_id_and_a_catalog_entry():
     assert set(MESSAGE_IDS) == {"serving", "ready", "config_rejected", "loaded", "load_failed", "attached",
                                 "released", "evicted", "adopted", "verify", "fallback", "attach_retry", "rejected", "reloaded",
                                 "demoted", "promoted", "shelved", "backend", "published", "image_written",
-                                "image_read", "image_rejected"}
+                                "image_read", "image_rejected", "seeded", "seed_fallback", "seed_served",
+                                "seed_rejected"}
     assert len(set(MESSAGE_IDS.values())) == len(MESSAGE_IDS)
     for kind, mid in MESSAGE_IDS.items():
         assert re.fullmatch(r"[0-9a-f]{32}", mid) and mid[12] == "4" and mid[16] in "89ab", kind  # a uuid4

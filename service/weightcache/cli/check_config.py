@@ -21,6 +21,7 @@ from ..config import Config, Placement, config_path, load_config
 from ..errors import ConfigError, WeightcacheError
 from . import SERVICE_USER
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, human_bytes, plural, run_checked
+from .check_seeding import check_seeding
 
 
 def _check_as(args: argparse.Namespace) -> int | None:
@@ -146,6 +147,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if line:
         print(line)
     warnings += more
+    seed_lines, seed_warnings, seed_problems = check_seeding(cfg.service, cfg.gpus() or [0])
+    for line in seed_lines:
+        print(line)
+    warnings += seed_warnings
+    problems += seed_problems
     for msg in warnings:
         print(f"warning: {msg}", file=sys.stderr)
     for msg in problems:

@@ -109,6 +109,8 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
             print(f"      {sl.path}")
         if sl.error is not None:
             print(f"      reason: {sl.error.message}")
+        if sl.peer:  # issue 37: fetched, processed, from a peer service of the fleet
+            print(f"      source: peer {sl.peer}")
         pub = sl.publication
         if pub is not None:  # an engine processed it: its key is the engine's, not the configured dtype and naming
             print(f"      published by {pub.get('engine')} {pub.get('engine_version')} (uid {pub.get('publisher_uid')}, "

@@ -86,6 +86,18 @@ _SERVICE_KEYS = {
     "image_dir": str,
     "image_max_bytes": int,
     "image_write_bytes_per_s": int,
+    # Peer seeding (issue 37; weightcache.seeding, docs/configuration.md "Peer seeding").
+    "peers": list,
+    "peers_file": str,
+    "seed_secret_file": str,
+    "seed_listen": str,
+    "seed_transport": str,
+    "seed_devices": list,
+    "seed_bandwidth_bytes_per_s": int,
+    "seed_timeout_s": (int, float),
+    "seed_max_transfers": int,
+    "seed_max_bytes": int,
+    "seed_samples": int,
 }
 #: Range of each numeric ``[service]`` key: (lower bound, inclusive?, maximum, what it is).
 _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
@@ -109,12 +121,19 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "max_fds_in_flight": (0, True, 1 << 24, "fds sent to all uids and not yet read (0: half of RLIMIT_NOFILE)"),
     "image_max_bytes": (0, True, 1 << 60, "bytes of the image directory (0: no limit of its own)"),
     "image_write_bytes_per_s": (0, True, 1 << 40, "bytes per second an image write may take (0: no cap)"),
+    "seed_bandwidth_bytes_per_s": (0, True, 1 << 44, "bytes per second of one peer transfer (0: no cap)"),
+    "seed_timeout_s": (0, False, 24 * 3600.0, "seconds one peer transfer may take"),
+    "seed_max_transfers": (1, True, 1024, "peer transfers served at once"),
+    "seed_max_bytes": (0, True, 1 << 50, "bytes registered for peers at once (0: no cap)"),
+    "seed_samples": (0, True, 64, "4 KiB samples of tensor data compared with a peer's checkpoint"),
 }
+#: Transports of ``[service] seed_transport`` (NIXL backends).
+SEED_TRANSPORTS = ("UCX", "LIBFABRIC")
 #: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
 _METRICS_KEYS = ("address", "port")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
-    "pin", "priority", "preload", "publishers", "image", "max_slab_bytes",
+    "pin", "priority", "preload", "publishers", "image", "max_slab_bytes", "serve_to_peers",
 }
 #: Where a model's slabs go at start (``[models.X] preload``): the GPU as the budget allows, the host tier, or
 #: nowhere (the first attach loads them).
@@ -160,6 +179,7 @@ class ModelConfig(LoadRequest):
         max_slab_bytes (`int`): bytes one slab of the model (one rank of one layout, holes of a sparse file
             counted at their length) may take on a GPU; a plan or a publication larger is refused
             (:meth:`slab_over_cap`). 0: no cap but the budget (and the size of its first load).
+        serve_to_peers (`bool`): peers of the fleet may fetch its slabs from this service (issue 37).
     """
 
     allow_users: tuple[str, ...] = ()
@@ -172,6 +192,8 @@ class ModelConfig(LoadRequest):
     publishers: tuple[str, ...] = ()
     image: bool | None = None
     max_slab_bytes: int = 0
+    #: Peer services of the fleet may fetch this model's slabs from this one (issue 37); off by default.
+    serve_to_peers: bool = False
 
     def images_for(self, published: bool) -> bool:
         """Whether this model's slabs get processed images: ``image`` when set, else published ones only."""
@@ -282,6 +304,20 @@ class ServiceConfig:
             return self.image_dir
         cache = (os.environ if environ is None else environ).get("CACHE_DIRECTORY", "").split(":")[0]
         return os.path.join(cache, "images") if os.path.isabs(cache) else None
+    #: Peer seeding (issue 37, docs/configuration.md "Peer seeding"): peers' ``host:port``, a peers file a
+    #: fleet tool writes, the fleet's secret, this node's listener (port + GPU index), the NIXL transport,
+    #: its devices, a bandwidth cap (bytes/s, 0: none), a transfer's timeout and the source's bounds.
+    peers: tuple[str, ...] = ()
+    peers_file: str = ""
+    seed_secret_file: str = "/etc/weightcache/seed.secret"
+    seed_listen: str = ""
+    seed_transport: str = "UCX"
+    seed_devices: tuple[str, ...] = ()
+    seed_bandwidth_bytes_per_s: int = 0
+    seed_timeout_s: float = 120.0
+    seed_max_transfers: int = 4
+    seed_max_bytes: int = 0
+    seed_samples: int = 8
 
     def budget_bytes(self, total_bytes: int) -> int:
         """The memory budget in bytes: ``memory_budget_bytes``, else :func:`default_budget_bytes` of ``total_bytes``."""
@@ -449,6 +485,8 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
     if not 0 <= max_slab_bytes <= MAX_SLAB_BYTES_MAX:
         raise _err(path, f"{k}.max_slab_bytes", f"{max_slab_bytes} is out of range: expected 0 (no cap) to "
                                                 f"{MAX_SLAB_BYTES_MAX}, bytes one slab of the model may take")
+    serve_to_peers = table.get("serve_to_peers", False)
+    _check_type(path, f"{k}.serve_to_peers", serve_to_peers, bool)
     preload = table.get("preload", "gpu")
     if preload not in PRELOADS:
         raise _err(path, f"{k}.preload", f"{preload!r} is not one of {', '.join(PRELOADS)}")
@@ -496,7 +534,24 @@ def _parse_model(path: str, name: str, table: Any) -> ModelConfig:
         preload=preload,
         image=image,
         max_slab_bytes=max_slab_bytes,
+        serve_to_peers=serve_to_peers,
     )
+
+
+def _seed_list(path: str, key: str, value: list) -> tuple[str, ...]:
+    """``peers`` (``host:port`` each) or ``seed_devices`` (device names) as a tuple, checked."""
+    if not all(isinstance(x, str) and x for x in value):
+        raise _err(path, f"service.{key}", "must be a list of non-empty strings")
+    if key == "peers":
+        for x in value:
+            _check_address(path, "service.peers", x)
+    return tuple(value)
+
+
+def _check_address(path: str, key: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _err(path, key, f"{value!r} is not host:port (a port 1..65535; IPv6 as [addr]:port)")
 
 
 def _check_range(path: str, key: str, value: float) -> None:
@@ -633,6 +688,14 @@ def _merge(f: Path, data: dict[str, Any], text: str, service: dict[str, Any], me
             if not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX for g in value):
                 raise _err(str(f), "service.disabled_gpus", f"must be a list of GPU indices 0..{MAX_GPU_INDEX}")
             value = tuple(sorted(set(value)))
+        if key in ("peers", "seed_devices"):
+            value = _seed_list(str(f), key, value)
+        if key in ("peers_file", "seed_secret_file") and value:
+            _check_absolute(str(f), f"service.{key}", value)
+        if key == "seed_transport" and value not in SEED_TRANSPORTS:
+            raise _err(str(f), "service.seed_transport", f"{value!r} is not one of {', '.join(SEED_TRANSPORTS)}")
+        if key == "seed_listen" and value:
+            _check_address(str(f), "service.seed_listen", value)
         service[key] = value
     if "metrics" in data:
         _parse_metrics(str(f), data["metrics"], metrics)

@@ -141,7 +141,7 @@ def _counters_for(ctx: Context, peer: Peer, counters: protocol.ServiceCounters,
         return tuple(e for e in entries if e.model not in aliases)
 
     return dataclasses.replace(counters, attaches=fix(counters.attaches), attach_times=fix(counters.attach_times),
-                               loads=fix(counters.loads), slabs=fix(counters.slabs))
+                               loads=fix(counters.loads), slabs=fix(counters.slabs), seeds=fix(counters.seeds))
 
 
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:

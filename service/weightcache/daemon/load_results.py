@@ -100,13 +100,16 @@ class Loaded:
     #: Where the bytes came from: ``checkpoint`` (the pipeline) or ``image`` (weightcache.images); a promotion
     #: keeps the slot's earlier source.
     source: str = "checkpoint"
+    #: ``host:port`` of the peer service the slab was fetched from (issue 37); "": read from the checkpoint.
+    seeded_from: str = ""
 
     def apply(self, state: ServiceState) -> None:
         slot, p, dt = self.slot, self.slot.placement, self.duration_s
         state.loads_done += 1
         slot.last_used = time.monotonic()
-        if self.promoted_from is None:
+        if self.promoted_from is None:  # a promotion keeps where the host copy came from
             slot.source = self.source
+            slot.seeded_from = self.seeded_from
         if self.tier == "host":
             slot.stash(self.manifest, self.sealed, self.manifest_file)
         else:
@@ -130,7 +133,7 @@ class Loaded:
                  p.model.name, p.tp_size, p.tp_rank, len(self.manifest.tensors), slot.total_bytes, dt * 1e3,
                  read_s * 1e3, slot.total_bytes / max(read_s, 1e-9) / 1e9, st.get("plan", 0) * 1e3,
                  st.get("allocate", 0) * 1e3, st.get("digest", 0) * 1e3, st.get("seal", 0) * 1e3,
-                 "yes" if self.torch_free else "no", self.source,
+                 "yes" if self.torch_free else "no", f"peer:{self.seeded_from}" if self.seeded_from else self.source,
                  extra=event("loaded", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=slot.total_bytes,
                              duration_ms=dt * 1e3,
                              tensors=len(self.manifest.tensors), read_ms=read_s * 1e3, source=self.source))

@@ -104,6 +104,7 @@ class LoadSettings:
         max_tensors (`int`, *optional*): ``service.max_tensors_per_checkpoint``; None: no cap.
         images (`weightcache.images.ImageStore`, *optional*): the image directory; a model with ``image = true``
             is read from its valid image there before the checkpoint's tensors are (None: no images).
+        seeder (`weightcache.seeding.Seeder`, *optional*): peer seeding (issue 37); None: off.
     """
 
     backend: Any
@@ -115,6 +116,7 @@ class LoadSettings:
     max_tensors: int | None = None
     registry: quant.Registry = quant.REGISTRY
     images: Any = None
+    seeder: Any = None
 
 
 class Loader:
@@ -396,7 +398,7 @@ class Loader:
                         if not job.abandoned:
                             self._post(Progress(slot, done))
 
-            filled, source = None, "checkpoint"
+            filled, source, seeded = None, "checkpoint", None
             if image is not None:
                 done, done_lock = [0], threading.Lock()
 
@@ -414,6 +416,13 @@ class Loader:
                 else:
                     manifest, read_s, digest_s = got
                     filled, source = pipeline.Filled(manifest, True, read_s, digest_s, pl.payload_bytes), "image"
+            if filled is None and st.seeder is not None:
+                # Issue 37: no image, so the peers (when configured) before the checkpoint; a seeded slab was
+                # checked against this plan's key, records and the peer's digests (weightcache.seeding).
+                seeded = st.seeder.fill(pl, writable, st.options.threads, progress)
+                if seeded is not None:
+                    filled, source = pipeline.Filled(seeded.manifest, True, seeded.read_s, seeded.digest_s,
+                                                     seeded.bytes_read), "peer"
             if filled is None:
                 filled = pipeline.fill(pl, writable, progress, st.options)
             t_filled = time.monotonic()
@@ -432,7 +441,7 @@ class Loader:
             end = time.monotonic()
             stages.update(read=filled.read_s, digest=filled.digest_s, seal=end - t_filled)
             return Loaded(slot, manifest, sealed, manifest_file, end - started, stages, filled.torch_free, tier,
-                          source=source)
+                          source=source, seeded_from=seeded.peer if seeded is not None else "")
         except _NoRoom as e:
             return Refused(slot, e.error)
         except WeightcacheError as e:

@@ -43,6 +43,7 @@ from ..config import Config, Placement
 from ..errors import ConfigError
 from ..journal import event
 from ..reader import LoaderOptions
+from ..seeding import Seeder
 from ..memory import Backend
 from ..spec import DTYPE_NAMES
 from ..wire import SlotState
@@ -53,6 +54,7 @@ from .limits import Limits
 from .loads import Loader, LoadSettings
 from .metrics import Counters
 from .offloop import OffLoop
+from .peers import seed_settings
 from .state import IllegalTransition, Publication, ServiceState, Slot
 from .ticker import Ticker
 from .clients import Client
@@ -116,6 +118,10 @@ class Daemon:
         self._image_reads_done: queue.SimpleQueue = queue.SimpleQueue()
         self.images = None
         self._use_images(imaging.from_config(config, backend))
+        #: Peer seeding (issue 37): None when not configured, or NIXL or the secret is missing (logged once).
+        self.seeder = Seeder.create(seed_settings(config.service), gpu, self._wake)
+        if self.seeder is not None:
+            self.counters.seeding = self.seeder.stats
         self.loader = Loader(self._load_settings(config), self._wake_w)
         self._stop = False
         self._reload_asked = False
@@ -259,7 +265,8 @@ class Daemon:
                             LoaderOptions(threads=svc.read_threads, staging_bytes=svc.staging_bytes),
                             cfg.files[0] if cfg.files else "the config", ask_room=True,
                             max_tensors=svc.max_tensors_per_checkpoint,
-                            images=self.images.store if getattr(self, "images", None) is not None else None)
+                            images=self.images.store if getattr(self, "images", None) is not None else None,
+                            seeder=getattr(self, "seeder", None))
 
     def _store_slab(self, c: Client | None, eff: StoreSlab) -> None:
         self.fdstore.put(eff.slot, eff.slot.sealed, eff.slot.manifest_file)
@@ -304,6 +311,8 @@ class Daemon:
         self.offloop.finish_demotions()
         while not self._image_reads_done.empty():
             self.offloop.done_reading(self._image_reads_done.get_nowait())
+        if self.seeder is not None:  # the seeding source's lookups (fds duplicated here, read off the loop)
+            self.seeder.answer(self.state.slots)
         for result in self.loader.results():
             if result.slot.state is SlotState.DROPPED:  # a reload removed it while it loaded
                 load_results.discard(result)
@@ -373,6 +382,8 @@ class Daemon:
         if self.elsewhere is not None:
             self.transport.add_reader(self.elsewhere.fd, self.offloop.freed_elsewhere)
         self.loader.start()
+        if self.seeder is not None:
+            self.seeder.start()
         # Slabs taken back from the fd store count against the budget first (it may have been lowered).
         for m in self.tiers.enforce(self.state, "start: the slabs kept in the fd store exceed the budget"):
             self._effect(None, m)
@@ -402,6 +413,8 @@ class Daemon:
         self.ticker.stopping()
         log.info("stopping gpu=%d", self.gpu)
         record_released(self.state.slots)
+        if self.seeder is not None:
+            self.seeder.stop()
         self.loader.stop()
         self.transport.close_all("service stopping")
         return EXIT_INVARIANT if self._broken is not None else 0

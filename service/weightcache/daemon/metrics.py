@@ -75,6 +75,8 @@ class Counters:
         self._publishes: collections.Counter[tuple[str, int, int, str, str]] = collections.Counter()
         #: The image store's counters (``weightcache.images.ImageStats``), None without images.
         self.images: Any = None
+        #: Peer seeding's counters (``weightcache.seeding.SeedStats``: ``seed_counts()``), when seeding is on.
+        self.seeding: Any = None
 
     def track(self, placements: list[Placement]) -> None:
         """Adds label values for ``placements`` (at start; again when a reload places new models).
@@ -165,5 +167,6 @@ class Counters:
             images=self.images.snapshot() if self.images is not None else {},
             publishes=tuple(protocol.PublishCount(*k, n) for k, n in sorted(self._publishes.items())),
             notify_dropped=dict(sorted(notify.dropped.items())),
+            seeds=tuple(protocol.SeedCount(*row) for row in (self.seeding.seed_counts() if self.seeding else ())),
             slabs=tuple(protocol.SlabCounters(m, t, r, s.last_load_s, s.last_load_bytes, s.verify_runs,
                                               s.verify_failures) for (m, t, r), s in self._slabs.items()))

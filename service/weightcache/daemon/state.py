@@ -263,6 +263,9 @@ class Slot:
     publication: Publication | None = None
     #: Where the resident bytes came from (:data:`SOURCES`): set when the slab became ready; "" before.
     source: str = ""
+    #: ``host:port`` of the peer service this slab was fetched from (issue 37, weightcache.seeding); "": read
+    #: from the checkpoint (or adopted, or published).
+    seeded_from: str = ""
 
     @property
     def store_id(self) -> str:
@@ -441,7 +444,8 @@ class Slot:
                 "engine": self.publication.engine_key.get("engine"),
                 "engine_version": self.publication.engine_key.get("engine_version"),
                 "engine_key_blake2b": self.publication.engine_key_blake2b, "shared": self.publication.shared,
-                "publisher_uid": self.publication.publisher_uid})
+                "publisher_uid": self.publication.publisher_uid},
+            peer=self.seeded_from)
 
 
 def lease_holders(leases: Any, hide: Callable[[int], bool] = lambda uid: False) -> tuple[protocol.LeaseHolder, ...]:

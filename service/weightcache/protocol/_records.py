@@ -193,6 +193,8 @@ class SlabInfo(_SlabRecord):
         source (`str`): where the resident bytes came from: ``checkpoint``, ``image`` (the image directory),
             ``fd_store``, ``published`` (``peer`` is reserved); "" before the slab was first ready. Absent from
             older services' replies ("").
+        peer (`str`): ``host:port`` of the peer service the slab was fetched from (issue 37: its source is
+            ``peer``); empty (absent on the wire) for a slab read from the checkpoint here.
     """
 
     model: str
@@ -220,6 +222,7 @@ class SlabInfo(_SlabRecord):
     demoting: bool = False
     publication: dict | None = None
     source: str = ""
+    peer: str = ""
 
     def __post_init__(self) -> None:
         _parse(self, "state", SlotState)
@@ -239,6 +242,8 @@ class SlabInfo(_SlabRecord):
             d["key"] = self.key.to_json()
         if self.publication is not None:
             d["publication"] = dict(self.publication)
+        if self.peer:
+            d["peer"] = self.peer
         d["leases"] = [le.to_json() for le in self.leases]
         d["lease_count"] = self.lease_count
         d["lease_holders"] = [h.to_json() for h in self.lease_holders]
@@ -448,6 +453,29 @@ class PublishCount(_Record):
 
 
 @dataclass(frozen=True, slots=True)
+class SeedCount(_Record):
+    """Peer seeding (issue 37) of one model since the service started, one outcome.
+
+    Attributes:
+        role (`str`): ``received`` (this service asked peers) or ``served`` (peers asked it).
+        model (`str`): the model (``(other)``: a peer asked for a model this service does not have).
+        outcome (`str`): received: ``seeded`` or ``fallback`` (one per peer that did not seed); served:
+            ``served``, ``refused`` (by this source), ``refused_by_peer`` (the receiver did not keep it).
+        reason (`str`): why, when not ``seeded``/``served`` (docs/operations.md lists the reasons).
+        count (`int`): how many; bytes (`int`): bytes moved; seconds (`float`): seconds of the READs
+            (``received``/``seeded`` only).
+    """
+
+    role: str
+    model: str
+    outcome: str
+    reason: str
+    count: int
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class SlabCounters(_Record):
     """Counters of one (model, layout, rank) since the service started.
 
@@ -476,8 +504,8 @@ class ServiceCounters(_Record):
         version (`str`): weightcache's version.
         started_at (`float`): when the service started, Unix time in seconds.
         attaches (`tuple[AttachCount]`), attach_times (`tuple[AttachTimes]`),
-        loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`), publishes (`tuple[PublishCount]`): see
-        there (``publishes`` absent from older services' replies).
+        loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`), publishes (`tuple[PublishCount]`),
+        seeds (`tuple[SeedCount]`): see there (``publishes``, ``seeds`` absent from older services' replies).
         notify_dropped (`dict[str, int]`): sd_notify datagrams dropped because the manager's socket was full, by
             their first key (``STATUS``, ``FDSTORE``...; :data:`weightcache.notify.dropped`); absent from older
             services' replies.
@@ -493,12 +521,13 @@ class ServiceCounters(_Record):
     #: The image store's counters (:meth:`weightcache.images.ImageStats.snapshot`); absent from older services.
     images: dict = field(default_factory=dict)
     notify_dropped: dict = field(default_factory=dict)
+    seeds: tuple[SeedCount, ...] = ()
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ServiceCounters":
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
         nested = {"attaches": AttachCount, "attach_times": AttachTimes, "loads": LoadCount, "slabs": SlabCounters,
-                  "publishes": PublishCount}
+                  "publishes": PublishCount, "seeds": SeedCount}
         if not isinstance(d, dict):
             raise RemoteProtocolError(f"ServiceCounters: expected a JSON object, got {type(d).__name__}")
         return _from_json(cls, {k: v for k, v in d.items() if k not in nested},

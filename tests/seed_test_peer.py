@@ -1,0 +1,81 @@
+"""A misbehaving seeding source for the refusal tests of issue 37 (run as a subprocess).
+
+``python seed_test_peer.py CONFIG PORT SECRET_FILE MODE``: loads the config's first placement through the
+pipeline itself (as the disk fallback does), then answers seeding requests on ``127.0.0.1:PORT`` with the
+real control channel and a real NIXL agent, misbehaving as ``MODE`` says:
+
+- ``wrong_digest``: serves the slab with one byte flipped under the original manifest (digests);
+- ``disconnect``: sends its offer, then exits at once (before the receiver's ``done``);
+- ``disconnect_mid``: sends its offer, then exits 0.5 s later (the receiver, capped at 32 MiB/s, is then
+  between its 64 MiB READ requests: a disconnect in the middle of the transfer);
+- ``good``: behaves (a sanity check of the peer itself).
+
+It prints ``listening`` once it accepts connections.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import select
+import socket
+import sys
+import time
+
+from weightcache import pipeline
+from weightcache.config import load_config
+from weightcache.manifest import pack_file
+from weightcache.memory.host import HostBackend
+from weightcache.seeding import Agent, Channel, load_secret, manifest_digest
+from weightcache.seeding._agent import buffer_address
+from weightcache.seeding._samples import source_samples
+
+
+def main() -> None:
+    cfg, port, secret_file, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    placement = load_config(cfg).placements(0)[0]
+    backend = HostBackend()
+    pl = pipeline.plan(placement, backend.device_info())
+    writable = backend.allocate(pl.slab_size_bytes, "test-peer")
+    filled = pipeline.fill(pl, writable)
+    raw = pack_file(filled.manifest, backend="host", size_bytes=writable.size_bytes)
+    if mode == "wrong_digest":
+        t = next(r for r in filled.manifest.tensors if r.alias_of is None and r.size_bytes)
+        writable.buffer[t.offset_bytes] ^= 0xFF
+    address, _keep = buffer_address(writable.buffer)  # the mapping stays exported while the peer serves
+    secret = load_secret(secret_file)
+    agent = Agent(f"test-peer-{os.getpid()}")
+    agent.register(address, writable.size_bytes)  # held until the process ends
+    srv = socket.create_server(("127.0.0.1", port))
+    print("listening", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        conn.settimeout(30)
+        ch = Channel(conn, secret, server=True)
+        ch.open()
+        req = ch.recv("request")
+        samples, blobs = source_samples(placement.model.path, pl.key["checkpoint"], req.get("samples") or [],
+                                        req.get("blobs"))
+        ch.send("reply", {"samples": [base64.b64encode(b).decode() for b in samples], "blobs": blobs,"ok": True, "agent": agent.name, "agent_md": base64.b64encode(agent.metadata()).decode(),
+                          "descs": [[address, writable.size_bytes]], "manifest": base64.b64encode(raw).decode(),
+                          "key": pl.key, "digest": manifest_digest(raw)})
+        if mode == "disconnect":
+            os._exit(0)
+        if mode == "disconnect_mid":
+            end = time.monotonic() + 0.5
+            while time.monotonic() < end:
+                agent.progress()
+                time.sleep(0.001)
+            os._exit(0)
+        try:
+            while not select.select([conn], [], [], 0.001)[0]:  # the READ needs this agent's progress (TCP)
+                agent.progress()
+            ch.recv("done")
+            ch.send("ack", {"ok": True})
+        except Exception as e:  # noqa: BLE001 - the receiver may hang up on a refused offer
+            print(f"exchange ended: {e!r}", file=sys.stderr)
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()
