@@ -43,6 +43,7 @@ MESSAGE_IDS = {
     "shelved": "9b93fa1d3b644b4cbf0b4b8438d3534b",
     "backend": "b8d4268cc41644dcbebfd2edd4c254b6",
     "published": "6aea506d539c4cc0b81bd2def38dc7ae",
+    "waiting_for_engine": "414833f1fa444f9499d89f99cdbc1380",
 }
 
 

@@ -174,7 +174,7 @@ def test_every_event_has_a_random_id_and_a_catalog_entry():
     catalog = (REPO / "units" / "weightcache.catalog").read_text()
     assert set(MESSAGE_IDS) == {"serving", "ready", "config_rejected", "loaded", "load_failed", "attached",
                                 "released", "evicted", "adopted", "verify", "fallback", "attach_retry", "rejected", "reloaded",
-                                "demoted", "promoted", "shelved", "backend", "published"}
+                                "demoted", "promoted", "shelved", "backend", "published", "waiting_for_engine"}
     assert len(set(MESSAGE_IDS.values())) == len(MESSAGE_IDS)
     for kind, mid in MESSAGE_IDS.items():
         assert re.fullmatch(r"[0-9a-f]{32}", mid) and mid[12] == "4" and mid[16] in "89ab", kind  # a uuid4

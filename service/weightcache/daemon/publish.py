@@ -10,9 +10,10 @@ on the loop (READY, the reply, the fd store); and :func:`find_publication` (whic
 as an ``attach``.
 
 A publication is a slab like any other once made: ``status``, ``list``, ``verify``, ``evict``, the fd store
-across restarts (:mod:`weightcache.daemon.fdstore`), the memory budget's count. Two differences: nothing loads it
-(a publication evicted is gone, and the next engine start publishes again), and the budget never moves it to
-another tier (no processed image exists on disk to bring it back from).
+across restarts (:mod:`weightcache.daemon.fdstore`), the memory budget and its tiers (demoted to the host tier and
+promoted back by the next ``attach_published``, in the budget's order: priority, then least recently used). One
+difference: nothing loads it from disk, so a publication the budget drops (or ``evict`` frees) is gone; the next
+engine start publishes it again, and a model only its engine lays out is back to ``waiting_for_engine``.
 
 Identical publications (same model, rank, engine key and scope: shared, or private to one uid) end in one slab:
 the serving loop handles one request at a time and the first's slot is in the state from its request on
@@ -84,6 +85,11 @@ def _check_room(ctx: Context, label: str, model: str, need_bytes: int) -> None:
         free_bytes=t.budget_bytes - used, resident=[], leases=[])
 
 
+#: States of a publication slot that hold it (or will): being digested (PENDING), on the GPU, in the host tier, or
+#: promoted back from it (PENDING, LOADING with its host copy).
+_HELD = frozenset({SlotState.PENDING, SlotState.LOADING, SlotState.READY, SlotState.HOSTED})
+
+
 @dataclass(frozen=True, slots=True)
 class StartPublish:
     """Effect: run :func:`prepare` on a worker thread (it reads the publisher's manifest file, the checkpoint's
@@ -142,11 +148,12 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
     placement = dataclasses.replace(base.placement, tp_size=msg.tp_size, tp_rank=msg.tp_rank)
     slot = st.new_slot(placement, base.realpath, pub)
     held = next((s for s in st.slots if s.publication is not None and s.store_id == slot.store_id
-                 and s.state in (SlotState.PENDING, SlotState.READY)), None)
+                 and s.state in _HELD), None)
     if held is not None:  # an identical publication came first (held, or under way): one slab
         log.info("publication already held model=%s tp_size=%d rank=%d slab=%s state=%s peer_pid=%d",
                  placement.model.name, msg.tp_size, msg.tp_rank, held.label, held.state.value, peer.pid)
-        size = held.sealed.size_bytes if held.sealed is not None else held.reserved_bytes
+        kept = held.sealed if held.sealed is not None else held.hosted
+        size = kept.size_bytes if kept is not None else held.reserved_bytes
         return one_reply(protocol.PublishReply(held.label, False, size, pub.engine_key_blake2b))
     _check_room(ctx, slot.label, placement.model.name, msg.size_bytes)
     sealed = ctx.adopt_publication(fds[0], msg.size_bytes)
@@ -224,10 +231,17 @@ def commit(ctx: Context, eff: StartPublish, prepared: Prepared | None, error: Ba
                    (StoreSlab(slot),))
 
 
+def _attachable(s: Slot) -> bool:
+    """A publication an ``attach_published`` gets: READY, in the host tier (the attach promotes it), or being
+    promoted (the attach waits for it); not one still being digested."""
+    return s.state in (SlotState.READY, SlotState.HOSTED) or (s.state in (SlotState.PENDING, SlotState.LOADING)
+                                                              and s.hosted is not None)
+
+
 def find_publication(ctx: Context, peer: Peer, model: str, tp_size: int, tp_rank: int,
                      fields: dict[str, Any]) -> Slot:
-    """The READY publication of ``model`` at (``tp_size``, ``tp_rank``) made under engine key ``fields`` that
-    ``peer`` may attach (a shared one first, else its own uid's).
+    """The publication of ``model`` at (``tp_size``, ``tp_rank``) made under engine key ``fields`` that ``peer`` may
+    attach (a shared one first, else its own uid's): READY, or in the host tier or on its way back from it.
 
     Raises:
         ModelNotFound (`model_not_found`): the model is not configured here, or no publication of that rank is
@@ -239,7 +253,7 @@ def find_publication(ctx: Context, peer: Peer, model: str, tp_size: int, tp_rank
     name = base.placement.model.name
     held = [s for s in ctx.state.slots
             if s.publication is not None and s.placement.model.name == name and s.placement.tp_size == tp_size
-            and s.placement.tp_rank == tp_rank and s.state is SlotState.READY
+            and s.placement.tp_rank == tp_rank and _attachable(s)
             and access.may_attach(peer, s, ctx.policy)]
     h = identity.engine_key_blake2b(fields)
     same = sorted((s for s in held if s.publication.engine_key_blake2b == h), key=lambda s: not s.publication.shared)
