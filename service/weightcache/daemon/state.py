@@ -121,7 +121,7 @@ del S, E
 ENGINE_LAYOUT_CODES: frozenset[str] = frozenset({"unsupported_architecture", "unsupported_quantization"})
 
 
-def waits_for_engine(slot: "Slot", error: WeightcacheError) -> bool:
+def waits_for_engine(slot: Slot, error: WeightcacheError) -> bool:
     """Whether ``slot``'s load failing with ``error`` makes it WAITING_FOR_ENGINE rather than FAILED: a configured
     (not published) slot with ``naming = "vllm"`` whose error is one of :data:`ENGINE_LAYOUT_CODES`."""
     return (slot.publication is None and slot.placement.model.naming == "vllm"
@@ -653,8 +653,8 @@ class ServiceState:
         if waiting:
             hint += ("; this checkpoint's entry with other values waits for its engine: "
                      + ", ".join(f"{s.label} ({values(d)})" for s, d in waiting)
-                     + ": the service cannot lay it out itself; start the engine with --load-format weightcache, "
-                       "which publishes it (later starts attach that)")
+                     + ": the service cannot lay it out itself; start the engine with --load-format weightcache (mode "
+                       "zero_copy, the default), which publishes it (later starts attach that)")
         return hint
 
     def status_line(self, now: float) -> str:
