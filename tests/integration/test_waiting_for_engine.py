@@ -148,3 +148,37 @@ def test_a_publication_over_the_budget_is_refused_and_nothing_is_kept(daemon, tm
         publish(str(ck), _key(), _processed(ck), socket_dir=svc.socket_dir)
     assert e.value.details["budget_bytes"] == SLAB + SLAB // 2
     assert svc.status()["slabs"] == before
+
+
+def test_two_identical_publications_at_once_leave_one_slab(daemon, tmp_path):
+    """Two engines publish the same key at the same moment (threads released together): one is created, the other
+    finds it (``created: false``); one slab, within the budget (sampled meanwhile), attached by both keys' engines."""
+    import threading
+
+    from test_tiers import Sampler
+
+    ck = _tiny(tmp_path / "ck")
+    svc = daemon(make_config({"m": {"path": str(ck), "naming": "vllm"}}, memory_budget_bytes=SLAB + SLAB // 2))
+    svc.wait_settled()
+    tensors = _processed(ck)
+    go, got, failed = threading.Barrier(2), [], []
+
+    def one() -> None:
+        try:
+            go.wait(10)
+            got.append(publish(str(ck), _key(), tensors, socket_dir=svc.socket_dir))
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            failed.append(e)
+
+    with Sampler(svc):
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not failed, failed
+    assert sorted(g.created for g in got) == [False, True] and got[0].label == got[1].label, got
+    pubs = [s for s in svc.status()["slabs"] if s.get("publication")]
+    assert len(pubs) == 1 and pubs[0]["state"] == "ready", pubs
+    with attach_published(str(ck), _key(), socket_dir=svc.socket_dir) as w:
+        assert torch.equal(w.tensors["w2"], tensors["w2"])
