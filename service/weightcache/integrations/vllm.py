@@ -19,9 +19,12 @@ The loader asks the service for vLLM's own model dtype (``--dtype``, e.g.
   memory profiler the attached bytes; the attachment (the lease) is kept as
   ``model._weightcache`` and closed when the model goes or the process exits.
   Where vLLM cannot take the slab's tensors as they are (a quant method
-  without ``supports_pre_processed_weights``, a failed canary, an architecture
-  without vLLM naming rules) it loads in ``copy`` mode, the reason logged;
-  ``fallback = false`` makes that an error. Features that write into weights
+  without ``supports_pre_processed_weights``, a failed canary) it loads in ``copy`` mode, the reason logged;
+  ``fallback = false`` makes that an error. An architecture without vLLM
+  naming rules (the service shows it ``waiting_for_engine``) takes the
+  publication path of :mod:`.vllm_publish` instead
+  (:meth:`WeightcacheModelLoader._load_published`): its publication attached
+  zero-copy, else vLLM's default load, published and moved onto. Features that write into weights
   (LoRA, sleep mode, weight transfer, reloads) are ``config_invalid``.
 - ``copy``: vLLM builds the model as usual (its own parameters, on its own
   device) and the attached tensors are copied in; vLLM's own
