@@ -15,7 +15,8 @@ other option than the socket directory:
    mapping, the same tokens;
 4. after a restart of the service that keeps the fd store, the third start is the same as the second.
 
-Qwen3 (q/k norms) at TP 1 in ``make test``; Qwen3-MoE (``slow``) too.
+Qwen3 (q/k norms) at TP 1 in ``make test``; Qwen3-MoE (``slow``) too; and (``slow``) Qwen3 at TP 2, every rank
+publishing its own slab, the second start attaching both.
 """
 
 from __future__ import annotations
@@ -194,3 +195,28 @@ def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(wor
         assert not log_lines(out3, PUBLISHED)
         (probe3,) = third["probe"]
         assert probe3["params"] == probe1["params"] and probe3["outside"] == [], probe3
+
+
+@pytest.mark.slow
+def test_readme_recipe_at_tp2_every_rank_publishes_then_attaches(workdir):
+    """TP 2 (two CPU workers, both ranks on instance 0): each rank of the waiting model publishes its own slab, the
+    second start attaches both zero-copy; tokens equal to the default loader's at TP 2."""
+    ck = workdir / "qwen3" if (workdir / "qwen3").exists() else _checkpoint(workdir / "qwen3", "qwen3")
+    expected = tokens_of(*run_engine(ck, multiprocess=True, tp=2))
+    svc = RestartableService(workdir / "s-tp2", {"qwen3": {"path": ck, "naming": "vllm", "dtype": "float32",
+                                                           "layouts": [{"tp": 2, "gpus": [0, 0]}]}})
+    with contextlib.closing(svc):
+        st = svc.wait(_settled, "the service to settle")
+        assert sorted(s["state"] for s in st["slabs"]) == ["waiting_for_engine"] * 2, st["slabs"]
+        extra = {"socket_dir": svc.socket_dir}
+        first, out1 = run_engine(ck, load_format="weightcache", multiprocess=True, tp=2, extra=extra)
+        assert tokens_of(first, out1) == expected
+        assert sorted("tp_rank=1" in ln for ln in log_lines(out1, PUBLISHED)) == [False, True], out1[-6000:]
+        pubs = [s for s in svc.status()["slabs"] if s.get("publication")]
+        assert sorted((s["tp_size"], s["tp_rank"]) for s in pubs) == [(2, 0), (2, 1)], pubs
+        second, out2 = run_engine(ck, load_format="weightcache", multiprocess=True, tp=2, extra=extra, probe=True)
+        assert tokens_of(second, out2) == expected
+        attached = log_lines(out2, ATTACHED)
+        assert sorted("tp_rank=1" in ln for ln in attached) == [False, True], out2[-6000:]
+        assert all(" source=daemon mode=zero_copy " in ln for ln in attached), attached
+        assert len(second["probe"]) == 2 and all(p["params"] > 0 and p["outside"] == [] for p in second["probe"])
