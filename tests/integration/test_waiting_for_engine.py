@@ -14,6 +14,7 @@ Against a real ``weightcache serve`` (host backend) over its socket:
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -80,6 +81,13 @@ def test_naming_vllm_without_rules_waits_for_its_engine_then_is_published(daemon
     assert out.returncode == 0, out.stdout + out.stderr  # not a failure
     metrics = svc.request(protocol.Metrics()).status
     assert [s["state"] for s in metrics["slabs"]] == ["waiting_for_engine"]
+    if not os.path.isdir("/run/systemd/system"):  # `weightcache metrics` asks only running units under systemd
+        text = subprocess.run([sys.executable, "-m", "weightcache", "metrics", "--socket-dir", svc.socket_dir],
+                              capture_output=True, text=True, timeout=60, env=service_env(), check=False).stdout
+        series = [ln for ln in text.splitlines() if ln.startswith("weightcache_slab_state{") and 'model="m"' in ln]
+        assert [ln.rsplit(" ", 1)[1] for ln in series if 'state="waiting_for_engine"' in ln] == ["1.0"], text[-3000:]
+        assert [ln for ln in series if ln.endswith(" 1.0")] == [
+            ln for ln in series if 'state="waiting_for_engine"' in ln], series
     with pytest.raises(errors.ModelLoadFailed) as e:
         attach(str(ck), socket_dir=svc.socket_dir, fallback=False, naming="vllm", timeout=10)
     assert e.value.details["waiting_for_engine"] is True and e.value.details["cause"] == "unsupported_architecture"
