@@ -9,7 +9,8 @@ Against a real ``weightcache serve`` (host backend) over its socket:
 - a publication is no longer pinned: a demand load that needs its room demotes it to the host tier (or, without
   one, drops it: the model is back to waiting for its engine alone); an ``attach_published`` of a publication in
   the host tier promotes it, bytes equal; the budget is never exceeded meanwhile (sampled);
-- a publication that does not fit the budget is refused (``insufficient_memory``) and nothing is kept.
+- a (shared) publication makes room as a demand load does, and is refused (``insufficient_memory``, nothing
+  kept or moved) when no room can be made; two identical publications at once leave one slab.
 """
 
 from __future__ import annotations
@@ -146,16 +147,29 @@ def test_a_publication_moves_through_the_tiers_like_a_slab(daemon, tmp_path, hos
     assert "demoted model=m" in log and "promoted model=m" in log, log
 
 
-def test_a_publication_over_the_budget_is_refused_and_nothing_is_kept(daemon, tmp_path):
+def test_a_publication_makes_room_as_a_demand_load_and_is_refused_when_none_can_be_made(daemon, tmp_path):
+    """Budget of 1.5 slabs, ``a`` resident. While ``a`` is leased no room can be made: the publication is refused
+    (``insufficient_memory``) and nothing is kept or moved. Once released, the same publication (root's: shared)
+    makes room as a demand load does (``a``, the same priority, leaves), the budget never exceeded (sampled)."""
+    from test_tiers import Sampler
+
     ck = _tiny(tmp_path / "ck")
     a = _plain(tmp_path / "a", 1)
     svc = daemon(make_config({"m": {"path": str(ck), "naming": "vllm"}, "a": a}, memory_budget_bytes=SLAB + SLAB // 2))
     svc.wait_settled()
-    before = svc.status()["slabs"]
-    with pytest.raises(errors.InsufficientMemory) as e:
-        publish(str(ck), _key(), _processed(ck), socket_dir=svc.socket_dir)
-    assert e.value.details["budget_bytes"] == SLAB + SLAB // 2
-    assert svc.status()["slabs"] == before
+    tensors = _processed(ck)
+    with Sampler(svc):
+        with attach(str(a), socket_dir=svc.socket_dir, fallback=False, timeout=30):
+            before = svc.status()["slabs"]
+            with pytest.raises(errors.InsufficientMemory) as e:
+                publish(str(ck), _key(), tensors, socket_dir=svc.socket_dir)
+            assert e.value.details["budget_bytes"] == SLAB + SLAB // 2
+            assert [r["slab"] for r in e.value.details["resident"]] == ["a/tp1/rank0"]
+            assert svc.status()["slabs"] == before
+        poll_until(lambda: not svc.slab("a")["leases"], "a's lease to end")
+        assert publish(str(ck), _key(), tensors, socket_dir=svc.socket_dir).created
+        assert _tiers(svc) == {"m": "waiting_for_engine/disk", "a": "on_disk/disk", "m+pub": "ready/gpu"}
+    assert "shelved model=a" in svc.log() and "reason=room for m/tp1/rank0+pub:" in svc.log(), svc.log()
 
 
 def test_two_identical_publications_at_once_leave_one_slab(daemon, tmp_path):

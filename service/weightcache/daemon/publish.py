@@ -41,7 +41,7 @@ from ..journal import event
 from ..manifest import ALIGNMENT_BYTES, Manifest, pack_file, read_file
 from ..memory.host import SealedFile
 from ..wire import SlotState
-from . import access
+from . import access, tiers
 from .effects import Context, Outcome, Reply, StoreSlab, one_reply
 from .state import Peer, Publication, Slot
 
@@ -73,7 +73,8 @@ def _check_manifest(manifest: Manifest, size_bytes: int) -> None:
 
 def _check_room(ctx: Context, label: str, model: str, need_bytes: int) -> None:
     """Raises InsufficientMemory (`insufficient_memory`) when ``need_bytes`` more would take the slabs past the
-    memory budget (a publication makes no room: it is refused, and the engine keeps its own copy)."""
+    memory budget: a private publication (an untrusted publisher's) makes no room; refused, the engine keeps its
+    own copy."""
     t, st = ctx.tiers, ctx.state
     used = t.gpu_used(st)
     if used + need_bytes <= t.budget_bytes:
@@ -133,7 +134,8 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
         PublicationInvalid (`publication_invalid`): the engine key or the memfd (see
             :func:`weightcache.memory.host.seal_publication`), or a backend that takes no publication.
         SlabStillMapped (`slab_still_mapped`): the publisher still maps the memfd writable.
-        InsufficientMemory (`insufficient_memory`): the budget has no room for it.
+        InsufficientMemory (`insufficient_memory`): the budget has no room for it (a shared publication: none can
+            be made, :func:`_make_room`; a private one: no free room).
     """
     st = ctx.state
     fields = identity.engine_key(msg.engine_key, msg.tp_size, msg.tp_rank)
@@ -155,16 +157,42 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
         kept = held.sealed if held.sealed is not None else held.hosted
         size = kept.size_bytes if kept is not None else held.reserved_bytes
         return one_reply(protocol.PublishReply(held.label, False, size, pub.engine_key_blake2b))
-    _check_room(ctx, slot.label, placement.model.name, msg.size_bytes)
+    if not shared:  # a private publication takes free room only: it never moves what others attach
+        _check_room(ctx, slot.label, placement.model.name, msg.size_bytes)
     sealed = ctx.adopt_publication(fds[0], msg.size_bytes)
     try:
+        moves = _make_room(ctx, peer, slot, sealed.size_bytes) if shared else []
         manifest_fd = os.dup(fds[1])
     except BaseException:
         sealed.close()
         raise
     slot.reserved_bytes = sealed.size_bytes  # counted in the budget while the worker digests it
     st.slots.append(slot)
-    return Outcome(effects=(StartPublish(slot, sealed, manifest_fd, msg, peer.pid),))
+    return Outcome(effects=(*moves, StartPublish(slot, sealed, manifest_fd, msg, peer.pid)))
+
+
+def _make_room(ctx: Context, peer: Peer, slot: Slot, need_bytes: int) -> list[Any]:
+    """Room in the memory budget for a shared publication (a trusted publisher's), made as for a demand load of
+    the publisher (:meth:`weightcache.daemon.tiers.Tiers.admit`: unleased, unpinned slabs it may attach, of at most
+    the model's priority, leave lowest priority first, then least recently used); returns the moves for the serving
+    loop to carry out before the worker digests the publication.
+
+    Raises:
+        InsufficientMemory (`insufficient_memory`): no room can be made; nothing moved (as ``status`` shows the
+            state to the publisher when it is no operator).
+    """
+    policy = ctx.policy
+    trusted = peer.uid in (0, policy.service_uid)
+    requester = tiers.requester_of(ctx.state, slot, None if trusted else (lambda s: access.may_attach(peer, s, policy)),
+                                   0)
+    moves, refusal = ctx.tiers.admit(ctx.state, slot, need_bytes, True, requester)
+    if refusal is None:
+        return moves
+    if access.is_operator(peer, policy):
+        raise refusal
+    slots = {s.label: s for s in ctx.state.slots}
+    raise tiers.refusal_for(refusal, lambda label: label in slots and access.may_attach(peer, slots[label], policy),
+                            peer.uid)
 
 
 def prepare(eff: StartPublish, device: dict[str, Any], backend: str) -> Prepared:
