@@ -15,8 +15,9 @@ other option than the socket directory:
    mapping, the same tokens;
 4. after a restart of the service that keeps the fd store, the third start is the same as the second.
 
-Qwen3 (q/k norms) at TP 1 in ``make test``; Qwen3-MoE (``slow``) too; and (``slow``) Qwen3 at TP 2, every rank
-publishing its own slab, the second start attaching both.
+Qwen3 (q/k norms) at TP 1 in ``make test``; Qwen3-MoE, Phi-3 (fused tensors in its checkpoint), OLMoE, Gemma 2
+and Granite (``slow``) too; and (``slow``) Qwen3 at TP 2, every rank publishing its own slab, the second start
+attaching both.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ CONFIGS = {
                                          max_position_embeddings=64, decoder_sparse_step=1,
                                          tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])),
 }
+
+
+# More architectures without rules, as test_vllm_publish.py builds them (``slow``): fused tensors in the checkpoint
+# (Phi-3), a MoE with q/k norms (OLMoE), soft-capping and sliding window (Gemma 2), scaled residuals (Granite).
+from test_vllm_publish import OTHERS  # noqa: E402
+
+CONFIGS.update({family: OTHERS[family] for family in ("phi3", "olmoe", "gemma2", "granite")})
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +146,8 @@ def _no_weightcache_warning(out: str) -> None:
     assert not warned, warned
 
 
-@pytest.mark.parametrize("family", [pytest.param("qwen3"), pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", [pytest.param("qwen3")] + [pytest.param(f, marks=pytest.mark.slow) for f in
+                                                              ("qwen3_moe", "phi3", "olmoe", "gemma2", "granite")])
 def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(workdir, family):
     ck = _checkpoint(workdir / family, family)
     expected_run = run_engine(ck, probe=True)
