@@ -329,3 +329,22 @@ def test_collect_keeps_json_attributes_and_slots_leaves_computed_buffers_alone()
                                                                          "tied": {"output_dim": 0}}
     assert sorted(_slots(m, tensors)) == ["empty", "tied", "w"]
     assert sorted(_slots(m, tensors, buffers=False)) == ["tied", "w"]
+
+
+def test_publishes_after_only_when_none_is_held_for_this_engine(qwen3, tmp_path):
+    """After which ``attach_published`` answers an engine loads and publishes (none held for its key, or another
+    key held) and after which it only loads (no service, the model not configured there, refused); and which
+    checkpoints ``--load-format weightcache`` sends down that path (no vLLM naming rules)."""
+    from weightcache import errors
+    from weightcache.integrations.vllm import engine_lays_out
+    from weightcache.integrations.vllm_publish import publishes_after
+
+    assert publishes_after(errors.ModelNotFound("none yet", publication="none"))
+    assert publishes_after(errors.CacheKeyMismatch("other key", fields=["engine_version"]))
+    assert not publishes_after(errors.ModelNotFound("not configured here", model="x"))
+    assert not publishes_after(errors.DaemonUnavailable("no service"))
+    assert not publishes_after(errors.AccessDenied("not on the allow lists"))
+    assert engine_lays_out(str(qwen3))  # Qwen3: no vLLM naming rules in weightcache
+    import checkpoints
+
+    assert not engine_lays_out(str(checkpoints.llama_checkpoint(tmp_path / "llama")))  # the service lays it out
