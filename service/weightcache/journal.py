@@ -50,6 +50,7 @@ MESSAGE_IDS = {
     "seed_fallback": "08daa9304d7d4b29adb0844825a8e55b",
     "seed_served": "325e587bdbc64862bd2da3ec358720c3",
     "seed_rejected": "603decf3704042009c22e886d2ed20d8",
+    "waiting_for_engine": "414833f1fa444f9499d89f99cdbc1380",
 }
 
 

@@ -35,6 +35,9 @@ class SlotState(enum.StrEnum):
     DROPPED = "dropped"   # removed from the config: out of the service's list (a load under way is discarded)
     HOSTED = "hosted"     # demoted to the host tier (memory budget, ``evict --to host``); an attach promotes it
     ON_DISK = "on_disk"   # not resident, by the memory budget or ``evict --to disk``; an attach loads it
+    #: ``naming = "vllm"`` that the service cannot lay out itself (an architecture without rules, a scheme it cannot
+    #: pre-process): not a failure; the first engine that starts it publishes it (docs/design.md §6.3).
+    WAITING_FOR_ENGINE = "waiting_for_engine"
 
 
 #: States in which a load is still to come or under way (an attach may wait; ``weightcache wait`` waits).

@@ -73,7 +73,8 @@ def checkpoints(workdir: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def service(workdir: Path, checkpoints: dict[str, Path]):
-    """A service configured with every checkpoint at TP 1 and TP 2 (vLLM naming): it refuses each slab."""
+    """A service configured with every checkpoint at TP 1 and TP 2 (vLLM naming): it lays out none of them, and
+    shows each waiting for its engine (``unsupported_quantization``; not ``failed``)."""
     layouts = [{"tp": 1, "gpus": [0]}, {"tp": 2, "gpus": [0, 0]}]
     svc = harness.start_service(workdir / "svc", {
         s: {"path": p, "naming": "vllm", "dtype": "bfloat16", "layouts": layouts if s in SCHEMES else layouts[:1]}
@@ -84,7 +85,7 @@ def service(workdir: Path, checkpoints: dict[str, Path]):
         assert sorted(slabs) == sorted([(m, tp, r) for m in SCHEMES for tp, r in ((1, 0), (2, 0), (2, 1))]
                                        + [(m, 1, 0) for m in TP1_ONLY]), st
         for slab in slabs.values():
-            assert slab["state"] == "failed" and slab["error"]["code"] == "unsupported_quantization", slab
+            assert slab["state"] == "waiting_for_engine" and slab["error"]["code"] == "unsupported_quantization", slab
         yield svc
     finally:
         svc.kill()
@@ -179,21 +180,23 @@ def qwen3(workdir: Path) -> Path:
 def test_tp2_without_rules_starts_with_vllms_default_loader(request, workdir, which):
     """ModelOpt FP8 per-channel (vLLM 0.32 cannot take it pre-processed, copy mode shards no quantized model)
     and Qwen3 (no vLLM naming rules) at TP 2 with no service running: the engine did not start
-    (``ConfigError: ... tensor parallelism (tp_size=2) needs ...``); now the default loader's tokens, one
-    ``tensor_parallel_size`` reason per rank. ``fallback: false``: that ``config_invalid``."""
+    (``ConfigError: ... tensor parallelism (tp_size=2) needs ...``); now the default loader's tokens, one reason
+    per rank: ``tensor_parallel_size`` for FP8; for Qwen3, which its engine publishes (the publication path asks the
+    service first), ``daemon_unavailable``. ``fallback: false``: that error."""
     path = _fp8(workdir / "fp8pc") if which == "fp8" else request.getfixturevalue("qwen3")
     dtype = "bfloat16" if which == "fp8" else "float32"
+    reason, error = (("config_invalid: tensor parallelism (tp_size=2)", "ConfigError") if which == "fp8"
+                     else ("daemon_unavailable: ", "DaemonUnavailable"))
     expected = tokens_of(*run_engine(path, dtype=dtype, tp=2, multiprocess=True))
     extra = {"socket_dir": str(workdir / "nowhere"), "fallback": True}
     result, out = run_engine(path, load_format="weightcache", dtype=dtype, tp=2, multiprocess=True, extra=extra)
     assert tokens_of(result, out) == expected
     lines = log_lines(out, DEFAULT_LINE)
-    assert len(lines) == 2 and all("reason=config_invalid: tensor parallelism (tp_size=2)" in ln for ln in lines), \
-        out[-6000:]
+    assert len(lines) == 2 and all(f"reason={reason}" in ln for ln in lines), out[-6000:]
     assert not log_lines(out, "zero-copy refused")  # one reason per rank, not a copy mode that cannot follow
     result, out = run_engine(path, load_format="weightcache", dtype=dtype, tp=2, multiprocess=True,
                              extra={**extra, "fallback": False})
-    assert "error" in result and log_lines(out, "weightcache.errors.ConfigError: "), out[-6000:]
+    assert "error" in result and log_lines(out, f"weightcache.errors.{error}: "), out[-6000:]
 
 
 # --- the reasons, in this process ---------------------------------------------------------------------------
@@ -219,21 +222,22 @@ def test_unservable_reasons(tmp_path, checkpoints, qwen3):
 
 
 def test_naming_vllm_without_rules_advice_that_works(workdir, qwen3):
-    """The README's ``naming = "vllm"`` for an architecture without rules: the slab fails
-    (``unsupported_architecture``); the engine (TP 1: copy mode asks ``naming=hf``) hears ``model_not_found``
-    and starts with vLLM's default loader. The reason's advice was "held here with other values:
-    qwen3/tp1/rank0 (naming=vllm): ask for those", which fails the same way; it now says to configure what
-    was asked."""
+    """The README's ``naming = "vllm"`` for an architecture without rules: the slab waits for its engine
+    (``waiting_for_engine``, issue 35). An engine in copy mode (which asks ``naming=hf``) hears ``model_not_found``
+    and starts with vLLM's default loader; the advice was "held here with other values: qwen3/tp1/rank0
+    (naming=vllm): ask for those", which fails the same way; it now says how that model is served: zero-copy
+    mode, which publishes it (tests/engines/test_vllm_waiting_for_engine.py runs that)."""
     svc = harness.start_service(workdir / "q3", {"qwen3": {"path": qwen3, "naming": "vllm", "dtype": "float32"}})
     try:
         (slab,) = svc.wait_settled()["slabs"]
-        assert slab["state"] == "failed" and slab["error"]["code"] == "unsupported_architecture", slab
+        assert slab["state"] == "waiting_for_engine" and slab["error"]["code"] == "unsupported_architecture", slab
         expected = tokens_of(*run_engine(qwen3))
-        result, out = run_engine(qwen3, load_format="weightcache", extra={"socket_dir": svc.socket_dir})
+        result, out = run_engine(qwen3, load_format="weightcache", extra={"socket_dir": svc.socket_dir,
+                                                                          "mode": "copy"})
         assert tokens_of(result, out) == expected
         (fallback,) = log_lines(out, DEFAULT_LINE)
         assert "reason=model_not_found" in fallback and "ask for those" not in fallback, fallback
-        assert "give the model's entry in the configuration the values asked for (naming=hf)" in fallback, fallback
+        assert "waits for its engine" in fallback and "mode zero_copy, the default" in fallback, fallback
     finally:
         svc.kill()
 

@@ -293,6 +293,44 @@ def test_modelopt_fp8_publishes_and_the_next_start_moves_onto_it(workdir):
         svc.kill()
 
 
+@pytest.mark.slow
+def test_modelopt_fp8_at_tp2_every_rank_publishes_and_moves_onto_it(workdir):
+    """ModelOpt FP8 per-channel at TP 2 (both ranks on instance 0): each rank publishes its own slab (the default
+    loader's tokens at TP 2); the second start cannot register them before vLLM 0.32's processing (its method lacks
+    ``supports_pre_processed_weights``), loads with vLLM's own loader, finds each rank's publication held
+    (``created=False``) and moves onto it: every parameter of both ranks inside the service's mapping."""
+    from test_vllm import _fp8_config, fp8_fixtures
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fp8_fixtures, "tiny_llama_config", _fp8_config)
+    try:
+        ck = fp8_fixtures.write_fp8_per_channel(workdir / "fp8pc-tp2")
+    finally:
+        mp.undo()
+    svc = harness.start_service(workdir / "s-fp8tp2", {"fp8pc": {"path": ck, "dtype": "bfloat16",
+                                                                 "layouts": [{"tp": 2, "gpus": [0, 0]}]}})
+    try:
+        svc.wait_settled()
+        expected = tokens_of(*run_engine(ck, dtype="bfloat16", multiprocess=True, tp=2))
+        extra = {"socket_dir": svc.socket_dir}
+        first, out1 = run_engine(ck, dtype="bfloat16", load_format="weightcache_publish", multiprocess=True, tp=2,
+                                 extra=extra)
+        assert tokens_of(first, out1) == expected
+        lines = log_lines(out1, "weightcache published")
+        assert sorted("tp_rank=1" in ln for ln in lines) == [False, True] and all(" created=True " in ln
+                                                                                 for ln in lines), out1[-6000:]
+        pubs = [s for s in harness_status(svc)["slabs"] if s.get("publication")]
+        assert sorted((s["tp_size"], s["tp_rank"]) for s in pubs) == [(2, 0), (2, 1)], pubs
+        second, out2 = run_engine(ck, dtype="bfloat16", load_format="weightcache_publish", multiprocess=True, tp=2,
+                                  extra=extra, probe=True)
+        assert tokens_of(second, out2) == expected
+        lines = log_lines(out2, "weightcache published")
+        assert len(lines) == 2 and all(" created=False " in ln for ln in lines), out2[-6000:]
+        assert len(second["probe"]) == 2 and all(p["params"] > 0 and p["outside"] == [] for p in second["probe"])
+    finally:
+        svc.kill()
+
+
 # --- the loader's helpers (in this process) -------------------------------------------------
 
 
@@ -326,3 +364,22 @@ def test_collect_keeps_json_attributes_and_slots_leaves_computed_buffers_alone()
                                                                          "tied": {"output_dim": 0}}
     assert sorted(_slots(m, tensors)) == ["empty", "tied", "w"]
     assert sorted(_slots(m, tensors, buffers=False)) == ["tied", "w"]
+
+
+def test_publishes_after_only_when_none_is_held_for_this_engine(qwen3, tmp_path):
+    """After which ``attach_published`` answers an engine loads and publishes (none held for its key, or another
+    key held) and after which it only loads (no service, the model not configured there, refused); and which
+    checkpoints ``--load-format weightcache`` sends down that path (no vLLM naming rules)."""
+    from weightcache import errors
+    from weightcache.integrations.vllm import engine_lays_out
+    from weightcache.integrations.vllm_publish import publishes_after
+
+    assert publishes_after(errors.ModelNotFound("none yet", publication="none"))
+    assert publishes_after(errors.CacheKeyMismatch("other key", fields=["engine_version"]))
+    assert not publishes_after(errors.ModelNotFound("not configured here", model="x"))
+    assert not publishes_after(errors.DaemonUnavailable("no service"))
+    assert not publishes_after(errors.AccessDenied("not on the allow lists"))
+    assert engine_lays_out(str(qwen3))  # Qwen3: no vLLM naming rules in weightcache
+    import checkpoints
+
+    assert not engine_lays_out(str(checkpoints.llama_checkpoint(tmp_path / "llama")))  # the service lays it out

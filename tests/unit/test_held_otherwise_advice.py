@@ -44,3 +44,22 @@ def test_a_slab_that_can_be_attached_is_still_offered(tmp_path):
         st.find_slots(str(tmp_path / "ck"), 1, 0, naming="hf")
     assert "qwen3/tp1/rank0 (naming=vllm): ask for those" in ei.value.message
     assert "failed to load" not in ei.value.message
+
+
+def test_a_slab_waiting_for_its_engine_is_not_offered_and_the_advice_is_the_publication(tmp_path):
+    """Issue 35: ``naming = "vllm"`` the service cannot lay out waits for its engine (not ``failed``); an engine that
+    asks ``naming=hf`` is told how that model is served: an engine in zero-copy mode publishes it."""
+    (tmp_path / "ck").mkdir()
+    st = ServiceState(0, "host", {}, [Placement(ModelConfig("qwen3", str(tmp_path / "ck"), naming="vllm"), 1, 0, 0)])
+    (slot,) = st.slots
+    slot.start(0.0)
+    slot.await_engine(UnsupportedArchitecture("no vLLM naming rules for Qwen3ForCausalLM", architecture="Qwen3"))
+    assert slot.state.value == "waiting_for_engine" and st.settled
+    with pytest.raises(ModelNotFound) as ei:
+        st.find_slots(str(tmp_path / "ck"), 1, 0, naming="hf")
+    msg = ei.value.message
+    assert "ask for those" not in msg and "failed to load" not in msg, msg
+    assert ("this checkpoint's entry with other values waits for its engine: qwen3/tp1/rank0 (naming=vllm): the "
+            "service cannot lay it out itself; start the engine with --load-format weightcache (mode zero_copy, "
+            "the default), which publishes it") in msg, msg
+    assert "waiting for its engine to publish: qwen3/tp1/rank0" in st.status_line(0.0)

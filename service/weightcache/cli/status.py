@@ -55,6 +55,10 @@ def state_text(sl: protocol.SlabInfo) -> str:
             return "ready (adopted from fd store; leases from before the restart unknown)"
         case SlotState.FAILED if sl.error is not None:
             return f"failed: {sl.error.code}"
+        case SlotState.WAITING_FOR_ENGINE:
+            why = f" ({sl.error.code})" if sl.error is not None else ""
+            return (f"waiting_for_engine{why}: the service cannot lay it out; the first engine started with "
+                    f"--load-format weightcache publishes it")
         case SlotState.EVICTED:
             return "evicted (run `weightcache preload` to load again)"
         case SlotState.RETIRED:

@@ -271,6 +271,13 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
                               model=p.model.name,
                               cause=e.details.get("cause", e.code) if isinstance(e, ModelLoadFailed) else e.code,
                               cause_details=e.details)
+    if slot.state is SlotState.WAITING_FOR_ENGINE:  # only its engine lays it out: attach_published gets it
+        e = slot.error
+        raise ModelLoadFailed(f"model {p.model.name} ({p.label}) waits for its engine: the service cannot lay it out "
+                              f"with naming=vllm ({e.message if e is not None else 'no rules'}); an engine started "
+                              f"with --load-format weightcache loads it with vLLM's own loader and publishes it",
+                              model=p.model.name, cause=e.code if e is not None else "unsupported_architecture",
+                              cause_details=e.details if e is not None else {}, waiting_for_engine=True)
     if slot.state is SlotState.DROPPED:  # a parked attach whose model a reload removed
         raise ModelNotFound(f"model {p.model.name} ({p.label}) was removed from the configuration by a reload",
                             model=p.model.name, gpu=ctx.state.gpu)
@@ -431,6 +438,8 @@ def on_evict(ctx: Context, peer: Peer, msg: protocol.Evict) -> Outcome:
             if sealed is not None:
                 effects.append(FreeSlab(s.store_id, sealed, manifest_file))
                 evicted.append(s.label)
+            if s.publication is not None:  # nothing loads a publication again: gone, the next engine publishes
+                ctx.state.slots = [x for x in ctx.state.slots if x is not s]
             continue
         if s.state is not SlotState.READY:
             continue
@@ -500,11 +509,16 @@ def on_preload(ctx: Context, peer: Peer, msg: protocol.Preload) -> Outcome:
             s.demand_by = peer
             effects.append(StartLoad(s))
             started.append(s.label)
-        elif s.state in (SlotState.FAILED, SlotState.EVICTED):
+        elif s.state in (SlotState.FAILED, SlotState.EVICTED, SlotState.WAITING_FOR_ENGINE):
             s.requeue()
             effects.append(StartLoad(s))
             started.append(s.label)
     return Outcome((Reply(protocol.PreloadReply(started)),), tuple(effects))
+
+
+#: How long an ``attach_published`` of a publication in the host tier waits for its promotion, ms (the request has
+#: no ``wait_ms`` of its own; the client's timeout bounds it too).
+PUBLISHED_PROMOTION_WAIT_MS = 60_000
 
 
 def on_attach_published(ctx: Context, peer: Peer, msg: protocol.AttachPublished) -> Outcome:
@@ -520,7 +534,15 @@ def on_attach_published(ctx: Context, peer: Peer, msg: protocol.AttachPublished)
     fields = identity.engine_key(msg.engine_key, msg.tp_size, msg.tp_rank)
     slot = publish.find_publication(ctx, peer, msg.model, msg.tp_size, msg.tp_rank, fields)
     access.check_attach(peer, slot, ctx.policy)
-    return answer_attach(ctx, peer, protocol.Attach(msg.model, msg.tp_size, msg.tp_rank, mode=msg.mode), slot)
+    attach = protocol.Attach(msg.model, msg.tp_size, msg.tp_rank, mode=msg.mode, wait_ms=PUBLISHED_PROMOTION_WAIT_MS)
+    effects: tuple[Any, ...] = ()
+    if tiers.demand(slot, ctx.monotonic()):  # in the host tier: promoted, the attach waits for it
+        slot.demand_by = peer
+        effects = (StartLoad(slot),)
+    if slot.state in UNSETTLED:
+        peer.waiting.append((attach, slot, ctx.monotonic() + attach.wait_ms / 1e3))
+        return Outcome(effects=effects)
+    return answer_attach(ctx, peer, attach, slot)
 
 
 def on_metrics(ctx: Context, peer: Peer, msg: protocol.Metrics) -> Outcome:

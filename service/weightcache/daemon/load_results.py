@@ -24,7 +24,7 @@ from ..errors import ModelLoadFailed, WeightcacheError
 from ..journal import event
 from ..manifest import Manifest
 from ..memory.host import SealedFile
-from .state import ServiceState, Slot
+from .state import ServiceState, Slot, waits_for_engine
 
 log = logging.getLogger("weightcache.daemon.loads")  # the loader's logger, as before the split
 
@@ -149,8 +149,17 @@ class Failed:
 
     def apply(self, state: ServiceState) -> None:
         e, p = self.error, self.slot.placement
-        self.slot.fail(e)
         state.loads_done += 1
+        if waits_for_engine(self.slot, e):  # not a failure: the engine lays it out and publishes it
+            self.slot.await_engine(e)
+            log.warning("waiting for its engine model=%s tp_size=%d rank=%d code=%s reason=%s: the service cannot "
+                        "lay out this model with naming = \"vllm\"; the first engine started on it with "
+                        "--load-format weightcache publishes it, and later starts attach that zero-copy",
+                        p.model.name, p.tp_size, p.tp_rank, e.code, e.message,
+                        extra=event("waiting_for_engine", p.model.name, p.tp_rank, error_code=e.code,
+                                    tp_size=p.tp_size))
+            return
+        self.slot.fail(e)
         if not self.logged:
             log.error("load failed model=%s tp_size=%d rank=%d code=%s error=%s", p.model.name, p.tp_size,
                       p.tp_rank, e.code, e.message,

@@ -10,9 +10,10 @@ on the loop (READY, the reply, the fd store); and :func:`find_publication` (whic
 as an ``attach``.
 
 A publication is a slab like any other once made: ``status``, ``list``, ``verify``, ``evict``, the fd store
-across restarts (:mod:`weightcache.daemon.fdstore`), the memory budget's count. Two differences: nothing loads it
-(a publication evicted is gone, and the next engine start publishes again), and the budget never moves it to
-another tier (no processed image exists on disk to bring it back from).
+across restarts (:mod:`weightcache.daemon.fdstore`), the memory budget and its tiers (demoted to the host tier and
+promoted back by the next ``attach_published``, in the budget's order: priority, then least recently used). One
+difference: nothing loads it from disk, so a publication the budget drops (or ``evict`` frees) is gone; the next
+engine start publishes it again, and a model only its engine lays out is back to ``waiting_for_engine``.
 
 Identical publications (same model, rank, engine key and scope: shared, or private to one uid) end in one slab:
 the serving loop handles one request at a time and the first's slot is in the state from its request on
@@ -40,7 +41,7 @@ from ..journal import event
 from ..manifest import ALIGNMENT_BYTES, Manifest, pack_file, read_file
 from ..memory.host import SealedFile
 from ..wire import SlotState
-from . import access
+from . import access, tiers
 from .effects import Context, Outcome, Reply, StoreSlab, one_reply
 from .state import Peer, Publication, Slot
 
@@ -72,7 +73,8 @@ def _check_manifest(manifest: Manifest, size_bytes: int) -> None:
 
 def _check_room(ctx: Context, label: str, model: str, need_bytes: int) -> None:
     """Raises InsufficientMemory (`insufficient_memory`) when ``need_bytes`` more would take the slabs past the
-    memory budget (a publication makes no room: it is refused, and the engine keeps its own copy)."""
+    memory budget: a private publication (an untrusted publisher's) makes no room; refused, the engine keeps its
+    own copy."""
     t, st = ctx.tiers, ctx.state
     used = t.gpu_used(st)
     if used + need_bytes <= t.budget_bytes:
@@ -82,6 +84,11 @@ def _check_room(ctx: Context, label: str, model: str, need_bytes: int) -> None:
         f"{t.budget_bytes} has {t.budget_bytes - used} bytes free; the engine keeps its own copy (evict a slab, or "
         f"raise memory_budget_bytes)", model=model, need_bytes=need_bytes, budget_bytes=t.budget_bytes,
         free_bytes=t.budget_bytes - used, resident=[], leases=[])
+
+
+#: States of a publication slot that hold it (or will): being digested (PENDING), on the GPU, in the host tier, or
+#: promoted back from it (PENDING, LOADING with its host copy).
+_HELD = frozenset({SlotState.PENDING, SlotState.LOADING, SlotState.READY, SlotState.HOSTED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +136,8 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
             larger than the model's ``max_slab_bytes`` (``reason = "over_max_slab_bytes"``, ``limit``, ``value``,
             ``actual``).
         SlabStillMapped (`slab_still_mapped`): the publisher still maps the memfd writable.
-        InsufficientMemory (`insufficient_memory`): the budget has no room for it.
+        InsufficientMemory (`insufficient_memory`): the budget has no room for it (a shared publication: none can
+            be made, :func:`_make_room`; a private one: no free room).
     """
     st = ctx.state
     fields = identity.engine_key(msg.engine_key, msg.tp_size, msg.tp_rank)
@@ -144,27 +152,54 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
     placement = dataclasses.replace(base.placement, tp_size=msg.tp_size, tp_rank=msg.tp_rank)
     slot = st.new_slot(placement, base.realpath, pub)
     held = next((s for s in st.slots if s.publication is not None and s.store_id == slot.store_id
-                 and s.state in (SlotState.PENDING, SlotState.READY)), None)
+                 and s.state in _HELD), None)
     if held is not None:  # an identical publication came first (held, or under way): one slab
         log.info("publication already held model=%s tp_size=%d rank=%d slab=%s state=%s peer_pid=%d",
                  placement.model.name, msg.tp_size, msg.tp_rank, held.label, held.state.value, peer.pid)
-        size = held.sealed.size_bytes if held.sealed is not None else held.reserved_bytes
+        kept = held.sealed if held.sealed is not None else held.hosted
+        size = kept.size_bytes if kept is not None else held.reserved_bytes
         return one_reply(protocol.PublishReply(held.label, False, size, pub.engine_key_blake2b))
     over = placement.model.slab_over_cap(msg.size_bytes, slot.label)
     if over is not None:  # the operator's bound on the model, whoever publishes it
         raise PublicationInvalid(f"publish: {over}; the engine keeps its own copy", reason="over_max_slab_bytes",
                                  limit=f"models.{placement.model.name}.max_slab_bytes",
                                  value=placement.model.max_slab_bytes, actual=msg.size_bytes)
-    _check_room(ctx, slot.label, placement.model.name, msg.size_bytes)
+    if not shared:  # a private publication takes free room only: it never moves what others attach
+        _check_room(ctx, slot.label, placement.model.name, msg.size_bytes)
     sealed = ctx.adopt_publication(fds[0], msg.size_bytes)
     try:
+        moves = _make_room(ctx, peer, slot, sealed.size_bytes) if shared else []
         manifest_fd = os.dup(fds[1])
     except BaseException:
         sealed.close()
         raise
     slot.reserved_bytes = sealed.size_bytes  # counted in the budget while the worker digests it
     st.slots.append(slot)
-    return Outcome(effects=(StartPublish(slot, sealed, manifest_fd, msg, peer.pid),))
+    return Outcome(effects=(*moves, StartPublish(slot, sealed, manifest_fd, msg, peer.pid)))
+
+
+def _make_room(ctx: Context, peer: Peer, slot: Slot, need_bytes: int) -> list[Any]:
+    """Room in the memory budget for a shared publication (a trusted publisher's), made as for a demand load of
+    the publisher (:meth:`weightcache.daemon.tiers.Tiers.admit`: unleased, unpinned slabs it may attach, of at most
+    the model's priority, leave lowest priority first, then least recently used); returns the moves for the serving
+    loop to carry out before the worker digests the publication.
+
+    Raises:
+        InsufficientMemory (`insufficient_memory`): no room can be made; nothing moved (as ``status`` shows the
+            state to the publisher when it is no operator).
+    """
+    policy = ctx.policy
+    trusted = peer.uid in (0, policy.service_uid)
+    requester = tiers.requester_of(ctx.state, slot, None if trusted else (lambda s: access.may_attach(peer, s, policy)),
+                                   0)
+    moves, refusal = ctx.tiers.admit(ctx.state, slot, need_bytes, True, requester)
+    if refusal is None:
+        return moves
+    if access.is_operator(peer, policy):
+        raise refusal
+    slots = {s.label: s for s in ctx.state.slots}
+    raise tiers.refusal_for(refusal, lambda label: label in slots and access.may_attach(peer, slots[label], policy),
+                            peer.uid)
 
 
 def prepare(eff: StartPublish, device: dict[str, Any], backend: str) -> Prepared:
@@ -231,10 +266,17 @@ def commit(ctx: Context, eff: StartPublish, prepared: Prepared | None, error: Ba
                    (StoreSlab(slot),))
 
 
+def _attachable(s: Slot) -> bool:
+    """A publication an ``attach_published`` gets: READY, in the host tier (the attach promotes it), or being
+    promoted (the attach waits for it); not one still being digested."""
+    return s.state in (SlotState.READY, SlotState.HOSTED) or (s.state in (SlotState.PENDING, SlotState.LOADING)
+                                                              and s.hosted is not None)
+
+
 def find_publication(ctx: Context, peer: Peer, model: str, tp_size: int, tp_rank: int,
                      fields: dict[str, Any]) -> Slot:
-    """The READY publication of ``model`` at (``tp_size``, ``tp_rank``) made under engine key ``fields`` that
-    ``peer`` may attach (a shared one first, else its own uid's).
+    """The publication of ``model`` at (``tp_size``, ``tp_rank``) made under engine key ``fields`` that ``peer`` may
+    attach (a shared one first, else its own uid's): READY, or in the host tier or on its way back from it.
 
     Raises:
         ModelNotFound (`model_not_found`): the model is not configured here, or no publication of that rank is
@@ -246,7 +288,7 @@ def find_publication(ctx: Context, peer: Peer, model: str, tp_size: int, tp_rank
     name = base.placement.model.name
     held = [s for s in ctx.state.slots
             if s.publication is not None and s.placement.model.name == name and s.placement.tp_size == tp_size
-            and s.placement.tp_rank == tp_rank and s.state is SlotState.READY
+            and s.placement.tp_rank == tp_rank and _attachable(s)
             and access.may_attach(peer, s, ctx.policy)]
     h = identity.engine_key_blake2b(fields)
     same = sorted((s for s in held if s.publication.engine_key_blake2b == h), key=lambda s: not s.publication.shared)

@@ -203,7 +203,8 @@ def apply(state: ServiceState, p: ReloadPlan, config: Config) -> Applied:
     """
     load, cancel, free = [], [], []
     for s in p.drop:
-        if s.state in (SlotState.PENDING, SlotState.LOADING) and s.publication is None:  # a publication: no load
+        # a publication being digested has no load to cancel; one promoted from the host tier has
+        if s.state in (SlotState.PENDING, SlotState.LOADING) and (s.publication is None or s.hosted is not None):
             cancel.append(s)
         sealed, manifest_file = s.drop()
         if sealed is not None or manifest_file is not None:
@@ -219,7 +220,7 @@ def apply(state: ServiceState, p: ReloadPlan, config: Config) -> Applied:
     by_id = {identity(new): s for s, new in p.keep}
     for s, new in p.keep:
         s.placement = new
-        if s.state is SlotState.FAILED:
+        if s.state in (SlotState.FAILED, SlotState.WAITING_FOR_ENGINE):
             s.requeue()
             load.append(s)
     for s, new in p.published:

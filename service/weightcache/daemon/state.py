@@ -56,6 +56,7 @@ class SlotEvent(enum.Enum):
     SHELVE = "shelve"        # the budget (or ``evict --to disk``) dropped the slab: it waits on disk
     STASH = "stash"          # the load went to (or, refused room, stayed in) the host tier
     PUBLISH = "publish"      # an engine published the slab: the service sealed and owns it
+    AWAIT_ENGINE = "await_engine"  # ``naming = "vllm"`` the service cannot lay out: its engine publishes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,10 @@ TRANSITIONS: tuple[Transition, ...] = (
     Transition(S.ON_DISK, E.EVICT, S.EVICTED),
     Transition(S.HOSTED, E.DROP, S.DROPPED),
     Transition(S.ON_DISK, E.DROP, S.DROPPED),
+    # issue 35: a model the service cannot lay out waits for its engine's publication (daemon.publish)
+    Transition(S.LOADING, E.AWAIT_ENGINE, S.WAITING_FOR_ENGINE),
+    Transition(S.WAITING_FOR_ENGINE, E.REQUEUE, S.PENDING),   # ``preload``: the service tries again
+    Transition(S.WAITING_FOR_ENGINE, E.DROP, S.DROPPED),
 )
 
 _TABLE: dict[tuple[SlotState, SlotEvent], SlotState] = {(t.source, t.event): t.target for t in TRANSITIONS}
@@ -114,6 +119,18 @@ SOURCES = ("checkpoint", "image", "fd_store", "published", "peer")
 ON_DEMAND = frozenset({S.HOSTED, S.ON_DISK})
 
 del S, E
+
+
+#: Load errors that, for a model configured with ``naming = "vllm"``, mean that only its engine can lay it out: the
+#: slot waits for the engine's publication (WAITING_FOR_ENGINE) instead of failing.
+ENGINE_LAYOUT_CODES: frozenset[str] = frozenset({"unsupported_architecture", "unsupported_quantization"})
+
+
+def waits_for_engine(slot: Slot, error: WeightcacheError) -> bool:
+    """Whether ``slot``'s load failing with ``error`` makes it WAITING_FOR_ENGINE rather than FAILED: a configured
+    (not published) slot with ``naming = "vllm"`` whose error is one of :data:`ENGINE_LAYOUT_CODES`."""
+    return (slot.publication is None and slot.placement.model.naming == "vllm"
+            and error.code in ENGINE_LAYOUT_CODES)
 
 
 class IllegalTransition(Exception):
@@ -328,6 +345,12 @@ class Slot:
         self.move(SlotEvent.FAIL)
         self.error, self.reserved_bytes = error, 0
 
+    def await_engine(self, error: WeightcacheError) -> None:
+        """LOADING -> WAITING_FOR_ENGINE: the service cannot lay the model out (``error`` says why: an architecture
+        without vLLM naming rules, a scheme it cannot pre-process); the first engine that starts it publishes it."""
+        self.move(SlotEvent.AWAIT_ENGINE)
+        self.error, self.reserved_bytes = error, 0
+
     def adopt(self, manifest: Manifest, sealed: Any, manifest_file: Any) -> None:
         """PENDING -> READY with a slab and its manifest file handed back by systemd's fd store."""
         self.move(SlotEvent.ADOPT)
@@ -351,7 +374,7 @@ class Slot:
         return out
 
     def requeue(self) -> None:
-        """FAILED | EVICTED -> PENDING (``preload``)."""
+        """FAILED | EVICTED | WAITING_FOR_ENGINE -> PENDING (``preload``)."""
         self.move(SlotEvent.REQUEUE)
         self.error = None
 
@@ -627,8 +650,9 @@ class ServiceState:
         def values(differs: list) -> str:
             return ", ".join(f"{k}={v}" for k, v in differs)
 
-        usable = [(s, d) for s, d in live if s.state is not SlotState.FAILED]
+        usable = [(s, d) for s, d in live if s.state not in (SlotState.FAILED, SlotState.WAITING_FOR_ENGINE)]
         failed = [(s, d) for s, d in live if s.state is SlotState.FAILED]
+        waiting = [(s, d) for s, d in live if s.state is SlotState.WAITING_FOR_ENGINE]
         hint = ""
         if usable:
             hint += ("; this checkpoint is held here with other values: "
@@ -643,6 +667,11 @@ class ServiceState:
                      + ": give the model's entry in the configuration the values asked for ("
                      + ", ".join(f"{k}={asked[k]}" for k in wanted)
                      + f") and run `systemctl reload weightcache@{self.gpu}`")
+        if waiting:
+            hint += ("; this checkpoint's entry with other values waits for its engine: "
+                     + ", ".join(f"{s.label} ({values(d)})" for s, d in waiting)
+                     + ": the service cannot lay it out itself; start the engine with --load-format weightcache (mode "
+                       "zero_copy, the default), which publishes it (later starts attach that)")
         return hint
 
     def status_line(self, now: float) -> str:
@@ -673,6 +702,13 @@ class ServiceState:
         on_disk = sum(s.state is SlotState.ON_DISK for s in configured)
         if hosted or on_disk:
             line += f"; in the host tier: {hosted}, on disk: {on_disk} (an attach brings them back)"
+        waiting = [s for s in configured if s.state is SlotState.WAITING_FOR_ENGINE]
+        if waiting:
+            published = {(s.placement.model.name, s.placement.tp_size, s.placement.tp_rank) for s in configured
+                         if s.publication is not None and s.state is SlotState.READY}
+            line += "; waiting for its engine to publish: " + ", ".join(
+                s.label + (" (published)" if (s.placement.model.name, s.placement.tp_size, s.placement.tp_rank)
+                           in published else "") for s in waiting)
         if failed:
             line += f"; failed: {', '.join(s.label + ' (' + (s.error.code if s.error else '?') + ')' for s in failed)}"
         return line

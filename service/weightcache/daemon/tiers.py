@@ -341,7 +341,9 @@ class Tiers:
         return Moved(slot, slot.store_id, "host", () if _same(copy, sealed) else (sealed,))
 
     def shelve(self, state: ServiceState, slot: Slot, reason: str) -> Moved:
-        """READY | HOSTED -> ON_DISK: frees the slab and its host copy; the next attach loads it from disk."""
+        """READY | HOSTED -> ON_DISK: frees the slab and its host copy; the next attach loads it from disk. A
+        publication leaves the state instead (no image on disk to load it from): the next engine start publishes
+        it again, and a model configured only through its engine is back to WAITING_FOR_ENGINE alone."""
         was = slot.tier
         sealed, hosted, manifest_file = slot.shelve()
         size = (sealed or hosted).size_bytes if (sealed or hosted) is not None else 0
@@ -351,6 +353,13 @@ class Tiers:
                  extra=event("shelved", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=size, reason=reason,
                              tier_from=was))
         close = (sealed,) + (() if _same(hosted, sealed) else (hosted,)) + (manifest_file,)
+        if slot.publication is not None:  # no image on disk to load it from: it is gone, its engine publishes again
+            state.slots = [x for x in state.slots if x is not slot]
+            log.info("publication dropped model=%s tp_size=%d rank=%d slab=%s reason=%s: the next engine start "
+                     "publishes it again%s", p.model.name, p.tp_size, p.tp_rank, slot.label, reason,
+                     "; its model waits for its engine" if any(
+                         x.state is SlotState.WAITING_FOR_ENGINE and x.placement.model.name == p.model.name
+                         for x in state.slots) else "")
         return Moved(slot, slot.store_id, "disk", tuple(f for f in close if f is not None))
 
     @staticmethod
@@ -366,9 +375,10 @@ class Tiers:
 
 
 def _pinned(slot: Slot) -> bool:
-    """Whether the budget must leave ``slot`` where it is: its model's ``pin``, or a publication (nothing could
-    bring one back from disk: no processed image is written yet)."""
-    return slot.placement.model.pin or slot.publication is not None
+    """Whether the budget must leave ``slot`` where it is: its model's ``pin``. A publication moves like any other
+    slab (host tier, by priority and LRU); one the budget drops leaves the service (nothing can make it again without
+    its engine: :meth:`Tiers.shelve`)."""
+    return slot.placement.model.pin
 
 
 def demand(slot: Slot, now: float) -> bool:

@@ -19,9 +19,12 @@ The loader asks the service for vLLM's own model dtype (``--dtype``, e.g.
   memory profiler the attached bytes; the attachment (the lease) is kept as
   ``model._weightcache`` and closed when the model goes or the process exits.
   Where vLLM cannot take the slab's tensors as they are (a quant method
-  without ``supports_pre_processed_weights``, a failed canary, an architecture
-  without vLLM naming rules) it loads in ``copy`` mode, the reason logged;
-  ``fallback = false`` makes that an error. Features that write into weights
+  without ``supports_pre_processed_weights``, a failed canary) it loads in ``copy`` mode, the reason logged;
+  ``fallback = false`` makes that an error. An architecture without vLLM
+  naming rules (the service shows it ``waiting_for_engine``) takes the
+  publication path of :mod:`.vllm_publish` instead
+  (:meth:`WeightcacheModelLoader._load_published`): its publication attached
+  zero-copy, else vLLM's default load, published and moved onto. Features that write into weights
   (LoRA, sleep mode, weight transfer, reloads) are ``config_invalid``.
 - ``copy``: vLLM builds the model as usual (its own parameters, on its own
   device) and the attached tensors are copied in; vLLM's own
@@ -366,6 +369,8 @@ class WeightcacheModelLoader(BaseModelLoader):
         try:
             rank = self._rank(model_config, self._target(vllm_config))
             zero_copy = self.options["mode"] == AttachMode.ZERO_COPY
+            if zero_copy and engine_lays_out(rank.path):
+                return self._load_published(vllm_config, model_config, prefix)
             fb.check_servable(rank, self.options["kernel"], model_config.quantization, zero_copy=zero_copy)
             model = self._load_zero_copy(vllm_config, model_config, prefix) if zero_copy else None
             if model is None:
@@ -383,6 +388,31 @@ class WeightcacheModelLoader(BaseModelLoader):
         return fb.load_with_default(self.load_config, vllm_config, model_config, prefix, rank, error)
 
     get_all_weights = fb.get_all_weights  # vLLM 0.34's partial reloads
+
+    # --- publication: what only the engine lays out ---------------------------------------
+
+    def _load_published(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
+        """An architecture without vLLM naming rules in weightcache (the service shows it ``waiting_for_engine``
+        with ``naming = "vllm"``): the publication of this engine's key, zero-copy, when the service holds one;
+        else vLLM's default loader, published (the next start attaches it). The same code path as
+        ``--load-format weightcache_publish`` (:class:`.vllm_publish.WeightcachePublishLoader`).
+
+        Raises:
+            ConfigError (`config_invalid`, key ``mode``): a feature that writes into the weights.
+            WeightcacheError: with ``fallback = false``, why the service cannot take part (absent, the model not
+                configured there, the publication refused), typed.
+        """
+        features = zc.writing_features(vllm_config)
+        if features:
+            raise ConfigError(
+                f"load format {LOAD_FORMAT!r}, mode 'zero_copy': {features[0]} writes into the weights, which "
+                f"are the service's read-only memory in this mode; turn it off or use mode 'copy'", key="mode")
+        o = self.options
+        extra = {"socket_dir": o["socket_dir"], "gpu": o["gpu"], "timeout_s": o["timeout_s"]}
+        inner = vllm_publish.WeightcachePublishLoader(
+            dataclasses.replace(self.load_config, load_format=vllm_publish.LOAD_FORMAT,
+                                model_loader_extra_config=extra), fallback=o["fallback"])
+        return inner.load_model(vllm_config, model_config, prefix)
 
     # --- zero-copy -----------------------------------------------------------------------
 
@@ -557,6 +587,13 @@ class WeightcacheModelLoader(BaseModelLoader):
             dst.data.copy_(tensor)
             filled.add(id(dst))
         zc.check_all_shared(model, filled)
+
+
+def engine_lays_out(path: str) -> bool:
+    """Whether only the engine can lay out the checkpoint at ``path`` in vLLM's layout: its architecture has no
+    vLLM naming rules in weightcache (:func:`weightcache.sharding.family_of`). Such a model is published by the
+    engine that loads it (:meth:`WeightcacheModelLoader._load_published`)."""
+    return sharding.family_of(Checkpoint(path, validate=False).config) is None
 
 
 def _refuse_reload(*args: Any, **kwargs: Any) -> None:

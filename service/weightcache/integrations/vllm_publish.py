@@ -58,6 +58,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from ..client import Attachment, attach_published, physical_gpu, publish
 from ..errors import ConfigError, WeightcacheError
 from ..hashes import blake2b_hex
+from ..journal import event
 from . import vllm_zero_copy as zc
 from .params import register_tensors
 
@@ -188,8 +189,11 @@ def _restore_attrs(model: nn.Module, w: Attachment) -> None:
 class WeightcachePublishLoader(DefaultModelLoader):
     """``--load-format weightcache_publish`` (see the module docstring)."""
 
-    def __init__(self, load_config: LoadConfig) -> None:
+    def __init__(self, load_config: LoadConfig, fallback: bool = True) -> None:
         self.options = parse_extra_config(load_config.model_loader_extra_config)
+        #: False (the ``weightcache`` format's ``fallback = false``): a reason the service cannot take part (absent,
+        #: refused, the model not configured) is raised, typed, instead of ending in vLLM's default load.
+        self.fallback = fallback
         plain = dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
         super().__init__(plain)
 
@@ -221,8 +225,10 @@ class WeightcachePublishLoader(DefaultModelLoader):
         try:
             w = attach_published(path, key, par["tp_size"], par["tp_rank"], **where)
         except WeightcacheError as e:
-            log.info("weightcache no publication to attach checkpoint=%s tp_rank=%d reason=%s: %s", path,
-                     par["tp_rank"], e.code, e.message)
+            if not publishes_after(e):  # no service, not configured there, refused: vLLM's load, nothing published
+                return self._without_service(vllm_config, model_config, prefix, target, path, par, e)
+            log.debug("weightcache no publication to attach checkpoint=%s tp_rank=%d reason=%s: %s", path,
+                      par["tp_rank"], e.code, e.message)
         else:
             model = self._attached(vllm_config, model_config, prefix, target, w)
             if model is not None:
@@ -235,14 +241,27 @@ class WeightcachePublishLoader(DefaultModelLoader):
         try:
             got = publish(path, key, tensors, par["tp_size"], par["tp_rank"], attrs=attrs, **where)
         except (WeightcacheError, OSError, RuntimeError) as e:  # refused, no memfd, a copy failed: keep its own
+            if not self.fallback and isinstance(e, WeightcacheError):
+                raise
             log.warning("weightcache publication refused checkpoint=%s tp_rank=%d reason=%s: %s; the engine keeps "
                         "its own copy", path, par["tp_rank"], getattr(e, "code", type(e).__name__), e)
             return model
         log.info("weightcache published checkpoint=%s slab=%s created=%s tp_size=%d tp_rank=%d tensors=%d "
-                 "size_bytes=%d", path, got.label, got.created, par["tp_size"], par["tp_rank"], len(tensors),
-                 got.size_bytes)
+                 "size_bytes=%d (loaded with vLLM's default loader; the next start attaches it zero-copy)", path,
+                 got.label, got.created, par["tp_size"], par["tp_rank"], len(tensors), got.size_bytes)
         self._move_onto(model, path, key, where)
         return model
+
+    def _without_service(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+                         target: torch.device, path: str, par: dict[str, int], e: WeightcacheError) -> nn.Module:
+        """The service cannot take part (``e``): raised when ``fallback`` is false, else logged once (WARNING, the
+        journal's ``fallback`` event) and vLLM's own load, nothing published."""
+        if not self.fallback:
+            raise e
+        log.warning("weightcache cannot serve, loading with vLLM's default loader checkpoint=%s tp_size=%d "
+                    "tp_rank=%d reason=%s: %s", path, par["tp_size"], par["tp_rank"], e.code, e.message,
+                    extra=event("fallback", path, par["tp_rank"], tp_size=par["tp_size"], error_code=e.code))
+        return self._own_load(vllm_config, model_config, prefix, target)
 
     def _own_load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
                   target: torch.device) -> nn.Module:
@@ -310,6 +329,15 @@ class WeightcachePublishLoader(DefaultModelLoader):
             log.warning("weightcache keeps its own copy after publishing reason=%s: %s", e.code, e.message)
             return
         _keep_lease(model, w)
+
+
+def publishes_after(error: WeightcacheError) -> bool:
+    """Whether an ``attach_published`` that raised ``error`` leaves this engine to load and publish: none published
+    for it yet (``model_not_found`` with ``publication = "none"``: a model configured there, waiting for its engine
+    or laid out otherwise), or held under another engine key (``cache_key_mismatch``). Any other reason (no service,
+    the model not configured there, refused) means the service cannot take a publication either."""
+    return error.code == "cache_key_mismatch" or (error.code == "model_not_found"
+                                                  and error.details.get("publication") == "none")
 
 
 def _refuse_reload(*args: Any, **kwargs: Any) -> None:
