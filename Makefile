@@ -11,7 +11,7 @@ VPY     := $(VENV)/bin/python
 APT_PKGS := libsystemd-dev pkg-config systemd-container debootstrap \
             dpkg-dev debhelper dh-python pybuild-plugin-pyproject python3-all \
             python3-setuptools lintian rpm fakeroot build-essential \
-            python3-venv python3-dev cpio prometheus libnuma1
+            python3-venv python3-dev cpio prometheus libnuma1 openssl
 # torch: the CPU build, 2.13.0+cpu, from PyTorch's CPU wheel index, as
 # weightcache-setup-runtime does; PyPI's torch==2.13.0 is the CUDA build (18
 # nvidia-* wheels, a 4.7 GB .venv). A wheel directory pip is configured with
