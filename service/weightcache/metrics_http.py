@@ -74,7 +74,7 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             self.server.answering(self.connection)
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         web = self.server.web.current() if self.server.web is not None else None
         if web is not None and not web.authorized(self.headers.get("Authorization")):
             self.send_response(401)
@@ -231,7 +231,7 @@ class MetricsServer(socketserver.ThreadingMixIn, HTTPServer):
         if isinstance(err, OSError):
             log.debug("metrics connection ended peer=%s: %s", peer, err)
         else:
-            log.error("metrics connection failed peer=%s", peer, exc_info=True)
+            log.error("metrics connection failed peer=%s", peer, exc_info=err)
 
     def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
         timer = threading.Timer(self.budget_s, _cut, (request,))

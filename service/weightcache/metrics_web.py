@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import hmac
 import logging
 import os
 import re
@@ -104,7 +103,7 @@ class WebConfig:
         """
         if not self.users:
             return True
-        if not header or not header[:6].lower() == "basic ":
+        if not header or header[:6].lower() != "basic ":
             return False
         try:
             user, sep, password = base64.b64decode(header[6:].strip(), validate=True).decode("utf-8").partition(":")

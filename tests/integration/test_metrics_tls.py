@@ -172,7 +172,7 @@ def test_an_unsupported_key_stops_the_endpoint_before_it_listens(tmp_path):
     (tmp_path / "weightcache.toml").write_text(f'[metrics]\nweb_config = "{tmp_path}/web-config.yml"\n')
     r = subprocess.run([sys.executable, "-m", "weightcache", "serve-metrics", "--config",
                         str(tmp_path / "weightcache.toml"), "--listen", f"127.0.0.1:{_free_port()}"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode != 0
     assert f"{tmp_path}/web-config.yml: tls_server_config.cipher_suites: not supported" in r.stderr, r.stderr
 
@@ -194,9 +194,9 @@ def test_web_config_errors_name_file_and_key(tmp_path):
 
 
 def test_a_changed_password_applies_without_a_restart(tmp_path):
-    from weightcache.metrics_web import WebConfigFile
-
     import base64
+
+    from weightcache.metrics_web import WebConfigFile
 
     def header(pw: str) -> str:
         return "Basic " + base64.b64encode(f"prometheus:{pw}".encode()).decode()
@@ -217,11 +217,11 @@ def test_a_changed_password_applies_without_a_restart(tmp_path):
 def test_check_config_reports_the_web_config(tls_endpoint):
     _, _, tmp = tls_endpoint
     r = subprocess.run([sys.executable, "-m", "weightcache", "check-config", "--config", str(tmp / "weightcache.toml"),
-                        "--as-user", "root"], capture_output=True, text=True, timeout=120)
+                        "--as-user", "root"], capture_output=True, text=True, timeout=120, check=False)
     assert f"metrics endpoint: web_config={tmp}/web-config.yml: TLS, basic_auth_users=1" in r.stdout, r.stdout
     (tmp / "web-config.yml").write_text("basic_auth_users:\n  prometheus: clear-text\n")
     r = subprocess.run([sys.executable, "-m", "weightcache", "check-config", "--config", str(tmp / "weightcache.toml"),
-                        "--as-user", "root"], capture_output=True, text=True, timeout=120)
+                        "--as-user", "root"], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode != 0
     assert (f"error: [metrics] web_config: {tmp}/web-config.yml: basic_auth_users.prometheus: not a bcrypt hash"
             in r.stderr), r.stderr
