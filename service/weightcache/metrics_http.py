@@ -107,7 +107,9 @@ class _Handler(BaseHTTPRequestHandler):
 def _cut(request: socket.socket) -> None:
     """Ends a connection past its :data:`CONNECTION_BUDGET_S`: its thread's next read sees EOF."""
     try:
-        request.shutdown(socket.SHUT_RDWR)
+        # The socket's own shutdown, also for a TLS connection: SSLSocket.shutdown would drop its SSL
+        # object under a handshake or read running on the connection's thread.
+        socket.socket.shutdown(request, socket.SHUT_RDWR)
     except OSError:
         pass
 

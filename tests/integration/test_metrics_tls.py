@@ -225,3 +225,30 @@ def test_check_config_reports_the_web_config(tls_endpoint):
     assert r.returncode != 0
     assert (f"error: [metrics] web_config: {tmp}/web-config.yml: basic_auth_users.prometheus: not a bcrypt hash"
             in r.stderr), r.stderr
+
+
+def test_connections_that_never_shake_hands_do_not_refuse_the_scrape(tls_endpoint, tmp_path):
+    """Slots over TLS: connections that never start the TLS handshake (any user can open them) hold slots as
+    connections that never send a request do; the scrape takes the slot of the one waiting longest."""
+    import threading
+
+    from weightcache import metrics, metrics_http
+    from weightcache.metrics_web import WebConfigFile
+
+    _, ca, tmp = tls_endpoint
+    listener = metrics_http.bind("127.0.0.1:0")
+    server = metrics_http.MetricsServer(listener, metrics.registry(str(tmp_path), lambda: [0], 5.0),
+                                        max_connections=2, budget_s=30.0,
+                                        web=WebConfigFile(str(tmp / "web-config.yml")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = listener.getsockname()[1]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(2)]
+    try:
+        code, _, body = _get(port, ca, ("prometheus", PASSWORD))
+        assert code == 200 and 'weightcache_socket_listening{gpu="0"} 0.0' in body
+        assert idle[0].recv(100) == b""  # cut: its slot went to the scrape
+    finally:
+        for s in idle:
+            s.close()
+        server.shutdown()
+        listener.close()
