@@ -74,7 +74,7 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             self.server.answering(self.connection)
 
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
         web = self.server.web.current() if self.server.web is not None else None
         if web is not None and not web.authorized(self.headers.get("Authorization")):
             self.send_response(401)
