@@ -7,11 +7,13 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 # libnuma1: vLLM's CPU extension (vllm._C) links it; without it every engine test
-# failed ('_C' object has no attribute 'init_cpu_memory_env'). prometheus: promtool.
+# failed ('_C' object has no attribute 'init_cpu_memory_env'). prometheus: promtool
+# and the tests' Prometheus servers (its own service is disabled: see below).
+# openssl: the certificates of the metrics endpoint's TLS tests.
 APT_PKGS := libsystemd-dev pkg-config systemd-container debootstrap \
             dpkg-dev debhelper dh-python pybuild-plugin-pyproject python3-all \
             python3-setuptools lintian rpm fakeroot build-essential \
-            python3-venv python3-dev cpio prometheus libnuma1
+            python3-venv python3-dev cpio prometheus libnuma1 openssl
 # torch: the CPU build, 2.13.0+cpu, from PyTorch's CPU wheel index, as
 # weightcache-setup-runtime does; PyPI's torch==2.13.0 is the CUDA build (18
 # nvidia-* wheels, a 4.7 GB .venv). A wheel directory pip is configured with
@@ -43,7 +45,11 @@ $(STAMP_APT): Makefile
 	if [ -n "$$missing" ]; then \
 	  echo "apt: installing $$missing"; \
 	  DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null || exit 1; \
+	  case " $$missing " in *" prometheus "*) \
+	    echo "apt: prometheus is for promtool and the tests' own servers: its Debian service (a server on *:9090, started at boot) is disabled and stopped"; \
+	    systemctl disable --now prometheus.service >/dev/null 2>&1 || true;; \
+	  esac; \
 	fi
 	@touch $@
 

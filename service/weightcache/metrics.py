@@ -27,6 +27,14 @@ A window remains between the check and the connect: an instance stopped in it
 is started again by the connect. ``systemctl stop`` of an instance stops its
 socket too when both are stopped together, as ``weightcache.target`` does.
 
+Labels: ``gpu`` (the instance number) on every series; ``gpu_uuid`` (``GPU-...``, empty on the host
+backend, which Prometheus stores as no label) on every series the instance itself reports (its answer
+carries its device), so they join dcgm-exporter's ``UUID`` one-to-one. The four series the endpoint
+writes from outside the instance (:data:`OUTSIDE`: socket, unit state, answered, configured slabs) carry
+``gpu`` only: they exist while the instance is down, when its UUID is unknown, and must stay one series
+through its starts and stops (``for:`` of an alert, ``changes()``); ``weightcache_build_info`` joins the
+UUID onto them where it is known (docs/operations.md, "GPU identity").
+
 GPUs reported: every ``N.sock`` in the socket directory and every GPU the
 config places a model on (a configured GPU without a socket shows
 ``weightcache_socket_listening 0``). An idle node answers with what it knows:
@@ -63,7 +71,13 @@ SLAB_STATES: tuple[SlotState, ...] = tuple(SlotState)
 #: Where a slab is (``weightcache.daemon.budget.TIERS``).
 SLAB_TIERS = ("gpu", "host", "disk")
 
-SLAB_LABELS = ("gpu", "model", "tp_size", "tp_rank")
+#: Labels of the series the instance reports about its device (see the module docstring).
+GPU_LABELS = ("gpu", "gpu_uuid")
+SLAB_LABELS = GPU_LABELS + ("model", "tp_size", "tp_rank")
+#: Families the endpoint writes from outside the instance (systemd, the socket directory, the configuration):
+#: ``gpu`` only, never ``gpu_uuid``.
+OUTSIDE = ("weightcache_socket_listening", "weightcache_configured_slabs", "weightcache_service_state",
+           "weightcache_instance_up")
 
 #: name -> (type, labels, help): every family this module writes (docs/operations.md has the same table).
 FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -79,23 +93,24 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                                 "1 when the instance's daemon answered this scrape's metrics request (it may still "
                                 "serve nothing: see weightcache_config_rejected); 0 when nothing answered or "
                                 "weightcache-hold did (runtime missing)"),
-    "weightcache_config_rejected": ("gauge", ("gpu",),
+    "weightcache_config_rejected": ("gauge", GPU_LABELS,
                                     "1 while the instance serves without its configuration files (they did not load "
                                     "at start or at the last reload; the journal's config_rejected event names the "
                                     "file, line and key)"),
     "weightcache_build": ("info", ("gpu", "version", "protocol_version", "backend", "gpu_uuid",
                                    "compute_capability"), "The instance's weightcache version and device"),
-    "weightcache_start_time_seconds": ("gauge", ("gpu",), "When the instance started, Unix time in seconds"),
-    "weightcache_clients": ("gauge", ("gpu",), "Open client connections of the instance"),
-    "weightcache_memory_slab_bytes": ("gauge", ("gpu",), "Device memory held by resident slabs, bytes"),
-    "weightcache_memory_free_bytes": ("gauge", ("gpu",), "Free memory of the device (host RAM: host backend), bytes"),
-    "weightcache_memory_total_bytes": ("gauge", ("gpu",), "Total memory of the device (host RAM: host backend), bytes"),
-    "weightcache_memory_budget_bytes": ("gauge", ("gpu",), "The memory budget in force (memory_budget_bytes), bytes"),
-    "weightcache_memory_budget_used_bytes": ("gauge", ("gpu",),
+    "weightcache_start_time_seconds": ("gauge", GPU_LABELS, "When the instance started, Unix time in seconds"),
+    "weightcache_clients": ("gauge", GPU_LABELS, "Open client connections of the instance"),
+    "weightcache_memory_slab_bytes": ("gauge", GPU_LABELS, "Device memory held by resident slabs, bytes"),
+    "weightcache_memory_free_bytes": ("gauge", GPU_LABELS, "Free memory of the device (host RAM: host backend), bytes"),
+    "weightcache_memory_total_bytes": ("gauge", GPU_LABELS,
+                                       "Total memory of the device (host RAM: host backend), bytes"),
+    "weightcache_memory_budget_bytes": ("gauge", GPU_LABELS, "The memory budget in force (memory_budget_bytes), bytes"),
+    "weightcache_memory_budget_used_bytes": ("gauge", GPU_LABELS,
                                              "Bytes of the budget taken: slabs on the GPU and loads granted room"),
-    "weightcache_host_tier_bytes": ("gauge", ("gpu",), "Size of the host tier (host_tier_bytes), bytes"),
-    "weightcache_host_tier_used_bytes": ("gauge", ("gpu",), "Bytes the host tier holds, bytes"),
-    "weightcache_memory_held_elsewhere_bytes": ("gauge", ("gpu",),
+    "weightcache_host_tier_bytes": ("gauge", GPU_LABELS, "Size of the host tier (host_tier_bytes), bytes"),
+    "weightcache_host_tier_used_bytes": ("gauge", GPU_LABELS, "Bytes the host tier holds, bytes"),
+    "weightcache_memory_held_elsewhere_bytes": ("gauge", GPU_LABELS,
                                                 "Bytes of slabs the service freed that engines still map, bytes"),
     "weightcache_slab_state": ("gauge", SLAB_LABELS + ("state",), "1 for the slab's state"),
     "weightcache_slab_tier": ("gauge", SLAB_LABELS + ("tier",), "1 for the slab's tier (gpu, host, disk)"),
@@ -107,36 +122,36 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                                                     "Duration of the slab's last load since start, seconds"),
     "weightcache_slab_last_load_bytes": ("gauge", SLAB_LABELS, "Payload bytes written by the slab's last load"),
     "weightcache_loads": ("counter", SLAB_LABELS + ("outcome", "code", "source"),
-                          "Loads that ended, by outcome (loaded, failed), error code and source (checkpoint, image)"),
-    "weightcache_images_written": ("counter", ("gpu",), "Images written to the image directory"),
-    "weightcache_image_written_bytes": ("counter", ("gpu",), "Slab bytes written to images, bytes"),
-    "weightcache_image_write_seconds": ("counter", ("gpu",), "Time spent writing images, seconds"),
-    "weightcache_image_write_failures": ("counter", ("gpu",), "Image writes that did not finish (no room, I/O)"),
-    "weightcache_images_read": ("counter", ("gpu",), "Slabs made from a valid image instead of the checkpoint"),
-    "weightcache_image_read_bytes": ("counter", ("gpu",), "Slab bytes read from images, bytes"),
-    "weightcache_image_read_seconds": ("counter", ("gpu",), "Time spent reading and checking images, seconds"),
-    "weightcache_images_rejected": ("counter", ("gpu", "reason"),
+                          "Loads that ended, by outcome (loaded, failed), error code and source (checkpoint, image, peer)"),
+    "weightcache_images_written": ("counter", GPU_LABELS, "Images written to the image directory"),
+    "weightcache_image_written_bytes": ("counter", GPU_LABELS, "Slab bytes written to images, bytes"),
+    "weightcache_image_write_seconds": ("counter", GPU_LABELS, "Time spent writing images, seconds"),
+    "weightcache_image_write_failures": ("counter", GPU_LABELS, "Image writes that did not finish (no room, I/O)"),
+    "weightcache_images_read": ("counter", GPU_LABELS, "Slabs made from a valid image instead of the checkpoint"),
+    "weightcache_image_read_bytes": ("counter", GPU_LABELS, "Slab bytes read from images, bytes"),
+    "weightcache_image_read_seconds": ("counter", GPU_LABELS, "Time spent reading and checking images, seconds"),
+    "weightcache_images_rejected": ("counter", GPU_LABELS + ("reason",),
                                     "Images not served, by reason (digest, identity, key, layout, format, access)"),
-    "weightcache_images_removed": ("counter", ("gpu",), "Images removed to keep within image_max_bytes"),
+    "weightcache_images_removed": ("counter", GPU_LABELS, "Images removed to keep within image_max_bytes"),
     "weightcache_verify_runs": ("counter", SLAB_LABELS, "verify requests that recomputed the slab's digests"),
     "weightcache_verify_failures": ("counter", SLAB_LABELS, "verify runs that found a changed tensor"),
-    "weightcache_attaches": ("counter", ("gpu", "model", "outcome", "code"),
+    "weightcache_attaches": ("counter", GPU_LABELS + ("model", "outcome", "code"),
                              "Attaches answered, by outcome (daemon, loading, refused) and error code"),
     "weightcache_publishes": ("counter", SLAB_LABELS + ("outcome", "code"),
                               "Publications answered, by outcome (published, held, refused) and error code"),
-    "weightcache_notify_dropped": ("counter", ("gpu", "key"),
+    "weightcache_notify_dropped": ("counter", GPU_LABELS + ("key",),
                                    "sd_notify datagrams dropped because the service manager's socket was full, by "
                                    "their first key (STATUS, FDSTORE...)"),
-    "weightcache_peer_seeds": ("counter", ("gpu", "model", "outcome", "reason"),
+    "weightcache_peer_seeds": ("counter", GPU_LABELS + ("model", "outcome", "reason"),
                                ("Peer seeding asked of peers (issue 37), by outcome (seeded; fallback: one per peer "
                                 "that did not seed, by reason)")),
-    "weightcache_peer_seed_bytes": ("counter", ("gpu", "model"), "Bytes read from peers into slabs"),
-    "weightcache_peer_seed_seconds": ("counter", ("gpu", "model"), "Seconds of the READs from peers"),
-    "weightcache_peer_served": ("counter", ("gpu", "model", "outcome", "reason"),
+    "weightcache_peer_seed_bytes": ("counter", GPU_LABELS + ("model",), "Bytes read from peers into slabs"),
+    "weightcache_peer_seed_seconds": ("counter", GPU_LABELS + ("model",), "Seconds of the READs from peers"),
+    "weightcache_peer_served": ("counter", GPU_LABELS + ("model", "outcome", "reason"),
                                 ("Peer seeding requests answered by this service, by outcome (served, refused, "
                                  "refused_by_peer) and reason")),
-    "weightcache_peer_served_bytes": ("counter", ("gpu", "model"), "Bytes peers read from this service"),
-    "weightcache_attach_duration_seconds": ("histogram", ("gpu", "model"),
+    "weightcache_peer_served_bytes": ("counter", GPU_LABELS + ("model",), "Bytes peers read from this service"),
+    "weightcache_attach_duration_seconds": ("histogram", GPU_LABELS + ("model",),
                                             "Attach service time, request read to reply queued, seconds"),
 }
 
@@ -268,22 +283,23 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
     st, co = inst.status, inst.counters
     if st is None or co is None:
         return
+    u = st.device.gpu_uuid
     fam.f["weightcache_build"].add_metric([g], {
         "version": co.version, "protocol_version": str(protocol.PROTOCOL_VERSION), "backend": st.backend,
         "gpu_uuid": st.device.gpu_uuid, "compute_capability": st.device.compute_capability})
-    fam.add("weightcache_config_rejected", (g,), int(st.config_error is not None))
-    fam.add("weightcache_start_time_seconds", (g,), co.started_at)
-    fam.add("weightcache_clients", (g,), st.clients)
-    fam.add("weightcache_memory_slab_bytes", (g,), sum(sl.resident_bytes for sl in st.slabs))
-    fam.add("weightcache_memory_free_bytes", (g,), st.free_bytes)
-    fam.add("weightcache_memory_total_bytes", (g,), st.total_bytes)
-    fam.add("weightcache_memory_budget_bytes", (g,), st.budget_bytes)
-    fam.add("weightcache_memory_budget_used_bytes", (g,), st.gpu_bytes)
-    fam.add("weightcache_host_tier_bytes", (g,), st.host_tier_bytes)
-    fam.add("weightcache_host_tier_used_bytes", (g,), st.host_used_bytes)
-    fam.add("weightcache_memory_held_elsewhere_bytes", (g,), st.held_elsewhere_bytes)
+    fam.add("weightcache_config_rejected", (g, u), int(st.config_error is not None))
+    fam.add("weightcache_start_time_seconds", (g, u), co.started_at)
+    fam.add("weightcache_clients", (g, u), st.clients)
+    fam.add("weightcache_memory_slab_bytes", (g, u), sum(sl.resident_bytes for sl in st.slabs))
+    fam.add("weightcache_memory_free_bytes", (g, u), st.free_bytes)
+    fam.add("weightcache_memory_total_bytes", (g, u), st.total_bytes)
+    fam.add("weightcache_memory_budget_bytes", (g, u), st.budget_bytes)
+    fam.add("weightcache_memory_budget_used_bytes", (g, u), st.gpu_bytes)
+    fam.add("weightcache_host_tier_bytes", (g, u), st.host_tier_bytes)
+    fam.add("weightcache_host_tier_used_bytes", (g, u), st.host_used_bytes)
+    fam.add("weightcache_memory_held_elsewhere_bytes", (g, u), st.held_elsewhere_bytes)
     for sl in st.slabs:
-        lab = (g, sl.model, sl.tp_size, sl.tp_rank)
+        lab = (g, u, sl.model, sl.tp_size, sl.tp_rank)
         for state in SLAB_STATES:
             fam.add("weightcache_slab_state", lab + (state.value,), int(sl.state is state))
         for tier in SLAB_TIERS:
@@ -293,45 +309,45 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
         fam.add("weightcache_slab_leases", lab, sl.lease_count)
         fam.add("weightcache_slab_adopted", lab, int(sl.adopted))
     for sc in co.slabs:
-        lab = (g, sc.model, sc.tp_size, sc.tp_rank)
+        lab = (g, u, sc.model, sc.tp_size, sc.tp_rank)
         fam.add("weightcache_slab_last_load_duration_seconds", lab, sc.last_load_s)
         fam.add("weightcache_slab_last_load_bytes", lab, sc.last_load_bytes)
         fam.add("weightcache_verify_runs", lab, sc.verify_runs)
         fam.add("weightcache_verify_failures", lab, sc.verify_failures)
     for lc in co.loads:
-        fam.add("weightcache_loads", (g, lc.model, lc.tp_size, lc.tp_rank, lc.outcome, lc.code, lc.source), lc.count)
+        fam.add("weightcache_loads", (g, u, lc.model, lc.tp_size, lc.tp_rank, lc.outcome, lc.code, lc.source), lc.count)
     im = co.images or {}  # zeros for a service without images (or an older one)
     for name, field in (("weightcache_images_written", "written"), ("weightcache_image_written_bytes", "written_bytes"),
                         ("weightcache_image_write_seconds", "write_seconds"),
                         ("weightcache_image_write_failures", "write_failures"), ("weightcache_images_read", "read"),
                         ("weightcache_image_read_bytes", "read_bytes"), ("weightcache_image_read_seconds", "read_seconds"),
                         ("weightcache_images_removed", "removed")):
-        fam.add(name, (g,), im.get(field, 0))
+        fam.add(name, (g, u), im.get(field, 0))
     for reason in ("digest", "identity", "key", "layout", "format", "access"):
-        fam.add("weightcache_images_rejected", (g, reason), (im.get("rejected") or {}).get(reason, 0))
+        fam.add("weightcache_images_rejected", (g, u, reason), (im.get("rejected") or {}).get(reason, 0))
     for ac in co.attaches:
-        fam.add("weightcache_attaches", (g, ac.model, ac.outcome, ac.code), ac.count)
+        fam.add("weightcache_attaches", (g, u, ac.model, ac.outcome, ac.code), ac.count)
     for pc in co.publishes:
-        fam.add("weightcache_publishes", (g, pc.model, pc.tp_size, pc.tp_rank, pc.outcome, pc.code), pc.count)
+        fam.add("weightcache_publishes", (g, u, pc.model, pc.tp_size, pc.tp_rank, pc.outcome, pc.code), pc.count)
     for key, n in sorted((co.notify_dropped if isinstance(co.notify_dropped, dict) else {}).items()):
         if isinstance(n, int) and not isinstance(n, bool):
-            fam.add("weightcache_notify_dropped", (g, str(key)[:64]), n)
+            fam.add("weightcache_notify_dropped", (g, u, str(key)[:64]), n)
     for sc in co.seeds:
         if sc.role == "received":
-            fam.add("weightcache_peer_seeds", (g, sc.model, sc.outcome, sc.reason), sc.count)
+            fam.add("weightcache_peer_seeds", (g, u, sc.model, sc.outcome, sc.reason), sc.count)
             if sc.outcome == "seeded":
-                fam.add("weightcache_peer_seed_bytes", (g, sc.model), sc.bytes)
-                fam.add("weightcache_peer_seed_seconds", (g, sc.model), sc.seconds)
+                fam.add("weightcache_peer_seed_bytes", (g, u, sc.model), sc.bytes)
+                fam.add("weightcache_peer_seed_seconds", (g, u, sc.model), sc.seconds)
         else:
-            fam.add("weightcache_peer_served", (g, sc.model, sc.outcome, sc.reason), sc.count)
+            fam.add("weightcache_peer_served", (g, u, sc.model, sc.outcome, sc.reason), sc.count)
             if sc.outcome == "served":
-                fam.add("weightcache_peer_served_bytes", (g, sc.model), sc.bytes)
+                fam.add("weightcache_peer_served_bytes", (g, u, sc.model), sc.bytes)
     for at in co.attach_times:
         cumulative, buckets = 0, []
         for bound, n in zip([*at.bounds_s, float("inf")], at.counts):
             cumulative += n
             buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-        fam.f["weightcache_attach_duration_seconds"].add_metric([g, at.model], buckets, at.sum_s)
+        fam.f["weightcache_attach_duration_seconds"].add_metric([g, u, at.model], buckets, at.sum_s)
 
 
 class NodeCollector:
@@ -377,5 +393,5 @@ def write_textfile(path: str, reg: CollectorRegistry) -> None:
     write_to_textfile(path, reg)
 
 
-__all__ = ["FAMILIES", "Instance", "NodeCollector", "collect", "exposition", "registry", "service_states",
-           "write_textfile"]
+__all__ = ["FAMILIES", "GPU_LABELS", "Instance", "NodeCollector", "OUTSIDE", "collect", "exposition", "registry",
+           "service_states", "write_textfile"]

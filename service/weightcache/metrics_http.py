@@ -21,6 +21,11 @@ refuse the scrape; when every slot is answering a request it waits up to
 What the endpoint shows of restricted models is decided by the service
 (``restricted-N``, no name or path: :func:`weightcache.daemon.handlers.restricted_aliases`).
 
+With ``[metrics] web_config`` (:mod:`weightcache.metrics_web`, Prometheus' web config file) each
+accepted connection is wrapped in TLS and its handshake done on the connection's own thread (within
+:data:`REQUEST_TIMEOUT_S`: a client that never completes it holds a slot as one that never sends a
+request does); with ``basic_auth_users`` every path answers 401 without valid credentials.
+
 Forbidden imports: torch, weightcache.daemon, weightcache.memory, weightcache.pipeline.
 """
 
@@ -29,6 +34,8 @@ from __future__ import annotations
 import logging
 import socket
 import socketserver
+import ssl
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -37,6 +44,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from . import metrics, notify
+from .metrics_web import REALM, WebConfigFile
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +75,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.answering(self.connection)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        web = self.server.web.current() if self.server.web is not None else None
+        if web is not None and not web.authorized(self.headers.get("Authorization")):
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", f'Basic realm="{REALM}", charset="UTF-8"')
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            body = b"unauthorized: basic_auth_users of the endpoint's web config file\n"
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         path = urlsplit(self.path).path
         if path == "/metrics":
             self._reply(200, metrics.exposition(self.server.registry), CONTENT_TYPE_LATEST)
@@ -89,7 +107,9 @@ class _Handler(BaseHTTPRequestHandler):
 def _cut(request: socket.socket) -> None:
     """Ends a connection past its :data:`CONNECTION_BUDGET_S`: its thread's next read sees EOF."""
     try:
-        request.shutdown(socket.SHUT_RDWR)
+        # The socket's own shutdown, also for a TLS connection: SSLSocket.shutdown would drop its SSL
+        # object under a handshake or read running on the connection's thread.
+        socket.socket.shutdown(request, socket.SHUT_RDWR)
     except OSError:
         pass
 
@@ -103,19 +123,22 @@ class MetricsServer(socketserver.ThreadingMixIn, HTTPServer):
         reg (`CollectorRegistry`): see :func:`weightcache.metrics.registry`.
         max_connections (`int`, *optional*): connections served at once (:data:`MAX_CONNECTIONS`).
         budget_s (`float`, *optional*): seconds one connection may last (:data:`CONNECTION_BUDGET_S`).
+        web (`WebConfigFile`, *optional*): TLS and basic authentication (``[metrics] web_config``); None:
+            plain HTTP, anyone who can connect may read.
     """
 
     daemon_threads = True
     block_on_close = False
 
     def __init__(self, listener: socket.socket, reg: CollectorRegistry, max_connections: int = MAX_CONNECTIONS,
-                 budget_s: float = CONNECTION_BUDGET_S) -> None:
+                 budget_s: float = CONNECTION_BUDGET_S, web: WebConfigFile | None = None) -> None:
         # BaseServer's, not TCPServer's: that one creates a socket of its own, which the unit's
         # RestrictAddressFamilies=AF_UNIX refuses (and which would only be closed again).
         socketserver.BaseServer.__init__(self, listener.getsockname()[:2], _Handler)
         self.socket = listener
         self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
         self.registry = reg
+        self.web = web
         self.budget_s = budget_s
         self._slots = threading.BoundedSemaphore(max_connections)
         self.max_connections = max_connections
@@ -177,6 +200,41 @@ class MetricsServer(socketserver.ThreadingMixIn, HTTPServer):
             self._slots.release()
             raise
 
+    def get_request(self) -> tuple[socket.socket, tuple]:
+        """Accepts a connection; wrapped in TLS (its handshake not yet done) when the web config has TLS."""
+        request, addr = self.socket.accept()
+        ctx = self.web.current().ssl_context if self.web is not None else None
+        if ctx is not None:
+            try:
+                request = ctx.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ValueError):
+                request.close()
+                raise OSError("TLS wrap failed") from None
+        return request, addr
+
+    def finish_request(self, request: socket.socket, client_address: tuple) -> None:
+        """Completes the TLS handshake (on the connection's thread, within :data:`REQUEST_TIMEOUT_S`), then
+        serves the requests; a failed handshake (plain HTTP to a TLS endpoint, an untrusted client
+        certificate) ends the connection with a debug line."""
+        if isinstance(request, ssl.SSLSocket):
+            try:
+                request.settimeout(REQUEST_TIMEOUT_S)
+                request.do_handshake()
+            except (OSError, ValueError) as e:
+                log.debug("metrics TLS handshake failed peer=%s: %s", client_address[0] if client_address else "", e)
+                return
+        super().finish_request(request, client_address)
+
+    def handle_error(self, request: socket.socket, client_address: tuple) -> None:
+        """A connection that failed: a network or TLS error at debug level (any local user can cause them);
+        anything else is a bug, logged with its traceback."""
+        err = sys.exc_info()[1]
+        peer = client_address[0] if client_address else ""
+        if isinstance(err, OSError):
+            log.debug("metrics connection ended peer=%s: %s", peer, err)
+        else:
+            log.error("metrics connection failed peer=%s", peer, exc_info=err)
+
     def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
         timer = threading.Timer(self.budget_s, _cut, (request,))
         timer.daemon = True
@@ -217,8 +275,10 @@ def listener_from_systemd() -> socket.socket | None:
     return socket.socket(fileno=mine[0]) if mine else None
 
 
-def serve(listener: socket.socket, reg: CollectorRegistry) -> None:
-    """Answers requests on ``listener`` until the process is stopped (SIGTERM)."""
-    server = MetricsServer(listener, reg)
-    log.info("serving metrics address=%s", listener.getsockname())
+def serve(listener: socket.socket, reg: CollectorRegistry, web: WebConfigFile | None = None) -> None:
+    """Answers requests on ``listener`` until the process is stopped (SIGTERM); ``web``: see :class:`MetricsServer`."""
+    server = MetricsServer(listener, reg, web=web)
+    cfg = web.current() if web is not None else None
+    log.info("serving metrics address=%s tls=%s basic_auth_users=%d web_config=%s", listener.getsockname(),
+             cfg is not None and cfg.ssl_context is not None, len(cfg.users) if cfg else 0, web.path if web else "")
     server.serve_forever()

@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 
 from attackers import (NOBODY, back_to_baseline, baseline_figures, fork_as, hung_read_env, ok_attach,  # noqa: E402
                        open_socket_to_all, reap, release_read, result, wait_read_hung)
-from service_harness import make_config, record_figures, service_env  # noqa: E402
+from service_harness import make_config, poll_until, record_figures, service_env  # noqa: E402
 from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.session import Session  # noqa: E402
@@ -257,6 +257,19 @@ def test_a_reload_whose_file_read_hangs_freezes_no_client(daemon, tmp_path, ok_c
     release_read(gate.parent / gate.stem)  # the abandoned read returns (the gate is <name>.gate)
     os.unlink(gate)
     svc.request(protocol.Reload())  # the mount answers again: the reload applies
+
+    def closed_by_the_abandoned_read() -> bool:
+        """The abandoned worker, released, closes the gate and the drop-in on its own time: under CPU
+        starvation (the newcomer check, issue 39) after the next reload has been answered."""
+        held = []
+        for name in os.listdir(f"/proc/{svc.pid}/fd"):
+            try:
+                held.append(os.readlink(f"/proc/{svc.pid}/fd/{name}"))
+            except FileNotFoundError:
+                continue
+        return not any(t.startswith((str(gate), str(conf_d / "hung.toml"))) for t in held)
+
+    poll_until(closed_by_the_abandoned_read, "the released read to close the gate and the drop-in", 60, 0.05)
     after = back_to_baseline(svc, before)
     record_figures("attack.reload_hung_read", "reload while reading a drop-in never returns (hung mount)",
                    "files read on a worker: a well-behaved attach within 1 s meanwhile; the reload answered "

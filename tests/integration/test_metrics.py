@@ -54,9 +54,13 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 def value(smp: dict, name: str, **labels) -> float:
-    key = (name, frozenset((k, str(v)) for k, v in labels.items()))
-    assert key in smp, f"{name}{labels} not exposed; have {sorted(k for k in smp if k[0] == name)}"
-    return smp[key]
+    """The sample ``name{labels}``; ``gpu_uuid`` is matched only when given (test_gpu_uuid_on_what_instances_report
+    checks it on every sample)."""
+    want = frozenset((k, str(v)) for k, v in labels.items())
+    keys = [k for k in smp if k[0] == name and (k[1] == want or ("gpu_uuid" not in labels and k[1] - want
+                                                                 and {x[0] for x in k[1] - want} == {"gpu_uuid"}))]
+    assert len(keys) == 1, f"{name}{labels} not exposed once; have {sorted(k for k in smp if k[0] == name)}"
+    return smp[keys[0]]
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +136,33 @@ def test_values_equal_status_json(node):
     assert value(smp, "weightcache_verify_failures_total", **minilm) == 0
     infos = [dict(labels) for (name, labels) in smp if name == "weightcache_build_info"]
     assert {(i["gpu"], i["backend"]) for i in infos} == {("0", "host"), ("1", "host")}, infos
+
+
+def test_gpu_uuid_on_what_instances_report(node):
+    """Every sample an instance reports carries gpu_uuid, its device's (as status --json says; empty on the host
+    backend); the four series the endpoint writes from outside the instance carry gpu only."""
+    from weightcache import metrics
+
+    svc, _ = node
+    status = json.loads(run_cli(svc, "status", "--json").stdout)
+    uuids = {str(st["gpu"]): st["device"]["gpu_uuid"] for st in status["gpus"]}
+    r = run_cli(svc, "metrics")
+    assert r.returncode == 0, r.stderr
+    seen = set()
+    for fam in text_string_to_metric_families(r.stdout):
+        base = fam.name.removesuffix("_info") if fam.name.endswith("_build_info") else fam.name
+        for s in fam.samples:
+            if fam.name in metrics.OUTSIDE:
+                assert "gpu_uuid" not in s.labels, s
+            else:
+                assert s.labels["gpu_uuid"] == uuids[s.labels["gpu"]], s
+                seen.add(base)
+    # Every family but the outside ones, and those with a sample only once it happened: publications, dropped
+    # sd_notify datagrams, peer seeding (this node published nothing, its notify socket was read, it has no peers).
+    happened_only = {"weightcache_publishes", "weightcache_notify_dropped", "weightcache_peer_seeds",
+                     "weightcache_peer_seed_bytes", "weightcache_peer_seed_seconds", "weightcache_peer_served",
+                     "weightcache_peer_served_bytes"}
+    assert seen == set(metrics.FAMILIES) - set(metrics.OUTSIDE) - happened_only, sorted(seen)
 
 
 def test_textfile_output_is_written_whole(node, tmp_path):

@@ -219,3 +219,48 @@ def test_journal_events_carry_message_ids_and_numbers(box):
 
 def good_attach(answer: dict) -> bool:
     return answer.get("ok") is True and answer.get("source") == "daemon" and answer.get("equal") is True
+
+
+# HTTPS inside the container: prints the status and the body (or the error), never raises.
+FETCH_TLS = ("import base64, ssl, sys, urllib.error, urllib.request\n"
+             "req = urllib.request.Request(sys.argv[1])\n"
+             "if len(sys.argv) > 3:\n"
+             "    req.add_header('Authorization', 'Basic ' + base64.b64encode(sys.argv[3].encode()).decode())\n"
+             "ctx = ssl.create_default_context(cafile=sys.argv[2])\n"
+             "try:\n    r = urllib.request.urlopen(req, timeout=30, context=ctx)\n"
+             "    print(r.status); sys.stdout.write(r.read().decode())\n"
+             "except urllib.error.HTTPError as e:\n    print(e.code); sys.stdout.write(e.read().decode())\n")
+
+
+def test_the_sandboxed_endpoint_serves_tls_with_basic_auth(box, tmp_path):
+    """``[metrics] web_config`` under the packaged unit: weightcache-metrics (its own user, no device, no
+    network namespace of its own to create sockets in) reads the key through its group, answers 401 without
+    credentials and the exposition with them, over TLS on the socket systemd passes."""
+    bcrypt = pytest.importorskip("bcrypt", reason="bcrypt is in the test extra")
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (Debian package openssl, in the Makefile's APT_PKGS)")
+    import subprocess
+
+    c = box
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(tmp_path / "k"), "-out", str(tmp_path / "c"), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-days", "2"], check=True, capture_output=True)
+    c.write("/etc/weightcache/metrics.crt", (tmp_path / "c").read_text())
+    c.write("/etc/weightcache/metrics.key", (tmp_path / "k").read_text(), 0o640)
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
+    c.write("/etc/weightcache/web-config.yml", "tls_server_config:\n  cert_file: metrics.crt\n  key_file: metrics.key\n"
+                                               f"basic_auth_users:\n  prometheus: '{hashed}'\n", 0o640)
+    c.run(["chown", "root:weightcache-metrics", "/etc/weightcache/metrics.key", "/etc/weightcache/web-config.yml"])
+    c.write("/etc/weightcache/weightcache.toml",
+            _config(c.ckpt) + '\n[metrics]\nweb_config = "/etc/weightcache/web-config.yml"\n')
+    url, ca = "https://127.0.0.1:9661/metrics", "/etc/weightcache/metrics.crt"
+    try:
+        c.run("systemctl stop weightcache-metrics.service; systemctl restart weightcache-metrics.socket")
+        r = c.run([str(PYTHON), "-c", FETCH_TLS, url, ca], check=False, timeout=60)
+        assert r.stdout.startswith("401\n") and "weightcache_" not in r.stdout, (r.stdout, r.stderr)
+        r = c.run([str(PYTHON), "-c", FETCH_TLS, url, ca, "prometheus:s3cret"], check=False, timeout=60)
+        assert r.stdout.startswith("200\n") and "weightcache_socket_listening{" in r.stdout, (r.stdout, r.stderr)
+        assert c.show("weightcache-metrics.service", "ActiveState") == {"ActiveState": "active"}
+    finally:
+        c.write("/etc/weightcache/weightcache.toml", _config(c.ckpt))
+        c.run("systemctl stop weightcache-metrics.service; systemctl restart weightcache-metrics.socket", check=False)

@@ -520,13 +520,22 @@ def _lifecycle(c: Container, ckpt: Path) -> None:
                "import sys, weightcache, systemd.daemon; print(weightcache.__file__); print(sys.prefix)"])
     assert r.stdout.split() == ["/usr/lib/python3/dist-packages/weightcache/__init__.py", "/opt/weightcache/venv"]
     assert c.path("/opt/weightcache/venv/.weightcache-runtime").is_file()
-    # An interpreter that does not see Debian's dist-packages (the runtime's pyenv base) gets a
-    # .pth naming /usr/lib/weightcache/python.
-    c.run(["weightcache-setup-runtime", "--python", os.path.realpath(RUNTIME_PY), "--prefix", "/srv/wc-venv",
-           "--wheelhouse", "/var/tmp/wheelhouse", "--requirements", "/var/tmp/no-requirements.txt",
-           "--no-verify"], timeout=120)
+    # Another interpreter, the one the test venv was made from: one that does not see Debian's
+    # dist-packages (a pyenv build, as on the development machine) gets a .pth naming
+    # /usr/lib/weightcache/python; Debian's own python3 (the base of a fresh machine's .venv: the
+    # newcomer check, issue 39) sees the package there, and no .pth is written.
+    base = os.path.realpath(RUNTIME_PY)
+    debian = c.run([base, "-c", "import sys; print('/usr/lib/python3/dist-packages' in sys.path)"]).stdout.strip()
+    out = c.run(["weightcache-setup-runtime", "--python", base, "--prefix", "/srv/wc-venv",
+                 "--wheelhouse", "/var/tmp/wheelhouse", "--requirements", "/var/tmp/no-requirements.txt",
+                 "--no-verify"], timeout=120).stdout
     r = c.run(["/srv/wc-venv/bin/python", "-c", "import weightcache; print(weightcache.__file__)"])
-    assert r.stdout.strip() == f"{PKG_PYTHONPATH}/weightcache/__init__.py", r.stdout
+    if debian == "True":
+        assert r.stdout.strip() == "/usr/lib/python3/dist-packages/weightcache/__init__.py", r.stdout
+        assert "weightcache-system.pth" not in out, out
+    else:
+        assert r.stdout.strip() == f"{PKG_PYTHONPATH}/weightcache/__init__.py", r.stdout
+        assert "added " in out and "weightcache-system.pth" in out, out
     # A directory it did not make is refused, not overwritten.
     r = c.run(["weightcache-setup-runtime", "--prefix", "/var/tmp", "--no-verify"], check=False)
     assert r.returncode == 1 and "--force" in r.stderr, (r.returncode, r.stderr)

@@ -273,3 +273,24 @@ def test_promtool_dcgm_join_rules():
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
     rules = (where / "weightcache-dcgm.yml").read_text()
     assert all(_exposed(n) for n in _names_in(rules)), _names_in(rules)
+
+
+def test_gpu_uuid_labels_what_the_instance_reports_and_not_the_outside_series():
+    """A CUDA instance's device UUID is a label of every series it reports (so they join dcgm-exporter's UUID
+    one-to-one); socket, unit state, answered and configured slabs carry gpu only, the same series whether the
+    instance is up (its UUID known) or down (unknown)."""
+    c = Counters([_placement("qwen")], started_at=5.0)
+    c.answered(protocol.Attach("qwen"), [_Reply(protocol.AttachReply(1, "/srv/qwen", "cuda", 4096))], 0.003)
+    st = protocol.ServiceStatus(0, 42, "cuda", protocol.DeviceInfo("cuda", "GPU-5e0c", "9.0"), 1000, 4000,
+                                (_slab("qwen", "ready", 2048),), 1, "ready")
+    up = _exposition([metrics.Instance(0, True, "active", st, c.record(), configured_slabs=1)])
+    down = _exposition([metrics.Instance(0, True, "failed", configured_slabs=1)])
+    for name, fam in up.items():
+        for s in fam.samples:
+            if name in metrics.OUTSIDE:
+                assert "gpu_uuid" not in s.labels, s
+            else:
+                assert s.labels["gpu_uuid"] == "GPU-5e0c", s
+    assert set(down) == set(metrics.OUTSIDE)
+    assert ({(s.name, tuple(sorted(s.labels.items()))) for n in metrics.OUTSIDE for s in down[n].samples}
+            == {(s.name, tuple(sorted(s.labels.items()))) for n in metrics.OUTSIDE for s in up[n].samples})

@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "/etc/weightcache/weightcache.toml)")
     sp.add_argument("--listen", metavar="HOST:PORT", default=None,
                     help="bind this address when not socket-activated (e.g. 127.0.0.1:9661)")
+    sp.add_argument("--web-config", dest="web_config", metavar="FILE", default=None,
+                    help="Prometheus web config file (tls_server_config, basic_auth_users); default: the "
+                         "config's [metrics] web_config; \"\" for plain HTTP")
     sp.set_defaults(fn="prometheus:cmd_serve_metrics", timeout=5.0)
     return p
 

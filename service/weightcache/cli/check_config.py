@@ -103,6 +103,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     off = sorted(cfg.service.disabled_gpus)
     if off:
         print(f"disabled_gpus={off}: weightcache.target starts no instance for these GPUs")
+    if cfg.metrics.web_config:
+        problems += _web_config(cfg.metrics.web_config)
     if not cfg.models:
         print("no models configured")
     warnings: list[str] = []
@@ -157,6 +159,23 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     for msg in problems:
         print(f"error: {msg}", file=sys.stderr)
     return EXIT_FAILED if problems else EXIT_OK
+
+
+def _web_config(path: str) -> list[str]:
+    """``[metrics] web_config``: one line on what the endpoint will do; the problem when the file does not load.
+
+    Checked as the user check-config runs as: the endpoint reads it as weightcache-metrics, so a certificate
+    key this user may read can still be unreadable there (``systemctl status weightcache-metrics`` says so)."""
+    from ..metrics_web import load_web_config
+
+    try:
+        web = load_web_config(path)
+    except ConfigError as e:
+        print(f"metrics endpoint: web_config={path} does not load")
+        return [f"[metrics] web_config: {e.message}"]
+    print(f"metrics endpoint: web_config={path}: {'TLS' if web.ssl_context else 'plain HTTP'}, "
+          f"basic_auth_users={len(web.users)}")
+    return []
 
 
 def _larger_than_budget(cfg: Config, gpu: int, planned: list[tuple[Placement, Any]]) -> dict[str, str]:

@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from ..config import load_config
+from ..config import load_config, load_metrics_config
 from ..errors import ConfigError
 from .common import EXIT_OK, socket_dir_of
 
@@ -48,6 +48,21 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def web_config_of(args: argparse.Namespace):
+    """The endpoint's web config (``--web-config``, else ``[metrics] web_config``), loaded; None for plain HTTP.
+
+    Raises:
+        ConfigError: the config files cannot be parsed (whether TLS is asked cannot be told: the endpoint
+            does not start rather than serve in the clear), or the web config file does not load.
+    """
+    from ..metrics_web import WebConfigFile
+
+    path = getattr(args, "web_config", None)
+    if path is None:
+        path = load_metrics_config(args.config).web_config
+    return WebConfigFile(path) if path else None
+
+
 def cmd_serve_metrics(args: argparse.Namespace) -> int:
     """``weightcache serve-metrics``: answers GET /metrics on the socket systemd passes (or ``--listen``)."""
     from .. import metrics_http
@@ -63,5 +78,6 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
             listener = metrics_http.bind(args.listen)
         except (ValueError, OSError) as e:
             raise ConfigError(f"serve-metrics: cannot listen on {args.listen}: {e}", key="--listen") from None
-    metrics_http.serve(listener, _metrics_registry(args))
+    web = web_config_of(args)
+    metrics_http.serve(listener, _metrics_registry(args), web)
     return EXIT_OK

@@ -19,6 +19,7 @@ Schema (see ``docs/configuration.md`` and ``weightcache.toml(5)``)::
     [metrics]                   # weightcache-metrics.socket (the generator reads it)
     address = "127.0.0.1"       # an IP address; loopback by default
     port = 9661
+    web_config = ""             # Prometheus' web config file (TLS, basic auth); "": plain HTTP
 
     [models.qwen]
     path = "/srv/models/Qwen2.5-7B-Instruct"   # HF directory of safetensors files
@@ -129,8 +130,8 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
 }
 #: Transports of ``[service] seed_transport`` (NIXL backends).
 SEED_TRANSPORTS = ("UCX", "LIBFABRIC")
-#: Keys of ``[metrics]`` (weightcache-metrics.socket's address).
-_METRICS_KEYS = ("address", "port")
+#: Keys of ``[metrics]`` (weightcache-metrics.socket's address, the endpoint's web config file).
+_METRICS_KEYS = ("address", "port", "web_config")
 _MODEL_KEYS = {
     "path", "dtype", "naming", "kernel", "allow_users", "allow_groups", "layouts", "revision",
     "pin", "priority", "preload", "publishers", "image", "max_slab_bytes", "serve_to_peers",
@@ -345,15 +346,19 @@ def default_budget_bytes(total_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """``[metrics]``: where ``weightcache-metrics.socket`` listens (TCP).
+    """``[metrics]``: where ``weightcache-metrics.socket`` listens (TCP), and how the endpoint answers.
 
     Attributes:
         address (`str`): an IPv4 or IPv6 address; ``127.0.0.1`` (loopback) by default.
         port (`int`): 1..65535; :data:`DEFAULT_METRICS_PORT` by default.
+        web_config (`str`): absolute path of a Prometheus web configuration file (``tls_server_config``,
+            ``basic_auth_users``: :mod:`weightcache.metrics_web`); empty (the default): plain HTTP, no
+            authentication.
     """
 
     address: str = "127.0.0.1"
     port: int = 9661
+    web_config: str = ""
 
     @property
     def listen(self) -> str:
@@ -386,6 +391,10 @@ def _parse_metrics(path: str, table: Any, into: dict[str, Any]) -> None:
             if not 1 <= value <= 65535:
                 raise _err(path, "metrics.port", f"{value} is out of range for a TCP port: expected 1..65535 "
                                                   f"(default {DEFAULT_METRICS_PORT})")
+        elif key == "web_config":
+            _check_type(path, "metrics.web_config", value, str)
+            if value:
+                _check_absolute(path, "metrics.web_config", value)
         else:
             raise _err(path, f"metrics.{key}", f"unknown key (known: {', '.join(_METRICS_KEYS)})")
         into[key] = value
@@ -578,6 +587,8 @@ def _check_absolute(path: str, key: str, value: str) -> None:
 def _absolute_example(key: str, value: str) -> str:
     """An absolute path to suggest for the relative ``value`` of ``key``: the value with its leading ``/``
     (``srv/models/x`` -> ``/srv/models/x``), ``/srv/models/NAME`` for a bare checkpoint name."""
+    if key == "metrics.web_config":
+        return os.path.join("/etc/weightcache", os.path.basename(value) or "web-config.yml")
     if not key.endswith(".path"):
         return "/run/weightcache"
     rel = os.path.normpath(value)
@@ -639,6 +650,32 @@ def load_config(path: str | os.PathLike | None = None) -> Config:
     return Config(service=ServiceConfig(**service), models=models, files=tuple(str(f) for f in files),
                   metrics=MetricsConfig(**metrics), realpaths=resolve_paths(m.path for m in models.values()),
                   names=account_names(service.get("operator_groups", ()), models.values()))
+
+
+def load_metrics_config(path: str | os.PathLike | None = None) -> MetricsConfig:
+    """Only the ``[metrics]`` tables of the main file and its drop-ins, merged as :func:`load_config` merges them.
+
+    The metrics endpoint reads this at start: a mistake elsewhere in the files (a model's key) must not
+    decide whether it serves with TLS and authentication, while files it cannot parse must stop it (it
+    cannot tell whether ``web_config`` is set). A missing main file is an empty configuration here.
+
+    Raises:
+        ConfigError (`config_invalid`): a file that is unreadable or not TOML, a ``[metrics]`` table
+            with an unknown or mistyped key (the message names the file and the key).
+    """
+    main = config_path(str(path) if path else None)
+    files = ([main] if main.exists() else []) + _drop_ins(main.parent / "conf.d")
+    metrics: dict[str, Any] = {}
+    for f in files:
+        data, text = _read_toml(f)
+        if "metrics" in data:
+            try:
+                _parse_metrics(str(f), data["metrics"], metrics)
+            except ConfigError as e:
+                if e.details.get("line") is None and e.details.get("key"):
+                    e.details["line"] = _locate(text, e.details["key"])
+                raise
+    return MetricsConfig(**metrics)
 
 
 def account_names(operator_groups: Any, models: Any) -> AccountNames:
