@@ -267,6 +267,12 @@ ERRORS_BY_CODE: dict[str, type[WeightcacheError]] = {
 }
 
 
+#: Error codes of a load the service cannot lay out itself but a vLLM engine can: a model configured with
+#: ``naming = "vllm"`` whose load fails with one of these waits for its engine's publication
+#: (``waiting_for_engine``) instead of failing; ``check-config`` reports it so, not as an error.
+ENGINE_LAYOUT_CODES: frozenset[str] = frozenset({"unsupported_architecture", "unsupported_quantization"})
+
+
 def from_wire(code: str, message: str, details: dict[str, Any] | None = None) -> WeightcacheError:
     """Rebuilds the error class named by ``code`` from an ``error`` reply.
 

@@ -227,6 +227,31 @@ def test_check_config_shows_disabled_gpus(capsys, tmp_path):
     assert re.search(r"^GPU 0: 1 slab, .* planned$", out, re.M), out
 
 
+def test_check_config_shows_a_vllm_model_without_rules_as_waiting_for_engine(capsys, tmp_path):
+    """A ``naming = "vllm"`` model of an architecture without rules (Qwen3, written by transformers) is
+    ``waiting_for_engine`` in the service (the engine publishes it), so check-config does not call it an error;
+    the same checkpoint with tp = 2 and ``naming = "hf"`` still is one."""
+    import transformers
+
+    qwen3 = tmp_path / "qwen3"
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=8, vocab_size=151,
+                                      max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(qwen3)
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text(f'[models.qwen3]\npath = "{qwen3}"\nnaming = "vllm"\n')
+    rc, out, err = cli(capsys, "check-config", "--config", str(cfg))
+    assert rc == 0, err
+    assert "error" not in err, err
+    assert re.search(r"^  qwen3 +tp=1 rank=0  gpus=\[0\]  waiting_for_engine \(unsupported_architecture\): the "
+                     r"service cannot lay it out; the first engine started with --load-format weightcache "
+                     rf"publishes it  {re.escape(str(qwen3))}$", out, re.M), out
+    cfg.write_text(f'[models.qwen3]\npath = "{qwen3}"\nlayouts = [ {{ tp = 2, gpus = [0, 1] }} ]\n')
+    rc, out, err = cli(capsys, "check-config", "--config", str(cfg))
+    assert rc == 1
+    assert "ERROR unsupported_architecture" in out and "error: model qwen3 tp=2 rank=0" in err, (out, err)
+
+
 def test_check_config_fails_on_a_missing_checkpoint(capsys, tmp_path):
     missing = tmp_path / "gone"
     cfg = tmp_path / "weightcache.toml"

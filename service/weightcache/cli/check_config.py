@@ -18,7 +18,7 @@ from typing import Any
 
 from ..checkpoint.header import import_validation_modules
 from ..config import Config, Placement, config_path, load_config
-from ..errors import ConfigError, WeightcacheError
+from ..errors import ENGINE_LAYOUT_CODES, ConfigError, WeightcacheError
 from . import SERVICE_USER
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, human_bytes, plural, run_checked
 from .check_seeding import check_seeding
@@ -123,6 +123,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             try:
                 pl = pipeline.plan(p, host)
             except WeightcacheError as e:
+                if p.model.naming == "vllm" and e.code in ENGINE_LAYOUT_CODES:  # the service shows it waiting
+                    lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  gpus=[{gpus}]  "
+                                 f"waiting_for_engine ({e.code}): the service cannot lay it out; the first "
+                                 f"engine started with --load-format weightcache publishes it  {p.model.path}")
+                    continue
                 problems.append(f"model {p.model.name} tp={p.tp_size} rank={p.tp_rank} (GPU {gpu}, defined in "
                                 f"{p.model.source}): {e.code}: {e.message}")
                 lines.append(f"  {p.model.name:<24} tp={p.tp_size} rank={p.tp_rank}  gpus=[{gpus}]  "

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 from .. import protocol
 from ..config import Placement
-from ..errors import ConfigError, ModelNotFound, RemoteProtocolError, WeightcacheError
+from ..errors import ENGINE_LAYOUT_CODES, ConfigError, ModelNotFound, RemoteProtocolError, WeightcacheError
 from ..hashes import blake2b_hex
 from ..manifest import Manifest
 from ..wire import UNSETTLED, AttachMode, SlotState
@@ -121,9 +121,6 @@ ON_DEMAND = frozenset({S.HOSTED, S.ON_DISK})
 del S, E
 
 
-#: Load errors that, for a model configured with ``naming = "vllm"``, mean that only its engine can lay it out: the
-#: slot waits for the engine's publication (WAITING_FOR_ENGINE) instead of failing.
-ENGINE_LAYOUT_CODES: frozenset[str] = frozenset({"unsupported_architecture", "unsupported_quantization"})
 
 
 def waits_for_engine(slot: Slot, error: WeightcacheError) -> bool:
