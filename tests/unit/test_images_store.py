@@ -196,3 +196,18 @@ def test_a_gpu_slab_is_held_for_the_writers_read_until_the_image_is_written(tmp_
     finally:
         os.close(rfd)
         os.close(fd)
+
+
+def test_listing_the_images_does_not_move_their_last_use(tmp_path):
+    """``last use`` is the file's atime (set when an image is read into a slab): reading headers for
+    ``weightcache images`` must not move it, as a relatime mount does for an atime older than a day."""
+    store = ImageStore(str(tmp_path / "img"), 0, "host")
+    store.prepare()
+    path = _write(store, _placement())
+    st = path.stat()
+    old = st.st_mtime - 3 * 86400
+    os.utime(path, (old, st.st_mtime - 4 * 86400))
+    (e,) = store.entries(headers=True)
+    assert e.model == "m" and e.last_used == old
+    assert path.stat().st_atime == old
+    assert [x.last_used for x in store.entries(headers=True)] == [old]

@@ -243,7 +243,7 @@ class ImageStore:
             return None
         path = self.path_for(placement, publication)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = _open_image(path)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -389,7 +389,7 @@ class ImageStore:
             if e.rejected or ".pub-" not in e.name:
                 continue
             try:
-                fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                fd = _open_image(e.path)
             except OSError:
                 continue
             try:
@@ -453,10 +453,31 @@ class ImageStore:
         return used + size_bytes <= self.limit_bytes
 
 
+def _open_image(path: str) -> int:
+    """Opens the image at ``path`` read-only, not following a symlink, without touching its ``atime``.
+
+    ``atime`` is the image's last use (set explicitly once it is read into a slab, see :meth:`ImageStore.load`);
+    a read of its header alone (``weightcache images``, the publications offered at start) must not move it,
+    which a ``relatime`` mount does on the first read after a change and once a day. ``O_NOATIME`` needs the
+    file's owner (or ``CAP_FOWNER``): anyone else opens it without (``EPERM``) and may move it.
+
+    Returns:
+        `int`: the file descriptor (``O_CLOEXEC``).
+
+    Raises:
+        OSError: as ``os.open`` (``ELOOP`` for a symlink, ``ENOENT``...).
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_NOATIME)
+    except PermissionError:
+        return os.open(path, flags)
+
+
 def _with_header(e: ImageEntry) -> ImageEntry:
     """``e`` with its model, ranks and key summary from the file's header (unchanged when unreadable)."""
     try:
-        fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = _open_image(e.path)
     except OSError:
         return e
     try:
