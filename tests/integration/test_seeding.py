@@ -375,8 +375,28 @@ def test_check_config_reads_the_secret_and_reaches_the_peers(fleet, tmp_path, ca
     rc = main(["check-config", "--config", str(cfg)])
     out, err = capsys.readouterr()
     assert rc == 0, (out, err)
-    assert f"seeding: secret {secret} readable (2 secrets" in out and f"seeding: peer 127.0.0.1:{port} reachable" in out
+    assert f"seeding: secret {secret} readable (2 secrets" in out
+    assert f"seeding: peer 127.0.0.1:{port} reachable, the secret is shared" in out
     assert f"warning: seeding: peer 127.0.0.1:{nobody} is not reachable" in err
+    assert not [k for k in a.seeds() if k[0] == "served"]  # the probe asked for nothing and is not counted
+    other = tmp_path / "other"  # another fleet's secret: found before any load, as an error
+    other.mkdir()
+    wrong = secret_file(other, "b" * 64)
+    cfg.write_text(f'[service]\nbackend = "host"\npeers = ["127.0.0.1:{port}"]\nseed_secret_file = "{wrong}"\n')
+    rc = main(["check-config", "--config", str(cfg)])
+    out, err = capsys.readouterr()
+    assert rc == 1, (out, err)
+    assert (f"error: seeding: peer 127.0.0.1:{port}: the peer refused this node's signature: the two nodes share no "
+            f"secret ({wrong}); every transfer between the two is refused (auth)") in err
+    assert "reachable" not in out
+    half = tmp_path / "half"  # a rotation's step 1 done on the peer only: it accepts this node, not the reverse
+    half.mkdir()
+    cfg.write_text(f'[service]\nbackend = "host"\npeers = ["127.0.0.1:{port}"]\n'
+                   f'seed_secret_file = "{secret_file(half, "c" * 64)}"\n')
+    rc = main(["check-config", "--config", str(cfg)])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "the peer's reply is not signed with this fleet's secret" in err, (out, err)
+    cfg.write_text(f'[service]\nbackend = "host"\npeers = ["127.0.0.1:{port}"]\nseed_secret_file = "{secret}"\n')
     secret.chmod(0o644)
     rc = main(["check-config", "--config", str(cfg)])
     out, err = capsys.readouterr()

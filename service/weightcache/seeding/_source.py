@@ -219,6 +219,9 @@ class Source:
                     self.stats.count("served", (OTHER, "refused", "auth"))
                     ch.refuse_auth()
                 raise
+            if req.get("probe") is True:  # check-config: both secrets checked, nothing asked, nothing counted
+                ch.send("reply", {"ok": True, "probe": True})
+                return
             model = str(req.get("model", ""))[:200]
             blobs = req.get("blobs") if isinstance(req.get("blobs"), dict) else None
             self._one(ch, conn, peer, model, int(req.get("tp_size", 0)), int(req.get("tp_rank", -1)),
