@@ -223,7 +223,9 @@ def check_supported(config_json: dict[str, Any], tp_size: int, naming: str, wher
         raise UnsupportedArchitecture(
             f"{where}: architecture {arch!r} has no tensor-parallel rules (tp_size={tp_size}, naming={naming!r}); "
             f"supported families: {_supported_text()}; "
-            f"use tp = 1 with naming = \"hf\" for this model",
+            + ("a vLLM engine started with --load-format weightcache lays it out and publishes it (a configured "
+               "model waits for it: waiting_for_engine)" if naming == "vllm" else
+               "use tp = 1 with naming = \"hf\" for this model"),
             architecture=arch,
             supported=sorted(FAMILIES),
             tp_size=tp_size,

@@ -219,6 +219,11 @@ def test_unknown_architecture_tp1_hf_generic(tmp_path):
             sharding.shard_specs(ck, tp, 0, naming, None)
         assert e.value.code == "unsupported_architecture"
         assert e.value.details["supported"] == ["llama", "mistral", "qwen2"]
+        # the advice fits the naming: naming = "vllm" is the engine's to lay out (the service shows it
+        # waiting_for_engine), not a reason to switch to naming = "hf"
+        advice = ("a vLLM engine started with --load-format weightcache lays it out and publishes it"
+                  if naming == "vllm" else 'use tp = 1 with naming = "hf" for this model')
+        assert advice in e.value.message and ("naming = \"hf\"" in e.value.message) == (naming == "hf")
         with pytest.raises(UnsupportedArchitecture):
             sharding.check_supported(cfg, tp, naming)
 
