@@ -80,6 +80,11 @@ def test_naming_vllm_without_rules_waits_for_its_engine_then_is_published(daemon
                          capture_output=True, text=True, timeout=60, env=service_env(), check=False)
     assert "waiting_for_engine (unsupported_architecture)" in out.stdout, out.stdout + out.stderr
     assert out.returncode == 0, out.stdout + out.stderr  # not a failure
+    out = subprocess.run([sys.executable, "-m", "weightcache", "list", "--socket-dir", svc.socket_dir],
+                         capture_output=True, text=True, timeout=60, env=service_env(), check=False)
+    head, row = out.stdout.splitlines()
+    assert row.split()[:5] == ["0", "m", "1", "0", "waiting_for_engine"], out.stdout
+    assert head.index("RESIDENT") + len("RESIDENT") == row.index(" 0 B") + len(" 0 B"), out.stdout  # columns align
     metrics = svc.request(protocol.Metrics()).status
     assert [s["state"] for s in metrics["slabs"]] == ["waiting_for_engine"]
     if not os.path.isdir("/run/systemd/system"):  # `weightcache metrics` asks only running units under systemd

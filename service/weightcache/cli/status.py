@@ -175,10 +175,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([dict(sl.to_json(), gpu=gpu) for gpu, sl in rows], indent=2))
     elif statuses:
-        print(f"{'GPU':<4} {'MODEL':<24} {'TP':>3} {'RANK':>4} {'STATE':<9} {'RESIDENT':>10} {'LEASES':>6}  PATH")
-        for gpu, sl in rows:
-            state = sl.state.value + ("*" if sl.adopted else "")
-            print(f"{gpu:<4} {sl.model:<24} {sl.tp_size:>3} {sl.tp_rank:>4} {state:<9} "
+        states = [sl.state.value + ("*" if sl.adopted else "") for _, sl in rows]
+        w = max([9, *map(len, states)])  # waiting_for_engine is longer than the others
+        print(f"{'GPU':<4} {'MODEL':<24} {'TP':>3} {'RANK':>4} {'STATE':<{w}} {'RESIDENT':>10} {'LEASES':>6}  PATH")
+        for (gpu, sl), state in zip(rows, states):
+            print(f"{gpu:<4} {sl.model:<24} {sl.tp_size:>3} {sl.tp_rank:>4} {state:<{w}} "
                   f"{human_bytes(sl.resident_bytes):>10} {sl.lease_count:>6}  {sl.path}")
         if any(sl.adopted for _, sl in rows):
             print("* adopted from the fd store")
