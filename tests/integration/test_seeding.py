@@ -208,7 +208,8 @@ def test_second_service_becomes_ready_from_the_first_without_reading_its_data(fl
 
     capsys.readouterr()
     assert main(["status", "--socket-dir", str(b.dir)]) == 0
-    assert capsys.readouterr().out.count(f"source: peer 127.0.0.1:{port}") == 2
+    out = capsys.readouterr().out
+    assert out.count(f"source: peer 127.0.0.1:{port}") == 2 and ", source peer" not in out, out  # said once
     # Bytes equal to the real checkpoints (the receiver's own files hold zeros: nothing of them was read).
     for bare, real in ((bare_minilm, src_ck), (bare_llama, llama)):
         got = attach_tensors(b, bare)

@@ -108,7 +108,7 @@ def print_status(st: protocol.ServiceStatus, now: float) -> None:
         print(f"  {sl.label:<32} {state_text(sl)}")
         if sl.resident_bytes or sl.tensors:
             print(f"      resident {human_bytes(sl.resident_bytes)} ({sl.resident_bytes} bytes), "
-                  f"{sl.tensors} tensors, {sl.path}" + (f", source {sl.source}" if sl.source else ""))
+                  f"{sl.tensors} tensors, {sl.path}" + (f", source {sl.source}" if sl.source and not sl.peer else ""))  # a peer: its own line
         else:
             print(f"      {sl.path}")
         if sl.error is not None:
