@@ -182,6 +182,11 @@ def test_another_layout_is_another_slot(paths):
 def test_service_keys_that_need_a_restart(paths):
     p = reload.plan([], [], ServiceConfig(), ServiceConfig(backend="host", socket_dir="/run/x", read_threads=2))
     assert p.restart_keys == ("backend", "socket_dir")
+    # the seeding keys are read at the start only (the seeder and its listener): a reload says so, as the docs do
+    seeding = ServiceConfig(peers=("10.0.0.2:9670",), seed_listen="0.0.0.0:9670", seed_samples=2,
+                            seed_secret_file="/etc/weightcache/other.secret")
+    p = reload.plan([], [], ServiceConfig(), seeding)
+    assert p.restart_keys == ("peers", "seed_secret_file", "seed_listen", "seed_samples")
 
 
 def test_a_backend_the_running_one_satisfies_needs_no_restart():

@@ -27,8 +27,8 @@ new identity, or the changed one            **added**: a new PENDING slot, loade
 ==========================================  ====================================================
 
 A slot already RETIRED stays so until its leases end. ``[service]`` keys that
-the running process cannot change (``backend``, ``socket_dir``) are reported
-as ``restart_keys``; the loader's keys apply to the next load.
+the running process cannot change (:data:`RESTART_KEYS`: ``backend``, ``socket_dir``,
+``image_dir``, the seeding keys) are reported as ``restart_keys``; the loader's keys apply to the next load.
 
 Forbidden imports: socket, selectors, threading, torch, weightcache.memory,
 weightcache.pipeline, weightcache.notify, weightcache.daemon.transport,
@@ -52,8 +52,11 @@ from .state import ServiceState, Slot
 
 log = logging.getLogger(__name__)
 
-#: ``[service]`` keys a running service cannot change: they take effect at the next restart.
-RESTART_KEYS = ("backend", "socket_dir", "image_dir")
+#: ``[service]`` keys a running service cannot change: they take effect at the next restart (the seeding keys:
+#: the seeder, its listener and its secret are made once, at the start; docs/configuration.md "Peer seeding").
+RESTART_KEYS = ("backend", "socket_dir", "image_dir", "peers", "peers_file", "seed_secret_file", "seed_listen",
+                "seed_transport", "seed_devices", "seed_bandwidth_bytes_per_s", "seed_timeout_s",
+                "seed_max_transfers", "seed_max_bytes", "seed_samples")
 #: The fields of a model that decide its slab's bytes (the rest, allow lists and source, do not).
 _SLAB_FIELDS = tuple(f.name for f in dataclasses.fields(LoadRequest))
 
