@@ -656,3 +656,16 @@ def test_preload_after_the_path_was_fixed_in_the_file_says_to_reload(capsys, dae
     assert rc == 0, err
     rc, out, err = cli(capsys, "wait", "minilm", *s)
     assert (rc, out.splitlines()[-1]) == (0, "GPU 0 minilm tp=1 rank=0: ready"), err
+
+
+def test_serve_metrics_by_hand_without_listen_names_the_configs_address(capsys, tmp_path, monkeypatch):
+    """Run by hand without --listen: the advice is the [metrics] address and port of the config given, the
+    address weightcache-metrics.socket would listen on, not a fixed 127.0.0.1:9661."""
+    monkeypatch.delenv("LISTEN_FDS", raising=False)
+    monkeypatch.delenv("LISTEN_PID", raising=False)
+    cfg = tmp_path / "weightcache.toml"
+    cfg.write_text('[metrics]\naddress = "::1"\nport = 9761\n')
+    rc, out, err = cli(capsys, "serve-metrics", "--config", str(cfg))
+    assert rc == 2
+    assert ("no socket from systemd ($LISTEN_FDS) and no --listen HOST:PORT; start weightcache-metrics.socket, or "
+            f"give --listen [::1]:9761 ([metrics] address and port of {cfg})") in err, err

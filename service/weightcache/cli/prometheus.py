@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from ..config import load_config, load_metrics_config
+from ..config import config_path, load_config, load_metrics_config
 from ..errors import ConfigError
 from .common import EXIT_OK, socket_dir_of
 
@@ -72,8 +72,11 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
     listener = metrics_http.listener_from_systemd()
     if listener is None:
         if not args.listen:
+            m = load_metrics_config(args.config)  # the address the socket unit would have: the config's
+            host = f"[{m.address}]" if ":" in m.address else m.address
             raise ConfigError("serve-metrics: no socket from systemd ($LISTEN_FDS) and no --listen HOST:PORT; "
-                              "start weightcache-metrics.socket, or give --listen 127.0.0.1:9661", key="--listen")
+                              f"start weightcache-metrics.socket, or give --listen {host}:{m.port} "
+                              f"([metrics] address and port of {config_path(args.config)})", key="--listen")
         try:
             listener = metrics_http.bind(args.listen)
         except (ValueError, OSError) as e:
