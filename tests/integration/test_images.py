@@ -464,3 +464,31 @@ def test_a_publication_whose_checkpoint_changed_is_not_brought_back(tmp_path):
         assert img.with_name(img.name + ".rejected").exists()
     finally:
         second.kill()
+
+
+def test_check_config_warns_of_an_image_over_the_limit_at_the_size_the_service_writes(tmp_path, capsys):
+    """check-config's image size is the file the service writes (header included), so a limit between the
+    slab's bytes and the file's is warned of (the service would never write that image), and the file's
+    own size is not."""
+    from service_harness import to_toml
+    from weightcache.cli import main
+
+    ck = llama_checkpoint(tmp_path / "ck", seed=6, files=1)
+    images = tmp_path / "images"
+    svc = start_service(tmp_path / "a", _config({"m": {"path": ck}}, images))
+    try:
+        svc.wait_settled()
+        [img] = _wait_image(images, svc=svc)
+        slab = svc.status()["slabs"][0]["total_bytes"]
+    finally:
+        svc.stop()
+    size = img.stat().st_size
+    assert size > slab
+    cfg = tmp_path / "check.toml"
+    for limit, warned in ((size - 1, True), (size, False)):
+        cfg.write_text(to_toml(_config({"m": {"path": ck}}, images, image_max_bytes=limit)))
+        capsys.readouterr()
+        assert main(["check-config", "--config", str(cfg)]) == 0
+        err = capsys.readouterr().err
+        assert (f"model m tp=1 rank=0: its image ({size / 1024:.1f} KiB, {size} bytes with its header) is larger "
+                f"than [service] image_max_bytes" in err) is warned, err

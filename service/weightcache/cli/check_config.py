@@ -310,8 +310,23 @@ def _images(cfg: Config, planned: list[tuple[Placement, Any]]) -> tuple[str, lis
                             f"(the user checked as): the service refuses it and runs without images")
     if svc.image_max_bytes:
         for p, pl in planned:
-            if p.model.image and pl.slab_size_bytes > svc.image_max_bytes:
+            size = _image_bytes(p, pl) if p.model.image else 0
+            if size > svc.image_max_bytes:
                 warnings.append(f"model {p.model.name} tp={p.tp_size} rank={p.tp_rank}: its image "
-                                f"({human_bytes(pl.slab_size_bytes)}) is larger than [service] image_max_bytes "
-                                f"({limit}): it is never written")
+                                f"({human_bytes(size)}, {size} bytes with its header) is larger than [service] "
+                                f"image_max_bytes ({limit}): it is never written")
     return line, warnings
+
+
+def _image_bytes(p: Placement, pl: Any) -> int:
+    """Bytes of the image file the service would write for plan ``pl`` of ``p``: its header (manifest with a
+    host digest per tensor, key, placement; padded to the data alignment) and the slab's bytes, as
+    ``image_max_bytes`` counts them."""
+    import dataclasses
+
+    from ..images import build_header
+    from ..manifest import Manifest
+
+    records = tuple(dataclasses.replace(r, digest="xxh3_128:" + "0" * 32) for r in pl.records)
+    m = Manifest(p.model.name, p.tp_size, p.tp_rank, pl.key, pl.slab_size_bytes, records)
+    return len(build_header(m, pl.key, p.to_json(), "host", 0.0)) + pl.slab_size_bytes
