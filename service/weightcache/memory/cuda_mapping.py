@@ -226,7 +226,11 @@ def import_checked(device: _Device, fd: int, size_bytes: int) -> _Mapping:
     try:
         return _map_fd(device, fd, size_bytes, read_only=True)
     except CudaDriverError as e:
-        if e.call not in ("cuMemImportFromShareableHandle", "cuMemMap") or e.result not in _REFUSED:
+        # The import of a received fd fails with CUDA_ERROR_UNKNOWN for an eventfd or /dev/nvidiactl (H200,
+        # driver 580): any refusal of the import but an out-of-memory is the fd's fault, not the device's.
+        refused = (e.result != "CUDA_ERROR_OUT_OF_MEMORY" if e.call == "cuMemImportFromShareableHandle"
+                   else e.call == "cuMemMap" and e.result in _REFUSED)
+        if not refused:
             raise
         raise ManifestSlabMismatch(f"the slab fd received was refused by the CUDA driver ({e.call}: {e.result}): "
                                    f"not a VMM handle of this node of at least {size_bytes} bytes; not mapped (is "
