@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 
 from weightcache.errors import ManifestSlabMismatch, OutOfMemory  # noqa: E402
 from weightcache.memory import get_backend  # noqa: E402
-from weightcache.memory.cuda_driver import CudaDriverError, gpu_uuid  # noqa: E402
+from weightcache.memory.cuda_driver import gpu_uuid  # noqa: E402
 
 SERVICE_DIR = Path(__file__).resolve().parents[2] / "service"
 MiB = 1 << 20
