@@ -114,6 +114,20 @@ def test_credentials_are_required_over_tls(tls_endpoint):
     assert _get(port, ca, ("prometheus", PASSWORD))[0] == 200
 
 
+def test_an_unknown_user_or_a_wrong_password_after_a_good_one_is_refused(tls_endpoint):
+    """An unknown user is refused whatever its password, the empty one included (its bcrypt check runs against a
+    hash of the empty password only to take the time a known user's does); a good password's cached check does
+    not let a wrong password of the same user in."""
+    port, ca, _ = tls_endpoint
+    for auth in (("nobody", ""), ("", ""), ("nobody", PASSWORD)):
+        code, _, body = _get(port, ca, auth)
+        assert code == 401 and "weightcache_" not in body, (auth, code)
+    assert _get(port, ca, ("prometheus", PASSWORD))[0] == 200
+    for wrong in ("", "wrong", PASSWORD + "x"):
+        assert _get(port, ca, ("prometheus", wrong))[0] == 401, wrong
+    assert _get(port, ca, ("prometheus", PASSWORD))[0] == 200
+
+
 def test_prometheus_scrapes_over_tls_with_basic_auth(tls_endpoint):
     if PROMETHEUS is None:
         pytest.skip("prometheus is not installed (Debian package prometheus, in the Makefile's APT_PKGS)")
