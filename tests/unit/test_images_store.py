@@ -196,3 +196,27 @@ def test_a_gpu_slab_is_held_for_the_writers_read_until_the_image_is_written(tmp_
     finally:
         os.close(rfd)
         os.close(fd)
+
+
+def test_a_publication_image_with_a_record_outside_its_data_is_refused_as_layout(tmp_path):
+    """A publication's records are the engine's (no plan to compare with): each must still lie inside the image's
+    data, or the slab would hand out bytes past its end."""
+    store = ImageStore(str(tmp_path / "img"), 0, "host")
+    store.prepare()
+    p = _placement()
+    pub = SimpleNamespace(engine_key_blake2b="ab" * 16, shared=True, publisher_uid=0)
+    record = {"engine_key": {"engine": "vllm"}, "engine_key_blake2b": "ab" * 16, "shared": True}
+    path = Path(store.path_for(p, pub))
+
+    def write(records):
+        m = Manifest("m", 1, 0, KEY, 4096, records)
+        path.write_bytes(build_header(m, KEY, p.to_json(), "host", 1.0, record) + b"\1" * 4096)
+        os.chmod(path, 0o600)
+
+    write((TensorRecord("w", "U8", (4096,), (1,), 0, 4096, "xxh3_128:00"),))
+    assert store.find(p, KEY, None, None, publication=pub) is not None
+    write((TensorRecord("w", "U8", (4096,), (1,), 0, 4096, "xxh3_128:00"),
+           TensorRecord("past_end", "U8", (4096,), (1,), 4096, 4096, "xxh3_128:00")))
+    assert store.find(p, KEY, None, None, publication=pub) is None
+    assert os.path.exists(str(path) + ".rejected") and not path.exists()
+    assert store.stats.snapshot()["rejected"] == {"layout": 1}
