@@ -172,6 +172,48 @@ def test_a_publication_makes_room_as_a_demand_load_and_is_refused_when_none_can_
     assert "shelved model=a" in svc.log() and "reason=room for m/tp1/rank0+pub:" in svc.log(), svc.log()
 
 
+def test_an_untrusted_publication_takes_only_free_room_and_moves_nothing(daemon, tmp_path):
+    """A uid that is not a trusted publisher (here ``nobody``: a private publication) takes free room only: with
+    ``a`` resident and no room free, its publication is refused (``insufficient_memory``) and ``a`` stays on the
+    GPU; root's publication of the same key then makes room as a demand load does."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as another uid")
+    nobody = 65534
+    d = Path(tempfile.mkdtemp(prefix="wcpriv-", dir="/tmp"))
+    try:
+        os.chmod(d, 0o755)
+        ck = _tiny(d / "ck")
+        a = _plain(tmp_path / "a", 1)
+        svc = daemon(make_config({"m": {"path": str(ck), "naming": "vllm"}, "a": a},
+                                 memory_budget_bytes=SLAB + SLAB // 2))
+        svc.wait_settled()
+        os.chmod(os.path.dirname(svc.socket_dir), 0o755)
+        os.chmod(svc.socket_dir, 0o755)
+        os.chmod(svc.socket_path, 0o777)
+        tensors = _processed(ck)
+        assert _tiers(svc) == {"m": "waiting_for_engine/disk", "a": "ready/gpu"}
+        before = svc.status()["slabs"]
+        os.setegid(nobody)
+        os.seteuid(nobody)
+        try:
+            with pytest.raises(errors.InsufficientMemory) as e:
+                publish(str(ck), _key(), tensors, socket_dir=svc.socket_dir)
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+        assert "no room to publish" in str(e.value) and e.value.details["budget_bytes"] == SLAB + SLAB // 2, e.value
+        assert svc.status()["slabs"] == before
+        assert "shelved model=a" not in svc.log()
+        assert publish(str(ck), _key(), tensors, socket_dir=svc.socket_dir).created  # root's: shared, makes room
+        assert _tiers(svc) == {"m": "waiting_for_engine/disk", "a": "on_disk/disk", "m+pub": "ready/gpu"}
+    finally:
+        shutil.rmtree(d)
+
+
 def test_two_identical_publications_at_once_leave_one_slab(daemon, tmp_path):
     """Two engines publish the same key at the same moment (threads released together): one is created, the other
     finds it (``created: false``); one slab, within the budget (sampled meanwhile), attached by both keys' engines."""
