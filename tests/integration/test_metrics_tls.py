@@ -11,6 +11,7 @@ not fully understand stops it before it listens, naming the file and the key.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -126,6 +127,22 @@ def test_an_unknown_user_or_a_wrong_password_after_a_good_one_is_refused(tls_end
     for wrong in ("", "wrong", PASSWORD + "x"):
         assert _get(port, ca, ("prometheus", wrong))[0] == 401, wrong
     assert _get(port, ca, ("prometheus", PASSWORD))[0] == 200
+
+
+def test_a_refused_request_gets_the_401_alone_on_its_connection(tls_endpoint):
+    """Everything the endpoint writes on a connection whose request has no valid credentials is the 401: no
+    exposition follows it (read raw until the endpoint closes, beyond the 401's Content-Length)."""
+    port, ca, _ = tls_endpoint
+    ctx = ssl.create_default_context(cafile=str(ca))
+    for auth in ("", "Authorization: Basic " + base64.b64encode(b"prometheus:wrong").decode() + "\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            s.sendall(f"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}\r\n".encode())
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got.startswith(b"HTTP/1.0 401 ") and got.count(b"HTTP/1.") == 1, got[:300]
+        assert b"weightcache_" not in got, got[-300:]
 
 
 def test_prometheus_scrapes_over_tls_with_basic_auth(tls_endpoint):
