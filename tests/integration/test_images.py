@@ -395,6 +395,26 @@ def test_the_byte_limit_removes_the_older_unused_image(tmp_path):
         second.kill()
 
 
+def test_an_image_larger_than_the_byte_limit_is_not_written(tmp_path):
+    """``image_max_bytes`` below one image's size: nothing is written (no file, not even a partial one), the
+    write counted as failed with its reason, and the slab served from the checkpoint all the same."""
+    ck = llama_checkpoint(tmp_path / "ck", seed=9, files=1)
+    images = tmp_path / "images"
+    limit = sum(f.stat().st_size for f in ck.glob("*.safetensors")) // 2
+    svc = start_service(tmp_path / "a", _config({"m": {"path": ck}}, images, image_max_bytes=limit))
+    try:
+        slab = svc.wait_settled()["slabs"][0]
+        assert (slab["state"], slab["source"]) == ("ready", "checkpoint"), svc.log()
+        c = poll_until(lambda: (lambda c: c if c["write_failures"] + c["written"] else None)(_image_counters(svc)),
+                       "the write to be given up", 60, detail=svc.log)
+        assert (c["write_failures"], c["written"]) == (1, 0), c
+        assert f"reason=no-room limit_bytes={limit}" in svc.log()
+        assert os.listdir(images) == [] and _image_counters(svc)["written"] == 0
+        assert _attached_bytes(svc, "m", ck) > 0
+    finally:
+        svc.kill()
+
+
 def test_by_default_the_service_writes_no_image_of_what_it_makes(tmp_path):
     """``image`` unset: a slab the service makes from the checkpoint is not written (docs/configuration.md);
     the directory is there for publications."""
