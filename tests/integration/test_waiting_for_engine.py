@@ -147,6 +147,23 @@ def test_a_publication_moves_through_the_tiers_like_a_slab(daemon, tmp_path, hos
     assert "demoted model=m" in log and "promoted model=m" in log, log
 
 
+def test_only_an_engine_layout_error_of_a_vllm_named_model_waits_for_its_engine(daemon, tmp_path):
+    """``waiting_for_engine`` is for ``naming = "vllm"`` and an architecture (or quantization) only the engine
+    can lay out: a damaged checkpoint named for vLLM fails (``checkpoint_corrupt``), and an architecture without
+    rules at tp 2 under ``naming = "hf"`` fails (``unsupported_architecture``): no engine publishes for them."""
+    torn = _tiny(tmp_path / "torn")
+    f = torn / "model.safetensors"
+    os.truncate(f, f.stat().st_size - 1024)
+    tiny = _tiny(tmp_path / "tiny")
+    svc = daemon(make_config({"torn": {"path": str(torn), "naming": "vllm"},
+                              "tp2": {"path": str(tiny), "layouts": [{"tp": 2, "gpus": [0, 1]}]},
+                              "m": {"path": str(tiny), "naming": "vllm"}}))
+    st = {s["model"]: s for s in svc.wait_settled()["slabs"]}
+    assert (st["torn"]["state"], st["torn"]["error"]["code"]) == ("failed", "checkpoint_corrupt"), st["torn"]
+    assert (st["tp2"]["state"], st["tp2"]["error"]["code"]) == ("failed", "unsupported_architecture"), st["tp2"]
+    assert st["m"]["state"] == "waiting_for_engine", st["m"]
+
+
 def test_a_publication_makes_room_as_a_demand_load_and_is_refused_when_none_can_be_made(daemon, tmp_path):
     """Budget of 1.5 slabs, ``a`` resident. While ``a`` is leased no room can be made: the publication is refused
     (``insufficient_memory``) and nothing is kept or moved. Once released, the same publication (root's: shared)
