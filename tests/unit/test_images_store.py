@@ -127,6 +127,24 @@ def test_room_goes_to_unconfigured_then_lowest_priority_then_least_recently_used
     assert store.stats.snapshot()["removed"] == 3
 
 
+def test_room_goes_first_to_rejected_files_however_recent(tmp_path):
+    """A ``.rejected`` file (kept for the operator to look at) leaves before any image a configured model uses,
+    even one used longer ago."""
+    store = ImageStore(str(tmp_path / "img"), 0, "host")
+    store.prepare()
+    keep = _write(store, _placement("keep", path="/srv/keep"))
+    bad = _write(store, _placement("bad", path="/srv/bad"))
+    os.rename(bad, str(bad) + ".rejected")
+    bad = Path(str(bad) + ".rejected")
+    os.utime(keep, (1000.0, 1000.0))
+    os.utime(bad, (2000.0, 2000.0))
+    size = keep.stat().st_size
+    store.limit_bytes = size * 2
+    assert store.make_room(size, "", lambda m: 0)
+    assert keep.exists() and not bad.exists()
+    assert store.stats.snapshot()["removed"] == 1
+
+
 def test_a_directory_of_another_user_or_a_symlink_turns_images_off(tmp_path):
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
