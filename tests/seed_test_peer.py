@@ -8,6 +8,9 @@ real control channel and a real NIXL agent, misbehaving as ``MODE`` says:
 - ``disconnect``: sends its offer, then exits at once (before the receiver's ``done``);
 - ``disconnect_mid``: sends its offer, then exits 0.5 s later (the receiver, capped at 32 MiB/s, is then
   between its 64 MiB READ requests: a disconnect in the middle of the transfer);
+- ``wrong_offer_digest``: the offer's ``digest`` is not its manifest's (bytes and manifest right);
+- ``swapped_records``: two tensors of one shape swap names in the manifest (offsets and digests kept, so
+  every digest matches the bytes at its offset: only the receiver's layout check sees it);
 - ``good``: behaves (a sanity check of the peer itself).
 
 It prints ``listening`` once it accepts connections.
@@ -16,6 +19,7 @@ It prints ``listening`` once it accepts connections.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import select
 import socket
@@ -38,7 +42,15 @@ def main() -> None:
     pl = pipeline.plan(placement, backend.device_info())
     writable = backend.allocate(pl.slab_size_bytes, "test-peer")
     filled = pipeline.fill(pl, writable)
-    raw = pack_file(filled.manifest, backend="host", size_bytes=writable.size_bytes)
+    manifest = filled.manifest
+    if mode == "swapped_records":
+        stored = [r for r in manifest.tensors if r.alias_of is None and r.size_bytes]
+        a, b = next((a, b) for i, a in enumerate(stored) for b in stored[i + 1:]
+                    if (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)) and a.name != b.name)
+        named = {a.name: b.name, b.name: a.name}
+        manifest = dataclasses.replace(manifest, tensors=tuple(dataclasses.replace(r, name=named.get(r.name, r.name))
+                                                               for r in manifest.tensors))
+    raw = pack_file(manifest, backend="host", size_bytes=writable.size_bytes)
     if mode == "wrong_digest":
         t = next(r for r in filled.manifest.tensors if r.alias_of is None and r.size_bytes)
         writable.buffer[t.offset_bytes] ^= 0xFF
@@ -58,7 +70,8 @@ def main() -> None:
                                         req.get("blobs"))
         ch.send("reply", {"samples": [base64.b64encode(b).decode() for b in samples], "blobs": blobs,"ok": True, "agent": agent.name, "agent_md": base64.b64encode(agent.metadata()).decode(),
                           "descs": [[address, writable.size_bytes]], "manifest": base64.b64encode(raw).decode(),
-                          "key": pl.key, "digest": manifest_digest(raw)})
+                          "key": pl.key,
+                          "digest": manifest_digest(raw + b"x" if mode == "wrong_offer_digest" else raw)})
         if mode == "disconnect":
             os._exit(0)
         if mode == "disconnect_mid":

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -236,6 +237,50 @@ def _rekey(img: Path, change) -> None:
     os.rename(tmp, img)
 
 
+
+def _rewrite(img: Path, change_records, keep_digest: bool = False) -> None:
+    """Rewrites ``img`` with ``change_records(records)`` as its manifest's records (bytes and key as they were);
+    ``keep_digest``: the manifest's recorded digest left as it was (a manifest altered after it was written)."""
+    from weightcache.images import build_header, read_header
+
+    fd = os.open(img, os.O_RDONLY)
+    try:
+        h = read_header(fd, os.fstat(fd).st_size)
+        data = os.pread(fd, h.data_bytes, h.data_offset)
+    finally:
+        os.close(fd)
+    m = dataclasses.replace(h.manifest, tensors=tuple(change_records(list(h.manifest.tensors))))
+    head = build_header(m, h.key, h.placement, h.backend, h.written_at)
+    if keep_digest:
+        old = json.loads(head[8:8 + int.from_bytes(head[:8], "little")])["__metadata__"]["digest"]
+        assert len(old) == len(h.digest) and old != h.digest
+        head = head.replace(old.encode(), h.digest.encode())
+    tmp = img.with_name(".rewrite")
+    tmp.write_bytes(head + data)
+    os.chmod(tmp, 0o600)
+    os.rename(tmp, img)
+
+
+def _swap_records(img: Path) -> None:
+    """Two stored tensors of one shape swap names (offsets and digests kept: every digest still matches the bytes
+    at its offset, so only the layout check sees that each name would read the other tensor's bytes)."""
+    def swap(records):
+        stored = [r for r in records if r.alias_of is None and r.size_bytes]
+        a, b = next((a, b) for i, a in enumerate(stored) for b in stored[i + 1:]
+                    if (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)) and a.name != b.name)
+        named = {a.name: b.name, b.name: a.name}
+        return [dataclasses.replace(r, name=named.get(r.name, r.name)) for r in records]
+    _rewrite(img, swap)
+
+
+def _alter_manifest(img: Path) -> None:
+    """One record's layout entry changed, the manifest's recorded digest left as it was: every other check passes
+    (names, offsets, tensor digests), only the manifest digest tells."""
+    def alter(records):
+        r = next(r for r in records if r.alias_of is None and r.size_bytes)
+        return [dataclasses.replace(x, layout={**dict(x.layout), "altered": 1}) if x is r else x for x in records]
+    _rewrite(img, alter, keep_digest=True)
+
 def _replace_checkpoint_file(ck: Path) -> None:
     """Writes one shard again with the same tensors: same bytes, a new file (inode, mtime): another identity."""
     from safetensors.torch import load_file, save_file
@@ -257,6 +302,8 @@ def _bump_pipeline(key: dict) -> None:
 
 @pytest.mark.parametrize("damage, reason", [
     ("flipped_byte", "digest"),
+    ("manifest_altered", "digest"),
+    ("records_swapped", "layout"),
     ("checkpoint_replaced", "identity"),
     ("compute_capability", "key"),
     ("pipeline_version", "key"),
@@ -274,6 +321,7 @@ def test_a_bad_image_is_refused_with_its_reason_moved_aside_and_the_slab_made_fr
         first.stop()
     {"flipped_byte": _flip_byte, "checkpoint_replaced": lambda p: _replace_checkpoint_file(ck),
      "compute_capability": lambda p: _rekey(p, _set_cc), "pipeline_version": lambda p: _rekey(p, _bump_pipeline),
+     "manifest_altered": _alter_manifest, "records_swapped": _swap_records,
      }[damage](img)
     bad = img.read_bytes()
     second = start_service(tmp_path / "b", cfg)
@@ -345,6 +393,26 @@ def test_the_byte_limit_removes_the_older_unused_image(tmp_path):
         assert _image_counters(second)["removed"] == 1
     finally:
         second.kill()
+
+
+def test_an_image_larger_than_the_byte_limit_is_not_written(tmp_path):
+    """``image_max_bytes`` below one image's size: nothing is written (no file, not even a partial one), the
+    write counted as failed with its reason, and the slab served from the checkpoint all the same."""
+    ck = llama_checkpoint(tmp_path / "ck", seed=9, files=1)
+    images = tmp_path / "images"
+    limit = sum(f.stat().st_size for f in ck.glob("*.safetensors")) // 2
+    svc = start_service(tmp_path / "a", _config({"m": {"path": ck}}, images, image_max_bytes=limit))
+    try:
+        slab = svc.wait_settled()["slabs"][0]
+        assert (slab["state"], slab["source"]) == ("ready", "checkpoint"), svc.log()
+        c = poll_until(lambda: (lambda c: c if c["write_failures"] + c["written"] else None)(_image_counters(svc)),
+                       "the write to be given up", 60, detail=svc.log)
+        assert (c["write_failures"], c["written"]) == (1, 0), c
+        assert f"reason=no-room limit_bytes={limit}" in svc.log()
+        assert os.listdir(images) == [] and _image_counters(svc)["written"] == 0
+        assert _attached_bytes(svc, "m", ck) > 0
+    finally:
+        svc.kill()
 
 
 def test_by_default_the_service_writes_no_image_of_what_it_makes(tmp_path):

@@ -11,6 +11,7 @@ not fully understand stops it before it listens, naming the file and the key.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -46,20 +47,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _self_signed(tmp_path: Path, name: str) -> None:
+    """``<name>.crt`` and ``<name>.key`` in ``tmp_path``: a self-signed P-256 certificate for 127.0.0.1."""
+    subprocess.run([OPENSSL, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(tmp_path / f"{name}.key"), "-out", str(tmp_path / f"{name}.crt"),
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-days", "2"],
+                   check=True, capture_output=True)
+
+
 @pytest.fixture
 def tls_endpoint(tmp_path):
     """A serve-metrics process with TLS and basic auth; yields (port, CA file, tmp_path)."""
+    yield from _endpoint(tmp_path)
+
+
+def _endpoint(tmp_path: Path, more_tls: str = ""):
+    """Starts serve-metrics with TLS (``more_tls``: further ``tls_server_config`` lines) and basic auth; yields
+    (port, CA file, tmp_path); kills it after."""
     if OPENSSL is None:
         pytest.skip("openssl is not installed (Debian package openssl, in the Makefile's APT_PKGS)")
-    subprocess.run([OPENSSL, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(tmp_path / "metrics.key"), "-out", str(tmp_path / "metrics.crt"),
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-days", "2"],
-                   check=True, capture_output=True)
+    _self_signed(tmp_path, "metrics")
     hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
     hashed = "$2y$" + hashed[4:]  # as `htpasswd -nBC 10` writes it
     # Relative file names: to the web config file's directory, as exporter-toolkit reads them.
     (tmp_path / "web-config.yml").write_text("tls_server_config:\n  cert_file: metrics.crt\n  key_file: metrics.key\n"
-                                             f"basic_auth_users:\n  prometheus: '{hashed}'\n")
+                                             f"{more_tls}basic_auth_users:\n  prometheus: '{hashed}'\n")
     (tmp_path / "weightcache.toml").write_text(f'[metrics]\nweb_config = "{tmp_path}/web-config.yml"\n\n'
                                                '[models.m]\npath = "/srv/models/m"\nlayouts = [{ tp = 1, gpus = [0] }]\n')
     (tmp_path / "sock").mkdir()
@@ -84,13 +96,11 @@ def tls_endpoint(tmp_path):
         proc.wait()
 
 
-def _get(port: int, ca: Path, auth: tuple[str, str] | None) -> tuple[int, dict, str]:
+def _get(port: int, ca: Path, auth: tuple[str, str] | None, ctx: ssl.SSLContext | None = None) -> tuple[int, dict, str]:
     req = urllib.request.Request(f"https://127.0.0.1:{port}/metrics")
     if auth:
-        import base64
-
         req.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
-    ctx = ssl.create_default_context(cafile=str(ca))
+    ctx = ctx or ssl.create_default_context(cafile=str(ca))
     try:
         with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
             return r.status, dict(r.headers), r.read().decode()
@@ -112,6 +122,64 @@ def test_credentials_are_required_over_tls(tls_endpoint):
         s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         assert not s.recv(4096).startswith(b"HTTP/")
     assert _get(port, ca, ("prometheus", PASSWORD))[0] == 200
+
+
+def test_an_unknown_user_or_a_wrong_password_after_a_good_one_is_refused(tls_endpoint):
+    """An unknown user is refused whatever its password, the empty one included (its bcrypt check runs against a
+    hash of the empty password only to take the time a known user's does); a good password's cached check does
+    not let a wrong password of the same user in."""
+    port, ca, _ = tls_endpoint
+    for auth in (("nobody", ""), ("", ""), ("nobody", PASSWORD)):
+        code, _, body = _get(port, ca, auth)
+        assert code == 401 and "weightcache_" not in body, (auth, code)
+    assert _get(port, ca, ("prometheus", PASSWORD))[0] == 200
+    for wrong in ("", "wrong", PASSWORD + "x"):
+        assert _get(port, ca, ("prometheus", wrong))[0] == 401, wrong
+    assert _get(port, ca, ("prometheus", PASSWORD))[0] == 200
+
+
+def test_a_refused_request_gets_the_401_alone_on_its_connection(tls_endpoint):
+    """Everything the endpoint writes on a connection whose request has no valid credentials is the 401: no
+    exposition follows it (read raw until the endpoint closes, beyond the 401's Content-Length)."""
+    port, ca, _ = tls_endpoint
+    ctx = ssl.create_default_context(cafile=str(ca))
+    for auth in ("", "Authorization: Basic " + base64.b64encode(b"prometheus:wrong").decode() + "\r\n"):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            s.sendall(f"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n{auth}\r\n".encode())
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got.startswith(b"HTTP/1.0 401 ") and got.count(b"HTTP/1.") == 1, got[:300]
+        assert b"weightcache_" not in got, got[-300:]
+
+
+def test_client_certificates_and_the_minimum_tls_version_are_enforced(tmp_path):
+    """``client_auth_type: RequireAndVerifyClientCert`` with ``client_ca_file`` and ``min_version: TLS13``: a client
+    without a certificate, or one that speaks at most TLS 1.2, gets no answer; one with the certificate over TLS
+    1.3 and the password gets the exposition."""
+    if OPENSSL is None:
+        pytest.skip("openssl is not installed (Debian package openssl, in the Makefile's APT_PKGS)")
+    _self_signed(tmp_path, "client")
+    more = "  min_version: TLS13\n  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: client.crt\n"
+    gen = _endpoint(tmp_path, more)
+    port, ca, _ = next(gen)
+    try:
+        def client(cert: bool, max_version: ssl.TLSVersion = ssl.TLSVersion.MAXIMUM_SUPPORTED) -> ssl.SSLContext:
+            ctx = ssl.create_default_context(cafile=str(ca))
+            ctx.maximum_version = max_version
+            if cert:
+                ctx.load_cert_chain(str(tmp_path / "client.crt"), str(tmp_path / "client.key"))
+            return ctx
+
+        code, _, body = _get(port, ca, ("prometheus", PASSWORD), client(True))
+        assert code == 200 and "weightcache_" in body, code
+        for ctx in (client(False), client(True, ssl.TLSVersion.TLSv1_2)):
+            with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+                _get(port, ca, ("prometheus", PASSWORD), ctx)
+        assert _get(port, ca, ("prometheus", PASSWORD), client(True))[0] == 200  # still serving
+    finally:
+        gen.close()
 
 
 def test_prometheus_scrapes_over_tls_with_basic_auth(tls_endpoint):

@@ -425,7 +425,9 @@ def test_a_model_not_served_to_peers_by_default(fleet, tmp_path):
 
 
 @pytest.mark.parametrize("mode,reason", [("wrong_digest", "digest_mismatch"), ("disconnect", "disconnected"),
-                                         ("disconnect_mid", "disconnected")])
+                                         ("disconnect_mid", "disconnected"),
+                                         ("wrong_offer_digest", "digest_mismatch"),
+                                         ("swapped_records", "manifest_mismatch")])
 def test_a_misbehaving_peer_ends_in_the_own_load(fleet, tmp_path, mode, reason):
     secret = secret_file(tmp_path, "a" * 64)
     port = free_port()

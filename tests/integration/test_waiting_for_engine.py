@@ -152,6 +152,23 @@ def test_a_publication_moves_through_the_tiers_like_a_slab(daemon, tmp_path, hos
     assert "demoted model=m" in log and "promoted model=m" in log, log
 
 
+def test_only_an_engine_layout_error_of_a_vllm_named_model_waits_for_its_engine(daemon, tmp_path):
+    """``waiting_for_engine`` is for ``naming = "vllm"`` and an architecture (or quantization) only the engine
+    can lay out: a damaged checkpoint named for vLLM fails (``checkpoint_corrupt``), and an architecture without
+    rules at tp 2 under ``naming = "hf"`` fails (``unsupported_architecture``): no engine publishes for them."""
+    torn = _tiny(tmp_path / "torn")
+    f = torn / "model.safetensors"
+    os.truncate(f, f.stat().st_size - 1024)
+    tiny = _tiny(tmp_path / "tiny")
+    svc = daemon(make_config({"torn": {"path": str(torn), "naming": "vllm"},
+                              "tp2": {"path": str(tiny), "layouts": [{"tp": 2, "gpus": [0, 1]}]},
+                              "m": {"path": str(tiny), "naming": "vllm"}}))
+    st = {s["model"]: s for s in svc.wait_settled()["slabs"]}
+    assert (st["torn"]["state"], st["torn"]["error"]["code"]) == ("failed", "checkpoint_corrupt"), st["torn"]
+    assert (st["tp2"]["state"], st["tp2"]["error"]["code"]) == ("failed", "unsupported_architecture"), st["tp2"]
+    assert st["m"]["state"] == "waiting_for_engine", st["m"]
+
+
 def test_a_publication_makes_room_as_a_demand_load_and_is_refused_when_none_can_be_made(daemon, tmp_path):
     """Budget of 1.5 slabs, ``a`` resident. While ``a`` is leased no room can be made: the publication is refused
     (``insufficient_memory``) and nothing is kept or moved. Once released, the same publication (root's: shared)
@@ -175,6 +192,48 @@ def test_a_publication_makes_room_as_a_demand_load_and_is_refused_when_none_can_
         assert publish(str(ck), _key(), tensors, socket_dir=svc.socket_dir).created
         assert _tiers(svc) == {"m": "waiting_for_engine/disk", "a": "on_disk/disk", "m+pub": "ready/gpu"}
     assert "shelved model=a" in svc.log() and "reason=room for m/tp1/rank0+pub:" in svc.log(), svc.log()
+
+
+def test_an_untrusted_publication_takes_only_free_room_and_moves_nothing(daemon, tmp_path):
+    """A uid that is not a trusted publisher (here ``nobody``: a private publication) takes free room only: with
+    ``a`` resident and no room free, its publication is refused (``insufficient_memory``) and ``a`` stays on the
+    GPU; root's publication of the same key then makes room as a demand load does."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as another uid")
+    nobody = 65534
+    d = Path(tempfile.mkdtemp(prefix="wcpriv-", dir="/tmp"))
+    try:
+        os.chmod(d, 0o755)
+        ck = _tiny(d / "ck")
+        a = _plain(tmp_path / "a", 1)
+        svc = daemon(make_config({"m": {"path": str(ck), "naming": "vllm"}, "a": a},
+                                 memory_budget_bytes=SLAB + SLAB // 2))
+        svc.wait_settled()
+        os.chmod(os.path.dirname(svc.socket_dir), 0o755)
+        os.chmod(svc.socket_dir, 0o755)
+        os.chmod(svc.socket_path, 0o777)
+        tensors = _processed(ck)
+        assert _tiers(svc) == {"m": "waiting_for_engine/disk", "a": "ready/gpu"}
+        before = svc.status()["slabs"]
+        os.setegid(nobody)
+        os.seteuid(nobody)
+        try:
+            with pytest.raises(errors.InsufficientMemory) as e:
+                publish(str(ck), _key(), tensors, socket_dir=svc.socket_dir)
+        finally:
+            os.seteuid(0)
+            os.setegid(0)
+        assert "no room to publish" in str(e.value) and e.value.details["budget_bytes"] == SLAB + SLAB // 2, e.value
+        assert svc.status()["slabs"] == before
+        assert "shelved model=a" not in svc.log()
+        assert publish(str(ck), _key(), tensors, socket_dir=svc.socket_dir).created  # root's: shared, makes room
+        assert _tiers(svc) == {"m": "waiting_for_engine/disk", "a": "on_disk/disk", "m+pub": "ready/gpu"}
+    finally:
+        shutil.rmtree(d)
 
 
 def test_two_identical_publications_at_once_leave_one_slab(daemon, tmp_path):

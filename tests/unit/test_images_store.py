@@ -67,12 +67,18 @@ def test_a_truncated_image_is_a_format_error(tmp_path):
         os.close(fd)
 
 
-@pytest.mark.parametrize("how", ["symlink", "group_readable"])
+@pytest.mark.parametrize("how", ["symlink", "group_readable", "other_owner", "fifo"])
 def test_an_image_that_breaks_the_access_rules_is_refused_and_moved_aside(tmp_path, how):
     store = ImageStore(str(tmp_path / "img"), 0, "host")
     store.prepare()
     p = _placement()
-    if how == "symlink":
+    if how == "other_owner":
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give the image to another uid")
+        os.chown(_write(store, p), 65534, 65534)  # 0600, but another user's: it could have written the bytes
+    elif how == "fifo":
+        os.mkfifo(store.path_for(p), 0o600)
+    elif how == "symlink":
         elsewhere = tmp_path / "elsewhere.safetensors"
         real = _write(store, p)
         os.rename(real, elsewhere)
@@ -121,6 +127,24 @@ def test_room_goes_to_unconfigured_then_lowest_priority_then_least_recently_used
     assert store.stats.snapshot()["removed"] == 3
 
 
+def test_room_goes_first_to_rejected_files_however_recent(tmp_path):
+    """A ``.rejected`` file (kept for the operator to look at) leaves before any image a configured model uses,
+    even one used longer ago."""
+    store = ImageStore(str(tmp_path / "img"), 0, "host")
+    store.prepare()
+    keep = _write(store, _placement("keep", path="/srv/keep"))
+    bad = _write(store, _placement("bad", path="/srv/bad"))
+    os.rename(bad, str(bad) + ".rejected")
+    bad = Path(str(bad) + ".rejected")
+    os.utime(keep, (1000.0, 1000.0))
+    os.utime(bad, (2000.0, 2000.0))
+    size = keep.stat().st_size
+    store.limit_bytes = size * 2
+    assert store.make_room(size, "", lambda m: 0)
+    assert keep.exists() and not bad.exists()
+    assert store.stats.snapshot()["removed"] == 1
+
+
 def test_a_directory_of_another_user_or_a_symlink_turns_images_off(tmp_path):
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
@@ -135,6 +159,20 @@ def test_image_names_differ_by_checkpoint_and_backend_not_by_gpu():
     a, b = _placement(path="/srv/a"), _placement(path="/srv/b")
     assert image_name(a, "host") != image_name(b, "host") != image_name(b, "cuda")
     assert image_name(a, "host").startswith("m.tp1.rank0.") and image_name(a, "host").endswith(".safetensors")
+
+
+def test_publication_image_names_differ_by_engine_key_and_by_the_private_publishers_uid():
+    """A private publication's image is its publisher's alone: never the file of the shared one of the same key,
+    nor of another uid's private one (a restart brings each back to whom it was)."""
+    p = _placement()
+
+    def pub(key: str = "ab" * 16, shared: bool = True, uid: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(engine_key_blake2b=key, shared=shared, publisher_uid=uid)
+
+    names = [image_name(p, "host"), image_name(p, "host", pub()), image_name(p, "host", pub("cd" * 16)),
+             image_name(p, "host", pub(shared=False, uid=1000)), image_name(p, "host", pub(shared=False, uid=1001))]
+    assert len(set(names)) == len(names), names
+    assert names[3].endswith(f".pub-{'ab' * 8}-uid1000.safetensors") and names[1].endswith(f".pub-{'ab' * 8}.safetensors")
 
 
 def test_a_gpu_slab_is_held_for_the_writers_read_until_the_image_is_written(tmp_path):
@@ -211,3 +249,45 @@ def test_listing_the_images_does_not_move_their_last_use(tmp_path):
     assert e.model == "m" and e.last_used == old
     assert path.stat().st_atime == old
     assert [x.last_used for x in store.entries(headers=True)] == [old]
+
+
+def test_a_publication_image_with_a_record_outside_its_data_is_refused_as_layout(tmp_path):
+    """A publication's records are the engine's (no plan to compare with): each must still lie inside the image's
+    data, or the slab would hand out bytes past its end."""
+    store = ImageStore(str(tmp_path / "img"), 0, "host")
+    store.prepare()
+    p = _placement()
+    pub = SimpleNamespace(engine_key_blake2b="ab" * 16, shared=True, publisher_uid=0)
+    record = {"engine_key": {"engine": "vllm"}, "engine_key_blake2b": "ab" * 16, "shared": True}
+    path = Path(store.path_for(p, pub))
+
+    def write(records):
+        m = Manifest("m", 1, 0, KEY, 4096, records)
+        path.write_bytes(build_header(m, KEY, p.to_json(), "host", 1.0, record) + b"\1" * 4096)
+        os.chmod(path, 0o600)
+
+    write((TensorRecord("w", "U8", (4096,), (1,), 0, 4096, "xxh3_128:00"),))
+    assert store.find(p, KEY, None, None, publication=pub) is not None
+    write((TensorRecord("w", "U8", (4096,), (1,), 0, 4096, "xxh3_128:00"),
+           TensorRecord("past_end", "U8", (4096,), (1,), 4096, 4096, "xxh3_128:00")))
+    assert store.find(p, KEY, None, None, publication=pub) is None
+    assert os.path.exists(str(path) + ".rejected") and not path.exists()
+    assert store.stats.snapshot()["rejected"] == {"layout": 1}
+
+
+def test_a_publication_image_of_another_user_is_not_offered_back(tmp_path):
+    """What a start offers back as publications is the service's own files only: another uid's file, even 0600
+    with a valid header, could hold any bytes under any engine key."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the image to another uid")
+    store = ImageStore(str(tmp_path / "img"), 0, "host")
+    store.prepare()
+    p = _placement()
+    pub = SimpleNamespace(engine_key_blake2b="ab" * 16, shared=True, publisher_uid=0)
+    path = Path(store.path_for(p, pub))
+    record = {"engine_key": {"engine": "vllm"}, "engine_key_blake2b": "ab" * 16, "shared": True}
+    path.write_bytes(build_header(_manifest(), KEY, p.to_json(), "host", 1.0, record) + b"\1" * 4096)
+    os.chmod(path, 0o600)
+    assert [(f, h.publication) for f, h in store.publications()] == [(str(path), record)]
+    os.chown(path, 65534, 65534)
+    assert store.publications() == []

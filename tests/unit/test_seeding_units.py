@@ -4,6 +4,7 @@ channel's authentication, the portable identity, the config keys, and seeding of
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import threading
@@ -43,6 +44,23 @@ def test_secret_file_must_be_private_and_long_enough(tmp_path):
         load_secret(str(tmp_path / "missing"))
     s = load_secret(write_secret(tmp_path, f"# fleet\n{NEW}\n{OLD}\n", name="s4"))
     assert s.keys == (NEW.encode(), OLD.encode())
+
+
+def test_a_secret_file_of_another_user_is_refused(tmp_path):
+    """Another user could have written (or could rewrite) it: refused even at mode 0600; a symlink is not followed."""
+    other = write_secret(tmp_path, NEW, name="theirs")
+    if os.geteuid() == 0:
+        os.chown(other, 65534, 65534)
+        with pytest.raises(SecretError, match="owned by uid 65534; it must belong to root or the service user"):
+            load_secret(other)
+    mine = write_secret(tmp_path, NEW, name="mine")
+    with pytest.raises(SecretError, match=f"owned by uid {os.getuid()}"):
+        load_secret(mine, allowed_owners=frozenset({os.getuid() + 1}))
+    assert load_secret(mine).keys == (NEW.encode(),)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(SecretError, match="cannot open it"):
+        load_secret(str(link))
 
 
 def exchange(server_secret, client_secret):
