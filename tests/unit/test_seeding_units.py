@@ -194,6 +194,7 @@ def test_a_source_reads_no_large_frame_from_a_stranger(tmp_path):
 
     secret = load_secret(write_secret(tmp_path, NEW))
     a, b = socket.socketpair()
+    a.settimeout(10)  # a source that waits for the whole frame fails here at once, not at pytest's timeout
     server = Channel(a, secret, server=True)
     server.open()
     b.sendall(struct.pack(">I", MAX_REQUEST_BYTES + 1))
