@@ -240,7 +240,7 @@ def test_identical_publications_end_with_one_slab_and_evict_frees_it(served):
 
         text = subprocess.run([sys.executable, "-m", "weightcache", "metrics", "--socket-dir", svc.socket_dir],
                               capture_output=True, text=True, timeout=60, env=service_env(), check=False).stdout
-        assert ('weightcache_publishes_total{code="",gpu="0",model="m",outcome="held",tp_rank="0",tp_size="1"} 1.0'
+        assert ('weightcache_publishes_total{code="",gpu="0",gpu_uuid="",model="m",outcome="held",tp_rank="0",tp_size="1"} 1.0'
                 in text), text[-3000:]
     s = Session(svc.socket_path, timeout=10)
     try:
