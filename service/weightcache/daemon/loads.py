@@ -119,6 +119,18 @@ class LoadSettings:
     seeder: Any = None
 
 
+def _seal(writable: Any, manifest_bytes: bytes, name: str) -> tuple[SealedFile, Any]:
+    """The end of every fill: the manifest file (``manifest_bytes``, sealed memfd ``name``), then the slab sealed;
+    returns ``(manifest_file, sealed)``. The manifest file is closed if the seal fails (the caller aborts the
+    writable slab)."""
+    manifest_file = SealedFile.create(manifest_bytes, name)
+    try:
+        return manifest_file, writable.seal()
+    except BaseException:
+        manifest_file.close()
+        raise
+
+
 class Loader:
     """The loader thread.
 
@@ -431,12 +443,7 @@ class Loader:
             raw = pack_file(manifest, backend=st.backend.name, size_bytes=writable.size_bytes,
                             checkpoint_path=p.model.path, placement=p.to_json(),
                             dtypes_served=sorted(pl.dtypes_served))
-            manifest_file = SealedFile.create(raw, f"weightcache-manifest:{p.label}")
-            try:
-                sealed = writable.seal()
-            except BaseException:
-                manifest_file.close()
-                raise
+            manifest_file, sealed = _seal(writable, raw, f"weightcache-manifest:{p.label}")
             writable = None
             end = time.monotonic()
             stages.update(read=filled.read_s, digest=filled.digest_s, seal=end - t_filled)
@@ -506,12 +513,7 @@ class Loader:
             manifest, read_s, digest_s = got
             raw = pack_file(manifest, backend=st.backend.name, size_bytes=writable.size_bytes,
                             checkpoint_path=p.model.path, placement=p.to_json(), publication=pub.to_json())
-            manifest_file = SealedFile.create(raw, f"weightcache:manifest:{slot.label}")
-            try:
-                sealed = writable.seal()
-            except BaseException:
-                manifest_file.close()
-                raise
+            manifest_file, sealed = _seal(writable, raw, f"weightcache:manifest:{slot.label}")
             writable = None
             end = time.monotonic()
             return Loaded(slot, manifest, sealed, manifest_file, end - started,
