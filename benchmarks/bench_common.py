@@ -247,11 +247,13 @@ def write_config(path: Path, models: dict[str, dict[str, Any]], backend: str, tp
     return Path(path)
 
 
-def wait_ready(sock_path: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None) -> dict:
-    """Polls ``status`` on ``sock_path`` until every slab is ready; returns the status dict."""
+def wait_ready(sock_path: str, proc: subprocess.Popen, timeout_s: float, log_path: Path | None = None,
+               poll_s: float = 0.2) -> dict:
+    """Polls ``status`` on ``sock_path`` every ``poll_s`` seconds until every slab is ready; returns the status
+    dict."""
     from weightcache import protocol
-    from weightcache.session import Session
     from weightcache.errors import WeightcacheError
+    from weightcache.session import Session
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -274,7 +276,7 @@ def wait_ready(sock_path: str, proc: subprocess.Popen, timeout_s: float, log_pat
         if time.monotonic() > deadline:
             tail = log_path.read_text()[-4000:] if log_path and log_path.exists() else ""
             raise RuntimeError(f"service not ready after {timeout_s} s\n{tail}")
-        time.sleep(0.2)
+        time.sleep(poll_s)
 
 
 def unix_listener(path: str) -> socket.socket:

@@ -40,6 +40,7 @@ from bench_common import (
     service_env,
     stats,
     versions,
+    wait_ready,
     warm_page_cache,
     write_checkpoint,
     write_config,
@@ -47,34 +48,6 @@ from bench_common import (
 
 _LOADED = re.compile(r"loaded model=\S+ .*?duration_ms=(\d+) read_ms=(\d+) read_gbps=([\d.]+).*?source=(\w+)")
 _WRITTEN = re.compile(r"image written .*?size_bytes=(\d+) duration_ms=(\d+) write_gbps=([\d.]+)")
-
-
-def _ready(sock: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600.0) -> dict:
-    from weightcache import protocol
-    from weightcache.errors import WeightcacheError
-    from weightcache.session import Session
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"service exited with {proc.returncode}\n{log.read_text()[-4000:]}")
-        if os.path.exists(sock):
-            try:
-                s = Session(sock, timeout=5.0)
-                try:
-                    st = s.request(protocol.Status()).status
-                finally:
-                    s.close()
-                states = [x["state"] for x in st["slabs"]]
-                if states and all(x == "ready" for x in states):
-                    return st
-                if "failed" in states:
-                    raise RuntimeError(f"load failed\n{log.read_text()[-4000:]}")
-            except (WeightcacheError, OSError):
-                pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not ready after {timeout_s} s\n{log.read_text()[-4000:]}")
-        time.sleep(0.01)
 
 
 def _run(work: Path, ck: Path, images: Path, device: str, image: bool, rate: int, tag: str) -> dict:
@@ -88,7 +61,7 @@ def _run(work: Path, ck: Path, images: Path, device: str, image: bool, rate: int
                                  "--listen", sock, "--backend", device], stdout=lf, stderr=lf, env=service_env(),
                                 cwd=work)
     try:
-        st = _ready(sock, proc, log)
+        st = wait_ready(sock, proc, 600.0, log, poll_s=0.01)  # READY timed to 10 ms
         ready_s = time.perf_counter() - t0
         out = {"ready_s": ready_s, "source": st["slabs"][0].get("source")}
         if image and out["source"] == "checkpoint":  # the first run: wait for the write
