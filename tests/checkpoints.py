@@ -156,3 +156,19 @@ def compare_bytes(got: dict[str, Any], expected: dict[str, Any]) -> int:
         assert torch.equal(a, b), f"bytes of {name} differ"
         n += b.numel()
     return n
+
+
+#: Elements of :func:`one_tensor_checkpoint`'s float32 tensor: a slab of 2 MiB and one page, so that budgets in
+#: whole slabs are easy to state (tests of the memory budget, the tiers, the caps).
+ONE_TENSOR_N = 512 * 1024 + 1024
+#: Bytes of that checkpoint's slab: its tensor rounded up to 4 KiB.
+ONE_TENSOR_SLAB = (ONE_TENSOR_N * 4 + 4095) // 4096 * 4096
+
+
+def one_tensor_checkpoint(dest: Path, seed: int, config: dict[str, Any] | None = None) -> Path:
+    """A checkpoint of one random float32 tensor ``w`` of :data:`ONE_TENSOR_N` elements (seeded), at ``dest``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return write_checkpoint(dest, {"w": torch.randn(ONE_TENSOR_N, generator=g)}, config)
+

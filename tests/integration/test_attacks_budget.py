@@ -22,14 +22,13 @@ from attackers import (NOBODY, SERVICE_UID, back_to_baseline, baseline_figures, 
                        open_socket_to_all, reap, result)
 from weightcache import protocol  # noqa: E402
 from service_harness import make_config, poll_until, record_figures  # noqa: E402
-from checkpoints import compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
+from checkpoints import compare_bytes, one_tensor_checkpoint, ONE_TENSOR_N, ONE_TENSOR_SLAB, read_checkpoint  # noqa: E402
 from weightcache import attach  # noqa: E402
 from weightcache.errors import WeightcacheError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
-N = 512 * 1024 + 1024
-SLAB = (N * 4 + 4095) // 4096 * 4096
+N, SLAB = ONE_TENSOR_N, ONE_TENSOR_SLAB
 OWNER = 61200
 
 
@@ -42,8 +41,7 @@ def shared_dir():
 
 
 def _ckpt(dest: Path, seed: int) -> Path:
-    g = torch.Generator().manual_seed(seed)
-    ck = write_checkpoint(dest, {"w": torch.randn(N, generator=g)})
+    ck = one_tensor_checkpoint(dest, seed)
     for p in [ck, *ck.iterdir()]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
     return ck

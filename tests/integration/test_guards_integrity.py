@@ -31,7 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from service_harness import SERVICE_DIR, make_config, poll_until, service_env  # noqa: E402
-from checkpoints import compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
+from checkpoints import compare_bytes, ONE_TENSOR_N, ONE_TENSOR_SLAB, read_checkpoint, write_checkpoint  # noqa: E402
 from weightcache import attach  # noqa: E402
 from weightcache.errors import ModelLoadFailed  # noqa: E402
 
@@ -141,8 +141,7 @@ def test_verify_names_the_tensor_a_flipped_byte_of_the_slab_belongs_to(daemon, t
     assert "mismatched=1" in svc.log()
 
 
-N = 512 * 1024 + 1024  # float32 elements: a 2 MiB slab per model, as tests/integration/test_tiers.py
-SLAB = (N * 4 + 4095) // 4096 * 4096
+N, SLAB = ONE_TENSOR_N, ONE_TENSOR_SLAB  # a 2 MiB slab per model (tests/checkpoints.py)
 
 
 @pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "flipped-in-host-tier"])

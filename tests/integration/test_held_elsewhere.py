@@ -14,19 +14,17 @@ torch = pytest.importorskip("torch")
 
 from attackers import SERVICE_UID  # noqa: E402
 from service_harness import make_config, poll_until, record_figures  # noqa: E402
-from checkpoints import compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
+from checkpoints import compare_bytes, one_tensor_checkpoint, ONE_TENSOR_N, ONE_TENSOR_SLAB, read_checkpoint  # noqa: E402
 from weightcache import attach  # noqa: E402
 from weightcache.errors import InsufficientMemory  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
-N = 512 * 1024 + 1024
-SLAB = (N * 4 + 4095) // 4096 * 4096
+N, SLAB = ONE_TENSOR_N, ONE_TENSOR_SLAB
 
 
 def _ckpt(dest, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return write_checkpoint(dest, {"w": torch.randn(N, generator=g)})
+    return one_tensor_checkpoint(dest, seed)
 
 
 def test_a_released_slab_still_mapped_counts_against_the_budget_until_unmapped(daemon, tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from checkpoints import compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
+from checkpoints import compare_bytes, one_tensor_checkpoint, ONE_TENSOR_N, ONE_TENSOR_SLAB, read_checkpoint  # noqa: E402
 from service_harness import make_config, to_toml  # noqa: E402
 from weightcache import attach, errors, protocol  # noqa: E402
 from weightcache.session import Session  # noqa: E402
@@ -24,15 +24,12 @@ from weightcache.session import Session  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 #: Elements of each model's one tensor: 2 MiB of float32, so a slab is 2 MiB and a page.
-N = 512 * 1024 + 1024
-SLAB = (N * 4 + 4095) // 4096 * 4096
+N, SLAB = ONE_TENSOR_N, ONE_TENSOR_SLAB
 CAP = 1024 * 1024
 
 
 def _ckpt(dest, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return write_checkpoint(dest, {"w": torch.randn(N, generator=g)},
-                            config={"architectures": ["TinyForCausalLM"], "model_type": "tiny"})
+    return one_tensor_checkpoint(dest, seed, {"architectures": ["TinyForCausalLM"], "model_type": "tiny"})
 
 
 def _key() -> dict:

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from service_harness import FdStoreStandIn, make_config, poll_until, service_env, to_toml  # noqa: E402
-from checkpoints import compare_bytes, read_checkpoint, write_checkpoint  # noqa: E402
+from checkpoints import compare_bytes, one_tensor_checkpoint, ONE_TENSOR_N, ONE_TENSOR_SLAB, read_checkpoint  # noqa: E402
 from weightcache import attach, protocol  # noqa: E402
 from weightcache.session import Session  # noqa: E402
 from weightcache.errors import InsufficientMemory, LeaseBusy  # noqa: E402
@@ -31,13 +31,11 @@ from weightcache.errors import InsufficientMemory, LeaseBusy  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 #: Elements of each model's one tensor: 2 MiB of float32, so a slab is 2 MiB and a page.
-N = 512 * 1024 + 1024
-SLAB = (N * 4 + 4095) // 4096 * 4096
+N, SLAB = ONE_TENSOR_N, ONE_TENSOR_SLAB
 
 
 def _ckpt(dest, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return write_checkpoint(dest, {"w": torch.randn(N, generator=g)})
+    return one_tensor_checkpoint(dest, seed)
 
 
 def _tiers(svc) -> dict[str, str]:
