@@ -128,6 +128,25 @@ def _attach_and_hold(socket_dir: str, models: list[str]) -> dict:
 _HELD: list = []
 
 
+def _secret_keeps_its_room(svc) -> None:
+    """The attacker (nobody) attaches and holds ``open1`` and ``open2``: its second load is
+    ``insufficient_memory`` (``secret``'s room is held back); then ``secret``'s owner attaches it, and the attacker
+    keeps what it holds."""
+    pid, r = fork_as(NOBODY, NOBODY, [], _attach_and_hold, svc.socket_dir, ["open1", "open2"])
+    try:
+        got = result(r)
+        assert got["outcomes"] == ["ok", "insufficient_memory"], got
+        opid, orr = fork_as(OWNER, OWNER, [], _attach_each, svc.socket_dir, ["secret"])
+        try:
+            owner = result(orr)
+        finally:
+            reap(opid, orr)
+        assert owner["outcomes"] == ["ok"], owner
+        assert _tiers(svc)["open1"] == "ready/gpu"
+    finally:
+        reap(pid, r)
+
+
 def test_leases_of_uids_off_a_restricted_models_lists_do_not_keep_it_out(daemon, shared_dir):
     """P3. ``secret`` (allow list: OWNER) was loaded, then shelved; the attacker (nobody) attaches and holds
     open models. Before: its loads filled the budget and its leases kept ``secret`` out (20/20
@@ -142,19 +161,7 @@ def test_leases_of_uids_off_a_restricted_models_lists_do_not_keep_it_out(daemon,
     open_socket_to_all(svc)
     svc.request(protocol.Evict("secret", to="disk"))
     assert _tiers(svc)["secret"] == "on_disk/disk"
-    pid, r = fork_as(NOBODY, NOBODY, [], _attach_and_hold, svc.socket_dir, ["open1", "open2"])
-    try:
-        got = result(r)
-        assert got["outcomes"] == ["ok", "insufficient_memory"], got
-        opid, orr = fork_as(OWNER, OWNER, [], _attach_each, svc.socket_dir, ["secret"])
-        try:
-            owner = result(orr)
-        finally:
-            reap(opid, orr)
-        assert owner["outcomes"] == ["ok"], owner
-        assert _tiers(svc)["open1"] == "ready/gpu"  # the attacker keeps what it holds
-    finally:
-        reap(pid, r)
+    _secret_keeps_its_room(svc)
     record_figures("attack.budget_reserve", "a uid off secret's allow list loads and holds open models while secret "
                    "waits on disk", "service as uid 64000; the load that would take secret's room is "
                    "insufficient_memory; secret's owner (another uid) attaches it", clients=3, faults_injected=2)
@@ -178,16 +185,4 @@ def test_a_restricted_model_never_loaded_keeps_its_room_too(daemon, shared_dir):
                detail=lambda: f"{svc.slab('secret')}\n{svc.log()}")
     assert _tiers(svc) == {"secret": "on_disk/disk", "open1": "on_disk/disk", "open2": "on_disk/disk"}
     assert svc.slab("open1")["total_bytes"] == 0  # open models are not planned ahead: nobody is kept out of them
-    pid, r = fork_as(NOBODY, NOBODY, [], _attach_and_hold, svc.socket_dir, ["open1", "open2"])
-    try:
-        got = result(r)
-        assert got["outcomes"] == ["ok", "insufficient_memory"], got
-        opid, orr = fork_as(OWNER, OWNER, [], _attach_each, svc.socket_dir, ["secret"])
-        try:
-            owner = result(orr)
-        finally:
-            reap(opid, orr)
-        assert owner["outcomes"] == ["ok"], owner
-        assert _tiers(svc)["open1"] == "ready/gpu"
-    finally:
-        reap(pid, r)
+    _secret_keeps_its_room(svc)
