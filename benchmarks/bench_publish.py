@@ -5,9 +5,10 @@ by key in a fresh engine process.
 Measures, on GPU 0 with a real ``weightcache serve --backend cuda``:
 
 - ``publish()`` of ``--gb`` GB of bf16 tensors (``--tensors`` of them, on ``cuda:0``), from the call to the
-  committed slab (the publisher's copy into its exported VMM allocation, the service's device-to-device copy
-  into its own allocation, the service's GPU digest of every tensor, the manifest), against one
-  ``torch`` device-to-device copy of the same bytes in the same run (the issue's target: within 2x);
+  committed slab, by each of ``--paths``: ``ipc`` (the default: the service copies from the publisher's
+  allocations through CUDA IPC handles, each tensor's digest computed by the copy, the manifest) and ``staging``
+  (the publisher first copies into a VMM allocation it exports; the service copies that), against one ``torch``
+  device-to-device copy of the same bytes in the same run (the issue's target: within 2x);
 - the second start: ``attach_published()`` in a fresh process after its imports (target: <= 50 ms for 1,000+
   tensors), and the torch allocations it makes for weights (target: about 0: the slab is the service's).
 
@@ -53,6 +54,7 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=15.0)
     ap.add_argument("--tensors", type=int, default=1200)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--paths", default="ipc,staging", help="publish paths to time, comma-separated")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     import torch
@@ -69,7 +71,9 @@ def main() -> int:
     svc = ServiceProcess(work / "svc", make_config({"m": ck}, backend="cuda",
                                                    memory_budget_bytes=int(args.gb * 1e9 * (args.reps + 0.5)) + (1 << 30)),
                          gpu=0, backend="cuda").start()
-    results: dict = {"gb": args.gb, "tensors": args.tensors, "publish_s": [], "d2d_copy_s": [], "attach": []}
+    paths = args.paths.split(",")
+    results: dict = {"gb": args.gb, "tensors": args.tensors, "publish_s": {p: [] for p in paths}, "d2d_copy_s": [],
+                     "attach": []}
     try:
         svc.wait_settled()
         tensors = {f"model.layers.{i}.w": torch.randn(rows, 4096, device="cuda:0").to(torch.bfloat16)
@@ -94,37 +98,46 @@ def main() -> int:
             results["d2d_copy_s"].append(time.perf_counter() - t0)
             del dst
             torch.cuda.empty_cache()
-            t0 = time.perf_counter()
-            got = publish(str(ck), key, tensors, device="cuda:0", socket_dir=svc.socket_dir, timeout=600)
-            results["publish_s"].append(time.perf_counter() - t0)
-            assert got.created, got
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "tests")]))
-            r = subprocess.run([sys.executable, "-c", _ENGINE, str(ck), svc.socket_dir, json.dumps(key)],
-                               capture_output=True, text=True, env=env, timeout=300, check=False)
-            if r.returncode:
-                print(r.stderr[-3000:], file=sys.stderr)
-                return 1
-            results["attach"].append(json.loads(r.stdout.strip().splitlines()[-1]))
-            subprocess.run([sys.executable, "-m", "weightcache", "evict", "--socket-dir", svc.socket_dir,
-                            "--gpu", "0", "--force", got.label], capture_output=True, env=env, check=False)
+            for i, path in enumerate(paths):
+                key["engine_version"] = f"{rep}.{i}"
+                t0 = time.perf_counter()
+                got = publish(str(ck), key, tensors, device="cuda:0", socket_dir=svc.socket_dir, timeout=600,
+                              cuda_path="ipc" if path == "ipc" else "staging")
+                results["publish_s"][path].append(time.perf_counter() - t0)
+                assert got.created, got
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "tests")]))
+                r = subprocess.run([sys.executable, "-c", _ENGINE, str(ck), svc.socket_dir, json.dumps(key)],
+                                   capture_output=True, text=True, env=env, timeout=300, check=False)
+                if r.returncode:
+                    print(r.stderr[-3000:], file=sys.stderr)
+                    return 1
+                results["attach"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+                subprocess.run([sys.executable, "-m", "weightcache", "evict", "--socket-dir", svc.socket_dir,
+                                "--gpu", "0", "--force", got.label], capture_output=True, env=env, check=False)
+        results["service_log"] = [ln for ln in svc.log().splitlines() if "publication copied" in ln
+                                  or "published model" in ln][-4 * args.reps:]
     finally:
         svc.stop()
 
     def med(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2]
 
-    p, c = med(results["publish_s"]), med(results["d2d_copy_s"])
+    c = med(results["d2d_copy_s"])
     att = results["attach"]
     lines = [f"### Publication on the cuda backend ({nbytes / 1e9:.2f} GB bf16, {args.tensors} tensors, "
              f"{args.reps} reps, median (min–max))", "",
-             "| step | s | GB/s |", "|---|---|---|",
-             f"| `publish()` to the committed slab | {p:.3f} ({min(results['publish_s']):.3f}–"
-             f"{max(results['publish_s']):.3f}) | {nbytes / p / 1e9:.1f} |",
-             f"| one torch device-to-device copy of the same bytes | {c:.3f} | {nbytes / c / 1e9:.1f} |", "",
-             f"publish / copy: **{p / c:.2f}x** (target: within 2x). Second start, fresh process: "
-             f"`attach_published()` {med([a['attach_ms'] for a in att]):.1f} ms p50 for {att[0]['tensors']} tensors "
-             f"(target <= 50 ms), imports {med([a['imports_s'] for a in att]):.2f} s, torch allocations for weights "
-             f"{max(a['torch_alloc_mib'] for a in att):.1f} MiB, source {att[0]['source']}."]
+             "| step | s | GB/s | / copy |", "|---|---|---|---|"]
+    for path, xs in results["publish_s"].items():
+        p = med(xs)
+        lines.append(f"| `publish()` to the committed slab, `{path}` | {p:.3f} ({min(xs):.3f}–{max(xs):.3f}) | "
+                     f"{nbytes / p / 1e9:.1f} | **{p / c:.2f}x** |")
+    lines += [f"| one torch device-to-device copy of the same bytes | {c:.3f} | {nbytes / c / 1e9:.1f} | 1 |", "",
+              f"Target: within 2x of the copy. Second start, fresh process: "
+              f"`attach_published()` {med([a['attach_ms'] for a in att]):.1f} ms p50 for {att[0]['tensors']} "
+              f"tensors (target <= 50 ms), imports {med([a['imports_s'] for a in att]):.2f} s, torch allocations "
+              f"for weights {max(a['torch_alloc_mib'] for a in att):.1f} MiB, source {att[0]['source']}.", "",
+              "Service log (the copy's and the commit's durations):", "", "```",
+              *results["service_log"], "```"]
     text = "\n".join(lines)
     print(text)
     if args.out:

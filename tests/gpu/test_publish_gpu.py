@@ -101,7 +101,8 @@ def _same(got: dict, want: dict) -> None:
         assert torch.equal(g.cpu(), w.cpu()), f"bytes of {name} differ"
 
 
-def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path):
+@pytest.mark.parametrize("cuda_path", ["auto", "staging"])
+def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path, cuda_path):
     ck = _ckpt(tmp_path / "ck")
     svc = ServiceProcess(tmp_path / "svc", make_config({"m": ck}, backend="cuda"), gpu=0, backend="cuda").start()
     try:
@@ -111,8 +112,11 @@ def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info(0)[0]
         got = publish(str(ck), _key(), tensors, attrs={"qk_proj.weight": {"output_dim": 0}}, device="cuda:0",
-                      socket_dir=svc.socket_dir)
+                      socket_dir=svc.socket_dir, cuda_path=cuda_path)
         assert got.created and got.label.startswith("m/tp1/rank0+pub:")
+        # the default copies from the publisher's own allocations by CUDA IPC, the digests made by the copy
+        via = "ipc" if cuda_path == "auto" else "staging"
+        assert f"via={via} fused_digests=True" in svc.log(), svc.log()[-3000:]
         assert got.size_bytes % (2 << 20) == 0  # the service's own VMM allocation
         # the publisher's staging allocation is gone: only the service's copy is new on the GPU
         free_after = torch.cuda.mem_get_info(0)[0]
@@ -133,6 +137,67 @@ def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path
                             "--gpu", "0", "m"], capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=str(ROOT / "service")), timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        svc.stop()
+
+
+_EXPANDABLE = r"""
+import json, sys, torch
+from weightcache.client import publish
+ck, sock, key = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+w = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+p = publish(ck, key, {"w": w}, device="cuda:0", socket_dir=sock)
+print(json.dumps({"created": p.created}))
+"""
+
+
+def test_expandable_segments_cannot_go_by_ipc_and_the_default_stages_a_copy(tmp_path):
+    # torch's expandable_segments allocator maps VMM memory, which cuIpcGetMemHandle refuses
+    ck = _ckpt(tmp_path / "ck")
+    svc = ServiceProcess(tmp_path / "svc", make_config({"m": ck}, backend="cuda"), gpu=0, backend="cuda").start()
+    try:
+        svc.wait_settled()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "tests")]),
+                   PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+        r = subprocess.run([sys.executable, "-c", _EXPANDABLE, str(ck), svc.socket_dir, json.dumps(_key())],
+                           capture_output=True, text=True, env=env, timeout=180)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout.strip().splitlines()[-1]) == {"created": True}
+        assert "via=staging fused_digests=True" in svc.log(), svc.log()[-3000:]
+    finally:
+        svc.stop()
+
+
+def test_ipc_copies_outside_their_allocation_are_refused_and_nothing_is_kept(tmp_path):
+    from weightcache.client._device import local_backend
+    from weightcache.manifest import Manifest, TensorRecord, pack_file
+    from weightcache.memory.host import sealed_memfd
+
+    ck = _ckpt(tmp_path / "ck")
+    svc = ServiceProcess(tmp_path / "svc", make_config({"m": ck}, backend="cuda"), gpu=0, backend="cuda").start()
+    try:
+        svc.wait_settled()
+        w = torch.ones(1 << 20, dtype=torch.uint8, device="cuda:0")  # 1 MiB: a 2 MiB caching-allocator segment
+        torch.cuda.synchronize()
+        segments, ((seg, off),) = local_backend("cuda:0").ipc_export([w.data_ptr()])
+        data = pack_file(Manifest(str(ck), 1, 0, {}, 64 << 20, [TensorRecord("w", "U8", (64 << 20,), (1,), 0,
+                                                                               64 << 20)]))
+        fd = sealed_memfd(data, "manifest")
+        try:
+            s = Session(svc.socket_path, timeout=30)
+            try:
+                s.send_with_fds(protocol.PublishCudaIpc(str(ck), 1, 0, _key(), 64 << 20, len(data),
+                                                        [h.hex() for h in segments], [[seg, off, 0, 64 << 20]]),
+                                [fd])
+                with pytest.raises(errors.PublicationInvalid) as e:
+                    s.replies(1, 60)
+            finally:
+                s.close()
+        finally:
+            os.close(fd)
+        assert e.value.details.get("reason") == "ipc" and "reaches past segment" in str(e.value), e.value.details
+        assert not [s for s in _status(svc.socket_path)["slabs"] if s.get("publication")]
+        assert svc.proc.poll() is None
     finally:
         svc.stop()
 

@@ -200,6 +200,32 @@ def test_a_memfd_still_mapped_writable_is_refused_and_nothing_is_kept(served):
     assert len(_status(svc)["slabs"]) == before + 1
 
 
+def test_cuda_ipc_to_the_host_backend_is_refused_and_the_default_publish_still_works(served):
+    from weightcache.manifest import Manifest, TensorRecord, pack_file
+    from weightcache.memory.host import sealed_memfd
+
+    svc, ck = served
+    before = len(_status(svc)["slabs"])
+    data = pack_file(Manifest("m", 1, 0, {}, 256, [TensorRecord("t", "F32", (4,), (1,), 0, 16)]))
+    mfd = sealed_memfd(data, "test-manifest")
+    s = Session(svc.socket_path, timeout=10)
+    try:
+        caps = s.hello.capabilities
+        s.send_with_fds(protocol.PublishCudaIpc(os.path.realpath(ck), 1, 0, _key(), 2 << 20, len(data),
+                                                ["00" * 64], [[0, 0, 0, 16]]), [mfd])
+        with pytest.raises(errors.PublicationInvalid) as e:
+            s.replies(1)
+    finally:
+        s.close()
+        os.close(mfd)
+    assert e.value.details == {"reason": "backend", "backend": "host"}
+    assert "takes no CUDA IPC publication" in str(e.value)
+    assert "publish" in caps and "publish_cuda_ipc" not in caps  # a host service offers no CUDA IPC
+    assert len(_status(svc)["slabs"]) == before
+    got = publish(str(ck), _key(), _processed(ck), socket_dir=svc.socket_dir)  # the host path is untouched
+    assert got.created
+
+
 def test_another_engine_key_is_a_mismatch_naming_the_fields_and_none_is_model_not_found(served):
     svc, ck = served
     with pytest.raises(errors.ModelNotFound) as e:

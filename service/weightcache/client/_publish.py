@@ -196,9 +196,62 @@ def _fill(copies: list[tuple[Any, int, int, int]], size_bytes: int) -> int:
     return fd
 
 
+def _ipc_request(copies: list[tuple[Any, int, int, int]], slab_bytes: int, device: str,
+                 required: bool) -> tuple[int, list[int], dict] | None:
+    """``(size_bytes, fds, fields)`` of a ``publish_cuda_ipc`` for the planned ``copies`` on ``device``: the CUDA
+    IPC handles of the allocations they come from; None when one cannot be exported (and not ``required``).
+
+    Raises:
+        PublicationInvalid (`publication_invalid`, ``reason = "ipc"``): ``required`` and an allocation cannot be
+            exported by IPC.
+    """
+    import torch
+
+    from ..errors import PublicationInvalid
+    from ..sizes import round_up
+
+    backend = local_backend(device)
+    torch.cuda.synchronize(device)  # the service reads the tensors on its own context: every write has landed
+    try:
+        segments, where = backend.ipc_export([st.data_ptr() + off for st, off, _, _ in copies])
+    except Exception as e:  # noqa: BLE001 - CudaDriverError (a VMM allocation): the caller stages a copy
+        if required:
+            raise PublicationInvalid(f"publish: an allocation of the tensors cannot be exported by CUDA IPC ({e}); "
+                                     f"use cuda_path='staging'", reason="ipc") from None
+        log.info("publish: CUDA IPC cannot export an allocation (%s); staging a copy instead", e)
+        return None
+    rows = [[seg, off, dst, n] for (seg, off), (_, _, dst, n) in zip(where, copies)]
+    size = max(backend.granularity, round_up(slab_bytes, backend.granularity))
+    return size, [], {"segments": [h.hex() for h in segments], "copies": rows}
+
+
+def _send(sock_path: str, timeout: float, model: str, tp_size: int, tp_rank: int, key_fields: dict[str, Any],
+          manifest_data: bytes, how: tuple[int, list[int], dict]) -> protocol.Message:
+    """Sends one ``publish`` (``how``: the slab's size, its fd in a list, no fields) or ``publish_cuda_ipc`` (no
+    fd, its ``segments`` and ``copies``) with the manifest file; returns the service's reply."""
+    from ..memory.host import sealed_memfd
+
+    size, fds, ipc = how
+    man_fd = sealed_memfd(manifest_data, "weightcache:publish-manifest")
+    try:
+        if ipc:
+            msg: protocol.Message = protocol.PublishCudaIpc(_wire_model(model), tp_size, tp_rank, key_fields, size,
+                                                            len(manifest_data), ipc["segments"], ipc["copies"])
+        else:
+            msg = protocol.Publish(_wire_model(model), tp_size, tp_rank, key_fields, size, len(manifest_data))
+        session = Session(sock_path, timeout=timeout)
+        try:
+            session.send_with_fds(msg, [*fds, man_fd])
+            return session.replies(1, timeout)[0]
+        finally:
+            session.close()
+    finally:
+        os.close(man_fd)
+
+
 def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], tp_size: int = 1, tp_rank: int = 0,
             *, attrs: Mapping[str, dict] | None = None, device: str = "cpu", socket_dir: str | None = None,
-            gpu: int | None = None, timeout: float = 60.0) -> Published:
+            gpu: int | None = None, timeout: float = 60.0, cuda_path: str = "auto") -> Published:
     """Hands the service of ``device``'s GPU the tensors this engine processed for one rank of ``model``.
 
     Args:
@@ -214,19 +267,26 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
         attrs (`Mapping[str, dict]`, *optional*): JSON-able Python-side attributes per name, given back by
             :func:`attach_published` in the tensor's layout (``layouts[name]["attrs"]``).
         device (`str`, *optional*, defaults to ``"cpu"``), socket_dir (`str`, *optional*), gpu (`int`,
-            *optional*): which service, as :func:`weightcache.attach` picks it. On ``cuda:N`` the tensors are
-            copied into a CUDA VMM allocation whose fd goes to the service, which copies it into an allocation of
-            its own (the staging allocation is freed when this returns); on ``cpu``, into a memfd the service
-            seals and keeps.
+            *optional*): which service, as :func:`weightcache.attach` picks it. On ``cuda:N`` the service copies
+            the tensors into an allocation of its own (see ``cuda_path``); on ``cpu`` they are copied into a memfd
+            the service seals and keeps.
         timeout (`float`, *optional*, defaults to 60): seconds for the service's answer (it digests every byte).
+        cuda_path (`str`, *optional*, defaults to ``"auto"``): on ``cuda:N``, how the service gets the bytes:
+            ``"ipc"``: CUDA IPC handles of the allocations the tensors live in (``cuIpcGetMemHandle``; the service
+            copies straight from them, one copy in all; the tensors must stay alive and unchanged until this
+            returns, which they do since this call waits); ``"staging"``: a copy into a VMM allocation whose fd
+            goes to the service (two copies); ``"auto"``: IPC, else staging (an allocation IPC cannot export, such
+            as torch's ``expandable_segments``, or a service that refuses it).
 
     Returns:
         `Published`.
 
     Raises:
+        ValueError: ``cuda_path`` is not one of the three.
         DaemonUnavailable (`daemon_unavailable`): no service answers.
         AccessDenied (`access_denied`): this uid may not publish the model (docs/configuration.md, ``publishers``).
-        PublicationInvalid (`publication_invalid`): the key lacks a field, or a tensor cannot be published.
+        PublicationInvalid (`publication_invalid`): the key lacks a field, or a tensor cannot be published
+            (``cuda_path="ipc"``: an allocation IPC cannot export, ``details["reason"] = "ipc"``).
         InsufficientMemory (`insufficient_memory`): the service's memory budget has no room.
         ModelNotFound (`model_not_found`): the model is not configured on that GPU.
 
@@ -238,34 +298,37 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
     from .. import (
         identity,  # the engine key's check (not at module level: a plain attach never needs it)
     )
+    from ..errors import PublicationInvalid
 
     sock_path = _socket_path(model, tp_size, tp_rank, device, socket_dir, gpu, timeout)
     identity.engine_key(key_fields, tp_size, tp_rank)  # refused here as the service would
+    if cuda_path not in ("auto", "ipc", "staging"):
+        raise ValueError(f"publish: cuda_path must be 'auto', 'ipc' or 'staging', got {cuda_path!r}")
     records, slab_bytes, copies = pack(tensors, attrs)
     manifest = Manifest(_wire_model(model), tp_size, tp_rank, {}, slab_bytes, records)
-    from ..memory.host import sealed_memfd
-
-    if device.startswith("cuda"):  # the service copies it into its own allocation and seals that
-        staged = _fill_cuda(copies, slab_bytes, device)
-        slab_fd, size, release = staged.fd, staged.size_bytes, staged.close
-    else:  # the service seals this memfd: its pages become the slab
-        slab_fd = _fill(copies, slab_bytes)
-        size, release = os.fstat(slab_fd).st_size, functools.partial(os.close, slab_fd)
-    man_fd = -1
-    try:
-        data = pack_file(manifest)
-        man_fd = sealed_memfd(data, "weightcache:publish-manifest")
-        session = Session(sock_path, timeout=timeout)
+    data = pack_file(manifest)
+    request = functools.partial(_send, sock_path, timeout, model, tp_size, tp_rank, key_fields, data)
+    reply = None
+    if device.startswith("cuda") and cuda_path != "staging":
+        ipc = _ipc_request(copies, slab_bytes, device, cuda_path == "ipc")
+        if ipc is not None:
+            try:
+                reply = request(ipc)
+            except PublicationInvalid as e:  # a service that cannot open the handles: the staging copy
+                if cuda_path != "auto" or e.details.get("reason") not in ("ipc", "backend"):
+                    raise
+                log.info("publish by CUDA IPC refused (%s); staging a copy instead", e)
+    if reply is None:
+        if device.startswith("cuda"):  # the service copies it into its own allocation and seals that
+            staged = _fill_cuda(copies, slab_bytes, device)
+            slab_fd, size, release = staged.fd, staged.size_bytes, staged.close
+        else:  # the service seals this memfd: its pages become the slab
+            slab_fd = _fill(copies, slab_bytes)
+            size, release = os.fstat(slab_fd).st_size, functools.partial(os.close, slab_fd)
         try:
-            session.send_with_fds(protocol.Publish(_wire_model(model), tp_size, tp_rank, key_fields,
-                                                   size, len(data)), [slab_fd, man_fd])
-            reply = session.replies(1, timeout)[0]
+            reply = request((size, [slab_fd], {}))
         finally:
-            session.close()
-    finally:
-        release()  # CUDA: the staging allocation is freed here; the service holds its own copy
-        if man_fd >= 0:
-            os.close(man_fd)
+            release()  # CUDA: the staging allocation is freed here; the service holds its own copy
     if not isinstance(reply, protocol.PublishReply):
         raise RemoteProtocolError(f"publish: unexpected reply {reply.tag()!r}")
     log.info("published checkpoint=%s tp_size=%d tp_rank=%d slab=%s created=%s size_bytes=%d", model, tp_size,

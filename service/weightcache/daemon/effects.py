@@ -109,6 +109,10 @@ class Context:
         adopt_publication (`callable`, *optional*): ``(fd, size_bytes) -> SealedSlab``, the backend's
             ``adopt_publication`` (seals a publisher's memfd and owns a dup of it); None: the backend takes no
             publication (``publish`` is ``publication_invalid``).
+        defer_publication (`callable`, *optional*): ``(source, size_bytes, label) -> Adoption``, the cuda backend's
+            ``defer_publication`` (:class:`weightcache.memory.cuda_publish.Adoption`: the copy into the service's
+            own slab, run by the publication's worker); None: ``publish`` takes ``adopt_publication``'s path on
+            the serving loop, and ``publish_cuda_ipc`` is ``publication_invalid``.
         changed_checkpoints (`dict`): set around a ``reload`` only: slot identity
             (:func:`weightcache.daemon.reload.identity`) -> (the manifest it was checked against, the changed
             identity fields), for the resident slabs whose checkpoint files were replaced on disk since
@@ -127,6 +131,7 @@ class Context:
     tiers: tiers.Tiers | None = None
     changed_checkpoints: dict = field(default_factory=dict)
     adopt_publication: Callable[[int, int], Any] | None = None
+    defer_publication: Callable[[Any, int, str], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.policy is None:  # no operator groups: root and the service user

@@ -62,7 +62,8 @@ def on_hello(ctx: Context, peer: Peer, msg: protocol.Hello) -> Outcome:
             f"protocol version {msg.protocol_version} is not supported; this service speaks "
             f"{protocol.PROTOCOL_VERSION}: upgrade the client or the service", field="protocol_version")),))
     return one_reply(protocol.HelloReply(protocol.PROTOCOL_VERSION, st.gpu, st.device.get("gpu_uuid", ""),
-                                    st.backend, list(CAPABILITIES)))
+                                    st.backend, list(CAPABILITIES) + (["publish_cuda_ipc"] if ctx.defer_publication
+                                                                      is not None else [])))
 
 
 #: What ``status`` shows of another uid's lease to a non-operator: the lease, not who holds it.
@@ -621,6 +622,7 @@ HANDLERS: dict[type, Callable[[Context, Peer, Any], Outcome]] = {
 #: Message type -> handler, for the requests that carry fds (``(ctx, peer, msg, fds)``; the fds stay the caller's).
 FD_HANDLERS: dict[type, Callable[[Context, Peer, Any, tuple[int, ...]], Outcome]] = {
     protocol.Publish: publish.on_publish,
+    protocol.PublishCudaIpc: publish.on_publish,
 }
 
 

@@ -102,7 +102,8 @@ class Daemon:
         self.ctx = Context(self.state, backend.mem_info, load_config=load_config or self._no_config,
                            service_config=config.service, counters=self.counters,
                            policy=access.Policy(self.state.service_uid, config.service.operator_groups, config.names),
-                           tiers=self.tiers, adopt_publication=getattr(backend, "adopt_publication", None))
+                           tiers=self.tiers, adopt_publication=getattr(backend, "adopt_publication", None),
+                           defer_publication=getattr(backend, "defer_publication", None))
         self.transport = Transport(listener, Callbacks(self._on_message, self._on_close,
                                                        lambda c: self.state.peers.add(c.peer), self._on_unsent),
                                    Limits.from_config(config.service),

@@ -94,36 +94,75 @@ _HELD = frozenset({SlotState.PENDING, SlotState.LOADING, SlotState.READY, SlotSt
 @dataclass(frozen=True, slots=True)
 class StartPublish:
     """Effect: run :func:`prepare` on a worker thread (it reads the publisher's manifest file, the checkpoint's
-    headers and every byte of the sealed slab), then :func:`commit` its result on the serving loop.
+    headers and every byte of the slab; on the cuda backend it first copies the publisher's bytes into the
+    service's own slab), then :func:`commit` its result on the serving loop.
 
     Attributes:
         slot (`Slot`): the publication's slot, PENDING in the state (it reserves its bytes of the budget, and an
             identical publication meanwhile finds it).
-        sealed: the backend's SealedSlab (the publisher's memfd, sealed, owned by the service now).
+        sealed: the backend's SealedSlab (host: the publisher's memfd, sealed, owned by the service now); None when
+            ``adoption`` makes it.
         manifest_fd (`int`): a dup of the publisher's manifest file; :func:`prepare` closes it.
-        request (`protocol.Publish`): the request.
+        request (`protocol.Publish | protocol.PublishCudaIpc`): the request.
         peer_pid (`int`): the publisher's pid, for the log.
+        adoption: the cuda backend's :class:`~weightcache.memory.cuda_publish.Adoption` (the copy into the
+            service's slab, with the digests), run by :func:`prepare`; None on the host backend.
     """
 
     slot: Slot
     sealed: Any
     manifest_fd: int
-    request: protocol.Publish
+    request: Any
     peer_pid: int
+    adoption: Any = None
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """What :func:`prepare` made: the service's manifest and its manifest file, and the seconds it took."""
+    """What :func:`prepare` made: the service's manifest and its manifest file, the seconds it took, and the sealed
+    slab it holds."""
 
     manifest: Manifest
     manifest_file: Any
     seconds: float
+    sealed: Any
 
 
-def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, ...]) -> Outcome:
-    """``publish``: the checks that need only the state, then the memfd sealed and the rest handed to a worker
-    (fds: the slab memfd, the publisher's manifest file; they stay the caller's, the service keeps dups).
+def _ipc_source(msg: Any) -> Any:
+    """The :class:`~weightcache.memory.cuda_publish.IpcSource` of a ``publish_cuda_ipc`` request."""
+    from ..memory.cuda_publish import IpcSource
+
+    return IpcSource(tuple(bytes.fromhex(h) for h in msg.segments), tuple(tuple(c) for c in msg.copies))
+
+
+def _adopt(ctx: Context, msg: Any, fds: tuple[int, ...], label: str) -> tuple[Any, Any]:
+    """``(sealed, adoption)``: the host backend's sealed memfd (now), or the cuda backend's adoption (run by the
+    worker). Raises as :func:`on_publish`."""
+    st = ctx.state
+    ipc = isinstance(msg, protocol.PublishCudaIpc)
+    want = 1 if ipc else 2
+    if len(fds) != want:  # the protocol matched them by count: a bug if not
+        raise PublicationInvalid(f"publish: {len(fds)} fds came with the request, {want} expected", reason="fds")
+    if ctx.defer_publication is not None:
+        if ipc:
+            return None, ctx.defer_publication(_ipc_source(msg), msg.size_bytes, label)
+        dup = os.dup(fds[0])
+        try:
+            return None, ctx.defer_publication(dup, msg.size_bytes, label)
+        except BaseException:
+            os.close(dup)
+            raise
+    if ctx.adopt_publication is None or ipc:
+        raise PublicationInvalid(f"publish: the {st.backend} backend of GPU {st.gpu} takes no "
+                                 f"{'CUDA IPC ' if ipc else ''}publication; the engine keeps its own copy",
+                                 reason="backend", backend=st.backend)
+    return ctx.adopt_publication(fds[0], msg.size_bytes), None
+
+
+def on_publish(ctx: Context, peer: Peer, msg: Any, fds: tuple[int, ...]) -> Outcome:
+    """``publish`` and ``publish_cuda_ipc``: the checks that need only the state, then the memfd sealed (host) or
+    the copy set up (cuda) and the rest handed to a worker (fds: the slab's fd unless by CUDA IPC, then the
+    publisher's manifest file; they stay the caller's, the service keeps dups).
 
     Returns an outcome with no reply and :class:`StartPublish` (the reply comes from :func:`commit`), or the
     ``publish_reply`` of an identical publication already held or under way (``created: false``).
@@ -132,7 +171,8 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
         ModelNotFound (`model_not_found`): the model is not configured on this GPU.
         AccessDenied (`access_denied`): see :func:`weightcache.daemon.access.check_publish`; nothing changed.
         PublicationInvalid (`publication_invalid`): the engine key or the memfd (see
-            :func:`weightcache.memory.host.seal_publication`), a backend that takes no publication, or a memfd
+            :func:`weightcache.memory.host.seal_publication`), a backend that takes no publication (or none by
+            CUDA IPC), the CUDA size or IPC copies (:class:`weightcache.memory.cuda_publish.Adoption`), or a slab
             larger than the model's ``max_slab_bytes`` (``reason = "over_max_slab_bytes"``, ``limit``, ``value``,
             ``actual``).
         SlabStillMapped (`slab_still_mapped`): the publisher still maps the memfd writable.
@@ -143,11 +183,9 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
     fields = identity.engine_key(msg.engine_key, msg.tp_size, msg.tp_rank)
     base = _configured(ctx, msg.model)
     shared = access.check_publish(peer, base, ctx.policy)
-    if ctx.adopt_publication is None:
+    if ctx.adopt_publication is None and ctx.defer_publication is None:
         raise PublicationInvalid(f"publish: the {st.backend} backend of GPU {st.gpu} takes no publication yet; "
                                  f"the engine keeps its own copy", reason="backend", backend=st.backend)
-    if len(fds) != 2:  # the protocol matched them by count: a bug if not
-        raise PublicationInvalid(f"publish: {len(fds)} fds came with the request, 2 expected", reason="fds")
     pub = Publication(fields, identity.engine_key_blake2b(fields), peer.uid, shared)
     placement = dataclasses.replace(base.placement, tp_size=msg.tp_size, tp_rank=msg.tp_rank)
     slot = st.new_slot(placement, base.realpath, pub)
@@ -166,16 +204,18 @@ def on_publish(ctx: Context, peer: Peer, msg: protocol.Publish, fds: tuple[int, 
                                  value=placement.model.max_slab_bytes, actual=msg.size_bytes)
     if not shared:  # a private publication takes free room only: it never moves what others attach
         _check_room(ctx, slot.label, placement.model.name, msg.size_bytes)
-    sealed = ctx.adopt_publication(fds[0], msg.size_bytes)
+    sealed, adoption = _adopt(ctx, msg, fds, slot.label)
+    drop = sealed.close if sealed is not None else adoption.close
+    size = sealed.size_bytes if sealed is not None else adoption.size_bytes
     try:
-        moves = _make_room(ctx, peer, slot, sealed.size_bytes) if shared else []
-        manifest_fd = os.dup(fds[1])
+        moves = _make_room(ctx, peer, slot, size) if shared else []
+        manifest_fd = os.dup(fds[-1])
     except BaseException:
-        sealed.close()
+        drop()
         raise
-    slot.reserved_bytes = sealed.size_bytes  # counted in the budget while the worker digests it
+    slot.reserved_bytes = size  # counted in the budget while the worker copies and digests it
     st.slots.append(slot)
-    return Outcome(effects=(*moves, StartPublish(slot, sealed, manifest_fd, msg, peer.pid)))
+    return Outcome(effects=(*moves, StartPublish(slot, sealed, manifest_fd, msg, peer.pid, adoption)))
 
 
 def _make_room(ctx: Context, peer: Peer, slot: Slot, need_bytes: int) -> list[Any]:
@@ -203,35 +243,52 @@ def _make_room(ctx: Context, peer: Peer, slot: Slot, need_bytes: int) -> list[An
 
 
 def prepare(eff: StartPublish, device: dict[str, Any], backend: str) -> Prepared:
-    """The worker's part of a publication: the publisher's manifest checked against the slab, the checkpoint
-    identity computed from the files, a digest of every tensor, and the service's manifest file. Touches no
-    state; closes ``eff.manifest_fd``.
+    """The worker's part of a publication: the publisher's manifest checked against the slab, on the cuda backend
+    the copy into the service's own slab (:meth:`weightcache.memory.cuda_publish.Adoption.run`, digests computed
+    by the copy), the checkpoint identity computed from the files, a digest of every tensor, and the service's
+    manifest file. Touches no state; closes ``eff.manifest_fd`` and, when it fails, the slab it made.
 
     Raises:
         ManifestInvalid (`manifest_invalid`): the publisher's manifest file does not decode.
-        PublicationInvalid (`publication_invalid`): a tensor outside the slab or off a 256-byte offset.
+        PublicationInvalid (`publication_invalid`): a tensor outside the slab or off a 256-byte offset; the CUDA
+            source (:meth:`~weightcache.memory.cuda_publish.Adoption.run`).
+        OutOfMemory (`out_of_memory`): no room on the GPU for the service's copy.
         CheckpointNotFound, CheckpointCorrupt: the configured checkpoint cannot be read.
         ManifestTooLarge (`manifest_too_large`): the service's manifest file would be too large.
     """
     t0 = time.monotonic()
     msg, slot = eff.request, eff.slot
+    sealed = eff.sealed
     try:
-        mf = read_file(eff.manifest_fd, msg.manifest_size_bytes)
-    finally:
-        os.close(eff.manifest_fd)
-    _check_manifest(mf.manifest, msg.size_bytes)
-    placement = slot.placement
-    ck = Checkpoint(placement.model.path, validate=False)
-    key = identity.published_key(slot.publication.engine_key, ck, device)  # the files say which checkpoint
-    records = list(mf.manifest.tensors)
-    stored = [(t.name, t.offset_bytes, t.size_bytes) for t in records if t.alias_of is None]
-    digests = digest.slab_digests(eff.sealed, stored)
-    tensors = [dataclasses.replace(t, digest=digests[t.alias_of or t.name]) for t in records]
-    manifest = Manifest(placement.model.name, msg.tp_size, msg.tp_rank, key, mf.manifest.slab_size_bytes, tensors)
-    data = pack_file(manifest, backend=backend, size_bytes=eff.sealed.size_bytes,
-                     checkpoint_path=placement.model.path, placement=placement.to_json(),
-                     publication=slot.publication.to_json())
-    return Prepared(manifest, SealedFile.create(data, f"weightcache:manifest:{slot.label}"), time.monotonic() - t0)
+        try:
+            mf = read_file(eff.manifest_fd, msg.manifest_size_bytes)
+        finally:
+            os.close(eff.manifest_fd)
+        _check_manifest(mf.manifest, msg.size_bytes)
+        placement = slot.placement
+        ck = Checkpoint(placement.model.path, validate=False)
+        key = identity.published_key(slot.publication.engine_key, ck, device)  # the files say which checkpoint
+        records = list(mf.manifest.tensors)
+        stored = [(t.name, t.offset_bytes, t.size_bytes) for t in records if t.alias_of is None]
+        digests = None
+        if eff.adoption is not None:
+            sealed, digests = eff.adoption.run(stored)
+        if digests is None:
+            digests = digest.slab_digests(sealed, stored)
+        tensors = [dataclasses.replace(t, digest=digests[t.alias_of or t.name]) for t in records]
+        manifest = Manifest(placement.model.name, msg.tp_size, msg.tp_rank, key, mf.manifest.slab_size_bytes,
+                            tensors)
+        data = pack_file(manifest, backend=backend, size_bytes=sealed.size_bytes,
+                         checkpoint_path=placement.model.path, placement=placement.to_json(),
+                         publication=slot.publication.to_json())
+        return Prepared(manifest, SealedFile.create(data, f"weightcache:manifest:{slot.label}"),
+                        time.monotonic() - t0, sealed)
+    except BaseException:
+        if eff.adoption is not None:
+            eff.adoption.close()
+            if sealed is not None:
+                sealed.close()
+        raise
 
 
 def commit(ctx: Context, eff: StartPublish, prepared: Prepared | None, error: BaseException | None) -> Outcome:
@@ -243,7 +300,9 @@ def commit(ctx: Context, eff: StartPublish, prepared: Prepared | None, error: Ba
         if slot.state is SlotState.PENDING:
             slot.drop()
         st.slots = [s for s in st.slots if s is not slot]
-        eff.sealed.close()
+        kept = prepared.sealed if prepared is not None else eff.sealed
+        if kept is not None:
+            kept.close()
         if prepared is not None:
             prepared.manifest_file.close()
         if not isinstance(error, WeightcacheError):
@@ -251,18 +310,19 @@ def commit(ctx: Context, eff: StartPublish, prepared: Prepared | None, error: Ba
                                   f"by a reload while its publication was checked", model=slot.placement.model.name,
                                   gpu=st.gpu) if error is None else error
         raise error
-    slot.publish(prepared.manifest, eff.sealed, prepared.manifest_file)
+    sealed = prepared.sealed
+    slot.publish(prepared.manifest, sealed, prepared.manifest_file)
     slot.last_used = ctx.monotonic()
     pub, p = slot.publication, slot.placement
     n = len(prepared.manifest.tensors)
     log.info("published model=%s tp_size=%d rank=%d slab=%s size_bytes=%d tensors=%d engine=%s engine_key=%s "
              "shared=%s peer_pid=%d peer_uid=%d duration_ms=%.0f", p.model.name, p.tp_size, p.tp_rank, slot.label,
-             eff.sealed.size_bytes, n, pub.engine_key["engine"], pub.engine_key_blake2b, pub.shared, eff.peer_pid,
+             sealed.size_bytes, n, pub.engine_key["engine"], pub.engine_key_blake2b, pub.shared, eff.peer_pid,
              pub.publisher_uid, prepared.seconds * 1e3,
-             extra=event("published", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=eff.sealed.size_bytes,
+             extra=event("published", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=sealed.size_bytes,
                          duration_ms=prepared.seconds * 1e3, tensors=n, engine_key=pub.engine_key_blake2b,
                          shared="yes" if pub.shared else "no", peer_pid=eff.peer_pid, peer_uid=pub.publisher_uid))
-    return Outcome((Reply(protocol.PublishReply(slot.label, True, eff.sealed.size_bytes, pub.engine_key_blake2b)),),
+    return Outcome((Reply(protocol.PublishReply(slot.label, True, sealed.size_bytes, pub.engine_key_blake2b)),),
                    (StoreSlab(slot),))
 
 

@@ -179,6 +179,33 @@ class CudaBackend:
 
         return cuda_publish.adopt_publication(self._device(self.gpu), fd, int(size_bytes))
 
+    def defer_publication(self, source: Any, size_bytes: int, label: str) -> Any:
+        """A publication's copy into the service's own slab, checked now and run later by the publication's worker
+        (:class:`weightcache.memory.cuda_publish.Adoption`: its ``size_bytes`` is what the budget reserves).
+
+        Args:
+            source: a dup of the publisher's staging VMM fd (owned by the adoption from here on), or an
+                :class:`~weightcache.memory.cuda_publish.IpcSource`.
+            size_bytes (`int`): the publication's size, a multiple of :attr:`granularity`.
+
+        Raises:
+            PublicationInvalid (`publication_invalid`): the size or the IPC copies are malformed.
+        """
+        from . import cuda_publish
+
+        return cuda_publish.Adoption(self._device(self.gpu), source, int(size_bytes), label)
+
+    def ipc_export(self, ptrs: list[int]) -> tuple[list[bytes], list[tuple[int, int]]]:
+        """The publisher's CUDA IPC handles of the allocations ``ptrs`` lie in
+        (:func:`weightcache.memory.cuda_publish.ipc_export`).
+
+        Raises:
+            CudaDriverError: an allocation cannot be exported by IPC (a VMM allocation).
+        """
+        from . import cuda_publish
+
+        return cuda_publish.ipc_export(self._device(self.gpu), ptrs)
+
     def allocate_publication(self, size_bytes: int) -> CudaWritableSlab:
         """A writable VMM allocation for an engine to fill with what it publishes, ``size_bytes`` rounded up to
         :attr:`granularity`; :meth:`CudaWritableSlab.seal` exports the fd sent with ``publish``."""

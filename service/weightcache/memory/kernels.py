@@ -61,6 +61,27 @@ extern "C" __global__ void wc_sum64(const u64* w, u64 nbytes, u64* out) {
   if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
 }
 
+extern "C" __global__ void wc_copy_sum64(u64* d, const u64* w, u64 nbytes, u64* out) {
+  const u64 K = 0x9E3779B97F4A7C15ull;
+  const u64 nw = nbytes >> 3;
+  u64 acc = 0;
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nw; i += stride) {
+    const u64 x = w[i];
+    d[i] = x;
+    acc += (x ^ (i * K)) * (2 * i + 1);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0 && (nbytes & 7)) {
+    const unsigned char* b = (const unsigned char*)w + nw * 8;
+    unsigned char* db = (unsigned char*)d + nw * 8;
+    u64 v = 0;
+    for (int j = 0; j < (int)(nbytes & 7); ++j) { db[j] = b[j]; v |= ((u64)b[j]) << (8 * j); }
+    acc += (v ^ (nw * K)) * (2 * nw + 1);
+  }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+  if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+}
+
 extern "C" __global__ void wc_lut8(unsigned char* p, u64 n, Lut lut) {
   __shared__ unsigned char s[256];
   for (int j = threadIdx.x; j < 256; j += blockDim.x) s[j] = lut.v[j];
@@ -90,8 +111,9 @@ class KernelError(RuntimeError):
 
 
 class _Module:
-    def __init__(self, module: Any, sum64: Any, lut8: Any, compile_s: float) -> None:
+    def __init__(self, module: Any, sum64: Any, lut8: Any, copy_sum64: Any, compile_s: float) -> None:
         self.module, self.sum64, self.lut8, self.compile_s = module, sum64, lut8, compile_s
+        self.copy_sum64 = copy_sum64
 
 
 def _nvrtc():
@@ -167,10 +189,11 @@ def _load(device: Any) -> _Module:
         module = _check("cuModuleLoadData", cu.cuModuleLoadData(image), f"weightcache kernels for sm_{major}{minor}")
         sum64 = _check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"wc_sum64"))
         lut8 = _check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"wc_lut8"))
+        copy_sum64 = _check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"wc_copy_sum64"))
     dt = time.monotonic() - t0
     log.info("kernels compiled gpu=%d arch=sm_%d%d image=%s compile_ms=%.0f", device.index, major, minor,
              "cubin" if cubin else "ptx", dt * 1e3)
-    return _Module(module, sum64, lut8, dt)
+    return _Module(module, sum64, lut8, copy_sum64, dt)
 
 
 def module(device: Any) -> _Module:
@@ -266,29 +289,50 @@ def sum64(device: Any, ranges: list[tuple[int, int]]) -> list[str]:
         ValueError: a misaligned pointer.
         KernelError, CudaDriverError: as :func:`module`, or a launch failed.
     """
+    m = module(device)
+    return _summed(device, [(m.sum64, [ptr], size) for ptr, size in ranges])
+
+
+def copy_sum64(device: Any, copies: list[tuple[int, int, int]]) -> list[str]:
+    """Copies each ``(dst_ptr, src_ptr, size_bytes)`` on the GPU and returns the ``sum64`` digest of the bytes it
+    copied, in order (waits for the copies and the result).
+
+    One pass over the source: each word is read once, written to ``dst`` and summed, so the digest is of exactly
+    the bytes that landed in ``dst`` even while the source changes (a publisher's memory, DESIGN §6.3). The digest
+    equals :func:`sum64` of ``dst`` afterwards. Both pointers must be 8-byte aligned.
+
+    Raises:
+        ValueError: a misaligned pointer.
+        KernelError, CudaDriverError: as :func:`module`, or a launch failed.
+    """
+    m = module(device)
+    return _summed(device, [(m.copy_sum64, [dst, src], size) for dst, src, size in copies])
+
+
+def _summed(device: Any, launches: list[tuple[Any, list[int], int]]) -> list[str]:
+    """Runs ``(function, pointer args, size_bytes)`` launches, each adding into its own 8-byte slot, and returns
+    the slots as ``sum64`` digests."""
     from .cuda_driver import _check, cu
 
-    m = module(device)
-    if not ranges:
+    if not launches:
         return []
-    for ptr, _ in ranges:
-        if ptr % 8:
-            raise ValueError(f"sum64 kernel: device pointer 0x{ptr:x} is not 8-byte aligned")
-    n = len(ranges)
+    for _, ptrs, _ in launches:
+        for ptr in ptrs:
+            if ptr % 8:
+                raise ValueError(f"sum64 kernel: device pointer 0x{ptr:x} is not 8-byte aligned")
+    n = len(launches)
     with device.current():
         slots = int(_check("cuMemAlloc", cu.cuMemAlloc(8 * n)))
         try:
             _check("cuMemsetD8", cu.cuMemsetD8(slots, 0, 8 * n))
-            for i, (ptr, size) in enumerate(ranges):
-                if size >= 8:
-                    _launch(m.sum64, _blocks(size // 8, 8), [ptr, size, slots + 8 * i])
-                elif size:
-                    _launch(m.sum64, 1, [ptr, size, slots + 8 * i])
+            for i, (func, ptrs, size) in enumerate(launches):
+                if size:
+                    _launch(func, _blocks(size // 8, 8) if size >= 8 else 1, [*ptrs, size, slots + 8 * i])
             host = (ctypes.c_uint64 * n)()
             _check("cuMemcpyDtoH", cu.cuMemcpyDtoH(ctypes.addressof(host), slots, 8 * n))
         finally:
             cu.cuMemFree(slots)
-    return [f"sum64:{(int(host[i]) ^ size) & 0xFFFFFFFFFFFFFFFF:016x}" for i, (_, size) in enumerate(ranges)]
+    return [f"sum64:{(int(host[i]) ^ size) & 0xFFFFFFFFFFFFFFFF:016x}" for i, (_, _, size) in enumerate(launches)]
 
 
 def lut8(device: Any, ranges: list[tuple[int, int]], table: bytes, stream: Any = 0) -> None:

@@ -55,7 +55,7 @@ IN, OUT = "in", "out"
 
 #: Wire types of the requests after ``hello`` (a test checks them against :data:`TAGS`).
 REQUEST_TYPES = ("list", "status", "attach", "release", "verify", "evict", "preload", "reload", "metrics", "publish",
-                 "attach_published")
+                 "attach_published", "publish_cuda_ipc")
 #: Wire types of the replies (a test checks them against :data:`TAGS`).
 REPLY_TYPES = ("hello_reply", "list_reply", "status_reply", "attach_reply", "loading", "release_reply",
                "verify_reply", "evict_reply", "preload_reply", "reload_reply", "error", "metrics_reply", "publish_reply")
@@ -78,6 +78,7 @@ TAGS: dict[str, tuple[str, str]] = {
     "metrics": ("_admin", "Metrics"),
     "publish": ("_publish", "Publish"),
     "attach_published": ("_publish", "AttachPublished"),
+    "publish_cuda_ipc": ("_publish", "PublishCudaIpc"),
     "hello_reply": ("_messages", "HelloReply"),
     "list_reply": ("_admin", "ListReply"),
     "status_reply": ("_admin", "StatusReply"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..errors import LocalProtocolError
 from ..wire import DEFAULT_MODE, AttachMode
 from ._messages import Message, _parse
 
@@ -42,6 +43,42 @@ class Publish(Message):
     engine_key: dict
     size_bytes: int
     manifest_size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublishCudaIpc(Message):
+    """``publish`` on the cuda backend without a staging copy: the publisher's allocations by CUDA IPC handle; one
+    fd travels with it, the publisher's manifest file. The service copies the bytes into its own slab before it
+    answers; the publisher keeps its allocations alive, unchanged, until the reply.
+
+    Attributes:
+        model, tp_size, tp_rank, engine_key, manifest_size_bytes: as :class:`Publish`.
+        size_bytes: the slab's size in bytes (a multiple of the GPU's VMM granularity).
+        segments: hex strings of the ``cuIpcGetMemHandle`` handles (64 bytes each) of the publisher's
+            allocations.
+        copies: ``[segment index, offset in the segment, offset in the slab, size]`` per copy, bytes.
+    """
+
+    FD_COUNT: ClassVar[int] = 1
+    model: str
+    tp_size: int
+    tp_rank: int
+    engine_key: dict
+    size_bytes: int
+    manifest_size_bytes: int
+    segments: list
+    copies: list
+
+    def __post_init__(self) -> None:
+        Message.__post_init__(self)
+        for i, h in enumerate(self.segments):
+            if not isinstance(h, str) or len(h) != 128 or any(c not in "0123456789abcdef" for c in h):
+                raise LocalProtocolError(f"message 'publish_cuda_ipc': segments[{i}] must be 128 lowercase hex "
+                                         f"digits (a 64-byte CUDA IPC handle)", field="segments")
+        for i, c in enumerate(self.copies):
+            if not (isinstance(c, list) and len(c) == 4 and all(type(v) is int and v >= 0 for v in c)):
+                raise LocalProtocolError(f"message 'publish_cuda_ipc': copies[{i}] must be 4 non-negative "
+                                         f"integers [segment, src_offset, dst_offset, size]", field="copies")
 
 
 @dataclass(frozen=True, slots=True)
