@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""An image write's effect on a concurrent attach (issue 36: "p99 within 2x of idle").
+
+One ``weightcache serve`` (``--backend host`` or ``cuda``) holds model A READY (small, ``image = false``) and
+has model B (``--write-gb``, ``image = true``, ``preload = "disk"``: loaded at its first attach). The bench
+process (an engine) attaches A and closes it in a loop (``attach(..., fallback=False)`` end to end, close
+outside the timing):
+
+1. **idle**: ``--idle-s`` seconds, no image written;
+2. **write**: B is attached once (it loads, READY), which starts the write of B's image; A's attach loop runs
+   from the moment the temporary file appears until the image has its final name (the write, its ``fsync``
+   and the rename).
+
+Reported: p50/p99/max of A's attach latency (ms) in both phases, their ratio, and the write's own figures from
+the service's ``image written`` line (seconds, GB/s) under ``--rate`` (``[service] image_write_bytes_per_s``;
+default: the service's default, 1 GiB/s; 0: uncapped).
+
+Usage: bench_image_write_p99.py [--backend host|cuda] [--write-gb 2] [--rate BYTES] [--idle-s 10] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402
+    GB,
+    LLAMA2_7B,
+    emit,
+    layers_for,
+    scaled,
+    service_env,
+    stats,
+    versions,
+    wait_ready,
+    write_checkpoint,
+)
+
+_WRITTEN = re.compile(r"image written .*?size_bytes=(\d+) duration_ms=(\d+) write_gbps=([\d.]+)")
+
+
+def _config(path: Path, a: Path, b: Path, backend: str, images: Path, rate: int | None) -> Path:
+    lines = ["[service]", f'backend = "{backend}"', f'image_dir = "{images}"']
+    if rate is not None:
+        lines.append(f"image_write_bytes_per_s = {rate}")
+    for name, ck, extra in (("a", a, ["image = false"]), ("b", b, ["image = true", 'preload = "disk"'])):
+        lines += [f'\n[models."{name}"]', f'path = "{ck}"', *extra, "layouts = [{ tp = 1, gpus = [0] }]"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _attach_loop(path: str, device: str, sock_dir: str, until, min_n: int = 0) -> list[float]:
+    """Attaches ``path`` and closes it until ``until()`` (checked after each) and at least ``min_n`` times; ms."""
+    from weightcache import attach
+
+    out = []
+    while True:
+        t0 = time.perf_counter()
+        w = attach(path, device=device, fallback=False, socket_dir=sock_dir)
+        out.append((time.perf_counter() - t0) * 1e3)
+        w.close()
+        del w
+        if until() and len(out) >= min_n:
+            return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", choices=("host", "cuda"), default="host")
+    ap.add_argument("--write-gb", type=float, default=2.0, help="size of model B, whose image is written")
+    ap.add_argument("--rate", type=int, default=None, help="image_write_bytes_per_s (default: the service's)")
+    ap.add_argument("--idle-s", type=float, default=10.0)
+    ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR") or tempfile.gettempdir())
+    args = ap.parse_args()
+    device = "cpu" if args.backend == "host" else "cuda:0"
+    base = Path(args.dir) / "bench-image-write"
+    # A: the 7B tensor list at 1/8 of the widths (291 tensors, ~0.2 GB); B: 7B widths to --write-gb. Sparse
+    # files: the bytes written are the slab's whatever they hold, and the checkpoints cost no disk.
+    a = write_checkpoint(base / "a", scaled(LLAMA2_7B, 8), "sparse")
+    shape_b = layers_for(int(args.write_gb * GB), LLAMA2_7B)
+    b = write_checkpoint(base / f"b-{shape_b.layers}l", shape_b, "sparse")
+    images = base / "images"
+    shutil.rmtree(images, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix="wcbw-", dir="/tmp"))
+    sock = work / "0.sock"
+    cfg = _config(work / "wc.toml", a, b, args.backend, images, args.rate)
+    log = work / "serve.log"
+    with open(log, "w") as lf:
+        proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--gpu", "0", "--config", str(cfg),
+                                 "--listen", str(sock), "--backend", args.backend], stdout=lf, stderr=lf,
+                                env=service_env(), cwd=work)
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+        from weightcache import attach
+
+        def ready_a() -> None:
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    attach(str(a), device=device, fallback=False, socket_dir=str(work)).close()
+                    return
+                except Exception:  # noqa: BLE001 - not up yet
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"model a never attached\n{log.read_text()[-4000:]}") from None
+                    time.sleep(0.1)
+
+        ready_a()
+        _attach_loop(str(a), device, str(work), lambda: True, 20)  # warm-up
+        t_end = time.monotonic() + args.idle_s
+        idle = _attach_loop(str(a), device, str(work), lambda: time.monotonic() > t_end, 50)
+
+        def tmp_file() -> bool:
+            return any(".tmp-" in p.name for p in images.iterdir()) if images.exists() else False
+
+        def final() -> bool:
+            return images.exists() and any(p.name.endswith(".safetensors") and not p.name.startswith(".")
+                                           for p in images.iterdir())
+
+        t0 = time.monotonic()
+        attach(str(b), device=device, fallback=False, socket_dir=str(work), timeout=600).close()  # B loads
+        load_b_s = time.monotonic() - t0
+        deadline = time.monotonic() + 60
+        while not (tmp_file() or final()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no image write started\n{log.read_text()[-4000:]}")
+            time.sleep(0.005)
+        t_w = time.monotonic()
+        during = _attach_loop(str(a), device, str(work), final)
+        window_s = time.monotonic() - t_w
+        st = wait_ready(str(sock), proc, 60, log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    text = log.read_text()
+    w = _WRITTEN.search(text)
+    if w is None:
+        raise RuntimeError(f"no image written line\n{text[-4000:]}")
+    size, write_s, write_gbps = int(w.group(1)), int(w.group(2)) / 1e3, float(w.group(3))
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(images, ignore_errors=True)
+    s_idle, s_write = stats(idle), stats(during)
+    ratio = s_write["p99"] / s_idle["p99"]
+    rate = "the service's default (1 GiB/s)" if args.rate is None else ("uncapped" if args.rate == 0 else
+                                                                         f"{args.rate / 1e9:.3f} GB/s")
+    md = [f"Attach latency of model A (0.2 GB, 291 tensors) during an image write of model B ({size / GB:.2f} GB), "
+          f"backend {args.backend}, write rate cap {rate}",
+          "", "| phase | attaches | p50 (ms) | p99 (ms) | max (ms) |", "|---|---|---|---|---|"]
+    for name, s in (("idle", s_idle), ("during the write", s_write)):
+        md.append(f"| {name} | {s['n']} | {s['median']:.2f} | {s['p99']:.2f} | {s['max']:.2f} |")
+    md += ["", f"p99 during / idle: {ratio:.2f}x (issue target <= 2x); the write: {write_s:.2f} s, "
+               f"{write_gbps:.2f} GB/s (load of B before it: {load_b_s:.2f} s; attach window {window_s:.2f} s)"]
+    emit(f"image_write_p99_{args.backend}", {"backend": args.backend, "size_bytes": size, "rate": args.rate,
+                                             "idle_ms": s_idle, "write_ms": s_write, "p99_ratio": ratio,
+                                             "write_s": write_s, "write_gbps": write_gbps, "load_b_s": load_b_s,
+                                             "samples": {"idle": idle, "write": during},
+                                             "slabs": [x["state"] for x in st["slabs"]], "versions": versions()},
+         "\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
