@@ -28,11 +28,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (  # noqa: E402
+from bench_common import (
     GB,
     LLAMA2_7B,
     emit,
@@ -58,12 +59,16 @@ def _config(path: Path, a: Path, b: Path, backend: str, images: Path, rate: int 
     return path
 
 
-def _attach_loop(path: str, device: str, sock_dir: str, until, min_n: int = 0) -> list[float]:
-    """Attaches ``path`` and closes it until ``until()`` (checked after each) and at least ``min_n`` times; ms."""
+def _attach_loop(path: str, device: str, sock_dir: str, until, min_n: int = 0,
+                 at: list[float] | None = None) -> list[float]:
+    """Attaches ``path`` and closes it until ``until()`` (checked after each) and at least ``min_n`` times; ms.
+    ``at``: gets each attach's start (``time.monotonic()``)."""
     from weightcache import attach
 
     out = []
     while True:
+        if at is not None:
+            at.append(time.monotonic())
         t0 = time.perf_counter()
         w = attach(path, device=device, fallback=False, socket_dir=sock_dir)
         out.append((time.perf_counter() - t0) * 1e3)
@@ -73,49 +78,40 @@ def _attach_loop(path: str, device: str, sock_dir: str, until, min_n: int = 0) -
             return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backend", choices=("host", "cuda"), default="host")
-    ap.add_argument("--write-gb", type=float, default=2.0, help="size of model B, whose image is written")
-    ap.add_argument("--rate", type=int, default=None, help="image_write_bytes_per_s (default: the service's)")
-    ap.add_argument("--idle-s", type=float, default=10.0)
-    ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR") or tempfile.gettempdir())
-    args = ap.parse_args()
-    device = "cpu" if args.backend == "host" else "cuda:0"
-    base = Path(args.dir) / "bench-image-write"
-    # A: the 7B tensor list at 1/8 of the widths (291 tensors, ~0.2 GB); B: 7B widths to --write-gb. Sparse
-    # files: the bytes written are the slab's whatever they hold, and the checkpoints cost no disk.
-    a = write_checkpoint(base / "a", scaled(LLAMA2_7B, 8), "sparse")
-    shape_b = layers_for(int(args.write_gb * GB), LLAMA2_7B)
-    b = write_checkpoint(base / f"b-{shape_b.layers}l", shape_b, "sparse")
-    images = base / "images"
+def _dirty_bytes() -> int:
+    """``Dirty + Writeback`` of /proc/meminfo, bytes (0 where unreadable)."""
+    try:
+        f = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return sum(int(f[k].split()[0]) << 10 for k in ("Dirty", "Writeback"))
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def _rep(a: Path, b: Path, backend: str, device: str, images: Path, rate: int | None, idle_s: float) -> dict:
+    """One service: warm-up, the idle phase, then B's load and the write phase; the service stopped after."""
+    from weightcache import attach
+
     shutil.rmtree(images, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix="wcbw-", dir="/tmp"))
     sock = work / "0.sock"
-    cfg = _config(work / "wc.toml", a, b, args.backend, images, args.rate)
+    cfg = _config(work / "wc.toml", a, b, backend, images, rate)
     log = work / "serve.log"
     with open(log, "w") as lf:
         proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--gpu", "0", "--config", str(cfg),
-                                 "--listen", str(sock), "--backend", args.backend], stdout=lf, stderr=lf,
+                                 "--listen", str(sock), "--backend", backend], stdout=lf, stderr=lf,
                                 env=service_env(), cwd=work)
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
-        from weightcache import attach
-
-        def ready_a() -> None:
-            deadline = time.monotonic() + 600
-            while True:
-                try:
-                    attach(str(a), device=device, fallback=False, socket_dir=str(work)).close()
-                    return
-                except Exception:  # noqa: BLE001 - not up yet
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"model a never attached\n{log.read_text()[-4000:]}") from None
-                    time.sleep(0.1)
-
-        ready_a()
+        deadline = time.monotonic() + 600
+        while True:  # A READY
+            try:
+                attach(str(a), device=device, fallback=False, socket_dir=str(work)).close()
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"model a never attached\n{log.read_text()[-4000:]}") from None
+                time.sleep(0.1)
         _attach_loop(str(a), device, str(work), lambda: True, 20)  # warm-up
-        t_end = time.monotonic() + args.idle_s
+        t_end = time.monotonic() + idle_s
         idle = _attach_loop(str(a), device, str(work), lambda: time.monotonic() > t_end, 50)
 
         def tmp_file() -> bool:
@@ -134,9 +130,20 @@ def main() -> int:
                 raise RuntimeError(f"no image write started\n{log.read_text()[-4000:]}")
             time.sleep(0.005)
         t_w = time.monotonic()
-        during = _attach_loop(str(a), device, str(work), final)
+        starts: list[float] = []
+        dirty: list[int] = []
+        sampling = threading.Event()
+
+        def sample() -> None:  # the machine's dirty page cache while the write runs
+            while not sampling.wait(0.05):
+                dirty.append(_dirty_bytes())
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        during = _attach_loop(str(a), device, str(work), final, at=starts)
+        sampling.set()
         window_s = time.monotonic() - t_w
-        st = wait_ready(str(sock), proc, 60, log)
+        wait_ready(str(sock), proc, 60, log)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -144,29 +151,58 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     text = log.read_text()
+    shutil.rmtree(work, ignore_errors=True)
     w = _WRITTEN.search(text)
     if w is None:
         raise RuntimeError(f"no image written line\n{text[-4000:]}")
-    size, write_s, write_gbps = int(w.group(1)), int(w.group(2)) / 1e3, float(w.group(3))
-    shutil.rmtree(work, ignore_errors=True)
+    return {"idle": idle, "write": during, "starts": [t - t_w for t in starts], "window_s": window_s,
+            "load_b_s": load_b_s, "size": int(w.group(1)), "write_s": int(w.group(2)) / 1e3,
+            "write_gbps": float(w.group(3)), "dirty_max": max(dirty, default=0)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", choices=("host", "cuda"), default="host")
+    ap.add_argument("--write-gb", type=float, default=2.0, help="size of model B, whose image is written")
+    ap.add_argument("--rate", type=int, default=None, help="image_write_bytes_per_s (default: the service's)")
+    ap.add_argument("--idle-s", type=float, default=10.0)
+    ap.add_argument("--reps", type=int, default=3, help="services started, each an idle then a write phase")
+    ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR") or tempfile.gettempdir())
+    args = ap.parse_args()
+    device = "cpu" if args.backend == "host" else "cuda:0"
+    base = Path(args.dir) / "bench-image-write"
+    # A: the 7B tensor list at 1/8 of the widths (291 tensors, ~0.2 GB); B: 7B widths to --write-gb. Sparse
+    # files: the bytes written are the slab's whatever they hold, and the checkpoints cost no disk.
+    a = write_checkpoint(base / "a", scaled(LLAMA2_7B, 8), "sparse")
+    shape_b = layers_for(int(args.write_gb * GB), LLAMA2_7B)
+    b = write_checkpoint(base / f"b-{shape_b.layers}l", shape_b, "sparse")
+    images = base / "images"
+    reps = [_rep(a, b, args.backend, device, images, args.rate, args.idle_s) for _ in range(args.reps)]
     shutil.rmtree(images, ignore_errors=True)
+    idle = [x for r in reps for x in r["idle"]]
+    during = [x for r in reps for x in r["write"]]
     s_idle, s_write = stats(idle), stats(during)
     ratio = s_write["p99"] / s_idle["p99"]
+    size = reps[0]["size"]
     rate = "the service's default (1 GiB/s)" if args.rate is None else ("uncapped" if args.rate == 0 else
                                                                          f"{args.rate / 1e9:.3f} GB/s")
-    md = [f"Attach latency of model A (0.2 GB, 291 tensors) during an image write of model B ({size / GB:.2f} GB), "
-          f"backend {args.backend}, write rate cap {rate}",
+    md = [(f"Attach latency of model A (0.2 GB, 291 tensors) during an image write of model B ({size / GB:.2f} GB), "
+           f"backend {args.backend}, write rate cap {rate}, {args.reps} services (an idle then a write phase each)"),
           "", "| phase | attaches | p50 (ms) | p99 (ms) | max (ms) |", "|---|---|---|---|---|"]
     for name, s in (("idle", s_idle), ("during the write", s_write)):
         md.append(f"| {name} | {s['n']} | {s['median']:.2f} | {s['p99']:.2f} | {s['max']:.2f} |")
-    md += ["", f"p99 during / idle: {ratio:.2f}x (issue target <= 2x); the write: {write_s:.2f} s, "
-               f"{write_gbps:.2f} GB/s (load of B before it: {load_b_s:.2f} s; attach window {window_s:.2f} s)"]
+    per = []
+    for r in reps:
+        i, w = stats(r["idle"]), stats(r["write"])
+        slow = sum(1 for ms in r["write"] if ms > 2 * i["p99"])
+        per.append(f"p99 {i['p99']:.2f} -> {w['p99']:.2f} ms ({w['p99'] / i['p99']:.2f}x), write {r['write_s']:.2f} s "
+                   f"({r['write_gbps']:.2f} GB/s), {slow} of {w['n']} attaches over 2x the idle p99, "
+                   f"Dirty+Writeback peak {r['dirty_max'] / GB:.2f} GB")
+    md += ["", f"p99 during / idle (pooled): {ratio:.2f}x (issue target <= 2x)", "", "Per service:", ""]
+    md += [f"{k + 1}. {line}" for k, line in enumerate(per)]
     emit(f"image_write_p99_{args.backend}", {"backend": args.backend, "size_bytes": size, "rate": args.rate,
                                              "idle_ms": s_idle, "write_ms": s_write, "p99_ratio": ratio,
-                                             "write_s": write_s, "write_gbps": write_gbps, "load_b_s": load_b_s,
-                                             "samples": {"idle": idle, "write": during},
-                                             "slabs": [x["state"] for x in st["slabs"]], "versions": versions()},
-         "\n".join(md))
+                                             "reps": reps, "versions": versions()}, "\n".join(md))
     return 0
 
 
