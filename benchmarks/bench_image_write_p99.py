@@ -9,13 +9,18 @@ outside the timing):
 1. **idle**: ``--idle-s`` seconds, no image written;
 2. **write**: B is attached once (it loads, READY), which starts the write of B's image; A's attach loop runs
    from the moment the temporary file appears until the image has its final name (the write, its ``fsync``
-   and the rename).
+   and the rename);
+3. **idle** again, ``--idle-s`` seconds (pooled with the first: a shared machine's load drifts).
+
+``--compare DIR`` runs the services of another tree (an earlier commit's ``service/``) too, alternating with
+this tree's service by service, for a before/after in one run.
 
 Reported: p50/p99/max of A's attach latency (ms) in both phases, their ratio, and the write's own figures from
 the service's ``image written`` line (seconds, GB/s) under ``--rate`` (``[service] image_write_bytes_per_s``;
 default: the service's default, 1 GiB/s; 0: uncapped).
 
-Usage: bench_image_write_p99.py [--backend host|cuda] [--write-gb 2] [--rate BYTES] [--idle-s 10] [--dir DIR]
+Usage: bench_image_write_p99.py [--backend host|cuda] [--write-gb 2] [--rate BYTES] [--idle-s 4] [--reps 3]
+                                [--compare SERVICE_DIR] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     GB,
     LLAMA2_7B,
+    SERVICE_DIR,
     emit,
     layers_for,
     scaled,
@@ -87,8 +93,10 @@ def _dirty_bytes() -> int:
         return 0
 
 
-def _rep(a: Path, b: Path, backend: str, device: str, images: Path, rate: int | None, idle_s: float) -> dict:
-    """One service: warm-up, the idle phase, then B's load and the write phase; the service stopped after."""
+def _rep(a: Path, b: Path, backend: str, device: str, images: Path, rate: int | None, idle_s: float,
+         service_dir: str) -> dict:
+    """One service (run from ``service_dir``): warm-up, an idle phase, B's load and the write phase, an idle phase
+    again; the service stopped after."""
     from weightcache import attach
 
     shutil.rmtree(images, ignore_errors=True)
@@ -99,7 +107,7 @@ def _rep(a: Path, b: Path, backend: str, device: str, images: Path, rate: int | 
     with open(log, "w") as lf:
         proc = subprocess.Popen([sys.executable, "-m", "weightcache", "serve", "--gpu", "0", "--config", str(cfg),
                                  "--listen", str(sock), "--backend", backend], stdout=lf, stderr=lf,
-                                env=service_env(), cwd=work)
+                                env=service_env({"PYTHONPATH": service_dir}), cwd=work)
     try:
         deadline = time.monotonic() + 600
         while True:  # A READY
@@ -144,6 +152,8 @@ def _rep(a: Path, b: Path, backend: str, device: str, images: Path, rate: int | 
         sampling.set()
         window_s = time.monotonic() - t_w
         wait_ready(str(sock), proc, 60, log)
+        t_end = time.monotonic() + idle_s
+        idle += _attach_loop(str(a), device, str(work), lambda: time.monotonic() > t_end, 50)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -160,13 +170,29 @@ def _rep(a: Path, b: Path, backend: str, device: str, images: Path, rate: int | 
             "write_gbps": float(w.group(3)), "dirty_max": max(dirty, default=0)}
 
 
+def _report(reps: list[dict]) -> tuple[dict, dict, float, list[str]]:
+    """Pooled idle and write stats, their p99 ratio, and one line per service."""
+    s_idle = stats([x for r in reps for x in r["idle"]])
+    s_write = stats([x for r in reps for x in r["write"]])
+    per = []
+    for r in reps:
+        i, w = stats(r["idle"]), stats(r["write"])
+        slow = sum(1 for ms in r["write"] if ms > 2 * i["p99"])
+        per.append(f"p99 {i['p99']:.2f} -> {w['p99']:.2f} ms ({w['p99'] / i['p99']:.2f}x), write {r['write_s']:.2f} s "
+                   f"({r['write_gbps']:.2f} GB/s), {slow} of {w['n']} attaches over 2x the idle p99, "
+                   f"Dirty+Writeback peak {r['dirty_max'] / GB:.2f} GB")
+    return s_idle, s_write, s_write["p99"] / s_idle["p99"], per
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=("host", "cuda"), default="host")
     ap.add_argument("--write-gb", type=float, default=2.0, help="size of model B, whose image is written")
     ap.add_argument("--rate", type=int, default=None, help="image_write_bytes_per_s (default: the service's)")
-    ap.add_argument("--idle-s", type=float, default=10.0)
+    ap.add_argument("--idle-s", type=float, default=4.0, help="each idle phase (one before, one after the write)")
     ap.add_argument("--reps", type=int, default=3, help="services started, each an idle then a write phase")
+    ap.add_argument("--compare", metavar="SERVICE_DIR", help="another service tree (an earlier commit's service/): "
+                    "its services alternate with this tree's, rep by rep")
     ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR") or tempfile.gettempdir())
     args = ap.parse_args()
     device = "cpu" if args.backend == "host" else "cuda:0"
@@ -177,32 +203,33 @@ def main() -> int:
     shape_b = layers_for(int(args.write_gb * GB), LLAMA2_7B)
     b = write_checkpoint(base / f"b-{shape_b.layers}l", shape_b, "sparse")
     images = base / "images"
-    reps = [_rep(a, b, args.backend, device, images, args.rate, args.idle_s) for _ in range(args.reps)]
+    trees = {"this tree": str(SERVICE_DIR)}
+    if args.compare:
+        trees[args.compare] = str(Path(args.compare).resolve())
+    reps: dict[str, list[dict]] = {k: [] for k in trees}
+    for _ in range(args.reps):
+        for name, d in trees.items():
+            reps[name].append(_rep(a, b, args.backend, device, images, args.rate, args.idle_s, d))
     shutil.rmtree(images, ignore_errors=True)
-    idle = [x for r in reps for x in r["idle"]]
-    during = [x for r in reps for x in r["write"]]
-    s_idle, s_write = stats(idle), stats(during)
-    ratio = s_write["p99"] / s_idle["p99"]
-    size = reps[0]["size"]
+    size = reps["this tree"][0]["size"]
     rate = "the service's default (1 GiB/s)" if args.rate is None else ("uncapped" if args.rate == 0 else
                                                                          f"{args.rate / 1e9:.3f} GB/s")
     md = [(f"Attach latency of model A (0.2 GB, 291 tensors) during an image write of model B ({size / GB:.2f} GB), "
-           f"backend {args.backend}, write rate cap {rate}, {args.reps} services (an idle then a write phase each)"),
-          "", "| phase | attaches | p50 (ms) | p99 (ms) | max (ms) |", "|---|---|---|---|---|"]
-    for name, s in (("idle", s_idle), ("during the write", s_write)):
-        md.append(f"| {name} | {s['n']} | {s['median']:.2f} | {s['p99']:.2f} | {s['max']:.2f} |")
-    per = []
-    for r in reps:
-        i, w = stats(r["idle"]), stats(r["write"])
-        slow = sum(1 for ms in r["write"] if ms > 2 * i["p99"])
-        per.append(f"p99 {i['p99']:.2f} -> {w['p99']:.2f} ms ({w['p99'] / i['p99']:.2f}x), write {r['write_s']:.2f} s "
-                   f"({r['write_gbps']:.2f} GB/s), {slow} of {w['n']} attaches over 2x the idle p99, "
-                   f"Dirty+Writeback peak {r['dirty_max'] / GB:.2f} GB")
-    md += ["", f"p99 during / idle (pooled): {ratio:.2f}x (issue target <= 2x)", "", "Per service:", ""]
-    md += [f"{k + 1}. {line}" for k, line in enumerate(per)]
-    emit(f"image_write_p99_{args.backend}", {"backend": args.backend, "size_bytes": size, "rate": args.rate,
-                                             "idle_ms": s_idle, "write_ms": s_write, "p99_ratio": ratio,
-                                             "reps": reps, "versions": versions()}, "\n".join(md))
+           f"backend {args.backend}, write rate cap {rate}, {args.reps} services per tree (idle {args.idle_s:g} s "
+           f"before and after the write, pooled)"),
+          "", "| service tree | phase | attaches | p50 (ms) | p99 (ms) | max (ms) | p99 / idle |",
+          "|---|---|---|---|---|---|---|"]
+    out: dict = {"backend": args.backend, "size_bytes": size, "rate": args.rate, "versions": versions(), "trees": {}}
+    lines = []
+    for name in trees:
+        s_idle, s_write, ratio, per = _report(reps[name])
+        for phase, s in (("idle", s_idle), ("during the write", s_write)):
+            md.append(f"| {name} | {phase} | {s['n']} | {s['median']:.2f} | {s['p99']:.2f} | {s['max']:.2f} | "
+                      + (f"**{ratio:.2f}x** |" if phase != "idle" else "|"))
+        lines += ["", f"{name}, per service:", ""] + [f"{k + 1}. {line}" for k, line in enumerate(per)]
+        out["trees"][name] = {"idle_ms": s_idle, "write_ms": s_write, "p99_ratio": ratio, "reps": reps[name]}
+    md += ["", "Issue target: p99 during the write within 2x of idle.", *lines]
+    emit(f"image_write_p99_{args.backend}", out, "\n".join(md))
     return 0
 
 
