@@ -200,7 +200,8 @@ def main() -> int:
     # A: the 7B tensor list at 1/8 of the widths (291 tensors, ~0.2 GB); B: 7B widths to --write-gb. Sparse
     # files: the bytes written are the slab's whatever they hold, and the checkpoints cost no disk.
     a = write_checkpoint(base / "a", scaled(LLAMA2_7B, 8), "sparse")
-    shape_b = layers_for(int(args.write_gb * GB), LLAMA2_7B)
+    # Under 1 GB (one 7B layer and the embeddings are 0.93 GB): quarter widths, for a quick run.
+    shape_b = layers_for(int(args.write_gb * GB), LLAMA2_7B if args.write_gb >= 1 else scaled(LLAMA2_7B, 4))
     b = write_checkpoint(base / f"b-{shape_b.layers}l", shape_b, "sparse")
     images = base / "images"
     trees = {"this tree": str(SERVICE_DIR)}

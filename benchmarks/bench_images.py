@@ -42,6 +42,7 @@ from bench_common import (
     emit,
     layers_for,
     service_env,
+    spread,
     stats,
     versions,
     wait_ready,
@@ -114,11 +115,62 @@ def _drop_from_page_cache(path: Path) -> int:
     return total
 
 
+def _reader_alone(ck: Path, img: Path, backend_name: str, reps: int) -> dict[str, list[float]]:
+    """The service's parallel reader in this process, without the service: every tensor of the checkpoint's
+    shards (one task per tensor, 256-byte aligned in the slab, as the plan of a BF16 HF checkpoint places them)
+    against the image's one contiguous task, into a fresh slab of the backend each time, alternating, after one
+    warm-up each (the pinned staging made). GB/s of each read (``read_direct``, digests left out)."""
+    import json as _json
+    import struct
+
+    from weightcache.images import read_header
+    from weightcache.memory import get_backend
+    from weightcache.reader import LoaderOptions, ReadTask, read_direct
+
+    tasks_ck, at = [], 0
+    for f in sorted(ck.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            head = _json.loads(fh.read(n))
+        for name, t in sorted(((k, v) for k, v in head.items() if k != "__metadata__"),
+                              key=lambda kv: kv[1]["data_offsets"][0]):
+            lo, hi = t["data_offsets"]
+            tasks_ck.append(ReadTask(str(f), 8 + n + lo, hi - lo, at, name))
+            at = -(-(at + hi - lo) // 256) * 256
+    fd = os.open(img, os.O_RDONLY)
+    try:
+        h = read_header(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    tasks_img = [ReadTask(str(img), h.data_offset, h.data_bytes, 0, "weightcache.slab")]
+    backend = get_backend(backend_name, 0)
+    opts = LoaderOptions()
+    prepare = getattr(backend, "prepare_fill", None)
+    if prepare is not None:
+        prepare(opts.threads, opts.buffer_bytes)
+    out: dict[str, list[float]] = {"checkpoint": [], "image": []}
+    for i in range(reps + 1):
+        for kind, tasks in (("checkpoint", tasks_ck), ("image", tasks_img)):
+            size = sum(t.length for t in tasks)
+            slab = backend.allocate(max(at, h.data_bytes), "bench-reader")
+            try:
+                t0 = time.perf_counter()
+                read_direct(tasks, slab, opts, with_digests=False)
+                dt = time.perf_counter() - t0
+            finally:
+                slab.abort()
+            if i:
+                out[kind].append(size / dt / 1e9)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reader-reps", type=int, default=3,
+                    help="reads of each by the reader alone, in this process (0: none)")
     ap.add_argument("--dir", default=os.environ.get("BENCH_DATA_DIR") or tempfile.gettempdir())
     args = ap.parse_args()
     backend = "host" if args.device == "cpu" else "cuda"
@@ -144,6 +196,7 @@ def main() -> int:
                 r = _run(work, ck, images, backend, kind == "image", 0, f"{kind}{i}")
                 assert r["source"] == kind, (kind, r)
                 runs[kind].append(r)
+        alone = _reader_alone(ck, img, backend, args.reader_reps) if args.reader_reps else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     s = {k: {f: stats([r[f] for r in v]) for f in ("load_s", "read_gbps", "ready_s")} for k, v in runs.items()}
@@ -175,7 +228,12 @@ def main() -> int:
         md.append(f"| {k} | " + " | ".join(f"{med[st]:.0f}" for st in (*STAGES, "load", "outside")) + " |")
     md.append("| image - checkpoint | " + " | ".join(f"{stage_med['image'][st] - stage_med['checkpoint'][st]:+.0f}"
                                                   for st in (*STAGES, "load", "outside")) + " |")
-    emit("bench_images", {"device": args.device, "size_bytes": size, "runs": runs, "stats": s, "first": first,
+    if alone is not None:
+        a_ck, a_img = stats(alone["checkpoint"]), stats(alone["image"])
+        md += ["", (f"The reader alone, in this process ({args.reader_reps} reads each, alternating, fresh slab each, "
+                    f"digests left out): checkpoint shards (one task per tensor) {spread(a_ck)} GB/s, image (one "
+                    f"task) {spread(a_img)} GB/s: {a_img['median'] / a_ck['median']:.2f}x")]
+    emit("bench_images", {"reader_alone": alone, "device": args.device, "size_bytes": size, "runs": runs, "stats": s, "first": first,
                           "ratio_load": ratio_load, "stages_ms_median": stage_med, "dropped_bytes": dropped, "ratio_ready": ratio_ready, "rate_ratio": rate_ratio,
                           "versions": versions()}, "\n".join(md))
     return 0
