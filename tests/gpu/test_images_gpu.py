@@ -5,6 +5,9 @@ thread, ``sum64`` digests in its manifest), the service is stopped (no fd store:
 and a new service makes the slab from the image: ``source = image``, ``torch_free=yes``, and the bytes an
 engine attaches on ``cuda:0`` equal the checkpoint's. Then a flipped byte in the image is refused
 (``digest``, checked by the NVRTC kernel where the bytes are) and the slab is made from the checkpoint.
+
+And a SIGTERM mid-write with ``image_stop_write_s = 0``: no image and no temporary file left; the restart takes
+the GPU slab back from the fd store and writes its missing image.
 """
 
 from __future__ import annotations
