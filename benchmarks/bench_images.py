@@ -100,6 +100,20 @@ def _run(work: Path, ck: Path, images: Path, device: str, image: bool, rate: int
     return out
 
 
+def _numa() -> str:
+    """``N NUMA nodes, GPU 0 on node K`` (best effort: sysfs and nvidia-smi), for the results."""
+    nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    gpu = "?"
+    try:
+        bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout.strip().lower()
+        dom, rest = bus.split(":", 1)
+        gpu = Path(f"/sys/bus/pci/devices/{dom[-4:]}:{rest}/numa_node").read_text().strip()
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    return f"{len(nodes)} NUMA node(s), GPU 0 on node {gpu}"
+
+
 def _drop_from_page_cache(path: Path) -> int:
     """Writes back and drops every ``*.safetensors`` file of ``path`` from the page cache
     (``POSIX_FADV_DONTNEED``; no root needed); returns the bytes dropped."""
@@ -233,9 +247,13 @@ def main() -> int:
         md += ["", (f"The reader alone, in this process ({args.reader_reps} reads each, alternating, fresh slab each, "
                     f"digests left out): checkpoint shards (one task per tensor) {spread(a_ck)} GB/s, image (one "
                     f"task) {spread(a_img)} GB/s: {a_img['median'] / a_ck['median']:.2f}x")]
-    emit("bench_images", {"reader_alone": alone, "device": args.device, "size_bytes": size, "runs": runs, "stats": s, "first": first,
-                          "ratio_load": ratio_load, "stages_ms_median": stage_med, "dropped_bytes": dropped, "ratio_ready": ratio_ready, "rate_ratio": rate_ratio,
-                          "versions": versions()}, "\n".join(md))
+    numa = _numa()
+    md += ["", (f"Host: {numa}; the image's pages come from the warm-up's threads (the writer drops what it wrote "
+                "from the page cache as it goes).")]
+    emit("bench_images", {"reader_alone": alone, "numa": numa, "device": args.device, "size_bytes": size,
+                          "runs": runs, "stats": s, "first": first, "ratio_load": ratio_load,
+                          "stages_ms_median": stage_med, "dropped_bytes": dropped, "ratio_ready": ratio_ready,
+                          "rate_ratio": rate_ratio, "versions": versions()}, "\n".join(md))
     return 0
 
 
