@@ -130,3 +130,17 @@ def test_bench_seed_seeds_and_reads_in_the_same_run(tmp_path):
                tmp_path=tmp_path)
     assert "| seeded by the peer (NIXL READ) |" in out and "peer / checkpoint, whole load:" in out
     assert "while it serves the peer p50" in out
+
+
+def test_bench_image_write_p99_measures_both_phases_and_the_write(tmp_path):
+    """Issue 36: an attach loop while no image is written, then while one is; the write's own figures from the
+    service's ``image written`` line."""
+    import json
+
+    _run("bench_image_write_p99.py", "--write-gb", "0.05", "--idle-s", "0.2", "--reps", "1",
+         "--dir", str(tmp_path / "data"), tmp_path=tmp_path)
+    res = json.loads((tmp_path / "json" / "image_write_p99_host.json").read_text())
+    tree = res["trees"]["this tree"]
+    assert tree["idle_ms"]["n"] >= 100 and tree["write_ms"]["n"] >= 1, tree
+    (rep,) = tree["reps"]
+    assert rep["size"] > 0 and rep["write_s"] >= 0 and rep["write_gbps"] > 0, rep

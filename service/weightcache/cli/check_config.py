@@ -292,7 +292,8 @@ def _images(cfg: Config, planned: list[tuple[Placement, Any]]) -> tuple[str, lis
     image_dir = svc.image_directory({"CACHE_DIRECTORY": "/var/cache/weightcache"})  # as the unit gives it
     limit = human_bytes(svc.image_max_bytes) if svc.image_max_bytes else "no limit"
     rate = f"{human_bytes(svc.image_write_bytes_per_s)}/s" if svc.image_write_bytes_per_s else "no cap"
-    line = f"images: dir={image_dir} limit={limit} write_rate={rate} models={','.join(on)}"
+    line = (f"images: dir={image_dir} limit={limit} write_rate={rate} stop_write_s={svc.image_stop_write_s:g} "
+            f"models={','.join(on)}")
     warnings = []
     try:
         st = os.lstat(image_dir)

@@ -87,6 +87,7 @@ _SERVICE_KEYS = {
     "image_dir": str,
     "image_max_bytes": int,
     "image_write_bytes_per_s": int,
+    "image_stop_write_s": (int, float),
     # Peer seeding (issue 37; weightcache.seeding, docs/configuration.md "Peer seeding").
     "peers": list,
     "peers_file": str,
@@ -122,6 +123,7 @@ _SERVICE_RANGES: dict[str, tuple[float, bool, float, str]] = {
     "max_fds_in_flight": (0, True, 1 << 24, "fds sent to all uids and not yet read (0: half of RLIMIT_NOFILE)"),
     "image_max_bytes": (0, True, 1 << 60, "bytes of the image directory (0: no limit of its own)"),
     "image_write_bytes_per_s": (0, True, 1 << 40, "bytes per second an image write may take (0: no cap)"),
+    "image_stop_write_s": (0, True, 3600.0, "seconds a stop lets an image write under way finish (0: none)"),
     "seed_bandwidth_bytes_per_s": (0, True, 1 << 44, "bytes per second of one peer transfer (0: no cap)"),
     "seed_timeout_s": (0, False, 24 * 3600.0, "seconds one peer transfer may take"),
     "seed_max_transfers": (1, True, 1024, "peer transfers served at once"),
@@ -291,11 +293,13 @@ class ServiceConfig:
     host_tier_bytes: int = 0
     #: Tensors a checkpoint's headers may list, all files together, refused before the plan (issue 38, P12).
     max_tensors_per_checkpoint: int = 150_000
-    #: Processed images (issue 36): where they go, the directory's byte limit (0: none of its own) and the
-    #: rate cap of a write, bytes per second (0: none).
+    #: Processed images (issue 36): where they go, the directory's byte limit (0: none of its own), the
+    #: rate cap of a write, bytes per second (0: none), and the seconds a stop lets a write under way finish
+    #: without the cap (0: abandoned at once; below the unit's TimeoutStopSec=30 with room for the rest).
     image_dir: str = ""
     image_max_bytes: int = 0
     image_write_bytes_per_s: int = 1 << 30
+    image_stop_write_s: float = 10.0
 
     def image_directory(self, environ: Any = None) -> str | None:
         """Where processed images go: ``image_dir``, else ``images`` in the unit's cache directory

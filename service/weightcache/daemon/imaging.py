@@ -8,8 +8,10 @@ schedules the write of a slab the loader made from the checkpoint, for a model w
 :meth:`Imaging.publication_slots` the slots a start makes for the publication images it finds. The loader reads images
 itself (``LoadSettings.images``, :meth:`weightcache.images.ImageStore.find` and ``fill``), before the
 checkpoint's tensors, whenever a slab is wanted and no fd-store entry holds it (start-up preload, an
-attach of an ``on_disk`` slab, ``preload``). A slab that came from an image, from the fd store or from a
-publication is not written again.
+attach of an ``on_disk`` slab, ``preload``). A slab that came from an image or from a publication is not
+written again; one taken back from the fd store (:meth:`Imaging.written_after_adopt`) is written only when
+the directory holds no valid image of it (the last stop abandoned its write, or it was never made).
+:meth:`Imaging.finish_writes` at stop lets the write under way end within ``image_stop_write_s``.
 
 The bytes of a host slab are read by the writer through a duplicate of its memfd (an eviction meanwhile
 frees nothing under it); a CUDA slab is first copied to a host memfd on the writer's thread
@@ -56,6 +58,7 @@ class Imaging:
         svc = config.service
         self.store.limit_bytes = svc.image_max_bytes
         self.writer.rate_bytes_per_s = svc.image_write_bytes_per_s
+        self.stop_write_s = svc.image_stop_write_s
         self._priorities = {name: m.priority for name, m in config.models.items()}
 
     def priority_of(self, model: str) -> int | None:
@@ -82,6 +85,26 @@ class Imaging:
         return self._schedule(WriteJob(slot.placement, slot.manifest, dict(slot.manifest.key),
                                        self._source(slot.sealed, slot.label), self.priority_of, slot.publication),
                               slot.sealed)
+
+    def written_after_adopt(self, slot: Slot) -> bool:
+        """Schedules the image write of ``slot`` (READY or HOSTED, taken back from the fd store at start) when its
+        model has images on (``image = true``; a publication unless ``image = false``), to be done only if the
+        directory holds no valid image of it (the check runs on the writer's thread); True when scheduled.
+        Serving loop only."""
+        pub = slot.publication is not None
+        slab = slot.sealed if slot.sealed is not None else slot.hosted
+        if (slot.source != "fd_store" or not slot.placement.model.images_for(pub) or self.store.disabled is not None
+                or slab is None or slot.manifest is None):
+            return False
+        return self._schedule(WriteJob(slot.placement, slot.manifest, dict(slot.manifest.key),
+                                       self._source(slab, slot.label), self.priority_of, slot.publication,
+                                       unless_valid=True), slab)
+
+    def finish_writes(self) -> bool:
+        """At stop (the serving loop has stopped serving): the write under way ends without the rate cap if it can
+        within ``[service] image_stop_write_s``, else is abandoned; queued ones are dropped
+        (:meth:`weightcache.images.ImageWriter.finish`). True when no write is left under way."""
+        return self.writer.finish(self.stop_write_s)
 
     def _schedule(self, job: WriteJob, slab: Any) -> bool:
         """Queues ``job``; a GPU slab is held for the writer's read (:attr:`reader_hold`) until it is done."""

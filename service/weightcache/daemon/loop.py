@@ -393,6 +393,10 @@ class Daemon:
             if s.state is SlotState.PENDING and (s.publication is not None or tiers.start_placement(s)):
                 self.loader.submit(s)
         self._probe_sizes()
+        if self.images is not None:  # slabs the fd store kept: their image, where the last stop lost its write
+            for s in self.state.slots:
+                if s.source == "fd_store" and s.state in (SlotState.READY, SlotState.HOSTED):
+                    self.images.written_after_adopt(s)
         log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
                  extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))
         while not self._stop:
@@ -418,6 +422,8 @@ class Daemon:
             self.seeder.stop()
         self.loader.stop()
         self.transport.close_all("service stopping")
+        if self.images is not None:  # the image write under way: finished without the cap, or abandoned
+            self.images.finish_writes()
         return EXIT_INVARIANT if self._broken is not None else 0
 
     @property
