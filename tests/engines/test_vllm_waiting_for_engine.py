@@ -102,8 +102,9 @@ class RestartableService:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def status(self) -> dict | None:
-        from weightcache import errors, protocol
+    def request(self, msg):
+        """``msg``'s reply, or None while the service is not answering (starting)."""
+        from weightcache import errors
         from weightcache.session import Session
 
         assert self.proc.poll() is None, self.log()
@@ -115,9 +116,22 @@ class RestartableService:
         except errors.DaemonUnavailable:
             return None
         try:
-            return s.request(protocol.Status()).status
+            return s.request(msg)
         finally:
             s.close()
+
+    def status(self) -> dict | None:
+        from weightcache import protocol
+
+        reply = self.request(protocol.Status())
+        return None if reply is None else reply.status
+
+    def attaches(self, model: str) -> int:
+        """Attaches (by engine key included) the service answered with a lease for ``model`` since it started."""
+        from weightcache import protocol
+
+        counters = self.request(protocol.Metrics()).counters
+        return sum(a["count"] for a in counters["attaches"] if a["model"] == model and a["outcome"] == "daemon")
 
     def wait(self, cond, what: str) -> dict:
         def ready() -> dict | None:
@@ -160,9 +174,13 @@ def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(wor
         assert slab["state"] == "waiting_for_engine" and slab["error"]["code"] == "unsupported_architecture", slab
         extra = {"socket_dir": svc.socket_dir}
 
-        # 1st start: vLLM's default loader, published; the engine moves onto the slab and frees its own copy
-        first, out1 = run_engine(ck, load_format="weightcache", extra=extra, probe=True)
+        # 1st start: vLLM's default loader, published; the engine moves onto the slab and frees its own copy.
+        # vLLM's GPU worker asks get_external_weight_memory before the load (profile_first does so on CPU): none
+        # is held yet, this start publishes, and the service's allocation comes after vLLM's memory snapshot
+        # (which then counts it itself): 0.
+        first, out1 = run_engine(ck, load_format="weightcache", extra=extra, probe=True, profile_first=True)
         assert tokens_of(first, out1) == expected
+        assert first["external_weight_bytes"] == 0, first
         (line,) = log_lines(out1, PUBLISHED)
         assert " created=True " in line, line
         assert not log_lines(out1, ATTACHED)
@@ -177,9 +195,16 @@ def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(wor
         pubs = [s for s in svc.status()["slabs"] if s.get("publication")]
         assert [s["state"] for s in pubs] == ["ready"], pubs
 
-        # 2nd start: the publication, zero-copy
-        second, out2 = run_engine(ck, load_format="weightcache", extra=extra, probe=True)
+        # 2nd start: the publication, zero-copy. The profiler is told the publication's size, and its attachment
+        # is the load's: two attaches in this start, the profiler's and the probe's (a fresh loader's question
+        # after the load), none by the load itself.
+        attaches = svc.attaches(family)
+        second, out2 = run_engine(ck, load_format="weightcache", extra=extra, probe=True, profile_first=True)
         assert tokens_of(second, out2) == expected
+        (pub,) = pubs
+        assert second["external_weight_bytes"] == pub["resident_bytes"] > 0, (second, pub)
+        assert second["probe"][0]["external_weight_bytes"] == pub["resident_bytes"]
+        assert svc.attaches(family) - attaches == 2
         (line,) = log_lines(out2, ATTACHED)
         assert " source=daemon mode=zero_copy " in line, line
         assert not log_lines(out2, PUBLISHED)
