@@ -194,7 +194,7 @@ def test_every_event_has_a_random_id_and_a_catalog_entry():
                                 "released", "evicted", "adopted", "verify", "fallback", "attach_retry", "rejected", "reloaded",
                                 "demoted", "promoted", "shelved", "backend", "published", "image_written",
                                 "image_read", "image_rejected", "seeded", "seed_fallback", "seed_served",
-                                "seed_rejected", "waiting_for_engine"}
+                                "seed_rejected", "waiting_for_engine", "publication_dropped"}
     assert len(set(MESSAGE_IDS.values())) == len(MESSAGE_IDS)
     for kind, mid in MESSAGE_IDS.items():
         assert re.fullmatch(r"[0-9a-f]{32}", mid) and mid[12] == "4" and mid[16] in "89ab", kind  # a uuid4
