@@ -140,8 +140,8 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "weightcache_publishes": ("counter", SLAB_LABELS + ("outcome", "code"),
                               "Publications answered, by outcome (published, held, refused) and error code"),
     "weightcache_publications_dropped": ("counter", SLAB_LABELS + ("reason",),
-                                         "Publications that left the service, by reason (budget, evict, or the cause "
-                                         "of a failed promotion or image load: digest_mismatch...)"),
+                                         ("Publications that left the service, by reason (budget, evict, or the cause "
+                                          "of a failed promotion or image load: digest_mismatch...)")),
     "weightcache_notify_dropped": ("counter", GPU_LABELS + ("key",),
                                    "sd_notify datagrams dropped because the service manager's socket was full, by "
                                    "their first key (STATUS, FDSTORE...)"),
