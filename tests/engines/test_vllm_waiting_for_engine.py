@@ -17,7 +17,12 @@ other option than the socket directory:
 
 Qwen3 (q/k norms) at TP 1 in ``make test``; Qwen3-MoE, Phi-3 (fused tensors in its checkpoint), OLMoE, Gemma 2
 and Granite (``slow``) too; and (``slow``) Qwen3 at TP 2, every rank publishing its own slab, the second start
-attaching both.
+attaching both. DeepSeek-V3 (MLA and MoE, ``slow``): vLLM 0.32 cannot take its MLA weights pre-processed, so the
+later starts (also after a restart) load with vLLM's own loader and move onto the held publication instead.
+
+vLLM's GPU worker asks ``get_external_weight_memory`` before the load (``profile_first`` does so on CPU): 0 for the
+start that publishes (vLLM's memory snapshot counts the service's allocation itself), the publication's
+``resident_bytes`` for the starts that find it held, whose load then uses the profiler's attachment.
 """
 
 from __future__ import annotations
@@ -229,6 +234,58 @@ def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(wor
         assert not log_lines(out3, PUBLISHED)
         (probe3,) = third["probe"]
         assert probe3["params"] == probe1["params"] and probe3["outside"] == [], probe3
+
+
+@pytest.mark.slow
+def test_readme_recipe_mla_moe_publishes_and_later_starts_move_onto_it_also_after_a_restart(workdir):
+    """DeepSeek-V3 (MLA attention and MoE, bfloat16: vLLM CPU's MLA MoE kernel takes bf16) with the README's recipe.
+    vLLM 0.32's MLA processing derives its absorbed matrices from ``kv_b_proj`` while processing, which it cannot do
+    from tensors already processed: the later starts cannot attach the publication before processing. What they do
+    instead: vLLM's own load (the publication's size given to the memory profiler all the same), the publication
+    found held (``created=False``) and moved onto; every parameter but the emptied ``kv_b_proj.weight`` inside the
+    service's mapping, the default loader's tokens, the same after a restart of the service (fd store)."""
+    from test_vllm_publish import _tiny
+
+    ck = _tiny(workdir / "deepseek_v3", "deepseek_v3")
+    expected = tokens_of(*run_engine(ck, dtype="bfloat16"))
+    svc = RestartableService(workdir / "s-dsv3", {"dsv3": {"path": ck, "naming": "vllm", "dtype": "bfloat16"}})
+    with contextlib.closing(svc):
+        st = svc.wait(_settled, "the service to settle")
+        (slab,) = st["slabs"]
+        assert slab["state"] == "waiting_for_engine" and slab["error"]["code"] == "unsupported_architecture", slab
+        extra = {"socket_dir": svc.socket_dir}
+
+        def emptied(probe: dict) -> list[str]:  # vLLM's MLA processing empties kv_b_proj.weight: no bytes to share
+            return [n for n in probe["outside"] if n.endswith("kv_b_proj.weight")]
+
+        first, out1 = run_engine(ck, dtype="bfloat16", load_format="weightcache", extra=extra, probe=True,
+                                 profile_first=True)
+        assert tokens_of(first, out1) == expected
+        (line,) = log_lines(out1, PUBLISHED)
+        assert " created=True " in line, line
+        _no_weightcache_warning(out1)
+        assert first["external_weight_bytes"] == 0, first
+        (probe1,) = first["probe"]
+        assert probe1["params"] > 0 and emptied(probe1) and probe1["outside"] == emptied(probe1), probe1
+        svc.store.collect(2, log=svc.log)
+        (pub,) = [s for s in svc.status()["slabs"] if s.get("publication")]
+
+        for start in ("second", "after a restart"):
+            if start == "after a restart":
+                svc.restart()
+                svc.wait(lambda st: _settled(st) and any(s.get("publication") for s in st["slabs"]),
+                         "the restarted service to adopt the publication")
+            run, out = run_engine(ck, dtype="bfloat16", load_format="weightcache", extra=extra, probe=True,
+                                  profile_first=True)
+            assert tokens_of(run, out) == expected, start
+            assert log_lines(out, "weightcache publication not usable"), (start, out[-6000:])
+            assert not log_lines(out, ATTACHED), start
+            (line,) = log_lines(out, PUBLISHED)
+            assert " created=False " in line, (start, line)
+            assert run["external_weight_bytes"] == pub["resident_bytes"] > 0, (start, run, pub)
+            (probe,) = run["probe"]
+            assert probe["params"] == probe1["params"] and probe["outside"] == emptied(probe1), (start, probe)
+            assert len([s for s in svc.status()["slabs"] if s.get("publication")]) == 1, start
 
 
 @pytest.mark.slow
