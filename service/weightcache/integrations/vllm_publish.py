@@ -26,6 +26,10 @@ For any architecture, quantization method or parallel rank that vLLM's default l
 Every failure of the service's side (none held, another key, no service, a refused publication) ends in vLLM's
 default loader, logged once; this loader never stops an engine the default loader starts.
 
+vLLM's GPU worker asks ``get_external_weight_memory`` before the load: the held publication's size when step 2
+will run (attached then, the attachment kept for the load), 0 when step 3 will (the service's allocation comes
+after vLLM's memory snapshot, which counts it itself); :data:`EXTERNAL_BYTES` says why.
+
 Extra config keys: ``socket_dir`` (the service's socket directory), ``gpu`` (its instance; default: the
 model's device), ``timeout_s`` (seconds for each request, default 60).
 
