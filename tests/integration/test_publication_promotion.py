@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import subprocess
 import sys
 
@@ -26,11 +27,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service_harness import make_config, poll_until, service_env  # noqa: E402
+from service_harness import FdStoreStandIn, make_config, poll_until, service_env, to_toml  # noqa: E402
 from test_guards_integrity import _flip_env  # noqa: E402
 from test_waiting_for_engine import SLAB, _key, _plain, _processed, _tiers, _tiny  # noqa: E402
 from weightcache import attach, errors, protocol  # noqa: E402
 from weightcache.client import attach_published, publish  # noqa: E402
+from weightcache.session import Session  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -120,3 +122,72 @@ def test_a_publication_that_fails_its_promotion_is_dropped_and_published_again(d
         assert torch.equal(w.tensors["w2"], tensors["w2"])
     pubs = [s for s in svc.status()["slabs"] if s.get("publication")]
     assert [(s["state"], s["tier"]) for s in pubs] == [("ready", "gpu")], pubs
+
+
+def _status(listen) -> dict | None:
+    if not os.path.exists(listen):
+        return None
+    try:
+        s = Session(str(listen), timeout=10)
+    except errors.DaemonUnavailable:
+        return None
+    try:
+        return s.request(protocol.Status()).status
+    finally:
+        s.close()
+
+
+def test_the_dropped_publications_host_copy_leaves_the_fd_store_and_no_restart_brings_it_back(tmp_path):
+    """Under systemd's fd store (stood in for): the publication's host copy is stored when it is demoted
+    (``evict --to host``: ``host-<id>``), removed (``FDSTOREREMOVE``) when its failed promotion drops it; a restart
+    of the service then brings nothing of it back, and the model waits for its engine."""
+    ck = _tiny(tmp_path / "ck")
+    env, flipped = _flip_env(tmp_path, "host-tier:m/", 12345, copy_tiers=True)
+    cfg, listen, log = tmp_path / "weightcache.toml", tmp_path / "0.sock", tmp_path / "serve.log"
+    cfg.write_text(to_toml(make_config({"m": {"path": str(ck), "naming": "vllm"}},
+                                       memory_budget_bytes=2 * SLAB, host_tier_bytes=2 * SLAB)))
+    sock = str(tmp_path)
+
+    def tiers(proc) -> dict[str, str]:
+        assert proc.poll() is None, log.read_text()
+        store.drain()
+        st = _status(listen) or {"slabs": []}
+        return {s["model"] + ("+pub" if s.get("publication") else ""): f"{s['state']}/{s['tier']}"
+                for s in st["slabs"]}
+
+    def request(msg):
+        s = Session(str(listen), timeout=30)
+        try:
+            return s.request(msg)
+        finally:
+            s.close()
+
+    with FdStoreStandIn(tmp_path / "notify") as store:
+        first = store.serve(cfg, listen, log, env=env)
+        poll_until(lambda: tiers(first).get("m") == "waiting_for_engine/disk", "the service to settle", 60,
+                   detail=log.read_text)
+        pub = publish(str(ck), _key(), _processed(ck), socket_dir=sock)
+        assert request(protocol.Evict("m", to="host")).evicted == [pub.label]
+        poll_until(lambda: tiers(first).get("m+pub") == "hosted/host", "the publication to reach the host tier", 30,
+                   detail=log.read_text)
+        assert flipped.read_text() == f"host-tier:{pub.label}\n"
+        store.drain()
+        hosts = [n for n in store.fds if n.startswith("host-")]
+        assert len(hosts) == 1 and "manifest-" + hosts[0].removeprefix("host-") in store.fds, sorted(store.fds)
+        sid = hosts[0].removeprefix("host-")
+        with pytest.raises(errors.ModelNotFound) as e:
+            attach_published(str(ck), _key(), socket_dir=sock, timeout=60)
+        assert e.value.details["cause"] == "digest_mismatch", e.value.details
+        poll_until(lambda: "m+pub" not in tiers(first), "the publication to be dropped", 30, detail=log.read_text)
+        poll_until(lambda: not [n for n in (store.drain(), store.fds)[1] if n.endswith(sid)],
+                   "the publication's fd store entries to be removed", 30, detail=log.read_text)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0, log.read_text()
+        store.drain()
+        second = store.serve(cfg, listen, log)
+        poll_until(lambda: tiers(second).get("m") == "waiting_for_engine/disk", "the restarted service to settle", 60,
+                   detail=log.read_text)
+        assert tiers(second) == {"m": "waiting_for_engine/disk"}
+        with pytest.raises(errors.ModelNotFound) as e:
+            attach_published(str(ck), _key(), socket_dir=sock)
+        assert e.value.details["publication"] == "none"
