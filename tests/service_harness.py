@@ -369,16 +369,16 @@ def listen_fds_wrapper(stored: dict[str, int]) -> list[str]:
 
 
 def serve_with_stored_fds(cfg: Path, listen: Path, stored: dict[str, int], notify: str, log: Path,
-                          gpu: int = 0, backend: str = "host") -> subprocess.Popen:
+                          gpu: int = 0, backend: str = "host", env: dict[str, str] | None = None) -> subprocess.Popen:
     """Starts ``serve --gpu N`` (a :class:`ServiceProcess`) as systemd would after a restart: the fd
     store's fds (``FDNAME`` -> fd) at 3, 4, ... with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID``,
     and ``$NOTIFY_SOCKET`` set to ``notify``, ``$RUNTIME_DIRECTORY`` a directory beside it kept from one
     start to the next (``RuntimeDirectoryPreserve=restart``); its output appended to ``log``; ``backend``: its
-    ``--backend``. Returns at once."""
+    ``--backend``; ``env``: more environment. Returns at once."""
     runtime = Path(notify).parent / f"runtime-{gpu}"
     runtime.mkdir(exist_ok=True)
     svc = ServiceProcess(Path(listen).parent, Path(cfg), gpu, backend,
-                         env={"NOTIFY_SOCKET": notify, "RUNTIME_DIRECTORY": str(runtime)})
+                         env={**(env or {}), "NOTIFY_SOCKET": notify, "RUNTIME_DIRECTORY": str(runtime)})
     svc.socket_path, svc.log_path, svc.listen_fds = str(listen), Path(log), dict(stored)
     return svc.launch().proc
 
@@ -442,9 +442,10 @@ class FdStoreStandIn:
         finally:
             self.sock.setblocking(True)
 
-    def serve(self, cfg: Path, listen: Path, log: Path, gpu: int = 0, backend: str = "host") -> subprocess.Popen:
-        """Starts ``serve`` with the fds stored so far (:func:`serve_with_stored_fds`)."""
-        p = serve_with_stored_fds(cfg, listen, self.fds, self.path, log, gpu, backend)
+    def serve(self, cfg: Path, listen: Path, log: Path, gpu: int = 0, backend: str = "host",
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Starts ``serve`` with the fds stored so far (:func:`serve_with_stored_fds`; ``env``: more environment)."""
+        p = serve_with_stored_fds(cfg, listen, self.fds, self.path, log, gpu, backend, env)
         self.procs.append(p)
         return p
 

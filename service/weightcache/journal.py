@@ -51,6 +51,7 @@ MESSAGE_IDS = {
     "seed_served": "325e587bdbc64862bd2da3ec358720c3",
     "seed_rejected": "603decf3704042009c22e886d2ed20d8",
     "waiting_for_engine": "414833f1fa444f9499d89f99cdbc1380",
+    "publication_dropped": "f13a3d98715848c18490898ffa0d1b67",
 }
 
 

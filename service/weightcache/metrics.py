@@ -139,6 +139,9 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                              "Attaches answered, by outcome (daemon, loading, refused) and error code"),
     "weightcache_publishes": ("counter", SLAB_LABELS + ("outcome", "code"),
                               "Publications answered, by outcome (published, held, refused) and error code"),
+    "weightcache_publications_dropped": ("counter", SLAB_LABELS + ("reason",),
+                                         ("Publications that left the service, by reason (budget, evict, or the cause "
+                                          "of a failed promotion or image load: digest_mismatch...)")),
     "weightcache_notify_dropped": ("counter", GPU_LABELS + ("key",),
                                    "sd_notify datagrams dropped because the service manager's socket was full, by "
                                    "their first key (STATUS, FDSTORE...)"),
@@ -329,6 +332,8 @@ def _add_instance(fam: _Families, inst: Instance) -> None:
         fam.add("weightcache_attaches", (g, u, ac.model, ac.outcome, ac.code), ac.count)
     for pc in co.publishes:
         fam.add("weightcache_publishes", (g, u, pc.model, pc.tp_size, pc.tp_rank, pc.outcome, pc.code), pc.count)
+    for dc in co.publications_dropped:
+        fam.add("weightcache_publications_dropped", (g, u, dc.model, dc.tp_size, dc.tp_rank, dc.reason), dc.count)
     for key, n in sorted((co.notify_dropped if isinstance(co.notify_dropped, dict) else {}).items()):
         if isinstance(n, int) and not isinstance(n, bool):
             fam.add("weightcache_notify_dropped", (g, u, str(key)[:64]), n)

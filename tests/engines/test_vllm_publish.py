@@ -383,3 +383,47 @@ def test_publishes_after_only_when_none_is_held_for_this_engine(qwen3, tmp_path)
     import checkpoints
 
     assert not engine_lays_out(str(checkpoints.llama_checkpoint(tmp_path / "llama")))  # the service lays it out
+
+
+def test_external_weight_memory_is_the_held_publications_size_else_zero():
+    """What ``get_external_weight_memory`` answers on the publication path, from what ``attach_published``
+    answered: a held publication (attached, or moved onto) is resident before vLLM's memory snapshot, outside its
+    allocator: its size. None held (this start publishes: the service allocates it after the snapshot, which
+    counts it) or no service to take part: 0, never the checkpoint's or the publication's bytes twice."""
+    from weightcache import errors
+    from weightcache.integrations.vllm_publish import EXTERNAL_BYTES, Plan, external_bytes, plan_after
+
+    assert set(EXTERNAL_BYTES) == set(Plan)
+    assert plan_after(None) is Plan.ATTACH
+    assert plan_after(errors.ModelNotFound("none yet", publication="none")) is Plan.PUBLISH
+    assert plan_after(errors.CacheKeyMismatch("other key", fields=["engine_version"])) is Plan.PUBLISH
+    for refused in (errors.DaemonUnavailable("no service"), errors.AccessDenied("not on the allow lists"),
+                    errors.ModelNotFound("not configured here", model="x")):
+        assert plan_after(refused) is Plan.DEFAULT, refused
+    assert external_bytes(Plan.ATTACH, 17 << 20) == 17 << 20
+    assert external_bytes(Plan.PUBLISH, 0) == external_bytes(Plan.DEFAULT, 0) == 0
+    assert external_bytes(Plan.PUBLISH, 17 << 20) == 0  # never counted twice, whatever is passed
+
+
+def test_profilers_attachment_is_taken_once_and_only_under_its_key():
+    """The attachment ``get_external_weight_memory`` made is the load's (one attach per engine start), taken once,
+    and only when the load works out the same engine key; one of another key is closed, not used."""
+    from weightcache.integrations import vllm_publish as vp
+
+    slot = vp._Slot("/srv/models/qwen3", 0, "cpu", 1, 0)
+
+    class Lease:  # an Attachment's close(), which is all the profiler's table uses of it
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    key = {"engine": "vllm", "parallel": {"tp_size": 1, "tp_rank": 0}}
+    kept = Lease()
+    vp._PROFILED[slot] = (key, kept)
+    assert vp._take_profiled(slot, dict(key)) is kept and not kept.closed
+    assert vp._take_profiled(slot, key) is None  # taken once
+    other = Lease()
+    vp._PROFILED[slot] = (key, other)
+    assert vp._take_profiled(slot, {**key, "engine_version": "0.0"}) is None and other.closed
+    assert slot not in vp._PROFILED

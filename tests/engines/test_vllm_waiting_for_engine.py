@@ -17,7 +17,12 @@ other option than the socket directory:
 
 Qwen3 (q/k norms) at TP 1 in ``make test``; Qwen3-MoE, Phi-3 (fused tensors in its checkpoint), OLMoE, Gemma 2
 and Granite (``slow``) too; and (``slow``) Qwen3 at TP 2, every rank publishing its own slab, the second start
-attaching both.
+attaching both. DeepSeek-V3 (MLA and MoE, ``slow``): vLLM 0.32 cannot take its MLA weights pre-processed, so the
+later starts (also after a restart) load with vLLM's own loader and move onto the held publication instead.
+
+vLLM's GPU worker asks ``get_external_weight_memory`` before the load (``profile_first`` does so on CPU): 0 for the
+start that publishes (vLLM's memory snapshot counts the service's allocation itself), the publication's
+``resident_bytes`` for the starts that find it held, whose load then uses the profiler's attachment.
 """
 
 from __future__ import annotations
@@ -102,8 +107,9 @@ class RestartableService:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def status(self) -> dict | None:
-        from weightcache import errors, protocol
+    def request(self, msg):
+        """``msg``'s reply, or None while the service is not answering (starting)."""
+        from weightcache import errors
         from weightcache.session import Session
 
         assert self.proc.poll() is None, self.log()
@@ -115,9 +121,22 @@ class RestartableService:
         except errors.DaemonUnavailable:
             return None
         try:
-            return s.request(protocol.Status()).status
+            return s.request(msg)
         finally:
             s.close()
+
+    def status(self) -> dict | None:
+        from weightcache import protocol
+
+        reply = self.request(protocol.Status())
+        return None if reply is None else reply.status
+
+    def attaches(self, model: str) -> int:
+        """Attaches (by engine key included) the service answered with a lease for ``model`` since it started."""
+        from weightcache import protocol
+
+        counters = self.request(protocol.Metrics()).counters
+        return sum(a["count"] for a in counters["attaches"] if a["model"] == model and a["outcome"] == "daemon")
 
     def wait(self, cond, what: str) -> dict:
         def ready() -> dict | None:
@@ -160,9 +179,13 @@ def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(wor
         assert slab["state"] == "waiting_for_engine" and slab["error"]["code"] == "unsupported_architecture", slab
         extra = {"socket_dir": svc.socket_dir}
 
-        # 1st start: vLLM's default loader, published; the engine moves onto the slab and frees its own copy
-        first, out1 = run_engine(ck, load_format="weightcache", extra=extra, probe=True)
+        # 1st start: vLLM's default loader, published; the engine moves onto the slab and frees its own copy.
+        # vLLM's GPU worker asks get_external_weight_memory before the load (profile_first does so on CPU): none
+        # is held yet, this start publishes, and the service's allocation comes after vLLM's memory snapshot
+        # (which then counts it itself): 0.
+        first, out1 = run_engine(ck, load_format="weightcache", extra=extra, probe=True, profile_first=True)
         assert tokens_of(first, out1) == expected
+        assert first["external_weight_bytes"] == 0, first
         (line,) = log_lines(out1, PUBLISHED)
         assert " created=True " in line, line
         assert not log_lines(out1, ATTACHED)
@@ -177,9 +200,16 @@ def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(wor
         pubs = [s for s in svc.status()["slabs"] if s.get("publication")]
         assert [s["state"] for s in pubs] == ["ready"], pubs
 
-        # 2nd start: the publication, zero-copy
-        second, out2 = run_engine(ck, load_format="weightcache", extra=extra, probe=True)
+        # 2nd start: the publication, zero-copy. The profiler is told the publication's size, and its attachment
+        # is the load's: two attaches in this start, the profiler's and the probe's (a fresh loader's question
+        # after the load), none by the load itself.
+        attaches = svc.attaches(family)
+        second, out2 = run_engine(ck, load_format="weightcache", extra=extra, probe=True, profile_first=True)
         assert tokens_of(second, out2) == expected
+        (pub,) = pubs
+        assert second["external_weight_bytes"] == pub["resident_bytes"] > 0, (second, pub)
+        assert second["probe"][0]["external_weight_bytes"] == pub["resident_bytes"]
+        assert svc.attaches(family) - attaches == 2
         (line,) = log_lines(out2, ATTACHED)
         assert " source=daemon mode=zero_copy " in line, line
         assert not log_lines(out2, PUBLISHED)
@@ -204,6 +234,58 @@ def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(wor
         assert not log_lines(out3, PUBLISHED)
         (probe3,) = third["probe"]
         assert probe3["params"] == probe1["params"] and probe3["outside"] == [], probe3
+
+
+@pytest.mark.slow
+def test_readme_recipe_mla_moe_publishes_and_later_starts_move_onto_it_also_after_a_restart(workdir):
+    """DeepSeek-V3 (MLA attention and MoE, bfloat16: vLLM CPU's MLA MoE kernel takes bf16) with the README's recipe.
+    vLLM 0.32's MLA processing derives its absorbed matrices from ``kv_b_proj`` while processing, which it cannot do
+    from tensors already processed: the later starts cannot attach the publication before processing. What they do
+    instead: vLLM's own load (the publication's size given to the memory profiler all the same), the publication
+    found held (``created=False``) and moved onto; every parameter but the emptied ``kv_b_proj.weight`` inside the
+    service's mapping, the default loader's tokens, the same after a restart of the service (fd store)."""
+    from test_vllm_publish import _tiny
+
+    ck = _tiny(workdir / "deepseek_v3", "deepseek_v3")
+    expected = tokens_of(*run_engine(ck, dtype="bfloat16"))
+    svc = RestartableService(workdir / "s-dsv3", {"dsv3": {"path": ck, "naming": "vllm", "dtype": "bfloat16"}})
+    with contextlib.closing(svc):
+        st = svc.wait(_settled, "the service to settle")
+        (slab,) = st["slabs"]
+        assert slab["state"] == "waiting_for_engine" and slab["error"]["code"] == "unsupported_architecture", slab
+        extra = {"socket_dir": svc.socket_dir}
+
+        def emptied(probe: dict) -> list[str]:  # vLLM's MLA processing empties kv_b_proj.weight: no bytes to share
+            return [n for n in probe["outside"] if n.endswith("kv_b_proj.weight")]
+
+        first, out1 = run_engine(ck, dtype="bfloat16", load_format="weightcache", extra=extra, probe=True,
+                                 profile_first=True)
+        assert tokens_of(first, out1) == expected
+        (line,) = log_lines(out1, PUBLISHED)
+        assert " created=True " in line, line
+        _no_weightcache_warning(out1)
+        assert first["external_weight_bytes"] == 0, first
+        (probe1,) = first["probe"]
+        assert probe1["params"] > 0 and emptied(probe1) and probe1["outside"] == emptied(probe1), probe1
+        svc.store.collect(2, log=svc.log)
+        (pub,) = [s for s in svc.status()["slabs"] if s.get("publication")]
+
+        for start in ("second", "after a restart"):
+            if start == "after a restart":
+                svc.restart()
+                svc.wait(lambda st: _settled(st) and any(s.get("publication") for s in st["slabs"]),
+                         "the restarted service to adopt the publication")
+            run, out = run_engine(ck, dtype="bfloat16", load_format="weightcache", extra=extra, probe=True,
+                                  profile_first=True)
+            assert tokens_of(run, out) == expected, start
+            assert log_lines(out, "weightcache publication not usable"), (start, out[-6000:])
+            assert not log_lines(out, ATTACHED), start
+            (line,) = log_lines(out, PUBLISHED)
+            assert " created=False " in line, (start, line)
+            assert run["external_weight_bytes"] == pub["resident_bytes"] > 0, (start, run, pub)
+            (probe,) = run["probe"]
+            assert probe["params"] == probe1["params"] and probe["outside"] == emptied(probe1), (start, probe)
+            assert len([s for s in svc.status()["slabs"] if s.get("publication")]) == 1, start
 
 
 @pytest.mark.slow

@@ -159,7 +159,7 @@ def test_gpu_uuid_on_what_instances_report(node):
                 seen.add(base)
     # Every family but the outside ones, and those with a sample only once it happened: publications, dropped
     # sd_notify datagrams, peer seeding (this node published nothing, its notify socket was read, it has no peers).
-    happened_only = {"weightcache_publishes", "weightcache_notify_dropped", "weightcache_peer_seeds",
+    happened_only = {"weightcache_publishes", "weightcache_publications_dropped", "weightcache_notify_dropped", "weightcache_peer_seeds",
                      "weightcache_peer_seed_bytes", "weightcache_peer_seed_seconds", "weightcache_peer_served",
                      "weightcache_peer_served_bytes"}
     assert seen == set(metrics.FAMILIES) - set(metrics.OUTSIDE) - happened_only, sorted(seen)

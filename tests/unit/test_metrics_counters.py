@@ -106,6 +106,7 @@ def test_exposition_names_types_and_values(monkeypatch):
     c.answered(protocol.Attach("qwen"), [_Reply(protocol.AttachReply(1, "/srv/qwen", "host", 4096))], 0.003)
     c.load_settled(_placement("qwen"), None, 2.0, 2048)
     c.answered(protocol.Publish("qwen", 1, 0, {}, 4096, 10), [_Reply(protocol.PublishReply("x", True, 4096, "k"))], 0.1)
+    c.publication_dropped(_placement("qwen"), "digest_mismatch")
     from weightcache.seeding import SeedStats
 
     c.seeding = SeedStats()  # peer seeding (issue 37): one seeded, one fallback, one served
@@ -137,6 +138,8 @@ def test_exposition_names_types_and_values(monkeypatch):
 
     assert val("weightcache_slab_resident_bytes", gpu=0, model="qwen") == 2048
     assert val("weightcache_publishes_total", gpu=0, model="qwen", tp_size=1, tp_rank=0, outcome="published") == 1
+    assert val("weightcache_publications_dropped_total", gpu=0, model="qwen", tp_size=1, tp_rank=0,
+               reason="digest_mismatch") == 1
     assert val("weightcache_slab_leases", gpu=0, model="qwen") == 2
     assert val("weightcache_notify_dropped_total", gpu=0, key="FDSTORE") == 1  # the datagrams of a full socket
     assert val("weightcache_notify_dropped_total", gpu=0, key="STATUS") == 3
@@ -194,7 +197,7 @@ def test_every_event_has_a_random_id_and_a_catalog_entry():
                                 "released", "evicted", "adopted", "verify", "fallback", "attach_retry", "rejected", "reloaded",
                                 "demoted", "promoted", "shelved", "backend", "published", "image_written",
                                 "image_read", "image_rejected", "seeded", "seed_fallback", "seed_served",
-                                "seed_rejected", "waiting_for_engine"}
+                                "seed_rejected", "waiting_for_engine", "publication_dropped"}
     assert len(set(MESSAGE_IDS.values())) == len(MESSAGE_IDS)
     for kind, mid in MESSAGE_IDS.items():
         assert re.fullmatch(r"[0-9a-f]{32}", mid) and mid[12] == "4" and mid[16] in "89ab", kind  # a uuid4

@@ -142,7 +142,8 @@ def _counters_for(ctx: Context, peer: Peer, counters: protocol.ServiceCounters,
         return tuple(e for e in entries if e.model not in aliases)
 
     return dataclasses.replace(counters, attaches=fix(counters.attaches), attach_times=fix(counters.attach_times),
-                               loads=fix(counters.loads), slabs=fix(counters.slabs), seeds=fix(counters.seeds))
+                               loads=fix(counters.loads), slabs=fix(counters.slabs), seeds=fix(counters.seeds),
+                               publications_dropped=fix(counters.publications_dropped))
 
 
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
@@ -279,6 +280,13 @@ def answer_attach(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) ->
                               f"with --load-format weightcache loads it with vLLM's own loader and publishes it",
                               model=p.model.name, cause=e.code if e is not None else "unsupported_architecture",
                               cause_details=e.details if e is not None else {}, waiting_for_engine=True)
+    if slot.state is SlotState.DROPPED and slot.publication is not None and slot.error is not None:
+        # a parked attach_published whose publication failed its promotion (or image load) and left the service
+        raise ModelNotFound(
+            f"GPU {ctx.state.gpu} dropped the publication of {p.model.name} tp_size={p.tp_size} tp_rank={p.tp_rank}: "
+            f"{slot.error.message}; the engine loads it itself and publishes it again", model=p.model.name,
+            tp_size=p.tp_size, tp_rank=p.tp_rank, gpu=ctx.state.gpu, publication="none",
+            cause=str(slot.error.details.get("cause") or slot.error.code))
     if slot.state is SlotState.DROPPED:  # a parked attach whose model a reload removed
         raise ModelNotFound(f"model {p.model.name} ({p.label}) was removed from the configuration by a reload",
                             model=p.model.name, gpu=ctx.state.gpu)
@@ -300,7 +308,7 @@ def _answer_parked(ctx: Context, peer: Peer, msg: protocol.Attach, slot: Slot) -
 def _replacement(ctx: Context, msg: protocol.Attach, slot: Slot) -> Slot:
     """The slot a parked attach waits for now: ``slot``, or when a reload dropped it and added another for the
     same model (its path retargeted, its checkpoint files replaced: a load under way discarded), that one."""
-    if slot.state is not SlotState.DROPPED:
+    if slot.state is not SlotState.DROPPED or slot.publication is not None:  # a publication has no replacement
         return slot
     try:
         new = ctx.state.find_slots(msg.model, msg.tp_size, msg.tp_rank, msg.dtype, msg.naming, _dtype_matches)[0]

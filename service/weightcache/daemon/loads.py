@@ -350,10 +350,11 @@ class Loader:
             bad = checked.get("bad", []) + promoted_mismatches(manifest, None, sealed, st.options.threads)
             if bad:
                 sealed.close()
+                then = ("the publication is dropped" if slot.publication is not None else
+                        f"the host copy is kept, `weightcache evict --to disk {p.model.name}` drops it")
                 raise ModelLoadFailed(f"model {p.model.name}: {len(bad)} tensors differ from their digests after "
-                                      f"the promotion from the host tier (first: {bad[0]}); the host copy is kept, "
-                                      f"`weightcache evict --to disk {p.model.name}` drops it", model=p.model.name,
-                                      cause="digest_mismatch", tensors=bad[:16])
+                                      f"the promotion from the host tier (first: {bad[0]}); {then}",
+                                      model=p.model.name, cause="digest_mismatch", tensors=bad[:16])
         end = time.monotonic()
         return Loaded(slot, manifest, sealed, manifest_file, end - started,
                       {"room": t0 - started, "copy": t1 - t0, "digest": end - t1}, True, promoted_from=hosted)

@@ -40,7 +40,7 @@ from typing import Any
 
 from .. import protocol
 from ..config import Config, Placement
-from ..errors import ConfigError
+from ..errors import ConfigError, WeightcacheError
 from ..journal import event
 from ..reader import LoaderOptions
 from ..seeding import Seeder
@@ -213,9 +213,24 @@ class Daemon:
             self.fdstore.put_host(eff.slot, eff.slot.hosted, eff.slot.manifest_file)
         else:
             self.fdstore.remove(eff.store_id)
+        if eff.dropped:  # a publication that left the service
+            self.counters.publication_dropped(eff.slot.placement, eff.dropped)
         for f in eff.close:
             if f is not None:
                 self._free_slab(c, FreeSlab(None, f, None))
+
+    def _drop_failed_publication(self, slot: Slot, error: WeightcacheError) -> None:
+        """A publication whose promotion from the host tier (or load from its image) failed (FAILED) leaves the
+        service as one the budget drops does (:func:`tiers.publication_dropped`: the journal's
+        ``publication_dropped``, the ``publications_dropped`` counter), its host copy out of the fd store and
+        closed: nothing loads a publication again but its engine, which publishes it again. An attach parked on it
+        is answered ``model_not_found`` with ``publication = "none"`` (:func:`handlers.answer_attach`)."""
+        store_id = slot.store_id
+        kept, manifest_file = slot.drop()
+        reason = str(error.details.get("cause") or error.code)
+        tiers.publication_dropped(self.state, slot, reason, reason, logging.WARNING)
+        self.counters.publication_dropped(slot.placement, reason)
+        self._free_slab(None, FreeSlab(store_id, kept, manifest_file))
 
     def _cancel_load(self, c: Client | None, eff: CancelLoad) -> None:
         self.loader.cancel(eff.slot)
@@ -334,9 +349,8 @@ class Daemon:
                     self.images.written_after_load(result.slot, result.source, result.promoted_from is not None)
             elif isinstance(result, load_results.Failed):
                 self.counters.load_settled(result.slot.placement, result.error.code)
-                if result.slot.publication is not None:  # its image is gone or refused: no slot; engines publish
-                    result.slot.drop()
-                    self.state.slots = [s for s in self.state.slots if s is not result.slot]
+                if result.slot.publication is not None:  # a failed promotion or image: gone; its engine publishes
+                    self._drop_failed_publication(result.slot, result.error)
         self.offloop.finish_verifies()
         self.offloop.finish_publishes()
         if self.offloop.reloads:

@@ -73,6 +73,7 @@ class Counters:
         self._times: dict[str, _Histogram] = collections.defaultdict(_Histogram)
         self._loads: collections.Counter[tuple[str, int, int, str, str, str]] = collections.Counter()
         self._publishes: collections.Counter[tuple[str, int, int, str, str]] = collections.Counter()
+        self._pub_drops: collections.Counter[tuple[str, int, int, str]] = collections.Counter()
         #: The image store's counters (``weightcache.images.ImageStats``), None without images.
         self.images: Any = None
         #: Peer seeding's counters (``weightcache.seeding.SeedStats``: ``seed_counts()``), when seeding is on.
@@ -156,6 +157,12 @@ class Counters:
             slab = self._slabs.setdefault((p.model.name, p.tp_size, p.tp_rank), _Slab())
             slab.last_load_s, slab.last_load_bytes = duration_s, size_bytes
 
+    def publication_dropped(self, placement: Placement, reason: str) -> None:
+        """Counts one publication of ``placement`` that left the service (``reason``: ``budget``, ``evict``, or the
+        cause of its failed promotion or image load, e.g. ``digest_mismatch``)."""
+        p = placement
+        self._pub_drops[(p.model.name, p.tp_size, p.tp_rank, reason)] += 1
+
     def record(self) -> protocol.ServiceCounters:
         """The counters as the ``metrics`` reply carries them."""
         return protocol.ServiceCounters(
@@ -166,6 +173,7 @@ class Counters:
             loads=tuple(protocol.LoadCount(*k[:5], n, k[5]) for k, n in sorted(self._loads.items())),
             images=self.images.snapshot() if self.images is not None else {},
             publishes=tuple(protocol.PublishCount(*k, n) for k, n in sorted(self._publishes.items())),
+            publications_dropped=tuple(protocol.PublicationDropCount(*k, n) for k, n in sorted(self._pub_drops.items())),
             notify_dropped=dict(sorted(notify.dropped.items())),
             seeds=tuple(protocol.SeedCount(*row) for row in (self.seeding.seed_counts() if self.seeding else ())),
             slabs=tuple(protocol.SlabCounters(m, t, r, s.last_load_s, s.last_load_bytes, s.verify_runs,

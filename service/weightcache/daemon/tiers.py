@@ -97,6 +97,9 @@ class Moved:
     store_id: str
     tier: str
     close: tuple[Any, ...] = ()
+    #: A publication that left the service (``tier == "disk"``): why, for the ``publications_dropped`` counter
+    #: (``budget``, ``evict``); empty otherwise.
+    dropped: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,14 +356,11 @@ class Tiers:
                  extra=event("shelved", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=size, reason=reason,
                              tier_from=was))
         close = (sealed,) + (() if _same(hosted, sealed) else (hosted,)) + (manifest_file,)
+        dropped = ""
         if slot.publication is not None:  # no image on disk to load it from: it is gone, its engine publishes again
-            state.slots = [x for x in state.slots if x is not slot]
-            log.info("publication dropped model=%s tp_size=%d rank=%d slab=%s reason=%s: the next engine start "
-                     "publishes it again%s", p.model.name, p.tp_size, p.tp_rank, slot.label, reason,
-                     "; its model waits for its engine" if any(
-                         x.state is SlotState.WAITING_FOR_ENGINE and x.placement.model.name == p.model.name
-                         for x in state.slots) else "")
-        return Moved(slot, slot.store_id, "disk", tuple(f for f in close if f is not None))
+            dropped = "evict" if reason.startswith("evict") else "budget"
+            publication_dropped(state, slot, reason, dropped, logging.INFO)
+        return Moved(slot, slot.store_id, "disk", tuple(f for f in close if f is not None), dropped)
 
     @staticmethod
     def promoted(slot: Slot, duration_s: float) -> None:
@@ -372,6 +372,27 @@ class Tiers:
                  extra=event("promoted", p.model.name, p.tp_rank, tp_size=p.tp_size, size_bytes=size,
                              duration_ms=duration_s * 1e3,
                              reason="attach"))
+
+
+def publication_dropped(state: ServiceState, slot: Slot, reason: str, kind: str, level: int) -> None:
+    """Takes the publication ``slot`` out of ``state`` and logs it (the ``publication_dropped`` event, ``REASON``
+    ``kind``): nothing can load it again but its engine, which publishes it again at its next start; a model
+    configured only through its engine is back to WAITING_FOR_ENGINE alone.
+
+    Args:
+        reason (`str`): the log line's reason (the budget's, or the error's).
+        kind (`str`): the event's and the ``publications_dropped`` counter's reason: ``budget``, ``evict``, or
+            the cause of a failed promotion or image load (``digest_mismatch``...).
+        level (`int`): the log level (``logging.INFO`` for the budget's drops, ``WARNING`` for a failure).
+    """
+    p = slot.placement
+    state.slots = [x for x in state.slots if x is not slot]
+    waits = any(x.state is SlotState.WAITING_FOR_ENGINE and x.placement.model.name == p.model.name
+                for x in state.slots)
+    log.log(level, "publication dropped model=%s tp_size=%d rank=%d slab=%s reason=%s: the next engine start "
+            "publishes it again%s", p.model.name, p.tp_size, p.tp_rank, slot.label, reason,
+            "; its model waits for its engine" if waits else "",
+            extra=event("publication_dropped", p.model.name, p.tp_rank, tp_size=p.tp_size, reason=kind))
 
 
 def _pinned(slot: Slot) -> bool:

@@ -335,13 +335,18 @@ class WeightcacheModelLoader(BaseModelLoader):
         attachment is kept for this rank's zero-copy load in this process
         (one attach per engine start; a repeated question replaces it). When
         the service cannot serve (the load will then read from disk into
-        vLLM's own memory) the answer is 0.
+        vLLM's own memory) the answer is 0. A model only the engine lays out
+        (:func:`engine_lays_out`) is answered by the publication path
+        (:meth:`.vllm_publish.WeightcachePublishLoader.get_external_weight_memory`):
+        the held publication's size, or 0 when this start publishes it.
         """
         if self.options["mode"] != AttachMode.ZERO_COPY:
             return 0
         rank = None
         try:
             rank = self._rank(vllm_config.model_config, self._target(vllm_config))
+            if engine_lays_out(rank.path):  # the publication path: its own answer (see _load_published)
+                return self._publish_loader().get_external_weight_memory(vllm_config)
             _drop_profiled(rank)
             _RETRIES_SPENT.discard(rank)  # this question is a new engine start's: its attach has the retries
             fb.check_servable(rank, self.options["kernel"], vllm_config.model_config.quantization, zero_copy=True)
@@ -407,12 +412,16 @@ class WeightcacheModelLoader(BaseModelLoader):
             raise ConfigError(
                 f"load format {LOAD_FORMAT!r}, mode 'zero_copy': {features[0]} writes into the weights, which "
                 f"are the service's read-only memory in this mode; turn it off or use mode 'copy'", key="mode")
+        return self._publish_loader().load_model(vllm_config, model_config, prefix)
+
+    def _publish_loader(self) -> vllm_publish.WeightcachePublishLoader:
+        """The ``weightcache_publish`` loader with this loader's ``socket_dir``, ``gpu``, ``timeout_s`` and
+        ``fallback``."""
         o = self.options
         extra = {"socket_dir": o["socket_dir"], "gpu": o["gpu"], "timeout_s": o["timeout_s"]}
-        inner = vllm_publish.WeightcachePublishLoader(
+        return vllm_publish.WeightcachePublishLoader(
             dataclasses.replace(self.load_config, load_format=vllm_publish.LOAD_FORMAT,
                                 model_loader_extra_config=extra), fallback=o["fallback"])
-        return inner.load_model(vllm_config, model_config, prefix)
 
     # --- zero-copy -----------------------------------------------------------------------
 

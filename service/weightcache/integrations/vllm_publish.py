@@ -26,6 +26,10 @@ For any architecture, quantization method or parallel rank that vLLM's default l
 Every failure of the service's side (none held, another key, no service, a refused publication) ends in vLLM's
 default loader, logged once; this loader never stops an engine the default loader starts.
 
+vLLM's GPU worker asks ``get_external_weight_memory`` before the load: the held publication's size when step 2
+will run (attached then, the attachment kept for the load), 0 when step 3 will (the service's allocation comes
+after vLLM's memory snapshot, which counts it itself); :data:`EXTERNAL_BYTES` says why.
+
 Extra config keys: ``socket_dir`` (the service's socket directory), ``gpu`` (its instance; default: the
 model's device), ``timeout_s`` (seconds for each request, default 60).
 
@@ -35,6 +39,7 @@ Forbidden imports: weightcache.daemon.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import os
@@ -59,6 +64,7 @@ from ..client import Attachment, attach_published, physical_gpu, publish
 from ..errors import ConfigError, WeightcacheError
 from ..hashes import blake2b_hex
 from ..journal import event
+from . import vllm_fallback as fb
 from . import vllm_zero_copy as zc
 from .params import register_tensors
 
@@ -186,6 +192,86 @@ def _restore_attrs(model: nn.Module, w: Attachment) -> None:
                 setattr(p, k, v)
 
 
+class Plan(enum.Enum):
+    """What this engine start does with the service, from what ``attach_published`` answered (:func:`plan_after`)."""
+
+    #: A publication of this engine's key is held: it is attached zero-copy (or, where this vLLM cannot take it
+    #: pre-processed, vLLM's own load moves onto it).
+    ATTACH = "attach"
+    #: None held for this key (or another key held): vLLM's default load, published, then moved onto the slab.
+    PUBLISH = "publish"
+    #: The service cannot take part (absent, the model not configured there, refused): vLLM's default load only.
+    DEFAULT = "default"
+
+
+#: Bytes to report to vLLM's memory profiler (``get_external_weight_memory``) for each plan, as a multiple of the
+#: held publication's size. vLLM (0.32 to 0.34 alike) takes its initial memory snapshot right after asking, then
+#: counts everything the device's free memory lost from that snapshot to the end of its profiling run as the
+#: engine's own consumption (``total_consumed``), and subtracts the reported bytes from the
+#: ``gpu_memory_utilization`` budget. ATTACH: the publication was resident before the snapshot, outside it, so
+#: its size is reported (the daemon's slab, as vLLM's own weight cache daemon reports it). PUBLISH: the service
+#: allocates the publication after the snapshot (the engine's copy is freed once it moves onto it), so the
+#: profiler already counts those bytes; reporting them too would count them twice and shrink the KV cache by the
+#: weights' size: 0. DEFAULT: the weights are vLLM's own memory: 0.
+EXTERNAL_BYTES: dict[Plan, int] = {Plan.ATTACH: 1, Plan.PUBLISH: 0, Plan.DEFAULT: 0}
+
+
+def plan_after(error: WeightcacheError | None) -> Plan:
+    """The :class:`Plan` after ``attach_published`` held (``error is None``) or raised ``error``
+    (:func:`publishes_after`)."""
+    if error is None:
+        return Plan.ATTACH
+    return Plan.PUBLISH if publishes_after(error) else Plan.DEFAULT
+
+
+def external_bytes(plan: Plan, publication_bytes: int) -> int:
+    """What ``get_external_weight_memory`` answers for ``plan`` (:data:`EXTERNAL_BYTES`).
+
+    Args:
+        plan (`Plan`): the engine start's plan.
+        publication_bytes (`int`): the held publication's resident bytes (``Attachment.resident_bytes``); 0 when
+            none is held.
+
+    Returns:
+        `int`: bytes of weights held outside vLLM's allocator before its initial memory snapshot.
+    """
+    return EXTERNAL_BYTES[plan] * publication_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One rank's publication on one service instance: the key of :data:`_PROFILED` and of the rank's charge in
+    vLLM 0.34's account of external weight bytes (:func:`.vllm_fallback.charge_key`)."""
+
+    path: str
+    gpu: int
+    device: str
+    tp_size: int
+    tp_rank: int
+
+
+#: Publications ``get_external_weight_memory`` attached, with the engine key they were attached under, kept for
+#: the same rank's load in this process (vLLM asks each question of a fresh loader): one attach per engine start.
+_PROFILED: dict[_Slot, tuple[dict[str, Any], Attachment]] = {}
+
+
+def _drop_profiled(slot: _Slot) -> None:
+    held = _PROFILED.pop(slot, None)
+    if held is not None:
+        held[1].close()
+
+
+def _take_profiled(slot: _Slot, key: dict[str, Any]) -> Attachment | None:
+    """The profiler's attachment of ``slot`` when it was made under ``key``; else none (one of another key closed)."""
+    held = _PROFILED.pop(slot, None)
+    if held is None:
+        return None
+    if held[0] != key:
+        held[1].close()
+        return None
+    return held[1]
+
+
 class WeightcachePublishLoader(DefaultModelLoader):
     """``--load-format weightcache_publish`` (see the module docstring)."""
 
@@ -206,25 +292,72 @@ class WeightcachePublishLoader(DefaultModelLoader):
                 else gpu
         return dev, "cpu", self.options["gpu"] or 0
 
-    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+    def _request(self, vllm_config: VllmConfig, model_config: ModelConfig
+                 ) -> tuple[torch.device, dict[str, Any], _Slot]:
+        """The load's target device, the client's request arguments (``device``, ``socket_dir``, ``gpu``,
+        ``timeout``) and this rank's :class:`_Slot` (``tp_size``, ``tp_rank`` from the parallel state)."""
         path = model_config.model_weights or model_config.model
         target, device, gpu = self._where(vllm_config)
+        where = {"device": device, "socket_dir": self.options["socket_dir"], "gpu": gpu,
+                 "timeout": float(self.options["timeout_s"])}
+        slot = _Slot(path, gpu, device, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+        return target, where, slot
+
+    def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
+        """Bytes of this rank's weights that will be held outside vLLM's allocator, asked by vLLM's GPU worker
+        before the load (a fresh loader, parallel state initialised; vLLM's CPU worker does not ask).
+
+        :func:`external_bytes` of the engine start's :class:`Plan`: the held publication's size when one is held
+        for this engine's key (it is attached now and the attachment kept for this rank's load in this process:
+        one attach per engine start; on vLLM 0.34 the bytes are also recorded in its account, and given back
+        when the load does not map the publication after all); 0 when the start will publish (the service's
+        allocation comes after vLLM's memory snapshot, which then counts it) or cannot use the service.
+        """
+        model_config = vllm_config.model_config
+        path = model_config.model_weights or model_config.model
+        if not os.path.isdir(path):
+            return 0
+        try:
+            _, where, slot = self._request(vllm_config, model_config)
+            key = engine_key(vllm_config, model_config)
+        except Exception as e:  # noqa: BLE001 - the load logs it and loads with vLLM's default loader
+            log.debug("weightcache external weight memory 0 checkpoint=%s reason=%r", path, e)
+            return 0
+        _drop_profiled(slot)  # a repeated question: its answer replaces the last one's (and its charge)
+        try:
+            w = attach_published(path, key, slot.tp_size, slot.tp_rank, **where)
+        except WeightcacheError as e:
+            plan = plan_after(e)
+            log.info("weightcache external weight memory 0 checkpoint=%s tp_rank=%d plan=%s reason=%s: %s", path,
+                     slot.tp_rank, plan.value, e.code, e.message)
+            return external_bytes(plan, 0)
+        _PROFILED[slot] = (key, w)
+        size = external_bytes(Plan.ATTACH, w.resident_bytes)
+        fb.charge(slot, size)
+        return size
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        path = model_config.model_weights or model_config.model
+        target, where, slot = self._request(vllm_config, model_config)
         if not os.path.isdir(path):  # a hub id: the service holds local checkpoints by path
             log.info("weightcache publication skipped checkpoint=%s reason=not a local checkpoint directory", path)
             return self._own_load(vllm_config, model_config, prefix, target)
         try:
             key = engine_key(vllm_config, model_config)
         except Exception as e:  # noqa: BLE001 - a vLLM whose config lacks a field read here: its own load runs
+            _drop_profiled(slot)
+            fb.uncharge(slot)
             log.warning("weightcache publication skipped checkpoint=%s reason=the engine key could not be worked "
                         "out: %r", path, e)
             return self._own_load(vllm_config, model_config, prefix, target)
         par = key["parallel"]
-        where = {"device": device, "socket_dir": self.options["socket_dir"], "gpu": gpu,
-                 "timeout": float(self.options["timeout_s"])}
         t0 = time.monotonic()
         try:
-            w = attach_published(path, key, par["tp_size"], par["tp_rank"], **where)
+            w = _take_profiled(slot, key)  # the memory profiler's attachment: not attached twice
+            if w is None:
+                w = attach_published(path, key, par["tp_size"], par["tp_rank"], **where)
         except WeightcacheError as e:
+            fb.uncharge(slot)
             if not publishes_after(e):  # no service, not configured there, refused: vLLM's load, nothing published
                 return self._without_service(vllm_config, model_config, prefix, target, path, par, e)
             log.debug("weightcache no publication to attach checkpoint=%s tp_rank=%d reason=%s: %s", path,
@@ -241,6 +374,7 @@ class WeightcachePublishLoader(DefaultModelLoader):
         try:
             got = publish(path, key, tensors, par["tp_size"], par["tp_rank"], attrs=attrs, **where)
         except (WeightcacheError, OSError, RuntimeError) as e:  # refused, no memfd, a copy failed: keep its own
+            fb.uncharge(slot)
             if not self.fallback and isinstance(e, WeightcacheError):
                 raise
             log.warning("weightcache publication refused checkpoint=%s tp_rank=%d reason=%s: %s; the engine keeps "
@@ -249,7 +383,8 @@ class WeightcachePublishLoader(DefaultModelLoader):
         log.info("weightcache published checkpoint=%s slab=%s created=%s tp_size=%d tp_rank=%d tensors=%d "
                  "size_bytes=%d (loaded with vLLM's default loader; the next start attaches it zero-copy)", path,
                  got.label, got.created, par["tp_size"], par["tp_rank"], len(tensors), got.size_bytes)
-        self._move_onto(model, path, key, where)
+        if not self._move_onto(model, path, key, where):
+            fb.uncharge(slot)  # a held publication charged by the profiler is not mapped after all
         return model
 
     def _without_service(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
@@ -312,23 +447,28 @@ class WeightcachePublishLoader(DefaultModelLoader):
         _keep_lease(model, w)
         return model.eval()
 
-    def _move_onto(self, model: nn.Module, path: str, key: dict[str, Any], where: dict[str, Any]) -> None:
+    def _move_onto(self, model: nn.Module, path: str, key: dict[str, Any], where: dict[str, Any]) -> bool:
         """Replaces the engine's own parameters and buffers by the published slab's (the same bytes), so that
-        its private copy is freed and the weights are in memory once; on any failure it keeps its own."""
+        its private copy is freed and the weights are in memory once; on any failure it keeps its own.
+
+        Returns:
+            `bool`: whether the model is on the slab now.
+        """
         par = key["parallel"]
         try:
             w = attach_published(path, key, par["tp_size"], par["tp_rank"], **where)
         except WeightcacheError as e:
             log.warning("weightcache keeps its own copy after publishing reason=%s: %s", e.code, e.message)
-            return
+            return False
         try:
             register_tensors(model, _slots(model, w.tensors, buffers=False), check="dtype_shape",
                              source="the publication", hint="the published slab differs from this engine's model")
         except WeightcacheError as e:
             w.close()
             log.warning("weightcache keeps its own copy after publishing reason=%s: %s", e.code, e.message)
-            return
+            return False
         _keep_lease(model, w)
+        return True
 
 
 def publishes_after(error: WeightcacheError) -> bool:

@@ -40,8 +40,8 @@ from ._messages import (ATTACH_EXCHANGE, INT_MAX, INT_MIN, Attach, AttachReply, 
 
 #: The records of :mod:`._records`, imported on first use.
 _RECORDS = ("HIDDEN_ID", "MAX_LEASE_HOLDERS_SHOWN", "MAX_LEASES_SHOWN", "AttachCount", "AttachTimes", "DeviceInfo",
-            "ErrorInfo", "KeySummary", "LeaseHolder", "LeaseInfo", "LoadCount", "PublishCount", "SeedCount", "ServiceCounters",
-            "ServiceStatus",
+            "ErrorInfo", "KeySummary", "LeaseHolder", "LeaseInfo", "LoadCount", "PublicationDropCount", "PublishCount",
+            "SeedCount", "ServiceCounters", "ServiceStatus",
             "SlabCounters", "SlabInfo", "VerifyResult")
 #: Name -> its room, for the names imported on first use: the message classes of :mod:`._admin`, :mod:`._lease`
 #: and :mod:`._publish` (from the tag table) and the records.

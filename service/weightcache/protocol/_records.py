@@ -453,6 +453,24 @@ class PublishCount(_Record):
 
 
 @dataclass(frozen=True, slots=True)
+class PublicationDropCount(_Record):
+    """Publications of one (model, layout, rank) that left the service for one reason since it started.
+
+    Attributes:
+        model (`str`), tp_size, tp_rank (`int`): which rank (``model``: as in :class:`AttachCount`).
+        reason (`str`): ``budget`` (the memory budget dropped it), ``evict`` (``evict --to disk``), or the cause of
+            the failed promotion from the host tier or load from its image (``digest_mismatch``, ...).
+        count (`int`): how many.
+    """
+
+    model: str
+    tp_size: int
+    tp_rank: int
+    reason: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class SeedCount(_Record):
     """Peer seeding (issue 37) of one model since the service started, one outcome.
 
@@ -505,7 +523,8 @@ class ServiceCounters(_Record):
         started_at (`float`): when the service started, Unix time in seconds.
         attaches (`tuple[AttachCount]`), attach_times (`tuple[AttachTimes]`),
         loads (`tuple[LoadCount]`), slabs (`tuple[SlabCounters]`), publishes (`tuple[PublishCount]`),
-        seeds (`tuple[SeedCount]`): see there (``publishes``, ``seeds`` absent from older services' replies).
+        seeds (`tuple[SeedCount]`), publications_dropped (`tuple[PublicationDropCount]`): see there
+            (``publishes``, ``seeds``, ``publications_dropped`` absent from older services' replies).
         notify_dropped (`dict[str, int]`): sd_notify datagrams dropped because the manager's socket was full, by
             their first key (``STATUS``, ``FDSTORE``...; :data:`weightcache.notify.dropped`); absent from older
             services' replies.
@@ -522,12 +541,13 @@ class ServiceCounters(_Record):
     images: dict = field(default_factory=dict)
     notify_dropped: dict = field(default_factory=dict)
     seeds: tuple[SeedCount, ...] = ()
+    publications_dropped: tuple[PublicationDropCount, ...] = ()
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ServiceCounters":
         """Raises RemoteProtocolError (`protocol_violation`) when a field is missing."""
         nested = {"attaches": AttachCount, "attach_times": AttachTimes, "loads": LoadCount, "slabs": SlabCounters,
-                  "publishes": PublishCount, "seeds": SeedCount}
+                  "publishes": PublishCount, "seeds": SeedCount, "publications_dropped": PublicationDropCount}
         if not isinstance(d, dict):
             raise RemoteProtocolError(f"ServiceCounters: expected a JSON object, got {type(d).__name__}")
         return _from_json(cls, {k: v for k, v in d.items() if k not in nested},
