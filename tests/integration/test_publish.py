@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import mmap
 import os
 import shutil
@@ -344,6 +345,37 @@ def test_with_publishers_set_an_untrusted_uid_is_refused_and_nothing_changes(dae
     assert _status(svc)["slabs"] == before
     with pytest.raises(errors.ModelNotFound):
         attach_published(str(ck), _key(), socket_dir=svc.socket_dir)
+
+
+def _metrics_counters(svc) -> dict:
+    s = Session(svc.socket_path, timeout=10)
+    try:
+        return s.request(protocol.Metrics()).counters
+    finally:
+        s.close()
+
+
+def test_publish_counts_of_a_model_one_may_not_attach_are_not_shown(daemon, open_ck):
+    """``metrics`` of a socket-group member who may not attach a model shows none of its publish counts (nor its
+    name), as its other per-model counts; an operator (root) sees them all."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as another uid")
+    locked_ck = _ckpt(open_ck.parent / "locked")
+    svc = daemon({"m": str(open_ck), "locked": {"path": str(locked_ck), "allow_users": ["root"]}})
+    svc.wait_settled()
+    _open_to_all(svc)
+    assert publish(str(open_ck), _key(), _processed(open_ck), socket_dir=svc.socket_dir).created
+    assert publish(str(locked_ck), _key(), _processed(locked_ck), socket_dir=svc.socket_dir).created
+    tensors = _processed(locked_ck)
+    with pytest.raises(errors.AccessDenied):  # a refused publication is counted too (model "locked")
+        with _as(NOBODY):
+            publish(str(locked_ck), _key(), tensors, socket_dir=svc.socket_dir)
+    assert sorted((p["model"], p["outcome"]) for p in _metrics_counters(svc)["publishes"]) == [
+        ("locked", "published"), ("locked", "refused"), ("m", "published")]
+    with _as(NOBODY):
+        seen = _metrics_counters(svc)
+    assert [(p["model"], p["outcome"]) for p in seen["publishes"]] == [("m", "published")], seen["publishes"]
+    assert "locked" not in json.dumps(seen), seen
 
 
 def test_the_fd_store_keeps_a_publication_across_a_restart(tmp_path):

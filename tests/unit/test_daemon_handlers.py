@@ -375,6 +375,14 @@ def test_metrics_shows_the_endpoint_every_slab_with_holders_hidden(svc):
     assert _error(handlers.handle(ctx, endpoint, protocol.Evict("m"))).code == "access_denied"
 
 
+def test_every_per_model_counter_table_is_filtered():
+    """Each tuple field of the ``metrics`` reply's counters names a model per entry; :func:`handlers._counters_for`
+    filters exactly those (a new table left out would show restricted models' names: ``publishes`` once did)."""
+    tables = {f.name for f in dataclasses.fields(protocol.ServiceCounters)
+              if isinstance(getattr(protocol.ServiceCounters("v", 0.0), f.name), tuple)}
+    assert set(handlers.PER_MODEL_COUNTERS) == tables
+
+
 def test_fd_store_entries_without_the_service_seals_are_not_adopted(svc):
     """Issue 25: an fd-store slab without the seals the service sets (someone else's memfd, writable) is
     dropped, not served; the same bytes with the seals are adopted."""

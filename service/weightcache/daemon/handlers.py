@@ -131,7 +131,8 @@ def restricted_aliases(ctx: Context, peer: Peer) -> dict[str, str]:
 def _counters_for(ctx: Context, peer: Peer, counters: protocol.ServiceCounters,
                   every_slab: bool) -> protocol.ServiceCounters:
     """``counters`` as ``peer`` may see them: the models it may not attach renamed (``every_slab``: the
-    metrics endpoint) or left out (anyone else who is no operator)."""
+    metrics endpoint) or left out (anyone else who is no operator), in every per-model table
+    (:data:`PER_MODEL_COUNTERS`)."""
     aliases = restricted_aliases(ctx, peer)
     if not aliases:
         return counters
@@ -141,9 +142,13 @@ def _counters_for(ctx: Context, peer: Peer, counters: protocol.ServiceCounters,
             return tuple(dataclasses.replace(e, model=aliases[e.model]) if e.model in aliases else e for e in entries)
         return tuple(e for e in entries if e.model not in aliases)
 
-    return dataclasses.replace(counters, attaches=fix(counters.attaches), attach_times=fix(counters.attach_times),
-                               loads=fix(counters.loads), slabs=fix(counters.slabs), seeds=fix(counters.seeds),
-                               publications_dropped=fix(counters.publications_dropped))
+    return dataclasses.replace(counters, **{f: fix(getattr(counters, f)) for f in PER_MODEL_COUNTERS})
+
+
+#: The fields of :class:`~weightcache.protocol.ServiceCounters` whose entries name a model (a ``model`` field):
+#: each is filtered by :func:`_counters_for`. Every tuple field of the record is one
+#: (tests/unit/test_daemon_handlers.py checks it, so that a new per-model table cannot leak a restricted name).
+PER_MODEL_COUNTERS = ("attaches", "attach_times", "loads", "slabs", "publishes", "seeds", "publications_dropped")
 
 
 def on_list(ctx: Context, peer: Peer, msg: protocol.List) -> Outcome:
