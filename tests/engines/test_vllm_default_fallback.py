@@ -8,11 +8,13 @@ pre-process, and (TP 1 only) block FP8. A real host-backend service is configure
 ``unsupported_quantization`` (part 4: the config is read, nothing is planned as
 unquantized). Then, at TP 1 and TP 2 (``slow``):
 
-- ``fallback: true``: the engine starts and gives the tokens of vLLM's default
-  loader (``--load-format auto``) on the same checkpoint; each rank logs one
-  WARNING ``weightcache cannot serve, loading with vLLM's default loader ...
-  reason=unsupported_quantization`` in vLLM's log, and no ``weightcache
-  attached`` line;
+- ``fallback: true`` (the README's recipe): the engine starts and gives the
+  tokens of vLLM's default loader (``--load-format auto``) on the same
+  checkpoint; each rank logs ``weightcache takes the publication path ...
+  reason=unsupported_quantization`` and publishes what vLLM processed (the
+  service lays none of them out: the first engine that starts one publishes
+  it); a second start is served from the publication (one scheme at TP 1 and
+  one at TP 2);
 - ``fallback: false``: the engine does not start; the error is
   ``UnsupportedQuantization`` (``unsupported_quantization``) whose
   ``details["scheme"]`` names the scheme (TP 1: the runner's result; TP 2: the
@@ -57,6 +59,7 @@ SCHEMES = ("ct_fp8", "awq", "gptq")
 #: default loader refuses that layout too).
 TP1_ONLY = ("fp8_block",)
 DEFAULT_LINE = "weightcache cannot serve, loading with vLLM's default loader"
+PUBLICATION_LINE = "weightcache takes the publication path"
 
 
 @pytest.fixture(scope="module")
@@ -116,18 +119,42 @@ def test_reference_tokens_depend_on_the_quantized_layers(checkpoints):
     assert len({str(t) for t in tokens.values()}) == len(tokens), tokens
 
 
+#: The cases whose second start is run too (engine starts are the engine stage's cost): one scheme at TP 1, one
+#: at TP 2 (test_vllm_publish.py runs ModelOpt FP8's at TP 2).
+SECOND_START = {("ct_fp8", 1), ("gptq", 2)}
+
+
 @pytest.mark.parametrize("scheme,tp", _params((1, 2)))
-def test_fallback_true_starts_with_vllms_default_loader(service, checkpoints, scheme, tp):
+def test_fallback_true_publishes_and_the_next_start_is_served_from_the_publication(service, checkpoints, scheme, tp):
+    """The README's recipe (``--load-format weightcache``, ``fallback`` true by default) on a scheme the service
+    cannot lay out: each rank says why it takes the publication path (``reason=unsupported_quantization``, the
+    scheme named), publishes what vLLM's default loader processed (``created=True``) and gives its tokens, nothing
+    falls back to vLLM's default loader unpublished. A second start (:data:`SECOND_START`) is served from the
+    publication: attached (``weightcache attached published``) where vLLM 0.32 takes the scheme pre-processed,
+    else vLLM's own load moved onto it (``created=False``); every parameter inside the service's mapping."""
     expected = reference(checkpoints, scheme, tp)
+    extra = {"socket_dir": service.socket_dir}
     result, out = run_engine(checkpoints[scheme], load_format="weightcache", dtype="bfloat16", tp=tp,
-                             multiprocess=tp > 1, extra={"socket_dir": service.socket_dir, "fallback": True})
+                             multiprocess=tp > 1, extra=extra)
     assert tokens_of(result, out) == expected
-    lines = log_lines(out, DEFAULT_LINE)
+    lines = log_lines(out, PUBLICATION_LINE)
     assert sorted(int(ln.split(" tp_rank=")[1].split()[0]) for ln in lines) == list(range(tp)), out[-6000:]
     for ln in lines:
-        assert "WARNING" in ln and f" tp_size={tp} " in ln and "reason=unsupported_quantization: " in ln, ln
+        assert f" tp_size={tp} " in ln and "reason=unsupported_quantization: " in ln, ln
         assert hub.QUANT_METHOD[scheme] in ln, ln
-    assert not log_lines(out, "weightcache attached") and not log_lines(out, "weightcache fallback to disk")
+    published = log_lines(out, "weightcache published")
+    assert len(published) == tp and all(" created=True " in ln for ln in published), out[-6000:]
+    assert not log_lines(out, DEFAULT_LINE) and not log_lines(out, "weightcache fallback to disk")
+    if (scheme, tp) not in SECOND_START:
+        return
+    second, out2 = run_engine(checkpoints[scheme], load_format="weightcache", dtype="bfloat16", tp=tp,
+                              multiprocess=tp > 1, extra=extra, probe=True)
+    assert tokens_of(second, out2) == expected
+    attached = log_lines(out2, "weightcache attached published")
+    moved = [ln for ln in log_lines(out2, "weightcache published") if " created=False " in ln]
+    assert len(attached) + len(moved) == tp and not log_lines(out2, DEFAULT_LINE), out2[-6000:]
+    assert len(second["probe"]) == tp and all(p["params"] > 0 and p["outside"] == [] for p in second["probe"]), \
+        second["probe"]
 
 
 @pytest.mark.parametrize("scheme,tp", _params((1, 2)))
@@ -180,19 +207,24 @@ def qwen3(workdir: Path) -> Path:
 def test_tp2_without_rules_starts_with_vllms_default_loader(request, workdir, which):
     """ModelOpt FP8 per-channel (vLLM 0.32 cannot take it pre-processed, copy mode shards no quantized model)
     and Qwen3 (no vLLM naming rules) at TP 2 with no service running: the engine did not start
-    (``ConfigError: ... tensor parallelism (tp_size=2) needs ...``); now the default loader's tokens, one reason
-    per rank: ``tensor_parallel_size`` for FP8; for Qwen3, which its engine publishes (the publication path asks the
-    service first), ``daemon_unavailable``. ``fallback: false``: that error."""
+    (``ConfigError: ... tensor parallelism (tp_size=2) needs ...``); now both take the publication path (FP8: after
+    ``reason=config_invalid: tensor parallelism``), which asks the service first: ``daemon_unavailable``, the
+    default loader's tokens, one reason per rank. ``fallback: false``: FP8's ``ConfigError`` (before the service
+    is asked), Qwen3's ``DaemonUnavailable`` (only its engine lays it out: the publication path whatever
+    ``fallback`` says)."""
     path = _fp8(workdir / "fp8pc") if which == "fp8" else request.getfixturevalue("qwen3")
     dtype = "bfloat16" if which == "fp8" else "float32"
-    reason, error = (("config_invalid: tensor parallelism (tp_size=2)", "ConfigError") if which == "fp8"
-                     else ("daemon_unavailable: ", "DaemonUnavailable"))
+    error = "ConfigError" if which == "fp8" else "DaemonUnavailable"
     expected = tokens_of(*run_engine(path, dtype=dtype, tp=2, multiprocess=True))
     extra = {"socket_dir": str(workdir / "nowhere"), "fallback": True}
     result, out = run_engine(path, load_format="weightcache", dtype=dtype, tp=2, multiprocess=True, extra=extra)
     assert tokens_of(result, out) == expected
     lines = log_lines(out, DEFAULT_LINE)
-    assert len(lines) == 2 and all(f"reason={reason}" in ln for ln in lines), out[-6000:]
+    assert len(lines) == 2 and all("reason=daemon_unavailable: " in ln for ln in lines), out[-6000:]
+    if which == "fp8":
+        lines = log_lines(out, PUBLICATION_LINE)
+        assert len(lines) == 2 and all("reason=config_invalid: tensor parallelism (tp_size=2)" in ln
+                                       for ln in lines), out[-6000:]
     assert not log_lines(out, "zero-copy refused")  # one reason per rank, not a copy mode that cannot follow
     result, out = run_engine(path, load_format="weightcache", dtype=dtype, tp=2, multiprocess=True,
                              extra={**extra, "fallback": False})
@@ -202,23 +234,37 @@ def test_tp2_without_rules_starts_with_vllms_default_loader(request, workdir, wh
 # --- the reasons, in this process ---------------------------------------------------------------------------
 
 
-def test_unservable_reasons(tmp_path, checkpoints, qwen3):
-    from weightcache.integrations.vllm_fallback import default_loader_reason, unservable
-    from weightcache.errors import ConfigError
+def test_unservable_reasons_and_the_path_each_takes(tmp_path, checkpoints, qwen3):
+    """:func:`unservable`'s reasons from the checkpoint's files, and :data:`PATHS`' path for each: what the service
+    cannot lay out is published (mode zero_copy, fallback true), vLLM's default load in mode copy, the typed error
+    with fallback false (but an architecture without rules, which only its engine lays out)."""
+    from weightcache.errors import ConfigError, DaemonUnavailable
+    from weightcache.integrations.vllm_fallback import PATHS, Path, Reason, default_loader_reason, path_for, unservable
 
+    assert set(PATHS) == set(Reason)
     for scheme in SCHEMES + TP1_ONLY:
         for tp, zero_copy in ((1, True), (2, True), (2, False)):
             e = unservable(str(checkpoints[scheme]), tp, "cutlass", None, zero_copy)
             assert e.code == "unsupported_quantization" and hub.QUANT_METHOD[scheme] in e.details["scheme"]
-    assert unservable(str(qwen3), 1, "cutlass", None, True) is None  # TP 1: copy mode with naming hf
-    e = unservable(str(qwen3), 2, "cutlass", None, True)
-    assert (e.code, e.details["key"]) == ("config_invalid", "tensor_parallel_size")
+            assert path_for(e, True, zero_copy) is (Path.PUBLICATION if zero_copy else Path.DEFAULT)
+            assert path_for(e, False, zero_copy) is Path.ERROR
+    assert unservable(str(qwen3), 1, "cutlass", None, False) is None  # copy mode, TP 1: a naming = "hf" slab
+    for tp, zero_copy in ((1, True), (2, True), (2, False)):
+        e = unservable(str(qwen3), tp, "cutlass", None, zero_copy)
+        assert e.code == "unsupported_architecture" and "Qwen3ForCausalLM" in e.message, e
+        assert path_for(e, False, zero_copy) is (Path.PUBLICATION if zero_copy else Path.ERROR)
     fp8 = _fp8(tmp_path / "fp8pc")
     assert unservable(str(fp8), 2, "cutlass", "modelopt", True) is None  # zero-copy may take it (vLLM 0.34)
-    assert unservable(str(fp8), 2, "cutlass", "modelopt", False).details["key"] == "tensor_parallel_size"
+    e = unservable(str(fp8), 2, "cutlass", "modelopt", False)  # what the zero-copy load raises on vLLM 0.32
+    assert (e.code, e.details["key"], e.details["quantization"]) == ("config_invalid", "tensor_parallel_size",
+                                                                     "modelopt_fp8_per_channel"), e.details
+    assert path_for(e, True, True) is Path.PUBLICATION and path_for(e, False, True) is Path.ERROR
     assert unservable(str(fp8), 1, "cutlass", "modelopt", False) is None
-    assert not default_loader_reason(ConfigError("LoRA writes into the weights", key="mode"))
+    writes = ConfigError("LoRA writes into the weights", key="mode")
+    assert not default_loader_reason(writes) and path_for(writes, True, True) is Path.ERROR
     assert default_loader_reason(ConfigError("tp", key="tensor_parallel_size"))
+    absent = DaemonUnavailable("no service")
+    assert path_for(absent, True, True) is Path.DEFAULT and path_for(absent, False, True) is Path.ERROR
 
 
 def test_naming_vllm_without_rules_advice_that_works(workdir, qwen3):

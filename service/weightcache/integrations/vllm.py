@@ -345,11 +345,14 @@ class WeightcacheModelLoader(BaseModelLoader):
         rank = None
         try:
             rank = self._rank(vllm_config.model_config, self._target(vllm_config))
-            if engine_lays_out(rank.path):  # the publication path: its own answer (see _load_published)
-                return self._publish_loader().get_external_weight_memory(vllm_config)
+            reason = fb.unservable(rank.path, rank.tp_size, self.options["kernel"],
+                                   vllm_config.model_config.quantization, zero_copy=True)
+            if reason is not None and fb.path_for(reason, self.options["fallback"], True) is fb.Path.PUBLICATION:
+                return self._publish_loader().get_external_weight_memory(vllm_config)  # see _load_published
             _drop_profiled(rank)
             _RETRIES_SPENT.discard(rank)  # this question is a new engine start's: its attach has the retries
-            fb.check_servable(rank, self.options["kernel"], vllm_config.model_config.quantization, zero_copy=True)
+            if reason is not None:
+                raise reason
             w = self._attach(rank, "vllm")
         except WeightcacheError as e:  # the load says it too (falls back or raises)
             if rank is not None and e.retryable and self.options["retries"]:
@@ -362,26 +365,28 @@ class WeightcacheModelLoader(BaseModelLoader):
         return w.resident_bytes
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
-        """Zero-copy when possible (and asked for), else vLLM's usual way plus a copy; with ``fallback = true``,
-        vLLM's own default loader when weightcache cannot serve (:mod:`.vllm_fallback`).
+        """Zero-copy when possible (and asked for), else vLLM's usual way plus a copy; when the service's own slab
+        cannot serve, the path :data:`.vllm_fallback.PATHS` gives the reason: the publication path
+        (:meth:`_load_published`), vLLM's own default loader, or the error (:mod:`.vllm_fallback`).
 
         Raises:
             WeightcacheError: with ``fallback = false``, why weightcache cannot serve (:mod:`.vllm_fallback`),
-                typed; ``config_invalid`` for a feature that writes into weights in ``zero_copy`` mode.
+                typed (``unsupported_quantization`` naming the scheme, ``config_invalid`` key
+                ``tensor_parallel_size``, the service's own errors); ``config_invalid`` for a feature that writes
+                into weights in ``zero_copy`` mode.
         """
         undo = zc.registry_undo(vllm_config)
         rank: _Rank | None = None
+        zero_copy = self.options["mode"] == AttachMode.ZERO_COPY
         try:
             rank = self._rank(model_config, self._target(vllm_config))
-            zero_copy = self.options["mode"] == AttachMode.ZERO_COPY
-            if zero_copy and engine_lays_out(rank.path):
-                return self._load_published(vllm_config, model_config, prefix)
             fb.check_servable(rank, self.options["kernel"], model_config.quantization, zero_copy=zero_copy)
             model = self._load_zero_copy(vllm_config, model_config, prefix) if zero_copy else None
             if model is None:
                 model = super().load_model(vllm_config, model_config, prefix)
         except WeightcacheError as e:
-            if not self.options["fallback"] or not fb.default_loader_reason(e):
+            path = fb.path_for(e, self.options["fallback"], zero_copy)
+            if path is fb.Path.ERROR:
                 raise
             error = e.with_traceback(None)  # the frames of the failed load (its model) are not kept
         else:
@@ -389,7 +394,11 @@ class WeightcacheModelLoader(BaseModelLoader):
         undo()  # the failed load's layers leave vLLM's registries: the default loader registers its own
         if rank is not None:
             _drop_profiled(rank)
-            fb.uncharge(rank)
+            fb.uncharge(rank)  # the service's slab is not mapped (the publication path charges its own)
+        if path is fb.Path.PUBLICATION:
+            log.info("weightcache takes the publication path checkpoint=%s tp_size=%d tp_rank=%d reason=%s: %s",
+                     rank.path, rank.tp_size, rank.tp_rank, error.code, error.message)
+            return self._load_published(vllm_config, model_config, prefix)
         return fb.load_with_default(self.load_config, vllm_config, model_config, prefix, rank, error)
 
     get_all_weights = fb.get_all_weights  # vLLM 0.34's partial reloads

@@ -1,21 +1,30 @@
-"""vLLM's own default loader as the plugin's fallback, and the plugin's vLLM version branches (issue 35).
+"""vLLM's own default loader and the publication path as the plugin's fallbacks, and the plugin's vLLM version
+branches (issue 35).
 
 With ``fallback = true`` (the default) the ``weightcache`` load format never
 stops an engine that vLLM's default loader starts: every reason weightcache
-cannot serve a rank ends in vLLM's own ``DefaultModelLoader`` (the checkpoint
-read by vLLM, ``process_weights_after_loading`` as without the plugin), the
-reason logged once in vLLM's log (``weightcache cannot serve, loading with
-vLLM's default loader ... reason=CODE: MESSAGE``). With ``fallback = false``
-the same reason is raised, a typed error naming the cause. Reasons:
+cannot serve a rank from the service's own slab ends in **the publication
+path** (:mod:`.vllm_publish`: the publication of this engine's key attached,
+else vLLM's default load, published and moved onto, so that the next start
+attaches it) or in **vLLM's own** ``DefaultModelLoader`` (the checkpoint read
+by vLLM, ``process_weights_after_loading`` as without the plugin), the reason
+logged once in vLLM's log (``weightcache takes the publication path ...
+reason=CODE: MESSAGE``, INFO; ``weightcache cannot serve, loading with vLLM's
+default loader ... reason=CODE: MESSAGE``, WARNING). With ``fallback = false``
+the same reason is raised, a typed error naming the cause. Which reason takes
+which path is one table, :data:`PATHS` (:func:`path_for`; docs/engines.md,
+"Which path each checkpoint takes"). Reasons (:class:`Reason`):
 
 - found from the checkpoint's files before the service is asked
-  (:func:`unservable`): a quantization scheme weightcache cannot pre-process
+  (:func:`unservable`): an architecture without vLLM naming rules
+  (``unsupported_architecture``: the service cannot lay it out in vLLM's
+  naming); a quantization scheme weightcache cannot pre-process
   (compressed-tensors, AWQ, GPTQ, block FP8, ...: ``unsupported_quantization``,
   ``details["scheme"]``; the config read where vLLM reads it,
-  :func:`weightcache.quant.quant_config.read_config`); ``tp_size > 1`` with an
-  architecture without vLLM naming rules, or with a quantized model (ModelOpt
-  FP8) that cannot be zero-copy (vLLM 0.32 and 0.33 do not take ModelOpt FP8
-  pre-processed; copy mode shards unquantized models only): ``config_invalid``,
+  :func:`weightcache.quant.quant_config.read_config`); ``tp_size > 1`` with a
+  quantized model (ModelOpt FP8) that cannot be zero-copy (vLLM 0.32 and 0.33
+  do not take ModelOpt FP8 pre-processed, found once vLLM's model is built on
+  meta; copy mode shards unquantized models only): ``config_invalid``,
   ``details["key"] == "tensor_parallel_size"``;
 - met on the way (:func:`default_loader_reason`): every other weightcache
   error, the service's included: absent (``daemon_unavailable``), full
@@ -48,6 +57,7 @@ Forbidden imports: weightcache.daemon.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,7 +71,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from .. import quant, sharding
 from ..checkpoint import Checkpoint
-from ..errors import ConfigError, WeightcacheError
+from ..errors import ConfigError, UnsupportedArchitecture, WeightcacheError
 from ..journal import event
 
 log = init_logger("vllm." + __name__)
@@ -79,9 +89,86 @@ def plain_load_config(load_config: LoadConfig) -> LoadConfig:
     return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
 
 
+class Reason(enum.Enum):
+    """Why weightcache cannot serve a rank from the service's own slab (:func:`reason_of` of the error)."""
+
+    #: ``unsupported_architecture``: no vLLM naming rules in weightcache for the architecture (Qwen3, Gemma...).
+    NO_NAMING_RULES = "no_naming_rules"
+    #: ``unsupported_quantization``: a scheme weightcache cannot pre-process (compressed-tensors, AWQ, GPTQ, block
+    #: FP8...), on any family.
+    UNSUPPORTED_QUANTIZATION = "unsupported_quantization"
+    #: ``config_invalid`` key ``tensor_parallel_size``: a quantized model at ``tp_size > 1`` that this vLLM cannot
+    #: take pre-processed (ModelOpt FP8 on vLLM 0.32/0.33): the service's FP8 slabs serve copy mode at TP 1 only.
+    QUANTIZED_TP = "quantized_tp"
+    #: ``config_invalid`` key ``mode``: a feature that writes into the weights, in mode ``zero_copy``.
+    WRITES_WEIGHTS = "writes_weights"
+    #: Anything else met on the way: the service absent, full, old, holding another key or not the model, after the
+    #: loader's ``retries``; ``--model`` not a local directory; a slab that does not fit vLLM's model.
+    SERVICE = "service"
+
+
+class Path(enum.Enum):
+    """Where a rank goes when weightcache cannot serve it from the service's own slab."""
+
+    #: :mod:`.vllm_publish`: the publication of this engine's key, attached; else vLLM's default load, published
+    #: and moved onto (the next start attaches it). A service that cannot take part (absent, the model not
+    #: configured, a refused publication) is then vLLM's default load, logged (``fallback = false``: the error).
+    PUBLICATION = "publication"
+    #: vLLM's own ``DefaultModelLoader``, nothing published, the reason logged once (:func:`load_with_default`).
+    DEFAULT = "default"
+    #: The reason is the engine's error, typed.
+    ERROR = "error"
+
+
+#: Reason -> (path with ``fallback = true``, path with ``fallback = false``), in mode ``zero_copy`` (the default).
+#: Mode ``copy`` never publishes (its weights are vLLM's own, writable): ``PUBLICATION`` reads ``DEFAULT`` with
+#: ``fallback = true`` and ``ERROR`` with ``fallback = false`` there (:func:`path_for`).
+PATHS: dict[Reason, tuple[Path, Path]] = {
+    # The engine is the only one that can lay it out: it is served by publication whatever fallback says.
+    Reason.NO_NAMING_RULES: (Path.PUBLICATION, Path.PUBLICATION),
+    # The service could lay out the family, not the scheme (or not at this TP): published with fallback true.
+    Reason.UNSUPPORTED_QUANTIZATION: (Path.PUBLICATION, Path.ERROR),
+    Reason.QUANTIZED_TP: (Path.PUBLICATION, Path.ERROR),
+    Reason.WRITES_WEIGHTS: (Path.ERROR, Path.ERROR),
+    Reason.SERVICE: (Path.DEFAULT, Path.ERROR),
+}
+
+
+def reason_of(error: WeightcacheError) -> Reason:
+    """The :class:`Reason` an error met while loading (or found by :func:`unservable`) stands for, by its code
+    (and ``details["key"]`` for ``config_invalid``)."""
+    if error.code == "unsupported_architecture":
+        return Reason.NO_NAMING_RULES
+    if error.code == "unsupported_quantization":
+        return Reason.UNSUPPORTED_QUANTIZATION
+    if error.code == "config_invalid" and error.details.get("key") == "tensor_parallel_size":
+        return Reason.QUANTIZED_TP
+    if error.code == "config_invalid" and error.details.get("key") == "mode":
+        return Reason.WRITES_WEIGHTS
+    return Reason.SERVICE
+
+
+def path_for(error: WeightcacheError, fallback: bool, zero_copy: bool) -> Path:
+    """:data:`PATHS`' path of ``error``'s reason (:func:`reason_of`) for ``fallback`` and the mode.
+
+    Args:
+        error (`WeightcacheError`): why the service's own slab cannot serve this rank.
+        fallback (`bool`): the loader's ``fallback``.
+        zero_copy (`bool`): mode ``zero_copy``; ``False``: mode ``copy``, which never publishes.
+
+    Example:
+        >>> path_for(UnsupportedQuantization("awq", scheme="awq"), fallback=True, zero_copy=True)
+        <Path.PUBLICATION: 'publication'>
+    """
+    path = PATHS[reason_of(error)][0 if fallback else 1]
+    if path is Path.PUBLICATION and not zero_copy:
+        return Path.DEFAULT if fallback else Path.ERROR
+    return path
+
+
 def unservable(path: str, tp_size: int, kernel: str, quantization: str | None,
                zero_copy: bool) -> WeightcacheError | None:
-    """Why weightcache cannot serve this rank at all, from the checkpoint's files; ``None`` when it can.
+    """Why the service's own slab cannot serve this rank, from the checkpoint's files; ``None`` when it may.
 
     Args:
         path (`str`): the checkpoint directory (a local directory).
@@ -93,9 +180,12 @@ def unservable(path: str, tp_size: int, kernel: str, quantization: str | None,
             ``False``: copy mode, which shards only unquantized models of a family with rules.
 
     Returns:
-        `WeightcacheError | None`: ``UnsupportedQuantization`` (`unsupported_quantization`) from
-        :func:`weightcache.quant.detect`; ``ConfigError`` (`config_invalid`, key ``tensor_parallel_size``)
-        for ``tp_size > 1`` with an architecture without vLLM naming rules, or (copy mode) a quantized model.
+        `WeightcacheError | None` (:func:`path_for` says where it leads): ``UnsupportedQuantization``
+        (`unsupported_quantization`) from :func:`weightcache.quant.detect`; ``UnsupportedArchitecture``
+        (`unsupported_architecture`) for an architecture without vLLM naming rules in mode ``zero_copy`` (any
+        ``tp_size``) or at ``tp_size > 1`` (copy mode at TP 1 serves it from a ``naming = "hf"`` slab);
+        ``ConfigError`` (`config_invalid`, key ``tensor_parallel_size``) for a quantized model at ``tp_size > 1``
+        in copy mode.
     """
     ck = Checkpoint(path, validate=False)
     try:
@@ -104,18 +194,20 @@ def unservable(path: str, tp_size: int, kernel: str, quantization: str | None,
         if e.code != "unsupported_quantization":
             raise
         return e
-    if tp_size > 1:
-        quantized = scheme is not None or quantization is not None
-        named = sharding.family_of(ck.config) is not None
-        if not named or (quantized and not zero_copy):
-            what = (f"architecture {ck.config.get('architectures')} has no vLLM naming rules in weightcache"
-                    if not named else f"quantization={scheme.name if scheme is not None else quantization!r} "
-                                      f"needs vLLM to take its weights pre-processed (zero-copy), which it does not")
-            return ConfigError(
-                f"tensor parallelism (tp_size={tp_size}) needs a family with vLLM naming rules "
-                f"({', '.join(sharding.FAMILIES)}), unquantized outside zero-copy; {what}: start the engine with "
-                f"fallback true (vLLM's default loader loads it), or with another --load-format",
-                key="tensor_parallel_size")
+    if sharding.family_of(ck.config) is None and (zero_copy or tp_size > 1):
+        arch = ck.config.get("architectures")
+        return UnsupportedArchitecture(
+            f"architecture {arch} has no vLLM naming rules in weightcache (families: "
+            f"{', '.join(sharding.FAMILIES)}): the engine lays it out and publishes it in mode zero_copy (the "
+            f"default); with mode copy at TP 1 it is served from a naming = \"hf\" slab", architecture=arch,
+            supported=sorted(sharding.FAMILIES), tp_size=tp_size)
+    if tp_size > 1 and not zero_copy and (scheme is not None or quantization is not None):
+        method = scheme.name if scheme is not None else quantization
+        return ConfigError(
+            f"tensor parallelism (tp_size={tp_size}) with quantization={method!r} needs vLLM to take its weights "
+            f"pre-processed (zero-copy), which it does not (the service's own quantized slabs serve copy mode at "
+            f"TP 1 only): with fallback true (the default) the engine publishes what it processed and later "
+            f"starts attach that", key="tensor_parallel_size", quantization=method)
     return None
 
 
@@ -127,13 +219,12 @@ def check_servable(rank: Any, kernel: str, quantization: str | None, zero_copy: 
 
 
 def default_loader_reason(error: WeightcacheError) -> bool:
-    """Whether ``error`` (met while loading with ``fallback = true``) is handed to vLLM's default loader.
-
-    Every weightcache error is, but the engine's own contradiction that vLLM's loader would hide:
-    ``config_invalid`` with key ``mode`` (a feature that writes into the weights in ``zero_copy`` mode, or
-    ``zero_copy`` refused with ``fallback = false``). Extra-config errors are raised when the loader is built.
-    """
-    return not (error.code == "config_invalid" and error.details.get("key") == "mode")
+    """Whether ``error`` (met while loading with ``fallback = true``) leads away from an error: every weightcache
+    error does but the engine's own contradiction that vLLM's loader would hide, ``config_invalid`` with key
+    ``mode`` (a feature that writes into the weights in ``zero_copy`` mode, or ``zero_copy`` refused with
+    ``fallback = false``): :data:`PATHS`' ``Reason.WRITES_WEIGHTS``. Extra-config errors are raised when the
+    loader is built."""
+    return PATHS[reason_of(error)][0] is not Path.ERROR
 
 
 def load_with_default(loader_config: LoadConfig, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
