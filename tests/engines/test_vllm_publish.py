@@ -295,10 +295,13 @@ def test_modelopt_fp8_publishes_and_the_next_start_moves_onto_it(workdir):
 
 @pytest.mark.slow
 def test_modelopt_fp8_at_tp2_every_rank_publishes_and_moves_onto_it(workdir):
-    """ModelOpt FP8 per-channel at TP 2 (both ranks on instance 0): each rank publishes its own slab (the default
-    loader's tokens at TP 2); the second start cannot register them before vLLM 0.32's processing (its method lacks
-    ``supports_pre_processed_weights``), loads with vLLM's own loader, finds each rank's publication held
-    (``created=False``) and moves onto it: every parameter of both ranks inside the service's mapping."""
+    """ModelOpt FP8 per-channel at TP 2 (both ranks on instance 0) with the README's recipe: ``naming = "vllm"`` and
+    ``--load-format weightcache``, ``fallback`` left at its default (true). The service's own FP8 slabs serve TP 1
+    only, and vLLM 0.32's method lacks ``supports_pre_processed_weights``: each rank takes the publication path
+    (``reason=config_invalid: tensor parallelism``) and publishes its own slab (the default loader's tokens at
+    TP 2); the second start cannot register them before vLLM 0.32's processing, loads with vLLM's own loader, finds
+    each rank's publication held (``created=False``) and moves onto it: every parameter of both ranks inside the
+    service's mapping. Nothing falls back to vLLM's default loader unpublished."""
     from test_vllm import _fp8_config, fp8_fixtures
 
     mp = pytest.MonkeyPatch()
@@ -307,21 +310,25 @@ def test_modelopt_fp8_at_tp2_every_rank_publishes_and_moves_onto_it(workdir):
         ck = fp8_fixtures.write_fp8_per_channel(workdir / "fp8pc-tp2")
     finally:
         mp.undo()
-    svc = harness.start_service(workdir / "s-fp8tp2", {"fp8pc": {"path": ck, "dtype": "bfloat16",
+    svc = harness.start_service(workdir / "s-fp8tp2", {"fp8pc": {"path": ck, "dtype": "bfloat16", "naming": "vllm",
                                                                  "layouts": [{"tp": 2, "gpus": [0, 0]}]}})
     try:
         svc.wait_settled()
         expected = tokens_of(*run_engine(ck, dtype="bfloat16", multiprocess=True, tp=2))
         extra = {"socket_dir": svc.socket_dir}
-        first, out1 = run_engine(ck, dtype="bfloat16", load_format="weightcache_publish", multiprocess=True, tp=2,
+        first, out1 = run_engine(ck, dtype="bfloat16", load_format="weightcache", multiprocess=True, tp=2,
                                  extra=extra)
         assert tokens_of(first, out1) == expected
+        why = log_lines(out1, "weightcache takes the publication path")
+        assert len(why) == 2 and all("reason=config_invalid: tensor parallelism (tp_size=2)" in ln for ln in why), \
+            out1[-6000:]
         lines = log_lines(out1, "weightcache published")
         assert sorted("tp_rank=1" in ln for ln in lines) == [False, True] and all(" created=True " in ln
                                                                                  for ln in lines), out1[-6000:]
+        assert not log_lines(out1, "weightcache cannot serve")
         pubs = [s for s in harness_status(svc)["slabs"] if s.get("publication")]
         assert sorted((s["tp_size"], s["tp_rank"]) for s in pubs) == [(2, 0), (2, 1)], pubs
-        second, out2 = run_engine(ck, dtype="bfloat16", load_format="weightcache_publish", multiprocess=True, tp=2,
+        second, out2 = run_engine(ck, dtype="bfloat16", load_format="weightcache", multiprocess=True, tp=2,
                                   extra=extra, probe=True)
         assert tokens_of(second, out2) == expected
         lines = log_lines(out2, "weightcache published")

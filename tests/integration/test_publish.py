@@ -367,9 +367,8 @@ def test_publish_counts_of_a_model_one_may_not_attach_are_not_shown(daemon, open
     assert publish(str(open_ck), _key(), _processed(open_ck), socket_dir=svc.socket_dir).created
     assert publish(str(locked_ck), _key(), _processed(locked_ck), socket_dir=svc.socket_dir).created
     tensors = _processed(locked_ck)
-    with pytest.raises(errors.AccessDenied):  # a refused publication is counted too (model "locked")
-        with _as(NOBODY):
-            publish(str(locked_ck), _key(), tensors, socket_dir=svc.socket_dir)
+    with pytest.raises(errors.AccessDenied), _as(NOBODY):  # a refused publication is counted too ("locked")
+        publish(str(locked_ck), _key(), tensors, socket_dir=svc.socket_dir)
     assert sorted((p["model"], p["outcome"]) for p in _metrics_counters(svc)["publishes"]) == [
         ("locked", "published"), ("locked", "refused"), ("m", "published")]
     with _as(NOBODY):

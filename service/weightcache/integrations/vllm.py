@@ -20,11 +20,16 @@ The loader asks the service for vLLM's own model dtype (``--dtype``, e.g.
   ``model._weightcache`` and closed when the model goes or the process exits.
   Where vLLM cannot take the slab's tensors as they are (a quant method
   without ``supports_pre_processed_weights``, a failed canary) it loads in ``copy`` mode, the reason logged;
-  ``fallback = false`` makes that an error. An architecture without vLLM
-  naming rules (the service shows it ``waiting_for_engine``) takes the
-  publication path of :mod:`.vllm_publish` instead
-  (:meth:`WeightcacheModelLoader._load_published`): its publication attached
-  zero-copy, else vLLM's default load, published and moved onto. Features that write into weights
+  ``fallback = false`` makes that an error. What the service cannot lay out
+  itself (it shows the slab ``waiting_for_engine``): an architecture without
+  vLLM naming rules, a scheme weightcache cannot pre-process (compressed-tensors,
+  AWQ, GPTQ...), a quantized model at TP > 1 that vLLM cannot take pre-processed
+  (ModelOpt FP8 on vLLM 0.32), takes the publication path of
+  :mod:`.vllm_publish` instead (:meth:`WeightcacheModelLoader._load_published`):
+  its publication attached zero-copy, else vLLM's default load, published and
+  moved onto. :data:`.vllm_fallback.PATHS` is the table of which reason takes
+  which path (the publication, vLLM's default loader, or the error with
+  ``fallback = false``). Features that write into weights
   (LoRA, sleep mode, weight transfer, reloads) are ``config_invalid``.
 - ``copy``: vLLM builds the model as usual (its own parameters, on its own
   device) and the attached tensors are copied in; vLLM's own
@@ -46,8 +51,9 @@ key            default          meaning
 =============  ===============  =====================================================
 socket_dir     ``None``         service socket directory (else ``$WEIGHTCACHE_SOCKET_DIR``,
                                 else ``/run/weightcache``)
-fallback       ``true``         when weightcache cannot serve: ``copy`` mode, or vLLM's
-                                default loader (:mod:`.vllm_fallback`); the reason is
+fallback       ``true``         when weightcache cannot serve: ``copy`` mode, the
+                                publication path, or vLLM's default loader
+                                (:data:`.vllm_fallback.PATHS`); the reason is
                                 logged. ``false``: the reason is the error
 mode           ``"zero_copy"``  ``zero_copy`` or ``copy`` (above)
 timeout_s      ``30``           seconds to wait for the service (a load in progress included)
@@ -406,8 +412,9 @@ class WeightcacheModelLoader(BaseModelLoader):
     # --- publication: what only the engine lays out ---------------------------------------
 
     def _load_published(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
-        """An architecture without vLLM naming rules in weightcache (the service shows it ``waiting_for_engine``
-        with ``naming = "vllm"``): the publication of this engine's key, zero-copy, when the service holds one;
+        """What the service cannot lay out (:data:`.vllm_fallback.PATHS`' publication path: an architecture without
+        vLLM naming rules, a scheme weightcache cannot pre-process, a quantized model at TP > 1 that vLLM cannot
+        take pre-processed): the publication of this engine's key, zero-copy, when the service holds one;
         else vLLM's default loader, published (the next start attaches it). The same code path as
         ``--load-format weightcache_publish`` (:class:`.vllm_publish.WeightcachePublishLoader`).
 
@@ -443,13 +450,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         target = self._target(vllm_config)
         rank = self._rank(model_config, target)
         t0 = time.monotonic()
-        ck = Checkpoint(rank.path, validate=False)
-        config_json = ck.config
-        if sharding.family_of(config_json) is None:
-            _drop_profiled(rank)
-            return self._refused(rank, f"architecture {config_json.get('architectures')} has no vLLM naming "
-                                 f"rules in weightcache (families: {', '.join(sharding.FAMILIES)})", ConfigError,
-                                 key="mode")
+        ck = Checkpoint(rank.path, validate=False)  # a family with vLLM naming rules (fb.unservable checked)
         plain_cpu = current_platform.is_cpu()
         quantized = model_config.quantization is not None
         undo = zc.registry_undo(vllm_config)
@@ -608,9 +609,10 @@ class WeightcacheModelLoader(BaseModelLoader):
 
 
 def engine_lays_out(path: str) -> bool:
-    """Whether only the engine can lay out the checkpoint at ``path`` in vLLM's layout: its architecture has no
-    vLLM naming rules in weightcache (:func:`weightcache.sharding.family_of`). Such a model is published by the
-    engine that loads it (:meth:`WeightcacheModelLoader._load_published`)."""
+    """Whether only the engine can lay out the checkpoint at ``path`` in vLLM's layout whatever ``fallback`` says:
+    its architecture has no vLLM naming rules in weightcache (:func:`weightcache.sharding.family_of`). Such a
+    model is published by the engine that loads it (:meth:`WeightcacheModelLoader._load_published`); so are, with
+    ``fallback = true``, the other reasons :data:`.vllm_fallback.PATHS` sends there."""
     return sharding.family_of(Checkpoint(path, validate=False).config) is None
 
 
