@@ -171,6 +171,7 @@ def test_expandable_segments_cannot_go_by_ipc_and_the_default_stages_a_copy(tmp_
 def test_ipc_copies_outside_their_allocation_are_refused_and_nothing_is_kept(tmp_path):
     from weightcache.client._device import local_backend
     from weightcache.manifest import Manifest, TensorRecord, pack_file
+    from weightcache.memory.cuda_publish import IpcSource
     from weightcache.memory.host import sealed_memfd
 
     ck = _ckpt(tmp_path / "ck")
@@ -182,19 +183,20 @@ def test_ipc_copies_outside_their_allocation_are_refused_and_nothing_is_kept(tmp
         segments, ((seg, off),) = local_backend("cuda:0").ipc_export([w.data_ptr()])
         data = pack_file(Manifest(str(ck), 1, 0, {}, 64 << 20, [TensorRecord("w", "U8", (64 << 20,), (1,), 0,
                                                                                64 << 20)]))
-        fd = sealed_memfd(data, "manifest")
+        table = IpcSource(tuple(segments), ((seg, off, 0, 64 << 20),)).to_json()
+        fd, tfd = sealed_memfd(data, "manifest"), sealed_memfd(table, "ipc-table")
         try:
             s = Session(svc.socket_path, timeout=30)
             try:
-                s.send_with_fds(protocol.PublishCudaIpc(str(ck), 1, 0, _key(), 64 << 20, len(data),
-                                                        [h.hex() for h in segments], [[seg, off, 0, 64 << 20]]),
-                                [fd])
+                s.send_with_fds(protocol.PublishCudaIpc(str(ck), 1, 0, _key(), 64 << 20, len(data), len(table)),
+                                [tfd, fd])
                 with pytest.raises(errors.PublicationInvalid) as e:
                     s.replies(1, 60)
             finally:
                 s.close()
         finally:
             os.close(fd)
+            os.close(tfd)
         assert e.value.details.get("reason") == "ipc" and "reaches past segment" in str(e.value), e.value.details
         assert not [s for s in _status(svc.socket_path)["slabs"] if s.get("publication")]
         assert svc.proc.poll() is None

@@ -209,16 +209,19 @@ def test_cuda_ipc_to_the_host_backend_is_refused_and_the_default_publish_still_w
     before = len(_status(svc)["slabs"])
     data = pack_file(Manifest("m", 1, 0, {}, 256, [TensorRecord("t", "F32", (4,), (1,), 0, 16)]))
     mfd = sealed_memfd(data, "test-manifest")
+    table = b'{"segments":["' + b"00" * 64 + b'"],"copies":[[0,0,0,16]]}'
+    tfd = sealed_memfd(table, "test-ipc-table")
     s = Session(svc.socket_path, timeout=10)
     try:
         caps = s.hello.capabilities
-        s.send_with_fds(protocol.PublishCudaIpc(os.path.realpath(ck), 1, 0, _key(), 2 << 20, len(data),
-                                                ["00" * 64], [[0, 0, 0, 16]]), [mfd])
+        s.send_with_fds(protocol.PublishCudaIpc(os.path.realpath(ck), 1, 0, _key(), 2 << 20, len(data), len(table)),
+                        [tfd, mfd])
         with pytest.raises(errors.PublicationInvalid) as e:
             s.replies(1)
     finally:
         s.close()
         os.close(mfd)
+        os.close(tfd)
     assert e.value.details == {"reason": "backend", "backend": "host"}
     assert "takes no CUDA IPC publication" in str(e.value)
     assert "publish" in caps and "publish_cuda_ipc" not in caps  # a host service offers no CUDA IPC

@@ -5,11 +5,15 @@ elsewhere), each tensor either copied-and-digested in one pass or digested after
 from __future__ import annotations
 
 import os
+import re
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightcache.memory.cuda_publish import plan_fill
+import pytest
+
+from weightcache.errors import PublicationInvalid
+from weightcache.memory.cuda_publish import IpcSource, plan_fill
 
 SRC = os.urandom(1 << 16)  # the publisher's memory: a pointer is an offset into it
 
@@ -88,3 +92,40 @@ def test_views_of_one_storage_overlapping_are_digested_after_the_copy():
     plan = plan_fill(pieces, ranges, 8192)
     assert list(plan.fused) == ["qkv"]
     assert [r[0] for r in plan.after] == ["q", "unaligned"] and plan.plain == [] and plan.zero == []
+
+
+def test_the_ipc_table_round_trips():
+    t = IpcSource((bytes(range(64)), b"\xff" * 64), ((0, 512, 0, 4096), (1, 0, 4096, 8)))
+    assert IpcSource.from_json(t.to_json()) == t
+
+
+@pytest.mark.parametrize("table,says", [
+    (b"not json", "does not decode"),
+    (b'{"segments": []}', "does not decode: 'copies'"),
+    (b'{"segments": "ab", "copies": []}', "segments and copies must be lists"),
+    (b'{"segments": ["' + b"ab" * 63 + b'"], "copies": []}', "segments[0] is not 128 lowercase hex digits"),
+    (b'{"segments": ["' + b"AB" * 64 + b'"], "copies": []}', "segments[0] is not 128 lowercase hex digits"),
+    (b'{"segments": ["' + b"zz" * 64 + b'"], "copies": []}', "non-hexadecimal"),
+    (b'{"segments": [], "copies": [[0, 0, 0]]}', "copies[0] is not 4 non-negative integers"),
+    (b'{"segments": [], "copies": [[0, -1, 0, 8]]}', "copies[0] is not 4 non-negative integers"),
+    (b'{"segments": [], "copies": [[0, 0, 0, true]]}', "copies[0] is not 4 non-negative integers"),
+])
+def test_a_malformed_ipc_table_is_publication_invalid_naming_what(table, says):
+    with pytest.raises(PublicationInvalid, match=re.escape(says)) as e:
+        IpcSource.from_json(table)
+    assert e.value.details == {"reason": "ipc"}
+
+
+@pytest.mark.parametrize("copies,says", [
+    (((1, 0, 0, 8),), "names no segment"),
+    (((0, 0, 0, 8), (0, 8, 4, 8)), "overlaps another"),
+    (((0, 0, (2 << 20) - 4, 8),), "outside the 2097152-byte slab"),
+])
+def test_ipc_copies_that_name_no_segment_overlap_or_leave_the_slab_are_refused(copies, says):
+    from weightcache.memory.cuda_publish import _check_copies
+
+    with pytest.raises(PublicationInvalid) as e:
+        _check_copies(IpcSource((b"\0" * 64,), copies), 2 << 20)
+    assert e.value.details["reason"] == "ipc" and "names no segment, lies outside the 2097152-byte slab or " \
+        "overlaps another" in str(e.value), says
+    _check_copies(IpcSource((b"\0" * 64,), ((0, 0, 0, 8), (0, 8, 8, 8))), 2 << 20)  # adjacent is fine

@@ -1,8 +1,6 @@
 """Sans-I/O protocol: golden frames, round trips, fd matching, the state table."""
 
 import dataclasses
-import json
-import re
 import struct
 
 import pytest
@@ -11,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightcache import errors, protocol
-from weightcache.errors import LocalProtocolError, RemoteProtocolError
 from weightcache.protocol import CLIENT, NEED_DATA, SERVER, Connection
 
 
@@ -63,8 +60,6 @@ def _example(cls):
         vals["mode"] = "copy"
     if cls is protocol.Loading:
         vals["state"] = "pending"
-    if cls is protocol.PublishCudaIpc:  # 64-byte handles in hex, 4-integer copies
-        vals.update(segments=["ab" * 64], copies=[[0, 512, 0, 4096]])
     return cls(**vals)
 
 
@@ -74,27 +69,6 @@ def test_round_trip_every_message(cls):
     frame = protocol.encode(msg)
     back, fd_count = protocol.decode(frame[4:])
     assert back == msg and fd_count == cls.FD_COUNT
-
-
-@pytest.mark.parametrize("field,value,says", [
-    ("segments", ["ab" * 63], "segments[0] must be 128 lowercase hex digits"),
-    ("segments", ["AB" * 64], "segments[0] must be 128 lowercase hex digits"),
-    ("segments", [7], "segments[0] must be 128 lowercase hex digits"),
-    ("copies", [[0, 0, 0]], "copies[0] must be 4 non-negative integers"),
-    ("copies", [[0, -1, 0, 8]], "copies[0] must be 4 non-negative integers"),
-    ("copies", [[0, 0, 0, True]], "copies[0] must be 4 non-negative integers"),
-])
-def test_publish_cuda_ipc_refuses_malformed_handles_and_copies(field, value, says):
-    good = {"segments": ["ab" * 64], "copies": [[0, 0, 0, 8]]}
-    with pytest.raises(LocalProtocolError, match=re.escape(says)) as e:
-        protocol.PublishCudaIpc("m", 1, 0, {}, 2 << 20, 100, **{**good, field: value})
-    assert e.value.details["field"] == field
-    # decoded from a peer's frame, the same check is the peer's error
-    frame = protocol.encode(protocol.PublishCudaIpc("m", 1, 0, {}, 2 << 20, 100, **good))
-    bad = json.loads(frame[4:])
-    bad[field] = value
-    with pytest.raises(RemoteProtocolError, match=re.escape(says)):
-        protocol.decode(json.dumps(bad).encode())
 
 
 def test_frames_split_across_reads_and_fds_matched_by_count():

@@ -220,33 +220,39 @@ def _ipc_request(copies: list[tuple[Any, int, int, int]], slab_bytes: int, devic
                                      f"use cuda_path='staging'", reason="ipc") from None
         log.info("publish: CUDA IPC cannot export an allocation (%s); staging a copy instead", e)
         return None
-    rows = [[seg, off, dst, n] for (seg, off), (_, _, dst, n) in zip(where, copies)]
+    from ..memory.cuda_publish import IpcSource
+
+    table = IpcSource(tuple(segments), tuple((seg, off, dst, n) for (seg, off), (_, _, dst, n) in zip(where, copies)))
     size = max(backend.granularity, round_up(slab_bytes, backend.granularity))
-    return size, [], {"segments": [h.hex() for h in segments], "copies": rows}
+    return size, [], {"table": table.to_json()}
 
 
 def _send(sock_path: str, timeout: float, model: str, tp_size: int, tp_rank: int, key_fields: dict[str, Any],
           manifest_data: bytes, how: tuple[int, list[int], dict]) -> protocol.Message:
     """Sends one ``publish`` (``how``: the slab's size, its fd in a list, no fields) or ``publish_cuda_ipc`` (no
-    fd, its ``segments`` and ``copies``) with the manifest file; returns the service's reply."""
+    fd, the IPC ``table``: sent as a sealed memfd) with the manifest file; returns the service's reply."""
     from ..memory.host import sealed_memfd
 
     size, fds, ipc = how
-    man_fd = sealed_memfd(manifest_data, "weightcache:publish-manifest")
+    mine: list[int] = []  # the memfds made here, closed when the reply is in
     try:
         if ipc:
+            mine.append(sealed_memfd(ipc["table"], "weightcache:publish-ipc-table"))
+            fds = [mine[-1]]
             msg: protocol.Message = protocol.PublishCudaIpc(_wire_model(model), tp_size, tp_rank, key_fields, size,
-                                                            len(manifest_data), ipc["segments"], ipc["copies"])
+                                                            len(manifest_data), len(ipc["table"]))
         else:
             msg = protocol.Publish(_wire_model(model), tp_size, tp_rank, key_fields, size, len(manifest_data))
+        mine.append(sealed_memfd(manifest_data, "weightcache:publish-manifest"))
         session = Session(sock_path, timeout=timeout)
         try:
-            session.send_with_fds(msg, [*fds, man_fd])
+            session.send_with_fds(msg, [*fds, mine[-1]])
             return session.replies(1, timeout)[0]
         finally:
             session.close()
     finally:
-        os.close(man_fd)
+        for fd in mine:
+            os.close(fd)
 
 
 def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], tp_size: int = 1, tp_rank: int = 0,

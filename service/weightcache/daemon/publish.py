@@ -128,11 +128,24 @@ class Prepared:
     sealed: Any
 
 
-def _ipc_source(msg: Any) -> Any:
-    """The :class:`~weightcache.memory.cuda_publish.IpcSource` of a ``publish_cuda_ipc`` request."""
-    from ..memory.cuda_publish import IpcSource
+def _ipc_source(msg: Any, fd: int) -> Any:
+    """The :class:`~weightcache.memory.cuda_publish.IpcSource` a ``publish_cuda_ipc`` sent in its table memfd.
 
-    return IpcSource(tuple(bytes.fromhex(h) for h in msg.segments), tuple(tuple(c) for c in msg.copies))
+    Raises:
+        PublicationInvalid (`publication_invalid`, ``reason = "ipc"``): the table is larger than
+            :data:`~weightcache.memory.cuda_publish.MAX_IPC_TABLE_BYTES`, shorter than it says, or malformed.
+    """
+    from ..memory.cuda_publish import MAX_IPC_TABLE_BYTES, IpcSource
+
+    n = msg.table_size_bytes
+    if n > MAX_IPC_TABLE_BYTES:
+        raise PublicationInvalid(f"publish: the CUDA IPC table of {n} bytes is larger than {MAX_IPC_TABLE_BYTES}",
+                                 reason="ipc")
+    data = os.pread(fd, n, 0)
+    if len(data) != n:
+        raise PublicationInvalid(f"publish: the CUDA IPC table holds {len(data)} bytes, the request says {n}",
+                                 reason="ipc")
+    return IpcSource.from_json(data)
 
 
 def _adopt(ctx: Context, msg: Any, fds: tuple[int, ...], label: str) -> tuple[Any, Any]:
@@ -140,12 +153,11 @@ def _adopt(ctx: Context, msg: Any, fds: tuple[int, ...], label: str) -> tuple[An
     worker). Raises as :func:`on_publish`."""
     st = ctx.state
     ipc = isinstance(msg, protocol.PublishCudaIpc)
-    want = 1 if ipc else 2
-    if len(fds) != want:  # the protocol matched them by count: a bug if not
-        raise PublicationInvalid(f"publish: {len(fds)} fds came with the request, {want} expected", reason="fds")
+    if len(fds) != 2:  # the protocol matched them by count: a bug if not
+        raise PublicationInvalid(f"publish: {len(fds)} fds came with the request, 2 expected", reason="fds")
     if ctx.defer_publication is not None:
         if ipc:
-            return None, ctx.defer_publication(_ipc_source(msg), msg.size_bytes, label)
+            return None, ctx.defer_publication(_ipc_source(msg, fds[0]), msg.size_bytes, label)
         dup = os.dup(fds[0])
         try:
             return None, ctx.defer_publication(dup, msg.size_bytes, label)
@@ -161,7 +173,7 @@ def _adopt(ctx: Context, msg: Any, fds: tuple[int, ...], label: str) -> tuple[An
 
 def on_publish(ctx: Context, peer: Peer, msg: Any, fds: tuple[int, ...]) -> Outcome:
     """``publish`` and ``publish_cuda_ipc``: the checks that need only the state, then the memfd sealed (host) or
-    the copy set up (cuda) and the rest handed to a worker (fds: the slab's fd unless by CUDA IPC, then the
+    the copy set up (cuda) and the rest handed to a worker (fds: the slab's fd, or the CUDA IPC table, then the
     publisher's manifest file; they stay the caller's, the service keeps dups).
 
     Returns an outcome with no reply and :class:`StartPublish` (the reply comes from :func:`commit`), or the
@@ -209,7 +221,7 @@ def on_publish(ctx: Context, peer: Peer, msg: Any, fds: tuple[int, ...]) -> Outc
     size = sealed.size_bytes if sealed is not None else adoption.size_bytes
     try:
         moves = _make_room(ctx, peer, slot, size) if shared else []
-        manifest_fd = os.dup(fds[-1])
+        manifest_fd = os.dup(fds[1])
     except BaseException:
         drop()
         raise

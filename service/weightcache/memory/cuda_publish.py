@@ -30,6 +30,7 @@ Forbidden imports: daemon, client, protocol, cli, torch.
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import os
 import time
@@ -43,10 +44,13 @@ from .cuda_slabs import CudaSealedSlab, CudaWritableSlab
 
 log = logging.getLogger("weightcache.memory.cuda")
 
-__all__ = ["Adoption", "FillPlan", "IpcSource", "adopt_publication", "ipc_export", "plan_fill", "IPC_HANDLE_BYTES"]
+__all__ = ["Adoption", "FillPlan", "IpcSource", "adopt_publication", "ipc_export", "plan_fill", "IPC_HANDLE_BYTES",
+           "MAX_IPC_TABLE_BYTES"]
 
 #: Bytes of a ``CUipcMemHandle``.
 IPC_HANDLE_BYTES = 64
+#: The largest IPC table a publication may send (JSON; about 170 bytes per tensor: 100,000 tensors fit).
+MAX_IPC_TABLE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,37 @@ class IpcSource:
 
     segments: tuple[bytes, ...]
     copies: tuple[tuple[int, int, int, int], ...]
+
+    def to_json(self) -> bytes:
+        """The table as ``publish_cuda_ipc`` sends it (docs/protocol.md, "Publication")."""
+        return json.dumps({"segments": [h.hex() for h in self.segments],
+                           "copies": [list(c) for c in self.copies]}, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "IpcSource":
+        """Parses a table :meth:`to_json` wrote.
+
+        Raises:
+            PublicationInvalid (`publication_invalid`, ``reason = "ipc"``): not that JSON shape: ``segments`` a
+                list of 128 lowercase hex digits each, ``copies`` a list of 4 non-negative integers each.
+        """
+        try:
+            doc = json.loads(data)
+            raw, copies = doc["segments"], doc["copies"]
+            if not isinstance(raw, list) or not isinstance(copies, list):
+                raise TypeError("segments and copies must be lists")
+            segments = []
+            for i, h in enumerate(raw):
+                if not isinstance(h, str) or len(h) != 2 * IPC_HANDLE_BYTES or h != h.lower():
+                    raise ValueError(f"segments[{i}] is not {2 * IPC_HANDLE_BYTES} lowercase hex digits")
+                segments.append(bytes.fromhex(h))
+            for i, c in enumerate(copies):
+                if not (isinstance(c, list) and len(c) == 4 and all(type(v) is int and v >= 0 for v in c)):
+                    raise ValueError(f"copies[{i}] is not 4 non-negative integers [segment, src_offset, "
+                                     f"dst_offset, size]")
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+            raise PublicationInvalid(f"publish: the CUDA IPC table does not decode: {e}", reason="ipc") from None
+        return cls(tuple(segments), tuple(tuple(c) for c in copies))
 
 
 def ipc_export(device: _Device, ptrs: list[int]) -> tuple[list[bytes], list[tuple[int, int]]]:
@@ -100,7 +135,7 @@ class Adoption:
     Args:
         device (`_Device`): the service's GPU.
         source (`int | IpcSource`): a dup of the publisher's staging VMM fd (closed by :meth:`run` or
-            :meth:`close`), or its IPC handles.
+            :meth:`close`), or its IPC table.
         size_bytes (`int`): the publication's size in bytes, a positive multiple of the GPU's VMM granularity.
         label (`str`): for log lines.
 
@@ -200,7 +235,7 @@ class Adoption:
             for i, raw in enumerate(src.segments):
                 h = cu.CUipcMemHandle()
                 h.reserved = raw
-                ret = cu.cuIpcOpenMemHandle(h, cu.CUipc_mem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+                ret = cu.cuIpcOpenMemHandle(h, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
                 if ret[0] != cu.CUresult.CUDA_SUCCESS:
                     raise PublicationInvalid(f"publish: CUDA IPC handle {i} does not open on GPU {dev.index} "
                                              f"({ret[0]}); the publisher's allocation must be live, on this "

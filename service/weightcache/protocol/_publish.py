@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..errors import LocalProtocolError
 from ..wire import DEFAULT_MODE, AttachMode
 from ._messages import Message, _parse
 
@@ -47,38 +46,26 @@ class Publish(Message):
 
 @dataclass(frozen=True, slots=True)
 class PublishCudaIpc(Message):
-    """``publish`` on the cuda backend without a staging copy: the publisher's allocations by CUDA IPC handle; one
-    fd travels with it, the publisher's manifest file. The service copies the bytes into its own slab before it
-    answers; the publisher keeps its allocations alive, unchanged, until the reply.
+    """``publish`` on the cuda backend without a staging copy: the publisher's allocations by CUDA IPC handle. Two
+    fds travel with it: the IPC table (a memfd of ``table_size_bytes`` bytes of UTF-8 JSON, ``{"segments": [hex of
+    each 64-byte cuIpcGetMemHandle handle], "copies": [[segment, src_offset, dst_offset, size], ...]}``), then the
+    publisher's manifest file. The service copies the bytes into its own slab before it answers; the publisher
+    keeps its allocations alive, unchanged, until the reply.
 
     Attributes:
         model, tp_size, tp_rank, engine_key, manifest_size_bytes: as :class:`Publish`.
         size_bytes: the slab's size in bytes (a multiple of the GPU's VMM granularity).
-        segments: hex strings of the ``cuIpcGetMemHandle`` handles (64 bytes each) of the publisher's
-            allocations.
-        copies: ``[segment index, offset in the segment, offset in the slab, size]`` per copy, bytes.
+        table_size_bytes: bytes of the IPC table.
     """
 
-    FD_COUNT: ClassVar[int] = 1
+    FD_COUNT: ClassVar[int] = 2
     model: str
     tp_size: int
     tp_rank: int
     engine_key: dict
     size_bytes: int
     manifest_size_bytes: int
-    segments: list
-    copies: list
-
-    def __post_init__(self) -> None:
-        Message.__post_init__(self)
-        for i, h in enumerate(self.segments):
-            if not isinstance(h, str) or len(h) != 128 or any(c not in "0123456789abcdef" for c in h):
-                raise LocalProtocolError(f"message 'publish_cuda_ipc': segments[{i}] must be 128 lowercase hex "
-                                         f"digits (a 64-byte CUDA IPC handle)", field="segments")
-        for i, c in enumerate(self.copies):
-            if not (isinstance(c, list) and len(c) == 4 and all(type(v) is int and v >= 0 for v in c)):
-                raise LocalProtocolError(f"message 'publish_cuda_ipc': copies[{i}] must be 4 non-negative "
-                                         f"integers [segment, src_offset, dst_offset, size]", field="copies")
+    table_size_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
