@@ -101,8 +101,14 @@ def _same(got: dict, want: dict) -> None:
         assert torch.equal(g.cpu(), w.cpu()), f"bytes of {name} differ"
 
 
-@pytest.mark.parametrize("cuda_path", ["auto", "staging"])
-def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path, cuda_path):
+@pytest.mark.parametrize("cuda_path,via", [("auto", "staging"), ("auto-no-room", "ipc"), ("ipc", "ipc"),
+                                           ("staging", "staging")])
+def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path, monkeypatch, cuda_path, via):
+    if cuda_path == "auto-no-room":  # the GPU cannot hold a staging copy beside the service's: auto takes IPC
+        from weightcache.client import _publish
+
+        monkeypatch.setattr(_publish, "STAGING_MARGIN_BYTES", 1 << 50)
+        cuda_path = "auto"
     ck = _ckpt(tmp_path / "ck")
     svc = ServiceProcess(tmp_path / "svc", make_config({"m": ck}, backend="cuda"), gpu=0, backend="cuda").start()
     try:
@@ -114,8 +120,8 @@ def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path
         got = publish(str(ck), _key(), tensors, attrs={"qk_proj.weight": {"output_dim": 0}}, device="cuda:0",
                       socket_dir=svc.socket_dir, cuda_path=cuda_path)
         assert got.created and got.label.startswith("m/tp1/rank0+pub:")
-        # the default copies from the publisher's own allocations by CUDA IPC, the digests made by the copy
-        via = "ipc" if cuda_path == "auto" else "staging"
+        # the default stages a copy where the GPU has room, else copies from the publisher's own allocations by
+        # CUDA IPC; either way the digests are made by the service's copy
         assert f"via={via} fused_digests=True" in svc.log(), svc.log()[-3000:]
         assert got.size_bytes % (2 << 20) == 0  # the service's own VMM allocation
         # the publisher's staging allocation is gone: only the service's copy is new on the GPU

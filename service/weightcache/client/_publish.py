@@ -196,6 +196,20 @@ def _fill(copies: list[tuple[Any, int, int, int]], size_bytes: int) -> int:
     return fd
 
 
+#: Bytes kept free beside a staging allocation and the service's copy before ``cuda_path="auto"`` stages.
+STAGING_MARGIN_BYTES = 1 << 30
+
+
+def _room_to_stage(slab_bytes: int, device: str) -> bool:
+    """Whether ``device``'s free memory holds a staging allocation of ``slab_bytes`` and the service's copy of it
+    (plus :data:`STAGING_MARGIN_BYTES`): staging is faster (benchmarks/RESULTS.md), IPC needs room for the
+    service's copy only."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return free >= 2 * slab_bytes + STAGING_MARGIN_BYTES
+
+
 def _ipc_request(copies: list[tuple[Any, int, int, int]], slab_bytes: int, device: str,
                  required: bool) -> tuple[int, list[int], dict] | None:
     """``(size_bytes, fds, fields)`` of a ``publish_cuda_ipc`` for the planned ``copies`` on ``device``: the CUDA
@@ -278,11 +292,14 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
             the service seals and keeps.
         timeout (`float`, *optional*, defaults to 60): seconds for the service's answer (it digests every byte).
         cuda_path (`str`, *optional*, defaults to ``"auto"``): on ``cuda:N``, how the service gets the bytes:
+            ``"staging"``: a copy into a VMM allocation whose fd goes to the service, which copies it (two copies;
+            the GPU needs room for the staging allocation and the service's copy beside the tensors);
             ``"ipc"``: CUDA IPC handles of the allocations the tensors live in (``cuIpcGetMemHandle``; the service
-            copies straight from them, one copy in all; the tensors must stay alive and unchanged until this
-            returns, which they do since this call waits); ``"staging"``: a copy into a VMM allocation whose fd
-            goes to the service (two copies); ``"auto"``: IPC, else staging (an allocation IPC cannot export, such
-            as torch's ``expandable_segments``, or a service that refuses it).
+            copies straight from them: one copy, room for the service's copy only, but each allocation costs the
+            service about 0.1 ms to open, so 1,200 allocations take longer than a second copy of 15 GB; the
+            tensors must stay alive and unchanged until this returns, which they do since this call waits);
+            ``"auto"``: staging when the GPU has room for it (:func:`_room_to_stage`), else IPC, and staging
+            again when IPC cannot export an allocation (torch's ``expandable_segments``) or the service refuses.
 
     Returns:
         `Published`.
@@ -315,7 +332,8 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
     data = pack_file(manifest)
     request = functools.partial(_send, sock_path, timeout, model, tp_size, tp_rank, key_fields, data)
     reply = None
-    if device.startswith("cuda") and cuda_path != "staging":
+    if device.startswith("cuda") and (cuda_path == "ipc" or cuda_path == "auto" and not _room_to_stage(slab_bytes,
+                                                                                                     device)):
         ipc = _ipc_request(copies, slab_bytes, device, cuda_path == "ipc")
         if ipc is not None:
             try:
