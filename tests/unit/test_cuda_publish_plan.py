@@ -109,6 +109,7 @@ def test_the_ipc_table_round_trips():
     (b'{"segments": [], "copies": [[0, 0, 0]]}', "copies[0] is not 4 non-negative integers"),
     (b'{"segments": [], "copies": [[0, -1, 0, 8]]}', "copies[0] is not 4 non-negative integers"),
     (b'{"segments": [], "copies": [[0, 0, 0, true]]}', "copies[0] is not 4 non-negative integers"),
+    (b'{"segments": [], "copies": [[0, 0, 0, 8, 1]]}', "copies[0] is not 4 non-negative integers"),
 ])
 def test_a_malformed_ipc_table_is_publication_invalid_naming_what(table, says):
     with pytest.raises(PublicationInvalid, match=re.escape(says)) as e:
@@ -129,3 +130,13 @@ def test_ipc_copies_that_name_no_segment_overlap_or_leave_the_slab_are_refused(c
     assert e.value.details["reason"] == "ipc" and "names no segment, lies outside the 2097152-byte slab or " \
         "overlaps another" in str(e.value), says
     _check_copies(IpcSource((b"\0" * 64,), ((0, 0, 0, 8), (0, 8, 8, 8))), 2 << 20)  # adjacent is fine
+
+
+def test_ipc_copies_in_any_order_up_to_the_slabs_last_byte_are_accepted():
+    # tensors of one caching-allocator block in the reverse order of their slab offsets, the last one ending at
+    # the slab's last byte (a slab the size of its tensors, granularity-aligned)
+    from weightcache.memory.cuda_publish import _check_copies
+
+    size = 2 << 20
+    _check_copies(IpcSource((b"\0" * 64,), ((0, 4096, 0, 4096), (0, 0, 4096, size - 4096))), size)
+    _check_copies(IpcSource((b"\0" * 64, b"\1" * 64), ((1, 0, size - 8, 8), (0, 64, 0, 8))), size)

@@ -241,8 +241,9 @@ class Adoption:
                                              f"({ret[0]}); the publisher's allocation must be live, on this "
                                              f"node, until the reply", reason="ipc", segment=i)
                 base = int(ret[1])
+                bases.append((base, 0))  # opened: closed by close_all even if the next call raises
                 _, seg = _check("cuMemGetAddressRange", cu.cuMemGetAddressRange(base), f"IPC segment {i}")
-                bases.append((base, int(seg)))
+                bases[-1] = (base, int(seg))
         pieces = []
         for seg, src_off, dst_off, n in src.copies:
             base, seg_bytes = bases[seg]
