@@ -8,11 +8,13 @@ leaves one that loads partly written.
   bytes equal to the checkpoint's.
 - With ``image_stop_write_s = 0`` the write is abandoned: its temporary file is removed at once and no image
   is there. The next start that takes the slab back from the fd store (``systemctl restart``) writes the
-  missing image; one more restart from the fd store finds it valid and writes nothing.
+  missing image; one more restart from the fd store finds it valid and writes nothing (and keeps no second fd
+  of the slab's memfd for it).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -37,6 +39,19 @@ def _images(d: Path) -> list[Path]:
 
 def _temporary(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if ".tmp-" in p.name)
+
+
+def _memfd_fds(pid: int) -> dict[str, int]:
+    """How many fds process ``pid`` holds of each memfd (by name)."""
+    held: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("/memfd:"):
+            held[target] = held.get(target, 0) + 1
+    return held
 
 
 def _status(listen: Path) -> dict | None:
@@ -119,6 +134,7 @@ def test_an_abandoned_write_leaves_nothing_and_the_restart_from_the_fd_store_wri
         poll_until(lambda: "image written model=m" in log.read_text(), "the image written line", 30,
                    detail=log.read_text)
         written_at = img.stat().st_mtime_ns
+        serving = _memfd_fds(second.pid)  # the write over (its dup closed before the line above is logged)
         second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=30) == 0, log.read_text()
 
@@ -129,6 +145,28 @@ def test_an_abandoned_write_leaves_nothing_and_the_restart_from_the_fd_store_wri
         poll_until(lambda: "image present model=m" in log.read_text(), "the image found valid", 30,
                    detail=log.read_text)
         assert [p.name for p in _images(images)] == [img.name] and img.stat().st_mtime_ns == written_at
+        # The writer's dup of the slab's memfd (made when the write was scheduled) is closed though it never read
+        # it: kept, it would hold the slab's pages after an eviction until the service exits.
+        poll_until(lambda: _memfd_fds(third.pid) == serving, "the writer's dup of the slab closed", 30,
+                   detail=lambda: f"{_memfd_fds(third.pid)} != {serving}\n{log.read_text()}")
         third.send_signal(signal.SIGTERM)
         assert third.wait(timeout=30) == 0, log.read_text()
     _ready_from_the_image_with_the_checkpoints_bytes(tmp_path / "b", ck, images)
+
+
+def test_sigterm_drops_the_writes_queued_behind_the_one_under_way(tmp_path):
+    # two models made from their checkpoints, one image writer: the second model's write waits for the first's;
+    # a stop finishes the write under way and drops the queued one (the next start from the fd store writes it)
+    cks = {name: llama_checkpoint(tmp_path / name, seed=13 + i, files=2) for i, name in enumerate(("m", "n"))}
+    images = tmp_path / "images"
+    cfg = _config(cks["m"], images, image_write_bytes_per_s=SLOW)
+    cfg["models"]["n"] = {**cfg["models"]["m"], "path": str(cks["n"])}
+    svc = start_service(tmp_path / "a", cfg)
+    try:
+        assert [s["source"] for s in svc.wait_settled()["slabs"]] == ["checkpoint"] * 2
+        _mid_write(images, cks["m"], svc.log)
+    finally:
+        rc = svc.stop()
+    assert rc == 0, svc.log()
+    assert len(_images(images)) == 1 and _temporary(images) == [], svc.log()
+    assert svc.log().count("image written model=") == 1 and "image write dropped at stop model=" in svc.log()

@@ -74,17 +74,18 @@ class Imaging:
         slab = slot.sealed if slot.sealed is not None else slot.hosted
         if slab is None or slot.manifest is None:
             return False
-        return self._schedule(WriteJob(p, slot.manifest, dict(slot.manifest.key), self._source(slab, p.label),
-                                       self.priority_of), slab)
+        source, drop = self._source(slab, p.label)
+        return self._schedule(WriteJob(p, slot.manifest, dict(slot.manifest.key), source, self.priority_of,
+                                       drop_source=drop), slab)
 
     def written_after_publish(self, slot: Slot) -> bool:
         """Schedules the image write of a publication just committed (READY), unless its model has
         ``image = false``; True when scheduled. Serving loop only."""
         if not slot.placement.model.images_for(True) or self.store.disabled is not None or slot.sealed is None:
             return False
-        return self._schedule(WriteJob(slot.placement, slot.manifest, dict(slot.manifest.key),
-                                       self._source(slot.sealed, slot.label), self.priority_of, slot.publication),
-                              slot.sealed)
+        source, drop = self._source(slot.sealed, slot.label)
+        return self._schedule(WriteJob(slot.placement, slot.manifest, dict(slot.manifest.key), source,
+                                       self.priority_of, slot.publication, drop_source=drop), slot.sealed)
 
     def written_after_adopt(self, slot: Slot) -> bool:
         """Schedules the image write of ``slot`` (READY or HOSTED, taken back from the fd store at start) when its
@@ -96,9 +97,10 @@ class Imaging:
         if (slot.source != "fd_store" or not slot.placement.model.images_for(pub) or self.store.disabled is not None
                 or slab is None or slot.manifest is None):
             return False
-        return self._schedule(WriteJob(slot.placement, slot.manifest, dict(slot.manifest.key),
-                                       self._source(slab, slot.label), self.priority_of, slot.publication,
-                                       unless_valid=True), slab)
+        source, drop = self._source(slab, slot.label)
+        return self._schedule(WriteJob(slot.placement, slot.manifest, dict(slot.manifest.key), source,
+                                       self.priority_of, slot.publication, unless_valid=True, drop_source=drop),
+                              slab)
 
     def finish_writes(self) -> bool:
         """At stop (the serving loop has stopped serving): the write under way ends without the rate cap if it can
@@ -149,21 +151,27 @@ class Imaging:
                      placement.tp_size, placement.tp_rank, slot.label, path)
         return out
 
-    def _source(self, slab: Any, label: str) -> Callable[[], tuple[int, Callable[[], None]]]:
+    def _source(self, slab: Any, label: str) -> tuple[Callable[[], tuple[int, Callable[[], None]]],
+                                                       Callable[[], None] | None]:
+        """``(open_source, drop_source)`` of a :class:`WriteJob` of ``slab``."""
         fd = getattr(slab, "fd", -1)
         if self.backend.name == "host" or not hasattr(slab, "digests"):
-            dup = os.dup(fd)  # now, on the serving loop: the slab may be freed before the writer runs
+            dup = [os.dup(fd)]  # now, on the serving loop: the slab may be freed before the writer runs
+
+            def close() -> None:  # once: by the write that read it, or for a job that never opened it
+                if dup:
+                    os.close(dup.pop())
 
             def host() -> tuple[int, Callable[[], None]]:
-                return dup, lambda: os.close(dup)
+                return dup[0], close
 
-            return host
+            return host, close
 
         def cuda() -> tuple[int, Callable[[], None]]:  # on the writer's thread: a host copy of the GPU slab
             hosted = self.backend.demote(slab, f"image:{label}")
             return hosted.fd, hosted.close
 
-        return cuda
+        return cuda, None
 
 
 def from_config(config: Config, backend: Any, stats: ImageStats | None = None) -> Imaging | None:

@@ -111,6 +111,11 @@ class WriteJob:
     #: Written only when the directory holds no valid image of it already (a slab taken back from the fd
     #: store: its image may be there, or missing because the last stop abandoned its write).
     unless_valid: bool = False
+    #: Called once the job ended, or :meth:`ImageWriter.schedule` refused it, whether or not
+    #: :attr:`open_source` ran (image present, no room, dropped at stop, a failure before the copy): releases
+    #: what it holds for the writer (a host slab's dup, made on the serving loop), else kept until the process
+    #: exits, with the slab's pages. Idempotent with the ``close`` that ``open_source`` returns.
+    drop_source: Callable[[], None] | None = None
 
 
 class ImageWriter:
@@ -139,6 +144,8 @@ class ImageWriter:
         path = self.store.path_for(job.placement, job.publication)
         with self._lock:
             if path in self._pending:
+                if job.drop_source is not None:
+                    job.drop_source()
                 return False
             self._pending.add(path)
             if not self._started:
@@ -197,6 +204,8 @@ class ImageWriter:
                 log.warning("image write failed model=%s tp_size=%d rank=%d file=%s error=%r", p.model.name,
                             p.tp_size, p.tp_rank, path, e)
             finally:
+                if job.drop_source is not None:
+                    job.drop_source()
                 with self._lock:
                     self._pending.discard(path)
                 if job.on_done is not None:
