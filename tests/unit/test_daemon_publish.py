@@ -264,3 +264,27 @@ def test_a_reload_that_removes_the_model_while_a_publication_is_checked_refuses_
     assert out.replies[0].msg.code == "model_not_found" and out.effects == ()
     for f in (fd, mfd):
         os.close(f)
+
+
+@pytest.mark.parametrize("says,refused", [(0, None), (10, "holds {n} bytes, the request says {m}"),
+                                          (64 * 1024 * 1024 + 1, "table of {m} bytes is larger than 67108864")])
+def test_the_cuda_ipc_table_is_read_from_its_memfd_at_the_size_the_request_says(says, refused):
+    # the service reads the table a publish_cuda_ipc sent (its first fd) at table_size_bytes: a memfd shorter
+    # than that, or a size over the cap, is publication_invalid (reason ipc) before anything is opened
+    from weightcache.errors import PublicationInvalid
+    from weightcache.memory.cuda_publish import IpcSource
+
+    table = IpcSource((bytes(range(64)),), ((0, 256, 0, 4096),))
+    data = table.to_json()
+    n, m = len(data), len(data) + says if says < 1024 else says
+    msg = protocol.PublishCudaIpc("m", 1, 0, {}, 2 << 20, 100, m)
+    fd = sealed_memfd(data, "test-ipc-table")
+    try:
+        if refused is None:
+            assert publish._ipc_source(msg, fd) == table
+        else:
+            with pytest.raises(PublicationInvalid, match=refused.format(n=n, m=m)) as e:
+                publish._ipc_source(msg, fd)
+            assert e.value.details["reason"] == "ipc"
+    finally:
+        os.close(fd)
