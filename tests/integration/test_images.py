@@ -466,6 +466,24 @@ def test_evict_to_disk_keeps_the_image_and_the_next_attach_reads_it(tmp_path):
         svc.kill()
 
 
+def test_a_slab_made_again_from_the_checkpoint_gets_its_image_written_again(tmp_path):
+    # the image removed (an operator clearing the directory) while the slab is on disk: the next attach makes it
+    # from the checkpoint, and the same service writes its image again (the first write is no longer pending)
+    ck = llama_checkpoint(tmp_path / "ck", seed=8, files=2)
+    images = tmp_path / "images"
+    svc = start_service(tmp_path / "a", _config({"m": {"path": ck}}, images))
+    try:
+        svc.wait_settled()
+        [img] = _wait_image(images, svc=svc)
+        svc.request(protocol.Evict("m", to="disk"))
+        img.unlink()
+        assert _attached_bytes(svc, "m", ck) > 0
+        assert svc.slab("m")["source"] == "checkpoint", svc.log()
+        assert [p.name for p in _wait_image(images, svc=svc)] == [img.name]
+    finally:
+        svc.kill()
+
+
 def test_a_publication_comes_back_from_its_image_after_a_stop(tmp_path):
     """The expensive slabs: an engine's publication is written (``image`` unset: published slabs get images),
     the service stopped without the fd store, started again: the publication is ``ready`` from its image
