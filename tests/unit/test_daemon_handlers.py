@@ -366,9 +366,20 @@ def test_metrics_shows_the_endpoint_every_slab_with_holders_hidden(svc):
     assert [(s.model, [(x.pid, x.uid, x.gid) for x in s.leases]) for s in seen.slabs] == [
         ("m", []), ("restricted-0", [(-1, -1, -1)])]
     assert seen.slabs[1].path == "" and seen.slabs[1].resident_bytes == st.slots[1].sealed.size_bytes
+    from weightcache.daemon.metrics import Counters
+
+    ctx.counters = Counters([s.placement for s in st.slots], 0.0)  # counts of both models, the locked one's too
+    for s in st.slots:
+        ctx.counters.load_settled(s.placement, None)
+        ctx.counters.publication_dropped(s.placement, "budget")
     counters = protocol.ServiceCounters.from_json(
         handlers.handle(ctx, endpoint, protocol.Metrics()).replies[0].msg.counters)
     assert "locked" not in json.dumps(counters.to_json()) and "locked" not in json.dumps(seen.to_json())
+    assert sorted(d.model for d in counters.publications_dropped) == ["m", "restricted-0"]  # counted, renamed
+    assert sorted(x.model for x in counters.loads) == ["m", "restricted-0"]
+    mine = protocol.ServiceCounters.from_json(
+        handlers.handle(ctx, Peer(4, STRANGER, STRANGER), protocol.Metrics()).replies[0].msg.counters)
+    assert [d.model for d in mine.publications_dropped] == ["m"] and [x.model for x in mine.loads] == ["m"]
     plain = protocol.ServiceStatus.from_json(
         handlers.handle(ctx, Peer(4, STRANGER, STRANGER), protocol.Metrics()).replies[0].msg.status)
     assert [s.model for s in plain.slabs] == ["m"]
