@@ -107,6 +107,7 @@ def test_exposition_names_types_and_values(monkeypatch):
     c.load_settled(_placement("qwen"), None, 2.0, 2048)
     c.answered(protocol.Publish("qwen", 1, 0, {}, 4096, 10), [_Reply(protocol.PublishReply("x", True, 4096, "k"))], 0.1)
     c.publication_dropped(_placement("qwen"), "digest_mismatch")
+    c.publication_dropped(_placement("qwen", rank=1, tp=2), "budget")  # a rank of a TP 2 publication
     from weightcache.seeding import SeedStats
 
     c.seeding = SeedStats()  # peer seeding (issue 37): one seeded, one fallback, one served
@@ -140,6 +141,8 @@ def test_exposition_names_types_and_values(monkeypatch):
     assert val("weightcache_publishes_total", gpu=0, model="qwen", tp_size=1, tp_rank=0, outcome="published") == 1
     assert val("weightcache_publications_dropped_total", gpu=0, model="qwen", tp_size=1, tp_rank=0,
                reason="digest_mismatch") == 1
+    assert val("weightcache_publications_dropped_total", gpu=0, model="qwen", tp_size=2, tp_rank=1,
+               reason="budget") == 1
     assert val("weightcache_slab_leases", gpu=0, model="qwen") == 2
     assert val("weightcache_notify_dropped_total", gpu=0, key="FDSTORE") == 1  # the datagrams of a full socket
     assert val("weightcache_notify_dropped_total", gpu=0, key="STATUS") == 3
