@@ -183,12 +183,27 @@ def test_an_invalid_engine_key_is_publication_invalid(svc, field, value):
     assert out.replies[0].msg.code == "publication_invalid" and all(s.publication is None for s in st.slots)
 
 
-def test_a_publication_over_the_budget_is_refused(svc):
+def _open_fds() -> set[str]:
+    """What this process's fds point to (the service under test runs in it): a slab or manifest file the service
+    did not close stays here."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:  # the listing's own fd
+            pass
+    return out
+
+
+@pytest.mark.parametrize("uid", [ENGINE, 0])  # a private publication (free room only), a shared one (room made)
+def test_a_publication_over_the_budget_is_refused(svc, uid):
     ctx, st, _ = svc
     ctx.tiers.budget_bytes = 1024
-    out, fd = _publish(ctx, ENGINE)
+    before = _open_fds()
+    out, fd = _publish(ctx, uid)
     os.close(fd)
     assert out.replies[0].msg.code == "insufficient_memory" and all(s.publication is None for s in st.slots)
+    assert _open_fds() == before  # the service's sealed copy closed
 
 
 def test_a_manifest_outside_the_memfd_is_refused_after_the_worker_and_nothing_is_kept(svc):
@@ -199,6 +214,7 @@ def test_a_manifest_outside_the_memfd_is_refused_after_the_worker_and_nothing_is
     os.close(fd)
     assert out.replies[0].msg.code == "publication_invalid" and out.replies[0].msg.details["reason"] == "manifest"
     assert all(s.publication is None for s in st.slots)
+    assert not [f for f in _open_fds() if "memfd:pub" in f or "manifest" in f]  # the slab and manifest closed
 
 
 def test_an_identical_publication_under_way_is_answered_created_false(svc):
@@ -264,6 +280,7 @@ def test_a_reload_that_removes_the_model_while_a_publication_is_checked_refuses_
     assert out.replies[0].msg.code == "model_not_found" and out.effects == ()
     for f in (fd, mfd):
         os.close(f)
+    assert not [f for f in _open_fds() if "memfd:pub" in f or "manifest" in f]  # its slab and manifest file closed
 
 
 @pytest.mark.parametrize("says,refused", [(0, None), (10, "holds {n} bytes, the request says {m}"),
