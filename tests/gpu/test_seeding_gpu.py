@@ -109,6 +109,7 @@ def test_cuda_services_seed_gpu_to_gpu_gpu_to_host_and_host_to_gpu(tmp_path):
     peer = f"127.0.0.1:{port}"
     short = Path(tempfile.mkdtemp(prefix="wcsg-", dir="/tmp"))  # unix socket paths are short
     started = []
+    passed = False
 
     def svc(name: str, models: dict, **service):
         cfg = {"service": {"backend": "cuda", "seed_secret_file": str(secret), "host_tier_bytes": 4 << 30,
@@ -157,7 +158,9 @@ def test_cuda_services_seed_gpu_to_gpu_gpu_to_host_and_host_to_gpu(tmp_path):
         _released(a)
         served = json.dumps(re.findall(r"seeding: served model=\S+", a.log()))
         assert served.count("model=m") == 3, served
+        passed = True
     finally:
         for s in started:
             s.kill()
-        shutil.rmtree(short, ignore_errors=True)
+        if passed:  # else the services' logs stay for a look (printed by the command in the report)
+            shutil.rmtree(short, ignore_errors=True)
