@@ -203,7 +203,8 @@ class Agent:
             raise TransferError("transfer_error", f"the peer offered {sum(n for _, n in remote)} bytes, "
                                                   f"the slab needs {size_bytes}")
         try:
-            peer = self.agent.add_remote_agent(remote_md)
+            with current():  # UCX unpacks a GPU peer's keys (cuda_ipc) with the context current
+                peer = self.agent.add_remote_agent(remote_md)
         except Exception as e:  # noqa: BLE001 - NIXL's own error types
             # UCX connects to the peer's worker here: a peer that is gone fails this, and its connection is closed
             raise TransferError("transfer_error" if alive() else "disconnected",
@@ -242,7 +243,8 @@ class Agent:
                 with current():
                     self.deregister(reg)
             try:
-                self.agent.remove_remote_agent(peer)
+                with current():
+                    self.agent.remove_remote_agent(peer)
             except Exception as e:  # noqa: BLE001
                 log.warning("seeding: NIXL could not remove remote agent %s error=%r", peer, e)
             with self._lock:
