@@ -213,7 +213,6 @@ class Agent:
         with self._lock:
             self.remote_agents += 1
         reg = None
-        t0 = time.monotonic()
         try:
             try:
                 with current():
@@ -221,6 +220,7 @@ class Agent:
             except Exception as e:  # noqa: BLE001 - NIXL's own error types
                 raise TransferError("transfer_error", f"NIXL could not register the local {local_mem} range: "
                                                       f"{e!r}") from None
+            t0 = time.monotonic()
             done = 0
             for raddr, rlen in remote:
                 off = 0
