@@ -71,6 +71,17 @@ def main() -> int:
     ap.add_argument("--mem", choices=("VRAM", "DRAM"), default="VRAM", help="the source's memory kind")
     args = ap.parse_args()
 
+    from weightcache.memory import cuda_driver
+    from weightcache.seeding import NixlMissing, nixl_api
+
+    if cuda_driver.load_driver() is None:
+        print("bench_seeding_gpu needs a CUDA GPU (the driver reports none here): nothing measured")
+        return 0
+    try:
+        nixl_api()
+    except NixlMissing as e:
+        print(f"bench_seeding_gpu needs NIXL: {e}; nothing measured")
+        return 0
     from weightcache.memory import kernels
     from weightcache.memory.cuda_driver import _check, _Device, cu
     from weightcache.memory.cuda_slabs import CudaWritableSlab
