@@ -82,7 +82,6 @@ def _slab(svc, model: str, states: tuple[str, ...], timeout: float = 180) -> dic
 
 def _attached(svc, model: str, want: dict) -> int:
     from checkpoints import compare_bytes
-
     from weightcache import attach
 
     with attach(model, socket_dir=svc.socket_dir, device="cuda:0", fallback=False, timeout=120) as w:
@@ -93,7 +92,6 @@ def _attached(svc, model: str, want: dict) -> int:
 def test_cuda_services_seed_gpu_to_gpu_gpu_to_host_and_host_to_gpu(tmp_path):
     from checkpoints import llama_checkpoint, read_checkpoint
     from service_harness import start_service
-
     from weightcache import protocol
 
     big = llama_checkpoint(tmp_path / "big", files=4, hidden=1024, heads=8, kv_heads=2, inter=4096, vocab=8192,

@@ -18,7 +18,15 @@ import sys
 import pytest
 from checkpoints import compare_bytes, llama_checkpoint, read_checkpoint
 from service_harness import poll_until, service_env
-from test_seeding import TESTS, _own_load, assert_released, attach_tensors, fleet, free_port, secret_file
+from test_seeding import (
+    TESTS,
+    _own_load,
+    assert_released,
+    attach_tensors,
+    fleet,
+    free_port,
+    secret_file,
+)
 
 pytest.importorskip("nixl_cu12", reason="NIXL (weightcache[seeding]) is not installed")
 

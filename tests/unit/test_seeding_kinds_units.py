@@ -10,7 +10,12 @@ import pytest
 from weightcache.digest import sum64_buffer, xxh3_buffer, xxh3c_buffer
 from weightcache.manifest import TensorRecord
 from weightcache.memory.host import HostWritableSlab
-from weightcache.seeding._receiver import CHECKABLE, check_digests, digest_kind_refusal, target_of
+from weightcache.seeding._receiver import (
+    CHECKABLE,
+    check_digests,
+    digest_kind_refusal,
+    target_of,
+)
 from weightcache.seeding._source import _region
 
 
