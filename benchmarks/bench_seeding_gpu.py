@@ -39,9 +39,13 @@ from weightcache.memory.cuda_slabs import CudaWritableSlab
 from weightcache.memory import kernels
 from weightcache.seeding import Agent
 
-size, case = int(sys.argv[1]), sys.argv[2]
+size, case, in_ctx = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 d = _Device(0)
-agent = Agent("bench-src", "UCX")
+if in_ctx:  # UCX makes its worker (and cuda_ipc's iface) here: with the GPU's context current
+    with d.current():
+        agent = Agent("bench-src", "UCX")
+else:
+    agent = Agent("bench-src", "UCX")
 mem = "DRAM" if case == "dram" else "VRAM"
 if case == "vmm":
     w = CudaWritableSlab(d, size, "bench-src")
@@ -83,11 +87,15 @@ from weightcache.memory.cuda_slabs import CudaWritableSlab
 from weightcache.memory import kernels
 from weightcache.seeding import Agent
 
-size, reps = int(sys.argv[1]), int(sys.argv[2])
+size, reps, in_ctx = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 offer = json.loads(sys.stdin.readline())
 d = _Device(0)
 dst = CudaWritableSlab(d, size, "bench-dst")
-agent = Agent("bench-dst", "UCX")
+if in_ctx:
+    with d.current():
+        agent = Agent("bench-dst", "UCX")
+else:
+    agent = Agent("bench-dst", "UCX")
 md = base64.b64decode(offer["md"])
 reads = []
 for _ in range(reps):
@@ -120,9 +128,9 @@ def _json_line(text: str) -> dict:
     raise RuntimeError(f"no JSON line in: {text[-2000:]}")
 
 
-def one(case: str, size: int, reps: int) -> dict:
+def one(case: str, size: int, reps: int, in_ctx: bool = False) -> dict:
     """One source/receiver pair; the case's result (see the module docstring)."""
-    src = subprocess.Popen([sys.executable, "-c", SOURCE, str(size), case], stdin=subprocess.PIPE,
+    src = subprocess.Popen([sys.executable, "-c", SOURCE, str(size), case, str(int(in_ctx))], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
         line = ""
@@ -131,7 +139,7 @@ def one(case: str, size: int, reps: int) -> dict:
             if not line:
                 raise RuntimeError(f"case {case}: the source exited {src.wait()} before its offer")
         env = {**os.environ, "UCX_PROTO_INFO": "y"}
-        dst = subprocess.run([sys.executable, "-c", RECEIVER, str(size), str(reps)], input=line, text=True,
+        dst = subprocess.run([sys.executable, "-c", RECEIVER, str(size), str(reps), str(int(in_ctx))], input=line, text=True,
                              capture_output=True, env=env, timeout=900, check=False)
         if dst.returncode != 0:
             raise RuntimeError(f"case {case}: the receiver exited {dst.returncode}: {dst.stderr[-3000:]}")
@@ -151,7 +159,8 @@ def one(case: str, size: int, reps: int) -> dict:
             "read_gbps": [round(size / s / 1e9, 2) for s in res["reads_s"]],
             "dtod_gbps": [round(size / s / 1e9, 2) for s in res["dtod_s"]],
             "ratio": round(best_dtod / best_read, 4), "sum64_equal": res["sum64_equal"],
-            "ucx_tls": os.environ.get("UCX_TLS", "(default)"), "transports": seen[:24]}
+            "agent_in_context": in_ctx, "ucx_tls": os.environ.get("UCX_TLS", "(default)"),
+            "transports": seen[:24]}
 
 
 def main() -> int:
@@ -159,6 +168,8 @@ def main() -> int:
     ap.add_argument("--size-gb", type=float, default=4.0)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--cases", default="vmm,legacy,dram", help="comma-separated: vmm, legacy, dram")
+    ap.add_argument("--agent-in-context", action="store_true",
+                    help="create both NIXL agents with the GPU's context current (does UCX then use cuda_ipc?)")
     args = ap.parse_args()
 
     from weightcache.memory import cuda_driver
@@ -176,7 +187,7 @@ def main() -> int:
     ok = True
     for case in [c.strip() for c in args.cases.split(",") if c.strip()]:
         try:
-            res = one(case, size, args.reps)
+            res = one(case, size, args.reps, args.agent_in_context)
         except Exception as e:  # noqa: BLE001 - one case failing says something too; the others still run
             res = {"case": case, "error": repr(e)[:3000]}
         ok = ok and res.get("sum64_equal", False)
