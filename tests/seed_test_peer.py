@@ -11,7 +11,12 @@ real control channel and a real NIXL agent, misbehaving as ``MODE`` says:
 - ``wrong_offer_digest``: the offer's ``digest`` is not its manifest's (bytes and manifest right);
 - ``swapped_records``: two tensors of one shape swap names in the manifest (offsets and digests kept, so
   every digest matches the bytes at its offset: only the receiver's layout check sees it);
-- ``good``: behaves (a sanity check of the peer itself).
+- ``good``: behaves (a sanity check of the peer itself);
+- ``sum64``: the manifest carries ``sum64`` digests of the bytes (what a CUDA peer's GPU slab, or its host-tier
+  copy, carries), right ones: a host receiver checks them with numpy and takes the slab;
+- ``sum64_wrong``: as ``sum64``, one byte flipped: ``digest_mismatch`` from the numpy check;
+- ``unknown_kind``: digests of a family no receiver checks (``blake3:``): ``digest_kind``, before the READ;
+- ``bad_mem``: the offer names a memory kind NIXL has not (``HBM``): ``protocol``.
 
 It prints ``listening`` once it accepts connections.
 """
@@ -50,8 +55,19 @@ def main() -> None:
         named = {a.name: b.name, b.name: a.name}
         manifest = dataclasses.replace(manifest, tensors=tuple(dataclasses.replace(r, name=named.get(r.name, r.name))
                                                                for r in manifest.tensors))
+    if mode in ("sum64", "sum64_wrong", "unknown_kind"):
+        from weightcache.digest import sum64_buffer
+
+        def kind(r):
+            if r.alias_of is not None:
+                return r
+            view = writable.buffer[r.offset_bytes:r.offset_bytes + r.size_bytes]
+            d = sum64_buffer(view) if mode != "unknown_kind" else "blake3:" + "0" * 64
+            return dataclasses.replace(r, digest=d)
+
+        manifest = dataclasses.replace(manifest, tensors=tuple(kind(r) for r in manifest.tensors))
     raw = pack_file(manifest, backend="host", size_bytes=writable.size_bytes)
-    if mode == "wrong_digest":
+    if mode in ("wrong_digest", "sum64_wrong"):
         t = next(r for r in filled.manifest.tensors if r.alias_of is None and r.size_bytes)
         writable.buffer[t.offset_bytes] ^= 0xFF
     address, _keep = buffer_address(writable.buffer)  # the mapping stays exported while the peer serves
@@ -69,7 +85,8 @@ def main() -> None:
         samples, blobs = source_samples(placement.model.path, pl.key["checkpoint"], req.get("samples") or [],
                                         req.get("blobs"))
         ch.send("reply", {"samples": [base64.b64encode(b).decode() for b in samples], "blobs": blobs,"ok": True, "agent": agent.name, "agent_md": base64.b64encode(agent.metadata()).decode(),
-                          "descs": [[address, writable.size_bytes]], "manifest": base64.b64encode(raw).decode(),
+                          "descs": [[address, writable.size_bytes]],
+                          "mem": "HBM" if mode == "bad_mem" else "DRAM", "dev": 0, "manifest": base64.b64encode(raw).decode(),
                           "key": pl.key,
                           "digest": manifest_digest(raw + b"x" if mode == "wrong_offer_digest" else raw)})
         if mode == "disconnect":

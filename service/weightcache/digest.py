@@ -77,6 +77,42 @@ def xxh3_buffer(buf) -> str:
     return "xxh3_128:" + xxhash.xxh3_128(buf).hexdigest()
 
 
+#: Bytes of one step of :func:`sum64_buffer` (its temporaries are a few times this).
+_SUM64_STEP = 16 << 20
+_K_U64 = 0x9E3779B97F4A7C15
+
+
+def sum64_buffer(buf) -> str:
+    """``sum64:<hex>`` of a host buffer's bytes (bytes-like), computed with numpy on the CPU: the value the GPU
+    kernel (:func:`weightcache.memory.kernels.sum64`) and :func:`digest` of a CUDA tensor give for the same
+    bytes. For a host copy of a GPU slab whose manifest carries ``sum64`` (a peer's GPU slab read into a
+    CUDA service's host tier, issue 37). About 1 GB/s per thread; numpy releases the GIL.
+
+    Example:
+        >>> sum64_buffer(b"")
+        'sum64:0000000000000000'
+    """
+    import numpy as np
+
+    mv = memoryview(buf).cast("B")
+    n = len(mv)
+    acc = 0
+    k = np.uint64(_K_U64)
+    try:
+        for lo in range(0, n, _SUM64_STEP):
+            part = mv[lo : lo + _SUM64_STEP]
+            m = len(part)
+            if m % 8:  # the tail, zero-padded to a whole word
+                part = bytes(part) + bytes(8 - m % 8)
+            w = np.frombuffer(part, dtype="<u8")
+            idx = np.arange(lo // 8, lo // 8 + len(w), dtype=np.uint64)
+            acc = (acc + int(((w ^ (idx * k)) * (idx * np.uint64(2) + np.uint64(1))).sum(dtype=np.uint64))) \
+                & 0xFFFFFFFFFFFFFFFF
+    finally:
+        mv.release()
+    return f"sum64:{(acc ^ n) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
 class ChunkedXXH3:
     """The ``xxh3c`` digest of one tensor, from chunks hashed by any thread in any order.
 

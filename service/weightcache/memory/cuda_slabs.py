@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from typing import Any
 
 from ..errors import OutOfMemory
 from ..sizes import round_up
@@ -74,6 +75,15 @@ class CudaWritableSlab:
         if self._tensor is None and self._mapping is not None:
             self._tensor = self._mapping.tensor()
         return self._tensor
+
+    @property
+    def gpu(self) -> int:
+        """The GPU index the slab lives on (NIXL's device id of a ``VRAM`` registration)."""
+        return self._device.index
+
+    def current(self):
+        """A context manager making the slab's GPU context (the primary one) current on this thread."""
+        return self._device.current()
 
     def stager(self, buffer_bytes: int) -> CudaStager:
         """A :class:`CudaStager` into this slab with two pinned buffers of ``buffer_bytes`` (one per reader thread).
@@ -212,6 +222,20 @@ class CudaSealedSlab:
     def mapped(self) -> bool:
         """Whether this slab still holds its mapping (False after :meth:`close`)."""
         return self._mapping is not None and self._mapping.mapped
+
+    def device_range(self) -> tuple[int, int, Any, Any]:
+        """The owner's read-only mapping, for a peer's READ (issue 37): ``(device_ptr, gpu_index, current,
+        holder)``: ``current()`` makes the GPU's context current (a context manager); ``holder`` keeps the
+        range mapped while it is referenced, even after :meth:`close` (an eviction during a transfer frees the
+        memory when the transfer drops it).
+
+        Raises:
+            RuntimeError: the slab was closed.
+        """
+        m = self._mapping
+        if m is None or not m.mapped:
+            raise RuntimeError("sealed slab was closed")
+        return m.ptr, m.device.index, m.device.current, m
 
     def digests(self, ranges: list[tuple[str, int, int]]) -> dict[str, str]:
         """``sum64`` digests of ``(name, offset_bytes, size_bytes)`` ranges on the GPU, through the read-only

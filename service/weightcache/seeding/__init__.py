@@ -6,9 +6,9 @@ The face of the package. Its rooms:
 - :mod:`._channel`: the authenticated request/reply over TCP (the control channel);
 - :mod:`._keys`: the checkpoint's portable identity and the checks of a peer's key and manifest;
 - :mod:`._samples`: random samples of the tensor data, which tell checkpoints with equal headers apart;
-- :mod:`._agent`: NIXL (optional, imported lazily): the agent, registrations, READs;
+- :mod:`._agent`: NIXL (optional, imported lazily): the agent, registrations (``DRAM``, ``VRAM``), READs;
 - :mod:`._settings`: :class:`SeedSettings` and the counters;
-- :mod:`._source`: serving this node's host memfd slabs to peers, off the serving loop;
+- :mod:`._source`: serving this node's slabs (host memfds, a CUDA service's GPU slabs and host tier) to peers, off the serving loop;
 - :mod:`._receiver`: asking peers before reading the checkpoint, with every check;
 - :mod:`._seeder`: :class:`Seeder`, the composition a service holds.
 

@@ -1,4 +1,4 @@
-"""NIXL, the transfer library: one agent per service, registrations and READs of host memory.
+"""NIXL, the transfer library: one agent per service, registrations and READs of host or GPU memory.
 
 NIXL (PyPI ``nixl``, UCX bundled) is optional (``weightcache[seeding]``). Its modules are imported here and
 only here, lazily: ``nixl_cu12`` (or ``nixl_cu13``) directly, because ``import nixl`` imports torch when it
@@ -13,16 +13,24 @@ NIXL's progress thread, which polls without pause (half a core of an idle servic
 the transport progresses when the receiver polls its READ and while the source waits for a peer's ``done``
 (:meth:`Agent.progress`), so an idle service spends nothing on it.
 
+Memory kinds (:data:`MEM_TYPES`): ``DRAM`` (a memfd mapping: the host backend's slabs, a CUDA service's host
+tier) and ``VRAM`` (a CUDA VMM mapping; NIXL's ``VRAM_SEG``, device id = the GPU index). Each side names the
+kind of its own memory; a READ may pair any two (UCX moves GPU memory with ``cuda_copy`` / ``cuda_ipc`` on one
+node, GPUDirect RDMA across nodes). A ``VRAM`` registration and READ run with the slab's CUDA context current
+(``current``: the slab's context manager), as UCX's CUDA transports need.
+
 Forbidden imports: torch, weightcache.daemon; nixl at module level.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -31,6 +39,12 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 64 * 1024 * 1024
 #: Transports the configuration may name (NIXL backend plugins).
 TRANSPORTS = ("UCX", "LIBFABRIC")
+#: NIXL memory kinds a slab registers as: host memory, GPU memory (device id = the GPU index).
+MEM_TYPES = ("DRAM", "VRAM")
+
+
+def _no_context() -> AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 class NixlMissing(Exception):
@@ -131,9 +145,20 @@ class Agent:
             return self.agent.get_agent_metadata()
         return self.agent.get_partial_agent_metadata(reg, inc_conn_info=True, backends=[self.transport])
 
-    def register(self, address: int, size_bytes: int) -> Any:
-        """Registers host memory ``[address, address + size_bytes)``; returns the handle :meth:`deregister` takes."""
-        reg = self.agent.register_memory([(address, size_bytes, 0, "")], "DRAM", backends=[self.transport])
+    def register(self, address: int, size_bytes: int, mem_type: str = "DRAM", dev_id: int = 0) -> Any:
+        """Registers ``[address, address + size_bytes)``; returns the handle :meth:`deregister` takes.
+
+        Args:
+            mem_type (`str`): :data:`MEM_TYPES`: ``DRAM`` (host memory) or ``VRAM`` (GPU memory, with the
+                GPU's CUDA context current on this thread).
+            dev_id (`int`): the GPU index for ``VRAM`` (0 for ``DRAM``).
+
+        Raises:
+            ValueError: another ``mem_type``. Whatever NIXL raises when it refuses the memory.
+        """
+        if mem_type not in MEM_TYPES:
+            raise ValueError(f"NIXL memory type {mem_type!r}: not one of {MEM_TYPES}")
+        reg = self.agent.register_memory([(address, size_bytes, dev_id, "")], mem_type, backends=[self.transport])
         with self._lock:
             self.registrations += 1
         return reg
@@ -149,12 +174,16 @@ class Agent:
 
     def read(self, remote_md: bytes, remote: list[tuple[int, int]], local_address: int, size_bytes: int,
              deadline: float, bandwidth_bytes_per_s: int = 0, alive: Callable[[], bool] = lambda: True,
-             progress: Callable[[int, int], None] | None = None) -> float:
+             progress: Callable[[int, int], None] | None = None, local_mem: str = "DRAM", local_dev: int = 0,
+             remote_mem: str = "DRAM", remote_dev: int = 0,
+             current: Callable[[], AbstractContextManager[Any]] = _no_context) -> float:
         """READs ``size_bytes`` from the remote agent's ``remote`` regions (``(address, length)``, in order) into
         local memory at ``local_address``, in :data:`CHUNK_BYTES` requests; returns the seconds it took.
 
         The local range is registered for the read and released after; the remote agent is added from
-        ``remote_md`` and removed after, whatever happens.
+        ``remote_md`` and removed after, whatever happens. ``local_mem``/``local_dev`` name the kind of the
+        local range, ``remote_mem``/``remote_dev`` the peer's (:data:`MEM_TYPES`, the GPU index); ``current``
+        is entered around the registration and each request (a GPU slab's CUDA context).
 
         Args:
             deadline (`float`): ``time.monotonic()`` seconds by which it must be done.
@@ -168,11 +197,14 @@ class Agent:
             TransferError: ``transfer_error`` (NIXL reported an error, or the remote regions are too short),
                 ``timeout``, ``disconnected``.
         """
+        if local_mem not in MEM_TYPES or remote_mem not in MEM_TYPES:
+            raise TransferError("transfer_error", f"memory types {local_mem!r} <- {remote_mem!r}: not {MEM_TYPES}")
         if sum(n for _, n in remote) < size_bytes:
             raise TransferError("transfer_error", f"the peer offered {sum(n for _, n in remote)} bytes, "
                                                   f"the slab needs {size_bytes}")
         try:
-            peer = self.agent.add_remote_agent(remote_md)
+            with current():  # UCX unpacks a GPU peer's keys (cuda_ipc) with the context current
+                peer = self.agent.add_remote_agent(remote_md)
         except Exception as e:  # noqa: BLE001 - NIXL's own error types
             # UCX connects to the peer's worker here: a peer that is gone fails this, and its connection is closed
             raise TransferError("transfer_error" if alive() else "disconnected",
@@ -180,15 +212,23 @@ class Agent:
         peer = peer.decode() if isinstance(peer, bytes) else peer
         with self._lock:
             self.remote_agents += 1
-        reg = self.register(local_address, size_bytes)
-        t0 = time.monotonic()
+        reg = None
         try:
+            try:
+                with current():
+                    reg = self.register(local_address, size_bytes, local_mem, local_dev)
+            except Exception as e:  # noqa: BLE001 - NIXL's own error types
+                raise TransferError("transfer_error", f"NIXL could not register the local {local_mem} range: "
+                                                      f"{e!r}") from None
+            t0 = time.monotonic()
             done = 0
             for raddr, rlen in remote:
                 off = 0
                 while off < rlen and done < size_bytes:
                     n = min(CHUNK_BYTES, rlen - off, size_bytes - done)
-                    self._one(peer, raddr + off, local_address + done, n, deadline, alive)
+                    with current():
+                        self._one(peer, (raddr + off, remote_mem, remote_dev),
+                                  (local_address + done, local_mem, local_dev), n, deadline, alive)
                     off += n
                     done += n
                     if progress is not None:
@@ -199,17 +239,22 @@ class Agent:
                             time.sleep(min(ahead, max(0.0, deadline - time.monotonic())))
             return time.monotonic() - t0
         finally:
-            self.deregister(reg)
+            if reg is not None:
+                with current():
+                    self.deregister(reg)
             try:
-                self.agent.remove_remote_agent(peer)
+                with current():
+                    self.agent.remove_remote_agent(peer)
             except Exception as e:  # noqa: BLE001
                 log.warning("seeding: NIXL could not remove remote agent %s error=%r", peer, e)
             with self._lock:
                 self.remote_agents -= 1
 
-    def _one(self, peer: str, raddr: int, laddr: int, n: int, deadline: float, alive: Callable[[], bool]) -> None:
-        local = self.agent.get_xfer_descs([(laddr, n, 0)], "DRAM")
-        remote = self.agent.get_xfer_descs([(raddr, n, 0)], "DRAM")
+    def _one(self, peer: str, far: tuple[int, str, int], near: tuple[int, str, int], n: int, deadline: float,
+             alive: Callable[[], bool]) -> None:
+        """One READ request of ``n`` bytes: ``far`` and ``near`` are ``(address, mem_type, dev_id)``."""
+        local = self.agent.get_xfer_descs([(near[0], n, near[2])], near[1])
+        remote = self.agent.get_xfer_descs([(far[0], n, far[2])], far[1])
         try:
             h = self.agent.initialize_xfer("READ", local, remote, peer, b"", backends=[self.transport])
         except Exception as e:  # noqa: BLE001

@@ -1,7 +1,9 @@
 """The receiver side: before a slab is read from the checkpoint, ask the peers for it.
 
 :func:`fetch` runs on the loader's worker thread with the load's own plan (made from this node's headers:
-the key, every tensor's record, the slab size) and the writable slab (a host memfd mapping). For each peer in
+the key, every tensor's record, the slab size) and the writable slab: a host memfd mapping (the host
+backend; a CUDA service's host-tier load), READ as ``DRAM``, or a CUDA service's ``CudaWritableSlab``, READ
+as ``VRAM`` straight into its device memory (:func:`target_of`). For each peer in
 order: connect, authenticate, ask for (model, tp_size, tp_rank); check the offered key against the plan's
 (:func:`weightcache.seeding._keys.key_differences`: another checkpoint is refused by its portable identity)
 and the offered manifest's records against the plan's; READ the bytes with NIXL straight into the slab's
@@ -9,8 +11,14 @@ mapping (no Python buffer in between); check every tensor's digest and the manif
 and wait for the source's ``ack``. Only then is the slab the peer's: the manifest kept is the plan's records
 with the peer's (checked) digests and **this node's key**, so engines here check it against their own
 ``stat()``. Any failure (no peer, unreachable, refused, timeout, disconnect, digest mismatch, wrong
-checkpoint) zeroes what was written and tries the next peer; after the last one the caller reads the
-checkpoint itself. Each failure is counted and logged with its reason.
+checkpoint) zeroes what was written (``memset``, ``cuMemsetD8`` on the GPU) and tries the next peer; after the
+last one the caller reads the checkpoint itself. Each failure is counted and logged with its reason.
+
+Digests are checked where the bytes land (:func:`check_digests`): in GPU memory by the ``sum64`` kernel (no
+host copy); in host memory by ``xxh3_128``/``xxh3c`` (xxhash) or ``sum64`` (numpy: a GPU slab or its host-tier
+copy read into a CUDA service's host tier). An offer a GPU slab cannot check there (xxh3 digests: a host-tier
+slab a CUDA peer loaded with ``preload = "host"``) is refused before the READ, reason ``digest_kind``: a host
+copy of the whole slab to hash it would cost as much as the transfer, and the checkpoint is the fallback.
 
 Forbidden imports: torch, weightcache.daemon, nixl (through :mod:`._agent` only).
 """
@@ -18,21 +26,23 @@ Forbidden imports: torch, weightcache.daemon, nixl (through :mod:`._agent` only)
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import logging
 import select
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..digest import buffer_digests
+from ..digest import buffer_digests, sum64_buffer, xxh3c_buffer
 from ..errors import WeightcacheError
 from ..journal import event
 from ..manifest import Manifest, TensorRecord, unpack_file
 from . import _samples
-from ._agent import TransferError, buffer_address
+from ._agent import MEM_TYPES, TransferError, buffer_address
 from ._channel import Channel, ChannelError, parse_address
 from ._keys import key_differences, record_differences
 from ._secret import Secret
@@ -50,6 +60,79 @@ class Refused(Exception):
         self.reason = reason
         #: The READ had started: the slab holds some of the peer's bytes (zeroed before the next try).
         self.written = False
+
+
+#: Digest families a receiver checks, by where the bytes land (:func:`check_digests`).
+CHECKABLE = {"DRAM": ("xxh3_128", "xxh3c", "sum64"), "VRAM": ("sum64",)}
+
+
+@dataclass
+class Target:
+    """Where a writable slab's bytes are, for NIXL: ``mem`` (``DRAM``/``VRAM``), ``dev`` (GPU index), the
+    first byte's ``address``, ``keep`` (a numpy view of a host mapping, dropped after the READ) and
+    ``current`` (``() -> context manager``: the GPU's context for a ``VRAM`` slab)."""
+
+    mem: str
+    dev: int
+    address: int
+    keep: Any = None
+    current: Callable[[], Any] = contextlib.nullcontext
+
+
+def target_of(writable: Any) -> Target | None:
+    """The NIXL memory kind of a writable slab, chosen by what it is: a host mapping (``buffer``): ``DRAM``;
+    a CUDA VMM slab (``ptr``, ``gpu``, ``current``, ``digests``): ``VRAM`` on its GPU; None for anything else
+    (no peer is asked)."""
+    buf = getattr(writable, "buffer", None)
+    if buf is not None:
+        address, keep = buffer_address(buf)
+        return Target("DRAM", 0, address, keep)
+    if all(hasattr(writable, a) for a in ("ptr", "gpu", "current", "digests", "zero")):
+        return Target("VRAM", int(writable.gpu), int(writable.ptr), None, writable.current)
+    return None
+
+
+def digest_kind_refusal(mem: str, digests: list[str]) -> str:
+    """Why digests ``digests`` (``algo:hex``) cannot be checked in ``mem`` memory; "" when they can."""
+    kinds = sorted({d.split(":", 1)[0] for d in digests} - set(CHECKABLE.get(mem, ())))
+    if not kinds:
+        return ""
+    where = "GPU memory (the sum64 kernel)" if mem == "VRAM" else "host memory"
+    return (f"the peer's digests are {', '.join(kinds)}, which this node cannot check in {where}; "
+            f"it checks {', '.join(CHECKABLE.get(mem, ()))} there")
+
+
+def check_digests(writable: Any, mem: str, stored: list, threads: int) -> list[str]:
+    """Names of the ``stored`` records (:class:`~weightcache.manifest.TensorRecord`) whose bytes in
+    ``writable`` differ from their digest, computed where the bytes are: on the GPU (``sum64`` kernel,
+    ``writable.digests``) for ``VRAM``; on the host mapping for ``DRAM`` (``xxh3_128`` on ``threads``
+    threads, ``xxh3c``, ``sum64`` by numpy).
+
+    Raises:
+        ValueError: a digest family :data:`CHECKABLE` does not list for ``mem`` (checked before the READ).
+    """
+    bad = digest_kind_refusal(mem, [t.digest for t in stored])
+    if bad:
+        raise ValueError(bad)
+    if mem == "VRAM":
+        got = writable.digests([(t.name, t.offset_bytes, t.size_bytes) for t in stored]) if stored else {}
+        return [t.name for t in stored if got[t.name] != t.digest]
+    buf = writable.buffer  # the slab's own view (not released here)
+    xxh = [t for t in stored if t.digest.startswith("xxh3_128:")]
+    got = buffer_digests(buf, [(t.name, t.offset_bytes, t.size_bytes) for t in xxh], threads)
+    rest = [t for t in stored if t.name not in got]
+
+    def one(t: Any) -> tuple[str, str]:
+        view = buf[t.offset_bytes:t.offset_bytes + t.size_bytes]
+        try:
+            return t.name, sum64_buffer(view) if t.digest.startswith("sum64:") else xxh3c_buffer(view)
+        finally:
+            view.release()
+
+    if rest:
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(rest)))) as ex:
+            got.update(ex.map(one, rest))
+    return [t.name for t in stored if got[t.name] != t.digest]
 
 
 @dataclass
@@ -76,7 +159,7 @@ def fetch(settings: SeedSettings, secret: Secret, agent: Callable[[], Any], stat
     Args:
         settings, secret, agent, stats: the service's seeding (``agent() -> Agent``).
         plan (`weightcache.pipeline.Plan`): this load's plan (key, records, slab size, rank).
-        writable (`HostWritableSlab`): the slab being filled (``buffer``: its writable mapping).
+        writable (`HostWritableSlab | CudaWritableSlab`): the slab being filled (:func:`target_of`).
         threads (`int`): digest threads.
         progress (`callable`, *optional*): the loader's ``progress(done_bytes, total_bytes)``; what it raises
             (a :class:`~weightcache.errors.WeightcacheError`: the load was cancelled or timed out) ends the
@@ -185,7 +268,7 @@ def _from_peer(settings: SeedSettings, secret: Secret, agent: Callable[[], Any],
         return got
     except Refused as e:
         e.written = dirty[0]
-        if e.reason in ("digest_mismatch", "wrong_checkpoint", "key_mismatch", "manifest_mismatch"):
+        if e.reason in ("digest_mismatch", "digest_kind", "wrong_checkpoint", "key_mismatch", "manifest_mismatch"):
             try:  # tell the source why (its log and counters); it may be gone
                 ch.send("done", {"ok": False, "reason": e.reason})
             except ChannelError:
@@ -235,23 +318,30 @@ def _take(settings: SeedSettings, agent: Callable[[], Any], plan: Any, writable:
         raise Refused("manifest_mismatch", f"{len(bad)} tensors laid out otherwise than this node's plan "
                                            f"(first: {bad[0]})")
     stored = [t for t in offered_records if t.alias_of is None]
-    if any(not t.digest.startswith(("xxh3_128:", "xxh3c:")) for t in stored):
-        raise Refused("manifest_mismatch", "the peer's digests are not host digests (xxh3)")
-    buf = writable.buffer
-    address, keep = buffer_address(buf)
+    target = target_of(writable)
+    if target is None:
+        raise Refused("internal", f"the slab being filled ({type(writable).__name__}) is neither host nor GPU memory")
+    why = digest_kind_refusal(target.mem, [t.digest for t in stored])
+    if why:
+        raise Refused("digest_kind", why)
+    remote_mem, remote_dev = reply.get("mem", "DRAM"), reply.get("dev", 0)
+    if remote_mem not in MEM_TYPES or not isinstance(remote_dev, int) or remote_dev < 0:
+        raise Refused("protocol", f"the peer's memory kind {str(remote_mem)[:16]!r} device {str(remote_dev)[:16]} "
+                                  f"is not one of {MEM_TYPES} and a GPU index")
     if dirty is not None:
         dirty[0] = True
     try:
         try:
-            read_s = agent().read(remote_md, descs, address, plan.slab_size_bytes, deadline,
-                                  settings.bandwidth_bytes_per_s, alive, progress)
+            read_s = agent().read(remote_md, descs, target.address, plan.slab_size_bytes, deadline,
+                                  settings.bandwidth_bytes_per_s, alive, progress, local_mem=target.mem,
+                                  local_dev=target.dev, remote_mem=remote_mem, remote_dev=remote_dev,
+                                  current=target.current)
         except TransferError as e:
             raise Refused(e.reason, str(e)) from None
     finally:
-        del keep
+        target.keep = None
     t0 = time.monotonic()
-    got = buffer_digests(buf, [(t.name, t.offset_bytes, t.size_bytes) for t in stored], threads)
-    wrong = [t.name for t in stored if got[t.name] != t.digest]
+    wrong = check_digests(writable, target.mem, stored, threads)
     digest_s = time.monotonic() - t0
     if wrong:
         raise Refused("digest_mismatch", f"{len(wrong)} tensors differ from their digests after the READ "
@@ -286,9 +376,12 @@ class _Samples:
 
 
 def _zero(writable: Any, size_bytes: int) -> None:
-    """Zeroes what a failed offer may have written, so the checkpoint's load starts from a clean slab."""
-    buf = writable.buffer
+    """Zeroes what a failed offer may have written, so the checkpoint's load starts from a clean slab: a host
+    mapping by ``memset``, a GPU slab by its ``zero`` (``cuMemsetD8``)."""
+    buf = getattr(writable, "buffer", None)
     if buf is None:
+        if hasattr(writable, "zero"):
+            writable.zero([(0, min(size_bytes, int(writable.size_bytes)))])
         return
     address, keep = buffer_address(buf)
     ctypes.memset(address, 0, min(size_bytes, len(buf)))

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._agent import Agent, NixlMissing, nixl_installed
-from ._receiver import Seeded, fetch
+from ._receiver import Seeded, fetch, target_of
 from ._secret import SecretError, load_secret
 from ._settings import SeedSettings, SeedStats
 from ._source import Offers, Source
@@ -102,11 +102,12 @@ class Seeder:
 
     def fill(self, plan: Any, writable: Any, threads: int = 4,
              progress: Callable[[int, int], None] | None = None) -> Seeded | None:
-        """Fills ``writable`` (a host memfd slab) from a peer; None: read the checkpoint (reasons logged).
+        """Fills ``writable`` (a host memfd slab, or a CUDA service's GPU slab) from a peer; None: read the
+        checkpoint (reasons logged).
 
         See :func:`weightcache.seeding._receiver.fetch`.
         """
-        if not self.asks_peers or getattr(writable, "buffer", None) is None:
+        if not self.asks_peers or target_of(writable) is None:
             return None
         try:
             self.agent()

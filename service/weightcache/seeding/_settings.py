@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 #: Reasons a receiver falls back to its own load (metrics label ``reason``, journal ``REASON``).
 FALLBACK_REASONS = ("no_peer", "unreachable", "not_held", "not_allowed", "busy", "auth", "timeout",
-                    "disconnected", "transfer_error", "digest_mismatch", "wrong_checkpoint", "key_mismatch",
-                    "manifest_mismatch", "protocol", "internal")
+                    "disconnected", "transfer_error", "digest_mismatch", "digest_kind", "wrong_checkpoint",
+                    "key_mismatch", "manifest_mismatch", "protocol", "internal")
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,13 @@ transfer ends). Bounded: :attr:`SeedSettings.max_transfers` connections at once 
 :attr:`SeedSettings.max_bytes` registered at once. The registration is released when the receiver says
 ``done``, when the connection closes, or at :attr:`SeedSettings.timeout_s`, whichever comes first.
 
-Only the host backend's slabs (sealed memfds with xxh3 digests) are offered; a CUDA service's host tier
-(``sum64`` digests) and GPU slabs (``VRAM_SEG`` registrations) are not yet (docs/design.md §10).
+What is offered, by where the slab's bytes are (:func:`_region`): a sealed memfd (the host backend's slab, a
+CUDA service's host tier) is duplicated, mapped read-only by the source thread and registered as ``DRAM``; a
+CUDA service's GPU slab (``CudaSealedSlab``) is registered as ``VRAM`` at the service's own read-only
+mapping, device id = its GPU index, with the GPU's context current, the mapping held by the offer (an
+eviction meanwhile unmaps it when the transfer ends). The manifest's digests are the slab's own family
+(``xxh3_128`` for host slabs, ``sum64`` for GPU slabs and their host-tier copies); the reply names the
+memory kind (``mem``, ``dev``) so the receiver builds its remote descriptors of that kind.
 
 Forbidden imports: torch, weightcache.daemon, nixl (through :mod:`._agent` only).
 """
@@ -17,12 +22,14 @@ Forbidden imports: torch, weightcache.daemon, nixl (through :mod:`._agent` only)
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import mmap
 import os
 import queue
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -46,7 +53,17 @@ OTHER = "(other)"
 
 @dataclass
 class Offer:
-    """A slab handed to a source thread: fds it owns (and closes), the bytes to register, the key."""
+    """A slab handed to a source thread: fds it owns (and closes), the bytes to register, the key.
+
+    Attributes:
+        fd (`int`): a duplicate of the sealed memfd (``DRAM``), or -1 for a GPU slab (``VRAM``).
+        size_bytes (`int`): bytes registered.
+        mem (`str`): ``DRAM`` or ``VRAM`` (:data:`weightcache.seeding._agent.MEM_TYPES`).
+        dev (`int`): the GPU index of a ``VRAM`` slab (0 for ``DRAM``).
+        address (`int`): the device address of a ``VRAM`` slab (a ``DRAM`` one is mapped by the thread).
+        holder: keeps a ``VRAM`` slab's mapping alive until the offer is dropped.
+        current (`callable`): ``() -> context manager``: the GPU's context current (``VRAM``), else nothing.
+    """
 
     fd: int
     size_bytes: int
@@ -55,6 +72,11 @@ class Offer:
     key: dict
     #: The checkpoint directory the slab was made from (the samples are read there).
     path: str = ""
+    mem: str = "DRAM"
+    dev: int = 0
+    address: int = 0
+    holder: Any = None
+    current: Callable[[], Any] = contextlib.nullcontext
 
 
 @dataclass(eq=False)
@@ -117,21 +139,41 @@ def _answer(q: Lookup, slots: Iterable[Any]) -> None:
         if not getattr(p.model, "serve_to_peers", False):
             q.reason = "not_allowed"
             return
-        slab = s.hosted if isinstance(s.hosted, HostSealedSlab) else s.sealed
-        if s.state.value not in ("ready", "hosted") or not isinstance(slab, HostSealedSlab) or slab.fd < 0 \
-                or s.manifest_file is None or s.manifest is None:
+        # The resident slab first (a GPU slab: GPU to GPU), else its host-tier copy.
+        slab = s.sealed if _region(s.sealed) is not None else s.hosted
+        kind = _region(slab)
+        if s.state.value not in ("ready", "hosted") or kind is None or s.manifest_file is None or s.manifest is None:
             q.reason = "not_held"
             return
-        fd = os.dup(slab.fd)
+        mfd = os.dup(s.manifest_file.fd)
         try:
-            mfd = os.dup(s.manifest_file.fd)
-        except OSError:
-            os.close(fd)
+            if kind == "DRAM":
+                q.offer = Offer(os.dup(slab.fd), slab.size_bytes, mfd, s.manifest_file.size_bytes, s.manifest.key,
+                                p.model.path)
+            else:
+                ptr, gpu, current, holder = slab.device_range()
+                q.offer = Offer(-1, slab.size_bytes, mfd, s.manifest_file.size_bytes, s.manifest.key, p.model.path,
+                                "VRAM", gpu, ptr, holder, current)
+        except BaseException:
+            os.close(mfd)
             raise
-        q.offer = Offer(fd, slab.size_bytes, mfd, s.manifest_file.size_bytes, s.manifest.key, p.model.path)
         q.reason = ""
         return
     q.reason = "not_held"
+
+
+def _region(slab: Any) -> str | None:
+    """The NIXL memory kind a sealed slab is offered as: ``DRAM`` for a sealed memfd (the host backend's
+    ``HostSealedSlab``, a CUDA service's host tier ``HostTierSlab``), ``VRAM`` for a CUDA service's GPU slab
+    (it has ``device_range``), None for anything else (nothing, or closed)."""
+    if slab is None:
+        return None
+    tier = sys.modules.get("weightcache.memory.cuda_tier")  # loaded only by a CUDA service
+    if isinstance(slab, HostSealedSlab) or (tier is not None and isinstance(slab, tier.HostTierSlab)):
+        return "DRAM" if slab.fd >= 0 else None
+    if callable(getattr(slab, "device_range", None)) and getattr(slab, "mapped", False):
+        return "VRAM"
+    return None
 
 
 class Source:
@@ -283,20 +325,25 @@ class Source:
                 return self._refuse(ch, peer, model, "not_held")
             answers, my_blobs = answers
             manifest = os.pread(offer.manifest_fd, offer.manifest_bytes, 0)
-            mapping = mmap.mmap(offer.fd, offer.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
-            from ._agent import buffer_address
+            if offer.mem == "DRAM":
+                mapping = mmap.mmap(offer.fd, offer.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+                from ._agent import buffer_address
 
-            address, keep = buffer_address(mapping)
+                address, keep = buffer_address(mapping)
+            else:
+                address = offer.address
             agent = self._agent()
-            reg = agent.register(address, offer.size_bytes)
+            with offer.current():
+                reg = agent.register(address, offer.size_bytes, offer.mem, offer.dev)
             t0 = time.monotonic()
             ch.send("reply", {"ok": True, "agent": agent.name,
                               "agent_md": base64.b64encode(agent.metadata(reg)).decode(),
-                              "descs": [[address, offer.size_bytes]],
+                              "descs": [[address, offer.size_bytes]], "mem": offer.mem, "dev": offer.dev,
                               "manifest": base64.b64encode(manifest).decode(), "key": offer.key,
                               "digest": manifest_digest(manifest),
                               "samples": [base64.b64encode(b).decode() for b in answers], "blobs": my_blobs})
-            _progress_until_readable(agent, conn, time.monotonic() + self.settings.timeout_s)
+            with offer.current():  # UCX stages a GPU source's bytes for TCP with the context current
+                _progress_until_readable(agent, conn, time.monotonic() + self.settings.timeout_s)
             conn.settimeout(10.0)
             done = ch.recv("done")
             ch.send("ack", {"ok": True})
@@ -314,12 +361,15 @@ class Source:
                 log.info("seeding: peer=%s did not keep model=%s reason=%s", peer, model, reason)
         finally:
             if reg is not None:
-                agent.deregister(reg)
+                with offer.current():
+                    agent.deregister(reg)
             keep = None  # noqa: F841 - the numpy view goes before the mapping closes
             if mapping is not None:
                 mapping.close()
-            os.close(offer.fd)
+            if offer.fd >= 0:
+                os.close(offer.fd)
             os.close(offer.manifest_fd)
+            offer.holder = None  # a GPU slab evicted meanwhile is unmapped when the last reference goes
             if reserved:
                 with self._lock:
                     self._active_bytes -= reserved
