@@ -55,8 +55,11 @@ HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 sys.path.insert(0, str(TESTS))
 
+sys.path.insert(0, str(HERE))
+
 import fp8_fixtures  # noqa: E402
 import tiny_models  # noqa: E402
+import vllm_zygote  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("_wc_integration_conftest", TESTS / "service_harness.py")
 harness = importlib.util.module_from_spec(_spec)
@@ -75,7 +78,7 @@ pytestmark = pytest.mark.timeout(900)
 def run_engine(model: Path, *, load_format: str | None = None, extra: dict | None = None,
                dtype: str = "float32", multiprocess: bool = False, tp: int = 1, env: dict | None = None,
                faults: bool = False, **job_keys) -> tuple[dict, str]:
-    """Runs one engine in a subprocess; returns ``(result, output)``.
+    """Runs one engine in a fresh process (``vllm_runner.py``, forked from vllm_zygote.py); returns ``(result, output)``.
 
     ``output`` is its stdout and stderr: vLLM's log handler writes to stdout.
     ``result`` is ``{"tokens": [[...]], ...}`` or ``{"error": {"type", "code", "message"}}``
@@ -90,8 +93,10 @@ def run_engine(model: Path, *, load_format: str | None = None, extra: dict | Non
     if tp > 1:
         # One OpenMP core per CPU worker: vLLM's automatic binding wants a NUMA node per worker.
         extra_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
-    p = subprocess.run([sys.executable, str(RUNNER), json.dumps(job)], capture_output=True, text=True,
-                       env=harness.service_env(extra_env), timeout=ENGINE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    # A fresh process per engine start, forked from the session's zygote (vllm_zygote.py: torch and vLLM imported
+    # once) where the environment allows it, else a plain subprocess.
+    p = vllm_zygote.run([RUNNER, json.dumps(job)], env=harness.service_env(extra_env), timeout=ENGINE_TIMEOUT_S,
+                        base_env=harness.service_env())
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     want_rc = -signal.SIGSEGV if faults else 0
     assert p.returncode == want_rc and lines, (
