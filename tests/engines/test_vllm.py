@@ -57,6 +57,7 @@ sys.path.insert(0, str(TESTS))
 
 sys.path.insert(0, str(HERE))
 
+import default_loader_runs  # noqa: E402
 import fp8_fixtures  # noqa: E402
 import tiny_models  # noqa: E402
 import vllm_zygote  # noqa: E402
@@ -87,6 +88,15 @@ def run_engine(model: Path, *, load_format: str | None = None, extra: dict | Non
     """
     job = {"model": str(model), "dtype": dtype, "load_format": load_format, "extra": extra,
            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "tensor_parallel_size": tp, **job_keys}
+    # vLLM's default loader on the same bytes with the same settings: run once per session (default_loader_runs.py);
+    # a run with the probe serves a request without it.
+    memo = None
+    if load_format is None and not faults and env is None and set(job_keys) <= {"probe"}:
+        memo = default_loader_runs.key(model, dtype=dtype, tp=tp, multiprocess=multiprocess, prompts=PROMPTS,
+                                       max_tokens=MAX_TOKENS)
+        hit = default_loader_runs.RUNS.get(memo)
+        if hit is not None and ("probe" in hit[0] or not job_keys.get("probe")):
+            return hit
     extra_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
                  # vLLM's IPC sockets go to the test's own directory, not /tmp.
                  "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="wc-vllm-rpc-"), **(env or {})}
@@ -101,7 +111,10 @@ def run_engine(model: Path, *, load_format: str | None = None, extra: dict | Non
     want_rc = -signal.SIGSEGV if faults else 0
     assert p.returncode == want_rc and lines, (
         f"engine run: rc={p.returncode}, expected {want_rc}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-8000:]}")
-    return json.loads(lines[-1][len("RESULT "):]), p.stdout + p.stderr
+    result, output = json.loads(lines[-1][len("RESULT "):]), p.stdout + p.stderr
+    if memo is not None and "tokens" in result:
+        default_loader_runs.RUNS[memo] = (result, output)
+    return result, output
 
 
 def tokens_of(result: dict, output: str) -> list[list[int]]:

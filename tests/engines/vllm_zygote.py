@@ -85,8 +85,8 @@ def _preload() -> set[str]:
 
     read: set[str] = set()
     undo = _record_env_reads(read)
-    try:
-        from vllm.model_executor.model_loader import get_model_loader  # noqa: F401 - vllm_runner._time_model_load
+    try:  # in the runner's order
+        from vllm.model_executor.model_loader import get_model_loader  # noqa: F401, I001 - vllm_runner._time_model_load
         from vllm.v1.worker import cpu_model_runner  # noqa: F401
         from vllm import LLM, SamplingParams  # noqa: F401 - vllm_runner.main
         from vllm.inputs import TokensPrompt  # noqa: F401
@@ -279,8 +279,8 @@ def run(argv: list[str], *, env: dict[str, str], timeout: float, base_env: dict[
             atexit.register(_ZYGOTE.close)
         if _ZYGOTE.takes(env, os.getcwd()):
             return _ZYGOTE.run(argv, env, timeout)
-    return subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, env=env, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run([sys.executable, *map(str, argv)], check=False, capture_output=True, text=True, env=env,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
