@@ -126,9 +126,10 @@ def _no_weightcache_warning(out: str) -> None:
                                                               ("qwen3_moe", "phi3", "olmoe", "gemma2", "granite")])
 def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(workdir, family):
     ck = _checkpoint(workdir / family, family)
-    expected_run = run_engine(ck, probe=True)
+    # The default loader's memory (its probe) is compared for Qwen3 only; the other families' reference runs are
+    # test_vllm_publish.py's (the same bytes, default_loader_runs.py).
+    expected_run = run_engine(ck, probe=family == "qwen3")
     expected = tokens_of(*expected_run)
-    (default_probe,) = expected_run[0]["probe"]
     svc = RestartableService(workdir / f"s-{family}", {family: {"path": ck, "naming": "vllm", "dtype": "float32"}})
     with contextlib.closing(svc):
         st = svc.wait(_settled, "the service to settle")
@@ -146,6 +147,7 @@ def test_readme_recipe_waits_publishes_attaches_and_attaches_after_a_restart(wor
         (probe1,) = first["probe"]
         assert probe1["params"] > 0 and probe1["outside"] == [], probe1
         if family == "qwen3":  # 16 MB of vocabulary: its bytes stand out of the process's own memory
+            (default_probe,) = expected_run[0]["probe"]
             saved = (anonymous_kb(default_probe) - anonymous_kb(probe1)) * 1024
             assert saved >= PRIVATE_SAVING * probe1["param_bytes"], (saved, probe1["param_bytes"], default_probe,
                                                                      probe1)
