@@ -244,12 +244,22 @@ class Zygote:
             try:
                 status = self._read(timeout=timeout)["status"]
             except TimeoutError:
-                os.kill(pid, 9)
-                self._read(timeout=60)
+                self._kill(pid)
                 raise subprocess.TimeoutExpired(argv, timeout, out.read_text(errors="replace"),
                                                 err.read_text(errors="replace")) from None
+            except BaseException:  # e.g. pytest-timeout's signal: the child goes, the zygote takes the next job
+                self._kill(pid)
+                raise
             return subprocess.CompletedProcess(argv, status, out.read_text(errors="replace"),
                                                err.read_text(errors="replace"))
+
+    def _kill(self, pid: int) -> None:
+        """Kills the job's child (``SIGKILL``) and reads its status, so that the zygote is free for the next job."""
+        try:
+            os.kill(pid, 9)
+            self._read(timeout=60)
+        except (OSError, RuntimeError):  # already gone, or the zygote with it
+            pass
 
     def close(self) -> None:
         self.sock.close()
