@@ -6,7 +6,9 @@ of torch and vLLM first (about 6 s of CPU, more than the engine start itself on 
 ``.venv-vllm`` process per test session that does that import once, exactly as the runner does before its clock's
 ``import_s`` (the runner's environment defaults, vLLM's model loader, CPU model runner and ``LLM``) and nothing
 more: no engine built, no plugin loaded, no thread of its own, no torch parallel region run (so vLLM's state is that
-of a fresh process that has only imported). For each job it forks a child that:
+of a fresh process that has only imported); then it freezes the garbage collector's view of what it imported
+(``gc.freeze``: a child's collections do not walk the inherited heap; objects made at import are never collected as
+cyclic garbage in a child, which lives for one engine start). For each job it forks a child that:
 
 - takes the job's stdin (``/dev/null``), stdout and stderr (files the client reads back);
 - takes the job's environment (the variables that differ from the zygote's, see below) and working directory;
@@ -36,6 +38,7 @@ way of starting it. Usage::
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import socket
@@ -156,6 +159,9 @@ def serve(fd: int) -> int:
     """
     before = dict(os.environ)
     read = _preload()
+    # The imported objects go to the collector's permanent generation: a child's collections no longer walk (and so
+    # copy-on-write) the inherited heap. Halved a tiny engine's start in a child (1.7 s to 0.8 s; load_s 0.7 to 0.1).
+    gc.freeze()
     start_env = dict(os.environ)
     # Late keys are those nothing read nor set while importing.
     late = sorted(k for k in LATE_KEYS - read if before.get(k) == start_env.get(k))
