@@ -166,19 +166,6 @@ class CudaBackend:
         mapping = _map_fd(self._device(self.gpu), fd, size_bytes, read_only=True)
         return CudaSealedSlab(fd, mapping.size_bytes, mapping, owner_read_only=True)
 
-    def adopt_publication(self, fd: int, size_bytes: int) -> CudaSealedSlab:
-        """The service's own sealed copy of a publisher's exported VMM allocation
-        (:func:`weightcache.memory.cuda_publish.adopt_publication`); ``fd`` stays the caller's.
-
-        Raises:
-            PublicationInvalid (`publication_invalid`): not a VMM fd of ``size_bytes`` (a multiple of
-                :attr:`granularity`).
-            OutOfMemory (`out_of_memory`): no room on the GPU for the copy.
-        """
-        from . import cuda_publish
-
-        return cuda_publish.adopt_publication(self._device(self.gpu), fd, int(size_bytes))
-
     def defer_publication(self, source: Any, size_bytes: int, label: str) -> Any:
         """A publication's copy into the service's own slab, checked now and run later by the publication's worker
         (:class:`weightcache.memory.cuda_publish.Adoption`: its ``size_bytes`` is what the budget reserves).

@@ -44,7 +44,7 @@ from .cuda_slabs import CudaSealedSlab, CudaWritableSlab
 
 log = logging.getLogger("weightcache.memory.cuda")
 
-__all__ = ["Adoption", "FillPlan", "IpcSource", "adopt_publication", "ipc_export", "plan_fill", "IPC_HANDLE_BYTES",
+__all__ = ["Adoption", "FillPlan", "IpcSource", "ipc_export", "plan_fill", "IPC_HANDLE_BYTES",
            "MAX_IPC_TABLE_BYTES"]
 
 #: Bytes of a ``CUipcMemHandle``.
@@ -371,32 +371,3 @@ def _fill(device: _Device, own: CudaWritableSlab, pieces: list[tuple[int, int, i
         digests.update(zip([r[0] for r in plan.after],
                            kernels.sum64(device, [(own.ptr + off, n) for _, off, n in plan.after])))
     return digests
-
-
-def adopt_publication(device: _Device, fd: int, size_bytes: int, label: str = "publication") -> CudaSealedSlab:
-    """The service's own sealed copy of a publisher's exported VMM allocation (no digests: the caller's).
-
-    Args:
-        device (`_Device`): the service's GPU (its primary context).
-        fd (`int`): the POSIX-fd shareable handle the publisher sent (``cuMemExportToShareableHandle``); it stays
-            the caller's.
-        size_bytes (`int`): the publication's size in bytes, a multiple of the GPU's VMM granularity (2 MiB on
-            an H200), at most the allocation behind ``fd``.
-        label (`str`, *optional*): for the allocation's log lines.
-
-    Returns:
-        `CudaSealedSlab`: a new allocation of ``size_bytes`` on ``device`` holding the publisher's bytes, sealed.
-
-    Raises:
-        PublicationInvalid (`publication_invalid`): as :class:`Adoption` and :meth:`Adoption.run`.
-        OutOfMemory (`out_of_memory`): the GPU has no room for the service's copy; nothing stays allocated.
-        CudaDriverError: the copy failed.
-    """
-    dup = os.dup(fd)
-    try:
-        adoption = Adoption(device, dup, size_bytes, label)
-    except BaseException:
-        os.close(dup)
-        raise
-    sealed, _ = adoption.run([])
-    return sealed
