@@ -409,7 +409,7 @@ class Daemon:
         self._probe_sizes()
         if self.images is not None:  # slabs the fd store kept: their image, where the last stop lost its write
             for s in self.state.slots:
-                if s.source == "fd_store" and s.state in (SlotState.READY, SlotState.HOSTED):
+                if s.state in (SlotState.READY, SlotState.HOSTED):  # written_after_adopt keeps fd-store ones
                     self.images.written_after_adopt(s)
         log.info("serving gpu=%d backend=%s slabs=%d", self.gpu, self.backend.name, len(self.state.slots),
                  extra=event("serving", slabs=len(self.state.slots), backend=self.backend.name))
