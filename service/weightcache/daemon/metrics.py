@@ -113,7 +113,7 @@ class Counters:
             return  # a parked attach: counted by waited() when it is answered
         if isinstance(msg, (protocol.Attach, protocol.AttachPublished)):  # by engine key, an attach all the same
             self.attach_answered(msg, first.msg, seconds)
-        elif isinstance(msg, (protocol.Publish, protocol.PublishCudaIpc)):
+        elif isinstance(msg, protocol.Publish):  # publish_cuda_ipc too (a subclass)
             reply = first.msg
             outcome, code = (("refused", reply.code) if isinstance(reply, protocol.Error)
                              else ("published" if reply.created else "held", ""))

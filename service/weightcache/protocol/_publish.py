@@ -45,26 +45,18 @@ class Publish(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class PublishCudaIpc(Message):
+class PublishCudaIpc(Publish):
     """``publish`` on the cuda backend without a staging copy: the publisher's allocations by CUDA IPC handle. Two
     fds travel with it: the IPC table (a memfd of ``table_size_bytes`` bytes of UTF-8 JSON, ``{"segments": [hex of
     each 64-byte cuIpcGetMemHandle handle], "copies": [[segment, src_offset, dst_offset, size], ...]}``), then the
     publisher's manifest file. The service copies the bytes into its own slab before it answers; the publisher
     keeps its allocations alive, unchanged, until the reply.
 
-    Attributes:
-        model, tp_size, tp_rank, engine_key, manifest_size_bytes: as :class:`Publish`.
+    Attributes (those of :class:`Publish`, whose fields come first, and):
         size_bytes: the slab's size in bytes (a multiple of the GPU's VMM granularity).
         table_size_bytes: bytes of the IPC table.
     """
 
-    FD_COUNT: ClassVar[int] = 2
-    model: str
-    tp_size: int
-    tp_rank: int
-    engine_key: dict
-    size_bytes: int
-    manifest_size_bytes: int
     table_size_bytes: int
 
 
