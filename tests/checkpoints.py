@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -172,3 +174,19 @@ def one_tensor_checkpoint(dest: Path, seed: int, config: dict[str, Any] | None =
     g = torch.Generator().manual_seed(seed)
     return write_checkpoint(dest, {"w": torch.randn(ONE_TENSOR_N, generator=g)}, config)
 
+
+def headers_only_copy(src: Path, dest: Path) -> Path:
+    """``dest``: ``src``'s JSON files and safetensors headers, each file as long as the original but with
+    holes where the tensor data was (reads give zeros: a load that read it would serve zeros)."""
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.suffix == ".json":
+            shutil.copyfile(f, dest / f.name)
+        elif f.suffix == ".safetensors":
+            with open(f, "rb") as r:
+                head = r.read(8)
+                head += r.read(struct.unpack("<Q", head)[0])
+            with open(dest / f.name, "wb") as w:
+                w.write(head)
+                w.truncate(f.stat().st_size)
+    return dest

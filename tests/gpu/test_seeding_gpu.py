@@ -26,7 +26,6 @@ import json
 import re
 import shutil
 import socket
-import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -46,22 +45,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _headers_only_copy(src: Path, dest: Path) -> Path:
-    """``src``'s JSON files and safetensors headers, each file as long as the original, holes for the data."""
-    dest.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.suffix == ".json":
-            shutil.copyfile(f, dest / f.name)
-        elif f.suffix == ".safetensors":
-            with open(f, "rb") as r:
-                head = r.read(8)
-                head += r.read(struct.unpack("<Q", head)[0])
-            with open(dest / f.name, "wb") as w:
-                w.write(head)
-                w.truncate(f.stat().st_size)
-    return dest
 
 
 def _released(svc) -> None:
@@ -90,7 +73,7 @@ def _attached(svc, model: str, want: dict) -> int:
 
 
 def test_cuda_services_seed_gpu_to_gpu_gpu_to_host_and_host_to_gpu(tmp_path):
-    from checkpoints import llama_checkpoint, read_checkpoint
+    from checkpoints import headers_only_copy, llama_checkpoint, read_checkpoint
     from service_harness import start_service
     from weightcache import protocol
 
@@ -98,7 +81,7 @@ def test_cuda_services_seed_gpu_to_gpu_gpu_to_host_and_host_to_gpu(tmp_path):
                            layers=16)
     assert sum(f.stat().st_size for f in big.glob("*.safetensors")) > 10**9
     small = llama_checkpoint(tmp_path / "small", seed=3, files=1)
-    bare = _headers_only_copy(big, tmp_path / "bare")
+    bare = headers_only_copy(big, tmp_path / "bare")
     want = read_checkpoint(big)
     secret = tmp_path / "seed.secret"
     secret.write_text("b" * 64 + "\n")

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkpoints import compare_bytes, llama_checkpoint, minilm_path, read_checkpoint
+from checkpoints import compare_bytes, headers_only_copy, llama_checkpoint, minilm_path, read_checkpoint
 from service_harness import poll_until, service_env
 
 pytest.importorskip("nixl_cu12", reason="NIXL (weightcache[seeding]) is not installed")
@@ -43,23 +43,6 @@ def secret_file(d: Path, text: str) -> Path:
     p.write_text(text + "\n")
     p.chmod(0o600)
     return p
-
-
-def headers_only_copy(src: Path, dest: Path) -> Path:
-    """``dest``: ``src``'s JSON files and safetensors headers, each file as long as the original but with
-    holes where the tensor data was (reads give zeros: a load that read it would serve zeros)."""
-    dest.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.suffix == ".json":
-            shutil.copyfile(f, dest / f.name)
-        elif f.suffix == ".safetensors":
-            with open(f, "rb") as r:
-                head = r.read(8)
-                head += r.read(struct.unpack("<Q", head)[0])
-            with open(dest / f.name, "wb") as w:
-                w.write(head)
-                w.truncate(f.stat().st_size)
-    return dest
 
 
 def data_is_holes(d: Path) -> bool:
