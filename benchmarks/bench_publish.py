@@ -54,7 +54,9 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=15.0)
     ap.add_argument("--tensors", type=int, default=1200)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--paths", default="ipc,staging", help="publish paths to time, comma-separated")
+    ap.add_argument("--paths", default="ipc,staging,colocated",
+                    help="publish paths to time, comma-separated: ipc, staging, colocated (the tensors moved by "
+                         "integrations.params.colocate first, as vLLM's publishing load does; then cuda_path=auto)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     import torch
@@ -80,12 +82,30 @@ def main() -> int:
                    for i in range(args.tensors)}
         nbytes = sum(t.numel() * 2 for t in tensors.values())
         results["bytes"] = nbytes
-        for rep in range(args.reps):
-            key = {"engine": "bench", "engine_version": str(rep), "architecture": "Bench", "dtype": "bfloat16",
+        def one(rep: int, path: str, tag: str) -> int:
+            key = {"engine": "bench", "engine_version": f"{rep}.{tag}", "architecture": "Bench", "dtype": "bfloat16",
                    "quantization": {"method": "", "config_blake2b": ""},
                    "parallel": {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0,
                                 "ep_size": 1, "ep_rank": 0},
                    "draft": "", "kernels": {}, "compute_capability": f"{cap[0]}.{cap[1]}"}
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            got = publish(str(ck), key, tensors, device="cuda:0", socket_dir=svc.socket_dir, timeout=600,
+                          cuda_path={"ipc": "ipc", "staging": "staging"}.get(path, "auto"))
+            results["publish_s"][path].append(time.perf_counter() - t0)
+            assert got.created, got
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "tests")]))
+            r = subprocess.run([sys.executable, "-c", _ENGINE, str(ck), svc.socket_dir, json.dumps(key)],
+                               capture_output=True, text=True, env=env, timeout=300, check=False)
+            if r.returncode:
+                print(r.stderr[-3000:], file=sys.stderr)
+                return 1
+            results["attach"].append(json.loads(r.stdout.strip().splitlines()[-1]))
+            subprocess.run([sys.executable, "-m", "weightcache", "evict", "--socket-dir", svc.socket_dir,
+                            "--gpu", "0", "--force", got.label], capture_output=True, env=env, check=False)
+            return 0
+
+        for rep in range(args.reps):
             dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -98,22 +118,29 @@ def main() -> int:
             results["d2d_copy_s"].append(time.perf_counter() - t0)
             del dst
             torch.cuda.empty_cache()
-            for i, path in enumerate(paths):
-                key["engine_version"] = f"{rep}.{i}"
-                t0 = time.perf_counter()
-                got = publish(str(ck), key, tensors, device="cuda:0", socket_dir=svc.socket_dir, timeout=600,
-                              cuda_path="ipc" if path == "ipc" else "staging")
-                results["publish_s"][path].append(time.perf_counter() - t0)
-                assert got.created, got
-                env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "tests")]))
-                r = subprocess.run([sys.executable, "-c", _ENGINE, str(ck), svc.socket_dir, json.dumps(key)],
-                                   capture_output=True, text=True, env=env, timeout=300, check=False)
-                if r.returncode:
-                    print(r.stderr[-3000:], file=sys.stderr)
+            for i, path in enumerate(p for p in paths if p != "colocated"):
+                if one(rep, path, str(i)):
                     return 1
-                results["attach"].append(json.loads(r.stdout.strip().splitlines()[-1]))
-                subprocess.run([sys.executable, "-m", "weightcache", "evict", "--socket-dir", svc.socket_dir,
-                                "--gpu", "0", "--force", got.label], capture_output=True, env=env, check=False)
+        if "colocated" in paths:
+            # what vLLM's publishing load does (WeightcachePublishLoader._own_load): the built model's storages
+            # moved into a few allocations before the checkpoint is read into them; then publish(cuda_path="auto")
+            from torch import nn
+
+            from weightcache.integrations.params import colocate
+            holder = nn.ParameterDict({k.replace(".", "_"): nn.Parameter(t, requires_grad=False)
+                                       for k, t in tensors.items()})
+            names = dict(zip(holder.keys(), tensors.keys()))
+            del tensors
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            results["colocate_allocations"] = colocate(holder, "cuda:0")
+            torch.cuda.synchronize()
+            results["colocate_s"] = time.perf_counter() - t0
+            torch.cuda.empty_cache()
+            tensors = {names[k]: p.detach() for k, p in holder.items()}
+            for rep in range(args.reps):
+                if one(rep, "colocated", "c"):
+                    return 1
         results["service_log"] = [ln for ln in svc.log().splitlines() if "publication copied" in ln
                                   or "published model" in ln][-4 * args.reps:]
     finally:
@@ -131,6 +158,9 @@ def main() -> int:
         p = med(xs)
         lines.append(f"| `publish()` to the committed slab, `{path}` | {p:.3f} ({min(xs):.3f}–{max(xs):.3f}) | "
                      f"{nbytes / p / 1e9:.1f} | **{p / c:.2f}x** |")
+    if "colocate_s" in results:
+        lines.append(f"| (in the engine's load, before the checkpoint is read: `colocate()` into "
+                     f"{results['colocate_allocations']} allocations) | {results['colocate_s']:.3f} | | |")
     lines += [f"| one torch device-to-device copy of the same bytes | {c:.3f} | {nbytes / c / 1e9:.1f} | 1 |", "",
               f"Target: within 2x of the copy. Second start, fresh process: "
               f"`attach_published()` {med([a['attach_ms'] for a in att]):.1f} ms p50 for {att[0]['tensors']} "

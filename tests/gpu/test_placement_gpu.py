@@ -35,6 +35,14 @@ def test_kernels_equal_torch():
     ranges = [(0, 0), (8, 1), (16, 7), (24, 8), (32, 9), (256, 4097), (4096, (1 << 20) + 3), (8, (5 << 20) - 8)]
     got = kernels.sum64(dev, [(base + o, n) for o, n in ranges])
     assert got == [digest.digest(data[o : o + n]) for o, n in ranges]
+    # copy_sum64: one launch copies every range (16-byte and 8-byte aligned, several chunks, tails) and digests it
+    dst = torch.zeros(12 << 20, dtype=torch.uint8, device="cuda")
+    places = [(0, 0, 5 << 20), (5 << 20, 8, 4097), ((5 << 20) + 8192, 24, (4 << 20) + 13), (11 << 20, 16, 0)]
+    sums = kernels.copy_sum64(dev, [(dst.data_ptr() + d, base + o, n) for d, o, n in places])
+    assert sums == [digest.digest(data[o : o + n]) for _, o, n in places]
+    for d, o, n in places:
+        assert torch.equal(dst[d : d + n], data[o : o + n])
+    assert int(dst[(5 << 20) + 4097 : (5 << 20) + 8192].sum()) == 0  # nothing written past a range
     table = bytes(range(255, -1, -1))
     for o, n in [(0, 1000003), (3, 77), (4096, 5)]:
         before = data[o : o + n].cpu()

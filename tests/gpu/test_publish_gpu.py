@@ -101,13 +101,16 @@ def _same(got: dict, want: dict) -> None:
         assert torch.equal(g.cpu(), w.cpu()), f"bytes of {name} differ"
 
 
-@pytest.mark.parametrize("cuda_path,via", [("auto", "staging"), ("auto-no-room", "ipc"), ("ipc", "ipc"),
-                                           ("staging", "staging")])
+@pytest.mark.parametrize("cuda_path,via", [("auto", "ipc"), ("auto-many", "staging"), ("auto-no-room", "ipc"),
+                                           ("ipc", "ipc"), ("staging", "staging")])
 def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path, monkeypatch, cuda_path, via):
-    if cuda_path == "auto-no-room":  # the GPU cannot hold a staging copy beside the service's: auto takes IPC
-        from weightcache.client import _publish
+    from weightcache.client import _publish
 
+    if cuda_path == "auto-no-room":  # the GPU cannot hold a staging copy beside the service's: auto takes IPC
         monkeypatch.setattr(_publish, "STAGING_MARGIN_BYTES", 1 << 50)
+        cuda_path = "auto"
+    elif cuda_path == "auto-many":  # more allocations than IPC_MAX_ALLOCATIONS, room to stage: auto stages
+        monkeypatch.setattr(_publish, "IPC_MAX_ALLOCATIONS", 0)
         cuda_path = "auto"
     ck = _ckpt(tmp_path / "ck")
     svc = ServiceProcess(tmp_path / "svc", make_config({"m": ck}, backend="cuda"), gpu=0, backend="cuda").start()
@@ -120,8 +123,8 @@ def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path
         got = publish(str(ck), _key(), tensors, attrs={"qk_proj.weight": {"output_dim": 0}}, device="cuda:0",
                       socket_dir=svc.socket_dir, cuda_path=cuda_path)
         assert got.created and got.label.startswith("m/tp1/rank0+pub:")
-        # the default stages a copy where the GPU has room, else copies from the publisher's own allocations by
-        # CUDA IPC; either way the digests are made by the service's copy
+        # the default copies from the publisher's own allocations by CUDA IPC when they are few (here: 8 tensors)
+        # or the GPU has no room to stage, else stages a copy; either way the digests are made by the service's copy
         assert f"via={via} fused_digests=True" in svc.log(), svc.log()[-3000:]
         assert got.size_bytes % (2 << 20) == 0  # the service's own VMM allocation
         # the publisher's staging allocation is gone: only the service's copy is new on the GPU
@@ -139,6 +142,39 @@ def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path
         (pub,) = [s for s in st["slabs"] if s.get("publication")]
         assert pub["state"] == "ready" and pub["tensors"] == 8 and pub["resident_bytes"] == got.size_bytes
         # verify: the digests recorded at commit, computed again on the GPU
+        r = subprocess.run([sys.executable, "-m", "weightcache", "verify", "--socket-dir", svc.socket_dir,
+                            "--gpu", "0", "m"], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT / "service")), timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        svc.stop()
+
+
+def test_a_colocated_model_is_published_by_ipc_from_a_few_allocations(tmp_path):
+    """What vLLM's publishing load does: the built model's storages moved by ``colocate`` (one allocation per
+    GiB instead of one per weight), then ``publish(cuda_path="auto")`` takes IPC and the bytes are equal."""
+    from torch import nn
+
+    from weightcache.client._device import local_backend
+    from weightcache.integrations.params import colocate
+
+    ck = _ckpt(tmp_path / "ck")
+    svc = ServiceProcess(tmp_path / "svc", make_config({"m": ck}, backend="cuda"), gpu=0, backend="cuda").start()
+    try:
+        svc.wait_settled()
+        g = torch.Generator(device="cuda").manual_seed(5)
+        model = nn.ParameterDict({f"w{i}": nn.Parameter(torch.randn(3 << 20, device="cuda:0", generator=g),
+                                                        requires_grad=False) for i in range(40)})  # 12 MiB each
+        backend = local_backend("cuda:0")
+        assert backend.allocation_count([p.data_ptr() for p in model.values()]) == 40  # one cudaMalloc each
+        want = {k: p.detach().clone() for k, p in model.items()}
+        assert colocate(model, "cuda:0") == 1  # 480 MiB: one group
+        assert backend.allocation_count([p.data_ptr() for p in model.values()]) == 1
+        tensors = {k: p.detach() for k, p in model.items()}
+        _same(tensors, want)
+        got = publish(str(ck), _key(), tensors, device="cuda:0", socket_dir=svc.socket_dir)
+        assert got.created
+        assert "via=ipc fused_digests=True" in svc.log(), svc.log()[-3000:]
         r = subprocess.run([sys.executable, "-m", "weightcache", "verify", "--socket-dir", svc.socket_dir,
                             "--gpu", "0", "m"], capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=str(ROOT / "service")), timeout=120)

@@ -210,6 +210,25 @@ def _room_to_stage(slab_bytes: int, device: str) -> bool:
     return free >= 2 * slab_bytes + STAGING_MARGIN_BYTES
 
 
+#: At most this many allocations, ``cuda_path="auto"`` publishes by CUDA IPC even when the GPU has room to stage.
+IPC_MAX_ALLOCATIONS = 64
+
+
+def _prefer_ipc(copies: list[tuple[Any, int, int, int]], slab_bytes: int, device: str) -> bool:
+    """``cuda_path="auto"``'s choice: CUDA IPC when the tensors lie in at most :data:`IPC_MAX_ALLOCATIONS`
+    allocations (one copy, a few handles for the service to open: what
+    :func:`weightcache.integrations.params.colocate` makes of an engine's model) or the GPU has no room to stage;
+    else the staging copy (1,200 allocations cost the service more to open than a second copy)."""
+    if not _room_to_stage(slab_bytes, device):
+        return True
+    try:
+        n = local_backend(device).allocation_count([st.data_ptr() + off for st, off, _, _ in copies])
+    except Exception as e:  # noqa: BLE001 - CudaDriverError: an address the driver does not know; staging copies it
+        log.debug("publish: allocations not counted (%s); staging", e)
+        return False
+    return n <= IPC_MAX_ALLOCATIONS
+
+
 def _ipc_request(copies: list[tuple[Any, int, int, int]], slab_bytes: int, device: str,
                  required: bool) -> tuple[int, list[int], dict] | None:
     """``(size_bytes, fds, fields)`` of a ``publish_cuda_ipc`` for the planned ``copies`` on ``device``: the CUDA
@@ -298,8 +317,10 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
             copies straight from them: one copy, room for the service's copy only, but each allocation costs the
             service about 0.1 ms to open, so 1,200 allocations take longer than a second copy of 15 GB; the
             tensors must stay alive and unchanged until this returns, which they do since this call waits);
-            ``"auto"``: staging when the GPU has room for it (:func:`_room_to_stage`), else IPC, and staging
-            again when IPC cannot export an allocation (torch's ``expandable_segments``) or the service refuses.
+            ``"auto"``: IPC when the tensors lie in at most :data:`IPC_MAX_ALLOCATIONS` allocations (a model
+            :func:`weightcache.integrations.params.colocate` moved; vLLM's publishing load does) or the GPU has
+            no room to stage, else staging; staging again when IPC cannot export an allocation (torch's
+            ``expandable_segments``) or the service refuses.
 
     Returns:
         `Published`.
@@ -332,8 +353,8 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
     data = pack_file(manifest)
     request = functools.partial(_send, sock_path, timeout, model, tp_size, tp_rank, key_fields, data)
     reply = None
-    if device.startswith("cuda") and (cuda_path == "ipc" or cuda_path == "auto" and not _room_to_stage(slab_bytes,
-                                                                                                     device)):
+    if device.startswith("cuda") and (cuda_path == "ipc" or cuda_path == "auto" and _prefer_ipc(copies, slab_bytes,
+                                                                                               device)):
         ipc = _ipc_request(copies, slab_bytes, device, cuda_path == "ipc")
         if ipc is not None:
             try:

@@ -66,7 +66,7 @@ from ..hashes import blake2b_hex
 from ..journal import event
 from . import vllm_fallback as fb
 from . import vllm_zero_copy as zc
-from .params import register_tensors
+from .params import colocate, register_tensors
 
 log = init_logger("vllm." + __name__)
 
@@ -369,7 +369,7 @@ class WeightcachePublishLoader(DefaultModelLoader):
                          "tp_rank=%d tensors=%d size_bytes=%d duration_ms=%.1f", path, par["tp_size"],
                          par["tp_rank"], len(w.tensors), w.manifest.slab_size_bytes, (time.monotonic() - t0) * 1e3)
                 return model
-        model = self._own_load(vllm_config, model_config, prefix, target)
+        model = self._own_load(vllm_config, model_config, prefix, target, colocated=True)
         tensors, attrs = collect(model)
         try:
             got = publish(path, key, tensors, par["tp_size"], par["tp_rank"], attrs=attrs, **where)
@@ -399,12 +399,21 @@ class WeightcachePublishLoader(DefaultModelLoader):
         return self._own_load(vllm_config, model_config, prefix, target)
 
     def _own_load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
-                  target: torch.device) -> nn.Module:
+                  target: torch.device, colocated: bool = False) -> nn.Module:
         """vLLM's default load and processing; on the CPU build with plain linear layers (the processed weights
-        stay the model's tensors, which is what is published and what a later attach registers)."""
+        stay the model's tensors, which is what is published and what a later attach registers).
+
+        ``colocated`` (a load that publishes, on CUDA): the freshly built model's storages are moved into a few
+        large allocations before the checkpoint is read into them (:func:`~weightcache.integrations.params.
+        colocate`), so the publication hands the service a few CUDA IPC handles and is one copy."""
         with set_default_torch_dtype(model_config.dtype):
             with target:
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            if colocated and target.type == "cuda":
+                t0 = time.monotonic()
+                n = colocate(model, target)
+                log.info("weightcache colocated the model's storages allocations=%d duration_ms=%.1f%s", n,
+                         (time.monotonic() - t0) * 1e3, "" if n else " (no room beside the model: left as built)")
             self.load_weights(model, model_config)
             if current_platform.is_cpu():
                 zc.mark_plain_cpu_linear(model)

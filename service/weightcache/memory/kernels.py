@@ -2,12 +2,14 @@
 
 Two kernels, in CUDA C below (:data:`SOURCE`):
 
-- ``wc_sum64``: the ``sum64`` digest of one byte range (``weightcache.digest``):
-  little-endian 64-bit words ``w_i`` (the tail zero-padded), ``sum_i (w_i XOR
-  (i * K)) * (2i + 1) mod 2**64``; each thread accumulates a grid-stride
-  share, warps reduce with ``__shfl_down_sync`` and ``atomicAdd`` into one
-  64-bit slot; the host XORs the byte length. The same value torch's
-  element-wise version gives (:func:`weightcache.digest.digest`).
+- ``wc_chunks_sum64``: the ``sum64`` digests of many byte ranges (``weightcache.digest``), each optionally
+  copied in the same pass: little-endian 64-bit words ``w_i`` (the tail zero-padded), ``sum_i (w_i XOR
+  (i * K)) * (2i + 1) mod 2**64``. The ranges are cut into :data:`CHUNK_BYTES` chunks, one block each, from a
+  table in device memory (one launch for a whole slab: 1,200 launches of one range each left the copy at
+  about 40 % of a device-to-device copy's rate on the H100); each thread reads 16-byte words, four in
+  flight, warps reduce with ``__shfl_down_sync`` and ``atomicAdd`` into the range's 64-bit slot; the host
+  XORs the byte length. The same value torch's element-wise version gives
+  (:func:`weightcache.digest.digest`).
 - ``wc_lut8``: ``p[i] = lut[p[i]]`` in place over a byte range, with a
   256-byte table passed by value (the FP8 requantisation of a fused part to
   the fused scale: :mod:`weightcache.quant.fp8_codes` computes the table on
@@ -43,43 +45,62 @@ SOURCE = r"""
 typedef unsigned long long u64;
 struct Lut { unsigned char v[256]; };
 
-extern "C" __global__ void wc_sum64(const u64* w, u64 nbytes, u64* out) {
-  const u64 K = 0x9E3779B97F4A7C15ull;
-  const u64 nw = nbytes >> 3;
-  u64 acc = 0;
-  const u64 stride = (u64)gridDim.x * blockDim.x;
-  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nw; i += stride) {
-    acc += (w[i] ^ (i * K)) * (2 * i + 1);
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0 && (nbytes & 7)) {
-    const unsigned char* b = (const unsigned char*)w + nw * 8;
-    u64 v = 0;
-    for (int j = 0; j < (int)(nbytes & 7); ++j) v |= ((u64)b[j]) << (8 * j);
-    acc += (v ^ (nw * K)) * (2 * nw + 1);
-  }
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
-  if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
-}
+struct Chunk { u64 dst; u64 src; u64 word0; u64 nbytes; u64 slot; };
 
-extern "C" __global__ void wc_copy_sum64(u64* d, const u64* w, u64 nbytes, u64* out) {
+// One block per chunk of a range: copies it (dst != 0) and adds its words' share of the range's sum64 into
+// slots[slot]. word0 is the chunk's first word index within its range; a range's tail bytes (nbytes & 7) sit in
+// its last chunk. 16-byte loads and stores when both pointers allow, four in flight per thread.
+extern "C" __global__ void wc_chunks_sum64(const Chunk* chunks, u64* slots) {
   const u64 K = 0x9E3779B97F4A7C15ull;
-  const u64 nw = nbytes >> 3;
+  const Chunk c = chunks[blockIdx.x];
+  const u64 nw = c.nbytes >> 3;
+  u64* d = (u64*)c.dst;
+  const u64* w = (const u64*)c.src;
   u64 acc = 0;
-  const u64 stride = (u64)gridDim.x * blockDim.x;
-  for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nw; i += stride) {
-    const u64 x = w[i];
-    d[i] = x;
+  u64 done = 0;
+  if (((c.dst | c.src) & 15) == 0) {
+    const u64 np = nw >> 1;
+    const ulonglong2* w2 = (const ulonglong2*)w;
+    ulonglong2* d2 = (ulonglong2*)d;
+    const u64 step = (u64)blockDim.x;
+    u64 p = threadIdx.x;
+    for (; p + 3 * step < np; p += 4 * step) {
+      ulonglong2 x[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) x[k] = w2[p + k * step];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (d) d2[p + k * step] = x[k];
+        const u64 i = c.word0 + 2 * (p + k * step);
+        acc += (x[k].x ^ (i * K)) * (2 * i + 1);
+        acc += (x[k].y ^ ((i + 1) * K)) * (2 * i + 3);
+      }
+    }
+    for (; p < np; p += step) {
+      const ulonglong2 x = w2[p];
+      if (d) d2[p] = x;
+      const u64 i = c.word0 + 2 * p;
+      acc += (x.x ^ (i * K)) * (2 * i + 1);
+      acc += (x.y ^ ((i + 1) * K)) * (2 * i + 3);
+    }
+    done = np * 2;
+  }
+  for (u64 j = done + threadIdx.x; j < nw; j += blockDim.x) {
+    const u64 x = w[j];
+    if (d) d[j] = x;
+    const u64 i = c.word0 + j;
     acc += (x ^ (i * K)) * (2 * i + 1);
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0 && (nbytes & 7)) {
+  if (threadIdx.x == 0 && (c.nbytes & 7)) {
     const unsigned char* b = (const unsigned char*)w + nw * 8;
     unsigned char* db = (unsigned char*)d + nw * 8;
     u64 v = 0;
-    for (int j = 0; j < (int)(nbytes & 7); ++j) { db[j] = b[j]; v |= ((u64)b[j]) << (8 * j); }
-    acc += (v ^ (nw * K)) * (2 * nw + 1);
+    for (int j = 0; j < (int)(c.nbytes & 7); ++j) { if (d) db[j] = b[j]; v |= ((u64)b[j]) << (8 * j); }
+    const u64 i = c.word0 + nw;
+    acc += (v ^ (i * K)) * (2 * i + 1);
   }
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
-  if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+  if ((threadIdx.x & 31) == 0) atomicAdd(slots + c.slot, acc);
 }
 
 extern "C" __global__ void wc_lut8(unsigned char* p, u64 n, Lut lut) {
@@ -111,9 +132,8 @@ class KernelError(RuntimeError):
 
 
 class _Module:
-    def __init__(self, module: Any, sum64: Any, lut8: Any, copy_sum64: Any, compile_s: float) -> None:
-        self.module, self.sum64, self.lut8, self.compile_s = module, sum64, lut8, compile_s
-        self.copy_sum64 = copy_sum64
+    def __init__(self, module: Any, lut8: Any, chunks_sum64: Any, compile_s: float) -> None:
+        self.module, self.lut8, self.chunks_sum64, self.compile_s = module, lut8, chunks_sum64, compile_s
 
 
 def _nvrtc():
@@ -187,13 +207,12 @@ def _load(device: Any) -> _Module:
     image, cubin = _compile(major, minor)
     with device.current():
         module = _check("cuModuleLoadData", cu.cuModuleLoadData(image), f"weightcache kernels for sm_{major}{minor}")
-        sum64 = _check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"wc_sum64"))
         lut8 = _check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"wc_lut8"))
-        copy_sum64 = _check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"wc_copy_sum64"))
+        chunks_sum64 = _check("cuModuleGetFunction", cu.cuModuleGetFunction(module, b"wc_chunks_sum64"))
     dt = time.monotonic() - t0
     log.info("kernels compiled gpu=%d arch=sm_%d%d image=%s compile_ms=%.0f", device.index, major, minor,
              "cubin" if cubin else "ptx", dt * 1e3)
-    return _Module(module, sum64, lut8, copy_sum64, dt)
+    return _Module(module, lut8, chunks_sum64, dt)
 
 
 def module(device: Any) -> _Module:
@@ -260,13 +279,13 @@ def prepare(device: Any) -> None:
         log.debug("kernel compile not started gpu=%d error=%s", device.index, e)
 
 
-def _launch(func: Any, blocks: int, args: list, stream: Any = 0) -> None:
+def _launch(func: Any, blocks: int, args: list, stream: Any = 0, threads: int = _THREADS) -> None:
     from .cuda_driver import _check, cu
 
     holders = [a if isinstance(a, ctypes._SimpleCData) or isinstance(a, ctypes.Structure) else ctypes.c_uint64(a)
                for a in args]
     params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
-    _check("cuLaunchKernel", cu.cuLaunchKernel(func, blocks, 1, 1, _THREADS, 1, 1, 0, stream,
+    _check("cuLaunchKernel", cu.cuLaunchKernel(func, blocks, 1, 1, threads, 1, 1, 0, stream,
                                                ctypes.addressof(params), 0))
 
 
@@ -281,16 +300,15 @@ class _Lut(ctypes.Structure):
 def sum64(device: Any, ranges: list[tuple[int, int]]) -> list[str]:
     """``sum64:<16 hex>`` digests of ``(device_ptr, size_bytes)`` ranges, in order (waits for the result).
 
-    Each pointer must be 8-byte aligned (slab records are 256-byte aligned).
-    One launch per range on the legacy stream, one 8-byte slot each, one
+    Each pointer must be 8-byte aligned (slab records are 256-byte aligned). One launch of ``wc_chunks_sum64``
+    for all ranges on the legacy stream (:data:`CHUNK_BYTES` per block), one 8-byte slot per range, one
     device-to-host copy of the slots at the end: the bytes never leave the GPU.
 
     Raises:
         ValueError: a misaligned pointer.
         KernelError, CudaDriverError: as :func:`module`, or a launch failed.
     """
-    m = module(device)
-    return _summed(device, [(m.sum64, [ptr], size) for ptr, size in ranges])
+    return _chunked(device, [(0, ptr, size) for ptr, size in ranges])
 
 
 def copy_sum64(device: Any, copies: list[tuple[int, int, int]]) -> list[str]:
@@ -299,40 +317,78 @@ def copy_sum64(device: Any, copies: list[tuple[int, int, int]]) -> list[str]:
 
     One pass over the source: each word is read once, written to ``dst`` and summed, so the digest is of exactly
     the bytes that landed in ``dst`` even while the source changes (a publisher's memory, DESIGN §6.3). The digest
-    equals :func:`sum64` of ``dst`` afterwards. Both pointers must be 8-byte aligned.
+    equals :func:`sum64` of ``dst`` afterwards. Both pointers must be 8-byte aligned (16-byte aligned pairs take
+    16-byte loads and stores). One launch for all copies, :data:`CHUNK_BYTES` per block: about a device-to-device
+    copy's rate (benchmarks/RESULTS.md).
 
     Raises:
-        ValueError: a misaligned pointer.
+        ValueError: a misaligned pointer, or a zero ``dst_ptr``.
         KernelError, CudaDriverError: as :func:`module`, or a launch failed.
     """
-    m = module(device)
-    return _summed(device, [(m.copy_sum64, [dst, src], size) for dst, src, size in copies])
+    if any(dst == 0 for dst, _, _ in copies):
+        raise ValueError("copy_sum64: a copy's destination pointer is 0")
+    return _chunked(device, copies)
 
 
-def _summed(device: Any, launches: list[tuple[Any, list[int], int]]) -> list[str]:
-    """Runs ``(function, pointer args, size_bytes)`` launches, each adding into its own 8-byte slot, and returns
-    the slots as ``sum64`` digests."""
+#: Bytes of one block's share of a range in ``wc_chunks_sum64`` (a multiple of 16).
+CHUNK_BYTES = 4 << 20
+_CHUNK = ctypes.c_uint64 * 5  # dst, src, word0, nbytes, slot: the kernel's struct Chunk
+
+
+def _chunk_table(items: list[tuple[int, int, int]], chunk: int = CHUNK_BYTES) -> tuple[Any, int]:
+    """The ``struct Chunk`` table of ``(dst_ptr or 0, src_ptr, size_bytes)`` items (uint64, 5 per row) and its
+    row count: each item cut into ``chunk``-byte pieces (a multiple of 16), its ``slot`` the item's index."""
+    import numpy as np
+
+    sizes = np.array([n for _, _, n in items], dtype=np.uint64)
+    per = ((sizes + np.uint64(chunk - 1)) // np.uint64(chunk)).astype(np.int64)
+    rows = int(per.sum())
+    item = np.repeat(np.arange(len(items), dtype=np.int64), per)
+    first = np.concatenate(([0], np.cumsum(per)[:-1])).astype(np.int64)
+    k = (np.arange(rows, dtype=np.int64) - first[item]).astype(np.uint64)  # the chunk's index in its item
+    off = k * np.uint64(chunk)
+    table = np.empty((rows, 5), dtype=np.uint64)
+    dst = np.array([d for d, _, _ in items], dtype=np.uint64)[item]
+    table[:, 0] = np.where(dst == 0, np.uint64(0), dst + off)
+    table[:, 1] = np.array([s for _, s, _ in items], dtype=np.uint64)[item] + off
+    table[:, 2] = off // np.uint64(8)
+    table[:, 3] = np.minimum(sizes[item] - off, np.uint64(chunk))
+    table[:, 4] = item.astype(np.uint64)
+    return table, rows
+
+
+def _chunked(device: Any, items: list[tuple[int, int, int]]) -> list[str]:
+    """Runs ``wc_chunks_sum64`` over ``(dst_ptr or 0, src_ptr, size_bytes)`` items in one launch and returns each
+    item's ``sum64`` digest (a copy too where ``dst_ptr`` is not 0)."""
     from .cuda_driver import _check, cu
 
-    if not launches:
+    if not items:
         return []
-    for _, ptrs, _ in launches:
-        for ptr in ptrs:
-            if ptr % 8:
-                raise ValueError(f"sum64 kernel: device pointer 0x{ptr:x} is not 8-byte aligned")
-    n = len(launches)
+    for dst, src, _ in items:
+        if dst % 8 or src % 8:
+            raise ValueError(f"sum64 kernel: device pointer 0x{dst if dst % 8 else src:x} is not 8-byte aligned")
+    m = module(device)
+    table, rows = _chunk_table(items)
+    n = len(items)
+    host = (ctypes.c_uint64 * n)()
     with device.current():
-        slots = int(_check("cuMemAlloc", cu.cuMemAlloc(8 * n)))
+        slots = int(_check("cuMemAlloc", cu.cuMemAlloc(8 * n + 40 * max(rows, 1))))
         try:
             _check("cuMemsetD8", cu.cuMemsetD8(slots, 0, 8 * n))
-            for i, (func, ptrs, size) in enumerate(launches):
-                if size:
-                    _launch(func, _blocks(size // 8, 8) if size >= 8 else 1, [*ptrs, size, slots + 8 * i])
-            host = (ctypes.c_uint64 * n)()
+            if rows:
+                chunks = slots + 8 * n
+                _check("cuMemcpyHtoD", cu.cuMemcpyHtoD(chunks, table.ctypes.data, 40 * rows))
+                for start in range(0, rows, _MAX_GRID):  # gridDim.x's limit is far above any slab's chunk count
+                    _launch(m.chunks_sum64, min(_MAX_GRID, rows - start), [chunks + 40 * start, slots],
+                            threads=_CHUNK_THREADS)
             _check("cuMemcpyDtoH", cu.cuMemcpyDtoH(ctypes.addressof(host), slots, 8 * n))
         finally:
             cu.cuMemFree(slots)
-    return [f"sum64:{(int(host[i]) ^ size) & 0xFFFFFFFFFFFFFFFF:016x}" for i, (_, _, size) in enumerate(launches)]
+    return [f"sum64:{(int(host[i]) ^ size) & 0xFFFFFFFFFFFFFFFF:016x}" for i, (_, _, size) in enumerate(items)]
+
+
+_CHUNK_THREADS = 512
+_MAX_GRID = (1 << 31) - 1
 
 
 def lut8(device: Any, ranges: list[tuple[int, int]], table: bytes, stream: Any = 0) -> None:
