@@ -101,16 +101,13 @@ def _same(got: dict, want: dict) -> None:
         assert torch.equal(g.cpu(), w.cpu()), f"bytes of {name} differ"
 
 
-@pytest.mark.parametrize("cuda_path,via", [("auto", "ipc"), ("auto-many", "staging"), ("auto-no-room", "ipc"),
-                                           ("ipc", "ipc"), ("staging", "staging")])
+@pytest.mark.parametrize("cuda_path,via", [("auto", "staging"), ("auto-no-room", "ipc"), ("ipc", "ipc"),
+                                           ("staging", "staging")])
 def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path, monkeypatch, cuda_path, via):
-    from weightcache.client import _publish
-
     if cuda_path == "auto-no-room":  # the GPU cannot hold a staging copy beside the service's: auto takes IPC
+        from weightcache.client import _publish
+
         monkeypatch.setattr(_publish, "STAGING_MARGIN_BYTES", 1 << 50)
-        cuda_path = "auto"
-    elif cuda_path == "auto-many":  # more allocations than IPC_MAX_ALLOCATIONS, room to stage: auto stages
-        monkeypatch.setattr(_publish, "IPC_MAX_ALLOCATIONS", 0)
         cuda_path = "auto"
     ck = _ckpt(tmp_path / "ck")
     svc = ServiceProcess(tmp_path / "svc", make_config({"m": ck}, backend="cuda"), gpu=0, backend="cuda").start()
@@ -123,8 +120,8 @@ def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path
         got = publish(str(ck), _key(), tensors, attrs={"qk_proj.weight": {"output_dim": 0}}, device="cuda:0",
                       socket_dir=svc.socket_dir, cuda_path=cuda_path)
         assert got.created and got.label.startswith("m/tp1/rank0+pub:")
-        # the default copies from the publisher's own allocations by CUDA IPC when they are few (here: 8 tensors)
-        # or the GPU has no room to stage, else stages a copy; either way the digests are made by the service's copy
+        # the default stages a copy where the GPU has room, else copies from the publisher's own allocations by
+        # CUDA IPC; either way the digests are made by the service's copy
         assert f"via={via} fused_digests=True" in svc.log(), svc.log()[-3000:]
         assert got.size_bytes % (2 << 20) == 0  # the service's own VMM allocation
         # the publisher's staging allocation is gone: only the service's copy is new on the GPU
@@ -150,35 +147,55 @@ def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path
         svc.stop()
 
 
-def test_a_colocated_model_is_published_by_ipc_from_a_few_allocations(tmp_path):
-    """What vLLM's publishing load does: the built model's storages moved by ``colocate`` (one allocation per
-    GiB instead of one per weight), then ``publish(cuda_path="auto")`` takes IPC and the bytes are equal."""
+@pytest.mark.parametrize("replaced", [False, True])
+def test_a_model_moved_into_its_home_is_published_by_the_services_copy_alone(tmp_path, caplog, replaced):
+    """What vLLM's publishing load does on a GPU: the built model moved into a VMM allocation of its own laid out
+    as the slab (``allocate_home``, ``move_storages``), the checkpoint read into it, then ``publish(home=...)``:
+    the allocation goes to the service as it is (no staging copy), bytes equal, digests verified. A tensor the
+    processing replaced sends it back to the staging copy, with the same bytes."""
+    import logging
+
     from torch import nn
 
-    from weightcache.client._device import local_backend
-    from weightcache.integrations.params import colocate
+    from weightcache.client import allocate_home
+    from weightcache.integrations.params import move_storages
 
     ck = _ckpt(tmp_path / "ck")
     svc = ServiceProcess(tmp_path / "svc", make_config({"m": ck}, backend="cuda"), gpu=0, backend="cuda").start()
     try:
         svc.wait_settled()
+        model = nn.ParameterDict({f"w{i}": nn.Parameter(torch.empty(3 << 20, device="cuda:0"), requires_grad=False)
+                                  for i in range(24)})  # 12 MiB each: one cudaMalloc each
+        model.register_buffer("rope", torch.arange(4096, dtype=torch.float32, device="cuda:0"))
+        home, copies = allocate_home({**{k: p for k, p in model.items()}, "rope": model.rope}, device="cuda:0")
+        assert move_storages(model, home.tensor, copies) == 25
         g = torch.Generator(device="cuda").manual_seed(5)
-        model = nn.ParameterDict({f"w{i}": nn.Parameter(torch.randn(3 << 20, device="cuda:0", generator=g),
-                                                        requires_grad=False) for i in range(40)})  # 12 MiB each
-        backend = local_backend("cuda:0")
-        assert backend.allocation_count([p.data_ptr() for p in model.values()]) == 40  # one cudaMalloc each
-        want = {k: p.detach().clone() for k, p in model.items()}
-        assert colocate(model, "cuda:0") == 1  # 480 MiB: one group
-        assert backend.allocation_count([p.data_ptr() for p in model.values()]) == 1
-        tensors = {k: p.detach() for k, p in model.items()}
-        _same(tensors, want)
-        got = publish(str(ck), _key(), tensors, device="cuda:0", socket_dir=svc.socket_dir)
+        for p in model.values():  # the checkpoint read into the moved model
+            p.data.normal_(generator=g)
+        if replaced:
+            model["w3"].data = model["w3"].data * 2  # a tensor the processing made anew
+        tensors = {**{k: p.detach() for k, p in model.items()}, "rope": model.rope}
+        assert all(t.untyped_storage().data_ptr() == home.ptr for k, t in tensors.items() if k != "w3" or not replaced)
+        want = {k: v.clone() for k, v in tensors.items()}
+        with caplog.at_level(logging.INFO, logger="weightcache"):
+            got = publish(str(ck), _key(), tensors, device="cuda:0", socket_dir=svc.socket_dir, home=home)
         assert got.created
-        assert "via=ipc fused_digests=True" in svc.log(), svc.log()[-3000:]
+        assert ("publish in place" in caplog.text) is not replaced, caplog.text
+        assert "via=staging fused_digests=True" in svc.log(), svc.log()[-3000:]
+        for t in tensors.values():  # the publisher's own memory changes: the service's copy does not
+            t.zero_()
+        torch.cuda.synchronize()
         r = subprocess.run([sys.executable, "-m", "weightcache", "verify", "--socket-dir", svc.socket_dir,
                             "--gpu", "0", "m"], capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=str(ROOT / "service")), timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
+        from weightcache.client import attach_published
+
+        w = attach_published(str(ck), _key(), device="cuda:0", socket_dir=svc.socket_dir)
+        try:
+            _same(dict(w.tensors), want)
+        finally:
+            w.close()
     finally:
         svc.stop()
 

@@ -23,9 +23,9 @@ from ._attachment import Attachment
 from ._device import device_info, local_backend, physical_gpu
 from ._fallback import load_from_disk
 from ._imports import wait as wait_for_imports
-from ._publish import Published, attach_published, publish
+from ._publish import Published, allocate_home, attach_published, pack, publish
 from ._request import MAX_TIMEOUT_S, AttachOptions, AttachRequest, Retry, load_request
 
 __all__ = ["Attachment", "AttachOptions", "AttachRequest", "MAX_TIMEOUT_S", "Published", "RUNTIME_HINT", "Retry",
-           "attach", "attach_published", "device_info", "load_from_disk", "load_request", "local_backend",
-           "physical_gpu", "publish", "read_manifest_file", "wait_for_imports"]
+           "allocate_home", "attach", "attach_published", "device_info", "load_from_disk", "load_request",
+           "local_backend", "pack", "physical_gpu", "publish", "read_manifest_file", "wait_for_imports"]

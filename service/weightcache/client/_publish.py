@@ -71,13 +71,6 @@ def _wire_model(model: str) -> str:
     return os.path.realpath(model) if os.path.isdir(model) else model
 
 
-def _extent_bytes(t: Any) -> int:
-    """Bytes from a tensor's first element to one past its last, as its shape and strides reach (0 when empty)."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
 def pack(tensors: Mapping[str, Any], attrs: Mapping[str, dict] | None = None) -> tuple[list[TensorRecord], int,
                                                                                           list[tuple[Any, int, int, int]]]:
     """Plans a slab for ``tensors``: the manifest records, the slab's size, and the copies to make.
@@ -108,35 +101,41 @@ def pack(tensors: Mapping[str, Any], attrs: Mapping[str, dict] | None = None) ->
     records: list[TensorRecord] = []
     copies: list[tuple[Any, int, int, int]] = []
     views: dict[tuple, str] = {}
-    groups: dict[tuple, list[tuple[str, Any, int]]] = {}
-    order: list[tuple[str, Any]] = []
+    # name -> (tensor, dtype code, shape, stride, byte offset in its storage, extent in bytes): each asked of torch
+    # once (1,200 CUDA tensors: each torch call costs microseconds, and this runs inside the publication's time)
+    info: dict[str, tuple[Any, str, tuple, tuple, int, int]] = {}
+    groups: dict[tuple, list[str]] = {}
+    order: list[tuple[str, str | None]] = []
     for name, t in tensors.items():
-        if t.dtype not in codes or t.device.type == "meta":
-            raise PublicationInvalid(f"publish: tensor {name!r} is {t.dtype} on {t.device}, which has no safetensors "
+        dtype, device = t.dtype, t.device
+        if dtype not in codes or device.type == "meta":
+            raise PublicationInvalid(f"publish: tensor {name!r} is {dtype} on {device}, which has no safetensors "
                                      f"dtype code or no bytes", reason="tensor", tensor=name[:200])
         st = t.untyped_storage()
-        sid = (st.data_ptr(), str(t.device))
-        view = (sid, t.storage_offset(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        shape, stride, soff = tuple(t.shape), tuple(t.stride()), t.storage_offset()
+        sid = (st.data_ptr(), device)
+        view = (sid, soff, dtype, shape, stride)
         if view in views:
             order.append((name, views[view]))
             continue
         views[view] = name
         order.append((name, None))
-        groups.setdefault(sid if t.storage_offset() * t.element_size() % 256 == 0 else (name,), []).append(
-            (name, t, t.storage_offset() * t.element_size()))
-    placed: dict[str, tuple[int, int]] = {}
+        es = t.element_size()
+        extent = 0 if 0 in shape else (1 + sum((d - 1) * s for d, s in zip(shape, stride))) * es
+        info[name] = (st, codes[dtype], shape, stride, soff * es, extent)
+        groups.setdefault(sid if soff * es % 256 == 0 else (name,), []).append(name)
+    placed: dict[str, int] = {}
     pos = 0
     for members in groups.values():
-        lo = min(off for _, _, off in members) // 256 * 256
-        hi = max(off + _extent_bytes(t) for _, t, off in members)
-        storage = members[0][1].untyped_storage()
-        if len(members) == 1 and members[0][2] % 256:  # a view at an unaligned offset: its own copy
-            lo = members[0][2]
+        lo = min(info[m][4] for m in members) // 256 * 256
+        hi = max(info[m][4] + info[m][5] for m in members)
+        if len(members) == 1 and info[members[0]][4] % 256:  # a view at an unaligned offset: its own copy
+            lo = info[members[0]][4]
         base = align(pos)
         if hi > lo:
-            copies.append((storage, lo, base, hi - lo))
-        for name, t, off in members:
-            placed[name] = (base + off - lo, _extent_bytes(t))
+            copies.append((info[members[0]][0], lo, base, hi - lo))
+        for m in members:
+            placed[m] = base + info[m][4] - lo
         pos = base + max(hi - lo, 0)
     by_name: dict[str, TensorRecord] = {}
     for name, target in order:
@@ -145,10 +144,9 @@ def pack(tensors: Mapping[str, Any], attrs: Mapping[str, dict] | None = None) ->
             rec = TensorRecord(name, r.dtype, r.shape, r.stride, r.offset_bytes, r.size_bytes, layout=r.layout,
                                alias_of=target)
         else:
-            t = tensors[name]
-            off, size = placed[name]
+            _, code, shape, stride, _, extent = info[name]
             layout = {"attrs": dict(attrs[name])} if attrs and name in attrs else {}
-            rec = TensorRecord(name, codes[t.dtype], tuple(t.shape), tuple(t.stride()), off, size, layout=layout)
+            rec = TensorRecord(name, code, shape, stride, placed[name], extent, layout=layout)
         by_name[name] = rec
         records.append(rec)
     return records, max(align(pos), 256), copies
@@ -158,9 +156,14 @@ def _copy_into(dst: Any, copies: list[tuple[Any, int, int, int]]) -> None:
     """Makes the planned ``copies`` into ``dst`` (a 1-D ``uint8`` tensor over the slab, host or CUDA)."""
     import torch
 
+    dsts, srcs = [], []
     for storage, src_off, dst_off, n in copies:
         src = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        dst[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
+        dsts.append(dst[dst_off:dst_off + n])
+        srcs.append(src[src_off:src_off + n])
+    if dsts:
+        # one multi-tensor copy: 1,200 copy_ calls cost about 10 ms of launches on a GPU publication
+        torch._foreach_copy_(dsts, srcs)
 
 
 def _fill_cuda(copies: list[tuple[Any, int, int, int]], size_bytes: int, device: str) -> Any:
@@ -196,6 +199,36 @@ def _fill(copies: list[tuple[Any, int, int, int]], size_bytes: int) -> int:
     return fd
 
 
+def _in_place(copies: list[tuple[Any, int, int, int]], slab_bytes: int, home: Any) -> bool:
+    """Whether every planned copy's bytes already sit at their slab offset in ``home`` (a ``CudaWritableSlab``
+    of the slab's size, rounded up to the VMM granularity of 2 MiB), so that ``home`` can go to the service as
+    the staging allocation."""
+    if not 0 <= home.size_bytes - slab_bytes < (2 << 20):
+        return False
+    return all(st.data_ptr() + src == home.ptr + dst for st, src, dst, _ in copies)
+
+
+def allocate_home(tensors: Mapping[str, Any], attrs: Mapping[str, dict] | None = None, *, device: str,
+                  margin_bytes: int = 1 << 30) -> tuple[Any, list[tuple[Any, int, int, int]]] | None:
+    """A VMM allocation on ``device`` (``cuda:N``) laid out as the slab :func:`publish` would plan for
+    ``tensors`` now, and that plan's copies; None when the GPU has no room for it beside the tensors (plus
+    ``margin_bytes``). An engine moves its freshly built model there
+    (:func:`weightcache.integrations.params.move_storages`) before reading its checkpoint into it, and passes the
+    allocation as ``publish(home=...)``: the publication is then the service's copy alone.
+
+    Returns:
+        `tuple | None`: (the ``CudaWritableSlab``; ``(storage, src_byte_offset, dst_byte_offset, size_bytes)``
+        per storage).
+    """
+    import torch
+
+    _, slab_bytes, copies = pack(tensors, attrs)
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    if free < slab_bytes + margin_bytes:
+        return None
+    return local_backend(device).allocate_publication(slab_bytes), copies
+
+
 #: Bytes kept free beside a staging allocation and the service's copy before ``cuda_path="auto"`` stages.
 STAGING_MARGIN_BYTES = 1 << 30
 
@@ -208,25 +241,6 @@ def _room_to_stage(slab_bytes: int, device: str) -> bool:
 
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     return free >= 2 * slab_bytes + STAGING_MARGIN_BYTES
-
-
-#: At most this many allocations, ``cuda_path="auto"`` publishes by CUDA IPC even when the GPU has room to stage.
-IPC_MAX_ALLOCATIONS = 64
-
-
-def _prefer_ipc(copies: list[tuple[Any, int, int, int]], slab_bytes: int, device: str) -> bool:
-    """``cuda_path="auto"``'s choice: CUDA IPC when the tensors lie in at most :data:`IPC_MAX_ALLOCATIONS`
-    allocations (one copy, a few handles for the service to open: what
-    :func:`weightcache.integrations.params.colocate` makes of an engine's model) or the GPU has no room to stage;
-    else the staging copy (1,200 allocations cost the service more to open than a second copy)."""
-    if not _room_to_stage(slab_bytes, device):
-        return True
-    try:
-        n = local_backend(device).allocation_count([st.data_ptr() + off for st, off, _, _ in copies])
-    except Exception as e:  # noqa: BLE001 - CudaDriverError: an address the driver does not know; staging copies it
-        log.debug("publish: allocations not counted (%s); staging", e)
-        return False
-    return n <= IPC_MAX_ALLOCATIONS
 
 
 def _ipc_request(copies: list[tuple[Any, int, int, int]], slab_bytes: int, device: str,
@@ -290,7 +304,7 @@ def _send(sock_path: str, timeout: float, model: str, tp_size: int, tp_rank: int
 
 def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], tp_size: int = 1, tp_rank: int = 0,
             *, attrs: Mapping[str, dict] | None = None, device: str = "cpu", socket_dir: str | None = None,
-            gpu: int | None = None, timeout: float = 60.0, cuda_path: str = "auto") -> Published:
+            gpu: int | None = None, timeout: float = 60.0, cuda_path: str = "auto", home: Any = None) -> Published:
     """Hands the service of ``device``'s GPU the tensors this engine processed for one rank of ``model``.
 
     Args:
@@ -317,10 +331,14 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
             copies straight from them: one copy, room for the service's copy only, but each allocation costs the
             service about 0.1 ms to open, so 1,200 allocations take longer than a second copy of 15 GB; the
             tensors must stay alive and unchanged until this returns, which they do since this call waits);
-            ``"auto"``: IPC when the tensors lie in at most :data:`IPC_MAX_ALLOCATIONS` allocations (a model
-            :func:`weightcache.integrations.params.colocate` moved; vLLM's publishing load does) or the GPU has
-            no room to stage, else staging; staging again when IPC cannot export an allocation (torch's
-            ``expandable_segments``) or the service refuses.
+            ``"auto"``: staging when the GPU has room for it (:func:`_room_to_stage`), else IPC, and staging
+            again when IPC cannot export an allocation (torch's ``expandable_segments``) or the service refuses.
+        home (`CudaWritableSlab`, *optional*): on ``cuda:N`` with ``cuda_path`` ``"auto"`` or ``"staging"``, the
+            publisher's own VMM allocation its tensors were moved into before its checkpoint was read
+            (:func:`allocate_home`, :func:`weightcache.integrations.params.move_storages`). When every planned
+            copy finds its bytes already at their place there (the tensors' layout is what it was when moved),
+            its fd goes to the service as the staging allocation: one copy (the service's) in all. Otherwise the
+            paths above.
 
     Returns:
         `Published`.
@@ -353,8 +371,8 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
     data = pack_file(manifest)
     request = functools.partial(_send, sock_path, timeout, model, tp_size, tp_rank, key_fields, data)
     reply = None
-    if device.startswith("cuda") and (cuda_path == "ipc" or cuda_path == "auto" and _prefer_ipc(copies, slab_bytes,
-                                                                                               device)):
+    if device.startswith("cuda") and (cuda_path == "ipc" or cuda_path == "auto" and not _room_to_stage(slab_bytes,
+                                                                                                     device)):
         ipc = _ipc_request(copies, slab_bytes, device, cuda_path == "ipc")
         if ipc is not None:
             try:
@@ -363,6 +381,18 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
                 if cuda_path != "auto" or e.details.get("reason") not in ("ipc", "backend"):
                     raise
                 log.info("publish by CUDA IPC refused (%s); staging a copy instead", e)
+    if reply is None and home is not None and device.startswith("cuda") and cuda_path != "ipc":
+        if _in_place(copies, slab_bytes, home):
+            fd = home.export_fd()
+            try:
+                reply = request((home.size_bytes, [fd], {}))
+            finally:
+                os.close(fd)
+            log.info("publish in place checkpoint=%s size_bytes=%d (the tensors were already at their slab offsets "
+                     "in the publisher's own allocation)", model, home.size_bytes)
+        else:
+            log.info("publish checkpoint=%s: the tensors moved since they were placed in their home allocation; "
+                     "staging a copy", model)
     if reply is None:
         if device.startswith("cuda"):  # the service copies it into its own allocation and seals that
             staged = _fill_cuda(copies, slab_bytes, device)

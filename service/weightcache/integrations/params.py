@@ -196,92 +196,60 @@ def private_names(root: nn.Module, shared_ids: frozenset[int] | set[int], *, buf
     return [n for n, t in found if id(t) not in shared_ids]
 
 
-#: Bytes of one allocation :func:`colocate` fills (a tensor larger than this gets one of its own).
-COLOCATE_GROUP_BYTES = 1 << 30
-#: Free bytes :func:`colocate` leaves on the device beside the allocation it makes.
-COLOCATE_MARGIN_BYTES = 1 << 30
+def move_storages(root: nn.Module, dest: torch.Tensor, copies: list[tuple[torch.UntypedStorage, int, int, int]]
+                  ) -> int:
+    """Copies byte ranges of storages into ``dest`` and points every parameter and buffer of ``root`` on those
+    storages at ``dest`` instead, keeping each value, dtype, shape, stride, view and tie, and each ``Parameter``
+    object with its attributes (only its ``.data`` changes).
 
-
-def colocate(root: nn.Module, device: torch.device | str, *, group_bytes: int = COLOCATE_GROUP_BYTES,
-             margin_bytes: int = COLOCATE_MARGIN_BYTES) -> int:
-    """Moves the storage of every parameter and buffer of ``root`` on ``device`` into a few large allocations
-    (each about ``group_bytes``), keeping every value, dtype, shape, stride, view and tie, and each
-    ``Parameter`` object with its attributes (only its ``.data`` changes).
-
-    Why: a publisher whose weights lie in a few allocations hands the service a few CUDA IPC handles, and the
-    service copies straight from them (one copy, each tensor's digest in the same pass); torch's caching
-    allocator gives each weight of more than 10 MB a ``cudaMalloc`` of its own, and the service pays about
-    0.04 ms to open each (1,200 of them: 50 ms, five copies of 15 GB on an H100; benchmarks/RESULTS.md). Run on
-    an engine's freshly built model, before its checkpoint is read into it: the copy here is then of the
-    initial values, outside the publication's time.
-
-    Storages are moved one group at a time and the old ones dropped as each group is filled, so the device
-    needs room for one group beside the model (``group_bytes`` + ``margin_bytes`` free; a larger tensor: its
-    own size). Tensors that share a storage (views, ties) stay views of one new storage. Storage offsets are
-    kept 256-byte aligned.
+    The publisher's side of an in-place publication: ``copies`` is :func:`weightcache.client.pack`'s plan of
+    the model's tensors (``(storage, src_byte_offset, dst_byte_offset, size_bytes)``, one per storage), ``dest``
+    an allocation laid out as that slab, so that a later ``pack`` of the same tensors finds each already at its
+    place and the service can copy the allocation as it is.
 
     Args:
         root (`nn.Module`): the model (changed in place).
-        device (`torch.device | str`): only storages on this device move (``cuda:N``; on ``cpu`` too, for tests).
-        group_bytes (`int`, *optional*): bytes per allocation.
-        margin_bytes (`int`, *optional*): free bytes a CUDA device must keep beside a new allocation.
+        dest (`torch.Tensor`): a 1-D ``uint8`` tensor covering every ``dst_byte_offset + size_bytes``, on the
+            storages' device.
+        copies (`list[tuple]`): as above; a storage's tensors must lie inside its copied range.
 
     Returns:
-        `int`: the number of allocations now holding the moved storages; 0 when nothing moved (nothing on
-        ``device``, or a CUDA device without room for the first group: the model is left as it was).
+        `int`: the number of parameters and buffers now on ``dest``.
+
+    Raises:
+        ValueError: a tensor of a listed storage reaches outside its copied range, or a byte shift that is not a
+            multiple of its element size (nothing is changed then).
     """
-    device = torch.device(device)
-    slots = _slots(root)
-    by_storage: dict[int, list[tuple[_Slot, torch.Tensor]]] = {}
-    nbytes: dict[int, int] = {}
-    for slot in slots.values():
+    where: dict[int, list[tuple[int, int, int]]] = {}  # a storage's copied ranges (unaligned views: one each)
+    for st, lo, dst, n in copies:
+        where.setdefault(st.data_ptr(), []).append((lo, dst, n))
+    dst_storage = dest.untyped_storage()
+    plan: list[tuple[_Slot, torch.Tensor, int]] = []
+    for name, slot in _slots(root).items():
         t = slot.old
-        if t is None or t.device != device or t.is_meta:
+        if t is None or t.is_meta or t.device != dest.device:
             continue
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key == 0:
+        ranges = where.get(t.untyped_storage().data_ptr())
+        if ranges is None:
             continue
-        by_storage.setdefault(key, []).append((slot, t))
-        nbytes[key] = st.nbytes()
-    if not by_storage:
-        return 0
-
-    def pad(n: int) -> int:
-        return -(-n // 256) * 256
-
-    groups: list[list[int]] = [[]]
-    size = 0
-    for key in sorted(by_storage, key=lambda k: nbytes[k], reverse=True):
-        if groups[-1] and size + pad(nbytes[key]) > group_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(key)
-        size += pad(nbytes[key])
-    made = 0
-    for keys in groups:
-        total = sum(pad(nbytes[k]) for k in keys)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            if free < total + margin_bytes and made == 0:
-                return 0
-        home = torch.empty(total, dtype=torch.uint8, device=device)
-        hs = home.untyped_storage()
-        pos = 0
-        for k in keys:
-            entries = by_storage.pop(k)
-            old = entries[0][1].untyped_storage()
-            home[pos:pos + nbytes[k]].copy_(torch.empty(0, dtype=torch.uint8, device=device).set_(old))
-            for slot, t in entries:
-                esize = t.element_size()
-                view = torch.empty(0, dtype=t.dtype, device=device).set_(
-                    hs, pos // esize + t.storage_offset(), t.size(), t.stride())
-                if slot.is_param:
-                    slot.module._parameters[slot.leaf].data = view
-                else:
-                    slot.module._buffers[slot.leaf] = view
-            pos += pad(nbytes[k])
-            del entries, old
-        made += 1
-        del home, hs
-    return made
+        es = t.element_size()
+        start = t.storage_offset() * es
+        extent = 0 if 0 in t.shape else (1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))) * es
+        inside = [r for r in ranges if r[0] <= start and start + extent <= r[0] + r[2] and (r[1] - r[0]) % es == 0]
+        if not inside:
+            raise ValueError(f"move_storages: {name!r} (bytes {start}..{start + extent} of its storage) is outside "
+                             f"every copied range of its storage {[(r[0], r[0] + r[2]) for r in ranges]} or "
+                             f"misaligned for its element size")
+        lo, dst, n = inside[0]
+        plan.append((slot, t, (dst - lo + start) // es))
+    for st, lo, dst, n in copies:
+        if n:
+            src = torch.empty(0, dtype=torch.uint8, device=dest.device).set_(st)
+            dest[dst:dst + n].copy_(src[lo:lo + n])
+    for slot, t, offset in plan:
+        view = torch.empty(0, dtype=t.dtype, device=dest.device).set_(dst_storage, offset, t.size(), t.stride())
+        if slot.is_param:
+            slot.module._parameters[slot.leaf].data = view
+        else:
+            slot.module._buffers[slot.leaf] = view
+    return len(plan)

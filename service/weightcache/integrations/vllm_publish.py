@@ -60,13 +60,13 @@ from vllm.model_executor.model_loader.utils import initialize_model, process_wei
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from ..client import Attachment, attach_published, physical_gpu, publish
+from ..client import Attachment, allocate_home, attach_published, physical_gpu, publish
 from ..errors import ConfigError, WeightcacheError
 from ..hashes import blake2b_hex
 from ..journal import event
 from . import vllm_fallback as fb
 from . import vllm_zero_copy as zc
-from .params import colocate, register_tensors
+from .params import move_storages, register_tensors
 
 log = init_logger("vllm." + __name__)
 
@@ -369,10 +369,13 @@ class WeightcachePublishLoader(DefaultModelLoader):
                          "tp_rank=%d tensors=%d size_bytes=%d duration_ms=%.1f", path, par["tp_size"],
                          par["tp_rank"], len(w.tensors), w.manifest.slab_size_bytes, (time.monotonic() - t0) * 1e3)
                 return model
-        model = self._own_load(vllm_config, model_config, prefix, target, colocated=True)
+        home: list[Any] = []  # the publisher's own allocation its model is moved into (CUDA), if it has room
+        model = self._own_load(vllm_config, model_config, prefix, target, home=home if target.type == "cuda"
+                               else None, device=where["device"])
         tensors, attrs = collect(model)
         try:
-            got = publish(path, key, tensors, par["tp_size"], par["tp_rank"], attrs=attrs, **where)
+            got = publish(path, key, tensors, par["tp_size"], par["tp_rank"], attrs=attrs,
+                          home=home[0] if home else None, **where)
         except (WeightcacheError, OSError, RuntimeError) as e:  # refused, no memfd, a copy failed: keep its own
             fb.uncharge(slot)
             if not self.fallback and isinstance(e, WeightcacheError):
@@ -385,6 +388,8 @@ class WeightcachePublishLoader(DefaultModelLoader):
                  got.label, got.created, par["tp_size"], par["tp_rank"], len(tensors), got.size_bytes)
         if not self._move_onto(model, path, key, where):
             fb.uncharge(slot)  # a held publication charged by the profiler is not mapped after all
+        elif home:
+            _leave_home(model, home.pop())
         return model
 
     def _without_service(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
@@ -399,21 +404,21 @@ class WeightcachePublishLoader(DefaultModelLoader):
         return self._own_load(vllm_config, model_config, prefix, target)
 
     def _own_load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
-                  target: torch.device, colocated: bool = False) -> nn.Module:
+                  target: torch.device, home: list[Any] | None = None, device: str = "") -> nn.Module:
         """vLLM's default load and processing; on the CPU build with plain linear layers (the processed weights
         stay the model's tensors, which is what is published and what a later attach registers).
 
-        ``colocated`` (a load that publishes, on CUDA): the freshly built model's storages are moved into a few
-        large allocations before the checkpoint is read into them (:func:`~weightcache.integrations.params.
-        colocate`), so the publication hands the service a few CUDA IPC handles and is one copy."""
+        ``home`` (a load that publishes, on ``device`` ``cuda:N``): the freshly built model is moved into one
+        VMM allocation of this process laid out as the slab its publication will be
+        (:func:`weightcache.client.allocate_home`, :func:`~weightcache.integrations.params.move_storages`),
+        before the checkpoint is read into it; the allocation is appended to ``home``. The publication is then
+        the service's copy of it, not a second one (none when the GPU lacks room for it: the model stays as
+        built)."""
         with set_default_torch_dtype(model_config.dtype):
             with target:
                 model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            if colocated and target.type == "cuda":
-                t0 = time.monotonic()
-                n = colocate(model, target)
-                log.info("weightcache colocated the model's storages allocations=%d duration_ms=%.1f%s", n,
-                         (time.monotonic() - t0) * 1e3, "" if n else " (no room beside the model: left as built)")
+            if home is not None:
+                _move_home(model, device, home)
             self.load_weights(model, model_config)
             if current_platform.is_cpu():
                 zc.mark_plain_cpu_linear(model)
@@ -478,6 +483,44 @@ class WeightcachePublishLoader(DefaultModelLoader):
             return False
         _keep_lease(model, w)
         return True
+
+
+def _move_home(model: nn.Module, device: str, home: list[Any]) -> None:
+    """Moves a freshly built ``model`` into a publication home on ``device`` (appended to ``home``), if there is
+    room; logs either way. A failure leaves the model as built (the publication then stages a copy)."""
+    t0 = time.monotonic()
+    try:
+        tensors, attrs = collect(model)
+        got = allocate_home(tensors, attrs, device=device)
+        if got is None:
+            log.info("weightcache publication home skipped device=%s reason=no room for a second copy of the model "
+                     "beside it (the publication stages a copy)", device)
+            return
+        w, copies = got
+        n = move_storages(model, w.tensor, copies)
+        torch.cuda.empty_cache()  # the built model's own blocks go back to the driver
+    except Exception as e:  # noqa: BLE001 - an optimisation: the load goes on as vLLM's own
+        log.warning("weightcache publication home skipped device=%s reason=%r", device, e)
+        return
+    home.append(w)
+    log.info("weightcache publication home device=%s tensors=%d size_bytes=%d duration_ms=%.1f", device, n,
+             w.size_bytes, (time.monotonic() - t0) * 1e3)
+
+
+def _leave_home(model: nn.Module, home: Any) -> None:
+    """After the model moved onto the published slab: buffers still in the publication home (those vLLM keeps
+    private, e.g. rotary caches) are copied out, so that the home is freed when the last reference goes."""
+    base = home.ptr
+    left: list[str] = []
+    for mod_name, module in model.named_modules():
+        for leaf, b in list(module._buffers.items()):
+            if b is not None and b.device.type == "cuda" and b.untyped_storage().data_ptr() == base:
+                module._buffers[leaf] = b.clone()
+        for leaf, p in module._parameters.items():
+            if p is not None and p.device.type == "cuda" and p.untyped_storage().data_ptr() == base:
+                left.append(f"{mod_name}.{leaf}" if mod_name else leaf)
+    if left:
+        log.warning("weightcache publication home kept alive by parameters not on the slab: %s", ", ".join(left[:8]))
 
 
 def publishes_after(error: WeightcacheError) -> bool:

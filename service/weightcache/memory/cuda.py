@@ -193,13 +193,6 @@ class CudaBackend:
 
         return cuda_publish.ipc_export(self._device(self.gpu), ptrs)
 
-    def allocation_count(self, ptrs: list[int]) -> int:
-        """How many allocations the device addresses ``ptrs`` lie in
-        (:func:`weightcache.memory.cuda_publish.allocation_count`)."""
-        from . import cuda_publish
-
-        return cuda_publish.allocation_count(self._device(self.gpu), ptrs)
-
     def allocate_publication(self, size_bytes: int) -> CudaWritableSlab:
         """A writable VMM allocation for an engine to fill with what it publishes, ``size_bytes`` rounded up to
         :attr:`granularity`; :meth:`CudaWritableSlab.seal` exports the fd sent with ``publish``."""

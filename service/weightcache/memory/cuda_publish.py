@@ -44,7 +44,7 @@ from .cuda_slabs import CudaSealedSlab, CudaWritableSlab
 
 log = logging.getLogger("weightcache.memory.cuda")
 
-__all__ = ["Adoption", "FillPlan", "IpcSource", "allocation_count", "ipc_export", "plan_fill", "IPC_HANDLE_BYTES",
+__all__ = ["Adoption", "FillPlan", "IpcSource", "ipc_export", "plan_fill", "IPC_HANDLE_BYTES",
            "MAX_IPC_TABLE_BYTES"]
 
 #: Bytes of a ``CUipcMemHandle``.
@@ -97,18 +97,6 @@ class IpcSource:
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
             raise PublicationInvalid(f"publish: the CUDA IPC table does not decode: {e}", reason="ipc") from None
         return cls(tuple(segments), tuple(tuple(c) for c in copies))
-
-
-def allocation_count(device: _Device, ptrs: list[int]) -> int:
-    """How many distinct allocations (``cuMemGetAddressRange`` bases) the device addresses ``ptrs`` lie in: the
-    number of IPC handles the service would open for them (each about 0.04 ms on an H100).
-
-    Raises:
-        CudaDriverError: an address is not device memory of this context.
-    """
-    with device.current():
-        return len({int(_check("cuMemGetAddressRange", cu.cuMemGetAddressRange(p), f"pointer 0x{p:x}")[0])
-                    for p in ptrs})
 
 
 def ipc_export(device: _Device, ptrs: list[int]) -> tuple[list[bytes], list[tuple[int, int]]]:

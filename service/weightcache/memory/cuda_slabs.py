@@ -147,6 +147,21 @@ class CudaWritableSlab:
         """
         return _digests(self._device, self.ptr, self.size_bytes, ranges, self.label)
 
+    def export_fd(self) -> int:
+        """Waits for all queued writes and exports the allocation as a new POSIX fd (close-on-exec; the caller
+        closes it), leaving this slab writable: for a publisher whose own tensors live here, which the service
+        copies into its own slab (``publish(home=...)``), not for an fd engines map.
+
+        Raises:
+            RuntimeError: the slab was sealed or aborted.
+            CudaDriverError: synchronisation (a failed kernel) or export failed.
+        """
+        if self._mapping is None:
+            raise RuntimeError(f"slab {self.label!r} was already sealed or aborted")
+        with self._device.current():
+            _check("cuCtxSynchronize", cu.cuCtxSynchronize(), f"a write into slab {self.label!r} failed")
+        return self._mapping.export_fd()
+
     def seal(self) -> "CudaSealedSlab":
         """Waits for all queued writes, exports the fd, makes the owner's view read-only.
 

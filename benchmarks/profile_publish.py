@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Where a CUDA ``publish()`` spends its time on the publisher's side: cProfile of one ``publish()`` of ``--gb``
+GB in ``--tensors`` bf16 tensors to a real ``weightcache serve --backend cuda`` on GPU 0, for each of ``--paths``
+(``staging``, ``ipc``), after one warm-up publication; prints the top functions by cumulative time and the
+service's own log lines of each publication (its copy and commit durations).
+
+Usage: PYTHONPATH=service python3 benchmarks/profile_publish.py [--gb 15] [--tensors 1200] [--paths staging,ipc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=15.0)
+    ap.add_argument("--tensors", type=int, default=1200)
+    ap.add_argument("--paths", default="staging,ipc")
+    args = ap.parse_args()
+    import torch
+    from checkpoints import write_checkpoint
+    from service_harness import ServiceProcess, make_config
+
+    from weightcache.client import publish
+
+    cap = torch.cuda.get_device_capability(0)
+    rows = int(args.gb * 1e9 / args.tensors) // 2 // 4096
+    work = Path(tempfile.mkdtemp(prefix="wc-prof-publish-"))
+    ck = write_checkpoint(work / "ck", {"w": torch.zeros(4, 4)}, config={"architectures": ["Bench"]})
+    svc = ServiceProcess(work / "svc", make_config({"m": ck}, backend="cuda",
+                                                   memory_budget_bytes=int(args.gb * 1e9 * 2.5) + (1 << 30)),
+                         gpu=0, backend="cuda").start()
+    try:
+        svc.wait_settled()
+        tensors = {f"model.layers.{i}.w": torch.randn(rows, 4096, device="cuda:0").to(torch.bfloat16)
+                   for i in range(args.tensors)}
+        for i, path in enumerate([p for p in args.paths.split(",") for _ in range(2)]):
+            key = {"engine": "bench", "engine_version": str(i), "architecture": "Bench", "dtype": "bfloat16",
+                   "quantization": {"method": "", "config_blake2b": ""},
+                   "parallel": {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0,
+                                "ep_size": 1, "ep_rank": 0},
+                   "draft": "", "kernels": {}, "compute_capability": f"{cap[0]}.{cap[1]}"}
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            got = publish(str(ck), key, tensors, device="cuda:0", socket_dir=svc.socket_dir, timeout=600,
+                          cuda_path=path)
+            prof.disable()
+            dt = time.perf_counter() - t0
+            if i % 2:  # the second of each path: warm
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(28)
+                print(f"== {path}: publish() {dt * 1e3:.1f} ms")
+                print("\n".join(ln for ln in out.getvalue().splitlines() if ln.strip())[:6000])
+            subprocess.run([sys.executable, "-m", "weightcache", "evict", "--socket-dir", svc.socket_dir,
+                            "--gpu", "0", "--force", got.label], capture_output=True, check=False)
+        print("\n".join(ln for ln in svc.log().splitlines() if "publication copied" in ln
+                        or "published model" in ln))
+    finally:
+        svc.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
