@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a CUDA ``publish()`` spends its time on the publisher's side: cProfile of one ``publish()`` of ``--gb``
 GB in ``--tensors`` bf16 tensors to a real ``weightcache serve --backend cuda`` on GPU 0, for each of ``--paths``
-(``staging``, ``ipc``), after one warm-up publication; prints the top functions by cumulative time and the
+(``staging``, ``ipc``, ``home``: the tensors moved into a home allocation first), after one warm-up publication; prints the top functions by cumulative time and the
 service's own log lines of each publication (its copy and commit durations).
 
 Usage: PYTHONPATH=service python3 benchmarks/profile_publish.py [--gb 15] [--tensors 1200] [--paths staging,ipc]
@@ -46,7 +46,20 @@ def main() -> int:
         svc.wait_settled()
         tensors = {f"model.layers.{i}.w": torch.randn(rows, 4096, device="cuda:0").to(torch.bfloat16)
                    for i in range(args.tensors)}
+        home = None
         for i, path in enumerate([p for p in args.paths.split(",") for _ in range(2)]):
+            if path == "home" and home is None:  # the tensors moved into a home allocation, as vLLM's load does
+                from torch import nn
+
+                from weightcache.client import allocate_home
+                from weightcache.integrations.params import move_storages
+                holder = nn.ParameterDict({f"p{j}": nn.Parameter(t, requires_grad=False)
+                                           for j, t in enumerate(tensors.values())})
+                names = dict(zip(holder.keys(), tensors.keys()))
+                home, copies = allocate_home({names[k]: p for k, p in holder.items()}, device="cuda:0")
+                move_storages(holder, home.tensor, copies)
+                tensors = {names[k]: p.detach() for k, p in holder.items()}
+                torch.cuda.empty_cache()
             key = {"engine": "bench", "engine_version": str(i), "architecture": "Bench", "dtype": "bfloat16",
                    "quantization": {"method": "", "config_blake2b": ""},
                    "parallel": {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0,
@@ -57,18 +70,18 @@ def main() -> int:
             t0 = time.perf_counter()
             prof.enable()
             got = publish(str(ck), key, tensors, device="cuda:0", socket_dir=svc.socket_dir, timeout=600,
-                          cuda_path=path)
+                          cuda_path="staging" if path == "home" else path, home=home)
             prof.disable()
             dt = time.perf_counter() - t0
             if i % 2:  # the second of each path: warm
                 out = io.StringIO()
-                pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(28)
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
                 print(f"== {path}: publish() {dt * 1e3:.1f} ms")
                 print("\n".join(ln for ln in out.getvalue().splitlines() if ln.strip())[:6000])
             subprocess.run([sys.executable, "-m", "weightcache", "evict", "--socket-dir", svc.socket_dir,
                             "--gpu", "0", "--force", got.label], capture_output=True, check=False)
-        print("\n".join(ln for ln in svc.log().splitlines() if "publication copied" in ln
-                        or "published model" in ln))
+        print("\n".join(ln[:260] for ln in svc.log().splitlines() if "publication copied" in ln
+                        or "publication prepared" in ln or "published model" in ln))
     finally:
         svc.stop()
     return 0

@@ -271,6 +271,7 @@ def prepare(eff: StartPublish, device: dict[str, Any], backend: str) -> Prepared
     t0 = time.monotonic()
     msg, slot = eff.request, eff.slot
     sealed = eff.sealed
+    marks = [t0]
     try:
         try:
             mf = read_file(eff.manifest_fd, msg.manifest_size_bytes)
@@ -282,19 +283,25 @@ def prepare(eff: StartPublish, device: dict[str, Any], backend: str) -> Prepared
         key = identity.published_key(slot.publication.engine_key, ck, device)  # the files say which checkpoint
         records = list(mf.manifest.tensors)
         stored = [(t.name, t.offset_bytes, t.size_bytes) for t in records if t.alias_of is None]
+        marks.append(time.monotonic())
         digests = None
         if eff.adoption is not None:
             sealed, digests = eff.adoption.run(stored)
         if digests is None:
             digests = digest.slab_digests(sealed, stored)
+        marks.append(time.monotonic())
         tensors = [dataclasses.replace(t, digest=digests[t.alias_of or t.name]) for t in records]
         manifest = Manifest(placement.model.name, msg.tp_size, msg.tp_rank, key, mf.manifest.slab_size_bytes,
                             tensors)
         data = pack_file(manifest, backend=backend, size_bytes=sealed.size_bytes,
                          checkpoint_path=placement.model.path, placement=placement.to_json(),
                          publication=slot.publication.to_json())
-        return Prepared(manifest, SealedFile.create(data, f"weightcache:manifest:{slot.label}"),
-                        time.monotonic() - t0, sealed)
+        out = Prepared(manifest, SealedFile.create(data, f"weightcache:manifest:{slot.label}"),
+                       time.monotonic() - t0, sealed)
+        marks.append(time.monotonic())
+        log.info("publication prepared slab=%s tensors=%d checks_ms=%.1f copy_digest_ms=%.1f manifest_ms=%.1f",
+                 slot.label, len(records), *[(b - a) * 1e3 for a, b in zip(marks, marks[1:])])
+        return out
     except BaseException:
         if eff.adoption is not None:
             eff.adoption.close()

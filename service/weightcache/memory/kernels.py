@@ -368,7 +368,7 @@ def _chunked(device: Any, items: list[tuple[int, int, int]]) -> list[str]:
         if dst % 8 or src % 8:
             raise ValueError(f"sum64 kernel: device pointer 0x{dst if dst % 8 else src:x} is not 8-byte aligned")
     m = module(device)
-    table, rows = _chunk_table(items)
+    table, rows = _chunk_table(items, CHUNK_BYTES)
     n = len(items)
     host = (ctypes.c_uint64 * n)()
     with device.current():
