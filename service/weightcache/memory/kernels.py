@@ -331,7 +331,7 @@ def copy_sum64(device: Any, copies: list[tuple[int, int, int]]) -> list[str]:
 
 
 #: Bytes of one block's share of a range in ``wc_chunks_sum64`` (a multiple of 16).
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 16 << 20
 _CHUNK = ctypes.c_uint64 * 5  # dst, src, word0, nbytes, slot: the kernel's struct Chunk
 
 
@@ -387,7 +387,7 @@ def _chunked(device: Any, items: list[tuple[int, int, int]]) -> list[str]:
     return [f"sum64:{(int(host[i]) ^ size) & 0xFFFFFFFFFFFFFFFF:016x}" for i, (_, _, size) in enumerate(items)]
 
 
-_CHUNK_THREADS = 512
+_CHUNK_THREADS = 1024
 _MAX_GRID = (1 << 31) - 1
 
 
