@@ -364,3 +364,34 @@ def emit(name: str, result: dict[str, Any], markdown: str) -> None:
         Path(d).mkdir(parents=True, exist_ok=True)
         (Path(d) / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
         (Path(d) / f"{name}.md").write_text(markdown + "\n")
+
+
+def bench_engine_key(version: str, cap: tuple[int, int]) -> dict:
+    """A publication's engine key for the publication benchmarks (TP 1; ``version`` makes each publication its
+    own slab; ``cap``: the GPU's compute capability)."""
+    return {"engine": "bench", "engine_version": version, "architecture": "Bench", "dtype": "bfloat16",
+            "quantization": {"method": "", "config_blake2b": ""},
+            "parallel": {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0,
+                         "ep_size": 1, "ep_rank": 0},
+            "draft": "", "kernels": {}, "compute_capability": f"{cap[0]}.{cap[1]}"}
+
+
+def move_into_home(tensors: dict, device: str) -> tuple[Any, dict]:
+    """What vLLM's publishing load does to the model it built (``WeightcachePublishLoader._own_load``): every
+    tensor moved into one VMM allocation of this process laid out as the slab (``allocate_home``,
+    ``move_storages``). Returns (the home, the tensors by name, now views of it); the callers drop their own."""
+    import torch
+    from torch import nn
+
+    from weightcache.client import allocate_home
+    from weightcache.integrations.params import move_storages
+
+    holder = nn.ParameterDict({f"p{i}": nn.Parameter(t, requires_grad=False) for i, t in enumerate(tensors.values())})
+    names = dict(zip(holder.keys(), tensors.keys()))
+    got = allocate_home({names[k]: p for k, p in holder.items()}, device=device)
+    if got is None:
+        raise RuntimeError(f"no room on {device} for the publication home")
+    home, copies = got
+    move_storages(holder, home.tensor, copies)
+    torch.cuda.empty_cache()
+    return home, {names[k]: p.detach() for k, p in holder.items()}

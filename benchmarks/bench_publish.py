@@ -5,10 +5,13 @@ by key in a fresh engine process.
 Measures, on GPU 0 with a real ``weightcache serve --backend cuda``:
 
 - ``publish()`` of ``--gb`` GB of bf16 tensors (``--tensors`` of them, on ``cuda:0``), from the call to the
-  committed slab, by each of ``--paths``: ``ipc`` (the default: the service copies from the publisher's
-  allocations through CUDA IPC handles, each tensor's digest computed by the copy, the manifest) and ``staging``
-  (the publisher first copies into a VMM allocation it exports; the service copies that), against one ``torch``
-  device-to-device copy of the same bytes in the same run (the issue's target: within 2x);
+  committed slab, by each of ``--paths``: ``ipc`` (the service copies from the publisher's allocations through
+  CUDA IPC handles), ``staging`` (the publisher first copies into a VMM allocation it exports; the service
+  copies that) and ``home`` (the tensors first moved into a VMM allocation laid out as the slab, as vLLM's
+  publishing load does before it reads the checkpoint, timed apart; then ``publish(home=...)`` sends it as it
+  is: the service's copy only); each tensor's digest is computed by the service's copy. Against torch's
+  device-to-device copies of the same bytes in the same run, one per tensor and one contiguous (the issue's
+  target: within 2x);
 - the second start: ``attach_published()`` in a fresh process after its imports (target: <= 50 ms for 1,000+
   tensors), and the torch allocations it makes for weights (target: about 0: the slab is the service's).
 
@@ -60,6 +63,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     import torch
+    from bench_common import bench_engine_key, move_into_home
     from checkpoints import write_checkpoint
     from service_harness import ServiceProcess, make_config
 
@@ -83,11 +87,7 @@ def main() -> int:
         nbytes = sum(t.numel() * 2 for t in tensors.values())
         results["bytes"] = nbytes
         def one(rep: int, path: str, tag: str, home=None) -> int:
-            key = {"engine": "bench", "engine_version": f"{rep}.{tag}", "architecture": "Bench", "dtype": "bfloat16",
-                   "quantization": {"method": "", "config_blake2b": ""},
-                   "parallel": {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0,
-                                "ep_size": 1, "ep_rank": 0},
-                   "draft": "", "kernels": {}, "compute_capability": f"{cap[0]}.{cap[1]}"}
+            key = bench_engine_key(f"{rep}.{tag}", cap)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             got = publish(str(ck), key, tensors, device="cuda:0", socket_dir=svc.socket_dir, timeout=600,
@@ -128,24 +128,12 @@ def main() -> int:
                 if one(rep, path, str(i)):
                     return 1
         if "home" in paths:
-            # what vLLM's publishing load does (WeightcachePublishLoader._own_load): the built model moved into a
-            # VMM allocation of its own laid out as the slab, before the checkpoint is read into it
-            from torch import nn
-
-            from weightcache.client import allocate_home
-            from weightcache.integrations.params import move_storages
-            holder = nn.ParameterDict({f"p{i}": nn.Parameter(t, requires_grad=False)
-                                       for i, t in enumerate(tensors.values())})
-            names = dict(zip(holder.keys(), tensors.keys()))
-            del tensors
+            # what vLLM's publishing load does (WeightcachePublishLoader._own_load), timed: the model it built moved
+            # into a VMM allocation of its own laid out as the slab, before the checkpoint is read into it
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            home, copies = allocate_home({names[k]: p for k, p in holder.items()}, device="cuda:0")
-            move_storages(holder, home.tensor, copies)
-            torch.cuda.synchronize()
+            home, tensors = move_into_home(tensors, "cuda:0")
             results["home_s"] = time.perf_counter() - t0
-            torch.cuda.empty_cache()
-            tensors = {names[k]: p.detach() for k, p in holder.items()}
             for rep in range(args.reps):
                 if one(rep, "home", "h", home=home):
                     return 1

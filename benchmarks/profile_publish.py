@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("--paths", default="staging,ipc")
     args = ap.parse_args()
     import torch
+    from bench_common import bench_engine_key, move_into_home
     from checkpoints import write_checkpoint
     from service_harness import ServiceProcess, make_config
 
@@ -49,22 +50,8 @@ def main() -> int:
         home = None
         for i, path in enumerate([p for p in args.paths.split(",") for _ in range(2)]):
             if path == "home" and home is None:  # the tensors moved into a home allocation, as vLLM's load does
-                from torch import nn
-
-                from weightcache.client import allocate_home
-                from weightcache.integrations.params import move_storages
-                holder = nn.ParameterDict({f"p{j}": nn.Parameter(t, requires_grad=False)
-                                           for j, t in enumerate(tensors.values())})
-                names = dict(zip(holder.keys(), tensors.keys()))
-                home, copies = allocate_home({names[k]: p for k, p in holder.items()}, device="cuda:0")
-                move_storages(holder, home.tensor, copies)
-                tensors = {names[k]: p.detach() for k, p in holder.items()}
-                torch.cuda.empty_cache()
-            key = {"engine": "bench", "engine_version": str(i), "architecture": "Bench", "dtype": "bfloat16",
-                   "quantization": {"method": "", "config_blake2b": ""},
-                   "parallel": {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0,
-                                "ep_size": 1, "ep_rank": 0},
-                   "draft": "", "kernels": {}, "compute_capability": f"{cap[0]}.{cap[1]}"}
+                home, tensors = move_into_home(tensors, "cuda:0")
+            key = bench_engine_key(str(i), cap)
             torch.cuda.synchronize()
             prof = cProfile.Profile()
             t0 = time.perf_counter()

@@ -9,14 +9,18 @@ store). From then on nothing the publisher does changes what engines attach.
 
 The publisher's memory reaches the service in one of two ways (:class:`Adoption` takes either):
 
-- **CUDA IPC** (``publish_cuda_ipc``, the default): the publisher sends ``cuIpcGetMemHandle`` handles of the
+- **CUDA IPC** (``publish_cuda_ipc``, when the GPU has no room to stage): the publisher sends ``cuIpcGetMemHandle`` handles of the
   allocations its tensors live in (torch's caching allocator: ``cudaMalloc`` segments) and, per copy, the
   segment, the offset in it, the offset in the slab and the length. The service opens each handle
   (``cuIpcOpenMemHandle``), checks every copy against the segment's size (``cuMemGetAddressRange``), copies, and
   closes the handles. One copy of the weights in all: the publisher makes none.
-- **A staging VMM allocation** (``publish``, when an allocation cannot be exported by IPC: a VMM allocation such
-  as torch's ``expandable_segments`` or vLLM's sleep-mode allocator): the publisher copies its tensors into a VMM
-  allocation it exports (``cuMemExportToShareableHandle``); the service imports it read-only and copies it.
+- **A staging VMM allocation** (``publish``, the client's default where the GPU has room, and when an
+  allocation cannot be exported by IPC: torch's ``expandable_segments``, vLLM's sleep-mode allocator): the
+  publisher copies its tensors into a VMM allocation it exports (``cuMemExportToShareableHandle``); the service
+  imports it read-only and copies it. Opening IPC handles costs the service about 3 ms per GB, importing a VMM
+  fd a fraction of a millisecond (benchmarks/RESULTS.md). When the publisher's tensors already live in such an
+  allocation at their slab offsets (vLLM's publishing load moves the model it built into one,
+  ``client.allocate_home``), that allocation is sent as it is and the service's copy is the only one.
 
 Each tensor's ``sum64`` digest is computed by the copy itself (:func:`weightcache.memory.kernels.copy_sum64`:
 every word read once, written to the service's slab and summed), so the digest is of exactly the bytes that
