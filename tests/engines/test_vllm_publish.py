@@ -336,6 +336,38 @@ def test_collect_keeps_json_attributes_and_slots_leaves_computed_buffers_alone()
     assert sorted(_slots(m, tensors, buffers=False)) == ["tied", "w"]
 
 
+def test_leaving_the_home_copies_out_its_buffers_and_names_parameters_left_there(monkeypatch):
+    """After the engine moved onto the published slab, what is still in its publication home (the allocation the
+    built model was moved into, docs/engines.md): buffers (vLLM's own, e.g. rotary caches) are copied out with
+    their values, so the home can be freed; a parameter still there is named in a warning."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from weightcache.client import pack
+    from weightcache.integrations import vllm_publish
+    from weightcache.integrations.params import move_storages
+    from weightcache.integrations.vllm_publish import _leave_home, collect
+
+    warned: list[str] = []
+    monkeypatch.setattr(vllm_publish.log, "warning", lambda msg, *args, **kw: warned.append(msg % args))
+
+    m = nn.Module()
+    m.w = nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    m.v = nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    m.register_buffer("rope", torch.arange(128.0))
+    tensors, _ = collect(m)
+    _, slab_bytes, copies = pack(tensors)
+    dest = torch.zeros(slab_bytes, dtype=torch.uint8)
+    move_storages(m, dest, copies)
+    m.w.data = m.w.data.clone()  # as if registered onto the published slab
+    _leave_home(m, types.SimpleNamespace(ptr=dest.data_ptr()))
+    assert m.rope.untyped_storage().data_ptr() != dest.data_ptr()
+    assert torch.equal(m.rope, torch.arange(128.0))
+    assert warned == ["weightcache publication home kept alive by parameters not on the slab: v"]
+
+
 def test_publishes_after_only_when_none_is_held_for_this_engine(qwen3, tmp_path):
     """After which ``attach_published`` answers an engine loads and publishes (none held for its key, or another
     key held) and after which it only loads (no service, the model not configured there, refused); and which

@@ -514,10 +514,10 @@ def _leave_home(model: nn.Module, home: Any) -> None:
     left: list[str] = []
     for mod_name, module in model.named_modules():
         for leaf, b in list(module._buffers.items()):
-            if b is not None and b.device.type == "cuda" and b.untyped_storage().data_ptr() == base:
+            if b is not None and not b.is_meta and b.untyped_storage().data_ptr() == base:
                 module._buffers[leaf] = b.clone()
         for leaf, p in module._parameters.items():
-            if p is not None and p.device.type == "cuda" and p.untyped_storage().data_ptr() == base:
+            if p is not None and not p.is_meta and p.untyped_storage().data_ptr() == base:
                 left.append(f"{mod_name}.{leaf}" if mod_name else leaf)
     if left:
         log.warning("weightcache publication home kept alive by parameters not on the slab: %s", ", ".join(left[:8]))
