@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -255,46 +254,6 @@ def _make_room(ctx: Context, peer: Peer, slot: Slot, need_bytes: int) -> list[An
                             peer.uid)
 
 
-class _Copy:
-    """A cuda publication's copy (:meth:`~weightcache.memory.cuda_publish.Adoption.run`) on a thread of its own,
-    so that the checkpoint's identity is worked out while the GPU copies; run inline when no thread can be had."""
-
-    def __init__(self, adoption: Any, stored: list[tuple[str, int, int]]) -> None:
-        self._out: tuple[Any, Any] | None = None
-        self._err: BaseException | None = None
-        self._adoption, self._stored = adoption, stored
-        self._thread: threading.Thread | None = threading.Thread(target=self._run, daemon=True,
-                                                                 name="weightcache-publication-copy")
-        try:
-            self._thread.start()
-        except RuntimeError:
-            self._thread = None
-            self._run()
-
-    def _run(self) -> None:
-        try:
-            self._out = self._adoption.run(self._stored)
-        except BaseException as e:  # noqa: BLE001 - raised again in the worker's thread by result()
-            self._err = e
-
-    def result(self) -> tuple[Any, Any]:
-        """``(sealed slab, digests)`` once the copy is done; raises what the copy raised."""
-        if self._thread is not None:
-            self._thread.join()
-        if self._err is not None:
-            raise self._err
-        assert self._out is not None
-        return self._out
-
-    def discard(self) -> None:
-        """Waits for the copy and closes the slab it made (the publication failed otherwise)."""
-        try:
-            sealed, _ = self.result()
-        except BaseException:  # noqa: BLE001 - the publication already failed for another reason
-            return
-        sealed.close()
-
-
 def prepare(eff: StartPublish, device: dict[str, Any], backend: str) -> Prepared:
     """The worker's part of a publication: the publisher's manifest checked against the slab, on the cuda backend
     the copy into the service's own slab (:meth:`weightcache.memory.cuda_publish.Adoption.run`, digests computed
@@ -320,20 +279,14 @@ def prepare(eff: StartPublish, device: dict[str, Any], backend: str) -> Prepared
             os.close(eff.manifest_fd)
         _check_manifest(mf.manifest, msg.size_bytes)
         placement = slot.placement
+        ck = Checkpoint(placement.model.path, validate=False)
+        key = identity.published_key(slot.publication.engine_key, ck, device)  # the files say which checkpoint
         records = list(mf.manifest.tensors)
         stored = [(t.name, t.offset_bytes, t.size_bytes) for t in records if t.alias_of is None]
-        copy = _Copy(eff.adoption, stored) if eff.adoption is not None else None  # the GPU copies meanwhile
-        try:
-            ck = Checkpoint(placement.model.path, validate=False)
-            key = identity.published_key(slot.publication.engine_key, ck, device)  # the files say which checkpoint
-        except BaseException:
-            if copy is not None:
-                copy.discard()
-            raise
         marks.append(time.monotonic())
         digests = None
-        if copy is not None:
-            sealed, digests = copy.result()
+        if eff.adoption is not None:
+            sealed, digests = eff.adoption.run(stored)
         if digests is None:
             digests = digest.slab_digests(sealed, stored)
         marks.append(time.monotonic())
