@@ -388,3 +388,35 @@ def test_a_checkpoint_gone_while_the_copy_runs_closes_the_copys_slab(svc):
         assert not [s for s in st.slots if s.publication is not None]
     finally:
         adoption.source.close()
+
+
+class _FailingAdoption(_CopyingAdoption):
+    """An adoption whose copy finds no room on the device for the service's slab."""
+
+    def run(self, ranges):
+        from weightcache.errors import OutOfMemory
+
+        raise OutOfMemory("cuMemCreate: no room for the service's copy of 4096 bytes", gpu=0)
+
+
+def test_the_copys_own_error_is_what_the_publication_answers(svc):
+    # the copy runs on a thread of its own: what it raised is raised again by prepare, as it is (out_of_memory,
+    # retryable), not a stand-in error; the adoption is closed and the slot dropped
+    import dataclasses
+
+    from weightcache.errors import OutOfMemory
+
+    ctx, st, _ = svc
+    peer, eff, copying = _start_with_adoption(ctx)
+    failing = _FailingAdoption(copying.source)
+    eff = dataclasses.replace(eff, adoption=failing)
+    try:
+        with pytest.raises(OutOfMemory, match="no room for the service's copy") as e:
+            publish.prepare(eff, ctx.state.device, ctx.state.backend)
+        assert failing.closed and not failing.made
+        out = handlers.finish_publish(ctx, peer, eff, None, e.value)
+        (reply,) = out.replies
+        assert getattr(reply.msg, "code", None) == "out_of_memory", reply.msg
+        assert not [s for s in st.slots if s.publication is not None]
+    finally:
+        copying.source.close()
