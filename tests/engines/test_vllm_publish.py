@@ -368,6 +368,43 @@ def test_leaving_the_home_copies_out_its_buffers_and_names_parameters_left_there
     assert warned == ["weightcache publication home kept alive by parameters not on the slab: v"]
 
 
+def test_leaving_the_home_reaches_buffers_and_parameters_of_submodules(monkeypatch):
+    """vLLM keeps its rotary caches in submodules (``model.layers.0.self_attn.rotary_emb``): leaving the home
+    copies those buffers out with their values too, and names a parameter left there by its full name."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from weightcache.client import pack
+    from weightcache.integrations import vllm_publish
+    from weightcache.integrations.params import move_storages
+    from weightcache.integrations.vllm_publish import _leave_home, collect
+
+    warned: list[str] = []
+    monkeypatch.setattr(vllm_publish.log, "warning", lambda msg, *args, **kw: warned.append(msg % args))
+
+    m = nn.Module()
+    m.layers = nn.ModuleList([nn.Module() for _ in range(2)])
+    for i, layer in enumerate(m.layers):
+        layer.w = nn.Parameter(torch.full((32, 32), float(i)), requires_grad=False)
+        layer.rotary = nn.Module()
+        layer.rotary.register_buffer("cos_sin", torch.arange(64.0) + 100 * i, persistent=False)
+    tensors, _ = collect(m)
+    _, slab_bytes, copies = pack(tensors)
+    dest = torch.zeros(slab_bytes, dtype=torch.uint8)
+    move_storages(m, dest, copies)
+    assert all(b.untyped_storage().data_ptr() == dest.data_ptr() for b in m.buffers())
+    m.layers[0].w.data = m.layers[0].w.data.clone()  # as if registered onto the published slab
+    _leave_home(m, types.SimpleNamespace(ptr=dest.data_ptr()))
+    for i, layer in enumerate(m.layers):
+        assert layer.rotary.cos_sin.untyped_storage().data_ptr() != dest.data_ptr(), i
+        assert torch.equal(layer.rotary.cos_sin, torch.arange(64.0) + 100 * i), i
+    dest.zero_()  # the home's bytes are no longer what the buffers read
+    assert torch.equal(m.layers[1].rotary.cos_sin, torch.arange(64.0) + 100)
+    assert warned == ["weightcache publication home kept alive by parameters not on the slab: layers.1.w"]
+
+
 def test_publishes_after_only_when_none_is_held_for_this_engine(qwen3, tmp_path):
     """After which ``attach_published`` answers an engine loads and publishes (none held for its key, or another
     key held) and after which it only loads (no service, the model not configured there, refused); and which

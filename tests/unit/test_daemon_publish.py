@@ -23,7 +23,7 @@ from weightcache.daemon import access, handlers, publish
 from weightcache.daemon.effects import Context, StoreSlab
 from weightcache.daemon.state import Peer, ServiceState
 from weightcache.manifest import Manifest, TensorRecord, pack_file, read_file
-from weightcache.memory.host import F_GET_SEALS, SLAB_SEALS, HostBackend, sealed_memfd
+from weightcache.memory.host import F_GET_SEALS, SLAB_SEALS, HostBackend, HostSealedSlab, sealed_memfd
 from weightcache.wire import SlotState
 
 #: Neither root nor the service: an ordinary engine's uid.
@@ -307,3 +307,116 @@ def test_the_cuda_ipc_table_is_read_from_its_memfd_at_the_size_the_request_says(
             assert e.value.details["reason"] == "ipc"
     finally:
         os.close(fd)
+
+
+class _CopyingAdoption:
+    """What the cuda backend's Adoption does, on the host: ``run`` copies the publisher's bytes into a slab of
+    the service's own (a new sealed memfd) and returns it with the ``sum64`` digests the copy computed; ``close``
+    closes the publisher's side. Records what happened to it."""
+
+    def __init__(self, source) -> None:
+        self.source, self.size_bytes = source, source.size_bytes
+        self.made: list = []
+        self.closed = False
+
+    def run(self, ranges):
+        data = bytes(self.source.buffer)
+        made = HostSealedSlab(sealed_memfd(data, "test-service-copy"), len(data))
+        self.made.append(made)
+        return made, {name: digest.sum64_buffer(data[off:off + n]) for name, off, n in ranges}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _start_with_adoption(ctx):
+    """A publication's StartPublish as the cuda backend makes it: no sealed slab, an adoption that makes one."""
+    import dataclasses
+
+    fd, _ = _memfd()
+    mfd, n = _manifest_fd()
+    peer = Peer(1, ENGINE, ENGINE)
+    try:
+        out = handlers.handle(ctx, peer, protocol.Publish("m", 1, 0, KEY, 4096, n), (fd, mfd))
+    finally:
+        os.close(mfd)
+        os.close(fd)
+    (eff,) = [e for e in out.effects if isinstance(e, publish.StartPublish)]
+    adoption = _CopyingAdoption(eff.sealed)
+    return peer, dataclasses.replace(eff, sealed=None, adoption=adoption), adoption
+
+
+def test_a_copying_publication_keeps_the_copys_slab_and_its_digests(svc):
+    # the cuda path: prepare runs the adoption's copy (on a thread, while it works out the checkpoint's key) and
+    # the manifest carries the digests the copy computed, of the slab the copy made
+    ctx, st, ck = svc
+    peer, eff, adoption = _start_with_adoption(ctx)
+    try:
+        prepared = publish.prepare(eff, ctx.state.device, ctx.state.backend)
+        (made,) = adoption.made
+        assert prepared.sealed is made and made.fd >= 0
+        buf = BYTES.numpy().tobytes()
+        recs = {t.name: t for t in prepared.manifest.tensors}
+        assert recs["w"].digest == recs["w_t"].digest == digest.sum64_buffer(buf[:64])
+        assert recs["b"].digest == recs["tied"].digest == digest.sum64_buffer(buf[256:272])
+        assert prepared.manifest.key["checkpoint"] == identity.Checkpoint(str(ck), validate=False).identity()
+        out = handlers.finish_publish(ctx, peer, eff, prepared, None)
+        assert out.replies[0].msg.created
+        (slot,) = [s for s in st.slots if s.publication is not None]
+        assert slot.sealed is made and slot.manifest.tensors == prepared.manifest.tensors
+    finally:
+        adoption.source.close()
+
+
+def test_a_checkpoint_gone_while_the_copy_runs_closes_the_copys_slab(svc):
+    # the checkpoint's key fails while the copy runs: prepare waits for the copy and closes the slab it made (the
+    # slot's StartPublish holds none to close), and the adoption
+    import shutil
+
+    from weightcache.errors import WeightcacheError
+
+    ctx, st, ck = svc
+    peer, eff, adoption = _start_with_adoption(ctx)
+    shutil.rmtree(ck)
+    try:
+        with pytest.raises(WeightcacheError) as e:
+            publish.prepare(eff, ctx.state.device, ctx.state.backend)
+        (made,) = adoption.made
+        assert made.fd == -1 and adoption.closed  # the copy's slab is not leaked
+        out = handlers.finish_publish(ctx, peer, eff, None, e.value)
+        assert type(out.replies[0].msg) is not protocol.PublishReply
+        assert not [s for s in st.slots if s.publication is not None]
+    finally:
+        adoption.source.close()
+
+
+class _FailingAdoption(_CopyingAdoption):
+    """An adoption whose copy finds no room on the device for the service's slab."""
+
+    def run(self, ranges):
+        from weightcache.errors import OutOfMemory
+
+        raise OutOfMemory("cuMemCreate: no room for the service's copy of 4096 bytes", gpu=0)
+
+
+def test_the_copys_own_error_is_what_the_publication_answers(svc):
+    # the copy runs on a thread of its own: what it raised is raised again by prepare, as it is (out_of_memory,
+    # retryable), not a stand-in error; the adoption is closed and the slot dropped
+    import dataclasses
+
+    from weightcache.errors import OutOfMemory
+
+    ctx, st, _ = svc
+    peer, eff, copying = _start_with_adoption(ctx)
+    failing = _FailingAdoption(copying.source)
+    eff = dataclasses.replace(eff, adoption=failing)
+    try:
+        with pytest.raises(OutOfMemory, match="no room for the service's copy") as e:
+            publish.prepare(eff, ctx.state.device, ctx.state.backend)
+        assert failing.closed and not failing.made
+        out = handlers.finish_publish(ctx, peer, eff, None, e.value)
+        (reply,) = out.replies
+        assert getattr(reply.msg, "code", None) == "out_of_memory", reply.msg
+        assert not [s for s in st.slots if s.publication is not None]
+    finally:
+        copying.source.close()

@@ -60,3 +60,14 @@ def test_copy_sum64_refuses_a_null_destination_and_misalignment():
         kernels.copy_sum64(None, [(0, 4096, 8)])
     with pytest.raises(ValueError, match="not 8-byte aligned"):
         kernels.sum64(None, [(4100, 8)])
+
+
+def test_copy_sum64_refuses_a_misaligned_destination_naming_it():
+    import pytest
+
+    # the kernel stores 8-byte words at dst: a destination off an 8-byte boundary is refused before any launch,
+    # and the error names that pointer (the source is aligned)
+    with pytest.raises(ValueError, match="device pointer 0x1004 is not 8-byte aligned"):
+        kernels.copy_sum64(None, [(4100, 8192, 64)])
+    with pytest.raises(ValueError, match="device pointer 0x2002 is not 8-byte aligned"):
+        kernels.copy_sum64(None, [(4096, 8192, 64), (4096 + 64, 8194, 64)])

@@ -88,3 +88,42 @@ def test_move_storages_refuses_a_plan_that_does_not_cover_a_tensor():
     with pytest.raises(ValueError, match="outside every copied range"):
         move_storages(m, dest, short)
     assert {k: t.data_ptr() for k, t in tensors_of(m).items()} == ptrs  # nothing changed
+
+
+def test_a_slab_that_shrank_below_its_home_is_not_in_place():
+    # processing dropped a 4 MiB buffer at the slab's end: every other copy is still at its place in the home, but
+    # the slab is now more than the VMM granularity (2 MiB) smaller than the home, which the service would copy whole: publish stages instead
+    m = Tiny()
+    m.register_buffer("table", torch.arange(1 << 20, dtype=torch.float32))  # 4 MiB, the last storage pack places
+    home, dest = home_for_n(m, 9)
+    kept = {n: t for n, t in tensors_of(m).items() if n != "table"}
+    _, slab_bytes, copies = pack(kept)
+    assert all(st.data_ptr() + src == home.ptr + dst for st, src, dst, _ in copies)  # each still at its place
+    assert home.size_bytes - slab_bytes >= 2 << 20
+    assert not _in_place(copies, slab_bytes, home)
+    _, slab_bytes, copies = pack(tensors_of(m))
+    assert _in_place(copies, slab_bytes, home)  # the slab it was laid out for
+
+
+def home_for_n(m: nn.Module, moved: int) -> tuple[types.SimpleNamespace, torch.Tensor]:
+    _, slab_bytes, copies = pack(tensors_of(m))
+    size = -(-slab_bytes // (2 << 20)) * (2 << 20)
+    dest = torch.zeros(size, dtype=torch.uint8)
+    assert move_storages(m, dest, copies) == moved
+    return types.SimpleNamespace(ptr=dest.data_ptr(), size_bytes=size), dest
+
+
+def test_move_storages_refuses_a_shift_that_is_not_a_multiple_of_the_element_size():
+    # a plan placing a float32 storage 2 bytes past a 4-byte boundary cannot be viewed as float32 there: refused,
+    # nothing changed (not a view at a rounded offset, which would read other bytes)
+    m = Tiny()
+    _, _, copies = pack(tensors_of(m))
+    before = {k: (t.data_ptr(), t.clone()) for k, t in tensors_of(m).items()}
+    i = next(i for i, c in enumerate(copies) if c[0].data_ptr() == m.norm.weight.untyped_storage().data_ptr())
+    st, lo, dst, n = copies[i]
+    shifted = [*copies[:i], (st, lo, dst + 2, n), *copies[i + 1:]]
+    dest = torch.zeros(1 << 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"'norm.weight' .* misaligned for its element size"):
+        move_storages(m, dest, shifted)
+    for k, t in tensors_of(m).items():
+        assert t.data_ptr() == before[k][0] and torch.equal(t, before[k][1]), k
