@@ -368,9 +368,9 @@ def test_a_copying_publication_keeps_the_copys_slab_and_its_digests(svc):
         adoption.source.close()
 
 
-def test_a_checkpoint_gone_while_the_copy_runs_closes_the_copys_slab(svc):
-    # the checkpoint's key fails while the copy runs: prepare waits for the copy and closes the slab it made (the
-    # slot's StartPublish holds none to close), and the adoption
+def test_a_checkpoint_gone_before_the_copy_makes_no_slab_and_closes_the_adoption(svc):
+    # the checkpoint's key fails (the files are gone): prepare makes no copy (the key comes first) and closes the
+    # adoption (the publisher's staging fd); the publisher is answered with the error and no slot is kept
     import shutil
 
     from weightcache.errors import WeightcacheError
@@ -381,8 +381,7 @@ def test_a_checkpoint_gone_while_the_copy_runs_closes_the_copys_slab(svc):
     try:
         with pytest.raises(WeightcacheError) as e:
             publish.prepare(eff, ctx.state.device, ctx.state.backend)
-        (made,) = adoption.made
-        assert made.fd == -1 and adoption.closed  # the copy's slab is not leaked
+        assert adoption.made == [] and adoption.closed  # no slab was made, the staging fd is closed
         out = handlers.finish_publish(ctx, peer, eff, None, e.value)
         assert type(out.replies[0].msg) is not protocol.PublishReply
         assert not [s for s in st.slots if s.publication is not None]
