@@ -147,8 +147,9 @@ def test_a_cuda_publication_is_the_services_own_copy_attached_zero_copy(tmp_path
         svc.stop()
 
 
-@pytest.mark.parametrize("replaced", [False, True])
-def test_a_model_moved_into_its_home_is_published_by_the_services_copy_alone(tmp_path, caplog, replaced):
+@pytest.mark.parametrize("replaced,room", [(False, True), (True, True), (False, False)])
+def test_a_model_moved_into_its_home_is_published_by_the_services_copy_alone(tmp_path, caplog, monkeypatch,
+                                                                              replaced, room):
     """What vLLM's publishing load does on a GPU: the built model moved into a VMM allocation of its own laid out
     as the slab (``allocate_home``, ``move_storages``), the checkpoint read into it, then ``publish(home=...)``:
     the allocation goes to the service as it is (no staging copy), bytes equal, digests verified. A tensor the
@@ -172,6 +173,10 @@ def test_a_model_moved_into_its_home_is_published_by_the_services_copy_alone(tmp
         g = torch.Generator(device="cuda").manual_seed(5)
         for p in model.values():  # the checkpoint read into the moved model
             p.data.normal_(generator=g)
+        if not room:  # no room to stage beside it: the home in place all the same, not CUDA IPC
+            from weightcache.client import _publish
+
+            monkeypatch.setattr(_publish, "STAGING_MARGIN_BYTES", 1 << 50)
         if replaced:
             model["w3"].data = model["w3"].data * 2  # a tensor the processing made anew
         tensors = {**{k: p.detach() for k, p in model.items()}, "rope": model.rope}

@@ -42,7 +42,7 @@ def home_for(m: nn.Module) -> tuple[types.SimpleNamespace, torch.Tensor]:
     size = -(-slab_bytes // (2 << 20)) * (2 << 20)
     dest = torch.full((size,), 0xEE, dtype=torch.uint8)
     assert move_storages(m, dest, copies) == 8  # 5 parameter names (one tied) + 2 buffers + the tie's alias
-    return types.SimpleNamespace(ptr=dest.data_ptr(), size_bytes=size), dest
+    return types.SimpleNamespace(ptr=dest.data_ptr(), size_bytes=size, granularity=2 << 20), dest
 
 
 def test_a_moved_model_keeps_everything_and_is_in_place_for_publish():
@@ -110,7 +110,7 @@ def home_for_n(m: nn.Module, moved: int) -> tuple[types.SimpleNamespace, torch.T
     size = -(-slab_bytes // (2 << 20)) * (2 << 20)
     dest = torch.zeros(size, dtype=torch.uint8)
     assert move_storages(m, dest, copies) == moved
-    return types.SimpleNamespace(ptr=dest.data_ptr(), size_bytes=size), dest
+    return types.SimpleNamespace(ptr=dest.data_ptr(), size_bytes=size, granularity=2 << 20), dest
 
 
 def test_move_storages_refuses_a_shift_that_is_not_a_multiple_of_the_element_size():

@@ -201,9 +201,9 @@ def _fill(copies: list[tuple[Any, int, int, int]], size_bytes: int) -> int:
 
 def _in_place(copies: list[tuple[Any, int, int, int]], slab_bytes: int, home: Any) -> bool:
     """Whether every planned copy's bytes already sit at their slab offset in ``home`` (a ``CudaWritableSlab``
-    of the slab's size, rounded up to the VMM granularity of 2 MiB), so that ``home`` can go to the service as
-    the staging allocation."""
-    if not 0 <= home.size_bytes - slab_bytes < (2 << 20):
+    of the slab's size, rounded up to its granularity), so that ``home`` can go to the service as the staging
+    allocation."""
+    if not 0 <= home.size_bytes - slab_bytes < home.granularity:
         return False
     return all(st.data_ptr() + src == home.ptr + dst for st, src, dst, _ in copies)
 
@@ -328,8 +328,8 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
             ``"staging"``: a copy into a VMM allocation whose fd goes to the service, which copies it (two copies;
             the GPU needs room for the staging allocation and the service's copy beside the tensors);
             ``"ipc"``: CUDA IPC handles of the allocations the tensors live in (``cuIpcGetMemHandle``; the service
-            copies straight from them: one copy, room for the service's copy only, but each allocation costs the
-            service about 0.1 ms to open, so 1,200 allocations take longer than a second copy of 15 GB; the
+            copies straight from them: one copy, room for the service's copy only, but opening them costs the
+            service about 3 ms per GB mapped, longer than a second copy at HBM speed; the
             tensors must stay alive and unchanged until this returns, which they do since this call waits);
             ``"auto"``: staging when the GPU has room for it (:func:`_room_to_stage`), else IPC, and staging
             again when IPC cannot export an allocation (torch's ``expandable_segments``) or the service refuses.
@@ -337,8 +337,8 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
             publisher's own VMM allocation its tensors were moved into before its checkpoint was read
             (:func:`allocate_home`, :func:`weightcache.integrations.params.move_storages`). When every planned
             copy finds its bytes already at their place there (the tensors' layout is what it was when moved),
-            its fd goes to the service as the staging allocation: one copy (the service's) in all. Otherwise the
-            paths above.
+            its fd goes to the service as the staging allocation: one copy (the service's) in all, tried before
+            the paths above (which it needs no room for); otherwise those paths.
 
     Returns:
         `Published`.
@@ -371,17 +371,9 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
     data = pack_file(manifest)
     request = functools.partial(_send, sock_path, timeout, model, tp_size, tp_rank, key_fields, data)
     reply = None
-    if device.startswith("cuda") and (cuda_path == "ipc" or cuda_path == "auto" and not _room_to_stage(slab_bytes,
-                                                                                                     device)):
-        ipc = _ipc_request(copies, slab_bytes, device, cuda_path == "ipc")
-        if ipc is not None:
-            try:
-                reply = request(ipc)
-            except PublicationInvalid as e:  # a service that cannot open the handles: the staging copy
-                if cuda_path != "auto" or e.details.get("reason") not in ("ipc", "backend"):
-                    raise
-                log.info("publish by CUDA IPC refused (%s); staging a copy instead", e)
-    if reply is None and home is not None and device.startswith("cuda") and cuda_path != "ipc":
+    if home is not None and device.startswith("cuda") and cuda_path != "ipc":
+        # first: the home in place costs the service's copy alone, and no room beside it (which the choice of
+        # IPC below is about, and which the home itself takes)
         if _in_place(copies, slab_bytes, home):
             fd = home.export_fd()
             try:
@@ -392,7 +384,17 @@ def publish(model: str, key_fields: dict[str, Any], tensors: Mapping[str, Any], 
                      "in the publisher's own allocation)", model, home.size_bytes)
         else:
             log.info("publish checkpoint=%s: the tensors moved since they were placed in their home allocation; "
-                     "staging a copy", model)
+                     "the paths of cuda_path=%r instead", model, cuda_path)
+    if reply is None and device.startswith("cuda") and (
+            cuda_path == "ipc" or cuda_path == "auto" and not _room_to_stage(slab_bytes, device)):
+        ipc = _ipc_request(copies, slab_bytes, device, cuda_path == "ipc")
+        if ipc is not None:
+            try:
+                reply = request(ipc)
+            except PublicationInvalid as e:  # a service that cannot open the handles: the staging copy
+                if cuda_path != "auto" or e.details.get("reason") not in ("ipc", "backend"):
+                    raise
+                log.info("publish by CUDA IPC refused (%s); staging a copy instead", e)
     if reply is None:
         if device.startswith("cuda"):  # the service copies it into its own allocation and seals that
             staged = _fill_cuda(copies, slab_bytes, device)

@@ -81,6 +81,11 @@ class CudaWritableSlab:
         """The GPU index the slab lives on (NIXL's device id of a ``VRAM`` registration)."""
         return self._device.index
 
+    @property
+    def granularity(self) -> int:
+        """The GPU's VMM allocation granularity in bytes (:attr:`size_bytes` is a multiple of it)."""
+        return self._device.granularity
+
     def current(self):
         """A context manager making the slab's GPU context (the primary one) current on this thread."""
         return self._device.current()
