@@ -9,9 +9,9 @@ store). From then on nothing the publisher does changes what engines attach.
 
 The publisher's memory reaches the service in one of two ways (:class:`Adoption` takes either):
 
-- **CUDA IPC** (``publish_cuda_ipc``, when the GPU has no room to stage): the publisher sends ``cuIpcGetMemHandle`` handles of the
-  allocations its tensors live in (torch's caching allocator: ``cudaMalloc`` segments) and, per copy, the
-  segment, the offset in it, the offset in the slab and the length. The service opens each handle
+- **CUDA IPC** (``publish_cuda_ipc``, when the GPU has no room to stage): the publisher sends
+  ``cuIpcGetMemHandle`` handles of the allocations its tensors live in (torch's caching allocator: ``cudaMalloc``
+  segments) and, per copy, the segment, the offset in it, the offset in the slab and the length. The service opens each handle
   (``cuIpcOpenMemHandle``), checks every copy against the segment's size (``cuMemGetAddressRange``), copies, and
   closes the handles. One copy of the weights in all: the publisher makes none.
 - **A staging VMM allocation** (``publish``, the client's default where the GPU has room, and when an

@@ -378,9 +378,7 @@ def _chunked(device: Any, items: list[tuple[int, int, int]]) -> list[str]:
             if rows:
                 chunks = slots + 8 * n
                 _check("cuMemcpyHtoD", cu.cuMemcpyHtoD(chunks, table.ctypes.data, 40 * rows))
-                for start in range(0, rows, _MAX_GRID):  # gridDim.x's limit is far above any slab's chunk count
-                    _launch(m.chunks_sum64, min(_MAX_GRID, rows - start), [chunks + 40 * start, slots],
-                            threads=_CHUNK_THREADS)
+                _launch(m.chunks_sum64, rows, [chunks, slots], threads=_CHUNK_THREADS)  # a block per chunk
             _check("cuMemcpyDtoH", cu.cuMemcpyDtoH(ctypes.addressof(host), slots, 8 * n))
         finally:
             cu.cuMemFree(slots)
@@ -388,7 +386,6 @@ def _chunked(device: Any, items: list[tuple[int, int, int]]) -> list[str]:
 
 
 _CHUNK_THREADS = 1024
-_MAX_GRID = (1 << 31) - 1
 
 
 def lut8(device: Any, ranges: list[tuple[int, int]], table: bytes, stream: Any = 0) -> None:
