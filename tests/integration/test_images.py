@@ -449,14 +449,25 @@ def test_without_image_dir_or_a_cache_directory_a_service_run_by_hand_keeps_no_i
         svc.kill()
 
 
-def test_evict_to_disk_keeps_the_image_and_the_next_attach_reads_it(tmp_path):
-    ck = llama_checkpoint(tmp_path / "ck", seed=6, files=2)
+def _on_disk_with_its_image(tmp_path, seed: int):
+    """A service whose one model ``m`` (a 2-file Llama) had its image written, then was evicted to disk:
+    ``(svc, ck, images, img)``; the caller kills the service."""
+    ck = llama_checkpoint(tmp_path / "ck", seed=seed, files=2)
     images = tmp_path / "images"
     svc = start_service(tmp_path / "a", _config({"m": {"path": ck}}, images))
     try:
         svc.wait_settled()
         [img] = _wait_image(images, svc=svc)
         svc.request(protocol.Evict("m", to="disk"))
+    except BaseException:
+        svc.kill()
+        raise
+    return svc, ck, images, img
+
+
+def test_evict_to_disk_keeps_the_image_and_the_next_attach_reads_it(tmp_path):
+    svc, ck, images, img = _on_disk_with_its_image(tmp_path, 6)
+    try:
         assert svc.slab("m")["state"] == "on_disk" and img.exists()
         assert _attached_bytes(svc, "m", ck) > 0  # the attach loads it on demand: from the image
         slab = svc.slab("m")
@@ -469,13 +480,8 @@ def test_evict_to_disk_keeps_the_image_and_the_next_attach_reads_it(tmp_path):
 def test_a_slab_made_again_from_the_checkpoint_gets_its_image_written_again(tmp_path):
     # the image removed (an operator clearing the directory) while the slab is on disk: the next attach makes it
     # from the checkpoint, and the same service writes its image again (the first write is no longer pending)
-    ck = llama_checkpoint(tmp_path / "ck", seed=8, files=2)
-    images = tmp_path / "images"
-    svc = start_service(tmp_path / "a", _config({"m": {"path": ck}}, images))
+    svc, ck, images, img = _on_disk_with_its_image(tmp_path, 8)
     try:
-        svc.wait_settled()
-        [img] = _wait_image(images, svc=svc)
-        svc.request(protocol.Evict("m", to="disk"))
         img.unlink()
         assert _attached_bytes(svc, "m", ck) > 0
         assert svc.slab("m")["source"] == "checkpoint", svc.log()
